@@ -1,0 +1,1 @@
+"""kvstash operations: the CLI, benchmarks, local process orchestration and deployment files."""

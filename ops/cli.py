@@ -1,0 +1,74 @@
+"""The `kvstash` command line: one entry point, a subcommand per job.
+
+Each command module exposes `register(subparsers)`; heavy imports (torch,
+transformers) happen inside the command, so `kvstash --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# (module, description) for each top-level command; bench commands live under `bench`.
+COMMANDS = [
+    ("ops.serve_cmd", "serve"),
+    ("ops.demo", "demo"),
+    ("ops.admin", "admin"),
+]
+BENCHES = [
+    "ops.bench.codec",
+    "ops.bench.store",
+]
+
+
+def _register_all(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for module_name, _ in COMMANDS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue
+        module.register(sub)
+    bench = sub.add_parser("bench", help="run a benchmark; prints a table, --json writes rows")
+    bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH")
+    bench_sub.required = True
+    for module_name in BENCHES:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue
+        module.register(bench_sub)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvstash", description="kvstash: a shared KV cache in Redis for stateless LLM pods"
+    )
+    _register_all(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from cachestore.errors import KvstashError  # noqa: PLC0415
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KvstashError as exc:
+        print(f"kvstash: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvstash: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

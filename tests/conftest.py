@@ -1,0 +1,49 @@
+"""Shared fixtures: private redis-server processes on free ports, never 127.0.0.1:6379."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from ops.redisproc import RedisCluster, RedisProcess
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisProcess]:
+    """A fresh, empty redis-server for one test."""
+    server = RedisProcess().start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def shared_redis_server() -> Iterator[RedisProcess]:
+    """One redis-server for a whole run; tests using it must use their own namespace."""
+    server = RedisProcess().start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisCluster]:
+    """A real 3-primary Redis Cluster, shared by the run (tests use their own namespaces)."""
+    cluster = RedisCluster(primaries=3).start()
+    try:
+        yield cluster
+    finally:
+        cluster.cleanup()
+
+
+@pytest.fixture
+def redis_cluster_with_replicas() -> Iterator[RedisCluster]:
+    """A 3-primary cluster with one replica per primary, for failover tests."""
+    cluster = RedisCluster(primaries=3, replicas=1).start()
+    try:
+        yield cluster
+    finally:
+        cluster.cleanup()
