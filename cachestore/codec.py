@@ -1,0 +1,256 @@
+"""The KV block codec: quantize -> pack -> compress -> frame, and back, for untrusted bytes.
+
+    codec = Codec("int4+zstd:3/g64")
+    frame = codec.encode(kv)        # kv: [layers, 2, kv_heads, tokens, head_dim]
+    kv2 = codec.decode(frame)       # any mode's frame: frames describe themselves
+
+Modes and their loss (see DESIGN.md, "Codec"):
+    exact  the tensor's own dtype bits; lossless.
+    fp16   cast to fp16; lossless only for fp16 input (fp32/bf16 lose mantissa or range).
+    int8   symmetric, keys per channel, values per token; error <= half a step per scale.
+    int4   asymmetric per group (keys: group_size tokens per channel; values:
+    int2   group_size channels per token), fp16 scale and zero; error <= half a step.
+    fp8    e4m3 with a per-channel fp16 scale; relative error <= 2**-4.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+import torch
+
+from cachestore.compress import compress, compress_bound, decompress, shuffle, unshuffle
+from cachestore.errors import CodecError, ConfigError
+from cachestore.frame import (
+    COMPRESSORS,
+    FLAG_SHUFFLE,
+    FLOAT_MODES,
+    FORMAT_VERSION,
+    GROUPED_MODES,
+    HEADER_SIZE,
+    MAX_DIM,
+    MAX_GROUP,
+    MAX_TOKENS,
+    MIN_GROUP,
+    MODES,
+    FrameHeader,
+    checksum,
+    pack_header,
+    parse_header,
+)
+from cachestore.quant import Dims, Section, dequantize, layout, quantize
+
+__all__ = ["DEFAULT_MAX_ELEMENTS", "Codec", "CodecSpec", "FrameHeader", "read_header",
+           "verify_frame"]
+
+DEFAULT_MAX_ELEMENTS = 1 << 28  # 512 MiB of fp16 KV; far above any block
+DEFAULT_GROUP = 64  # measured against 32 on SmolLM2 KV: see ops/bench/codec.py --groups
+_ALIGN = 8
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+_SPEC = re.compile(r"(?P<mode>[a-z0-9]+)(?:\+(?P<comp>[a-z0-9]+)(?::(?P<level>-?\d+))?)?"
+                   r"(?:/g(?P<group>\d+))?")
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """What a codec does. Fields a mode ignores are normalised to their defaults, so specs
+    that encode identically compare (and name) identically."""
+
+    mode: str = "int8"  # "exact" | "fp16" | "int8" | "int4" | "int2" | "fp8"
+    compressor: str = "lz4"  # "zstd" | "lz4" | "none"
+    level: int = 3  # zstd level, 1..22
+    group_size: int = DEFAULT_GROUP  # int4/int2 group size
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"unknown codec mode {self.mode!r}; one of {', '.join(MODES)}")
+        if self.compressor not in COMPRESSORS:
+            raise ConfigError(f"unknown compressor {self.compressor!r}; one of "
+                              f"{', '.join(COMPRESSORS)}")
+        if self.compressor == "zstd" and not 1 <= self.level <= 22:
+            raise ConfigError(f"zstd level {self.level} outside 1..22")
+        if self.mode in GROUPED_MODES and not MIN_GROUP <= self.group_size <= MAX_GROUP:
+            raise ConfigError(f"group size {self.group_size} outside {MIN_GROUP}..{MAX_GROUP}")
+        if self.compressor != "zstd":
+            object.__setattr__(self, "level", 3)
+        if self.mode not in GROUPED_MODES:
+            object.__setattr__(self, "group_size", DEFAULT_GROUP)
+
+    @classmethod
+    def parse(cls, text: str) -> CodecSpec:
+        """Parse "MODE[+COMPRESSOR[:LEVEL]][/gGROUP]", e.g. "int8", "int4+zstd:3/g32"."""
+        match = _SPEC.fullmatch(text.strip().lower()) if isinstance(text, str) else None
+        if match is None:
+            raise ConfigError(f"bad codec spec {text!r}; expected MODE[+COMPRESSOR[:LEVEL]][/gN]")
+        mode, comp = match["mode"], match["comp"] or "lz4"
+        if match["level"] is not None and comp != "zstd":
+            raise ConfigError(f"bad codec spec {text!r}: a level applies to zstd only")
+        if match["group"] is not None and mode not in GROUPED_MODES:
+            raise ConfigError(f"bad codec spec {text!r}: a group size applies to int4/int2 only")
+        level = int(match["level"]) if match["level"] is not None else 3
+        group = int(match["group"]) if match["group"] is not None else DEFAULT_GROUP
+        return cls(mode=mode, compressor=comp, level=level, group_size=group)
+
+    def name(self) -> str:
+        """Canonical text of this spec; parse(name()) == self. Part of model fingerprints."""
+        text = f"{self.mode}+{self.compressor}"
+        if self.compressor == "zstd":
+            text += f":{self.level}"
+        if self.mode in GROUPED_MODES:
+            text += f"/g{self.group_size}"
+        return text
+
+    @property
+    def lossless(self) -> bool:
+        """Only `exact` is lossless for every input (`fp16` is, for fp16 input alone)."""
+        return self.mode == "exact"
+
+
+def _offsets(sections: list[Section]) -> tuple[list[int], int]:
+    """Byte offset of each section (aligned to 8) and the raw payload length."""
+    offsets, end = [], 0
+    for dtype, shape in sections:
+        start = -(-end // _ALIGN) * _ALIGN
+        offsets.append(start)
+        end = start + _nbytes(dtype, shape)
+    return offsets, end
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count * dtype.itemsize
+
+
+def _sections(h: FrameHeader) -> list[Section]:
+    group = h.group_size if h.mode in GROUPED_MODES else 0
+    return layout(h.mode, Dims(h.layers, h.kv_heads, h.tokens, h.head_dim), group,
+                  _DTYPES[h.dtype])
+
+
+def _itemsize(mode: str, dtype: torch.dtype) -> int:
+    return dtype.itemsize if mode == "exact" else 2
+
+
+def _as_bytes(frame: bytes | bytearray | memoryview) -> memoryview:
+    if not isinstance(frame, bytes | bytearray | memoryview):
+        raise CodecError(f"a frame is bytes, bytearray or memoryview, not {type(frame).__name__}")
+    view = memoryview(frame)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+def read_header(frame: bytes | bytearray | memoryview, *,
+                max_elements: int = DEFAULT_MAX_ELEMENTS) -> FrameHeader:
+    """Parse and validate the header alone: fields, limits and the declared raw length."""
+    try:
+        header = parse_header(_as_bytes(frame), max_elements=max_elements)
+        _, raw_len = _offsets(_sections(header))
+    except CodecError:
+        raise
+    except Exception as exc:  # a frame must never raise anything but CodecError
+        raise CodecError(f"invalid frame header: {type(exc).__name__}: {exc}") from exc
+    if header.raw_len != raw_len:
+        raise CodecError(f"inconsistent frame: raw length {header.raw_len}, the shape needs "
+                         f"{raw_len}")
+    return header
+
+
+def verify_frame(frame: bytes | bytearray | memoryview, *,
+                 max_elements: int = DEFAULT_MAX_ELEMENTS) -> FrameHeader:
+    """Validate header, lengths and checksum without decompressing or dequantizing."""
+    view = _as_bytes(frame)
+    header = read_header(view, max_elements=max_elements)
+    stored = len(view) - HEADER_SIZE
+    if header.payload_len != stored:
+        what = "truncated" if stored < header.payload_len else "oversized"
+        raise CodecError(f"{what} frame: payload is {stored} bytes, header says "
+                         f"{header.payload_len}")
+    if header.payload_len > compress_bound(header.compressor, header.raw_len):
+        raise CodecError(f"payload of {header.payload_len} bytes exceeds the {header.compressor} "
+                         f"bound for {header.raw_len} raw bytes")
+    if checksum(view[:HEADER_SIZE], view[HEADER_SIZE:]) != header.checksum:
+        raise CodecError("checksum mismatch: the frame is corrupt")
+    return header
+
+
+class Codec:
+    """Encodes KV tensors with one spec; decodes frames of any spec."""
+
+    def __init__(self, spec: CodecSpec | str = CodecSpec()) -> None:
+        self.spec = CodecSpec.parse(spec) if isinstance(spec, str) else spec
+
+    def __repr__(self) -> str:
+        return f"Codec({self.spec.name()!r})"
+
+    def encode(self, kv: torch.Tensor) -> bytes:
+        """kv [layers, 2, kv_heads, tokens, head_dim] (fp32/fp16/bf16, any device) -> frame."""
+        dims, dtype = _check_input(kv)
+        spec = self.spec
+        group = spec.group_size if spec.mode in GROUPED_MODES else 0
+        sections = layout(spec.mode, dims, group, dtype)
+        parts = quantize(spec.mode, kv.detach(), group)
+        offsets, raw_len = _offsets(sections)
+        raw = torch.zeros(raw_len, dtype=torch.uint8)
+        for (sec_dtype, shape), part, start in zip(sections, parts, offsets, strict=True):
+            assert part.dtype == sec_dtype and tuple(part.shape) == shape, (part.shape, shape)
+            raw[start:start + part.numel() * part.element_size()] = (
+                part.contiguous().view(-1).view(torch.uint8))  # copies device -> cpu if needed
+        shuffled = spec.mode in FLOAT_MODES and spec.compressor != "none"
+        if shuffled:
+            raw = shuffle(raw, _itemsize(spec.mode, dtype))
+        payload = compress(memoryview(raw.numpy()), spec.compressor, spec.level)
+        header = FrameHeader(FORMAT_VERSION, spec.mode, spec.compressor, _DTYPE_NAMES[dtype],
+                             FLAG_SHUFFLE if shuffled else 0, group, dims.layers, dims.heads,
+                             dims.tokens, dims.head_dim, raw_len, len(payload), 0)
+        digest = checksum(pack_header(header), payload)
+        return pack_header(replace(header, checksum=digest)) + payload
+
+    def decode(self, frame: bytes | bytearray | memoryview, *,
+               device: torch.device | str | None = None,
+               max_elements: int = DEFAULT_MAX_ELEMENTS) -> torch.Tensor:
+        """A frame of any mode -> kv [layers, 2, kv_heads, tokens, head_dim] in its original
+        dtype on `device` (default cpu). Raises only CodecError."""
+        try:
+            return _decode(_as_bytes(frame), device, max_elements)
+        except CodecError:
+            raise
+        except Exception as exc:  # a frame must never raise anything but CodecError
+            raise CodecError(f"undecodable frame: {type(exc).__name__}: {exc}") from exc
+
+
+def _check_input(kv: torch.Tensor) -> tuple[Dims, torch.dtype]:
+    if not isinstance(kv, torch.Tensor):
+        raise CodecError(f"encode takes a torch.Tensor, not {type(kv).__name__}")
+    if kv.dim() != 5 or kv.shape[1] != 2:
+        raise CodecError(f"KV must be [layers, 2, kv_heads, tokens, head_dim], got "
+                         f"{list(kv.shape)}")
+    if kv.dtype not in _DTYPE_NAMES:
+        raise CodecError(f"KV dtype {kv.dtype} is not float32, float16 or bfloat16")
+    n_layers, _, heads, tokens, dim = kv.shape
+    for name, value, limit in (("layers", n_layers, MAX_DIM), ("kv_heads", heads, MAX_DIM),
+                               ("tokens", tokens, MAX_TOKENS), ("head_dim", dim, MAX_DIM)):
+        if not 1 <= value < limit:
+            raise CodecError(f"KV {name} = {value} outside 1..{limit - 1}")
+    return Dims(n_layers, heads, tokens, dim), kv.dtype
+
+
+def _decode(view: memoryview, device: torch.device | str | None,
+            max_elements: int) -> torch.Tensor:
+    header = verify_frame(view, max_elements=max_elements)
+    raw = decompress(view[HEADER_SIZE:], header.compressor, header.raw_len)
+    buf = torch.frombuffer(raw, dtype=torch.uint8)  # shares raw, which it keeps alive
+    dtype = _DTYPES[header.dtype]
+    if header.shuffled:
+        buf = unshuffle(buf, _itemsize(header.mode, dtype))
+    target = torch.device(device) if device is not None else torch.device("cpu")
+    sections = _sections(header)
+    offsets, _ = _offsets(sections)
+    parts = [buf[start:start + _nbytes(sec_dtype, shape)].view(sec_dtype).view(shape).to(target)
+             for (sec_dtype, shape), start in zip(sections, offsets, strict=True)]
+    dims = Dims(header.layers, header.kv_heads, header.tokens, header.head_dim)
+    return dequantize(header.mode, parts, dims, header.group_size, dtype)

@@ -1,0 +1,144 @@
+"""The kvstash frame header: pack, parse and validate it, and checksum a frame.
+
+A frame is a fixed 52-byte little-endian header followed by the payload:
+
+    offset size field
+         0    4 magic            b"KVS1"
+         4    1 format version   1
+         5    1 mode             MODES code
+         6    1 compressor       COMPRESSORS code
+         7    1 dtype            DTYPES code (the tensor's dtype before encoding)
+         8    1 flags            FLAG_SHUFFLE (bit 0); other bits must be zero
+         9    1 reserved         zero
+        10    2 group size       int4/int2 only, else zero
+        12    4 layers
+        16    4 kv heads
+        20    4 tokens
+        24    4 head dim
+        28    8 raw length       payload bytes after decompression
+        36    8 payload length   payload bytes as stored (== frame length - 52)
+        44    8 checksum         xxh3_64 of header bytes 0..43 followed by the stored payload
+
+The tensor the frame holds is [layers, 2, kv_heads, tokens, head_dim]; index 0 is keys.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from cachestore.errors import CodecError
+
+MAGIC = b"KVS1"
+FORMAT_VERSION = 1
+HEADER = struct.Struct("<4sBBBBBBHIIIIQQQ")
+HEADER_SIZE = HEADER.size  # 52
+_CHECKED = HEADER_SIZE - 8  # the checksum covers the header up to the checksum itself
+
+MODES = {"exact": 1, "fp16": 2, "int8": 3, "int4": 4, "int2": 5, "fp8": 6}
+COMPRESSORS = {"none": 0, "lz4": 1, "zstd": 2}
+DTYPES = {"float32": 1, "float16": 2, "bfloat16": 3}
+GROUPED_MODES = ("int4", "int2")
+FLOAT_MODES = ("exact", "fp16")  # payloads made of 2- or 4-byte floats: byte shuffle may apply
+
+FLAG_SHUFFLE = 1
+_KNOWN_FLAGS = FLAG_SHUFFLE
+
+MIN_GROUP, MAX_GROUP = 4, 1024
+MAX_DIM = 1 << 16  # layers, kv heads and head dim each stay below this
+MAX_TOKENS = 1 << 24
+
+_MODE_NAMES = {v: k for k, v in MODES.items()}
+_COMPRESSOR_NAMES = {v: k for k, v in COMPRESSORS.items()}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    """The decoded, validated header of one frame."""
+
+    version: int
+    mode: str
+    compressor: str
+    dtype: str
+    flags: int
+    group_size: int
+    layers: int
+    kv_heads: int
+    tokens: int
+    head_dim: int
+    raw_len: int
+    payload_len: int
+    checksum: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.layers, 2, self.kv_heads, self.tokens, self.head_dim)
+
+    @property
+    def elements(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.tokens * self.head_dim
+
+    @property
+    def shuffled(self) -> bool:
+        return bool(self.flags & FLAG_SHUFFLE)
+
+    @property
+    def frame_len(self) -> int:
+        return HEADER_SIZE + self.payload_len
+
+
+def pack_header(h: FrameHeader) -> bytes:
+    """The 52 header bytes of `h`; the checksum field is written as given."""
+    return HEADER.pack(
+        MAGIC, h.version, MODES[h.mode], COMPRESSORS[h.compressor], DTYPES[h.dtype], h.flags, 0,
+        h.group_size, h.layers, h.kv_heads, h.tokens, h.head_dim, h.raw_len, h.payload_len,
+        h.checksum,
+    )
+
+
+def checksum(header_bytes: bytes | memoryview, payload: bytes | memoryview) -> int:
+    """xxh3_64 over the header (without its checksum field) and the stored payload."""
+    digest = xxhash.xxh3_64()
+    digest.update(header_bytes[:_CHECKED])
+    digest.update(payload)
+    return digest.intdigest()
+
+
+def parse_header(buf: bytes | memoryview, *, max_elements: int) -> FrameHeader:
+    """Parse and validate the header at the start of `buf` (fields only, not the payload)."""
+    if len(buf) < HEADER_SIZE:
+        raise CodecError(f"truncated frame: {len(buf)} bytes, the header alone needs {HEADER_SIZE}")
+    (magic, version, mode, comp, dtype, flags, reserved, group, layers, heads, tokens, dim,
+     raw_len, payload_len, digest) = HEADER.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise CodecError(f"not a kvstash frame: bad magic {bytes(magic)!r}")
+    if version != FORMAT_VERSION:
+        raise CodecError(f"unsupported frame format version {version} (this reader knows 1)")
+    if mode not in _MODE_NAMES:
+        raise CodecError(f"unknown mode code {mode}")
+    if comp not in _COMPRESSOR_NAMES:
+        raise CodecError(f"unknown compressor code {comp}")
+    if dtype not in _DTYPE_NAMES:
+        raise CodecError(f"unknown dtype code {dtype}")
+    mode_name = _MODE_NAMES[mode]
+    if flags & ~_KNOWN_FLAGS or reserved:
+        raise CodecError(f"unknown flags {flags:#x} or non-zero reserved byte {reserved}")
+    if flags & FLAG_SHUFFLE and mode_name not in FLOAT_MODES:
+        raise CodecError(f"inconsistent frame: byte shuffle flag on mode {mode_name}")
+    if mode_name in GROUPED_MODES:
+        if not MIN_GROUP <= group <= MAX_GROUP:
+            raise CodecError(f"group size {group} outside {MIN_GROUP}..{MAX_GROUP}")
+    elif group:
+        raise CodecError(f"inconsistent frame: group size {group} on mode {mode_name}")
+    for name, value, limit in (("layers", layers, MAX_DIM), ("kv_heads", heads, MAX_DIM),
+                               ("tokens", tokens, MAX_TOKENS), ("head_dim", dim, MAX_DIM)):
+        if not 1 <= value < limit:
+            raise CodecError(f"{name} = {value} outside 1..{limit - 1}")
+    header = FrameHeader(version, mode_name, _COMPRESSOR_NAMES[comp], _DTYPE_NAMES[dtype], flags,
+                         group, layers, heads, tokens, dim, raw_len, payload_len, digest)
+    if header.elements > max_elements:
+        raise CodecError(f"oversized frame: {header.elements} elements > limit {max_elements}")
+    return header
