@@ -1,0 +1,149 @@
+"""StoreSettings: where the block store's Redis lives and the limits it keeps, built from a URL."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from cachestore.errors import ConfigError
+
+_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster", "redis+sentinel", "rediss+sentinel")
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+# URL query options that configure kvstash itself (the rest go to redis-py untouched)
+_BOOL_TRUE = {"1", "true", "yes", "on"}
+
+
+def mask_url(url: str) -> str:
+    """The URL with any password replaced by '***' (safe for reprs and logs)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    netloc = f"{user}:***@{host}{port}"
+    return parts._replace(netloc=netloc).geturl()
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """Configuration of one BlockStore. Times in seconds, sizes in bytes."""
+
+    url: str = field(default="redis://127.0.0.1:6379/0", repr=False)
+    namespace: str = "kvstash"
+    cluster: bool = False
+    sentinel_master: str | None = None
+    block_ttl_s: int = 86400
+    session_ttl_s: int = 86400
+    budget_bytes: int = 1 << 30
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+    budget_enabled: bool = True
+    index_shards: int = 16
+    max_value_bytes: int = 8 << 20
+    op_timeout_s: float = 0.5
+    write_timeout_s: float = 5.0  # background writes and admin calls (put_blocks, eviction, listing)
+    connect_timeout_s: float = 0.5
+    max_connections: int = 32
+    breaker_failures: int = 5
+    breaker_reset_s: float = 5.0
+    local_tier_bytes: int = 0
+    tls_ca_path: str | None = None
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    def __repr__(self) -> str:
+        shown = ", ".join(
+            f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.name != "url"
+        )
+        return f"StoreSettings(url={mask_url(self.url)!r}, {shown})"
+
+    @property
+    def masked_url(self) -> str:
+        return mask_url(self.url)
+
+    @property
+    def scheme(self) -> str:
+        return urlsplit(self.url).scheme
+
+    @property
+    def is_cluster(self) -> bool:
+        return self.cluster or self.scheme.endswith("+cluster")
+
+    @property
+    def is_sentinel(self) -> bool:
+        return self.sentinel_master is not None or self.scheme.endswith("+sentinel")
+
+    @property
+    def shard_budget_bytes(self) -> int:
+        return self.budget_bytes // self.index_shards
+
+    def _validate(self) -> None:
+        scheme = self.scheme
+        if scheme not in _SCHEMES:
+            raise ConfigError(f"unsupported Redis URL scheme {scheme!r}; use one of {', '.join(_SCHEMES)}")
+        if not _NAMESPACE_RE.match(self.namespace):
+            raise ConfigError("namespace must match [A-Za-z0-9._-]{1,64}")
+        positive = ("block_ttl_s", "session_ttl_s", "budget_bytes", "max_value_bytes", "op_timeout_s", "write_timeout_s",
+                    "connect_timeout_s", "max_connections", "breaker_failures", "index_shards")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.breaker_reset_s < 0 or self.local_tier_bytes < 0:
+            raise ConfigError("breaker_reset_s and local_tier_bytes must not be negative")
+        if not 0.0 < self.low_watermark < self.high_watermark <= 1.0:
+            raise ConfigError("watermarks must satisfy 0 < low_watermark < high_watermark <= 1")
+        if self.index_shards > 1024:
+            raise ConfigError("index_shards must be at most 1024")
+        if self.max_value_bytes > self.budget_bytes:
+            raise ConfigError("max_value_bytes must not exceed budget_bytes")
+        if self.is_cluster and self.is_sentinel:
+            raise ConfigError("a store is either a Redis Cluster or behind Sentinel, not both")
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> StoreSettings:
+        """Settings from a URL; kvstash options may come as keyword arguments or URL query args.
+
+        Query args naming a StoreSettings field (e.g. `?namespace=x&budget_bytes=1000`) are
+        taken out of the URL; the others (e.g. `ssl_cert_reqs`) stay for redis-py.
+        """
+        if not isinstance(url, str) or not url:
+            raise ConfigError("a Redis URL is required")
+        parts = urlsplit(url)
+        names = {f.name: f for f in fields(cls)}
+        kept: list[tuple[str, str]] = []
+        from_query: dict[str, Any] = {}
+        for key, value in parse_qsl(parts.query, keep_blank_values=True):
+            if key in names and key != "url":
+                from_query[key] = value
+            else:
+                kept.append((key, value))
+        clean = parts._replace(query="&".join(f"{k}={v}" for k, v in kept)).geturl()
+        merged = {**from_query, **options}
+        unknown = set(merged) - set(names)
+        if unknown:
+            raise ConfigError(f"unknown store option(s): {', '.join(sorted(unknown))}")
+        typed = {k: _cast(k, v, cls) for k, v in merged.items()}
+        return cls(url=clean, **typed)
+
+    def with_options(self, **options: Any) -> StoreSettings:
+        return replace(self, **options)
+
+
+def _cast(name: str, value: Any, cls: type[StoreSettings]) -> Any:
+    default = next(f.default for f in fields(cls) if f.name == name)
+    try:
+        if isinstance(default, bool):
+            return value if isinstance(value, bool) else str(value).lower() in _BOOL_TRUE
+        if isinstance(default, int):
+            return int(value)
+        if isinstance(default, float):
+            return float(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"store option {name}={value!r} is not a valid {type(default).__name__}") from exc
+    if value is not None and not isinstance(value, str):
+        raise ConfigError(f"store option {name} must be a string")
+    return unquote(value) if isinstance(value, str) else value

@@ -1,0 +1,64 @@
+"""Counters of a BlockStore, and the snapshots the service and the admin CLI read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """A snapshot of one store's counters since it was created."""
+
+    lookups: int = 0
+    hits: int = 0  # lookups that found every requested block
+    partial_hits: int = 0  # lookups that found a non-empty strict prefix
+    misses: int = 0  # lookups that found nothing (errors included)
+    blocks_read: int = 0
+    bytes_read: int = 0
+    local_hits: int = 0  # blocks served by the pod-local tier
+    blocks_written: int = 0
+    bytes_written: int = 0
+    dropped_writes: int = 0  # put_blocks/put_session calls dropped on an error or open breaker
+    evictions: int = 0
+    evicted_bytes: int = 0
+    stale_removed: int = 0  # index entries of blocks Redis evicted or expired itself
+    errors: int = 0  # Redis errors and timeouts
+    timeouts: int = 0
+    skipped_open: int = 0  # calls not made because the breaker was open
+    round_trips: int = 0  # pipelines / commands sent
+    bad_records: int = 0  # session records or values that failed validation
+    cas_conflicts: int = 0
+    breaker_state: str = "closed"
+    breaker_opened: int = 0
+
+    def as_dict(self) -> dict[str, int | str]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class Counters:
+    """The mutable counters behind StoreStats (one event loop, so no locking)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, int] = {
+            f.name: 0 for f in fields(StoreStats) if f.type in (int, "int") and f.name != "breaker_opened"
+        }
+
+    def add(self, name: str, n: int = 1) -> None:
+        self.values[name] += n
+
+    def snapshot(self, breaker_state: str, breaker_opened: int) -> StoreStats:
+        return StoreStats(**self.values, breaker_state=breaker_state, breaker_opened=breaker_opened)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Bytes a namespace holds (as accounted) against its budget."""
+
+    bytes_held: int
+    budget_bytes: int
+    blocks: int
+    shards: int
+
+    @property
+    def fraction(self) -> float:
+        return self.bytes_held / self.budget_bytes if self.budget_bytes else 0.0

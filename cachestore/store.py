@@ -1,0 +1,335 @@
+"""BlockStore: blocks by chained prefix hash and session records in Redis, async, never raising on Redis trouble."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
+from typing import Any, TypeVar
+
+from cachestore import budget
+from cachestore.breaker import CircuitBreaker
+from cachestore.errors import StoreError, ValueTooLarge
+from cachestore.hashing import BlockHash
+from cachestore.keys import KeySpace, check_model
+from cachestore.localtier import LocalTier
+from cachestore.redisclient import make_client
+from cachestore.sessions import PUT_SESSION, SessionRecord, from_fields, to_fields
+from cachestore.settings import StoreSettings
+from cachestore.stats import Counters, StoreStats, Usage
+
+T = TypeVar("T")
+
+
+class _Failed:
+    """Marks a guarded call that did not reach Redis or failed there."""
+
+
+FAILED = _Failed()
+
+
+class BlockStore:
+    """The Redis side of kvstash. Reads miss and writes drop on any Redis error; nothing raises.
+
+    Only caller mistakes raise: a frame over max_value_bytes (ValueTooLarge), a malformed
+    tenant / session id / model id (keys.InvalidName), mismatched argument lengths.
+    Admin calls (usage, reconcile, list_sessions, clear_namespace) raise StoreError instead.
+    """
+
+    def __init__(self, settings: StoreSettings) -> None:
+        self.settings = settings
+        self.keys = KeySpace(settings.namespace, settings.index_shards)
+        self._client = make_client(settings)
+        self._breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_reset_s)
+        self._counters = Counters()
+        self._local = LocalTier(settings.local_tier_bytes) if settings.local_tier_bytes else None
+        self._put_lock = asyncio.Lock()
+        self._block_ttl_ms = settings.block_ttl_s * 1000
+        self._index_ttl_ms = 2 * self._block_ttl_ms
+        self._session_ttl_ms = settings.session_ttl_s * 1000
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    @property
+    def client(self) -> Any:
+        """The underlying redis.asyncio client (for admin tools and tests)."""
+        return self._client
+
+    @property
+    def breaker_state(self) -> str:
+        return self._breaker.state
+
+    def stats(self) -> StoreStats:
+        return self._counters.snapshot(self._breaker.state, self._breaker.times_opened)
+
+    async def _guarded(self, call: Callable[[], Awaitable[T]], timeout_s: float) -> T | _Failed:
+        """Run `call` under the breaker and a timeout; any failure is counted, never raised."""
+        if not self._breaker.allow():
+            self._counters.add("skipped_open")
+            return FAILED
+        try:
+            result = await asyncio.wait_for(call(), timeout_s)
+        except asyncio.CancelledError:
+            self._breaker.release()
+            raise
+        except (ValueTooLarge, StoreError):
+            self._breaker.release()
+            raise
+        except Exception as exc:  # noqa: BLE001 - any Redis trouble is a miss or a dropped write
+            self._counters.add("errors")
+            if isinstance(exc, TimeoutError):
+                self._counters.add("timeouts")
+            self._breaker.record_failure()
+            return FAILED
+        self._breaker.record_success()
+        return result
+
+    async def _admin(self, call: Callable[[], Awaitable[T]]) -> T:
+        result = await self._guarded(call, self.settings.write_timeout_s)
+        if isinstance(result, _Failed):
+            raise StoreError(f"Redis at {self.settings.masked_url} is unavailable (breaker {self.breaker_state})")
+        return result
+
+    async def ping(self) -> bool:
+        result = await self._guarded(self._client.ping, self.settings.op_timeout_s)
+        return result is True
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    # -- blocks -----------------------------------------------------------------------------
+
+    async def lookup(self, model: str, hashes: Sequence[BlockHash]) -> list[bytes]:
+        """Frames of the longest present prefix of `hashes`, in one pipelined round trip."""
+        check_model(model)
+        self._counters.add("lookups")
+        keyed = [self.keys.block(model, h) for h in hashes]
+        frames: list[bytes] = []
+        if self._local is not None:
+            for _, key in keyed:
+                frame = self._local.get(key)
+                if frame is None:
+                    break
+                frames.append(frame)
+            self._counters.add("local_hits", len(frames))
+        if len(frames) < len(keyed):
+            remote = await self._guarded(lambda: self._fetch(keyed, len(frames)), self.settings.op_timeout_s)
+            if not isinstance(remote, _Failed):
+                frames.extend(remote)
+        self._count_lookup(len(frames), len(keyed))
+        self._counters.add("blocks_read", len(frames))
+        self._counters.add("bytes_read", sum(len(f) for f in frames))
+        return frames
+
+    async def _fetch(self, keyed: list[tuple[int, str]], start: int) -> list[bytes]:
+        pipe = self._client.pipeline(transaction=False)
+        for _, key in keyed[:start]:
+            pipe.pexpire(key, self._block_ttl_ms)  # held locally: only slide the TTL
+        for _, key in keyed[start:]:
+            pipe.getex(key, px=self._block_ttl_ms)
+        by_shard: dict[int, list[str]] = defaultdict(list)
+        for shard, key in keyed:
+            by_shard[shard].append(key)
+        if self.settings.budget_enabled:
+            for shard, keys in by_shard.items():
+                budget.touch(pipe, self.keys.shard(shard), keys, self._index_ttl_ms)
+        self._counters.add("round_trips")
+        results = await pipe.execute(raise_on_error=False)
+        found: list[bytes] = []
+        for (_, key), value in zip(keyed[start:], results[start:start + len(keyed) - start], strict=True):
+            if not isinstance(value, bytes) or not value:
+                if isinstance(value, Exception):
+                    self._counters.add("errors")
+                break
+            found.append(value)
+            if self._local is not None:
+                self._local.put(key, value)
+        stale = [r for r in results[len(keyed):] if isinstance(r, int)]
+        self._counters.add("stale_removed", sum(1 for s in stale if s > 0))
+        return found
+
+    def _count_lookup(self, found: int, wanted: int) -> None:
+        if found == 0:
+            self._counters.add("misses")
+        elif found < wanted:
+            self._counters.add("partial_hits")
+        else:
+            self._counters.add("hits")
+
+    async def put_blocks(self, model: str, hashes: Sequence[BlockHash], frames: Sequence[bytes]) -> int:
+        """Write blocks (present ones are left as they are); returns how many were written."""
+        check_model(model)
+        if len(hashes) != len(frames):
+            raise StoreError("put_blocks needs one frame per hash")
+        limit = self.settings.max_value_bytes
+        for frame in frames:
+            if len(frame) > limit:
+                raise ValueTooLarge(f"a block frame of {len(frame)} bytes exceeds max_value_bytes={limit}")
+            if not frame:
+                raise StoreError("a block frame cannot be empty")
+        if not frames:
+            return 0
+        keyed = [self.keys.block(model, h) for h in hashes]
+        if self._local is not None:
+            for (_, key), frame in zip(keyed, frames, strict=True):
+                self._local.put(key, bytes(frame))
+        async with self._put_lock:
+            written = await self._guarded(lambda: self._write(keyed, frames), self.settings.write_timeout_s)
+        if isinstance(written, _Failed):
+            self._counters.add("dropped_writes")
+            return 0
+        return written
+
+    async def _write(self, keyed: list[tuple[int, str]], frames: Sequence[bytes]) -> int:
+        items = list(zip(keyed, frames, strict=True))
+        if self.settings.budget_enabled:
+            items = self._fit_budget(items)
+            await self._make_room(sum(len(f) for _, f in items))
+        pipe = self._client.pipeline(transaction=False)
+        by_shard: dict[int, list[str]] = defaultdict(list)
+        for (shard, key), frame in items:
+            pipe.set(key, frame, px=self._block_ttl_ms, nx=True)
+            by_shard[shard].append(key)
+        if self.settings.budget_enabled:
+            for shard, keys in by_shard.items():
+                budget.account(pipe, self.keys.shard(shard), keys, self._index_ttl_ms)
+        self._counters.add("round_trips")
+        results = await pipe.execute(raise_on_error=False)
+        written = 0
+        for ((_, _), frame), ok in zip(items, results, strict=False):
+            if ok is True:
+                written += 1
+                self._counters.add("bytes_written", len(frame))
+            elif isinstance(ok, Exception):
+                self._counters.add("errors")
+        self._counters.add("blocks_written", written)
+        return written
+
+    def _fit_budget(self, items: list[Any]) -> list[Any]:
+        """The longest prefix of the batch that fits in the whole budget (normally all of it)."""
+        total, keep = 0, 0
+        for _, frame in items:
+            if total + len(frame) > self.settings.budget_bytes:
+                break
+            total += len(frame)
+            keep += 1
+        return items[:keep]
+
+    async def _make_room(self, incoming: int) -> None:
+        """Evict LRU blocks first if writing `incoming` bytes would cross the high watermark."""
+        s = self.settings
+        self._counters.add("round_trips")
+        held = sum(await budget.shard_totals(self._client, self.keys))
+        if held + incoming <= s.high_watermark * s.budget_bytes:
+            return
+        target = max(0, min(int(s.low_watermark * s.budget_bytes), s.budget_bytes - incoming))
+        result = await budget.evict(self._client, self.keys, held - target)
+        self._counters.add("evictions", result.evicted_blocks)
+        self._counters.add("evicted_bytes", result.evicted_bytes)
+        self._counters.add("stale_removed", result.stale_blocks)
+
+    async def usage(self) -> Usage:
+        """Bytes held (as accounted) against the budget."""
+
+        async def read() -> Usage:
+            pipe = self._client.pipeline(transaction=False)
+            for shard in self.keys.all_shards():
+                pipe.get(shard.bytes)
+                pipe.zcard(shard.lru)
+            flat = await pipe.execute()
+            held = sum(max(int(v or 0), 0) for v in flat[0::2])
+            return Usage(held, self.settings.budget_bytes, sum(int(v) for v in flat[1::2]), self.keys.shards)
+
+        return await self._admin(read)
+
+    async def reconcile(self) -> budget.EvictionResult:
+        """Drop index entries of blocks Redis removed itself and recount the bytes held."""
+        result = await self._admin(lambda: budget.reconcile(self._client, self.keys))
+        self._counters.add("stale_removed", result.stale_blocks)
+        return result
+
+    # -- sessions ---------------------------------------------------------------------------
+
+    async def get_session(self, tenant: str, session_id: str) -> SessionRecord | None:
+        key = self.keys.session(tenant, session_id)
+
+        async def read() -> Any:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.hgetall(key)
+            pipe.pexpire(key, self._session_ttl_ms)
+            self._counters.add("round_trips")
+            return (await pipe.execute())[0]
+
+        raw = await self._guarded(read, self.settings.op_timeout_s)
+        if isinstance(raw, _Failed) or not raw:
+            return None
+        record = from_fields(raw, tenant, session_id)
+        if record is None:
+            self._counters.add("bad_records")
+        return record
+
+    async def put_session(self, record: SessionRecord, expected_version: int | None) -> SessionRecord | None:
+        """Compare-and-set: None = create only if absent. Returns the stored record, or None
+        if the CAS lost (or Redis failed: then `dropped_writes` counts it)."""
+        key = self.keys.session(record.tenant, record.session_id)
+        now = time.time()
+        expected = "" if expected_version is None else str(int(expected_version))
+        fields = to_fields(record, now)
+
+        async def write() -> Any:
+            self._counters.add("round_trips")
+            return await self._client.eval(PUT_SESSION, 1, key, expected, self._session_ttl_ms, repr(now), *fields)
+
+        result = await self._guarded(write, self.settings.op_timeout_s)
+        if isinstance(result, _Failed):
+            self._counters.add("dropped_writes")
+            return None
+        version, created = int(result[0]), result[1]
+        if version < 0:
+            self._counters.add("cas_conflicts")
+            return None
+        return replace(record, version=version, created_at=float(created), updated_at=now)
+
+    async def delete_session(self, tenant: str, session_id: str) -> bool:
+        key = self.keys.session(tenant, session_id)
+        result = await self._guarded(lambda: self._client.delete(key), self.settings.op_timeout_s)
+        return not isinstance(result, _Failed) and int(result) > 0
+
+    async def fork_session(self, tenant: str, src_id: str, dst_id: str) -> SessionRecord | None:
+        """A new session sharing the parent's blocks; only the record is copied. None if the
+        parent is missing or the new id is taken."""
+        parent = await self.get_session(tenant, src_id)
+        if parent is None:
+            return None
+        return await self.put_session(parent.forked(dst_id), expected_version=None)
+
+    async def list_sessions(self, tenant: str | None = None, limit: int = 10_000) -> list[tuple[str, str]]:
+        """(tenant, session id) pairs found by SCAN, sorted; at most `limit` of them."""
+        pattern = self.keys.session_pattern(tenant)
+
+        async def scan() -> list[tuple[str, str]]:
+            found: set[tuple[str, str]] = set()
+            async for raw in self._client.scan_iter(match=pattern, count=1000):
+                parsed = self.keys.parse_session(raw.decode() if isinstance(raw, bytes) else str(raw))
+                if parsed is not None:
+                    found.add(parsed)
+                if len(found) >= limit:
+                    break
+            return sorted(found)
+
+        return await self._admin(scan)
+
+    async def clear_namespace(self) -> int:
+        """Delete every key of this namespace (SCAN + UNLINK); returns how many."""
+
+        async def clear() -> int:
+            deleted = 0
+            async for raw in self._client.scan_iter(match=f"{self.settings.namespace}:*", count=1000):
+                deleted += int(await self._client.unlink(raw))
+            return deleted
+
+        if self._local is not None:
+            self._local.clear()
+        return await self._admin(clear)
