@@ -1,0 +1,163 @@
+"""Round trips and error bounds of every codec mode x compressor x dtype, and the spec syntax."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from cachestore.codec import Codec, CodecSpec, read_header, verify_frame
+from cachestore.errors import CodecError, ConfigError
+
+MODES = ["exact", "fp16", "int8", "int4", "int2", "fp8"]
+COMPRESSORS = ["none", "lz4", "zstd"]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# [layers, 2, kv_heads, tokens, head_dim]: ordinary, 1 token, tokens not a multiple of the
+# group, 1 head and 1 layer, head_dim not a multiple of the group.
+SHAPES = [(2, 2, 3, 40, 16), (1, 2, 1, 1, 8), (2, 2, 2, 13, 8), (1, 2, 1, 37, 12)]
+LEVELS = {"int4": 15, "int2": 3}
+
+
+def _kv(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    # per-channel magnitudes differ, as in real keys
+    scale = torch.rand(shape[0], 2, shape[2], 1, shape[4], generator=gen) * 4 + 0.1
+    return (torch.randn(*shape, generator=gen) * scale + 0.5).to(dtype)
+
+
+def _grouped(x: torch.Tensor, dim: int, group: int, fn: str) -> torch.Tensor:
+    """amin/amax of each run of `group` slices along `dim`, broadcast back to x's shape."""
+    chunks = torch.split(x, min(group, x.shape[dim]), dim=dim)
+    return torch.cat([getattr(c, fn)(dim, keepdim=True).expand_as(c) for c in chunks], dim=dim)
+
+
+def _bound(mode: str, x: torch.Tensor, group: int) -> torch.Tensor:
+    """Worst-case absolute error per element of `mode` on x [L, 2, H, T, D] (fp32),
+    computed from the data as the mode's contract states it."""
+    k, v = x[:, 0], x[:, 1]
+    if mode == "int8":
+        step = torch.stack([k.abs().amax(2, keepdim=True).expand_as(k),
+                            v.abs().amax(3, keepdim=True).expand_as(v)], 1) / 127
+        return step / 2 * 1.01
+    if mode == "fp8":
+        scale = x.abs().amax(3, keepdim=True) / 448
+        return x.abs() * 2.0**-4 + scale * 2.0**-9 * 1.01
+    lo = torch.stack([_grouped(k, 2, group, "amin"), _grouped(v, 3, group, "amin")], 1)
+    hi = torch.stack([_grouped(k, 2, group, "amax"), _grouped(v, 3, group, "amax")], 1)
+    return (hi - lo) / LEVELS[mode] / 2 * 1.01 + lo.abs() * 2.0**-10
+
+
+@pytest.mark.parametrize(("mode", "compressor", "dtype"),
+                         list(itertools.product(MODES, COMPRESSORS, DTYPES)))
+def test_round_trip_within_contract(mode: str, compressor: str, dtype: torch.dtype) -> None:
+    codec = Codec(CodecSpec(mode=mode, compressor=compressor, group_size=8))
+    for i, shape in enumerate(SHAPES):
+        kv = _kv(shape, dtype, seed=i)
+        frame = codec.encode(kv)
+        out = Codec("exact").decode(frame)  # any codec decodes any frame
+        assert out.shape == kv.shape and out.dtype == dtype and out.device.type == "cpu"
+        assert torch.isfinite(out).all()
+        if mode == "exact" or (mode == "fp16" and dtype == torch.float16):
+            assert torch.equal(out.view(torch.uint8), kv.view(torch.uint8))
+            continue
+        x, y = kv.float(), out.float()
+        out_eps = {torch.float32: 0.0, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[dtype]
+        if mode == "fp16":
+            bound = x.abs() * 2.0**-11 + 2.0**-24
+        else:
+            bound = _bound(mode, x, 8) + (x.abs() + 1) * (out_eps + 2.0**-10) + 1e-6
+        worst = ((y - x).abs() - bound).max().item()
+        assert worst <= 0, f"{mode}/{compressor}/{dtype} shape {shape}: over bound by {worst}"
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", "int2", "fp8"])
+def test_bound_is_tight_enough_to_mean_something(mode: str) -> None:
+    """A codec that used the wrong grouping would overshoot: the error uses a fair part
+    of the bound but never exceeds it."""
+    kv = _kv((2, 2, 2, 64, 16), torch.float32)
+    out = Codec(CodecSpec(mode=mode, compressor="none", group_size=8)).decode(
+        Codec(CodecSpec(mode=mode, compressor="none", group_size=8)).encode(kv))
+    ratio = ((out - kv).abs() / _bound(mode, kv, 8)).max().item()
+    assert 0.3 < ratio <= 1.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fill", [0.0, 3.25, -1e-3])
+def test_constant_and_zero_groups_are_finite(mode: str, fill: float) -> None:
+    kv = torch.full((2, 2, 2, 10, 8), fill)
+    kv[1, 1, 1] = torch.linspace(-2, 2, 80).view(10, 8)  # one varying head next to them
+    out = Codec(CodecSpec(mode=mode, compressor="lz4", group_size=4)).decode(
+        Codec(CodecSpec(mode=mode, compressor="lz4", group_size=4)).encode(kv))
+    assert torch.isfinite(out).all()
+    rel = 2.0**-4 if mode == "fp8" else 2.0**-7  # fp8 keeps 3 mantissa bits
+    assert torch.allclose(out[0], kv[0], rtol=0, atol=abs(fill) * rel + 1e-9)
+
+
+def test_group_size_changes_the_frame_and_is_recorded() -> None:
+    kv = _kv((1, 2, 2, 64, 64), torch.float16)
+    f32 = Codec("int4+none/g32").encode(kv)
+    f64 = Codec("int4+none/g64").encode(kv)
+    assert read_header(f32).group_size == 32 and read_header(f64).group_size == 64
+    assert len(f32) > len(f64)  # more groups, more scales
+    err32 = (Codec().decode(f32).float() - kv.float()).norm()
+    err64 = (Codec().decode(f64).float() - kv.float()).norm()
+    assert err32 < err64
+
+
+def test_sizes_match_the_modes() -> None:
+    kv = _kv((2, 2, 3, 256, 64), torch.float16)
+    fp16_bytes = kv.numel() * 2
+    sizes = {m: len(Codec(CodecSpec(mode=m, compressor="none")).encode(kv)) for m in MODES}
+    assert sizes["exact"] == sizes["fp16"] == fp16_bytes + 52
+    assert fp16_bytes / sizes["int8"] > 1.9
+    assert fp16_bytes / sizes["fp8"] > 1.9
+    assert fp16_bytes / sizes["int4"] > 3.5
+    assert fp16_bytes / sizes["int2"] > 6.0
+
+
+def test_decode_to_a_device_and_header_helpers() -> None:
+    kv = _kv((1, 2, 2, 5, 8), torch.bfloat16)
+    frame = Codec("int8+zstd:5").encode(kv)
+    assert Codec().decode(frame, device="cpu").dtype == torch.bfloat16
+    header = verify_frame(bytearray(frame))
+    assert header.shape == (1, 2, 2, 5, 8)
+    assert (header.mode, header.compressor, header.dtype) == ("int8", "zstd", "bfloat16")
+    assert read_header(memoryview(frame)[:52]) == header  # header alone is enough
+    with pytest.raises(CodecError, match="truncated"):
+        verify_frame(frame[:-1])
+
+
+def test_encode_rejects_bad_input() -> None:
+    codec = Codec()
+    for bad in (torch.zeros(2, 3, 1, 4, 8), torch.zeros(2, 2, 1, 0, 8), torch.zeros(2, 2, 4, 8),
+                torch.zeros(1, 2, 1, 4, 8, dtype=torch.float64), [1.0]):
+        with pytest.raises(CodecError):
+            codec.encode(bad)  # type: ignore[arg-type]
+    nan = torch.zeros(1, 2, 1, 4, 8)
+    nan[0, 0, 0, 1, 1] = float("nan")
+    for mode in ("int8", "int4", "fp8"):
+        with pytest.raises(CodecError, match="NaN"):
+            Codec(mode).encode(nan)
+    assert torch.isnan(Codec("exact").decode(Codec("exact").encode(nan))).sum() == 1
+
+
+def test_spec_parse_and_name_round_trip() -> None:
+    assert CodecSpec.parse("int8") == CodecSpec()
+    assert CodecSpec.parse("int4+zstd:3/g32") == CodecSpec("int4", "zstd", 3, 32)
+    assert CodecSpec.parse(" INT2+none ") == CodecSpec("int2", "none")
+    for mode, comp, level, group in itertools.product(MODES, COMPRESSORS, (1, 9), (32, 64)):
+        spec = CodecSpec(mode, comp, level, group)
+        assert CodecSpec.parse(spec.name()) == spec
+    # fields a mode ignores do not split otherwise identical specs
+    assert CodecSpec("int8", "lz4", 7, 32) == CodecSpec("int8", "lz4")
+    assert CodecSpec("int8", "lz4", 7, 32).name() == "int8+lz4"
+    assert CodecSpec.parse("exact").lossless and not CodecSpec.parse("fp16").lossless
+
+
+@pytest.mark.parametrize("text", ["", "int3", "int8+gzip", "int8+lz4:3", "int8/g32",
+                                  "int4/g2", "int4/g4096", "int4+zstd:99", "int4+zstd:x",
+                                  "int4 zstd"])
+def test_spec_parse_rejects(text: str) -> None:
+    with pytest.raises(ConfigError):
+        CodecSpec.parse(text)
