@@ -13,7 +13,7 @@ Design (see cachestore/keys.py for the key names):
   (one pipelined round trip) and, if the write would take the total over the high
   watermark, evicts the globally least-recently-used blocks (PEEK every shard, merge by
   last access, EVICT the oldest, re-checking each victim's score so a block touched in the
-  meantime survives) down to min(low watermark, budget - incoming). A single writer
+  meantime survives) until held + incoming <= the low watermark. A single writer
   therefore never takes the namespace over its budget (one store serialises its own
   puts); W concurrent writers on other pods can overshoot by at most their in-flight
   batches, which the next put evicts again.
@@ -34,7 +34,7 @@ from cachestore.keys import KeySpace, ShardKeys
 
 ACCOUNT = """
 -- KEYS[1] lru zset, KEYS[2] size hash, KEYS[3] bytes counter, KEYS[4..] blocks just written
--- ARGV[1] now (ms), ARGV[2] index ttl (ms)
+-- ARGV[1] now (ms), ARGV[2] index ttl (ms), ARGV[3] 'adopt' to keep an indexed block's last access
 -- returns {bytes newly accounted, shard byte total}
 local added = 0
 for i = 4, #KEYS do
@@ -46,7 +46,11 @@ for i = 4, #KEYS do
       redis.call('HSET', KEYS[2], k, n)
       added = added + n - math.max(old, 0)
     end
-    redis.call('ZADD', KEYS[1], ARGV[1], k)
+    if ARGV[3] == 'adopt' then
+      redis.call('ZADD', KEYS[1], 'NX', ARGV[1], k)
+    else
+      redis.call('ZADD', KEYS[1], ARGV[1], k)
+    end
   elseif old >= 0 then
     redis.call('HDEL', KEYS[2], k)
     redis.call('ZREM', KEYS[1], k)
@@ -163,7 +167,7 @@ class EvictionResult:
 
 def account(pipe: Any, shard: ShardKeys, block_keys: Sequence[str], index_ttl_ms: int) -> None:
     """Queue ACCOUNT for blocks of one shard on `pipe` (after their SETs)."""
-    pipe.eval(ACCOUNT, 3 + len(block_keys), *shard.all(), *block_keys, now_ms(), index_ttl_ms)
+    pipe.eval(ACCOUNT, 3 + len(block_keys), *shard.all(), *block_keys, now_ms(), index_ttl_ms, "put")
 
 
 def touch(pipe: Any, shard: ShardKeys, block_keys: Sequence[str], index_ttl_ms: int) -> None:
@@ -217,11 +221,31 @@ async def evict(client: Any, keys: KeySpace, need_bytes: int, max_rounds: int = 
     return totals
 
 
-async def reconcile(client: Any, keys: KeySpace, chunk: int = 256) -> EvictionResult:
-    """Remove index entries of blocks Redis dropped itself and recount every shard's bytes."""
+def _text(raw: Any) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+async def reconcile(client: Any, keys: KeySpace, index_ttl_ms: int, chunk: int = 256) -> EvictionResult:
+    """Bring the index back in line with what Redis holds, after Redis evicted or expired keys
+    itself (blocks or index keys): adopt blocks missing from the index (SCAN), drop entries of
+    blocks that are gone, and recount every shard's bytes. O(keys of the namespace)."""
+    by_tag = {shard.lru[shard.lru.rfind("{"):]: index for index, shard in enumerate(keys.all_shards())}
+    orphans: dict[int, list[str]] = defaultdict(list)
+    async for raw in client.scan_iter(match=keys.block_pattern(), count=1000):
+        key = _text(raw)
+        index = by_tag.get(key[key.rfind("{"):])
+        if index is not None:
+            orphans[index].append(key)
     stale_n = stale = 0
-    for shard in keys.all_shards():
-        members = [m.decode() if isinstance(m, bytes) else str(m) for m in await client.hkeys(shard.size)]
+    shards = keys.all_shards()
+    for index, shard in enumerate(shards):
+        found = orphans.get(index, [])
+        for i in range(0, len(found), chunk):
+            await client.eval(ACCOUNT, 3 + len(found[i:i + chunk]), *shard.all(), *found[i:i + chunk],
+                              now_ms(), index_ttl_ms, "adopt")
+        indexed = {_text(m) for m in await client.hkeys(shard.size)}
+        indexed.update(_text(m) for m in await client.zrange(shard.lru, 0, -1))
+        members = sorted(indexed)
         batches = [members[i:i + chunk] for i in range(0, len(members), chunk)] or [[]]
         for i, batch in enumerate(batches):
             recount = "1" if i == len(batches) - 1 else "0"

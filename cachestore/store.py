@@ -224,7 +224,8 @@ class BlockStore:
         held = sum(await budget.shard_totals(self._client, self.keys))
         if held + incoming <= s.high_watermark * s.budget_bytes:
             return
-        target = max(0, min(int(s.low_watermark * s.budget_bytes), s.budget_bytes - incoming))
+        # evict so that after this write the namespace sits at the low watermark
+        target = max(0, int(s.low_watermark * s.budget_bytes) - incoming)
         result = await budget.evict(self._client, self.keys, held - target)
         self._counters.add("evictions", result.evicted_blocks)
         self._counters.add("evicted_bytes", result.evicted_bytes)
@@ -246,7 +247,7 @@ class BlockStore:
 
     async def reconcile(self) -> budget.EvictionResult:
         """Drop index entries of blocks Redis removed itself and recount the bytes held."""
-        result = await self._admin(lambda: budget.reconcile(self._client, self.keys))
+        result = await self._admin(lambda: budget.reconcile(self._client, self.keys, self._index_ttl_ms))
         self._counters.add("stale_removed", result.stale_blocks)
         return result
 
