@@ -47,3 +47,11 @@ def redis_cluster_with_replicas() -> Iterator[RedisCluster]:
         yield cluster
     finally:
         cluster.cleanup()
+
+
+@pytest.fixture(scope="session")
+def tiny_model():  # type: ignore[no-untyped-def]
+    """The tiny random-weight Llama (with SmolLM2's tokenizer), loaded once per run."""
+    from service.models import load_model  # noqa: PLC0415
+
+    return load_model("tiny-random")

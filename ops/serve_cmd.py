@@ -1,0 +1,62 @@
+"""`kvstash serve`: run one inference pod under uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "serve", help="run an inference pod (OpenAI-compatible HTTP API)",
+        description="Run an inference pod. Every flag also reads KVSTASH_<NAME> from the environment; "
+                    "flags win.",
+    )
+    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port to bind (default 8000)")
+    p.add_argument("--model", help="smollm2 (default), tiny-random, or a local HF model directory")
+    p.add_argument("--device", help="cpu (default) or cuda[:N]")
+    p.add_argument("--redis-url", help="redis://, rediss://, unix:// URL (cluster: add ?cluster=1)")
+    p.add_argument("--namespace", help="prefix of every Redis key (default kvstash)")
+    p.add_argument("--codec", help="exact, fp16, int8 (default), int4, int2, fp8; +zstd/+lz4/+none")
+    p.add_argument("--block-tokens", type=int, help="tokens per cached block (default 64)")
+    p.add_argument("--budget-bytes", type=int, help="byte budget of the namespace in Redis")
+    p.add_argument("--block-ttl-s", type=int, help="TTL of cached blocks in seconds")
+    p.add_argument("--session-ttl-s", type=int, help="TTL of session records in seconds")
+    p.add_argument("--redis-timeout-s", type=float, help="most a request waits on Redis (default 0.5)")
+    p.add_argument("--max-queue", type=int, help="requests admitted before 503 (default 8)")
+    p.add_argument("--pod-name", help="name reported in /readyz and the X-KV-Pod header")
+    p.add_argument("--no-cache", action="store_true", help="neither read nor write the cache (for comparisons)")
+    p.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+    p.set_defaults(func=run)
+
+
+def settings_from_args(args: argparse.Namespace) -> Any:
+    from service.settings import settings_from_env  # noqa: PLC0415
+
+    overrides = {
+        name: getattr(args, name)
+        for name in ("host", "port", "model", "device", "redis_url", "namespace", "codec", "block_tokens",
+                     "budget_bytes", "block_ttl_s", "session_ttl_s", "redis_timeout_s", "max_queue", "pod_name")
+    }
+    if args.no_cache:
+        overrides["cache_enabled"] = False
+    return settings_from_env().with_overrides(**overrides)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn  # noqa: PLC0415
+
+    from cachestore.codec import CodecSpec  # noqa: PLC0415
+    from cachestore.settings import StoreSettings  # noqa: PLC0415
+    from service.app import create_app  # noqa: PLC0415
+
+    settings = settings_from_args(args)
+    CodecSpec.parse(settings.codec)  # fail fast with a clear message on a bad codec
+    if settings.cache_enabled:
+        StoreSettings.from_url(settings.redis_url)  # and on a malformed Redis URL
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level,
+                timeout_graceful_shutdown=15)
+    return 0

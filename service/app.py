@@ -1,0 +1,129 @@
+"""The pod's Starlette app, composed in one call; the lifespan opens the model, Redis and the writer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from cachestore.codec import Codec
+from cachestore.settings import StoreSettings
+from cachestore.store import BlockStore
+from service import completions, health, sessions_api
+from service.errors import EXCEPTION_HANDLERS
+from service.metrics import PodMetrics
+from service.models import LoadedModel, load_model
+from service.pipeline import Pipeline
+from service.runner import ModelRunner
+from service.settings import PodSettings
+from service.state import PodState
+from service.writer import BackgroundWriter
+
+log = logging.getLogger("kvstash.service")
+
+
+def store_settings(settings: PodSettings) -> StoreSettings:
+    return StoreSettings.from_url(
+        settings.redis_url,
+        namespace=settings.namespace,
+        block_ttl_s=settings.block_ttl_s,
+        session_ttl_s=settings.session_ttl_s,
+        budget_bytes=settings.budget_bytes,
+        max_value_bytes=settings.max_value_bytes,
+        op_timeout_s=settings.redis_timeout_s,
+        local_tier_bytes=settings.local_tier_bytes,
+    )
+
+
+def _store_stats(state: PodState) -> dict[str, Any] | None:
+    if state.store is None:
+        return None
+    stats = state.store.stats()
+    values = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(vars(stats))
+    values["breaker_state"] = state.store.breaker_state
+    return values
+
+
+class RouteMetrics(BaseHTTPMiddleware):
+    """Counts requests and times them per route (paths with ids are folded into their route)."""
+
+    async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
+        t0 = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        name = getattr(route, "path", "unmatched")
+        state: PodState = request.app.state.pod
+        state.metrics.requests.labels(name, str(response.status_code)).inc()
+        state.metrics.latency.labels(name).observe(time.perf_counter() - t0)
+        if state.settings.pod_name:
+            response.headers["X-KV-Pod"] = state.settings.pod_name
+        return response
+
+
+def build_state(settings: PodSettings, loaded: LoadedModel) -> PodState:
+    """Wire model, store, codec, writer and pipeline (no I/O; the store connects lazily)."""
+    state = PodState(settings=settings, metrics=PodMetrics())
+    state.metrics = PodMetrics(lambda: _store_stats(state))
+    codec = Codec(settings.codec)
+    state.loaded = loaded
+    state.runner = ModelRunner(loaded)
+    if settings.cache_enabled:
+        state.store = BlockStore(store_settings(settings))
+        state.writer = BackgroundWriter(state.store, codec, state.metrics, settings.write_queue)
+    state.pipeline = Pipeline(settings, loaded, state.runner, state.store, codec, state.metrics, state.writer)
+    return state
+
+
+def create_app(settings: PodSettings, loaded: LoadedModel | None = None) -> Starlette:
+    """The app; `loaded` lets tests and benchmarks share one model between several apps."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        model = loaded or await asyncio.to_thread(load_model, settings.model, device=settings.device)
+        state = build_state(settings, model)
+        app.state.pod = state
+        if state.writer is not None:
+            state.writer.start()
+        log.info("pod ready: %r", settings)
+        try:
+            yield
+        finally:
+            if state.writer is not None:
+                await state.writer.stop(drain_timeout_s=10.0)  # graceful shutdown drains the write queue
+            if state.pipeline is not None:
+                state.pipeline.close()
+            if state.store is not None:
+                await state.store.close()
+
+    routes = [
+        Route("/healthz", health.healthz, methods=["GET"]),
+        Route("/readyz", health.readyz, methods=["GET"]),
+        Route("/metrics", health.metrics, methods=["GET"]),
+        Route("/v1/models", completions.list_models, methods=["GET"]),
+        Route("/v1/chat/completions", completions.chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions.completions, methods=["POST"]),
+        Route("/v1/sessions", sessions_api.create_session, methods=["POST"]),
+        Route("/v1/sessions", sessions_api.list_sessions, methods=["GET"]),
+        Route("/v1/sessions/{session_id}", sessions_api.get_session, methods=["GET"]),
+        Route("/v1/sessions/{session_id}", sessions_api.delete_session, methods=["DELETE"]),
+        Route("/v1/sessions/{session_id}/messages", sessions_api.add_messages, methods=["POST"]),
+        Route("/v1/sessions/{session_id}/fork", sessions_api.fork_session, methods=["POST"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        middleware=[Middleware(RouteMetrics)],
+        exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
+        lifespan=lifespan,
+    )
+    return app

@@ -1,0 +1,243 @@
+"""OpenAI-compatible completions: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from cachestore.sessions import SessionRecord
+from service.errors import ApiError, bad_request, error_body, overloaded
+from service.pipeline import CacheView, Pipeline
+from service.requests import parse_completion, read_json
+from service.runner import GenParams, Generation
+from service.state import PodState
+from service.tenancy import resolve_tenant
+
+# Called once generation is done; returns an error message when the reply could not be recorded.
+AfterGeneration = Callable[[Generation, CacheView], Awaitable[str | None]]
+
+
+def pod(request: Request) -> PodState:
+    state: PodState = request.app.state.pod
+    return state
+
+
+def ready_pipeline(state: PodState) -> Pipeline:
+    if state.pipeline is None:
+        raise overloaded("the model is still loading", retry_after_s=5)
+    return state.pipeline
+
+
+def check_model(state: PodState, model: str) -> None:
+    assert state.loaded is not None
+    if model != state.loaded.name:
+        raise ApiError(404, f"model {model!r} is not served here; this pod serves {state.loaded.name!r}",
+                       code="model_not_found", param="model")
+
+
+def check_context(state: PodState, prompt_ids: list[int], params: GenParams) -> None:
+    assert state.loaded is not None
+    limit = state.loaded.max_context
+    if len(prompt_ids) + params.max_tokens > limit:
+        raise bad_request(
+            f"the prompt has {len(prompt_ids)} tokens and max_tokens is {params.max_tokens}; "
+            f"together they exceed the model's context of {limit} tokens",
+            param="messages", code="context_length_exceeded",
+        )
+
+
+def cache_headers(view: CacheView) -> dict[str, str]:
+    return {"X-KV-Cache": view.status, "X-KV-Cached-Tokens": str(view.cached_tokens)}
+
+
+def usage(gen: Generation) -> dict[str, Any]:
+    return {
+        "prompt_tokens": gen.prompt_tokens,
+        "completion_tokens": len(gen.token_ids),
+        "total_tokens": gen.prompt_tokens + len(gen.token_ids),
+        "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
+    }
+
+
+def _choice(chat: bool, text: str, finish_reason: str | None, delta: bool, first: bool = False) -> dict[str, Any]:
+    if not chat:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    if delta:
+        body: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+        return {"index": 0, "delta": body if text or first else {}, "finish_reason": finish_reason}
+    return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+
+
+class Responder:
+    """Runs one admitted generation and shapes it as a JSON reply or an SSE stream."""
+
+    def __init__(self, state: PodState, chat: bool, model: str, view: CacheView) -> None:
+        self.state = state
+        self.chat = chat
+        self.model = model
+        self.view = view
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
+        obj = self.object + (".chunk" if chunk and self.chat else "")
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    async def reply(self, prompt_ids: list[int], params: GenParams, after: AfterGeneration) -> Response:
+        pipeline = ready_pipeline(self.state)
+        gen = await pipeline.generate(prompt_ids, self.view, params)
+        problem = await after(gen, self.view)
+        if problem is not None:
+            raise ApiError(409, problem, code="session_conflict")
+        body = self._envelope([_choice(self.chat, gen.text, gen.finish_reason, delta=False)], chunk=False)
+        body["usage"] = usage(gen)
+        return JSONResponse(body, headers=cache_headers(self.view))
+
+    def stream(
+        self, prompt_ids: list[int], params: GenParams, include_usage: bool, after: AfterGeneration,
+        release: Callable[[], None],
+    ) -> Response:
+        return StreamingResponse(
+            self._events(prompt_ids, params, include_usage, after, release),
+            media_type="text/event-stream",
+            headers={**cache_headers(self.view), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def _events(
+        self, prompt_ids: list[int], params: GenParams, include_usage: bool, after: AfterGeneration,
+        release: Callable[[], None],
+    ) -> AsyncIterator[str]:
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue[str | None] = asyncio.Queue()
+        pipeline = ready_pipeline(self.state)
+
+        def on_text(delta: str) -> None:  # runs on the inference thread
+            loop.call_soon_threadsafe(deltas.put_nowait, delta)
+
+        try:
+            task = asyncio.ensure_future(pipeline.generate(prompt_ids, self.view, params, on_text))
+            task.add_done_callback(lambda _: deltas.put_nowait(None))
+            yield self._sse(self._envelope([_choice(self.chat, "", None, delta=True, first=True)], chunk=True))
+            while (delta := await deltas.get()) is not None:
+                if delta:
+                    yield self._sse(self._envelope([_choice(self.chat, delta, None, delta=True)], chunk=True))
+            try:
+                gen = task.result()
+            except Exception:
+                yield self._sse(error_body(500, "generation failed", "server_error", "internal_error", None))
+                yield "data: [DONE]\n\n"
+                return
+            problem = await after(gen, self.view)
+            if problem is not None:
+                yield self._sse(error_body(409, problem, "invalid_request_error", "session_conflict", None))
+            yield self._sse(self._envelope([_choice(self.chat, "", gen.finish_reason, delta=True)], chunk=True))
+            if include_usage:
+                final = self._envelope([], chunk=True)
+                final["usage"] = usage(gen)
+                yield self._sse(final)
+            yield "data: [DONE]\n\n"
+        finally:
+            release()
+
+    @staticmethod
+    def _sse(payload: dict[str, Any]) -> str:
+        return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+async def run_admitted(
+    state: PodState,
+    *,
+    chat: bool,
+    model: str,
+    prompt_ids: list[int],
+    params: GenParams,
+    stream: bool,
+    include_usage: bool,
+    lookup: Callable[[], Awaitable[CacheView]],
+    after: AfterGeneration,
+) -> Response:
+    """Admission, lookup and generation for every completion route (sessions included)."""
+    pipeline = ready_pipeline(state)
+    pipeline.admit()
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            pipeline.release()
+
+    handed_over = False  # a stream releases its admission when it ends
+    try:
+        view = await lookup()
+        responder = Responder(state, chat, model, view)
+        if stream:
+            response = responder.stream(prompt_ids, params, include_usage, after, release)
+            handed_over = True
+            return response
+        return await responder.reply(prompt_ids, params, after)
+    finally:
+        if not handed_over:
+            release()
+
+
+async def _completion(request: Request, chat: bool) -> Response:
+    state = pod(request)
+    pipeline = ready_pipeline(state)
+    tenant = resolve_tenant(request, state.settings)
+    body = await read_json(request, state.settings.max_body_bytes)
+    req = parse_completion(
+        body, chat=chat, header_session=request.headers.get("x-session-id"),
+        max_tokens_limit=state.settings.max_tokens_limit, default_max_tokens=state.settings.default_max_tokens,
+    )
+    check_model(state, req.model)
+    runner = pipeline.runner
+    prompt_ids = runner.chat_ids(req.messages) if req.messages is not None else runner.text_ids(req.prompt or "")
+    check_context(state, prompt_ids, req.params)
+    previous: SessionRecord | None = None
+
+    async def lookup() -> CacheView:
+        nonlocal previous
+        key = (tenant.name, req.session_id) if req.session_id else None
+        view, previous = await pipeline.lookup(tenant.salt, prompt_ids, session_key=key)
+        return view
+
+    async def after(gen: Generation, view: CacheView) -> str | None:
+        record = None
+        if req.session_id is not None and req.messages is not None:
+            messages = [*req.messages, {"role": "assistant", "content": gen.text}]
+            record = pipeline.session_record(tenant.name, req.session_id, messages, gen, previous)
+        pipeline.write_back(tenant.salt, gen, view, record, previous.version if previous else None)
+        return None
+
+    return await run_admitted(
+        state, chat=chat, model=req.model, prompt_ids=prompt_ids, params=req.params, stream=req.stream,
+        include_usage=req.include_usage, lookup=lookup, after=after,
+    )
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _completion(request, chat=True)
+
+
+async def completions(request: Request) -> Response:
+    return await _completion(request, chat=False)
+
+
+async def list_models(request: Request) -> Response:
+    state = pod(request)
+    resolve_tenant(request, state.settings)
+    data = []
+    if state.loaded is not None:
+        data.append({"id": state.loaded.name, "object": "model", "created": int(state.started_at),
+                     "owned_by": "kvstash", "context_length": state.loaded.max_context})
+    return JSONResponse({"object": "list", "data": data})
+

@@ -1,0 +1,63 @@
+"""Prometheus metrics of one pod, in a registry of its own (several apps may share a process)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+FAST_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+BREAKER_STATES = ("closed", "half_open", "open")
+
+
+class _StoreCollector(Collector):
+    """Reads the store's own counters at scrape time, so they are never double-kept."""
+
+    def __init__(self, read: Callable[[], dict[str, Any] | None]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._read()
+        if not stats:
+            return
+        counters = CounterMetricFamily("kvstash_store_events", "Store events by kind", labels=["event"])
+        for key in ("hits", "misses", "partial_hits", "evictions", "errors", "dropped_writes",
+                    "bytes_read", "bytes_written"):
+            if key in stats:
+                counters.add_metric([key], float(stats[key]))
+        yield counters
+        breaker = GaugeMetricFamily("kvstash_breaker_state", "Redis circuit breaker (1 = current state)",
+                                    labels=["state"])
+        current = stats.get("breaker_state", "closed")
+        for state in BREAKER_STATES:
+            breaker.add_metric([state], 1.0 if state == current else 0.0)
+        yield breaker
+
+
+class PodMetrics:
+    def __init__(self, store_stats: Callable[[], dict[str, Any] | None] = lambda: None) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvstash_requests", "HTTP requests", ["route", "status"], registry=r)
+        self.latency = Histogram("kvstash_request_latency_seconds", "Request latency", ["route"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("kvstash_ttft_seconds", "Time to first token", ["cache"],
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("kvstash_prompt_tokens", "Prompt tokens by source", ["source"], registry=r)
+        self.lookups = Counter("kvstash_cache_lookups", "Cache lookups by result", ["result"], registry=r)
+        self.bytes_fetched = Counter("kvstash_bytes_fetched", "Encoded KV bytes read from Redis", registry=r)
+        self.bytes_stored = Counter("kvstash_bytes_stored", "Encoded KV bytes written to Redis", registry=r)
+        self.codec_seconds = Histogram("kvstash_codec_seconds", "KV encode/decode time", ["op"],
+                                       buckets=FAST_BUCKETS, registry=r)
+        self.redis_seconds = Histogram("kvstash_redis_seconds", "Redis operation time", ["op"],
+                                       buckets=FAST_BUCKETS, registry=r)
+        self.write_queue_depth = Gauge("kvstash_write_queue_depth", "Background writes waiting", registry=r)
+        self.writes_dropped = Counter("kvstash_writes_dropped", "Background writes dropped (queue full or failed)",
+                                      ["reason"], registry=r)
+        self.inflight = Gauge("kvstash_inflight_requests", "Requests admitted and not finished", registry=r)
+        self.rejected = Counter("kvstash_rejected", "Requests refused with 503 (overload)", registry=r)
+        r.register(_StoreCollector(store_stats))

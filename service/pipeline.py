@@ -1,0 +1,249 @@
+"""The request path of a pod: look up cached KV, rehydrate it, prefill the rest, generate, write back."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from cachestore.codec import Codec
+from cachestore.errors import CodecError
+from cachestore.hashing import BlockHash, chain_hashes, root_hash
+from cachestore.sessions import SessionRecord
+from cachestore.store import BlockStore
+from service.errors import overloaded
+from service.metrics import PodMetrics
+from service.models import LoadedModel
+from service.runner import GenParams, Generation, ModelRunner
+from service.settings import PodSettings
+from service.writer import BackgroundWriter, WriteJob
+
+log = logging.getLogger("kvstash.pipeline")
+
+
+@dataclass
+class CacheView:
+    """What the cache contributed to one request."""
+
+    kv: torch.Tensor | None  # [layers, 2, kv_heads, cached_tokens, head_dim]
+    cached_tokens: int
+    hit_blocks: int  # leading full blocks found in Redis
+    status: str  # "hit" | "partial" | "miss" | "bypass"
+    fetched_bytes: int = 0
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class Pipeline:
+    """One per pod; owns the inference thread, the admission bound and the write-back."""
+
+    def __init__(
+        self,
+        settings: PodSettings,
+        loaded: LoadedModel,
+        runner: ModelRunner,
+        store: BlockStore | None,
+        codec: Codec,
+        metrics: PodMetrics,
+        writer: BackgroundWriter | None,
+    ) -> None:
+        self.settings = settings
+        self.loaded = loaded
+        self.runner = runner
+        self.store = store if settings.cache_enabled else None
+        self.codec = codec
+        self.metrics = metrics
+        self.writer = writer
+        self.block_tokens = settings.block_tokens
+        self.fingerprint = loaded.fingerprint(settings.block_tokens, codec.spec.name())
+        self.model_key = self.fingerprint.short()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstash-infer")
+        self._admitted = 0
+        self._roots: dict[str, BlockHash] = {}
+        # [layers, 2, kv_heads, block_tokens, head_dim]
+        self._block_shape = (loaded.num_layers, 2, loaded.kv_heads, settings.block_tokens, loaded.head_dim)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- admission ---------------------------------------------------------------------------
+    def admit(self) -> None:
+        """Admit a request or refuse it with 503 when `max_queue` are already admitted."""
+        if self._admitted >= self.settings.max_queue:
+            self.metrics.rejected.inc()
+            raise overloaded(f"pod is busy ({self._admitted} requests admitted); retry shortly")
+        self._admitted += 1
+        self.metrics.inflight.set(self._admitted)
+
+    def release(self) -> None:
+        self._admitted -= 1
+        self.metrics.inflight.set(self._admitted)
+
+    # -- lookup ------------------------------------------------------------------------------
+    def hashes(self, tenant_salt: bytes, token_ids: list[int]) -> list[BlockHash]:
+        root = self._roots.get(tenant_salt.hex())
+        if root is None:
+            root = self._roots.setdefault(tenant_salt.hex(), root_hash(self.fingerprint, tenant_salt))
+        return chain_hashes(token_ids, self.block_tokens, root)
+
+    def _store_errors(self) -> int:
+        assert self.store is not None
+        return int(getattr(self.store.stats(), "errors", 0))
+
+    async def _none(self) -> None:
+        return None
+
+    async def lookup(
+        self,
+        tenant_salt: bytes,
+        prompt_ids: list[int],
+        *,
+        session: SessionRecord | None = None,
+        session_key: tuple[str, str] | None = None,
+    ) -> tuple[CacheView, SessionRecord | None]:
+        """One round trip for the prompt's blocks (and the session record named by `session_key`,
+        fetched concurrently); the session's partial block extends a full hit."""
+        if self.store is None or self.store.breaker_state == "open":
+            return self._account(CacheView(None, 0, 0, "bypass"), prompt_ids), session
+        usable = len(prompt_ids) - 1  # the last prompt token is always re-fed for logits
+        hashes = self.hashes(tenant_salt, prompt_ids[:usable])
+        errors_before = self._store_errors()
+        t0 = time.perf_counter()
+        fetch_session = self.store.get_session(*session_key) if session_key else self._none()
+        try:
+            frames, fetched_session = await asyncio.wait_for(
+                asyncio.gather(self.store.lookup(self.model_key, hashes), fetch_session),
+                self.settings.redis_timeout_s,
+            )
+        except TimeoutError:
+            return self._account(CacheView(None, 0, 0, "bypass"), prompt_ids), session
+        session = session or fetched_session
+        self.metrics.redis_seconds.labels("lookup").observe(time.perf_counter() - t0)
+        if not frames and self._store_errors() > errors_before:
+            return self._account(CacheView(None, 0, 0, "bypass"), prompt_ids), session
+        t0 = time.perf_counter()
+        view = await asyncio.to_thread(self._rehydrate, frames, session, prompt_ids, usable)
+        self.metrics.codec_seconds.labels("decode").observe(time.perf_counter() - t0)
+        return self._account(view, prompt_ids), session
+
+    def _decode(self, frame: bytes, tokens: int | None) -> torch.Tensor | None:
+        try:
+            kv = self.codec.decode(frame)
+        except CodecError as exc:
+            log.warning("discarding an unreadable cached frame: %s", exc)
+            return None
+        expected = list(self._block_shape)
+        if tokens is not None:
+            expected[3] = tokens
+        if list(kv.shape) != expected:
+            log.warning("discarding a cached frame of shape %s, expected %s", list(kv.shape), expected)
+            return None
+        return kv.to(self.loaded.dtype)
+
+    def _rehydrate(
+        self, frames: list[bytes], session: SessionRecord | None, prompt_ids: list[int], usable: int
+    ) -> CacheView:
+        b = self.block_tokens
+        parts: list[torch.Tensor] = []
+        fetched = 0
+        for frame in frames:
+            kv = self._decode(frame, b)
+            if kv is None:
+                break  # a corrupt block truncates the hit there, like a hole
+            parts.append(kv)
+            fetched += len(frame)
+        hit_blocks = len(parts)
+        cached = hit_blocks * b
+        # "hit": everything reusable was reused: the whole known history of a session, else every
+        # full block of the prompt. "partial": some of it. "miss": none.
+        target = (usable // b) * b
+        if session is not None and session.model == self.model_key:
+            session_full = len(session.token_ids) // b
+            common = min(common_prefix(session.token_ids, prompt_ids), usable)
+            target = common
+            if session.partial and hit_blocks == session_full and common > cached:
+                tail = self._decode(session.partial, len(session.token_ids) - session_full * b)
+                if tail is not None:
+                    take = common - cached
+                    parts.append(tail[:, :, :, :take])
+                    cached += take
+                    fetched += len(session.partial)
+        kv = torch.cat(parts, dim=3) if parts else None  # [L, 2, H, cached, D]
+        status = "miss" if cached == 0 else ("hit" if cached >= target else "partial")
+        return CacheView(kv, cached, hit_blocks, status, fetched)
+
+    def _account(self, view: CacheView, prompt_ids: list[int]) -> CacheView:
+        self.metrics.lookups.labels(view.status).inc()
+        self.metrics.prompt_tokens.labels("cached").inc(view.cached_tokens)
+        self.metrics.prompt_tokens.labels("computed").inc(len(prompt_ids) - view.cached_tokens)
+        self.metrics.bytes_fetched.inc(view.fetched_bytes)
+        return view
+
+    # -- generation --------------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        view: CacheView,
+        params: GenParams,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Generation:
+        loop = asyncio.get_running_loop()
+        gen = await loop.run_in_executor(self._executor, self.runner.generate, prompt_ids, view.kv, params, on_text)
+        self.metrics.ttft.labels(view.status).observe(gen.ttft_s)
+        return gen
+
+    # -- write-back --------------------------------------------------------------------------
+    def session_record(
+        self, tenant: str, session_id: str, messages: list[dict[str, str]], gen: Generation,
+        previous: SessionRecord | None,
+    ) -> SessionRecord:
+        now = time.time()
+        return SessionRecord(
+            tenant=tenant,
+            session_id=session_id,
+            model=self.model_key,
+            token_ids=list(gen.seq_ids),
+            messages=messages,
+            version=previous.version if previous else 0,
+            created_at=previous.created_at if previous else now,
+            updated_at=now,
+        )
+
+    def write_back(
+        self,
+        tenant_salt: bytes,
+        gen: Generation,
+        view: CacheView,
+        session: SessionRecord | None = None,
+        expected_version: int | None = None,
+    ) -> bool:
+        """Queue the new full blocks (and the session) for the background writer; never waits."""
+        if self.writer is None or self.store is None:
+            return False
+        b = self.block_tokens
+        hashes = self.hashes(tenant_salt, gen.seq_ids)
+        full = len(hashes)
+        job = WriteJob(
+            model=self.model_key,
+            hashes=hashes[view.hit_blocks :],
+            kv=gen.kv,
+            first_block=view.hit_blocks,
+            block_tokens=b,
+            session=session,
+            session_expected_version=expected_version,
+            session_tail_from=full * b,
+        )
+        if not job.hashes and session is None:
+            return True
+        return self.writer.submit(job)

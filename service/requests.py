@@ -1,0 +1,207 @@
+"""Parse and validate OpenAI-style request bodies into typed requests; bad input -> ApiError 4xx."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+
+from service.errors import ApiError, bad_request
+from service.runner import GenParams
+
+SESSION_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+SESSION_ID_RULE = "session ids are 1-128 characters of A-Z a-z 0-9 . _ -"
+ROLES = {"system", "user", "assistant", "tool", "developer"}
+MAX_MESSAGES = 1024
+MAX_STOP = 4
+MAX_JSON_DEPTH = 32
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A validated chat or text completion request."""
+
+    model: str
+    messages: list[dict[str, str]] | None  # chat: the conversation; text: None
+    prompt: str | None
+    params: GenParams
+    stream: bool
+    include_usage: bool
+    session_id: str | None
+
+
+def _depth(value: Any, limit: int) -> int:
+    stack = [(value, 1)]
+    deepest = 0
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            return deepest
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    return deepest
+
+
+async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
+    """The body as a JSON object, bounded in size and depth, as valid UTF-8."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise ApiError(413, f"request body is larger than {max_bytes} bytes", code="body_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise ApiError(413, f"request body is larger than {max_bytes} bytes", code="body_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise bad_request("request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise bad_request("request body is not valid UTF-8", code="invalid_json") from None
+    try:
+        body = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        raise bad_request("request body is not valid JSON", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object", code="invalid_json")
+    if _depth(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise bad_request(f"request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
+    return body
+
+
+def check_session_id(value: Any, param: str = "session_id") -> str:
+    if not isinstance(value, str) or not SESSION_ID_RE.match(value):
+        raise bad_request(f"invalid session id: {SESSION_ID_RULE}", param=param, code="invalid_session_id")
+    return value
+
+
+def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise bad_request(f"{name} must be a number", param=name)
+    if not lo <= float(value) <= hi:
+        raise bad_request(f"{name} must be between {lo} and {hi}", param=name)
+    return float(value)
+
+
+def _int(body: dict[str, Any], name: str, default: int | None, lo: int, hi: int) -> int | None:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"{name} must be an integer", param=name)
+    if not lo <= value <= hi:
+        raise bad_request(f"{name} must be between {lo} and {hi}", param=name)
+    return value
+
+
+def _text_content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise bad_request(f"{where}: only text content parts are supported", param=where)
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad_request(f"{where}.content must be a string or a list of text parts", param=where)
+
+
+def parse_messages(value: Any, param: str = "messages", allow_empty: bool = False) -> list[dict[str, str]]:
+    if not isinstance(value, list) or (not value and not allow_empty):
+        raise bad_request(f"{param} must be a non-empty array of messages", param=param)
+    if len(value) > MAX_MESSAGES:
+        raise bad_request(f"{param} holds more than {MAX_MESSAGES} messages", param=param)
+    messages = []
+    for i, msg in enumerate(value):
+        where = f"{param}[{i}]"
+        if not isinstance(msg, dict):
+            raise bad_request(f"{where} must be an object", param=where)
+        role = msg.get("role")
+        if role not in ROLES:
+            raise bad_request(f"{where}.role must be one of {sorted(ROLES)}", param=where)
+        messages.append({"role": role, "content": _text_content(msg.get("content"), where)})
+    return messages
+
+
+def parse_params(body: dict[str, Any], max_tokens_limit: int, default_max_tokens: int) -> GenParams:
+    max_tokens = _int(body, "max_completion_tokens", None, 1, max_tokens_limit)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", default_max_tokens, 1, max_tokens_limit)
+    n = _int(body, "n", 1, 1, 1)
+    assert n == 1
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,) if stop else ()
+    elif isinstance(stop, list) and len(stop) <= MAX_STOP and all(isinstance(s, str) and s for s in stop):
+        stops = tuple(stop)
+    else:
+        raise bad_request(f"stop must be a string or an array of at most {MAX_STOP} non-empty strings", param="stop")
+    temperature = _number(body, "temperature", 0.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0.0:  # only the most likely token survives: that is greedy decoding
+        temperature, top_p = 0.0, 1.0
+    return GenParams(
+        max_tokens=int(max_tokens or default_max_tokens),
+        temperature=temperature,
+        top_p=top_p,
+        seed=_int(body, "seed", None, -(2**63), 2**63 - 1),
+        stop=stops,
+    )
+
+
+def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad_request("stream must be a boolean", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise bad_request("stream_options must be an object", param="stream_options")
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise bad_request("stream_options.include_usage must be a boolean", param="stream_options")
+    return stream, include_usage
+
+
+def parse_completion(
+    body: dict[str, Any], *, chat: bool, header_session: str | None, max_tokens_limit: int, default_max_tokens: int
+) -> CompletionRequest:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("model is required and must be a string", param="model")
+    messages: list[dict[str, str]] | None = None
+    prompt: str | None = None
+    if chat:
+        messages = parse_messages(body.get("messages"))
+    else:
+        raw = body.get("prompt")
+        if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
+            raw = raw[0]
+        if not isinstance(raw, str) or not raw:
+            raise bad_request("prompt must be a non-empty string", param="prompt")
+        prompt = raw
+    session = body.get("session_id", header_session)
+    stream, include_usage = stream_flags(body)
+    return CompletionRequest(
+        model=model,
+        messages=messages,
+        prompt=prompt,
+        params=parse_params(body, max_tokens_limit, default_max_tokens),
+        stream=stream,
+        include_usage=include_usage,
+        session_id=None if session is None else check_session_id(session),
+    )

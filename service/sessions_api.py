@@ -1,0 +1,162 @@
+"""Server-side sessions for clients that send only the new turn: create, add messages, read, fork, delete."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from cachestore.sessions import SessionRecord
+from cachestore.store import BlockStore
+from service.completions import check_context, pod, ready_pipeline, run_admitted
+from service.errors import ApiError, bad_request, not_found
+from service.pipeline import CacheView
+from service.requests import check_session_id, parse_messages, parse_params, read_json, stream_flags
+from service.runner import Generation
+from service.state import PodState
+from service.tenancy import Tenant, resolve_tenant
+
+
+def _store(state: PodState) -> BlockStore:
+    pipeline = ready_pipeline(state)
+    if pipeline.store is None:
+        raise ApiError(501, "server-side sessions need the cache; this pod runs with --no-cache",
+                       type_="server_error", code="sessions_disabled")
+    return pipeline.store
+
+
+def _unavailable() -> ApiError:
+    return ApiError(503, "session storage (Redis) is unavailable; retry shortly", type_="server_error",
+                    code="redis_unavailable", headers={"Retry-After": "2"})
+
+
+def session_json(record: SessionRecord) -> dict[str, Any]:
+    return {
+        "id": record.session_id,
+        "object": "session",
+        "model": record.model,
+        "messages": record.messages,
+        "tokens": len(record.token_ids),
+        "version": record.version,
+        "created_at": record.created_at,
+        "updated_at": record.updated_at,
+    }
+
+
+async def _load(state: PodState, tenant: Tenant, session_id: str) -> SessionRecord:
+    store = _store(state)
+    record = await store.get_session(tenant.name, session_id)
+    if record is None:
+        if store.breaker_state == "open":
+            raise _unavailable()
+        raise not_found(f"session {session_id!r} not found")
+    return record
+
+
+def _path_id(request: Request) -> str:
+    return check_session_id(request.path_params["session_id"], param="session_id")
+
+
+async def create_session(request: Request) -> Response:
+    state = pod(request)
+    tenant = resolve_tenant(request, state.settings)
+    store = _store(state)
+    body = await read_json(request, state.settings.max_body_bytes) if await request.body() else {}
+    session_id = check_session_id(body["session_id"]) if body.get("session_id") is not None \
+        else "s-" + secrets.token_hex(12)
+    messages = parse_messages(body.get("messages", []), allow_empty=True)
+    now = time.time()
+    pipeline = ready_pipeline(state)
+    record = SessionRecord(tenant=tenant.name, session_id=session_id, model=pipeline.model_key, token_ids=[],
+                           messages=messages, created_at=now, updated_at=now)
+    stored = await store.put_session(record, None)
+    if stored is None:
+        if store.breaker_state == "open" or not await store.ping():
+            raise _unavailable()
+        raise ApiError(409, f"session {session_id!r} already exists", code="session_exists")
+    return JSONResponse(session_json(stored), status_code=201)
+
+
+async def get_session(request: Request) -> Response:
+    state = pod(request)
+    tenant = resolve_tenant(request, state.settings)
+    return JSONResponse(session_json(await _load(state, tenant, _path_id(request))))
+
+
+async def list_sessions(request: Request) -> Response:
+    state = pod(request)
+    tenant = resolve_tenant(request, state.settings)
+    store = _store(state)
+    ids = [session_id for _, session_id in await store.list_sessions(tenant.name)]
+    return JSONResponse({"object": "list", "data": [{"id": i, "object": "session"} for i in sorted(ids)]})
+
+
+async def delete_session(request: Request) -> Response:
+    state = pod(request)
+    tenant = resolve_tenant(request, state.settings)
+    session_id = _path_id(request)
+    if not await _store(state).delete_session(tenant.name, session_id):
+        raise not_found(f"session {session_id!r} not found")
+    return JSONResponse({"id": session_id, "object": "session.deleted", "deleted": True})
+
+
+async def fork_session(request: Request) -> Response:
+    state = pod(request)
+    tenant = resolve_tenant(request, state.settings)
+    parent_id = _path_id(request)
+    body = await read_json(request, state.settings.max_body_bytes) if await request.body() else {}
+    child_id = check_session_id(body["session_id"]) if body.get("session_id") is not None \
+        else "s-" + secrets.token_hex(12)
+    await _load(state, tenant, parent_id)
+    child = await _store(state).fork_session(tenant.name, parent_id, child_id)
+    if child is None:
+        raise ApiError(409, f"session {child_id!r} already exists", code="session_exists")
+    return JSONResponse(session_json(child), status_code=201)
+
+
+async def add_messages(request: Request) -> Response:
+    """Append the new turn, generate the reply, and record both with compare-and-set."""
+    state = pod(request)
+    tenant = resolve_tenant(request, state.settings)
+    session_id = _path_id(request)
+    body = await read_json(request, state.settings.max_body_bytes)
+    if "messages" in body:
+        new = parse_messages(body["messages"])
+    elif isinstance(body.get("content"), str):
+        new = [{"role": "user", "content": body["content"]}]
+    else:
+        raise bad_request("send `messages` (an array) or `content` (a string)", param="messages")
+    if body.get("model") is not None and state.loaded is not None and body["model"] != state.loaded.name:
+        raise ApiError(404, f"model {body['model']!r} is not served here", code="model_not_found", param="model")
+    params = parse_params(body, state.settings.max_tokens_limit, state.settings.default_max_tokens)
+    stream, include_usage = stream_flags(body)
+    record = await _load(state, tenant, session_id)
+    pipeline = ready_pipeline(state)
+    messages = [*record.messages, *new]
+    prompt_ids = pipeline.runner.chat_ids(messages)
+    check_context(state, prompt_ids, params)
+
+    async def lookup() -> CacheView:
+        view, _ = await pipeline.lookup(tenant.salt, prompt_ids, session=record)
+        return view
+
+    async def after(gen: Generation, view: CacheView) -> str | None:
+        updated = pipeline.session_record(tenant.name, session_id, [*messages, {"role": "assistant",
+                                          "content": gen.text}], gen, record)
+        assert pipeline.writer is not None
+        full = (len(gen.seq_ids) // pipeline.block_tokens) * pipeline.block_tokens
+        stored = await pipeline.writer.write_session(updated, gen.kv, full, record.version)
+        if stored is None:
+            return (f"session {session_id!r} was changed by another request while this reply was generated; "
+                    "the reply was not recorded, read the session and retry")
+        pipeline.write_back(tenant.salt, gen, view)
+        return None
+
+    assert state.loaded is not None
+    return await run_admitted(
+        state, chat=True, model=state.loaded.name, prompt_ids=prompt_ids, params=params, stream=stream,
+        include_usage=include_usage, lookup=lookup, after=after,
+    )

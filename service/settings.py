@@ -1,0 +1,116 @@
+"""Pod settings: read from the environment (KVSTASH_*) and CLI flags in this one place."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from cachestore.errors import ConfigError
+
+TENANT_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+DEFAULT_TENANT = "default"
+
+
+@dataclass(frozen=True)
+class PodSettings:
+    """Everything a pod needs; frozen so every request sees one consistent view."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str = "smollm2"
+    device: str = "cpu"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    namespace: str = "kvstash"
+    cache_enabled: bool = True
+    codec: str = "int8"
+    block_tokens: int = 64
+    block_ttl_s: int = 86400
+    session_ttl_s: int = 86400
+    budget_bytes: int = 2 << 30
+    max_value_bytes: int = 8 << 20
+    redis_timeout_s: float = 0.5  # the request path waits on Redis at most this long
+    local_tier_bytes: int = 64 << 20
+    max_queue: int = 8  # requests admitted (running + waiting) before 503
+    write_queue: int = 64  # background writes waiting before new ones are dropped
+    max_body_bytes: int = 1 << 20
+    max_tokens_limit: int = 2048
+    default_max_tokens: int = 128
+    api_keys: Mapping[str, str] = field(default_factory=dict, repr=False)  # key -> tenant
+    tenant_secret: str = field(default="", repr=False)
+    pod_name: str = ""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"port must be in 1..65535, got {self.port}")
+        if self.block_tokens < 1 or self.block_tokens > 4096:
+            raise ConfigError("block_tokens must be in 1..4096")
+        if self.redis_timeout_s <= 0:
+            raise ConfigError("redis_timeout_s must be positive")
+        if self.max_queue < 1 or self.write_queue < 1:
+            raise ConfigError("max_queue and write_queue must be at least 1")
+        for key, tenant in self.api_keys.items():
+            if not key or not TENANT_RE.match(tenant):
+                raise ConfigError("api keys need a non-empty key and a tenant matching [A-Za-z0-9._-]{1,64}")
+
+    def __repr__(self) -> str:
+        shown = {f.name: getattr(self, f.name) for f in fields(self) if f.repr}
+        shown["api_keys"] = f"<{len(self.api_keys)} keys>"
+        shown["tenant_secret"] = "***" if self.tenant_secret else ""
+        return "PodSettings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
+
+    @property
+    def multi_tenant(self) -> bool:
+        return bool(self.api_keys)
+
+    def tenant_salt(self, tenant: str) -> bytes:
+        """Salt folded into a tenant's hash chain; keyed by the shared secret when one is set."""
+        if not self.tenant_secret:
+            return tenant.encode()
+        return hmac.new(self.tenant_secret.encode(), tenant.encode(), hashlib.sha256).digest()
+
+    def with_overrides(self, **overrides: Any) -> PodSettings:
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def parse_api_keys(text: str) -> dict[str, str]:
+    """`key1:tenantA,key2:tenantB` -> {key: tenant}."""
+    keys: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, tenant = item.rpartition(":")
+        if not sep or not key:
+            raise ConfigError("KVSTASH_API_KEYS must look like key1:tenantA,key2:tenantB")
+        keys[key] = tenant
+    return keys
+
+
+_ENV_CASTS: dict[str, Any] = {
+    "host": str, "port": int, "model": str, "device": str, "redis_url": str, "namespace": str,
+    "codec": str, "block_tokens": int, "block_ttl_s": int, "session_ttl_s": int,
+    "budget_bytes": int, "max_value_bytes": int, "redis_timeout_s": float,
+    "local_tier_bytes": int, "max_queue": int, "write_queue": int, "max_body_bytes": int,
+    "max_tokens_limit": int, "default_max_tokens": int, "tenant_secret": str, "pod_name": str,
+}
+
+
+def settings_from_env(environ: Mapping[str, str] | None = None) -> PodSettings:
+    """Build settings from KVSTASH_* variables (e.g. KVSTASH_REDIS_URL, KVSTASH_CODEC)."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for name, cast in _ENV_CASTS.items():
+        raw = env.get(f"KVSTASH_{name.upper()}")
+        if raw is None or raw == "":
+            continue
+        try:
+            values[name] = cast(raw)
+        except ValueError as exc:
+            raise ConfigError(f"KVSTASH_{name.upper()} must be a {cast.__name__}, got {raw!r}") from exc
+    if env.get("KVSTASH_NO_CACHE", "").lower() in {"1", "true", "yes"}:
+        values["cache_enabled"] = False
+    if env.get("KVSTASH_API_KEYS"):
+        values["api_keys"] = parse_api_keys(env["KVSTASH_API_KEYS"])
+    return PodSettings(**values)

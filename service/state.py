@@ -1,0 +1,31 @@
+"""The resources a pod opens at start-up and hands to every handler."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from cachestore.store import BlockStore
+from service.metrics import PodMetrics
+from service.models import LoadedModel
+from service.pipeline import Pipeline
+from service.runner import ModelRunner
+from service.settings import PodSettings
+from service.writer import BackgroundWriter
+
+
+@dataclass
+class PodState:
+    settings: PodSettings
+    metrics: PodMetrics
+    loaded: LoadedModel | None = None
+    runner: ModelRunner | None = None
+    store: BlockStore | None = None
+    writer: BackgroundWriter | None = None
+    pipeline: Pipeline | None = None
+    started_at: float = field(default_factory=time.time)
+    load_error: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.pipeline is not None
