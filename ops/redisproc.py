@@ -23,10 +23,24 @@ class RedisProcessError(RuntimeError):
     """A private redis-server could not be started or configured."""
 
 
-def free_port() -> int:
+def free_port(max_port: int = 65535) -> int:
+    """A free TCP port on 127.0.0.1, at most `max_port` (a cluster node needs port + 10000 free too)."""
+    for _ in range(200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port <= max_port and (max_port == 65535 or _is_free(port + 10000)):
+            return port
+    raise RedisProcessError(f"no free port at or below {max_port}")
+
+
+def _is_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def redis_binary(name: str = "redis-server") -> str:
@@ -148,6 +162,7 @@ class RedisCluster:
     def start(self, timeout_s: float = 30.0) -> RedisCluster:
         for _ in range(self.primaries * (1 + self.replicas)):
             node = RedisProcess(
+                port=free_port(max_port=55535),  # the cluster bus listens on port + 10000
                 extra_args=(
                     "--cluster-enabled", "yes",
                     "--cluster-config-file", "nodes.conf",
