@@ -72,7 +72,7 @@ def make_client(settings: StoreSettings) -> Any:
     url = _strip_scheme_suffix(settings.url)
     if settings.is_cluster:
         return RedisCluster.from_url(
-            url, max_connections=settings.max_connections, cluster_error_retry_attempts=1,
+            url, max_connections=settings.max_connections,
             **_common(settings),
         )
     pool = BlockingConnectionPool.from_url(
