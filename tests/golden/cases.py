@@ -1,0 +1,74 @@
+"""Golden codec frames: fixed inputs, their frames and decoded tensors, committed on purpose.
+
+Regenerate only when the frame format changes deliberately (and bump FORMAT_VERSION):
+    .venv/bin/python -m tests.golden.cases --write
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).parent
+
+# name -> (codec spec, dtype, [layers, 2, kv_heads, tokens, head_dim])
+CASES: dict[str, tuple[str, torch.dtype, tuple[int, int, int, int, int]]] = {
+    "exact_bf16_none": ("exact+none", torch.bfloat16, (2, 2, 1, 3, 4)),
+    "exact_fp32_lz4": ("exact+lz4", torch.float32, (1, 2, 2, 5, 4)),
+    "fp16_fp32_zstd": ("fp16+zstd:3", torch.float32, (1, 2, 1, 6, 8)),
+    "int8_fp16_none": ("int8+none", torch.float16, (2, 2, 2, 5, 8)),
+    "int8_fp32_lz4": ("int8+lz4", torch.float32, (1, 2, 2, 7, 8)),
+    "int4_fp16_none_g4": ("int4+none/g4", torch.float16, (1, 2, 2, 6, 8)),
+    "int4_bf16_zstd_g8": ("int4+zstd:3/g8", torch.bfloat16, (2, 2, 1, 9, 8)),
+    "int2_fp32_none_g4": ("int2+none/g4", torch.float32, (1, 2, 1, 10, 4)),
+    "fp8_fp32_none": ("fp8+none", torch.float32, (1, 2, 2, 4, 8)),
+}
+
+
+def make_input(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A fixed tensor built from integer arithmetic, exact in every dtype on every machine.
+
+    Values are multiples of 1/16 in [-50/16, 50/16], times 1, 2 or 4 by channel, so keys
+    have channels of different magnitude.
+    """
+    count = 1
+    for size in shape:
+        count *= size
+    ints = (torch.arange(count, dtype=torch.int64) * 37) % 101 - 50
+    channel = torch.arange(count, dtype=torch.int64) % shape[-1]
+    values = ints.double() / 16 * (2.0 ** (channel % 3)).double()
+    return values.view(shape).to(dtype)
+
+
+def frame_path(name: str) -> Path:
+    return HERE / f"{name}.frame"
+
+
+def expected_path(name: str) -> Path:
+    """Raw little-endian bits of the decoded tensor, in its dtype."""
+    return HERE / f"{name}.decoded"
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def write_all() -> None:
+    from cachestore.codec import Codec  # noqa: PLC0415
+
+    for name, (spec, dtype, shape) in CASES.items():
+        frame = Codec(spec).encode(make_input(dtype, shape))
+        frame_path(name).write_bytes(frame)
+        expected_path(name).write_bytes(tensor_bytes(Codec().decode(frame)))
+        print(f"wrote {name}: {len(frame)} bytes")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--write", action="store_true", help="overwrite the committed files")
+    if parser.parse_args().write:
+        write_all()
+    else:
+        parser.print_help()
