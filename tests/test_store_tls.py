@@ -1,0 +1,84 @@
+"""BlockStore over TLS (self-signed certificate) as an ACL user limited to the namespace's keys."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from cachestore.hashing import BlockHash
+from cachestore.sessions import SessionRecord
+from cachestore.settings import StoreSettings
+from cachestore.store import BlockStore
+from ops.redisproc import RedisProcess, RedisProcessError, free_port
+
+PASSWORD = "s3cret-Pa55"
+
+
+def self_signed(directory: Path) -> tuple[Path, Path]:
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )
+    return cert, key
+
+
+@pytest.fixture
+def tls_acl_redis(tmp_path: Path) -> Iterator[tuple[RedisProcess, int, Path]]:
+    """A redis-server with a TLS port and user `kv` allowed only keys `tlsns:*`."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = self_signed(tmp_path)
+    tls_port = free_port()
+    server = RedisProcess(extra_args=(
+        "--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+        "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no",
+        "--user", "kv", "on", f">{PASSWORD}", "~tlsns:*", "resetchannels", "+@all", "-@admin", "-@dangerous",
+    ))
+    try:
+        server.start()
+    except RedisProcessError as exc:
+        server.cleanup()
+        pytest.skip(f"this redis-server cannot serve TLS: {exc}")
+    try:
+        yield server, tls_port, cert
+    finally:
+        server.cleanup()
+
+
+async def test_tls_with_acl_user(tls_acl_redis: tuple[RedisProcess, int, Path]) -> None:
+    server, tls_port, cert = tls_acl_redis
+    url = f"rediss://kv:{PASSWORD}@127.0.0.1:{tls_port}/0"
+    settings = StoreSettings.from_url(url, namespace="tlsns", tls_ca_path=str(cert), index_shards=4)
+    assert PASSWORD not in repr(settings)
+    store = BlockStore(settings)
+    try:
+        assert await store.ping()
+        hashes = [BlockHash(bytes([i]) * 16) for i in range(6)]
+        frames = [bytes([i]) * 5000 for i in range(6)]
+        assert await store.put_blocks("abcdef0123456789", hashes, frames) == 6
+        assert await store.lookup("abcdef0123456789", hashes) == frames
+        assert (await store.usage()).bytes_held == 30_000
+        assert await store.put_session(SessionRecord("acme", "s1", "m"), None) is not None
+        assert await store.list_sessions() == [("acme", "s1")]
+        assert (await store.reconcile()).stale_blocks == 0
+        assert store.stats().errors == 0
+    finally:
+        await store.close()
+    # the same user cannot touch keys outside its namespace, and plain TCP is not TLS
+    user = redis.Redis(host="127.0.0.1", port=tls_port, ssl=True, ssl_ca_certs=str(cert), username="kv", password=PASSWORD)
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        user.set("other:key", b"x")
+    user.close()
+    other = BlockStore(StoreSettings.from_url(url, namespace="otherns", tls_ca_path=str(cert)))
+    try:
+        assert await other.put_blocks("abcdef0123456789", hashes[:1], frames[:1]) == 0  # NOPERM: dropped
+        assert other.stats().dropped_writes == 1
+    finally:
+        await other.close()
