@@ -1,0 +1,193 @@
+"""`kvstash bench store`: put/get a whole 2048-token context through BlockStore vs raw redis-py.
+
+For each block size the same random bytes (the store is byte-opaque) are written and read
+as one context: kvstash's BlockStore (one pipelined round trip, TTL sliding, LRU touch,
+byte budget) side by side with a raw redis.asyncio pipeline of GET/SET of the same values,
+interleaved rep by rep in one event loop. Rows:
+
+    get            BlockStore.lookup            vs raw pipelined GETs
+    put            BlockStore.put_blocks, budget on and evicting (budget = 1.5 contexts)
+                                                vs raw pipelined SET PX
+    put_nobudget   BlockStore.put_blocks, budget off  vs raw pipelined SET PX
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from cachestore.hashing import BlockHash
+from cachestore.settings import StoreSettings
+from cachestore.store import BlockStore
+
+SMOLLM2_KV_BYTES_PER_TOKEN = 23_040  # fp16: 30 layers x 2 (K, V) x 3 kv heads x 64 dims x 2 bytes
+MODEL = "bench00000000000"
+KIB = 1024
+
+
+def register(bench_subparsers: Any) -> None:
+    p = bench_subparsers.add_parser("store", help="BlockStore put/get throughput vs raw redis-py")
+    p.add_argument("--redis-url", help="use this Redis (default: start a private redis-server)")
+    p.add_argument("--block-sizes", default="256K,512K,1M,2M,4M,8M",
+                   help="comma-separated block sizes (K/M suffixes), default %(default)s")
+    p.add_argument("--tokens", type=int, default=2048, help="context length in tokens (%(default)s)")
+    p.add_argument("--bytes-per-token", type=int, default=SMOLLM2_KV_BYTES_PER_TOKEN,
+                   help="KV bytes per token: 23040 = SmolLM2-135M fp16 (default), 11520 = int8")
+    p.add_argument("--reps", type=int, default=9, help="timed repetitions per cell (%(default)s)")
+    p.add_argument("--json", dest="json_path", help="write the rows as JSON to this path")
+    p.set_defaults(func=run)
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = {"K": KIB, "M": KIB * KIB}.get(text[-1:], 1)
+    return int(float(text.rstrip("KM")) * scale)
+
+
+def split(payload: bytes, block_bytes: int) -> list[bytes]:
+    return [payload[i:i + block_bytes] for i in range(0, len(payload), block_bytes)]
+
+
+def fresh_hashes(n: int) -> list[BlockHash]:
+    return [BlockHash(os.urandom(16)) for _ in range(n)]
+
+
+async def timed(call: Callable[[], Awaitable[Any]]) -> float:
+    start = time.perf_counter()
+    await call()
+    return time.perf_counter() - start
+
+
+def summarize(block_bytes: int, op: str, nbytes: int, ours: list[float], raw: list[float]) -> dict[str, Any]:
+    def pct(xs: list[float], q: float) -> float:
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))] * 1000
+
+    mb = nbytes / 1e6
+    ours_mb_s, raw_mb_s = mb * len(ours) / sum(ours), mb * len(raw) / sum(raw)
+    return {
+        "block_bytes": block_bytes, "op": op, "context_bytes": nbytes, "reps": len(ours),
+        "kvstash_mb_s": round(ours_mb_s, 1), "raw_mb_s": round(raw_mb_s, 1),
+        "ratio": round(ours_mb_s / raw_mb_s, 3),
+        "p50_ms": round(pct(ours, 0.5), 2), "p99_ms": round(pct(ours, 0.99), 2),
+        "raw_p50_ms": round(pct(raw, 0.5), 2), "raw_p99_ms": round(pct(raw, 0.99), 2),
+    }
+
+
+async def bench_block_size(url: str, payload: bytes, block_bytes: int, reps: int) -> list[dict[str, Any]]:
+    frames = split(payload, block_bytes)
+    base = dict(op_timeout_s=30.0, write_timeout_s=60.0, connect_timeout_s=2.0,
+                max_value_bytes=max(block_bytes, 8 << 20), block_ttl_s=3600)
+    # reads: a budgeted store (TTL sliding + LRU touch), budget roomy enough never to evict
+    reader = BlockStore(StoreSettings.from_url(url, namespace="bench-r", budget_bytes=len(payload) * 4, **base))
+    # puts: budget on at 1.5 contexts, so every put of a new context evicts most of the last one
+    budgeted = BlockStore(StoreSettings.from_url(url, namespace="bench-b", budget_bytes=len(payload) * 3 // 2,
+                                                 **base))
+    unbudgeted = BlockStore(StoreSettings.from_url(url, namespace="bench-n", budget_enabled=False, **base))
+    raw = aioredis.Redis.from_url(url)
+    raw_keys = [f"bench-raw:{i}" for i in range(len(frames))]
+    ttl_ms = 3600 * 1000
+
+    async def raw_put() -> None:  # into absent keys, like the stores (no overwrite frees)
+        pipe = raw.pipeline(transaction=False)
+        for key, frame in zip(raw_keys, frames, strict=True):
+            pipe.set(key, frame, px=ttl_ms)
+        await pipe.execute()
+
+    async def raw_get() -> list[bytes]:
+        pipe = raw.pipeline(transaction=False)
+        for key in raw_keys:
+            pipe.get(key)
+        return await pipe.execute()
+
+    try:
+        times: dict[str, list[float]] = {k: [] for k in ("get", "raw_get", "put", "put_nobudget", "raw_put")}
+        await raw_put()
+        read_hashes = fresh_hashes(len(frames))
+        assert await reader.put_blocks(MODEL, read_hashes, frames) == len(frames)
+        assert len(await reader.lookup(MODEL, read_hashes)) == len(frames)  # warm up
+        await raw_get()
+        old_unbudgeted: list[BlockHash] = []
+        for _ in range(reps):
+            times["get"].append(await timed(lambda: reader.lookup(MODEL, read_hashes)))
+            times["raw_get"].append(await timed(raw_get))
+            await raw.unlink(*raw_keys)  # untimed
+            hashes = fresh_hashes(len(frames))
+            times["put"].append(await timed(lambda: budgeted.put_blocks(MODEL, hashes, frames)))
+            hashes = fresh_hashes(len(frames))
+            times["put_nobudget"].append(await timed(lambda: unbudgeted.put_blocks(MODEL, hashes, frames)))
+            times["raw_put"].append(await timed(raw_put))
+            if old_unbudgeted:  # untimed: keep the unbudgeted namespace from growing
+                await raw.unlink(*(unbudgeted.keys.block(MODEL, h)[1] for h in old_unbudgeted))
+            old_unbudgeted = hashes
+        usage = await budgeted.usage()
+        assert usage.bytes_held <= usage.budget_bytes, usage
+        assert budgeted.stats().evictions > 0 or reps < 2
+        for store in (reader, budgeted, unbudgeted):
+            assert store.stats().errors == 0 and store.stats().dropped_writes == 0
+        n = len(payload)
+        return [
+            summarize(block_bytes, "get", n, times["get"], times["raw_get"]),
+            summarize(block_bytes, "put", n, times["put"], times["raw_put"]),
+            summarize(block_bytes, "put_nobudget", n, times["put_nobudget"], times["raw_put"]),
+        ]
+    finally:
+        await raw.unlink(*raw_keys)
+        for store in (reader, budgeted, unbudgeted):
+            await store.clear_namespace()
+            await store.close()
+        await raw.aclose()
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    head = f"{'block':>8} {'op':<13} {'kvstash MB/s':>12} {'raw MB/s':>9} {'ratio':>6} {'p50 ms':>8} " \
+           f"{'p99 ms':>8} {'raw p50':>8} {'raw p99':>8}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['block_bytes'] // KIB:>6}Ki {r['op']:<13} {r['kvstash_mb_s']:>12.1f} {r['raw_mb_s']:>9.1f} "
+              f"{r['ratio']:>6.2f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} {r['raw_p50_ms']:>8.1f} "
+              f"{r['raw_p99_ms']:>8.1f}")
+    gets = [r for r in rows if r["op"] == "get"]
+    puts = {r["block_bytes"]: r for r in rows if r["op"] == "put"}
+    free = {r["block_bytes"]: r for r in rows if r["op"] == "put_nobudget"}
+    worst_get = min(r["ratio"] for r in gets)
+    costs = [1 - puts[b]["kvstash_mb_s"] / free[b]["kvstash_mb_s"] for b in puts]
+    print(f"\nfetch: kvstash/raw throughput >= {worst_get:.2f} at every block size (target >= 0.80)")
+    print(f"budget enforcement costs {max(costs) * 100:.1f}% of put throughput at worst, "
+          f"{statistics.median(costs) * 100:.1f}% median (target <= 10%)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ops.redisproc import RedisProcess  # noqa: PLC0415
+
+    sizes = [parse_size(s) for s in args.block_sizes.split(",") if s.strip()]
+    payload = os.urandom(args.tokens * args.bytes_per_token)
+    server = None
+    url = args.redis_url
+    if not url:
+        server = RedisProcess().start()
+        url = server.url
+    print(f"context: {args.tokens} tokens x {args.bytes_per_token} B = {len(payload) / 1e6:.1f} MB of random "
+          f"bytes; {args.reps} reps per cell; Redis {url if args.redis_url else 'private redis-server'}")
+    rows: list[dict[str, Any]] = []
+    try:
+        for size in sizes:
+            rows.extend(asyncio.run(bench_block_size(url, payload, size, args.reps)))
+    finally:
+        if server is not None:
+            server.cleanup()
+    print_table(rows)
+    if args.json_path:
+        with open(args.json_path, "w") as fh:
+            json.dump(rows, fh, indent=2)
+        print(f"wrote {len(rows)} rows to {args.json_path}")
+    return 0
