@@ -21,6 +21,7 @@ import struct
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from cachestore.errors import StoreError
 from cachestore.keys import check_model, check_session_id, check_tenant
 
 FORMAT = "1"
@@ -76,8 +77,11 @@ class SessionRecord:
 
 def encode_tokens_b64(token_ids: list[int]) -> str:
     if len(token_ids) > MAX_TOKENS:
-        raise ValueError(f"a session holds at most {MAX_TOKENS} tokens")
-    return base64.b64encode(struct.pack(f"<{len(token_ids)}I", *token_ids)).decode("ascii")
+        raise StoreError(f"a session holds at most {MAX_TOKENS} tokens")
+    try:
+        return base64.b64encode(struct.pack(f"<{len(token_ids)}I", *token_ids)).decode("ascii")
+    except struct.error as exc:
+        raise StoreError("session token ids must be integers in [0, 2**32)") from exc
 
 
 def to_fields(record: SessionRecord, now: float) -> list[Any]:

@@ -104,6 +104,8 @@ class BlockStore:
     async def lookup(self, model: str, hashes: Sequence[BlockHash]) -> list[bytes]:
         """Frames of the longest present prefix of `hashes`, in one pipelined round trip."""
         check_model(model)
+        if not hashes:
+            return []
         self._counters.add("lookups")
         keyed = [self.keys.block(model, h) for h in hashes]
         frames: list[bytes] = []
