@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 from cachestore.errors import ConfigError
 
@@ -121,7 +121,9 @@ class StoreSettings:
                 from_query[key] = value
             else:
                 kept.append((key, value))
-        clean = parts._replace(query="&".join(f"{k}={v}" for k, v in kept)).geturl()
+        clean = url  # rebuilt by hand only when needed: geturl() turns unix:///p into unix:/p
+        if from_query:
+            clean = url.split("?", 1)[0] + ("?" + urlencode(kept) if kept else "")
         merged = {**from_query, **options}
         unknown = set(merged) - set(names)
         if unknown:

@@ -177,3 +177,16 @@ async def test_redis_killed_mid_workload_then_back(redis_server: RedisProcess) -
         assert await store.lookup(FP.short(), hashes) == frames  # hits resume
     finally:
         await store.close()
+
+
+async def test_unix_socket_url() -> None:
+    sock = f"/tmp/kvstash-test-{os.getpid()}.sock"
+    server = RedisProcess(extra_args=("--unixsocket", sock, "--unixsocketperm", "700")).start()
+    store = BlockStore(StoreSettings.from_url(f"unix://{sock}?db=0", namespace="unix"))
+    try:
+        hashes, frames = hashes_for(list(range(32))), frames_for(2)
+        assert await store.put_blocks(FP.short(), hashes, frames) == 2
+        assert await store.lookup(FP.short(), hashes) == frames
+    finally:
+        await store.close()
+        server.cleanup()
