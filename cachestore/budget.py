@@ -111,7 +111,7 @@ for i = 4, #KEYS do
     local size = tonumber(redis.call('HGET', KEYS[2], k) or '0')
     redis.call('ZREM', KEYS[1], k)
     redis.call('HDEL', KEYS[2], k)
-    if redis.call('DEL', k) == 1 then
+    if redis.call('UNLINK', k) == 1 then  -- UNLINK: a big value is freed off the main thread
       n = n + 1; freed = freed + size
     else
       stale_n = stale_n + 1; stale = stale + size
