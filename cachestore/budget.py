@@ -126,7 +126,7 @@ return {n, freed, stale_n, stale}
 
 CHECK = """
 -- KEYS[1] lru zset, KEYS[2] size hash, KEYS[3] bytes counter, KEYS[4..] indexed blocks
--- ARGV[1] 1 to also recount the shard's byte counter from the size hash
+-- ARGV[1] 1 to also recount the shard's byte counter from the size hash, ARGV[2] index ttl (ms)
 -- returns {stale entries removed, stale bytes removed, shard byte total}
 local stale_n, stale = 0, 0
 for i = 4, #KEYS do
@@ -149,6 +149,7 @@ if ARGV[1] == '1' then
 else
   total = tonumber(redis.call('DECRBY', KEYS[3], stale))
 end
+for j = 1, 3 do redis.call('PEXPIRE', KEYS[j], ARGV[2]) end
 return {stale_n, stale, total}
 """
 
@@ -249,7 +250,7 @@ async def reconcile(client: Any, keys: KeySpace, index_ttl_ms: int, chunk: int =
         batches = [members[i:i + chunk] for i in range(0, len(members), chunk)] or [[]]
         for i, batch in enumerate(batches):
             recount = "1" if i == len(batches) - 1 else "0"
-            n, b, _ = await client.eval(CHECK, 3 + len(batch), *shard.all(), *batch, recount)
+            n, b, _ = await client.eval(CHECK, 3 + len(batch), *shard.all(), *batch, recount, index_ttl_ms)
             stale_n += int(n)
             stale += int(b)
     return EvictionResult(stale_blocks=stale_n, stale_bytes=stale)

@@ -129,6 +129,7 @@ async def test_redis_maxmemory_eviction_then_reconcile() -> None:
         await store.reconcile()
         usage = await store.usage()
         assert (usage.bytes_held, usage.blocks) == held_bytes(client, "mm")
+        assert all(client.pttl(k) > 0 for k in client.scan_iter(match="mm:*"))  # every key keeps a TTL
     finally:
         await store.close()
         server.cleanup()
