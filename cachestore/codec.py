@@ -11,11 +11,17 @@ Modes and their loss (see DESIGN.md, "Codec"):
     int4   asymmetric per group (keys: group_size tokens per channel; values:
     int2   group_size channels per token), fp16 scale and zero; error <= half a step.
     fp8    e4m3 with a per-channel fp16 scale; relative error <= 2**-4.
+
+Storage policy (measured with `kvstash bench codec` on SmolLM2 KV): byte shuffle is used
+for exact/fp16 payloads under zstd only (fp16 KV: zstd ratio 1.09 -> 1.18; lz4 gains
+nothing). A compressed payload that saves under 3% is stored raw and its frame says
+compressor "none" (int8 and fp16 KV under lz4), so decoding skips a useless pass.
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
@@ -47,6 +53,7 @@ __all__ = ["DEFAULT_MAX_ELEMENTS", "Codec", "CodecSpec", "FrameHeader", "read_he
 DEFAULT_MAX_ELEMENTS = 1 << 28  # 512 MiB of fp16 KV; far above any block
 DEFAULT_GROUP = 64  # measured against 32 on SmolLM2 KV: see ops/bench/codec.py --groups
 _ALIGN = 8
+_WORTH = 0.97  # a compressed payload must save 3% or the raw bytes are stored instead
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _SPEC = re.compile(r"(?P<mode>[a-z0-9]+)(?:\+(?P<comp>[a-z0-9]+)(?::(?P<level>-?\d+))?)?"
@@ -200,11 +207,14 @@ class Codec:
             assert part.dtype == sec_dtype and tuple(part.shape) == shape, (part.shape, shape)
             raw[start:start + part.numel() * part.element_size()] = (
                 part.contiguous().view(-1).view(torch.uint8))  # copies device -> cpu if needed
-        shuffled = spec.mode in FLOAT_MODES and spec.compressor != "none"
-        if shuffled:
-            raw = shuffle(raw, _itemsize(spec.mode, dtype))
-        payload = compress(memoryview(raw.numpy()), spec.compressor, spec.level)
-        header = FrameHeader(FORMAT_VERSION, spec.mode, spec.compressor, _DTYPE_NAMES[dtype],
+        comp, shuffled = spec.compressor, spec.mode in FLOAT_MODES and spec.compressor == "zstd"
+        packed = shuffle(raw, _itemsize(spec.mode, dtype)) if shuffled else raw
+        payload = compress(memoryview(packed.numpy()), comp, spec.level)
+        if comp != "none" and len(payload) > raw_len * _WORTH:
+            # Incompressible (int8 and fp16 KV under lz4): store it plainly, so decoding
+            # skips a decompression that would buy nothing. The frame says so itself.
+            comp, shuffled, payload = "none", False, bytes(memoryview(raw.numpy()))
+        header = FrameHeader(FORMAT_VERSION, spec.mode, comp, _DTYPE_NAMES[dtype],
                              FLAG_SHUFFLE if shuffled else 0, group, dims.layers, dims.heads,
                              dims.tokens, dims.head_dim, raw_len, len(payload), 0)
         digest = checksum(pack_header(header), payload)
@@ -239,11 +249,28 @@ def _check_input(kv: torch.Tensor) -> tuple[Dims, torch.dtype]:
     return Dims(n_layers, heads, tokens, dim), kv.dtype
 
 
+def _borrow(payload: memoryview, raw_len: int) -> torch.Tensor:
+    """A uint8 tensor over the caller's (possibly read-only) bytes, without a copy.
+
+    Only for quantized modes: dequantizing reads these sections once and writes new
+    tensors, so nothing returned aliases the frame and nothing writes to it.
+    """
+    if len(payload) != raw_len:
+        raise CodecError(f"payload is {len(payload)} bytes, header says {raw_len}")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(payload, dtype=torch.uint8)
+
+
 def _decode(view: memoryview, device: torch.device | str | None,
             max_elements: int) -> torch.Tensor:
     header = verify_frame(view, max_elements=max_elements)
-    raw = decompress(view[HEADER_SIZE:], header.compressor, header.raw_len)
-    buf = torch.frombuffer(raw, dtype=torch.uint8)  # shares raw, which it keeps alive
+    payload = view[HEADER_SIZE:]
+    if header.compressor == "none" and header.mode not in FLOAT_MODES:
+        buf = _borrow(payload, header.raw_len)
+    else:
+        raw = decompress(payload, header.compressor, header.raw_len)
+        buf = torch.frombuffer(raw, dtype=torch.uint8)  # shares raw, which it keeps alive
     dtype = _DTYPES[header.dtype]
     if header.shuffled:
         buf = unshuffle(buf, _itemsize(header.mode, dtype))

@@ -117,7 +117,8 @@ def test_sizes_match_the_modes() -> None:
 
 
 def test_decode_to_a_device_and_header_helpers() -> None:
-    kv = _kv((1, 2, 2, 5, 8), torch.bfloat16)
+    kv = torch.zeros(1, 2, 2, 5, 8, dtype=torch.bfloat16)
+    kv[0, :, :, 0] = 1.5  # compressible, so zstd is kept
     frame = Codec("int8+zstd:5").encode(kv)
     assert Codec().decode(frame, device="cpu").dtype == torch.bfloat16
     header = verify_frame(bytearray(frame))
@@ -161,3 +162,23 @@ def test_spec_parse_and_name_round_trip() -> None:
 def test_spec_parse_rejects(text: str) -> None:
     with pytest.raises(ConfigError):
         CodecSpec.parse(text)
+
+
+def test_incompressible_payloads_are_stored_plainly_and_still_decode() -> None:
+    noisy = _kv((2, 2, 2, 64, 16), torch.float16)
+    smooth = torch.zeros(2, 2, 2, 64, 16, dtype=torch.float16)
+    for spec in ("int8+lz4", "fp16+lz4", "exact+lz4"):
+        assert read_header(Codec(spec).encode(noisy)).compressor == "none", spec
+        assert read_header(Codec(spec).encode(smooth)).compressor == spec[spec.index("+") + 1:][:4]
+    assert read_header(Codec("fp16+zstd:1").encode(smooth)).shuffled
+
+
+def test_decoded_tensors_never_alias_the_frame() -> None:
+    kv = _kv((1, 2, 2, 9, 8), torch.float32)
+    for spec in ("int8+none", "fp16+none", "exact+none", "int4+none/g4", "fp8+none"):
+        frame = bytearray(Codec(spec).encode(kv))
+        before = bytes(frame)
+        out = Codec().decode(frame)
+        out.fill_(7.0)
+        assert bytes(frame) == before, spec
+        assert not torch.equal(Codec().decode(frame), out), spec

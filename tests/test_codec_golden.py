@@ -24,7 +24,7 @@ def test_encoding_reproduces_the_golden_frame(name: str) -> None:
     spec, dtype, shape = CASES[name]
     golden = frame_path(name).read_bytes()
     frame = Codec(spec).encode(make_input(dtype, shape))
-    if CASES[name][0].split("+")[1].startswith("none"):
+    if read_header(golden).compressor == "none":
         assert frame == golden
     else:
         # compressed bytes may differ between lz4/zstd library releases; what is pinned is

@@ -16,10 +16,10 @@ HERE = Path(__file__).parent
 # name -> (codec spec, dtype, [layers, 2, kv_heads, tokens, head_dim])
 CASES: dict[str, tuple[str, torch.dtype, tuple[int, int, int, int, int]]] = {
     "exact_bf16_none": ("exact+none", torch.bfloat16, (2, 2, 1, 3, 4)),
-    "exact_fp32_lz4": ("exact+lz4", torch.float32, (1, 2, 2, 5, 4)),
+    "exact_fp32_lz4": ("exact+lz4", torch.float32, (1, 2, 2, 32, 8)),
     "fp16_fp32_zstd": ("fp16+zstd:3", torch.float32, (1, 2, 1, 6, 8)),
     "int8_fp16_none": ("int8+none", torch.float16, (2, 2, 2, 5, 8)),
-    "int8_fp32_lz4": ("int8+lz4", torch.float32, (1, 2, 2, 7, 8)),
+    "int8_fp32_lz4": ("int8+lz4", torch.float32, (1, 2, 2, 32, 8)),
     "int4_fp16_none_g4": ("int4+none/g4", torch.float16, (1, 2, 2, 6, 8)),
     "int4_bf16_zstd_g8": ("int4+zstd:3/g8", torch.bfloat16, (2, 2, 1, 9, 8)),
     "int2_fp32_none_g4": ("int2+none/g4", torch.float32, (1, 2, 1, 10, 4)),
