@@ -6,19 +6,28 @@ to `cache`; this module is the only place that knows which name the model takes.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import os
 from collections.abc import Sequence
 
-import torch
-from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import Cache
+os.environ["HF_HUB_OFFLINE"] = "1"  # as in service.models, whichever is imported first
+
+import torch  # noqa: E402
+from transformers import DynamicCache, PreTrainedModel  # noqa: E402
+from transformers.cache_utils import Cache  # noqa: E402
 
 KV_DIMS = 5  # [layers, 2, kv_heads, tokens, head_dim]
 
 
 def _cache_arg(model: PreTrainedModel) -> str:
     """The name under which this model's forward takes the cache ("cache" from 5.24 on)."""
-    params = inspect.signature(type(model).forward).parameters
+    return _cache_arg_of(type(model))
+
+
+@functools.cache
+def _cache_arg_of(model_type: type) -> str:
+    params = inspect.signature(model_type.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 

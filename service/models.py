@@ -130,8 +130,10 @@ def weights_digest(model_dir: Path, recipe: str = "") -> str:
                 h.update(chunk)
     model_id = "b2:" + h.hexdigest()
     meta = {"model_id": model_id, "weights": stats, "recipe": recipe or (meta or {}).get("recipe", "")}
-    try:
-        (model_dir / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+    try:  # write then rename: a concurrent reader sees the old file or the new, never half
+        tmp = model_dir / f".{META_FILE}.{os.getpid()}"
+        tmp.write_text(json.dumps(meta, indent=1) + "\n")
+        os.replace(tmp, model_dir / META_FILE)
     except OSError:
         pass  # a read-only model directory: recompute next time
     return model_id
