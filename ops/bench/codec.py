@@ -1,0 +1,181 @@
+"""`kvstash bench codec`: size, speed and error of every codec mode x compressor on real KV."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+SAMPLE_TEXT = Path(__file__).resolve().parent.parent / "data" / "sample.txt"
+MODES = ["exact", "fp16", "int8", "int4", "int2", "fp8"]
+COMPRESSORS = ["none", "lz4", "zstd"]
+TARGETS = {"int8": 1.9, "int4": 3.5, "int2": 6.0}  # minimum ratio vs fp16
+DECODE_TARGET_MB_S = 1000.0  # int8+lz4
+
+
+def register(bench_subparsers: Any) -> None:
+    p = bench_subparsers.add_parser("codec", help="codec ratio, encode/decode MB/s and error")
+    p.add_argument("--tokens", type=int, default=2048, help="KV tokens to encode (default 2048)")
+    p.add_argument("--repeat", type=int, default=5, help="timed runs per row; the median counts")
+    p.add_argument("--dtype", default="float16", choices=["float16", "float32", "bfloat16"],
+                   help="dtype of the KV handed to the codec (default float16)")
+    p.add_argument("--groups", default="32,64", help="int4/int2 group sizes to compare")
+    p.add_argument("--level", type=int, default=3, help="zstd level")
+    p.add_argument("--synthetic", action="store_true", help="skip the model: synthetic KV")
+    p.add_argument("--json", type=Path, help="write the rows as JSON to this path")
+    p.set_defaults(func=run)
+
+
+def _median_s(fn: Callable[[], object], repeat: int) -> float:
+    fn()  # warm up: allocator, lazy imports
+    times = []
+    for _ in range(max(1, repeat)):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _model_kv(tokens: int) -> tuple[Any, str]:
+    """KV of SmolLM2-135M prefilled with ops/data/sample.txt (repeated if too short)."""
+    import torch  # noqa: PLC0415
+
+    from service.hfcache import forward, tensor_from_cache  # noqa: PLC0415
+    from service.models import load_model  # noqa: PLC0415
+
+    loaded = load_model("smollm2")
+    text = SAMPLE_TEXT.read_text(encoding="utf-8")
+    ids = list(loaded.tokenizer(text)["input_ids"])
+    copies = -(-tokens // len(ids))
+    ids = (ids * copies)[:tokens]
+    with torch.inference_mode():
+        _, cache = forward(loaded.model, ids, None)
+    note = f"{SAMPLE_TEXT.name}: {len(ids)} tokens" + (f" (text x{copies})" if copies > 1 else "")
+    return tensor_from_cache(cache), note
+
+
+def _synthetic_kv(tokens: int) -> Any:
+    """Gaussian KV with SmolLM2's shape and a few large key channels, as real keys have."""
+    import torch  # noqa: PLC0415
+
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(30, 2, 3, tokens, 64, generator=gen)  # [layers, 2, heads, tokens, dim]
+    channel = torch.rand(30, 1, 3, 1, 64, generator=gen) ** 4 * 8 + 0.5
+    kv[:, :1] *= channel
+    return kv
+
+
+def _rel_err(a: Any, b: Any) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+def _row(kv: Any, spec: Any, repeat: int) -> dict[str, Any]:
+    from cachestore.codec import Codec  # noqa: PLC0415
+
+    codec = Codec(spec)
+    fp16_mb = kv.numel() * 2 / 1e6
+    frame = codec.encode(kv)
+    out = codec.decode(frame)
+    return {
+        "mode": spec.mode, "compressor": spec.compressor, "spec": spec.name(),
+        "group_size": spec.group_size if spec.mode in ("int4", "int2") else None,
+        "frame_bytes": len(frame),
+        "ratio_vs_fp16": kv.numel() * 2 / len(frame),
+        "encode_mb_s": fp16_mb / _median_s(lambda: codec.encode(kv), repeat),
+        "decode_mb_s": fp16_mb / _median_s(lambda: codec.decode(frame), repeat),
+        "k_rel_err": _rel_err(out[:, 0], kv[:, 0]),
+        "v_rel_err": _rel_err(out[:, 1], kv[:, 1]),
+    }
+
+
+def _shuffle_rows(kv: Any, level: int, repeat: int) -> list[dict[str, Any]]:
+    """Ratio and decompression speed of the fp16 payload with and without byte shuffle."""
+    import torch  # noqa: PLC0415
+
+    from cachestore.compress import compress, decompress, shuffle  # noqa: PLC0415
+
+    raw = kv.to(torch.float16).contiguous().view(-1).view(torch.uint8)
+    rows = []
+    for comp in ("lz4", "zstd"):
+        for shuffled in (False, True):
+            data = shuffle(raw, 2) if shuffled else raw
+            packed = compress(memoryview(data.numpy()), comp, level)
+            secs = _median_s(lambda p=packed, c=comp: decompress(memoryview(p), c, raw.numel()),
+                             repeat)
+            rows.append({"compressor": comp, "shuffle": shuffled,
+                         "ratio": raw.numel() / len(packed),
+                         "decompress_mb_s": raw.numel() / 1e6 / secs})
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch  # noqa: PLC0415
+
+    from cachestore.codec import CodecSpec  # noqa: PLC0415
+
+    source, note = "synthetic", "--synthetic given"
+    kv = None
+    if not args.synthetic:
+        try:
+            kv, note = _model_kv(args.tokens)
+            source = "smollm2"
+        except Exception as exc:  # any failure to get the model means the synthetic fallback
+            note = f"model unavailable ({type(exc).__name__}: {exc})"
+    if kv is None:
+        kv = _synthetic_kv(args.tokens)
+        print(f"WARNING: SYNTHETIC KV, not a model's: {note}", file=sys.stderr)
+    kv = kv.to(getattr(torch, args.dtype)).contiguous()
+    torch.set_num_threads(1)  # throughput per core, as the targets state it
+    groups = [int(g) for g in str(args.groups).split(",") if g]
+    specs = [CodecSpec(m, c, args.level) for m in MODES for c in COMPRESSORS
+             if m not in ("int4", "int2")]
+    specs += [CodecSpec(m, c, args.level, g) for m in ("int4", "int2") for g in groups
+              for c in COMPRESSORS]
+    memcpy_mb_s = kv.numel() * kv.element_size() / 1e6 / _median_s(kv.clone, args.repeat)
+    rows = [_row(kv, spec, args.repeat) for spec in specs]
+    shuffle_rows = _shuffle_rows(kv, args.level, args.repeat)
+    _print(rows, shuffle_rows, memcpy_mb_s, source, note, kv)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "rows": rows, "memcpy_mb_s": memcpy_mb_s, "source": source, "source_note": note,
+            "shape": list(kv.shape), "dtype": args.dtype, "threads": 1,
+            "shuffle": shuffle_rows, "targets": _targets(rows),
+        }, indent=2))
+    return 0
+
+
+def _targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Best ratio per mode against its target, and int8+lz4 decode speed against 1 GB/s."""
+    out: dict[str, Any] = {}
+    for mode, target in TARGETS.items():
+        best = max(r["ratio_vs_fp16"] for r in rows if r["mode"] == mode)
+        out[f"{mode}_ratio"] = {"best": best, "target": target, "met": best >= target}
+    speed = next(r["decode_mb_s"] for r in rows if r["spec"] == "int8+lz4")
+    out["int8_lz4_decode_mb_s"] = {"value": speed, "target": DECODE_TARGET_MB_S,
+                                   "met": speed >= DECODE_TARGET_MB_S}
+    return out
+
+
+def _print(rows: list[dict[str, Any]], shuffle_rows: list[dict[str, Any]], memcpy_mb_s: float,
+           source: str, note: str, kv: Any) -> None:
+    print(f"KV source: {source} ({note}); shape {list(kv.shape)} {kv.dtype}, "
+          f"{kv.numel() * 2 / 1e6:.1f} MB as fp16; 1 thread")
+    print(f"memcpy: {memcpy_mb_s:,.0f} MB/s")
+    print(f"{'spec':<22}{'ratio':>8}{'enc MB/s':>10}{'dec MB/s':>10}{'K rel err':>11}"
+          f"{'V rel err':>11}")
+    for r in rows:
+        print(f"{r['spec']:<22}{r['ratio_vs_fp16']:>8.2f}{r['encode_mb_s']:>10,.0f}"
+              f"{r['decode_mb_s']:>10,.0f}{r['k_rel_err']:>11.2e}{r['v_rel_err']:>11.2e}")
+    print("byte shuffle on the fp16 payload:")
+    for s in shuffle_rows:
+        print(f"  {s['compressor']:<5} shuffle={s['shuffle']!s:<5} ratio {s['ratio']:.3f}, "
+              f"decompress {s['decompress_mb_s']:,.0f} MB/s")
+    for name, t in _targets(rows).items():
+        value = t.get("best", t.get("value"))
+        print(f"target {name}: {value:,.2f} (>= {t['target']}) {'met' if t['met'] else 'MISSED'}")
