@@ -228,3 +228,16 @@ def test_redis_down_bypasses_and_recovers(redis_server: RedisProcess, tiny_model
             wait_written(c)
             time.sleep(0.5)
         assert statuses[-1] == "hit", statuses
+
+
+def test_overload_gets_503_with_retry_after(redis_server: RedisProcess, tiny_model: Any) -> None:
+    with make_client(redis_server, tiny_model, max_queue=1) as c:
+        body = {"model": "tiny-random", "messages": HISTORY, "max_tokens": 30, "stream": True}
+        with c.stream("POST", "/v1/chat/completions", json=body) as held:  # admitted until fully read
+            assert held.status_code == 200
+            refused = chat(c, HISTORY)
+            assert refused.status_code == 503
+            assert refused.headers["retry-after"].isdigit()
+            assert refused.json()["error"]["code"] == "overloaded"
+            held.read()
+        assert chat(c, HISTORY).status_code == 200

@@ -1,0 +1,69 @@
+"""A small streaming OpenAI client that measures time to first token (demo and load benchmark)."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+
+@dataclass
+class TurnResult:
+    text: str
+    ttft_ms: float
+    total_ms: float
+    pod: str
+    cache: str
+    cached_tokens: int
+    prompt_tokens: int
+    completion_tokens: int
+    status: int
+
+
+def stream_chat(
+    client: httpx.Client, base_url: str, body: dict[str, Any], headers: dict[str, str] | None = None,
+    path: str = "/v1/chat/completions",
+) -> TurnResult:
+    """POST a streaming chat request; TTFT is measured at the first content delta."""
+    payload = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft = None
+    pieces: list[str] = []
+    usage: dict[str, Any] = {}
+    with client.stream("POST", base_url + path, json=payload, headers=headers or {}) as resp:
+        if resp.status_code != 200:
+            resp.read()
+            return TurnResult(resp.text, 0.0, (time.perf_counter() - t0) * 1000, resp.headers.get("x-kv-pod", "?"),
+                              resp.headers.get("x-kv-cache", "?"), 0, 0, 0, resp.status_code)
+        for line in resp.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            if "error" in event:
+                raise RuntimeError(event["error"].get("message", "stream error"))
+            for choice in event.get("choices", []):
+                delta = choice.get("delta", {}).get("content") or choice.get("text") or ""
+                if delta:
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    pieces.append(delta)
+            if event.get("usage"):
+                usage = event["usage"]
+        total = time.perf_counter() - t0
+        return TurnResult(
+            text="".join(pieces),
+            ttft_ms=(ttft if ttft is not None else total) * 1000,
+            total_ms=total * 1000,
+            pod=resp.headers.get("x-kv-pod", "?"),
+            cache=resp.headers.get("x-kv-cache", "?"),
+            cached_tokens=int(usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)),
+            prompt_tokens=int(usage.get("prompt_tokens", 0)),
+            completion_tokens=int(usage.get("completion_tokens", 0)),
+            status=resp.status_code,
+        )

@@ -1,0 +1,157 @@
+"""`kvstash demo`: Redis, three pods and a round-robin balancer; a multi-turn chat hopping between pods."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+QUESTIONS = [
+    "Hi! I'm planning a three-day trip to Lisbon in spring. What should I know before I go?",
+    "What are three neighbourhoods worth walking through, and why?",
+    "Which traditional dishes should I try, and where would I find them?",
+    "How do the trams work, and is tram 28 worth the queue?",
+    "Suggest a day trip outside the city that is easy by train.",
+    "Summarise everything we discussed as a short checklist.",
+    "What should I pack for the weather?",
+    "Any tips on tipping and etiquette in restaurants?",
+]
+SYSTEM = "You are a concise, friendly travel assistant."
+
+
+def register(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "demo", help="three pods behind a round-robin balancer holding one multi-turn chat",
+        description="Start Redis, three pods and a round-robin balancer (nginx if installed), hold a "
+                    "multi-turn chat through it, and compare every turn with a pod that has no cache.",
+    )
+    p.add_argument("--turns", type=int, default=6, help="number of chat turns (default 6, at most 8)")
+    p.add_argument("--model", default="smollm2", help="model every pod serves (default smollm2)")
+    p.add_argument("--codec", default="int8", help="codec of the cached blocks (default int8)")
+    p.add_argument("--max-tokens", type=int, default=96, help="reply length per turn (default 96)")
+    p.add_argument("--redis-url", help="use this Redis instead of starting a private one")
+    p.add_argument("--pods", type=int, default=3, help="number of caching pods (default 3)")
+    p.add_argument("--json", type=Path, help="write the per-turn results here")
+    p.set_defaults(func=run)
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+@contextlib.contextmanager
+def _cluster(args: argparse.Namespace) -> Iterator[tuple[str, list[Any], Any, Any]]:
+    """Redis, caching pods, one no-cache pod and the balancer; everything is stopped on exit."""
+    from ops.pods import NginxProcess, PodProcess, ProcessError, nginx_binary  # noqa: PLC0415
+    from ops.redisproc import RedisProcess  # noqa: PLC0415
+
+    started: list[Any] = []
+    try:
+        redis_url = args.redis_url
+        if redis_url is None:
+            redis_proc = RedisProcess(extra_args=("--maxmemory", "1gb", "--maxmemory-policy", "allkeys-lru"))
+            started.append(redis_proc.start())
+            redis_url = redis_proc.url
+            _say(f"redis        {redis_url} (private, started for the demo)")
+        extra = ("--codec", args.codec)
+        pods = [PodProcess(f"pod-{chr(ord('a') + i)}", redis_url, args.model, extra) for i in range(args.pods)]
+        baseline = PodProcess("pod-nocache", redis_url, args.model, extra, no_cache=True)
+        for pod in [*pods, baseline]:
+            started.append(pod.start())
+        _say(f"starting {len(pods)} pods + 1 no-cache pod (model {args.model}, codec {args.codec}); "
+             "the first start converts the model once ...")
+        for pod in [*pods, baseline]:
+            pod.wait_ready()
+            _say(f"{pod.name:<12} {pod.url} ready" + (" (cache disabled)" if pod.no_cache else ""))
+        balancer = None
+        if nginx_binary() is not None:
+            try:
+                balancer = NginxProcess([f"127.0.0.1:{p.port}" for p in pods]).start()
+                started.append(balancer)
+                _say(f"nginx        {balancer.url} round robin over {len(pods)} pods")
+            except ProcessError as exc:
+                _say(f"nginx could not start ({exc}); the demo client rotates pods itself")
+        else:
+            _say("nginx is not installed; the demo client rotates over the pods itself (round robin)")
+        yield redis_url, pods, baseline, balancer
+    finally:
+        for proc in reversed(started):
+            proc.cleanup()
+
+
+def run(args: argparse.Namespace) -> int:
+    import httpx  # noqa: PLC0415
+
+    from ops.chatclient import stream_chat  # noqa: PLC0415
+
+    if not 1 <= args.turns <= len(QUESTIONS):
+        print(f"kvstash demo: --turns must be between 1 and {len(QUESTIONS)}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    rows: list[dict[str, Any]] = []
+    with _cluster(args) as (_, pods, baseline, balancer), httpx.Client(timeout=300) as client:
+        messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
+        model = Path(args.model).name if "/" in args.model else args.model
+        _say("")
+        _say(f"{'turn':>4}  {'pod':<8} {'cache':<8} {'prompt':>6} {'cached':>6} {'TTFT ms':>8} "
+             f"{'no-cache ms':>11} {'speedup':>7}  same reply")
+        for turn in range(1, args.turns + 1):
+            messages.append({"role": "user", "content": QUESTIONS[turn - 1]})
+            body = {"model": model, "messages": messages, "max_tokens": args.max_tokens, "temperature": 0}
+            target = balancer.url if balancer else pods[(turn - 1) % len(pods)].url
+            cached = stream_chat(client, target, body)
+            plain = stream_chat(client, baseline.url, body)
+            if cached.status != 200 or plain.status != 200:
+                print(f"kvstash demo: turn {turn} failed: {cached.text or plain.text}", file=sys.stderr)
+                return 1
+            same = cached.text == plain.text
+            rows.append({
+                "turn": turn, "pod": cached.pod, "cache": cached.cache, "prompt_tokens": cached.prompt_tokens,
+                "cached_tokens": cached.cached_tokens, "ttft_ms": round(cached.ttft_ms, 1),
+                "ttft_ms_nocache": round(plain.ttft_ms, 1), "identical": same,
+                "matching_chars": _matching(cached.text, plain.text),
+            })
+            speed = plain.ttft_ms / cached.ttft_ms if cached.ttft_ms else 0.0
+            _say(f"{turn:>4}  {cached.pod:<8} {cached.cache:<8} {cached.prompt_tokens:>6} "
+                 f"{cached.cached_tokens:>6} {cached.ttft_ms:>8.0f} {plain.ttft_ms:>11.0f} {speed:>6.1f}x  "
+                 f"{'yes' if same else 'no'}")
+            messages.append({"role": "assistant", "content": cached.text})
+            time.sleep(0.3)  # let the serving pod's background write land before the next turn
+    later = [r for r in rows if r["turn"] > 1]
+    speedup = (sum(r["ttft_ms_nocache"] for r in later) / max(1e-9, sum(r["ttft_ms"] for r in later))) if later else 0
+    all_identical = all(r["identical"] for r in rows)
+    _say("")
+    _say(f"turns 2..{args.turns}: mean TTFT {_mean(later, 'ttft_ms'):.0f} ms with kvstash vs "
+         f"{_mean(later, 'ttft_ms_nocache'):.0f} ms recomputing: {speedup:.1f}x faster")
+    pods_used = sorted({r["pod"] for r in rows})
+    _say(f"pods that served turns: {', '.join(pods_used)}")
+    if all_identical:
+        _say(f"every reply was identical with and without the cache (codec {args.codec})")
+    else:
+        differing = [r["turn"] for r in rows if not r["identical"]]
+        _say(f"replies differed on turns {differing} (codec {args.codec} is lossy; "
+             f"matching characters: {[r['matching_chars'] for r in rows]})")
+    if args.json:
+        args.json.write_text(json.dumps({"turns": rows, "speedup": round(speedup, 2),
+                                         "all_identical": all_identical, "codec": args.codec}, indent=2))
+        _say(f"wrote {args.json}")
+    return 0
+
+
+def _matching(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _mean(rows: list[dict[str, Any]], key: str) -> float:
+    return sum(r[key] for r in rows) / len(rows) if rows else 0.0

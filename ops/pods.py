@@ -1,0 +1,159 @@
+"""Start and stop pod and nginx processes on free ports (the demo, load benchmark and end-to-end tests)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from ops.redisproc import free_port
+
+NGINX_TEMPLATE = Path(__file__).parent / "nginx" / "demo.conf.template"
+
+
+class ProcessError(RuntimeError):
+    """A pod or balancer could not be started."""
+
+
+@dataclass
+class PodProcess:
+    """One `kvstash serve` subprocess."""
+
+    name: str
+    redis_url: str
+    model: str = "smollm2"
+    extra_args: Sequence[str] = ()
+    no_cache: bool = False
+    port: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
+    log_path: Path | None = field(default=None, init=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> PodProcess:
+        """Spawn the pod; call `wait_ready()` (several pods can load their models at once)."""
+        self.port = self.port or free_port()
+        args = [sys.executable, "-m", "ops.cli", "serve", "--port", str(self.port), "--model", self.model,
+                "--redis-url", self.redis_url, "--pod-name", self.name, "--log-level", "warning",
+                *self.extra_args]
+        if self.no_cache:
+            args.append("--no-cache")
+        fd, log = tempfile.mkstemp(prefix=f"kvstash-{self.name}-", suffix=".log")
+        self.log_path = Path(log)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        self.proc = subprocess.Popen(args, stdout=fd, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        os.close(fd)
+        return self
+
+    def wait_ready(self, timeout_s: float = 300.0) -> PodProcess:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                raise ProcessError(f"pod {self.name} exited:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise ProcessError(f"pod {self.name} not ready after {timeout_s:.0f}s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join((self.log_path or Path("/nonexistent")).read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.proc = None
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def cleanup(self) -> None:
+        self.stop()
+        if self.log_path is not None:
+            self.log_path.unlink(missing_ok=True)
+
+
+def nginx_binary() -> str | None:
+    for candidate in (shutil.which("nginx"), "/usr/sbin/nginx"):
+        if candidate and Path(candidate).exists():
+            return candidate
+    return None
+
+
+def render_nginx_conf(upstreams: Sequence[str], port: int, workdir: Path) -> str:
+    """The demo balancer: ops/nginx/demo.conf.template with its upstream servers and paths filled in."""
+    servers = "\n".join(f"        server {u} max_fails=1 fail_timeout=5s;" for u in upstreams)
+    text = NGINX_TEMPLATE.read_text()
+    return text.replace("@UPSTREAM_SERVERS@", servers).replace("@PORT@", str(port)).replace(
+        "@WORKDIR@", str(workdir))
+
+
+@dataclass
+class NginxProcess:
+    """nginx as a round-robin balancer in front of `upstreams` (host:port strings)."""
+
+    upstreams: Sequence[str]
+    port: int = 0
+    workdir: Path | None = None
+    proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 10.0) -> NginxProcess:
+        binary = nginx_binary()
+        if binary is None:
+            raise ProcessError("nginx is not installed")
+        self.port = self.port or free_port()
+        self.workdir = Path(tempfile.mkdtemp(prefix="kvstash-nginx-"))
+        conf = self.workdir / "nginx.conf"
+        conf.write_text(render_nginx_conf(self.upstreams, self.port, self.workdir))
+        check = subprocess.run([binary, "-t", "-c", str(conf), "-p", str(self.workdir)], capture_output=True,
+                               text=True, check=False)
+        if check.returncode != 0:
+            raise ProcessError(f"nginx rejected its config: {check.stderr.strip()}")
+        self.proc = subprocess.Popen([binary, "-c", str(conf), "-p", str(self.workdir), "-g", "daemon off;"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(self.url + "/healthz", timeout=1)
+                return self
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise ProcessError("nginx did not start listening")
+
+    def cleanup(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc = None
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
