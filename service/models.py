@@ -195,7 +195,7 @@ def _probe_logits(model: PreTrainedModel) -> torch.Tensor:
 def _build_smollm2(out: Path) -> None:
     gguf = gguf_path()
     started = time.perf_counter()
-    _log(f"converting {gguf.name} to safetensors in {out.parent} (once; takes ~30 s)")
+    _log(f"converting {gguf.name} to safetensors in {out.parent} (once; takes ~20 s)")
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     _log(f"tokenizer loaded ({time.perf_counter() - started:.1f} s); dequantizing weights")
     gguf_model = AutoModelForCausalLM.from_pretrained(
