@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-SAMPLE_TEXT = Path(__file__).resolve().parent.parent / "data" / "sample.txt"
+from ops.bench.common import SAMPLE_TEXT
+from ops.bench.common import median_s as _median_s
+
 MODES = ["exact", "fp16", "int8", "int4", "int2", "fp8"]
 COMPRESSORS = ["none", "lz4", "zstd"]
 TARGETS = {"int8": 1.9, "int4": 3.5, "int2": 6.0}  # minimum ratio vs fp16
@@ -29,16 +28,6 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--synthetic", action="store_true", help="skip the model: synthetic KV")
     p.add_argument("--json", type=Path, help="write the rows as JSON to this path")
     p.set_defaults(func=run)
-
-
-def _median_s(fn: Callable[[], object], repeat: int) -> float:
-    fn()  # warm up: allocator, lazy imports
-    times = []
-    for _ in range(max(1, repeat)):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _model_kv(tokens: int) -> tuple[Any, str]:

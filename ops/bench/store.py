@@ -27,6 +27,7 @@ import redis.asyncio as aioredis
 from cachestore.hashing import BlockHash
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
+from ops.bench.common import percentile
 
 SMOLLM2_KV_BYTES_PER_TOKEN = 23_040  # fp16: 30 layers x 2 (K, V) x 3 kv heads x 64 dims x 2 bytes
 MODEL = "bench00000000000"
@@ -68,8 +69,7 @@ async def timed(call: Callable[[], Awaitable[Any]]) -> float:
 
 def summarize(block_bytes: int, op: str, nbytes: int, ours: list[float], raw: list[float]) -> dict[str, Any]:
     def pct(xs: list[float], q: float) -> float:
-        xs = sorted(xs)
-        return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))] * 1000
+        return percentile(xs, q) * 1000
 
     mb = nbytes / 1e6  # MB/s from the median rep: robust to a noisy neighbour stealing the CPU
     ours_mb_s, raw_mb_s = mb / statistics.median(ours), mb / statistics.median(raw)

@@ -1,0 +1,131 @@
+"""Helpers shared by the benchmarks: timing, percentiles, tables, JSON, PNG plots and machine facts."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+SAMPLE_TEXT = Path(__file__).resolve().parent.parent / "data" / "sample.txt"
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-quantile (0..1) by nearest rank of the sorted values; 0.0 for no values."""
+    if not values:
+        return 0.0
+    xs = sorted(values)
+    return float(xs[min(len(xs) - 1, round(q * (len(xs) - 1)))])
+
+
+def median_s(fn: Callable[[], object], repeat: int) -> float:
+    """Median wall time of `fn` over `repeat` runs, after one untimed warm-up run."""
+    fn()  # warm up: allocator, lazy imports
+    times = []
+    for _ in range(max(1, repeat)):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str, str]]) -> None:
+    """Print rows as an aligned table; columns are (key, heading, format spec such as '.1f')."""
+    cells = [[format(r.get(key, ""), spec) if r.get(key) is not None else "-" for key, _, spec in columns]
+             for r in rows]
+    widths = [max([len(head)] + [len(c[i]) for c in cells]) for i, (_, head, _) in enumerate(columns)]
+    line = "  ".join(head.rjust(w) for (_, head, _), w in zip(columns, widths, strict=True))
+    print(line)
+    print("-" * len(line))
+    for c in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(c, widths, strict=True)))
+
+
+def machine() -> dict[str, Any]:
+    """Where a benchmark ran: cores, CPU model, RAM and the load average at call time."""
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    ram_gb = 0.0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                ram_gb = int(line.split()[1]) / 1024 / 1024
+                break
+    except OSError:
+        pass
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
+    return {"nproc": os.cpu_count(), "cpu": cpu, "ram_gb": round(ram_gb, 1),
+            "loadavg": [round(x, 2) for x in load], "python": platform.python_version()}
+
+
+def write_json(path: Path | str, payload: Any) -> None:
+    """Write `payload` as indented JSON, creating parent folders."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+def plot_lines(path: Path | str, series: dict[str, tuple[Sequence[float], Sequence[float]]], *, title: str,
+               xlabel: str, ylabel: str, logx: bool = False, logy: bool = False) -> None:
+    """One PNG line plot: {label: (xs, ys)} drawn with markers (matplotlib, Agg backend)."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+    for label, (xs, ys) in series.items():
+        ax.plot(list(xs), list(ys), marker="o", label=label)
+    if logx:
+        ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png")
+    plt.close(fig)
+    print(f"wrote {out}")
+
+
+def plot_bars(path: Path | str, labels: Sequence[str], groups: dict[str, Sequence[float]], *, title: str,
+              ylabel: str, logy: bool = False) -> None:
+    """One PNG grouped bar chart: for each label a bar per group ({group: values by label})."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+    width = 0.8 / max(1, len(groups))
+    for i, (name, values) in enumerate(groups.items()):
+        ax.bar([x + i * width for x in range(len(labels))], list(values), width, label=name)
+    ax.set_xticks([x + width * (len(groups) - 1) / 2 for x in range(len(labels))], list(labels))
+    if logy:
+        ax.set_yscale("log")
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png")
+    plt.close(fig)
+    print(f"wrote {out}")
