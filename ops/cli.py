@@ -20,6 +20,9 @@ COMMANDS = [
 BENCHES = [
     "ops.bench.codec",
     "ops.bench.store",
+    "ops.bench.resume",
+    "ops.bench.quality",
+    "ops.bench.load",
 ]
 
 

@@ -1,0 +1,319 @@
+"""`kvstash bench resume`: time to first token of a resumed session, kvstash vs recompute, naive and floor.
+
+For each context length N the prompt is N + 1 tokens of ops/data/sample.txt: the N-token history
+(prefilled "on another pod") and one new token. Methods, all on one model and one private Redis:
+
+    recompute       no cache: a full prefill of the N + 1 tokens (ModelRunner.generate)
+    kvstash-MODE    what a pod does on a hit: Pipeline.lookup (BlockStore.lookup of the N/b blocks
+                    in one pipelined round trip + Codec.decode + assembly), then Pipeline.generate
+                    (cache build + one forward step of the last token + the pick)
+    naive           torch.save of the per-layer (K, V) tensors into ONE Redis key; GET + torch.load
+                    + DynamicCache + the same forward step
+    floor-MODE      a raw redis-py pipelined GET of kvstash-MODE's frames + the forward step over a
+                    cache already in memory: the least any hit of those bytes can cost
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import time
+from pathlib import Path
+from typing import Any
+
+from ops.bench.common import SAMPLE_TEXT, machine, percentile, plot_lines, print_table, write_json
+
+CONTEXTS = [256, 512, 1024, 2048, 4096]
+LONG_CONTEXT = 8128  # the largest multiple of 64 whose prompt (+1 token) fits SmolLM2's 8192 context
+SALT = b"bench-resume"
+TARGET_SPEEDUP, TARGET_FLOOR_RATIO, TARGET_CONTEXT, TARGET_MODE = 20.0, 1.5, 2048, "int8"
+
+
+def register(bench_subparsers: Any) -> None:
+    p = bench_subparsers.add_parser("resume", help="TTFT of a resumed session: kvstash vs recompute, naive, floor")
+    p.add_argument("--model", default="smollm2", help="smollm2 (default), tiny-random or a local HF directory")
+    p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)),
+                   help="history lengths in tokens, multiples of --block-tokens (default %(default)s)")
+    p.add_argument("--long", action="store_true", help=f"also {LONG_CONTEXT} tokens (the model's context)")
+    p.add_argument("--modes", default="fp16,int8,int4,int2", help="codec specs to measure (default %(default)s)")
+    p.add_argument("--block-tokens", type=int, default=64, help="tokens per block, as the pod (default 64)")
+    p.add_argument("--repeat", type=int, default=7, help="timed runs per hit method (default 7)")
+    p.add_argument("--recompute-repeat", type=int, default=3, help="timed full prefills per context (default 3)")
+    p.add_argument("--no-naive", action="store_true", help="skip the torch.save baseline")
+    p.add_argument("--profile", action="store_true", help="break the int8 hit at 2048 tokens into its phases")
+    p.add_argument("--redis-url", help="use this Redis (default: a private redis-server)")
+    p.add_argument("--json", type=Path, help="write rows and targets as JSON here")
+    p.add_argument("--plot", type=Path, help="draw TTFT vs context length for every method (PNG)")
+    p.set_defaults(func=run)
+
+
+def _prompt_ids(tokenizer: Any, length: int) -> list[int]:
+    ids = [int(i) for i in tokenizer.encode(SAMPLE_TEXT.read_text(encoding="utf-8"), add_special_tokens=False)]
+    return (ids * (-(-length // len(ids))))[:length]
+
+
+def _row(context: int, method: str, times_s: list[float], nbytes: int) -> dict[str, Any]:
+    return {"context": context, "method": method, "runs": len(times_s),
+            "ttft_ms_p50": percentile(times_s, 0.5) * 1000, "ttft_ms_p90": percentile(times_s, 0.9) * 1000,
+            "bytes": nbytes, "speedup_vs_recompute": None, "ratio_to_floor": None}
+
+
+class ResumeBench:
+    """One model, one Redis; measures every method for one context at a time."""
+
+    def __init__(self, loaded: Any, url: str, args: argparse.Namespace) -> None:
+        from service.runner import ModelRunner  # noqa: PLC0415
+
+        self.loaded, self.url, self.args = loaded, url, args
+        self.runner = ModelRunner(loaded)
+
+    def recompute(self, prompt: list[int]) -> tuple[list[float], Any]:
+        from service.runner import GenParams  # noqa: PLC0415
+
+        times, kv = [], None
+        for _ in range(max(1, self.args.recompute_repeat)):
+            gen = self.runner.generate(prompt, None, GenParams(max_tokens=1))
+            times.append(gen.ttft_s)
+            kv = gen.kv
+        return times, kv  # kv: [L, 2, H, N + 1, D], the history's KV and the new token's
+
+    async def kvstash(self, mode: str, prompt: list[int], kv: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The pod's hit path for codec `mode`, then the floor over the very same frames."""
+        import redis  # noqa: PLC0415
+
+        from cachestore.codec import Codec  # noqa: PLC0415
+        from cachestore.store import BlockStore  # noqa: PLC0415
+        from service.app import store_settings  # noqa: PLC0415
+        from service.metrics import PodMetrics  # noqa: PLC0415
+        from service.pipeline import Pipeline  # noqa: PLC0415
+        from service.runner import GenParams  # noqa: PLC0415
+        from service.settings import PodSettings  # noqa: PLC0415
+
+        context, b = len(prompt) - 1, self.args.block_tokens
+        # A pod that did not process the history: no local tier; a Redis budget generous enough
+        # to time a cold 8k fp16 fetch instead of bypassing it.
+        settings = PodSettings(redis_url=self.url, namespace="bench-resume", codec=mode, block_tokens=b,
+                               local_tier_bytes=0, redis_timeout_s=60.0, budget_bytes=8 << 30)
+        store = BlockStore(store_settings(settings).with_options(write_timeout_s=60.0))
+        codec = Codec(mode)
+        pipeline = Pipeline(settings, self.loaded, self.runner, store, codec, PodMetrics(), None)
+        raw = redis.Redis.from_url(self.url)
+        try:
+            hashes = pipeline.hashes(SALT, prompt[:context])
+            frames = [codec.encode(kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]  # [L,2,H,b,D]
+            assert await store.put_blocks(pipeline.model_key, hashes, frames) == len(frames)
+            nbytes = sum(len(f) for f in frames)
+            times: list[float] = []
+            for rep in range(self.args.repeat + 1):  # the first run warms up and is not counted
+                t0 = time.perf_counter()
+                view, _ = await pipeline.lookup(SALT, prompt)
+                if view.cached_tokens != context:
+                    raise RuntimeError(f"{mode}: expected a hit of {context} tokens, got {view}")
+                gen = await pipeline.generate(prompt, view, GenParams(max_tokens=1))
+                # everything after the first token (copying the KV out for write-back) is not TTFT
+                elapsed = time.perf_counter() - t0 - (gen.total_s - gen.ttft_s)
+                if rep:
+                    times.append(elapsed)
+            keys = [store.keys.block(pipeline.model_key, h)[1] for h in hashes]
+            decoded = await pipeline.lookup(SALT, prompt)
+            floor = self._floor(raw, keys, prompt, decoded[0].kv)
+            return _row(context, f"kvstash-{mode}", times, nbytes), _row(context, f"floor-{mode}", floor, nbytes)
+        finally:
+            await store.clear_namespace()
+            await store.close()
+            raw.close()
+
+    def _floor(self, raw: Any, keys: list[str], prompt: list[int], kv: Any) -> list[float]:
+        import torch  # noqa: PLC0415
+
+        from service import hfcache  # noqa: PLC0415
+
+        times = []
+        for rep in range(self.args.repeat + 1):
+            cache = hfcache.cache_from_tensor(kv, self.loaded.model)  # in memory before the clock starts
+            t0 = time.perf_counter()
+            pipe = raw.pipeline(transaction=False)
+            for key in keys:
+                pipe.get(key)
+            got = pipe.execute()
+            with torch.inference_mode():
+                logits, _ = hfcache.forward(self.loaded.model, prompt[len(prompt) - 1:], cache)
+                int(torch.argmax(logits[-1]))
+            if rep:
+                times.append(time.perf_counter() - t0)
+            assert all(isinstance(g, bytes) for g in got)
+        return times
+
+    def naive(self, prompt: list[int], kv: Any) -> dict[str, Any]:
+        """What people write by hand: torch.save the whole cache into one key, GET it, torch.load it."""
+        import redis  # noqa: PLC0415
+        import torch  # noqa: PLC0415
+        from transformers import DynamicCache  # noqa: PLC0415
+
+        from service import hfcache  # noqa: PLC0415
+
+        context = len(prompt) - 1
+        model = self.loaded.model
+        per_layer = tuple((kv[i, 0, :, :context].unsqueeze(0).clone(), kv[i, 1, :, :context].unsqueeze(0).clone())
+                          for i in range(kv.shape[0]))  # [1, H, N, D] each, in the model's dtype
+        buf = io.BytesIO()
+        torch.save(per_layer, buf)
+        key = "bench-resume:naive"
+        raw = redis.Redis.from_url(self.url)
+        try:
+            raw.set(key, buf.getvalue())
+            times = []
+            for rep in range(self.args.repeat + 1):
+                t0 = time.perf_counter()
+                blob = raw.get(key)
+                # The one torch.load in kvstash: bytes this benchmark itself wrote a moment ago, to
+                # measure the naive method; never on bytes from a Redis anyone else can write.
+                loaded = torch.load(io.BytesIO(blob), weights_only=True)
+                with torch.inference_mode():
+                    cache = DynamicCache(list(loaded), config=model.config)
+                    logits, _ = hfcache.forward(model, prompt[context:], cache)
+                    int(torch.argmax(logits[-1]))
+                if rep:
+                    times.append(time.perf_counter() - t0)
+            return _row(context, "naive", times, len(buf.getvalue()))
+        finally:
+            raw.delete(key)
+            raw.close()
+
+    async def profile(self, mode: str, prompt: list[int], kv: Any) -> dict[str, float]:
+        """Median ms of each phase of a hit: fetch, decode, assemble, cache build, forward + pick."""
+        import torch  # noqa: PLC0415
+
+        from cachestore.codec import Codec  # noqa: PLC0415
+        from cachestore.store import BlockStore  # noqa: PLC0415
+        from service import hfcache  # noqa: PLC0415
+        from service.app import store_settings  # noqa: PLC0415
+        from service.metrics import PodMetrics  # noqa: PLC0415
+        from service.pipeline import Pipeline  # noqa: PLC0415
+        from service.settings import PodSettings  # noqa: PLC0415
+
+        context, b = len(prompt) - 1, self.args.block_tokens
+        settings = PodSettings(redis_url=self.url, namespace="bench-profile", codec=mode, block_tokens=b,
+                               local_tier_bytes=0, redis_timeout_s=60.0)
+        store = BlockStore(store_settings(settings))
+        codec = Codec(mode)
+        pipeline = Pipeline(settings, self.loaded, self.runner, store, codec, PodMetrics(), None)
+        phases: dict[str, list[float]] = {k: [] for k in ("fetch", "decode", "assemble", "cache_build", "forward")}
+        try:
+            hashes = pipeline.hashes(SALT, prompt[:context])
+            frames = [codec.encode(kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
+            await store.put_blocks(pipeline.model_key, hashes, frames)
+            for rep in range(self.args.repeat + 1):
+                marks = [time.perf_counter()]
+                got = await store.lookup(pipeline.model_key, hashes)
+                marks.append(time.perf_counter())
+                parts = [codec.decode(f) for f in got]
+                marks.append(time.perf_counter())
+                whole = torch.cat(parts, dim=3)  # [L, 2, H, N, D]
+                marks.append(time.perf_counter())
+                with torch.inference_mode():
+                    cache = hfcache.cache_from_tensor(whole, self.loaded.model)
+                    marks.append(time.perf_counter())
+                    logits, _ = hfcache.forward(self.loaded.model, prompt[context:], cache)
+                    int(torch.argmax(logits[-1]))
+                marks.append(time.perf_counter())
+                if rep:
+                    for name, t0, t1 in zip(phases, marks, marks[1:], strict=False):
+                        phases[name].append(t1 - t0)
+        finally:
+            await store.clear_namespace()
+            await store.close()
+        return {name: percentile(v, 0.5) * 1000 for name, v in phases.items()}
+
+
+def _finish(rows: list[dict[str, Any]]) -> None:
+    """Fill speedup vs recompute and the ratio to the floor of the same bytes."""
+    by = {(r["context"], r["method"]): r for r in rows}
+    for r in rows:
+        rec = by.get((r["context"], "recompute"))
+        if rec and r["ttft_ms_p50"] > 0:
+            r["speedup_vs_recompute"] = rec["ttft_ms_p50"] / r["ttft_ms_p50"]
+        if r["method"].startswith("kvstash-"):
+            floor = by.get((r["context"], "floor-" + r["method"].removeprefix("kvstash-")))
+            if floor:
+                r["ratio_to_floor"] = r["ttft_ms_p50"] / floor["ttft_ms_p50"]
+
+
+def _targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    hit = next((r for r in rows if r["context"] == TARGET_CONTEXT and r["method"] == f"kvstash-{TARGET_MODE}"), None)
+    if hit is None:
+        return {}
+    return {
+        "speedup_int8_2048": {"value": hit["speedup_vs_recompute"], "target": TARGET_SPEEDUP,
+                              "met": (hit["speedup_vs_recompute"] or 0) >= TARGET_SPEEDUP},
+        "floor_ratio_int8_2048": {"value": hit["ratio_to_floor"], "target": TARGET_FLOOR_RATIO,
+                                  "met": (hit["ratio_to_floor"] or 1e9) <= TARGET_FLOOR_RATIO},
+    }
+
+
+async def _measure(args: argparse.Namespace, url: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    from service.models import load_model  # noqa: PLC0415
+
+    loaded = load_model(args.model)
+    bench = ResumeBench(loaded, url, args)
+    contexts = [int(c) for c in args.contexts.split(",") if c.strip()] + ([LONG_CONTEXT] if args.long else [])
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    ids = _prompt_ids(loaded.tokenizer, max(contexts) + 1)
+    rows: list[dict[str, Any]] = []
+    profile: dict[str, Any] = {}
+    for context in contexts:
+        if context % args.block_tokens or context + 1 >= loaded.max_context:
+            raise SystemExit(f"context {context}: must be a multiple of {args.block_tokens} below "
+                             f"{loaded.max_context - 1}")
+        prompt = ids[:context + 1]
+        times, kv = bench.recompute(prompt)
+        rows.append(_row(context, "recompute", times, 0))
+        print(f"context {context}: recompute p50 {rows[-1]['ttft_ms_p50']:.0f} ms", flush=True)
+        for mode in modes:
+            hit, floor = await bench.kvstash(mode, prompt, kv)
+            rows += [hit, floor]
+            print(f"context {context}: {hit['method']} p50 {hit['ttft_ms_p50']:.1f} ms, "
+                  f"floor {floor['ttft_ms_p50']:.1f} ms", flush=True)
+        if not args.no_naive:
+            rows.append(bench.naive(prompt, kv))
+        if args.profile and context == TARGET_CONTEXT:
+            profile = await bench.profile(TARGET_MODE, prompt, kv)
+    return rows, profile
+
+
+def run(args: argparse.Namespace) -> int:
+    from ops.redisproc import RedisProcess  # noqa: PLC0415
+
+    before = machine()
+    server = None
+    url = args.redis_url
+    if not url:
+        server = RedisProcess().start()
+        url = server.url
+    try:
+        rows, profile = asyncio.run(_measure(args, url))
+    finally:
+        if server is not None:
+            server.cleanup()
+    _finish(rows)
+    print_table(rows, [("context", "context", "d"), ("method", "method", ""), ("ttft_ms_p50", "p50 ms", ".1f"),
+                       ("ttft_ms_p90", "p90 ms", ".1f"), ("bytes", "bytes", ",d"),
+                       ("speedup_vs_recompute", "speedup", ".1f"), ("ratio_to_floor", "vs floor", ".2f")])
+    if profile:
+        print("int8 hit at 2048 tokens, median ms per phase: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in profile.items()))
+    targets = _targets(rows)
+    for name, t in targets.items():
+        print(f"target {name}: {t['value']:.2f} (target {t['target']}) {'met' if t['met'] else 'MISSED'}")
+    if args.json:
+        write_json(args.json, {"rows": rows, "targets": targets, "profile": profile, "model": args.model,
+                               "repeat": args.repeat, "recompute_repeat": args.recompute_repeat,
+                               "machine_before": before, "machine_after": machine()})
+    if args.plot:
+        methods = list(dict.fromkeys(r["method"] for r in rows))
+        series = {m: ([r["context"] for r in rows if r["method"] == m], [r["ttft_ms_p50"] for r in rows
+                                                                          if r["method"] == m]) for m in methods}
+        plot_lines(args.plot, series, title=f"Resume TTFT vs context ({args.model}, CPU)",
+                   xlabel="history tokens", ylabel="TTFT p50 (ms, log)", logx=True, logy=True)
+    return 0
