@@ -1,0 +1,268 @@
+"""Verify a namespace (frames, records, TTLs, the budget index) and repair it; purge a model; evict to a size."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from cachestore import budget
+from cachestore.codec import verify_frame
+from cachestore.errors import CodecError
+from cachestore.inspect import BlockKey, Progress, classify, parse_block_key, scan_batches, text
+from cachestore.keys import KeySpace
+from cachestore.sessions import from_fields
+
+# the largest frame verify accepts: far above any real block (SmolLM2: 64 tokens ~ 1.5 M elements)
+VERIFY_MAX_ELEMENTS = 1 << 31
+BLOCK_BATCH = 16  # blocks fetched per pipeline: bounds memory at 16 x max_value_bytes
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem `verify` found; `fixed` says whether --fix repaired it."""
+
+    key: str
+    problem: str  # corrupt_block | unreachable_block | unindexed_block | bad_session | no_ttl | stale_index
+    #               | counter_drift | unknown_key
+    detail: str
+    fixed: bool = False
+
+
+@dataclass
+class VerifyReport:
+    keys_scanned: int = 0
+    blocks_ok: int = 0
+    sessions_ok: int = 0
+    index_entries: int = 0
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def problems(self) -> dict[str, int]:
+        counts: dict[str, int] = defaultdict(int)
+        for f in self.findings:
+            counts[f.problem] += 1
+        return dict(sorted(counts.items()))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"keys_scanned": self.keys_scanned, "blocks_ok": self.blocks_ok, "sessions_ok": self.sessions_ok,
+                "index_entries": self.index_entries, "problems": self.problems,
+                "findings": [asdict(f) for f in self.findings]}
+
+
+class _Verifier:
+    def __init__(self, client: Any, keys: KeySpace, fix: bool, block_ttl_ms: int, session_ttl_ms: int) -> None:
+        self.client, self.keys, self.fix = client, keys, fix
+        self.block_ttl_ms, self.session_ttl_ms = block_ttl_ms, session_ttl_ms
+        self.index_ttl_ms = 2 * block_ttl_ms
+        self.report = VerifyReport()
+        self.by_shard: dict[int, list[str]] = defaultdict(list)  # valid blocks, to check against the index
+        self.dropped: dict[int, list[str]] = defaultdict(list)  # blocks deleted by --fix, to unindex
+        self.shard_tags = {s.lru[s.lru.rfind("{"):] for s in keys.all_shards()}
+
+    def found(self, key: str, problem: str, detail: str, fixed: bool = False) -> None:
+        self.report.findings.append(Finding(key, problem, detail, fixed))
+
+    async def run(self, progress: Progress | None) -> VerifyReport:
+        async for batch in scan_batches(self.client, f"{self.keys.namespace}:*", progress, size=BLOCK_BATCH):
+            self.report.keys_scanned += len(batch)
+            kinds = {k: classify(self.keys, k) for k in batch}
+            await self._blocks([k for k in batch if kinds[k] == "block"])
+            await self._sessions([k for k in batch if kinds[k] == "session"])
+            for key in (k for k in batch if kinds[k] in ("index", "other")):
+                if kinds[key] == "other" or key[key.rfind("{"):] not in self.shard_tags:
+                    self.found(key, "unknown_key", "not a key kvstash writes with these settings "
+                                                   "(another --index-shards?); left alone")
+        await self._index()
+        return self.report
+
+    async def _blocks(self, batch: list[str]) -> None:
+        if not batch:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for key in batch:
+            pipe.get(key)
+            pipe.pttl(key)
+        results = await pipe.execute()
+        fixes = self.client.pipeline(transaction=False)
+        for i, key in enumerate(batch):
+            value, pttl = results[2 * i], int(results[2 * i + 1])
+            if value is None:
+                continue  # expired or evicted since SCAN saw it
+            parsed = parse_block_key(self.keys, key)
+            problem = self._block_problem(parsed, value)
+            if problem is not None:
+                self.found(key, problem[0], problem[1], self.fix)
+                if self.fix:
+                    fixes.execute_command("UNLINK", key)  # ClusterPipeline.unlink is a coroutine
+                    if parsed is not None:
+                        self.dropped[parsed.shard].append(key)
+                continue
+            assert parsed is not None
+            self.report.blocks_ok += 1
+            self.by_shard[parsed.shard].append(key)
+            if pttl == -1:
+                self.found(key, "no_ttl", "block without a TTL", self.fix)
+                if self.fix:
+                    fixes.pexpire(key, self.block_ttl_ms)
+        if self.fix:
+            await fixes.execute()
+
+    @staticmethod
+    def _block_problem(parsed: BlockKey | None, value: bytes) -> tuple[str, str] | None:
+        if parsed is None:
+            return "unreachable_block", "malformed block key name"
+        if not parsed.reachable:
+            return "unreachable_block", f"hash tag does not match shard {parsed.shard} of its hash"
+        try:
+            verify_frame(value, max_elements=VERIFY_MAX_ELEMENTS)
+        except CodecError as exc:
+            return "corrupt_block", str(exc)
+        return None
+
+    async def _sessions(self, batch: list[str]) -> None:
+        if not batch:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for key in batch:
+            pipe.hgetall(key)
+            pipe.pttl(key)
+        results = await pipe.execute()
+        fixes = self.client.pipeline(transaction=False)
+        for i, key in enumerate(batch):
+            raw, pttl = results[2 * i], int(results[2 * i + 1])
+            if not raw:
+                continue
+            problem = self._session_problem(key, raw)
+            if problem is not None:
+                self.found(key, "bad_session", problem, self.fix)
+                if self.fix:
+                    fixes.execute_command("UNLINK", key)  # ClusterPipeline.unlink is a coroutine
+                continue
+            self.report.sessions_ok += 1
+            if pttl == -1:
+                self.found(key, "no_ttl", "session without a TTL", self.fix)
+                if self.fix:
+                    fixes.pexpire(key, self.session_ttl_ms)
+        if self.fix:
+            await fixes.execute()
+
+    def _session_problem(self, key: str, raw: dict[Any, Any]) -> str | None:
+        parsed = self.keys.parse_session(key)
+        if parsed is None:
+            return "malformed session key name"
+        record = from_fields(raw, *parsed)
+        if record is None:
+            return "record fails validation (fields missing, malformed or inconsistent)"
+        if record.partial:
+            try:
+                verify_frame(record.partial, max_elements=VERIFY_MAX_ELEMENTS)
+            except CodecError as exc:
+                return f"partial block: {exc}"
+        return None
+
+    async def _index(self) -> None:
+        """Valid blocks missing from their shard's index; index entries whose block is gone; counter drift."""
+        for index, shard in enumerate(self.keys.all_shards()):
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hgetall(shard.size)
+            pipe.zrange(shard.lru, 0, -1)
+            pipe.get(shard.bytes)
+            sizes_raw, lru_raw, counter = await pipe.execute()
+            sizes = {text(k): int(v) for k, v in (sizes_raw or {}).items()}
+            members = set(sizes) | {text(m) for m in lru_raw or []}
+            self.report.index_entries += len(members)
+            unindexed = [k for k in self.by_shard.get(index, []) if k not in sizes]
+            for key in unindexed:
+                self.found(key, "unindexed_block", "block not in the budget index (its bytes are not "
+                                                   "accounted, LRU eviction cannot see it)", self.fix)
+            candidates = sorted(members)
+            exists: list[Any] = []
+            if candidates:
+                pipe = self.client.pipeline(transaction=False)
+                for key in candidates:
+                    pipe.exists(key)
+                exists = await pipe.execute()
+            stale = [k for k, e in zip(candidates, exists, strict=True) if not int(e)]
+            for key in stale:
+                if key not in self.dropped.get(index, []):
+                    self.found(key, "stale_index", f"indexed in {shard.size} but the block is gone", self.fix)
+            gone_now = set(stale)
+            live = sum(v for k, v in sizes.items() if k not in gone_now)
+            drift = int(counter or 0) - live
+            if drift and not stale:
+                self.found(shard.bytes, "counter_drift", f"counter says {int(counter or 0)} bytes, "
+                                                         f"the index holds {live}", self.fix)
+            if self.fix:
+                await self._repair_shard(index, unindexed, stale + self.dropped.get(index, []), bool(drift))
+
+    async def _repair_shard(self, index: int, unindexed: list[str], gone: list[str], recount: bool) -> None:
+        shard = self.keys.shard(index)
+        for i in range(0, len(unindexed), 256):
+            chunk = unindexed[i:i + 256]
+            await self.client.eval(budget.ACCOUNT, 3 + len(chunk), *shard.all(), *chunk, budget.now_ms(),
+                                   self.index_ttl_ms, "adopt")
+        gone = sorted(set(gone))
+        if gone or recount:
+            for i in range(0, max(len(gone), 1), 256):
+                chunk = gone[i:i + 256]
+                last = i + 256 >= len(gone)
+                await self.client.eval(budget.CHECK, 3 + len(chunk), *shard.all(), *chunk,
+                                       "1" if last else "0", self.index_ttl_ms)
+
+
+async def verify(client: Any, keys: KeySpace, *, fix: bool = False, block_ttl_ms: int = 86_400_000,
+                 session_ttl_ms: int = 86_400_000, progress: Progress | None = None) -> VerifyReport:
+    """Check every key of the namespace; with `fix`, delete corrupt or unreachable blocks and bad
+    session records, give TTL-less keys their TTL, adopt unindexed blocks into the budget index,
+    drop stale index entries and recount the shard counters."""
+    return await _Verifier(client, keys, fix, block_ttl_ms, session_ttl_ms).run(progress)
+
+
+@dataclass(frozen=True)
+class PurgeResult:
+    blocks: int
+    block_bytes: int
+    sessions: int
+
+
+async def purge_model(client: Any, keys: KeySpace, model: str, progress: Progress | None = None,
+                      index_ttl_ms: int = 172_800_000) -> PurgeResult:
+    """Delete every block and session record of one model fingerprint (ModelFingerprint.short())."""
+    blocks = freed = 0
+    async for batch in scan_batches(client, f"{keys.namespace}:blk:{model}:*", progress):
+        by_shard: dict[int, list[str]] = defaultdict(list)
+        pipe = client.pipeline(transaction=False)
+        for key in batch:
+            parsed = parse_block_key(keys, key)
+            if parsed is not None and parsed.model == model:
+                pipe.execute_command("UNLINK", key)
+                by_shard[parsed.shard].append(key)
+        blocks += sum(int(n) for n in await pipe.execute())
+        for index, gone in by_shard.items():  # CHECK drops the entries of the blocks just unlinked
+            _, stale, _ = await client.eval(budget.CHECK, 3 + len(gone), *keys.shard(index).all(), *gone,
+                                            "0", index_ttl_ms)
+            freed += int(stale)
+    sessions = 0
+    async for batch in scan_batches(client, keys.session_pattern(), progress):
+        pipe = client.pipeline(transaction=False)
+        for key in batch:
+            pipe.hget(key, "model")
+        owned = [k for k, m in zip(batch, await pipe.execute(), strict=True) if m is not None and text(m) == model]
+        if owned:
+            pipe = client.pipeline(transaction=False)
+            for key in owned:
+                pipe.execute_command("UNLINK", key)
+            sessions += sum(int(n) for n in await pipe.execute())
+    return PurgeResult(blocks, freed, sessions)
+
+
+async def evict_to(client: Any, keys: KeySpace, target_bytes: int) -> tuple[int, budget.EvictionResult, int]:
+    """Evict least-recently-used blocks until the namespace holds at most `target_bytes`.
+
+    Returns (bytes held before, what was evicted, bytes held after), as the budget index counts them."""
+    before = sum(await budget.shard_totals(client, keys))
+    result = await budget.evict(client, keys, before - target_bytes, max_rounds=20) if before > target_bytes \
+        else budget.EvictionResult()
+    after = sum(await budget.shard_totals(client, keys))
+    return before, result, after

@@ -1,0 +1,179 @@
+"""`kvstash admin`: inspect and repair a kvstash namespace in any Redis (standalone or Cluster), SCAN only."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+READ_COMMANDS = ("stats", "sessions", "show", "verify")
+
+
+def _common() -> argparse.ArgumentParser:
+    """Options accepted before or after the subcommand (SUPPRESS keeps the admin-level value).
+
+    Each parser gets its own copy: parents share action objects, and set_defaults on one would
+    change the defaults of all."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--redis-url", default=argparse.SUPPRESS,
+                   help="Redis URL with ACL user and password if any (default $KVSTASH_REDIS_URL); "
+                        "Redis Cluster: redis+cluster://host:port")
+    p.add_argument("--namespace", default=argparse.SUPPRESS, help="key prefix (default $KVSTASH_NAMESPACE or kvstash)")
+    p.add_argument("--index-shards", type=int, default=argparse.SUPPRESS, help="budget index shards (default 16)")
+    p.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
+    p.add_argument("--yes", "-y", action="store_true", default=argparse.SUPPRESS,
+                   help="do not ask before changing anything")
+    p.add_argument("--no-progress", action="store_true", default=argparse.SUPPRESS,
+                   help="no progress counter on stderr")
+    return p
+
+
+def _model_options(p: argparse.ArgumentParser, tenant: bool = True) -> None:
+    if tenant:
+        p.add_argument("--tenant", default="default", help="the session's tenant (default: default)")
+    p.add_argument("--model", help="served model, as the pods run it (default $KVSTASH_MODEL or smollm2)")
+    p.add_argument("--codec", help="the pods' codec (default $KVSTASH_CODEC or int8)")
+    p.add_argument("--block-tokens", type=int, help="the pods' block size (default $KVSTASH_BLOCK_TOKENS or 64)")
+    p.add_argument("--device", help="device to load the model on for its fingerprint (default cpu)")
+
+
+def register(sub: Any) -> None:
+    admin: argparse.ArgumentParser = sub.add_parser(
+        "admin", parents=[_common()], help="inspect and repair what kvstash holds in Redis",
+        description="Inspect and repair a kvstash namespace in Redis (standalone or Cluster). Reads use SCAN, "
+                    "never KEYS. Commands that change data ask first unless --yes. The tenant secret, when the "
+                    "pods use one, is read from $KVSTASH_TENANT_SECRET only.",
+    )
+    admin.set_defaults(redis_url=None, namespace=None, index_shards=None, json=False, yes=False, no_progress=False)
+    cmds = admin.add_subparsers(dest="admin_command", metavar="COMMAND")
+    cmds.required = True
+    cmds.add_parser("stats", parents=[_common()], help="keys and bytes by kind and model, budget, server counters")
+    p = cmds.add_parser("sessions", parents=[_common()], help="list session records")
+    p.add_argument("--tenant", help="only this tenant's sessions")
+    p.add_argument("--limit", type=int, default=100_000, help="list at most this many (default 100000)")
+    for name, text in (("show", "print one session record"), ("delete", "delete one session record")):
+        p = cmds.add_parser(name, parents=[_common()], help=text)
+        p.add_argument("session", help="session id")
+        p.add_argument("--tenant", default="default", help="the session's tenant (default: default)")
+    p = cmds.add_parser("verify", parents=[_common()], help="check frames, records, TTLs and the budget index")
+    p.add_argument("--fix", action="store_true", help="repair what verify finds (asks first unless --yes)")
+    p = cmds.add_parser("evict", parents=[_common()], help="evict least-recently-used blocks down to a size")
+    p.add_argument("--to-bytes", type=int, required=True, help="bytes the namespace may hold afterwards")
+    p = cmds.add_parser("purge", parents=[_common()], help="delete every block and session of one model")
+    p.add_argument("--model", required=True, metavar="FINGERPRINT", help="16-hex model id (see `stats`)")
+    p = cmds.add_parser("export", parents=[_common()], help="write a session and its blocks to a portable file")
+    p.add_argument("session", help="session id")
+    p.add_argument("file", type=Path, help="output file (JSON)")
+    _model_options(p)
+    p = cmds.add_parser("import", parents=[_common()], help="load a session file written by `export`")
+    p.add_argument("file", type=Path, help="input file")
+    p.add_argument("--replace", action="store_true", help="overwrite an existing session of the same id")
+    _model_options(p, tenant=False)
+    admin.set_defaults(func=run)
+
+
+# -- plumbing ------------------------------------------------------------------------------------------
+
+
+def store_settings(args: argparse.Namespace) -> Any:
+    from cachestore.errors import ConfigError  # noqa: PLC0415
+    from cachestore.settings import StoreSettings  # noqa: PLC0415
+
+    url = args.redis_url or os.environ.get("KVSTASH_REDIS_URL")
+    if not url:
+        raise ConfigError("no Redis URL: pass --redis-url or set KVSTASH_REDIS_URL")
+    options: dict[str, Any] = {
+        "namespace": args.namespace or os.environ.get("KVSTASH_NAMESPACE") or "kvstash",
+        "write_timeout_s": 30.0, "connect_timeout_s": 5.0, "max_connections": 8,
+    }
+    if args.index_shards:
+        options["index_shards"] = args.index_shards
+    for name, env in (("budget_bytes", "KVSTASH_BUDGET_BYTES"), ("block_ttl_s", "KVSTASH_BLOCK_TTL_S"),
+                      ("session_ttl_s", "KVSTASH_SESSION_TTL_S"), ("max_value_bytes", "KVSTASH_MAX_VALUE_BYTES")):
+        if os.environ.get(env):
+            try:
+                options[name] = int(os.environ[env])
+            except ValueError as exc:
+                raise ConfigError(f"{env} must be an integer") from exc
+    options.setdefault("budget_bytes", 2 << 30)  # the pods' default (service.settings.PodSettings)
+    return StoreSettings.from_url(url, **options)
+
+
+def _progress(args: argparse.Namespace) -> Callable[[int], None] | None:
+    if args.no_progress or not sys.stderr.isatty():
+        return None
+
+    def show(n: int) -> None:
+        print(f"\rscanned {n} keys", end="", file=sys.stderr, flush=True)
+
+    return show
+
+
+def _confirm(args: argparse.Namespace, question: str) -> None:
+    from cachestore.errors import KvstashError  # noqa: PLC0415
+
+    if args.yes:
+        return
+    if not sys.stdin.isatty():
+        raise KvstashError(f"{question} -- refusing without a terminal to confirm on; pass --yes")
+    answer = input(f"{question} [y/N] ").strip().lower()
+    if answer not in ("y", "yes"):
+        raise KvstashError("cancelled")
+
+
+def _call(settings: Any, work: Callable[[Any], Awaitable[T]]) -> T:
+    """Run `work(store)` on a fresh BlockStore; any Redis failure becomes one StoreError line."""
+    from redis.exceptions import RedisClusterException, RedisError  # noqa: PLC0415
+
+    from cachestore.errors import StoreError  # noqa: PLC0415
+    from cachestore.store import BlockStore  # noqa: PLC0415
+
+    async def main() -> T:
+        store = BlockStore(settings)
+        try:
+            return await work(store)
+        finally:
+            try:
+                await store.close()
+            except (RedisError, RedisClusterException, OSError):
+                pass
+
+    try:
+        return asyncio.run(main())
+    except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
+        detail = str(exc).strip() or type(exc).__name__
+        raise StoreError(f"Redis at {settings.masked_url}: {detail}") from exc
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, sort_keys=True, default=str))
+
+
+def _when(ts: float | None) -> str:
+    return "-" if not ts else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def run(args: argparse.Namespace) -> int:
+    from ops import admin_cmds  # noqa: PLC0415
+
+    settings = store_settings(args)
+    handler = getattr(admin_cmds, f"cmd_{args.admin_command}")
+    result = handler(args, settings)
+    if _progress(args) is not None:
+        print("", file=sys.stderr)
+    return int(result or 0)
