@@ -20,7 +20,7 @@ from starlette.routing import Route
 from cachestore.codec import Codec
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
-from service import completions, health, sessions_api
+from service import completions, health, openapi, sessions_api
 from service.errors import EXCEPTION_HANDLERS
 from service.metrics import PodMetrics
 from service.models import LoadedModel, load_model
@@ -110,6 +110,7 @@ def create_app(settings: PodSettings, loaded: LoadedModel | None = None) -> Star
         Route("/healthz", health.healthz, methods=["GET"]),
         Route("/readyz", health.readyz, methods=["GET"]),
         Route("/metrics", health.metrics, methods=["GET"]),
+        Route("/openapi.json", openapi.openapi_json, methods=["GET"]),
         Route("/v1/models", completions.list_models, methods=["GET"]),
         Route("/v1/chat/completions", completions.chat_completions, methods=["POST"]),
         Route("/v1/completions", completions.completions, methods=["POST"]),

@@ -193,7 +193,7 @@ async def _completion(request: Request, chat: bool) -> Response:
     state = pod(request)
     pipeline = ready_pipeline(state)
     tenant = resolve_tenant(request, state.settings)
-    body = await read_json(request, state.settings.max_body_bytes)
+    body = await read_json(request, state.settings.max_body_bytes, state.settings.body_timeout_s)
     req = parse_completion(
         body, chat=chat, header_session=request.headers.get("x-session-id"),
         max_tokens_limit=state.settings.max_tokens_limit, default_max_tokens=state.settings.default_max_tokens,

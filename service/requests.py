@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from dataclasses import dataclass
@@ -48,20 +49,36 @@ def _depth(value: Any, limit: int) -> int:
     return deepest
 
 
-async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
-    """The body as a JSON object, bounded in size and depth, as valid UTF-8."""
+async def _read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes:
+    """The raw body, refused past `max_bytes` (413) or when it takes longer than `timeout_s` to arrive (408)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise ApiError(413, f"request body is larger than {max_bytes} bytes", code="body_too_large")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise ApiError(413, f"request body is larger than {max_bytes} bytes", code="body_too_large")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
+
+    async def collect() -> bytes:
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise ApiError(413, f"request body is larger than {max_bytes} bytes", code="body_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(collect(), timeout_s)
+    except TimeoutError:  # a slow (slowloris-style) body must not hold an admission slot or a buffer forever
+        raise ApiError(408, f"request body did not arrive within {timeout_s:g} s", code="body_timeout",
+                       headers={"Connection": "close"}) from None
+
+
+async def read_json(request: Request, max_bytes: int, timeout_s: float = 10.0,
+                    optional: bool = False) -> dict[str, Any]:
+    """The body as a JSON object, bounded in size, time and depth, as valid UTF-8; `optional`: empty -> {}."""
+    raw = await _read_body(request, max_bytes, timeout_s)
     if not raw.strip():
+        if optional:
+            return {}
         raise bad_request("request body is empty; expected a JSON object", code="invalid_json")
     try:
         text = raw.decode("utf-8")

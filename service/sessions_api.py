@@ -64,7 +64,7 @@ async def create_session(request: Request) -> Response:
     state = pod(request)
     tenant = resolve_tenant(request, state.settings)
     store = _store(state)
-    body = await read_json(request, state.settings.max_body_bytes) if await request.body() else {}
+    body = await read_json(request, state.settings.max_body_bytes, state.settings.body_timeout_s, optional=True)
     session_id = check_session_id(body["session_id"]) if body.get("session_id") is not None \
         else "s-" + secrets.token_hex(12)
     messages = parse_messages(body.get("messages", []), allow_empty=True)
@@ -107,7 +107,7 @@ async def fork_session(request: Request) -> Response:
     state = pod(request)
     tenant = resolve_tenant(request, state.settings)
     parent_id = _path_id(request)
-    body = await read_json(request, state.settings.max_body_bytes) if await request.body() else {}
+    body = await read_json(request, state.settings.max_body_bytes, state.settings.body_timeout_s, optional=True)
     child_id = check_session_id(body["session_id"]) if body.get("session_id") is not None \
         else "s-" + secrets.token_hex(12)
     await _load(state, tenant, parent_id)
@@ -122,7 +122,7 @@ async def add_messages(request: Request) -> Response:
     state = pod(request)
     tenant = resolve_tenant(request, state.settings)
     session_id = _path_id(request)
-    body = await read_json(request, state.settings.max_body_bytes)
+    body = await read_json(request, state.settings.max_body_bytes, state.settings.body_timeout_s)
     if "messages" in body:
         new = parse_messages(body["messages"])
     elif isinstance(body.get("content"), str):

@@ -38,6 +38,7 @@ class PodSettings:
     max_queue: int = 8  # requests admitted (running + waiting) before 503
     write_queue: int = 64  # background writes waiting before new ones are dropped
     max_body_bytes: int = 1 << 20
+    body_timeout_s: float = 10.0  # a request body must arrive within this (slow bodies get 408)
     max_tokens_limit: int = 2048
     default_max_tokens: int = 128
     api_keys: Mapping[str, str] = field(default_factory=dict, repr=False)  # key -> tenant
@@ -49,8 +50,8 @@ class PodSettings:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
         if self.block_tokens < 1 or self.block_tokens > 4096:
             raise ConfigError("block_tokens must be in 1..4096")
-        if self.redis_timeout_s <= 0:
-            raise ConfigError("redis_timeout_s must be positive")
+        if self.redis_timeout_s <= 0 or self.body_timeout_s <= 0:
+            raise ConfigError("redis_timeout_s and body_timeout_s must be positive")
         if self.max_queue < 1 or self.write_queue < 1:
             raise ConfigError("max_queue and write_queue must be at least 1")
         for key, tenant in self.api_keys.items():
@@ -92,7 +93,7 @@ _ENV_CASTS: dict[str, Any] = {
     "host": str, "port": int, "model": str, "device": str, "redis_url": str, "namespace": str,
     "codec": str, "block_tokens": int, "block_ttl_s": int, "session_ttl_s": int,
     "budget_bytes": int, "max_value_bytes": int, "redis_timeout_s": float,
-    "local_tier_bytes": int, "max_queue": int, "write_queue": int, "max_body_bytes": int,
+    "local_tier_bytes": int, "max_queue": int, "write_queue": int, "max_body_bytes": int, "body_timeout_s": float,
     "max_tokens_limit": int, "default_max_tokens": int, "tenant_secret": str, "pod_name": str,
 }
 

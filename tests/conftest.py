@@ -55,3 +55,20 @@ def tiny_model():  # type: ignore[no-untyped-def]
     from service.models import load_model  # noqa: PLC0415
 
     return load_model("tiny-random")
+
+
+@pytest.fixture
+def figures(request: pytest.FixtureRequest) -> Iterator[dict[str, object]]:
+    """Figures a reliability scenario reports; KVSTASH_FIGURES=path appends them as JSON lines (RELIABILITY.md)."""
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    found: dict[str, object] = {}
+    started = time.monotonic()
+    yield found
+    path = os.environ.get("KVSTASH_FIGURES")
+    if path and found:
+        found.setdefault("seconds", round(time.monotonic() - started, 2))
+        with open(path, "a", encoding="utf-8") as out:
+            out.write(json.dumps({"test": request.node.nodeid, **found}) + "\n")
