@@ -1,0 +1,47 @@
+"""`kvstash bench resume` and `bench quality` run end to end on the tiny model and write their JSON and PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ops.cli import main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_resume_tiny_writes_rows_and_plot(tmp_path: Path) -> None:
+    out, png = tmp_path / "resume.json", tmp_path / "resume.png"
+    assert main(["bench", "resume", "--model", "tiny-random", "--contexts", "64,128", "--modes", "int8,int2",
+                 "--repeat", "1", "--recompute-repeat", "1", "--json", str(out), "--plot", str(png)]) == 0
+    report = json.loads(out.read_text())
+    rows = {(r["context"], r["method"]): r for r in report["rows"]}
+    methods = {"recompute", "kvstash-int8", "floor-int8", "kvstash-int2", "floor-int2", "naive"}
+    assert set(rows) == {(c, m) for c in (64, 128) for m in methods}
+    for r in report["rows"]:
+        for field in ("context", "method", "ttft_ms_p50", "ttft_ms_p90", "bytes", "speedup_vs_recompute",
+                      "ratio_to_floor"):
+            assert field in r, field
+        assert r["ttft_ms_p90"] >= r["ttft_ms_p50"] > 0
+    # quantized frames are smaller than the fp32 torch.save blob, int2 smaller than int8
+    assert 0 < rows[(128, "kvstash-int2")]["bytes"] < rows[(128, "kvstash-int8")]["bytes"] < rows[(128, "naive")]["bytes"]
+    assert rows[(128, "kvstash-int8")]["ratio_to_floor"] > 0 and rows[(128, "recompute")]["bytes"] == 0
+    assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_bench_quality_tiny_writes_rows_and_plot(tmp_path: Path) -> None:
+    out, png = tmp_path / "quality.json", tmp_path / "quality.png"
+    assert main(["bench", "quality", "--text", "ops/data/sample.txt", "--model", "tiny-random", "--modes",
+                 "exact,int8,int2", "--prefix", "32", "--continuation", "16", "--windows", "2", "--greedy", "3",
+                 "--json", str(out), "--plot", str(png)]) == 0
+    report = json.loads(out.read_text())
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert set(rows) == {"exact", "int8", "int2"}
+    for r in rows.values():
+        for field in ("mode", "ppl", "ppl_delta_pct", "top1_agree", "kl_mean"):
+            assert field in r, field
+        assert r["ppl"] > 0 and 0 <= r["top1_agree"] <= 1 and r["kl_mean"] >= 0
+    assert rows["exact"]["ppl_delta_pct"] == 0 and rows["exact"]["top1_agree"] == 1 and rows["exact"]["kl_mean"] == 0
+    assert rows["int2"]["kl_mean"] > rows["int8"]["kl_mean"]
+    assert len(report["windows"]) == 2 * 3 and set(report["targets"]) == {"int8_ppl_delta_pct", "int2_ppl_delta_pct"}
+    assert png.read_bytes()[:8] == PNG_MAGIC
