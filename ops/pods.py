@@ -108,7 +108,7 @@ def render_nginx_conf(upstreams: Sequence[str], port: int, workdir: Path) -> str
     servers = "\n".join(f"        server {u} max_fails=1 fail_timeout=5s;" for u in upstreams)
     text = NGINX_TEMPLATE.read_text()
     return text.replace("@UPSTREAM_SERVERS@", servers).replace("@PORT@", str(port)).replace(
-        "@WORKDIR@", str(workdir))
+        "@WORKDIR@", str(workdir)).replace("@NGINX_DIR@", str(NGINX_TEMPLATE.parent.resolve()))
 
 
 @dataclass

