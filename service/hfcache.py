@@ -15,7 +15,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # as in service.models, whichever is importe
 
 import torch  # noqa: E402
 from transformers import DynamicCache, PreTrainedModel  # noqa: E402
-from transformers.cache_utils import Cache  # noqa: E402
+from transformers.cache_utils import Cache, DynamicLayer  # noqa: E402
 
 KV_DIMS = 5  # [layers, 2, kv_heads, tokens, head_dim]
 
@@ -45,9 +45,17 @@ def cache_from_tensor(kv: torch.Tensor, model: PreTrainedModel) -> Cache:
     if kv.shape[3] == 0:
         return empty_cache(model)
     kv = kv.to(device=model.device, dtype=model.dtype)
-    # Per layer: key and value, each [batch=1, kv_heads, tokens, head_dim].
-    per_layer = [(kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0)) for i in range(layers)]
-    return DynamicCache(per_layer, config=model.config)
+    cache = DynamicCache(config=model.config)
+    for i, layer in enumerate(cache.layers):
+        key, value = kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0)  # [batch=1, kv_heads, tokens, head_dim]
+        if type(layer) is DynamicLayer:
+            # Adopt the tensors as they are: DynamicLayer.update would torch.cat them onto an
+            # empty tensor, a full copy of the context that the next forward copies again anyway.
+            layer.lazy_initialization(key, value)
+            layer.keys, layer.values = key, value
+        else:  # sliding-window and other layer kinds keep their own bookkeeping
+            layer.update(key, value)
+    return cache
 
 
 def cache_length(cache: Cache) -> int:
