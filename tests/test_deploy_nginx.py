@@ -1,0 +1,165 @@
+"""ops/nginx/nginx.conf really balances round robin and streams unbuffered (Debian's nginx, local upstreams).
+
+The compose config names its upstreams pod1..pod3:8000, which resolve only on the compose network;
+nginx resolves upstream names once at start, so `nginx -t` fails here on them. The tests use the
+file itself with exactly three substitutions: the upstream server addresses (pod1:8000 -> a local
+port), the listen port, and the include path of kvstash-proxy.conf. Everything else is the real file.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ops.pods import NginxProcess, nginx_binary, render_nginx_conf
+from ops.redisproc import free_port
+
+NGINX_DIR = Path(__file__).resolve().parent.parent / "ops" / "nginx"
+NGINX = nginx_binary()
+pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (CI installs nginx-light in .ci/run)")
+
+
+def upstream_block(text: str) -> str:
+    match = re.search(r"upstream kvstash_pods \{.*?\}", text, re.S)
+    assert match is not None
+    return match.group(0)
+
+
+class _Pod(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        name = self.server.name  # type: ignore[attr-defined]
+        if self.path == "/stream":
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for i, pause in enumerate((0.0, 1.0)):
+                time.sleep(pause)
+                chunk = f"data: {name} {i}\n\n".encode()
+                self.wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+            return
+        body = name.encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("X-KV-Pod", name)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_pods() -> Iterator[list[int]]:
+    servers = []
+    for name in ("pod1", "pod2", "pod3"):
+        server = ThreadingHTTPServer(("127.0.0.1", free_port()), _Pod)
+        server.name = name  # type: ignore[attr-defined]
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+    try:
+        yield [s.server_address[1] for s in servers]
+    finally:
+        for s in servers:
+            s.shutdown()
+            s.server_close()
+
+
+def real_conf(ports: list[int], listen: int) -> str:
+    text = (NGINX_DIR / "nginx.conf").read_text()
+    for i, port in enumerate(ports, start=1):
+        text = text.replace(f"server pod{i}:8000 ", f"server 127.0.0.1:{port} ")
+    text = text.replace("listen 8080;", f"listen 127.0.0.1:{listen};")
+    return text.replace("include /etc/nginx/kvstash-proxy.conf;", f"include {NGINX_DIR / 'kvstash-proxy.conf'};")
+
+
+@pytest.fixture
+def balancer(fake_pods: list[int], tmp_path: Path) -> Iterator[str]:
+    port = free_port()
+    conf = tmp_path / "nginx.conf"
+    conf.write_text(real_conf(fake_pods, port).replace("worker_processes auto;", "worker_processes 1;"))
+    assert NGINX is not None
+    proc = subprocess.Popen([NGINX, "-c", str(conf), "-p", str(tmp_path), "-g", "daemon off;"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(url + "/nginx-health", timeout=1)
+                break
+            except httpx.HTTPError:
+                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+                time.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_real_config_passes_nginx_t(fake_pods: list[int], tmp_path: Path) -> None:
+    conf = tmp_path / "nginx.conf"
+    conf.write_text(real_conf(fake_pods, free_port()))
+    assert NGINX is not None
+    done = subprocess.run([NGINX, "-t", "-c", str(conf), "-p", str(tmp_path)], capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    assert "syntax is ok" in done.stderr and "test is successful" in done.stderr
+
+
+def test_upstream_is_plain_round_robin() -> None:
+    block = upstream_block((NGINX_DIR / "nginx.conf").read_text())
+    assert re.findall(r"server (pod\d):8000", block) == ["pod1", "pod2", "pod3"]
+    for sticky in ("ip_hash", "hash ", "sticky", "least_conn", "random"):
+        assert sticky not in block
+    demo = upstream_block((NGINX_DIR / "demo.conf.template").read_text())
+    same = re.sub(r"server pod\d:8000[^;]*;", "", block)
+    assert demo.replace("@UPSTREAM_SERVERS@", "").split() == same.split()  # the demo differs only in servers
+
+
+def test_nginx_balances_round_robin(balancer: str) -> None:
+    with httpx.Client() as client:
+        served = [client.get(balancer + "/v1/models").headers["x-kv-pod"] for _ in range(12)]
+    assert sorted(set(served)) == ["pod1", "pod2", "pod3"]
+    for i in range(0, 12, 3):
+        assert sorted(served[i:i + 3]) == ["pod1", "pod2", "pod3"], served  # every window of 3 hits each pod
+    assert served[:3] * 4 == served
+
+
+def test_nginx_streams_without_buffering(balancer: str) -> None:
+    with httpx.Client(timeout=10) as client, client.stream("GET", balancer + "/stream") as resp:
+        t0 = time.monotonic()
+        chunks = resp.iter_text()
+        first = next(chunks)
+        first_at = time.monotonic() - t0
+        rest = "".join(chunks)
+    assert first.startswith("data: pod") and first_at < 0.8  # the second chunk comes 1 s later
+    assert rest.rstrip().endswith(" 1")
+
+
+def test_body_limit(balancer: str) -> None:
+    resp = httpx.post(balancer + "/v1/chat/completions", content=b"x" * ((1 << 20) + 1))
+    assert resp.status_code == 413
+
+
+def test_demo_template_renders_and_serves(fake_pods: list[int], tmp_path: Path) -> None:
+    text = render_nginx_conf([f"127.0.0.1:{p}" for p in fake_pods], free_port(), tmp_path)
+    assert "@" not in text.replace("$proxy_add_x_forwarded_for", "")
+    proc = NginxProcess([f"127.0.0.1:{p}" for p in fake_pods]).start()
+    try:
+        served = {httpx.get(proc.url + "/v1/models").headers["x-kv-pod"] for _ in range(3)}
+        assert served == {"pod1", "pod2", "pod3"}
+    finally:
+        proc.cleanup()
