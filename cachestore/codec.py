@@ -233,6 +233,19 @@ class Codec:
             raise CodecError(f"undecodable frame: {type(exc).__name__}: {exc}") from exc
 
 
+    def decode_into(self, frame: bytes | bytearray | memoryview, out: torch.Tensor, *,
+                    max_elements: int = DEFAULT_MAX_ELEMENTS) -> torch.Tensor:
+        """Decode a frame of any mode straight into `out` [layers, 2, kv_heads, tokens, head_dim]
+        (any float dtype and device, a strided view such as a slice of a larger context is fine);
+        returns `out`. A frame whose shape differs from out's raises CodecError, out untouched."""
+        try:
+            return _decode(_as_bytes(frame), out.device, max_elements, out)
+        except CodecError:
+            raise
+        except Exception as exc:  # a frame must never raise anything but CodecError
+            raise CodecError(f"undecodable frame: {type(exc).__name__}: {exc}") from exc
+
+
 def _check_input(kv: torch.Tensor) -> tuple[Dims, torch.dtype]:
     if not isinstance(kv, torch.Tensor):
         raise CodecError(f"encode takes a torch.Tensor, not {type(kv).__name__}")
@@ -263,8 +276,12 @@ def _borrow(payload: memoryview, raw_len: int) -> torch.Tensor:
 
 
 def _decode(view: memoryview, device: torch.device | str | None,
-            max_elements: int) -> torch.Tensor:
+            max_elements: int, out: torch.Tensor | None = None) -> torch.Tensor:
     header = verify_frame(view, max_elements=max_elements)
+    if out is not None:
+        shape = [header.layers, 2, header.kv_heads, header.tokens, header.head_dim]
+        if list(out.shape) != shape or not out.dtype.is_floating_point:
+            raise CodecError(f"frame holds {shape}, the output is {list(out.shape)} {out.dtype}")
     payload = view[HEADER_SIZE:]
     if header.compressor == "none" and header.mode not in FLOAT_MODES:
         buf = _borrow(payload, header.raw_len)
@@ -280,4 +297,4 @@ def _decode(view: memoryview, device: torch.device | str | None,
     parts = [buf[start:start + _nbytes(sec_dtype, shape)].view(sec_dtype).view(shape).to(target)
              for (sec_dtype, shape), start in zip(sections, offsets, strict=True)]
     dims = Dims(header.layers, header.kv_heads, header.tokens, header.head_dim)
-    return dequantize(header.mode, parts, dims, header.group_size, dtype)
+    return dequantize(header.mode, parts, dims, header.group_size, dtype, out)

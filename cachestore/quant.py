@@ -173,15 +173,22 @@ def _int8_as_half(q: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(mode: str, parts: list[torch.Tensor], dims: Dims, group: int,
-               dtype: torch.dtype) -> torch.Tensor:
-    """Payload sections (on the target device) -> kv [layers, 2, heads, tokens, dim] of dtype."""
+               dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Payload sections (on the target device) -> kv [layers, 2, heads, tokens, dim] of dtype.
+
+    With `out` (that shape, any float dtype, possibly a strided view) the result is written there
+    in out's dtype and `out` is returned: no intermediate tensor of the whole KV.
+    """
     n_layers, h, t, d = dims
-    if mode == "exact":
-        return parts[0]
-    if mode == "fp16":
-        return parts[0].to(dtype)
+    if out is not None:
+        dtype = out.dtype
+    if mode in ("exact", "fp16"):
+        if out is None:
+            return parts[0] if mode == "exact" else parts[0].to(dtype)
+        return out.copy_(parts[0])
     compute = F16 if dtype == F16 else torch.float32
-    out = torch.empty((n_layers, 2, h, t, d), dtype=dtype, device=parts[0].device)
+    if out is None:
+        out = torch.empty((n_layers, 2, h, t, d), dtype=dtype, device=parts[0].device)
     if mode == "fp8":
         scale, q = parts
         return torch.mul(q.to(compute), scale.to(compute), out=out)
