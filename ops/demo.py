@@ -13,16 +13,16 @@ from pathlib import Path
 from typing import Any
 
 QUESTIONS = [
-    "Hi! I'm planning a three-day trip to Lisbon in spring. What should I know before I go?",
-    "What are three neighbourhoods worth walking through, and why?",
-    "Which traditional dishes should I try, and where would I find them?",
-    "How do the trams work, and is tram 28 worth the queue?",
-    "Suggest a day trip outside the city that is easy by train.",
-    "Summarise everything we discussed as a short checklist.",
-    "What should I pack for the weather?",
-    "Any tips on tipping and etiquette in restaurants?",
+    "What is photosynthesis?",
+    "Why are leaves green?",
+    "What happens to leaves in autumn?",
+    "How do trees survive the winter?",
+    "Can you name three evergreen trees?",
+    "Summarise what we talked about in two sentences.",
+    "What is the water cycle?",
+    "How does rain form?",
 ]
-SYSTEM = "You are a concise, friendly travel assistant."
+SYSTEM = "You are a helpful assistant who explains science clearly."
 
 
 def register(sub: Any) -> None:
@@ -34,6 +34,7 @@ def register(sub: Any) -> None:
     p.add_argument("--turns", type=int, default=6, help="number of chat turns (default 6, at most 8)")
     p.add_argument("--model", default="smollm2", help="model every pod serves (default smollm2)")
     p.add_argument("--codec", default="int8", help="codec of the cached blocks (default int8)")
+    p.add_argument("--block-tokens", type=int, default=64, help="tokens per cached block (default 64)")
     p.add_argument("--max-tokens", type=int, default=96, help="reply length per turn (default 96)")
     p.add_argument("--redis-url", help="use this Redis instead of starting a private one")
     p.add_argument("--pods", type=int, default=3, help="number of caching pods (default 3)")
@@ -59,7 +60,7 @@ def _cluster(args: argparse.Namespace) -> Iterator[tuple[str, list[Any], Any, An
             started.append(redis_proc.start())
             redis_url = redis_proc.url
             _say(f"redis        {redis_url} (private, started for the demo)")
-        extra = ("--codec", args.codec)
+        extra = ("--codec", args.codec, "--block-tokens", str(args.block_tokens))
         pods = [PodProcess(f"pod-{chr(ord('a') + i)}", redis_url, args.model, extra) for i in range(args.pods)]
         baseline = PodProcess("pod-nocache", redis_url, args.model, extra, no_cache=True)
         for pod in [*pods, baseline]:
@@ -97,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     with _cluster(args) as (_, pods, baseline, balancer), httpx.Client(timeout=300) as client:
         messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
+        count = _token_counter(args.model)
         model = Path(args.model).name if "/" in args.model else args.model
         _say("")
         _say(f"{'turn':>4}  {'pod':<8} {'cache':<8} {'prompt':>6} {'cached':>6} {'TTFT ms':>8} "
@@ -115,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
                 "turn": turn, "pod": cached.pod, "cache": cached.cache, "prompt_tokens": cached.prompt_tokens,
                 "cached_tokens": cached.cached_tokens, "ttft_ms": round(cached.ttft_ms, 1),
                 "ttft_ms_nocache": round(plain.ttft_ms, 1), "identical": same,
-                "matching_chars": _matching(cached.text, plain.text),
+                "matching_tokens": _matching(count(cached.text), count(plain.text)),
             })
             speed = plain.ttft_ms / cached.ttft_ms if cached.ttft_ms else 0.0
             _say(f"{turn:>4}  {cached.pod:<8} {cached.cache:<8} {cached.prompt_tokens:>6} "
@@ -136,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         differing = [r["turn"] for r in rows if not r["identical"]]
         _say(f"replies differed on turns {differing} (codec {args.codec} is lossy; "
-             f"matching characters: {[r['matching_chars'] for r in rows]})")
+             f"leading tokens that matched per turn: {[r['matching_tokens'] for r in rows]})")
     if args.json:
         args.json.write_text(json.dumps({"turns": rows, "speedup": round(speedup, 2),
                                          "all_identical": all_identical, "codec": args.codec}, indent=2))
@@ -144,7 +146,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _matching(a: str, b: str) -> int:
+def _token_counter(model: str) -> Any:
+    """Tokenize replies with the served model's tokenizer, to count matching tokens of lossy codecs."""
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    from service.models import resolve_model_dir  # noqa: PLC0415
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model), local_files_only=True)
+    return lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _matching(a: Any, b: Any) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:

@@ -1,0 +1,59 @@
+"""`kvstash demo` end to end with the tiny model: hits on later turns, identical replies, clean shutdown."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _demo(*args: str) -> list[str]:
+    return [sys.executable, "-m", "ops.cli", "demo", "--model", "tiny-random", "--max-tokens", "12", "--block-tokens", "16",
+            *args]
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_demo_reports_hits_and_identical_replies(tmp_path: Path) -> None:
+    out = tmp_path / "demo.json"
+    done = subprocess.run(_demo("--turns", "3", "--codec", "exact", "--json", str(out)),
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    turns = report["turns"]
+    assert [t["turn"] for t in turns] == [1, 2, 3]
+    for key in ("turn", "pod", "prompt_tokens", "cached_tokens", "ttft_ms", "ttft_ms_nocache", "identical"):
+        assert all(key in t for t in turns)
+    assert turns[0]["cached_tokens"] == 0
+    assert all(t["cached_tokens"] > 0 for t in turns[1:])
+    assert len({t["pod"] for t in turns}) == 3  # round robin: every turn on another pod
+    assert report["all_identical"] is True and "speedup" in report
+    assert "every reply was identical" in done.stdout
+
+
+def test_demo_cleans_up_on_ctrl_c() -> None:
+    proc = subprocess.Popen(_demo("--turns", "8", "--max-tokens", "200"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    ports: list[int] = []
+    deadline = time.monotonic() + 240
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        ports += [int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", line)]
+        if line.startswith("turn"):
+            break
+    assert len(ports) >= 5, ports  # redis + 3 pods + the no-cache pod
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    time.sleep(0.5)
+    assert [p for p in ports if _listening(p)] == []
