@@ -1,7 +1,8 @@
 """`kvstash bench quality`: what each codec mode's round trip does to the model's predictions.
 
 For several windows of a text: prefill a prefix of N tokens, round-trip its KV (all but the last
-prefix token, which the pod always re-feeds) through Codec.encode/decode of each mode, then score
+prefix token, which the pod always re-feeds) through Codec.encode/decode of each mode block by
+block as a pod stores it (--block-tokens, the tail as a session's partial block), then score
 the next M tokens with teacher forcing: perplexity and its change vs the exact cache, top-1
 agreement with the exact cache's predictions, mean KL(exact || mode) of the next-token
 distributions, and how many tokens of a greedy continuation (ModelRunner.generate, the pod's own
@@ -29,6 +30,7 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--prefix", type=int, default=512, help="tokens in the cache (default 512)")
     p.add_argument("--continuation", type=int, default=256, help="tokens scored after it (default 256)")
     p.add_argument("--windows", type=int, default=3, help="windows spread over the text (default 3)")
+    p.add_argument("--block-tokens", type=int, default=64, help="tokens per encoded block, as the pod (default 64)")
     p.add_argument("--greedy", type=int, default=32, help="greedy tokens compared per window (default 32)")
     p.add_argument("--json", type=Path, help="write rows and targets as JSON here")
     p.add_argument("--plot", type=Path, help="bar chart of the perplexity change per mode (PNG)")
@@ -61,6 +63,11 @@ def _greedy(runner: Any, kv: Any, window: list[int], prefix: int, tokens: int) -
 
     gen = runner.generate(window[:prefix], kv, GenParams(max_tokens=tokens))
     return list(gen.token_ids)
+
+
+def _round_trip(codec: Any, kv: Any, block_tokens: int) -> list[bytes]:
+    """Frames as a pod writes them: one per full block of `block_tokens`, the rest as the session's tail."""
+    return [codec.encode(kv[:, :, :, i:i + block_tokens]) for i in range(0, kv.shape[3], block_tokens)]
 
 
 def _match_len(a: list[int], b: list[int]) -> int:
@@ -98,8 +105,8 @@ def _measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
         ref_logp = ref_greedy = None
         for mode in modes:
             codec = Codec(mode)
-            frame = codec.encode(kv)
-            kv_mode = codec.decode(frame)
+            frames = _round_trip(codec, kv, args.block_tokens)
+            kv_mode = torch.cat([codec.decode(f) for f in frames], dim=3)  # [L, 2, H, n - 1, D]
             logp = torch.log_softmax(_score(loaded, kv_mode, window, n), dim=-1)  # [M, vocab]
             nll = float(-logp.gather(1, target.unsqueeze(1)).mean())
             greedy = _greedy(runner, kv_mode, window, n, args.greedy)
@@ -111,7 +118,7 @@ def _measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
                 "window_start": start, "mode": mode, "spec": codec.spec.name(), "nll": nll,
                 "top1_agree": float((logp.argmax(-1) == ref_logp.argmax(-1)).float().mean()),
                 "kl": max(kl, 0.0), "greedy_match": _match_len(greedy, ref_greedy), "greedy_len": len(ref_greedy),
-                "bytes": len(frame), "bytes_per_token": len(frame) / kv.shape[3],
+                "bytes": sum(map(len, frames)), "bytes_per_token": sum(map(len, frames)) / kv.shape[3],
             })
         print(f"window at token {start}: " + ", ".join(
             f"{r['mode']} ppl {math.exp(r['nll']):.3f}" for r in per_window if r["window_start"] == start), flush=True)
