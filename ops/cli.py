@@ -11,12 +11,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-# (module, description) for each top-level command; bench commands live under `bench`.
-COMMANDS = [
-    ("ops.serve_cmd", "serve"),
-    ("ops.demo", "demo"),
-    ("ops.admin", "admin"),
-]
+# Modules of the top-level commands; bench commands live under `bench`.
+COMMANDS = ["ops.serve_cmd", "ops.demo", "ops.admin"]
 BENCHES = [
     "ops.bench.codec",
     "ops.bench.store",
@@ -29,25 +25,13 @@ BENCHES = [
 def _register_all(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for module_name, _ in COMMANDS:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            continue
-        module.register(sub)
+    for module_name in COMMANDS:
+        importlib.import_module(module_name).register(sub)
     bench = sub.add_parser("bench", help="run a benchmark; prints a table, --json writes rows")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH")
     bench_sub.required = True
     for module_name in BENCHES:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            continue
-        module.register(bench_sub)
+        importlib.import_module(module_name).register(bench_sub)
 
 
 def build_parser() -> argparse.ArgumentParser:
