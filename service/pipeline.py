@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +18,7 @@ from cachestore.hashing import BlockHash, chain_hashes, root_hash
 from cachestore.sessions import SessionRecord
 from cachestore.store import BlockStore
 from service.errors import overloaded
+from service.framecheck import Rejection, frame_problem
 from service.metrics import PodMetrics
 from service.models import LoadedModel
 from service.runner import GenParams, Generation, ModelRunner
@@ -24,6 +26,9 @@ from service.settings import PodSettings
 from service.writer import BackgroundWriter, WriteJob
 
 log = logging.getLogger("kvstash.pipeline")
+# Blocks per pipelined read: small enough that decoding one chunk overlaps the next chunk's read,
+# large enough that round trips stay few (8 x 64 SmolLM2 tokens of int8 = ~6 MB).
+FETCH_CHUNK_BLOCKS = 8
 
 
 @dataclass
@@ -112,58 +117,103 @@ class Pipeline:
         session: SessionRecord | None = None,
         session_key: tuple[str, str] | None = None,
     ) -> tuple[CacheView, SessionRecord | None]:
-        """One round trip for the prompt's blocks (and the session record named by `session_key`,
-        fetched concurrently); the session's partial block extends a full hit."""
+        """The prompt's cached blocks (and the session record named by `session_key`, fetched
+        concurrently); the session's partial block extends a full hit.
+
+        Blocks are read in pipelined chunks of FETCH_CHUNK_BLOCKS, and chunk i is decoded (in a
+        thread, straight into one preallocated context) while chunk i + 1 is on the wire: the
+        hit then costs about the fetch plus the last chunk's decode, not fetch + decode.
+        """
         if self.store is None or self.store.breaker_state == "open":
             return self._account(CacheView(None, 0, 0, "bypass"), prompt_ids), session
         usable = len(prompt_ids) - 1  # the last prompt token is always re-fed for logits
         hashes = self.hashes(tenant_salt, prompt_ids[:usable])
         errors_before = self._store_errors()
+        loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
+        deadline = loop.time() + self.settings.redis_timeout_s
         fetch_session = self.store.get_session(*session_key) if session_key else self._none()
+        chunks = [hashes[i:i + FETCH_CHUNK_BLOCKS] for i in range(0, len(hashes), FETCH_CHUNK_BLOCKS)]
         try:
-            frames, fetched_session = await asyncio.wait_for(
-                asyncio.gather(self.store.lookup(self.model_key, hashes), fetch_session),
+            first, fetched_session = await asyncio.wait_for(
+                asyncio.gather(self._fetch(chunks[0] if chunks else []), fetch_session),
                 self.settings.redis_timeout_s,
             )
         except TimeoutError:
             return self._account(CacheView(None, 0, 0, "bypass"), prompt_ids), session
         session = session or fetched_session
-        self.metrics.redis_seconds.labels("lookup").observe(time.perf_counter() - t0)
-        if not frames and self._store_errors() > errors_before:
+        if not first and self._store_errors() > errors_before:
             return self._account(CacheView(None, 0, 0, "bypass"), prompt_ids), session
-        t0 = time.perf_counter()
-        view = await asyncio.to_thread(self._rehydrate, frames, session, prompt_ids, usable)
-        self.metrics.codec_seconds.labels("decode").observe(time.perf_counter() - t0)
+        # [layers, 2, kv_heads, usable, head_dim]: the most a hit can fill; views of it are handed on
+        out = torch.empty((*self._block_shape[:3], usable, self._block_shape[4]), dtype=self.loaded.dtype)
+        hit_blocks, fetched, frames = 0, 0, first
+        while True:
+            wanted = len(chunks[hit_blocks // FETCH_CHUNK_BLOCKS]) if chunks else 0
+            more = bool(frames) and len(frames) == wanted and hit_blocks + wanted < len(hashes)
+            upcoming = asyncio.ensure_future(self._fetch(chunks[hit_blocks // FETCH_CHUNK_BLOCKS + 1])) if more else None
+            decoded, nbytes = await asyncio.to_thread(self._decode_blocks, frames, out, hit_blocks)
+            hit_blocks, fetched = hit_blocks + decoded, fetched + nbytes
+            if upcoming is None:
+                break
+            if decoded < len(frames):  # a corrupt block truncates the hit there, like a hole
+                upcoming.cancel()
+                break
+            try:
+                frames = await asyncio.wait_for(upcoming, max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                break  # out of time: use what already arrived
+        self.metrics.redis_seconds.labels("lookup").observe(time.perf_counter() - t0)
+        view = await asyncio.to_thread(self._with_session, out, hit_blocks, fetched, session, prompt_ids, usable)
         return self._account(view, prompt_ids), session
 
+    async def _fetch(self, hashes: list[BlockHash]) -> list[bytes]:
+        assert self.store is not None
+        return await self.store.lookup(self.model_key, hashes) if hashes else []
+
     def _decode(self, frame: bytes, tokens: int | None) -> torch.Tensor | None:
-        try:
-            kv = self.codec.decode(frame)
-        except CodecError as exc:
-            log.warning("discarding an unreadable cached frame: %s", exc)
-            return None
         expected = list(self._block_shape)
         if tokens is not None:
             expected[3] = tokens
-        if list(kv.shape) != expected:
-            log.warning("discarding a cached frame of shape %s, expected %s", list(kv.shape), expected)
-            return None
+        problem = frame_problem(frame, self.codec.spec, expected, self.loaded.dtype)
+        if problem is not None:
+            return self._reject(problem)
+        try:
+            kv = self.codec.decode(frame, max_elements=math.prod(expected))
+        except CodecError as exc:
+            return self._reject(Rejection("corrupt", str(exc)))
         return kv.to(self.loaded.dtype)
 
-    def _rehydrate(
-        self, frames: list[bytes], session: SessionRecord | None, prompt_ids: list[int], usable: int
+    def _reject(self, problem: Rejection) -> None:
+        """Bytes from Redis are untrusted: anything but what this pod would have written is a counted miss."""
+        log.warning("discarding a cached frame (%s): %s", problem.reason, problem.detail)
+        self.metrics.cache_rejected.labels(problem.reason).inc()
+
+    def _decode_blocks(self, frames: list[bytes], out: torch.Tensor, first_block: int) -> tuple[int, int]:
+        """Decode consecutive blocks into out[..., block tokens, :]; stops at the first bad frame.
+        Returns (blocks decoded, their bytes)."""
+        b = self.block_tokens
+        t0 = time.perf_counter()
+        done, nbytes = 0, 0
+        for i, frame in enumerate(frames):
+            start = (first_block + i) * b
+            problem = frame_problem(frame, self.codec.spec, self._block_shape, self.loaded.dtype)
+            if problem is not None:
+                self._reject(problem)
+                break
+            try:
+                self.codec.decode_into(frame, out[:, :, :, start:start + b])  # [L, 2, H, b, D] view
+            except CodecError as exc:
+                self._reject(Rejection("corrupt", str(exc)))
+                break
+            done, nbytes = done + 1, nbytes + len(frame)
+        self.metrics.codec_seconds.labels("decode").observe(time.perf_counter() - t0)
+        return done, nbytes
+
+    def _with_session(
+        self, out: torch.Tensor, hit_blocks: int, fetched: int, session: SessionRecord | None,
+        prompt_ids: list[int], usable: int,
     ) -> CacheView:
         b = self.block_tokens
-        parts: list[torch.Tensor] = []
-        fetched = 0
-        for frame in frames:
-            kv = self._decode(frame, b)
-            if kv is None:
-                break  # a corrupt block truncates the hit there, like a hole
-            parts.append(kv)
-            fetched += len(frame)
-        hit_blocks = len(parts)
         cached = hit_blocks * b
         # "hit": everything reusable was reused: the whole known history of a session, else every
         # full block of the prompt. "partial": some of it. "miss": none.
@@ -176,10 +226,10 @@ class Pipeline:
                 tail = self._decode(session.partial, len(session.token_ids) - session_full * b)
                 if tail is not None:
                     take = common - cached
-                    parts.append(tail[:, :, :, :take])
-                    cached += take
+                    out[:, :, :, cached:common] = tail[:, :, :, :take]
+                    cached = common
                     fetched += len(session.partial)
-        kv = torch.cat(parts, dim=3) if parts else None  # [L, 2, H, cached, D]
+        kv = out[:, :, :, :cached] if cached else None  # [L, 2, H, cached, D]
         status = "miss" if cached == 0 else ("hit" if cached >= target else "partial")
         return CacheView(kv, cached, hit_blocks, status, fetched)
 
