@@ -194,6 +194,10 @@ def dequantize(mode: str, parts: list[torch.Tensor], dims: Dims, group: int,
         return torch.mul(q.to(compute), scale.to(compute), out=out)
     if mode == "int8":
         sk, sv, qk, qv = parts
+        if compute == torch.float32:  # int8 -> fp32 copy is vectorized: ~4x the fp16 route here
+            out[:, 0].copy_(qk).mul_(sk.to(compute))
+            out[:, 1].copy_(qv).mul_(sv.to(compute))
+            return out
         torch.mul(_int8_as_half(qk), sk.to(compute), out=out[:, 0])
         torch.mul(_int8_as_half(qv), sv.to(compute), out=out[:, 1])
         return out
