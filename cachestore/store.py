@@ -271,6 +271,9 @@ class BlockStore:
         record = from_fields(raw, tenant, session_id)
         if record is None:
             self._counters.add("bad_records")
+            fmt = raw.get(b"format", b"1")
+            if fmt == b"1" or not fmt.isdigit():  # garbage, not a newer format: drop it so the id heals
+                await self._guarded(lambda: self._client.delete(key), self.settings.op_timeout_s)
         return record
 
     async def put_session(self, record: SessionRecord, expected_version: int | None) -> SessionRecord | None:

@@ -26,7 +26,7 @@ class _StoreCollector(Collector):
             return
         counters = CounterMetricFamily("kvstash_store_events", "Store events by kind", labels=["event"])
         for key in ("hits", "misses", "partial_hits", "evictions", "errors", "dropped_writes",
-                    "bytes_read", "bytes_written"):
+                    "bytes_read", "bytes_written", "bad_records", "cas_conflicts", "timeouts"):
             if key in stats:
                 counters.add_metric([key], float(stats[key]))
         yield counters
@@ -58,6 +58,8 @@ class PodMetrics:
         self.write_queue_depth = Gauge("kvstash_write_queue_depth", "Background writes waiting", registry=r)
         self.writes_dropped = Counter("kvstash_writes_dropped", "Background writes dropped (queue full or failed)",
                                       ["reason"], registry=r)
+        self.cache_rejected = Counter("kvstash_cache_rejected", "Cached values discarded as corrupt or not this "
+                                      "pod's (reason: corrupt, codec, model)", ["reason"], registry=r)
         self.inflight = Gauge("kvstash_inflight_requests", "Requests admitted and not finished", registry=r)
         self.rejected = Counter("kvstash_rejected", "Requests refused with 503 (overload)", registry=r)
         r.register(_StoreCollector(store_stats))
