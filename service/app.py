@@ -41,7 +41,9 @@ def store_settings(settings: PodSettings) -> StoreSettings:
         session_ttl_s=settings.session_ttl_s,
         budget_bytes=settings.budget_bytes,
         max_value_bytes=settings.max_value_bytes,
-        op_timeout_s=settings.redis_timeout_s,
+        # the store gives up a little before the request path stops waiting, so a slow Redis is recorded as a
+        # failure (and opens the breaker) instead of the call being cancelled, which records nothing
+        op_timeout_s=settings.redis_timeout_s * 0.8,
         local_tier_bytes=settings.local_tier_bytes,
     )
 
