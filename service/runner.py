@@ -224,11 +224,15 @@ class ModelRunner:
         """The next token from last-position logits [vocab]: argmax, or a top-p sample."""
         if params.temperature == 0 or generator is None:
             return int(torch.argmax(logits))
-        probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+        scores = logits.float()
+        # shift first: the top score becomes exactly 0, so a tiny temperature gives -inf, never inf - inf = nan
+        # (and float32 has no 1e-300: a temperature that small would divide by zero)
+        probs = torch.softmax((scores - scores.max()) / max(params.temperature, 1e-30), dim=-1)
         if params.top_p < 1:
             sorted_probs, order = torch.sort(probs, descending=True)
             # keep the smallest set whose mass reaches top_p (always at least the top token)
             keep = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) < params.top_p
+            keep[0] = True  # even when top_p is below float32's smallest number
             sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
             choice = torch.multinomial(sorted_probs, 1, generator=generator)
             return int(order[choice])

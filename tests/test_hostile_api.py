@@ -190,3 +190,19 @@ def test_hostile_session_ids_get_400_and_touch_nothing(client: TestClient, redis
     wait_idle(client)
     assert redis_snapshot(redis_server) == before
     assert client.get("/v1/sessions/victim").status_code == 200
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(5e-324, 1.0), (1e-300, 1e-300), (1e-45, 0.5), (2.0, 5e-324),
+                                                    (2.0, 1.0)])
+def test_extreme_sampling_parameters_are_served(client: TestClient, temperature: float, top_p: float) -> None:
+    """Found by schemathesis: a temperature or top_p below float32's range made sampling fail with a 500."""
+    body = {"model": "tiny-random", "prompt": "Once upon a time", "max_tokens": 3, "temperature": temperature,
+            "top_p": top_p, "seed": 7}
+    for path, extra in (("/v1/completions", {}), ("/v1/chat/completions", {"stream": True})):
+        payload = {**body, **extra}
+        if "chat" in path:
+            payload.pop("prompt")
+            payload["messages"] = [{"role": "user", "content": "hi"}]
+        resp = client.post(path, json=payload)
+        assert resp.status_code == 200, resp.text
+        assert "generation failed" not in resp.text
