@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,8 +21,17 @@ from service.runner import GenParams, Generation
 from service.state import PodState
 from service.tenancy import resolve_tenant
 
-# Called once generation is done; returns an error message when the reply could not be recorded.
-AfterGeneration = Callable[[Generation, CacheView], Awaitable[str | None]]
+# Called once generation is done; returns an error message (409) or an ApiError when the reply could not be
+# recorded.
+AfterGeneration = Callable[[Generation, CacheView], Awaitable[str | ApiError | None]]
+
+
+class StreamClosed(Exception):
+    """Raised from the token callback once the client has gone: it stops the generation."""
+
+
+def _as_api_error(problem: str | ApiError) -> ApiError:
+    return problem if isinstance(problem, ApiError) else ApiError(409, problem, code="session_conflict")
 
 
 def pod(request: Request) -> PodState:
@@ -93,10 +103,13 @@ class Responder:
 
     async def reply(self, prompt_ids: list[int], params: GenParams, after: AfterGeneration) -> Response:
         pipeline = ready_pipeline(self.state)
-        gen = await pipeline.generate(prompt_ids, self.view, params)
+        try:
+            gen = await pipeline.generate(prompt_ids, self.view, params)
+        except ValueError as exc:  # the runner refuses an input the parsers let through: the client's, not ours
+            raise bad_request(str(exc), code="invalid_prompt") from None
         problem = await after(gen, self.view)
         if problem is not None:
-            raise ApiError(409, problem, code="session_conflict")
+            raise _as_api_error(problem)
         body = self._envelope([_choice(self.chat, gen.text, gen.finish_reason, delta=False)], chunk=False)
         body["usage"] = usage(gen)
         return JSONResponse(body, headers=cache_headers(self.view))
@@ -118,26 +131,39 @@ class Responder:
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[str | None] = asyncio.Queue()
         pipeline = ready_pipeline(self.state)
+        closed = threading.Event()
 
         def on_text(delta: str) -> None:  # runs on the inference thread
+            if closed.is_set():
+                raise StreamClosed  # the client hung up: stop generating for nobody
             loop.call_soon_threadsafe(deltas.put_nowait, delta)
+
+        def finished(task: asyncio.Future[Generation]) -> None:
+            deltas.put_nowait(None)
+            if not task.cancelled():
+                task.exception()  # retrieved here, so an abandoned stream logs no "never retrieved" warning
 
         try:
             task = asyncio.ensure_future(pipeline.generate(prompt_ids, self.view, params, on_text))
-            task.add_done_callback(lambda _: deltas.put_nowait(None))
+            task.add_done_callback(finished)
             yield self._sse(self._envelope([_choice(self.chat, "", None, delta=True, first=True)], chunk=True))
             while (delta := await deltas.get()) is not None:
                 if delta:
                     yield self._sse(self._envelope([_choice(self.chat, delta, None, delta=True)], chunk=True))
             try:
                 gen = task.result()
+            except ValueError as exc:
+                yield self._sse(error_body(400, str(exc), "invalid_request_error", "invalid_prompt", None))
+                yield "data: [DONE]\n\n"
+                return
             except Exception:
                 yield self._sse(error_body(500, "generation failed", "server_error", "internal_error", None))
                 yield "data: [DONE]\n\n"
                 return
             problem = await after(gen, self.view)
             if problem is not None:
-                yield self._sse(error_body(409, problem, "invalid_request_error", "session_conflict", None))
+                err = _as_api_error(problem)
+                yield self._sse(error_body(err.status, err.message, err.type, err.code, err.param))
             yield self._sse(self._envelope([_choice(self.chat, "", gen.finish_reason, delta=True)], chunk=True))
             if include_usage:
                 final = self._envelope([], chunk=True)
@@ -145,6 +171,7 @@ class Responder:
                 yield self._sse(final)
             yield "data: [DONE]\n\n"
         finally:
+            closed.set()
             release()
 
     @staticmethod

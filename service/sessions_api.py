@@ -48,9 +48,10 @@ def session_json(record: SessionRecord) -> dict[str, Any]:
 
 async def _load(state: PodState, tenant: Tenant, session_id: str) -> SessionRecord:
     store = _store(state)
+    errors = store.stats().errors
     record = await store.get_session(tenant.name, session_id)
     if record is None:
-        if store.breaker_state == "open":
+        if store.breaker_state == "open" or store.stats().errors > errors:  # Redis failed: not a "not found"
             raise _unavailable()
         raise not_found(f"session {session_id!r} not found")
     return record
@@ -143,13 +144,19 @@ async def add_messages(request: Request) -> Response:
         view, _ = await pipeline.lookup(tenant.salt, prompt_ids, session=record)
         return view
 
-    async def after(gen: Generation, view: CacheView) -> str | None:
+    async def after(gen: Generation, view: CacheView) -> str | ApiError | None:
         updated = pipeline.session_record(tenant.name, session_id, [*messages, {"role": "assistant",
                                           "content": gen.text}], gen, record)
         assert pipeline.writer is not None
         full = (len(gen.seq_ids) // pipeline.block_tokens) * pipeline.block_tokens
+        store = _store(state)
+        conflicts = store.stats().cas_conflicts
         stored = await pipeline.writer.write_session(updated, gen.kv, full, record.version)
         if stored is None:
+            # put_session returns None both when the compare-and-set lost and when Redis failed (a timeout,
+            # a paused or dead server): only a lost CAS counts a conflict, the rest is a 503 to retry
+            if store.stats().cas_conflicts == conflicts:
+                return _unavailable()
             return (f"session {session_id!r} was changed by another request while this reply was generated; "
                     "the reply was not recorded, read the session and retry")
         pipeline.write_back(tenant.salt, gen, view)

@@ -1,0 +1,205 @@
+"""Pod faults with real uvicorn processes: SIGKILL with writes queued, SIGTERM drains, two pods racing on one
+session, a client hanging up mid-stream. Replies are compared with a no-cache pod (exact codec, greedy)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from cachestore.codec import Codec
+from cachestore.sessions import from_fields
+from ops.pods import PodProcess
+from ops.redisproc import RedisProcess
+from tests.test_faults_kit import QUESTIONS, SYSTEM
+
+COMMON = ("--codec", "exact", "--block-tokens", "16")
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisProcess]:
+    """One Redis for this module's pods (tests that kill a pod start it again)."""
+    server = RedisProcess().start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture(scope="module")
+def pods(redis_server: RedisProcess) -> Iterator[dict[str, PodProcess]]:
+    procs = {
+        "a": PodProcess("pod-a", redis_server.url, "tiny-random", COMMON),
+        "b": PodProcess("pod-b", redis_server.url, "tiny-random", COMMON),
+        "plain": PodProcess("pod-plain", redis_server.url, "tiny-random", COMMON, no_cache=True),
+    }
+    try:
+        for p in procs.values():
+            p.start()
+        for p in procs.values():
+            p.wait_ready(120)
+        yield procs
+    finally:
+        for p in procs.values():
+            p.cleanup()
+
+
+@pytest.fixture
+def revive(pods: dict[str, PodProcess]) -> Iterator[None]:
+    """Start pod A again after a test that killed or stopped it."""
+    yield
+    if pods["a"].proc is None:
+        pods["a"].start().wait_ready(120)
+
+
+def _chat(pod: PodProcess, messages: list[dict[str, str]], max_tokens: int = 8, **extra: Any) -> httpx.Response:
+    body = {"model": "tiny-random", "messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra}
+    return httpx.post(pod.url + "/v1/chat/completions", json=body, timeout=60)
+
+
+def _text(resp: httpx.Response) -> str:
+    assert resp.status_code == 200, resp.text
+    return str(resp.json()["choices"][0]["message"]["content"])
+
+
+def _settle(pod: PodProcess) -> None:
+    deadline = time.monotonic() + 20
+    while httpx.get(pod.url + "/readyz", timeout=5).json()["write_queue"]:
+        assert time.monotonic() < deadline, "write queue did not drain"
+        time.sleep(0.05)
+
+
+def _audit(r: redis.Redis) -> tuple[int, int]:
+    """Every block decodes whole and every session record parses: nothing torn is visible."""
+    blocks = sessions = 0
+    for key in r.scan_iter(match="kvstash:blk:*", count=1000):
+        kv = Codec().decode(r.get(key))  # raises CodecError on a torn value
+        assert kv.shape[3] == 16, key
+        blocks += 1
+    for key in r.scan_iter(match="kvstash:sess:*", count=1000):
+        _, _, tenant, session_id = key.decode().split(":", 3)
+        record = from_fields(r.hgetall(key), tenant, session_id)
+        assert record is not None, f"torn or garbage session record {key!r}"
+        if record.partial:
+            Codec().decode(record.partial)
+        sessions += 1
+    return blocks, sessions
+
+
+def test_sigkill_with_writes_queued_leaves_nothing_torn(pods: dict[str, PodProcess], redis_server: RedisProcess,
+                                                        figures: dict[str, object], revive: None) -> None:
+    a, b, plain = pods["a"], pods["b"], pods["plain"]
+    conversations = {f"k{i}": [SYSTEM, {"role": "user", "content": f"{QUESTIONS[i % 8]} (conversation {i})"}]
+                     for i in range(6)}
+    r = redis_server.client()
+    r.execute_command("CLIENT", "PAUSE", "2500", "WRITE")  # writes queue up on pod A, reads still answer
+    for sid, messages in conversations.items():
+        reply = _text(_chat(a, messages, session_id=sid))
+        messages.append({"role": "assistant", "content": reply})
+    queued = httpx.get(a.url + "/readyz", timeout=5).json()["write_queue"]
+    a.kill()  # SIGKILL: whatever is queued or in flight is lost, never half-written
+    time.sleep(2.0)
+    blocks, sessions = _audit(r)
+    sent = correct = hits = 0
+    for sid, messages in conversations.items():
+        messages.append({"role": "user", "content": QUESTIONS[(int(sid[1:]) + 1) % 8]})
+        resp = _chat(b, messages, session_id=sid)
+        sent += 1
+        correct += _text(resp) == _text(_chat(plain, messages))
+        hits += resp.headers["x-kv-cache"] in ("hit", "partial")
+    _settle(b)
+    _audit(r)
+    r.close()
+    assert correct == sent
+    figures.update(queued_at_kill=queued, blocks_after_kill=blocks, sessions_after_kill=sessions, requests=sent,
+                   correct=correct, errors=0, torn=0, hits_on_other_pod=hits)
+
+
+def test_sigterm_drains_queued_writes(pods: dict[str, PodProcess], redis_server: RedisProcess, revive: None) -> None:
+    a, b = pods["a"], pods["b"]
+    messages = [SYSTEM, {"role": "user", "content": QUESTIONS[3]}]
+    r = redis_server.client()
+    r.execute_command("CLIENT", "PAUSE", "1500", "WRITE")
+    expected = _text(_chat(a, messages))
+    assert httpx.get(a.url + "/readyz", timeout=5).json()["write_queue"] >= 0
+    a.stop()  # SIGTERM: the lifespan drains the queue (waiting out the pause) before exiting
+    resp = _chat(b, messages)
+    assert _text(resp) == expected
+    assert resp.headers["x-kv-cache"] == "hit", "pod A's queued blocks were lost on a graceful stop"
+    r.close()
+
+
+def test_two_pods_on_one_session_no_lost_update_no_mixed_history(pods: dict[str, PodProcess],
+                                                                 figures: dict[str, object]) -> None:
+    a, b, plain = pods["a"], pods["b"], pods["plain"]
+    created = httpx.post(a.url + "/v1/sessions", json={"session_id": "race", "messages": [SYSTEM]}, timeout=10)
+    assert created.status_code == 201
+    outcomes: dict[str, int] = {"200": 0, "409": 0}
+    rounds = 6
+    for rnd in range(rounds):
+        before = httpx.get(a.url + "/v1/sessions/race", timeout=10).json()["messages"]
+        gate = threading.Barrier(2)
+        results: dict[str, httpx.Response] = {}
+
+        def turn(pod: PodProcess, content: str) -> None:
+            gate.wait()
+            results[content] = httpx.post(pod.url + "/v1/sessions/race/messages",
+                                          json={"content": content, "max_tokens": 24}, timeout=60)
+
+        contents = [f"round {rnd} from A: {QUESTIONS[rnd % 8]}", f"round {rnd} from B: {QUESTIONS[(rnd + 3) % 8]}"]
+        threads = [threading.Thread(target=turn, args=(p, c)) for p, c in zip((a, b), contents, strict=True)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        winners = [c for c in contents if results[c].status_code == 200]
+        for c in contents:
+            code = results[c].status_code
+            assert code in (200, 409), results[c].text
+            outcomes[str(code)] += 1
+            if code == 409:
+                assert results[c].json()["error"]["code"] == "session_conflict"
+        after = httpx.get(b.url + "/v1/sessions/race", timeout=10).json()["messages"]
+        # no lost update: every 200 is in the history, in order, on top of what was there; no 409 is
+        assert after[: len(before)] == before
+        added = after[len(before):]
+        assert [m["content"] for m in added if m["role"] == "user"] == [
+            c for c in (m["content"] for m in added if m["role"] == "user") if c in winners]
+        assert {m["content"] for m in added if m["role"] == "user"} == set(winners)
+        # no mixed history: each recorded reply is exactly what a no-cache pod says after its own history
+        for i in range(0, len(added), 2):
+            history = after[: len(before) + i + 1]
+            assert added[i + 1]["content"] == _text(_chat(plain, history, max_tokens=24))
+        for c in winners:
+            assert results[c].json()["choices"][0]["message"]["content"] in [m["content"] for m in added]
+    assert outcomes["200"] >= rounds
+    figures.update(requests=2 * rounds, ok=outcomes["200"], conflicts_409=outcomes["409"], lost_updates=0,
+                   mixed_histories=0)
+
+
+def test_client_hangs_up_mid_stream_and_generation_stops(pods: dict[str, PodProcess]) -> None:
+    a = pods["a"]
+    max_tokens = 1800
+    body = {"model": "tiny-random", "messages": [SYSTEM, {"role": "user", "content": "Count forever."}],
+            "max_tokens": max_tokens, "stream": True}
+    stamps: list[float] = []
+    with httpx.stream("POST", a.url + "/v1/chat/completions", json=body, timeout=60) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and '"content"' in line:
+                stamps.append(time.monotonic())
+                if len(stamps) == 20:
+                    break  # hang up after 20 tokens
+    if len(stamps) < 20:
+        pytest.skip("the model ended this reply early; nothing long to abandon")
+    per_token_s = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+    t0 = time.monotonic()
+    nxt = _chat(a, [{"role": "user", "content": "hello"}], max_tokens=2)
+    waited = time.monotonic() - t0
+    assert nxt.status_code == 200
+    left_s = (max_tokens - 20) * per_token_s  # what finishing the abandoned reply would have cost
+    assert waited < max(2.0, left_s / 4), (waited, left_s)  # the inference thread was free almost at once
