@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -79,3 +80,40 @@ def make_client(settings: StoreSettings) -> Any:
         url, max_connections=settings.max_connections, timeout=settings.connect_timeout_s, **_common(settings)
     )
     return Redis(connection_pool=pool)
+
+
+async def check_connection(settings: StoreSettings, timeout_s: float = 5.0) -> str | None:
+    """Connect, authenticate and touch one namespace key, once, at start-up.
+
+    Raises ConfigError for what waiting cannot fix: wrong credentials, a TLS handshake or
+    certificate that fails, an ACL user without access to the namespace. Returns a warning
+    when Redis is merely unreachable (the pod then starts and recomputes until it is back),
+    None when all is well. Messages carry the masked URL only.
+    """
+    import ssl  # noqa: PLC0415
+
+    from redis import exceptions  # noqa: PLC0415
+
+    where = settings.masked_url
+    client = make_client(settings)
+    try:
+        probe = f"{settings.namespace}:sess:__kvstash_start_check__"
+        await asyncio.wait_for(client.ping(), timeout_s)
+        await asyncio.wait_for(client.exists(probe), timeout_s)
+    except (exceptions.AuthenticationError, exceptions.AuthenticationWrongNumberOfArgsError) as exc:
+        raise ConfigError(f"Redis at {where} refused the credentials: {exc}") from None
+    except exceptions.NoPermissionError as exc:
+        raise ConfigError(f"the Redis user of {where} may not use the keys {settings.namespace}:* or the "
+                          f"commands kvstash needs (see ops/KEYS.md): {exc}") from None
+    except (exceptions.ConnectionError, exceptions.TimeoutError, TimeoutError, OSError) as exc:
+        chain = [exc, exc.__cause__, exc.__context__]
+        tls_stalled = settings.scheme.startswith("rediss") and isinstance(exc, exceptions.TimeoutError | TimeoutError)
+        if tls_stalled or any(isinstance(e, ssl.SSLError) for e in chain) or "SSL" in str(exc):
+            raise ConfigError(f"TLS with Redis at {where} failed (certificate, CA or a plain-text port?): "
+                              f"{exc}") from None
+        return f"Redis at {where} is not reachable yet ({type(exc).__name__}); serving without the cache until it is"
+    except exceptions.ResponseError as exc:
+        raise ConfigError(f"Redis at {where} refused kvstash's start-up check: {exc}") from None
+    finally:
+        await client.aclose()
+    return None

@@ -15,16 +15,23 @@ _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _BOOL_TRUE = {"1", "true", "yes", "on"}
 
 
+_QUERY_SECRET_RE = re.compile(r"([?&](?:password|pass|auth|sentinel_password)=)[^&#]*", re.IGNORECASE)
+
+
 def mask_url(url: str) -> str:
-    """The URL with any password replaced by '***' (safe for reprs and logs)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port else ""
-    netloc = f"{user}:***@{host}{port}"
-    return parts._replace(netloc=netloc).geturl()
+    """The URL with any password (user info or a `password=` query arg) replaced by '***'.
+
+    Safe for reprs, logs and error messages; never raises (a sentinel URL lists several hosts,
+    which urlsplit cannot parse a port from)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return _QUERY_SECRET_RE.sub(r"\1***", url)
+    netloc, slash, tail = rest.partition("/")
+    if "@" in netloc:
+        creds, hosts = netloc.rsplit("@", 1)
+        user, colon, _ = creds.partition(":")
+        netloc = f"{user}:***@{hosts}" if colon else netloc
+    return scheme + sep + _QUERY_SECRET_RE.sub(r"\1***", netloc + slash + tail)
 
 
 @dataclass(frozen=True)

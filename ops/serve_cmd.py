@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import sys
 from typing import Any
 
 
@@ -50,12 +52,17 @@ def run(args: argparse.Namespace) -> int:
 
     from cachestore.codec import CodecSpec  # noqa: PLC0415
     from cachestore.settings import StoreSettings  # noqa: PLC0415
-    from service.app import create_app  # noqa: PLC0415
+    from cachestore.redisclient import check_connection  # noqa: PLC0415
+    from service.app import create_app, store_settings  # noqa: PLC0415
 
     settings = settings_from_args(args)
     CodecSpec.parse(settings.codec)  # fail fast with a clear message on a bad codec
     if settings.cache_enabled:
         StoreSettings.from_url(settings.redis_url)  # and on a malformed Redis URL
+        # and on credentials, TLS or ACL that cannot work; an unreachable Redis only warns
+        warning = asyncio.run(check_connection(store_settings(settings)))
+        if warning:
+            print(f"kvstash: warning: {warning}", file=sys.stderr)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level,
                 timeout_graceful_shutdown=15)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from cachestore.errors import ConfigError
+from cachestore.settings import mask_url
 
 TENANT_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 DEFAULT_TENANT = "default"
@@ -60,6 +61,7 @@ class PodSettings:
 
     def __repr__(self) -> str:
         shown = {f.name: getattr(self, f.name) for f in fields(self) if f.repr}
+        shown["redis_url"] = mask_url(self.redis_url)
         shown["api_keys"] = f"<{len(self.api_keys)} keys>"
         shown["tenant_secret"] = "***" if self.tenant_secret else ""
         return "PodSettings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
