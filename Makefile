@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test test-faults demo bench clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,16 @@ $(STAMP): pyproject.toml
 
 test: setup
 	$(PY) -m pytest -q
+
+# The reliability suites alone (they also run in `make test`), with larger fuzz counts, writing the
+# figures RELIABILITY.md quotes to reliability-figures.jsonl. FUZZ=N sets the examples per property.
+FUZZ ?= 2000
+test-faults: setup
+	rm -f reliability-figures.jsonl
+	KVSTASH_FIGURES=$(CURDIR)/reliability-figures.jsonl KVSTASH_FUZZ_EXAMPLES=$(FUZZ) \
+	KVSTASH_API_FUZZ_EXAMPLES=$$(( $(FUZZ) / 4 )) $(PY) -m pytest -q --durations=0 \
+		tests/test_faults_redis.py tests/test_faults_corruption.py tests/test_faults_pods.py \
+		tests/test_hostile_api.py tests/test_hostile_slow.py tests/test_codec_fuzz.py tests/test_security.py
 
 demo: setup
 	$(VENV)/bin/kvstash demo
