@@ -29,7 +29,8 @@ test-faults: setup
 	KVSTASH_FIGURES=$(CURDIR)/reliability-figures.jsonl KVSTASH_FUZZ_EXAMPLES=$(FUZZ) \
 	KVSTASH_API_FUZZ_EXAMPLES=$$(( $(FUZZ) / 4 )) $(PY) -m pytest -q --durations=0 \
 		tests/test_faults_redis.py tests/test_faults_corruption.py tests/test_faults_pods.py \
-		tests/test_hostile_api.py tests/test_hostile_slow.py tests/test_codec_fuzz.py tests/test_security.py
+		tests/test_hostile_api.py tests/test_hostile_slow.py tests/test_hostile_frames.py tests/test_codec_fuzz.py \
+		tests/test_security.py
 
 demo: setup
 	$(VENV)/bin/kvstash demo
