@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-faults demo bench clean
+.PHONY: setup test test-faults demo clean
 
 setup: $(STAMP)
 
