@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cachestore.blockcodec import BlockCodecs
 from cachestore.codec import Codec
 from cachestore.errors import CodecError
 from cachestore.hashing import BlockHash, chain_hashes, root_hash
@@ -59,7 +60,7 @@ class Pipeline:
         loaded: LoadedModel,
         runner: ModelRunner,
         store: BlockStore | None,
-        codec: Codec,
+        codec: Codec | BlockCodecs,
         metrics: PodMetrics,
         writer: BackgroundWriter | None,
     ) -> None:
@@ -67,11 +68,11 @@ class Pipeline:
         self.loaded = loaded
         self.runner = runner
         self.store = store if settings.cache_enabled else None
-        self.codec = codec
+        self.codecs = codec if isinstance(codec, BlockCodecs) else BlockCodecs.for_spec(codec)
         self.metrics = metrics
         self.writer = writer
         self.block_tokens = settings.block_tokens
-        self.fingerprint = loaded.fingerprint(settings.block_tokens, codec.spec.name())
+        self.fingerprint = loaded.fingerprint(settings.block_tokens, self.codecs.name())
         self.model_key = self.fingerprint.short()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstash-infer")
         self._admitted = 0
@@ -170,15 +171,16 @@ class Pipeline:
         assert self.store is not None
         return await self.store.lookup(self.model_key, hashes) if hashes else []
 
-    def _decode(self, frame: bytes, tokens: int | None) -> torch.Tensor | None:
+    def _decode(self, frame: bytes, tokens: int | None, block_index: int) -> torch.Tensor | None:
         expected = list(self._block_shape)
         if tokens is not None:
             expected[3] = tokens
-        problem = frame_problem(frame, self.codec.spec, expected, self.loaded.dtype)
+        codec = self.codecs.at(block_index)
+        problem = frame_problem(frame, codec.spec, expected, self.loaded.dtype)
         if problem is not None:
             return self._reject(problem)
         try:
-            kv = self.codec.decode(frame, max_elements=math.prod(expected))
+            kv = codec.decode(frame, max_elements=math.prod(expected))
         except CodecError as exc:
             return self._reject(Rejection("corrupt", str(exc)))
         return kv.to(self.loaded.dtype)
@@ -196,12 +198,13 @@ class Pipeline:
         done, nbytes = 0, 0
         for i, frame in enumerate(frames):
             start = (first_block + i) * b
-            problem = frame_problem(frame, self.codec.spec, self._block_shape, self.loaded.dtype)
+            codec = self.codecs.at(first_block + i)
+            problem = frame_problem(frame, codec.spec, self._block_shape, self.loaded.dtype)
             if problem is not None:
                 self._reject(problem)
                 break
             try:
-                self.codec.decode_into(frame, out[:, :, :, start:start + b])  # [L, 2, H, b, D] view
+                codec.decode_into(frame, out[:, :, :, start:start + b])  # [L, 2, H, b, D] view
             except CodecError as exc:
                 self._reject(Rejection("corrupt", str(exc)))
                 break
@@ -223,7 +226,7 @@ class Pipeline:
             common = min(common_prefix(session.token_ids, prompt_ids), usable)
             target = common
             if session.partial and hit_blocks == session_full and common > cached:
-                tail = self._decode(session.partial, len(session.token_ids) - session_full * b)
+                tail = self._decode(session.partial, len(session.token_ids) - session_full * b, session_full)
                 if tail is not None:
                     take = common - cached
                     out[:, :, :, cached:common] = tail[:, :, :, :take]

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cachestore.blockcodec import BlockCodecs
 from cachestore.codec import Codec
 from cachestore.errors import KvstashError
 from cachestore.hashing import BlockHash
@@ -36,9 +37,9 @@ class WriteJob:
 
 
 class BackgroundWriter:
-    def __init__(self, store: BlockStore, codec: Codec, metrics: PodMetrics, maxsize: int) -> None:
+    def __init__(self, store: BlockStore, codec: Codec | BlockCodecs, metrics: PodMetrics, maxsize: int) -> None:
         self._store = store
-        self._codec = codec
+        self._codecs = codec if isinstance(codec, BlockCodecs) else BlockCodecs.for_spec(codec)
         self._metrics = metrics
         self._queue: asyncio.Queue[WriteJob] = asyncio.Queue(maxsize=maxsize)
         self._task: asyncio.Task[None] | None = None
@@ -96,7 +97,8 @@ class BackgroundWriter:
         frames = []
         for i in range(len(job.hashes)):
             start = (job.first_block + i) * b
-            frames.append(self._codec.encode(job.kv[:, :, :, start : start + b]))  # [L, 2, H, b, D]
+            codec = self._codecs.at(job.first_block + i)
+            frames.append(codec.encode(job.kv[:, :, :, start : start + b]))  # [L, 2, H, b, D]
         return frames
 
     async def _write(self, job: WriteJob) -> None:
@@ -123,7 +125,8 @@ class BackgroundWriter:
     ) -> SessionRecord | None:
         """Encode the tail of `kv` into the record and compare-and-set it; None if the CAS lost."""
         if kv is not None and kv.shape[3] > tail_from:
-            record.partial = await asyncio.to_thread(self._codec.encode, kv[:, :, :, tail_from:])
+            codec = self._codecs.at(0 if tail_from == 0 else 1)  # a tail from token 0 is block 0
+            record.partial = await asyncio.to_thread(codec.encode, kv[:, :, :, tail_from:])
         else:
             record.partial = b""
         t0 = time.perf_counter()

@@ -65,9 +65,11 @@ def _greedy(runner: Any, kv: Any, window: list[int], prefix: int, tokens: int) -
     return list(gen.token_ids)
 
 
-def _round_trip(codec: Any, kv: Any, block_tokens: int) -> list[bytes]:
-    """Frames as a pod writes them: one per full block of `block_tokens`, the rest as the session's tail."""
-    return [codec.encode(kv[:, :, :, i:i + block_tokens]) for i in range(0, kv.shape[3], block_tokens)]
+def _round_trip(codecs: Any, kv: Any, block_tokens: int) -> list[bytes]:
+    """Frames as a pod writes them: one per full block of `block_tokens` (block 0 with the sink codec
+    of `cachestore.blockcodec`), the rest as the session's tail."""
+    return [codecs.at(i // block_tokens).encode(kv[:, :, :, i:i + block_tokens])
+            for i in range(0, kv.shape[3], block_tokens)]
 
 
 def _match_len(a: list[int], b: list[int]) -> int:
@@ -82,7 +84,7 @@ def _match_len(a: list[int], b: list[int]) -> int:
 def _measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     import torch  # noqa: PLC0415
 
-    from cachestore.codec import Codec  # noqa: PLC0415
+    from cachestore.blockcodec import BlockCodecs  # noqa: PLC0415
     from service import hfcache  # noqa: PLC0415
     from service.models import load_model  # noqa: PLC0415
     from service.runner import ModelRunner  # noqa: PLC0415
@@ -104,8 +106,9 @@ def _measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
         target = torch.tensor(window[n:])
         ref_logp = ref_greedy = None
         for mode in modes:
-            codec = Codec(mode)
-            frames = _round_trip(codec, kv, args.block_tokens)
+            codecs = BlockCodecs.for_spec(mode)
+            codec = codecs.main
+            frames = _round_trip(codecs, kv, args.block_tokens)
             kv_mode = torch.cat([codec.decode(f) for f in frames], dim=3)  # [L, 2, H, n - 1, D]
             logp = torch.log_softmax(_score(loaded, kv_mode, window, n), dim=-1)  # [M, vocab]
             nll = float(-logp.gather(1, target.unsqueeze(1)).mean())
@@ -115,7 +118,7 @@ def _measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
             assert ref_logp is not None and ref_greedy is not None
             kl = float((ref_logp.exp() * (ref_logp - logp)).sum(-1).mean())
             per_window.append({
-                "window_start": start, "mode": mode, "spec": codec.spec.name(), "nll": nll,
+                "window_start": start, "mode": mode, "spec": codecs.name(), "nll": nll,
                 "top1_agree": float((logp.argmax(-1) == ref_logp.argmax(-1)).float().mean()),
                 "kl": max(kl, 0.0), "greedy_match": _match_len(greedy, ref_greedy), "greedy_len": len(ref_greedy),
                 "bytes": sum(map(len, frames)), "bytes_per_token": sum(map(len, frames)) / kv.shape[3],

@@ -105,7 +105,7 @@ class ResumeBench:
         raw = redis.Redis.from_url(self.url)
         try:
             hashes = pipeline.hashes(SALT, prompt[:context])
-            frames = [codec.encode(kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]  # [L,2,H,b,D]
+            frames = [pipeline.codecs.at(i).encode(kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]  # [L,2,H,b,D]
             assert await store.put_blocks(pipeline.model_key, hashes, frames) == len(frames)
             nbytes = sum(len(f) for f in frames)
             times: list[float] = []
@@ -206,7 +206,7 @@ class ResumeBench:
         phases: dict[str, list[float]] = {k: [] for k in ("fetch", "allocate", "decode_into", "cache_build", "forward")}
         try:
             hashes = pipeline.hashes(SALT, prompt[:context])
-            frames = [codec.encode(kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
+            frames = [pipeline.codecs.at(i).encode(kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
             await store.put_blocks(pipeline.model_key, hashes, frames)
             for rep in range(self.args.repeat + 1):
                 marks = [time.perf_counter()]

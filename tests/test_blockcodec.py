@@ -1,0 +1,41 @@
+"""The per-block codec policy: block 0 (the attention sink) keeps int8 under 4- and 2-bit codecs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from cachestore.blockcodec import BlockCodecs
+from cachestore.codec import read_header
+from ops.redisproc import RedisProcess
+from tests.test_service_api import HISTORY, chat, make_client, wait_written
+
+
+@pytest.mark.parametrize(("spec", "sink"), [("int2", "int8+lz4"), ("int4+zstd/g32", "int8+zstd:3"),
+                                            ("int8", "int8+lz4"), ("exact", "exact+lz4"), ("fp8", "fp8+lz4")])
+def test_policy(spec: str, sink: str) -> None:
+    codecs = BlockCodecs.for_spec(spec)
+    assert codecs.at(0).spec.name() == sink
+    assert codecs.at(1) is codecs.main and codecs.at(7) is codecs.main
+    assert ("sink=" in codecs.name()) == (codecs.sink is not codecs.main)
+
+
+def test_pod_stores_block_zero_as_int8_and_hits(redis_server: RedisProcess, tiny_model: Any) -> None:
+    with make_client(redis_server, tiny_model, codec="int2", local_tier_bytes=0) as client:
+        first = chat(client, HISTORY)
+        assert first.status_code == 200
+        wait_written(client)
+        pipeline = client.app.state.pod.pipeline  # type: ignore[attr-defined]
+        prompt = pipeline.runner.chat_ids(HISTORY)
+        hashes = pipeline.hashes(b"default", prompt)
+        raw = redis_server.client()
+        modes = []
+        for h in hashes:
+            keys = [k for k in raw.scan_iter(match=f"*:blk:*:{h.hex()}*")]
+            assert len(keys) == 1
+            modes.append(read_header(raw.get(keys[0])).mode)
+        assert modes[0] == "int8" and set(modes[1:]) == {"int2"}, modes
+        second = chat(client, HISTORY)
+        assert second.headers["x-kv-cache"] == "hit"
+        assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(hashes) * 16
