@@ -18,6 +18,7 @@ from cachestore.errors import CodecError
 from cachestore.hashing import BlockHash, chain_hashes, root_hash
 from cachestore.sessions import SessionRecord
 from cachestore.store import BlockStore
+from service.contextpool import ContextPool
 from service.errors import overloaded
 from service.framecheck import Rejection, frame_problem
 from service.metrics import PodMetrics
@@ -41,6 +42,7 @@ class CacheView:
     hit_blocks: int  # leading full blocks found in Redis
     status: str  # "hit" | "partial" | "miss" | "bypass"
     fetched_bytes: int = 0
+    buffer: torch.Tensor | None = None  # the pooled buffer `kv` is a view of; back to the pool after generation
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -77,6 +79,7 @@ class Pipeline:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstash-infer")
         self._admitted = 0
         self._roots: dict[str, BlockHash] = {}
+        self._contexts = ContextPool(loaded.num_layers, loaded.kv_heads, loaded.head_dim, loaded.dtype)
         # [layers, 2, kv_heads, block_tokens, head_dim]
         self._block_shape = (loaded.num_layers, 2, loaded.kv_heads, settings.block_tokens, loaded.head_dim)
 
@@ -145,8 +148,11 @@ class Pipeline:
         session = session or fetched_session
         if not first and self._store_errors() > errors_before:
             return self._account(CacheView(None, 0, 0, "bypass"), prompt_ids), session
-        # [layers, 2, kv_heads, usable, head_dim]: the most a hit can fill; views of it are handed on
-        out = torch.empty((*self._block_shape[:3], usable, self._block_shape[4]), dtype=self.loaded.dtype)
+        # [layers, 2, kv_heads, capacity, head_dim]: a hit fills at most `usable` tokens; views are handed on.
+        # Room for the whole reply too, so generation appends in place (hfcache.GrowingLayer); pages
+        # that are never written are never touched.
+        capacity = min(len(prompt_ids) + self.settings.max_tokens_limit, self.loaded.max_context + 1)
+        out = self._contexts.take(capacity)
         hit_blocks, fetched, frames = 0, 0, first
         while True:
             wanted = len(chunks[hit_blocks // FETCH_CHUNK_BLOCKS]) if chunks else 0
@@ -165,6 +171,10 @@ class Pipeline:
                 break  # out of time: use what already arrived
         self.metrics.redis_seconds.labels("lookup").observe(time.perf_counter() - t0)
         view = await asyncio.to_thread(self._with_session, out, hit_blocks, fetched, session, prompt_ids, usable)
+        if view.kv is None:
+            self._contexts.give(out)
+        else:
+            view.buffer = out
         return self._account(view, prompt_ids), session
 
     async def _fetch(self, hashes: list[BlockHash]) -> list[bytes]:
@@ -252,7 +262,11 @@ class Pipeline:
         on_text: Callable[[str], None] | None = None,
     ) -> Generation:
         loop = asyncio.get_running_loop()
-        gen = await loop.run_in_executor(self._executor, self.runner.generate, prompt_ids, view.kv, params, on_text)
+        work = loop.run_in_executor(self._executor, self.runner.generate, prompt_ids, view.kv, params, on_text)
+        if view.buffer is not None:  # back to the pool once the inference thread is done with it, even if
+            buffer, view.buffer = view.buffer, None  # this request is cancelled meanwhile
+            work.add_done_callback(lambda _: self._contexts.give(buffer))
+        gen = await work
         self.metrics.ttft.labels(view.status).observe(gen.ttft_s)
         return gen
 

@@ -80,3 +80,27 @@ def test_bad_inputs_are_rejected(tiny: LoadedModel) -> None:
         hfcache.tensor_from_cache(cache, 0, len(IDS) + 1)
     with pytest.raises(ValueError):
         hfcache.forward(tiny.model, [], cache)
+
+
+@pytest.mark.parametrize("spare", [1, 3, 40])
+def test_context_with_spare_capacity_grows_in_place(tiny: LoadedModel, spare: int) -> None:
+    """A context decoded into a larger buffer is appended to in place, and the logits do not change,
+    also when generation runs past the buffer's end (it then moves to a bigger one)."""
+    ids = list(range(300, 340))
+    with torch.inference_mode():
+        _, full = hfcache.forward(tiny.model, ids[:30], None)
+        kv = hfcache.tensor_from_cache(full)  # [L, 2, H, 30, D]
+        buf = torch.zeros((*kv.shape[:3], 30 + spare, kv.shape[4]))
+        buf[:, :, :, :30] = kv
+        grown = hfcache.cache_from_tensor(buf[:, :, :, :30], tiny.model)
+        plain = hfcache.cache_from_tensor(kv.clone(), tiny.model)
+        assert isinstance(grown.layers[0], hfcache.GrowingLayer)
+        assert not isinstance(plain.layers[0], hfcache.GrowingLayer)
+        for token in ids[30:]:
+            a, grown = hfcache.forward(tiny.model, [token], grown)
+            b, plain = hfcache.forward(tiny.model, [token], plain)
+            assert torch.equal(a, b)
+        assert hfcache.cache_length(grown) == 40
+        assert torch.equal(hfcache.tensor_from_cache(grown), hfcache.tensor_from_cache(plain))
+        if spare >= 10:  # still inside the buffer: written in place
+            assert torch.equal(buf[:, :, :, :40], hfcache.tensor_from_cache(grown))
