@@ -24,11 +24,9 @@ class ContextPool:
 
     def take(self, tokens: int) -> torch.Tensor:
         """A buffer with room for at least `tokens` tokens (its contents are garbage)."""
-        fitting = [b for b in self._idle if b.shape[3] >= tokens]
-        if fitting:
-            buf = min(fitting, key=lambda b: b.shape[3])
-            self._idle.remove(buf)
-            return buf
+        fitting = [i for i, b in enumerate(self._idle) if b.shape[3] >= tokens]
+        if fitting:  # by index: `list.remove` would compare tensors element-wise
+            return self._idle.pop(min(fitting, key=lambda i: self._idle[i].shape[3]))
         capacity = -(-tokens // ROUND_TOKENS) * ROUND_TOKENS
         return torch.empty((*self._dims, capacity, self._head_dim), dtype=self._dtype)
 
