@@ -33,6 +33,7 @@ def test_bench_quality_tiny_writes_rows_and_plot(tmp_path: Path) -> None:
     out, png = tmp_path / "quality.json", tmp_path / "quality.png"
     assert main(["bench", "quality", "--text", "ops/data/sample.txt", "--model", "tiny-random", "--modes",
                  "exact,int8,int2", "--prefix", "32", "--continuation", "16", "--windows", "2", "--greedy", "3",
+                 "--block-tokens", "8",  # several blocks: block 0 keeps int8 (the sink), the rest int2
                  "--json", str(out), "--plot", str(png)]) == 0
     report = json.loads(out.read_text())
     rows = {r["mode"]: r for r in report["rows"]}
