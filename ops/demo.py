@@ -90,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     import httpx  # noqa: PLC0415
 
     from ops.chatclient import stream_chat  # noqa: PLC0415
+    from service.pipeline import common_prefix  # noqa: PLC0415
 
     if not 1 <= args.turns <= len(QUESTIONS):
         print(f"kvstash demo: --turns must be between 1 and {len(QUESTIONS)}", file=sys.stderr)
@@ -117,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
                 "turn": turn, "pod": cached.pod, "cache": cached.cache, "prompt_tokens": cached.prompt_tokens,
                 "cached_tokens": cached.cached_tokens, "ttft_ms": round(cached.ttft_ms, 1),
                 "ttft_ms_nocache": round(plain.ttft_ms, 1), "identical": same,
-                "matching_tokens": _matching(count(cached.text), count(plain.text)),
+                "matching_tokens": common_prefix(count(cached.text), count(plain.text)),
             })
             speed = plain.ttft_ms / cached.ttft_ms if cached.ttft_ms else 0.0
             _say(f"{turn:>4}  {cached.pod:<8} {cached.cache:<8} {cached.prompt_tokens:>6} "
@@ -154,15 +155,6 @@ def _token_counter(model: str) -> Any:
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model), local_files_only=True)
     return lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def _matching(a: Any, b: Any) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _mean(rows: list[dict[str, Any]], key: str) -> float:

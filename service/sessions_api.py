@@ -57,6 +57,13 @@ async def _load(state: PodState, tenant: Tenant, session_id: str) -> SessionReco
     return record
 
 
+def _new_session_id(body: dict[str, Any]) -> str:
+    """The id a client asked for (validated), else a random one."""
+    if body.get("session_id") is not None:
+        return check_session_id(body["session_id"])
+    return "s-" + secrets.token_hex(12)
+
+
 def _path_id(request: Request) -> str:
     return check_session_id(request.path_params["session_id"], param="session_id")
 
@@ -66,8 +73,7 @@ async def create_session(request: Request) -> Response:
     tenant = resolve_tenant(request, state.settings)
     store = _store(state)
     body = await read_json(request, state.settings.max_body_bytes, state.settings.body_timeout_s, optional=True)
-    session_id = check_session_id(body["session_id"]) if body.get("session_id") is not None \
-        else "s-" + secrets.token_hex(12)
+    session_id = _new_session_id(body)
     messages = parse_messages(body.get("messages", []), allow_empty=True)
     now = time.time()
     pipeline = ready_pipeline(state)
@@ -109,8 +115,7 @@ async def fork_session(request: Request) -> Response:
     tenant = resolve_tenant(request, state.settings)
     parent_id = _path_id(request)
     body = await read_json(request, state.settings.max_body_bytes, state.settings.body_timeout_s, optional=True)
-    child_id = check_session_id(body["session_id"]) if body.get("session_id") is not None \
-        else "s-" + secrets.token_hex(12)
+    child_id = _new_session_id(body)
     await _load(state, tenant, parent_id)
     child = await _store(state).fork_session(tenant.name, parent_id, child_id)
     if child is None:

@@ -3,10 +3,33 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
+from ops.pods import PodProcess
 from ops.redisproc import RedisCluster, RedisProcess
+
+POD_ARGS = ("--codec", "exact", "--block-tokens", "16")
+
+
+@contextmanager
+def tiny_pods(redis_url: str) -> Iterator[dict[str, PodProcess]]:
+    """Two caching tiny-random pods (`a`, `b`) and one without the cache (`plain`), as processes."""
+    procs = {
+        "a": PodProcess("pod-a", redis_url, "tiny-random", POD_ARGS),
+        "b": PodProcess("pod-b", redis_url, "tiny-random", POD_ARGS),
+        "plain": PodProcess("pod-plain", redis_url, "tiny-random", POD_ARGS, no_cache=True),
+    }
+    try:
+        for p in procs.values():
+            p.start()
+        for p in procs.values():
+            p.wait_ready(120)
+        yield procs
+    finally:
+        for p in procs.values():
+            p.cleanup()
 
 
 @pytest.fixture

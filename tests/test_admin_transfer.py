@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from ops.cli import main
 from ops.redisproc import RedisProcess
 from service.app import create_app
 from service.settings import PodSettings
+from tests.test_service_api import wait_written
 
 SYSTEM = {"role": "system", "content": "You are a helpful travel assistant. " * 12}
 POD_FLAGS = ["--model", "tiny-random", "--codec", "exact", "--block-tokens", "16"]
@@ -27,16 +27,6 @@ POD_FLAGS = ["--model", "tiny-random", "--codec", "exact", "--block-tokens", "16
 def pod(redis: RedisProcess, tiny_model: Any, name: str) -> TestClient:
     settings = PodSettings(model="tiny-random", redis_url=redis.url, codec="exact", block_tokens=16, pod_name=name)
     return TestClient(create_app(settings, loaded=tiny_model), raise_server_exceptions=False)
-
-
-def wait_written(client: TestClient) -> None:
-    state = client.app.state.pod  # type: ignore[attr-defined]
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if state.writer.depth == 0 and not state.writer._queue._unfinished_tasks:  # noqa: SLF001
-            return
-        time.sleep(0.02)
-    raise AssertionError("background writes did not finish")
 
 
 @pytest.fixture

@@ -16,9 +16,8 @@ from cachestore.codec import Codec
 from cachestore.sessions import from_fields
 from ops.pods import PodProcess
 from ops.redisproc import RedisProcess
+from tests.conftest import tiny_pods
 from tests.test_faults_kit import QUESTIONS, SYSTEM
-
-COMMON = ("--codec", "exact", "--block-tokens", "16")
 
 
 @pytest.fixture(scope="module")
@@ -33,20 +32,8 @@ def redis_server() -> Iterator[RedisProcess]:
 
 @pytest.fixture(scope="module")
 def pods(redis_server: RedisProcess) -> Iterator[dict[str, PodProcess]]:
-    procs = {
-        "a": PodProcess("pod-a", redis_server.url, "tiny-random", COMMON),
-        "b": PodProcess("pod-b", redis_server.url, "tiny-random", COMMON),
-        "plain": PodProcess("pod-plain", redis_server.url, "tiny-random", COMMON, no_cache=True),
-    }
-    try:
-        for p in procs.values():
-            p.start()
-        for p in procs.values():
-            p.wait_ready(120)
+    with tiny_pods(redis_server.url) as procs:
         yield procs
-    finally:
-        for p in procs.values():
-            p.cleanup()
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import pytest
 
 from ops.pods import PodProcess
 from ops.redisproc import RedisProcess
+from tests.conftest import tiny_pods
 
 QUESTIONS = ["Tell me a story about a lighthouse keeper.", "What happened next?", "How did it end?",
              "Give it a title."]
@@ -18,21 +19,8 @@ SYSTEM = {"role": "system", "content": "You are a storyteller who answers at len
 
 @pytest.fixture
 def pods(redis_server: RedisProcess) -> Iterator[dict[str, PodProcess]]:
-    common = ("--codec", "exact", "--block-tokens", "16")
-    procs = {
-        "a": PodProcess("pod-a", redis_server.url, "tiny-random", common),
-        "b": PodProcess("pod-b", redis_server.url, "tiny-random", common),
-        "plain": PodProcess("pod-plain", redis_server.url, "tiny-random", common, no_cache=True),
-    }
-    try:
-        for p in procs.values():
-            p.start()
-        for p in procs.values():
-            p.wait_ready(120)
+    with tiny_pods(redis_server.url) as procs:
         yield procs
-    finally:
-        for p in procs.values():
-            p.cleanup()
 
 
 def _chat(url: str, messages: list[dict[str, str]], **extra: Any) -> httpx.Response:

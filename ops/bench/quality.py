@@ -72,21 +72,13 @@ def _round_trip(codecs: Any, kv: Any, block_tokens: int) -> list[bytes]:
             for i in range(0, kv.shape[3], block_tokens)]
 
 
-def _match_len(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     import torch  # noqa: PLC0415
 
     from cachestore.blockcodec import BlockCodecs  # noqa: PLC0415
     from service import hfcache  # noqa: PLC0415
     from service.models import load_model  # noqa: PLC0415
+    from service.pipeline import common_prefix  # noqa: PLC0415
     from service.runner import ModelRunner  # noqa: PLC0415
 
     loaded = load_model(args.model)
@@ -120,7 +112,7 @@ def _measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
             per_window.append({
                 "window_start": start, "mode": mode, "spec": codecs.name(), "nll": nll,
                 "top1_agree": float((logp.argmax(-1) == ref_logp.argmax(-1)).float().mean()),
-                "kl": max(kl, 0.0), "greedy_match": _match_len(greedy, ref_greedy), "greedy_len": len(ref_greedy),
+                "kl": max(kl, 0.0), "greedy_match": common_prefix(greedy, ref_greedy), "greedy_len": len(ref_greedy),
                 "bytes": sum(map(len, frames)), "bytes_per_token": sum(map(len, frames)) / kv.shape[3],
             })
         print(f"window at token {start}: " + ", ".join(
