@@ -219,31 +219,11 @@ def test_misconfigured_serve_process_exits_without_traceback(password_redis: Red
 
 @pytest.fixture
 def tls_acl(tmp_path: Path) -> Iterator[tuple[RedisProcess, int, Path]]:
-    """TLS-only Redis (no plain port) with ACL user `kv` limited to `kvstash:*` as ops/KEYS.md recommends."""
-    import shutil  # noqa: PLC0415
+    """TLS Redis with ACL user `kv` limited to `kvstash:*` as ops/KEYS.md recommends."""
+    from tests.test_store_tls import tls_acl_server  # noqa: PLC0415
 
-    from ops.redisproc import RedisProcessError, free_port  # noqa: PLC0415
-    from tests.test_store_tls import self_signed  # noqa: PLC0415
-
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed")
-    cert, key = self_signed(tmp_path)
-    tls_port = free_port()
-    server = RedisProcess(extra_args=(
-        "--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
-        "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no",
-        "--user", "kv", "on", f">{REDIS_PASSWORD}", "~kvstash:*", "resetchannels", "+@all", "-@admin",
-        "-@dangerous",
-    ))
-    try:
-        server.start()
-    except RedisProcessError as exc:
-        server.cleanup()
-        pytest.skip(f"this redis-server cannot serve TLS: {exc}")
-    try:
-        yield server, tls_port, cert
-    finally:
-        server.cleanup()
+    with tls_acl_server(tmp_path, REDIS_PASSWORD, "~kvstash:*") as found:
+        yield found
 
 
 def test_full_service_over_tls_as_a_limited_acl_user(tls_acl: tuple[RedisProcess, int, Path], tiny_model: Any,

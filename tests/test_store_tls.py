@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -29,9 +30,10 @@ def self_signed(directory: Path) -> tuple[Path, Path]:
     return cert, key
 
 
-@pytest.fixture
-def tls_acl_redis(tmp_path: Path) -> Iterator[tuple[RedisProcess, int, Path]]:
-    """A redis-server with a TLS port and user `kv` allowed only keys `tlsns:*`."""
+@contextmanager
+def tls_acl_server(tmp_path: Path, password: str, key_pattern: str) -> Iterator[tuple[RedisProcess, int, Path]]:
+    """A redis-server with a TLS port (self-signed certificate) and ACL user `kv` allowed only
+    `key_pattern`; skips the test where openssl or TLS support is missing."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")
     cert, key = self_signed(tmp_path)
@@ -39,7 +41,7 @@ def tls_acl_redis(tmp_path: Path) -> Iterator[tuple[RedisProcess, int, Path]]:
     server = RedisProcess(extra_args=(
         "--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
         "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no",
-        "--user", "kv", "on", f">{PASSWORD}", "~tlsns:*", "resetchannels", "+@all", "-@admin", "-@dangerous",
+        "--user", "kv", "on", f">{password}", key_pattern, "resetchannels", "+@all", "-@admin", "-@dangerous",
     ))
     try:
         server.start()
@@ -50,6 +52,13 @@ def tls_acl_redis(tmp_path: Path) -> Iterator[tuple[RedisProcess, int, Path]]:
         yield server, tls_port, cert
     finally:
         server.cleanup()
+
+
+@pytest.fixture
+def tls_acl_redis(tmp_path: Path) -> Iterator[tuple[RedisProcess, int, Path]]:
+    """A redis-server with a TLS port and user `kv` allowed only keys `tlsns:*`."""
+    with tls_acl_server(tmp_path, PASSWORD, "~tlsns:*") as found:
+        yield found
 
 
 async def test_tls_with_acl_user(tls_acl_redis: tuple[RedisProcess, int, Path]) -> None:

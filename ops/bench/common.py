@@ -76,6 +76,19 @@ def write_json(path: Path | str, payload: Any) -> None:
     print(f"wrote {out}")
 
 
+def _save(fig: Any, path: Path | str) -> None:
+    """Legend, layout, write the figure as PNG (creating parent folders) and free it."""
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig.axes[0].legend()
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png")
+    plt.close(fig)
+    print(f"wrote {out}")
+
+
 def plot_lines(path: Path | str, series: dict[str, tuple[Sequence[float], Sequence[float]]], *, title: str,
                xlabel: str, ylabel: str, logx: bool = False, logy: bool = False) -> None:
     """One PNG line plot: {label: (xs, ys)} drawn with markers (matplotlib, Agg backend)."""
@@ -95,13 +108,7 @@ def plot_lines(path: Path | str, series: dict[str, tuple[Sequence[float], Sequen
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png")
-    plt.close(fig)
-    print(f"wrote {out}")
+    _save(fig, path)
 
 
 def plot_bars(path: Path | str, labels: Sequence[str], groups: dict[str, Sequence[float]], *, title: str,
@@ -122,10 +129,4 @@ def plot_bars(path: Path | str, labels: Sequence[str], groups: dict[str, Sequenc
     ax.set_title(title)
     ax.set_ylabel(ylabel)
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png")
-    plt.close(fig)
-    print(f"wrote {out}")
+    _save(fig, path)
