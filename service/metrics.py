@@ -55,7 +55,7 @@ class PodMetrics:
                                        buckets=FAST_BUCKETS, registry=r)
         self.redis_seconds = Histogram("kvstash_redis_seconds", "Redis operation time", ["op"],
                                        buckets=FAST_BUCKETS, registry=r)
-        self.write_queue_depth = Gauge("kvstash_write_queue_depth", "Background writes waiting", registry=r)
+        self.write_queue_depth = Gauge("kvstash_write_queue_depth", "Background write jobs queued or being written", registry=r)
         self.writes_dropped = Counter("kvstash_writes_dropped", "Background writes dropped (queue full or failed)",
                                       ["reason"], registry=r)
         self.cache_rejected = Counter("kvstash_cache_rejected", "Cached values discarded as corrupt or not this "

@@ -43,6 +43,7 @@ class BackgroundWriter:
         self._metrics = metrics
         self._queue: asyncio.Queue[WriteJob] = asyncio.Queue(maxsize=maxsize)
         self._task: asyncio.Task[None] | None = None
+        self._pending = 0  # queued + the one being written: 0 means every accepted job is in Redis (or failed)
         self.written_jobs = 0
 
     def start(self) -> None:
@@ -55,12 +56,14 @@ class BackgroundWriter:
         except asyncio.QueueFull:
             self._metrics.writes_dropped.labels("queue_full").inc()
             return False
-        self._metrics.write_queue_depth.set(self._queue.qsize())
+        self._pending += 1
+        self._metrics.write_queue_depth.set(self._pending)
         return True
 
     @property
     def depth(self) -> int:
-        return self._queue.qsize()
+        """Jobs queued or being written (what /readyz and kvstash_write_queue_depth report)."""
+        return self._pending
 
     async def drain(self, timeout_s: float) -> bool:
         """Wait until every queued job is written (graceful shutdown); False on timeout."""
@@ -89,8 +92,9 @@ class BackgroundWriter:
                 log.exception("background write failed")
                 self._metrics.writes_dropped.labels("error").inc()
             finally:
+                self._pending -= 1
                 self._queue.task_done()
-                self._metrics.write_queue_depth.set(self._queue.qsize())
+                self._metrics.write_queue_depth.set(self._pending)
 
     def _encode_blocks(self, job: WriteJob) -> list[bytes]:
         b = job.block_tokens
