@@ -13,7 +13,7 @@ from starlette.testclient import TestClient
 
 from cachestore.codec import Codec
 from ops.redisproc import RedisProcess
-from tests.test_faults_kit import QUESTIONS, SYSTEM, chat, metric, pod_client, reply_of, wait_written
+from tests.faultkit import QUESTIONS, SYSTEM, chat, metric, pod_client, reply_of, wait_written
 
 REJECTED = "kvstash_cache_rejected_total"
 

@@ -14,7 +14,7 @@ from starlette.testclient import TestClient
 from cachestore.store import BlockStore
 from ops.redisproc import RedisCluster, RedisProcess
 from service.app import store_settings
-from tests.test_faults_kit import QUESTIONS, SYSTEM, chat, pod_client, reply_of, state_of, wait_written
+from tests.faultkit import QUESTIONS, SYSTEM, chat, pod_client, reply_of, state_of, wait_written
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +22,7 @@ from ops.redisproc import RedisProcess
 from service.app import create_app
 from service.openapi import build_schema
 from service.settings import PodSettings
+from tests.faultkit import wait_written
 
 EXAMPLES = int(os.environ.get("KVSTASH_API_FUZZ_EXAMPLES", "150"))
 NS = "hostile"
@@ -60,16 +60,8 @@ def seed_victim(client: TestClient) -> dict[str, Any]:
     assert created.status_code == 201, created.text
     turn = client.post("/v1/sessions/victim/messages", json={"content": "Hello there", "max_tokens": 4})
     assert turn.status_code == 200, turn.text
-    wait_idle(client)
+    wait_written(client)
     return dict(client.get("/v1/sessions/victim").json())
-
-
-def wait_idle(client: TestClient) -> None:
-    writer = client.app.state.pod.writer  # type: ignore[attr-defined]
-    deadline = time.monotonic() + 10
-    while writer._queue._unfinished_tasks:  # noqa: SLF001
-        assert time.monotonic() < deadline, "background writes did not finish"
-        time.sleep(0.02)
 
 
 def redis_snapshot(redis: RedisProcess) -> dict[bytes, bytes]:
@@ -125,7 +117,7 @@ def test_schemathesis_no_5xx_and_json_errors(client: TestClient, redis_server: R
         run = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
                        suppress_health_check=list(HealthCheck))(given(schema.as_strategy(mode))(send))
         run()
-    wait_idle(client)
+    wait_written(client)
     assert client.get("/v1/sessions/victim").json() == victim
     redis_snapshot(redis_server)  # only kvstash's own key shapes exist
     figures.update(cases=sum(seen.values()), statuses=seen, server_errors=0)
@@ -187,7 +179,7 @@ def test_hostile_session_ids_get_400_and_touch_nothing(client: TestClient, redis
         for method, suffix in (("GET", ""), ("DELETE", ""), ("POST", "/messages"), ("POST", "/fork")):
             resp = client.request(method, f"/v1/sessions/{quoted}{suffix}", json={"content": "hi"})
             assert_clean_error(resp, (400, 404, 405))
-    wait_idle(client)
+    wait_written(client)
     assert redis_snapshot(redis_server) == before
     assert client.get("/v1/sessions/victim").status_code == 200
 

@@ -19,7 +19,7 @@ from cachestore.settings import StoreSettings
 from ops.pods import PodProcess
 from ops.redisproc import RedisProcess
 from service.settings import PodSettings
-from tests.test_faults_kit import QUESTIONS, SYSTEM, chat, pod_client, reply_of, state_of, wait_written
+from tests.faultkit import QUESTIONS, SYSTEM, chat, pod_client, reply_of, state_of, wait_written
 
 ROOT = Path(__file__).resolve().parents[1]
 REDIS_PASSWORD = "rEd1s-Pw-7c1e9b"

@@ -95,9 +95,13 @@ WRITER = textwrap.dedent("""
     from cachestore.sessions import SessionRecord
     from cachestore.settings import StoreSettings
     from cachestore.syncstore import SyncBlockStore
+    import redis
     url, name, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
     lost = 0
     with SyncBlockStore(StoreSettings.from_url(url, namespace="twoproc", op_timeout_s=2)) as store:
+        gate = redis.Redis.from_url(url)
+        gate.rpush("twoproc-ready", name)
+        gate.blpop(["twoproc-go-" + name], timeout=30)  # both start at once, so their turns really interleave
         for i in range(n):
             while True:
                 rec = store.get_session("acme", "shared")
@@ -117,8 +121,15 @@ def test_two_processes_never_lose_an_update(redis_server: RedisProcess) -> None:
     n = 150
     procs = [subprocess.Popen([sys.executable, "-c", WRITER, redis_server.url, name, str(n)], cwd=ROOT,
                               stdout=subprocess.PIPE, text=True) for name in ("a", "b")]
+    gate = redis_server.client()
+    assert gate.blpop(["twoproc-ready"], timeout=60) and gate.blpop(["twoproc-ready"], timeout=60)
+    gate.rpush("twoproc-go-a", 1)
+    gate.rpush("twoproc-go-b", 1)
     outputs = [p.communicate(timeout=60)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs) and all(int(o.strip()) >= 0 for o in outputs)
+    assert all(p.returncode == 0 for p in procs)
+    lost = [int(o.strip()) for o in outputs]
+    # the writers lost compare-and-sets and retried: the race the CAS exists for did happen
+    assert sum(lost) > 0, lost
     with SyncBlockStore(StoreSettings.from_url(redis_server.url, namespace="twoproc")) as store:
         final = store.get_session("acme", "shared")
     assert final is not None and final.version == 1 + 2 * n

@@ -1,4 +1,4 @@
-"""Helpers (no tests) shared by the fault, hostile-input and security suites: in-process pods, a reference."""
+"""Test helpers (no tests) shared by the fault, hostile-input and security suites: in-process pods, a reference."""
 
 from __future__ import annotations
 
@@ -34,11 +34,15 @@ def reply_of(resp: Any) -> str:
     return str(resp.json()["choices"][0]["message"]["content"])
 
 
+def write_depth(client: TestClient) -> int:
+    """Background write jobs queued or being written, as the pod exports them (kvstash_write_queue_depth)."""
+    return int(metric(client, "kvstash_write_queue_depth"))
+
+
 def wait_written(client: TestClient, timeout_s: float = 15.0) -> None:
     """Until the pod's background write queue is empty and nothing is being written."""
-    writer = client.app.state.pod.writer  # type: ignore[attr-defined]
     deadline = time.monotonic() + timeout_s
-    while writer._queue._unfinished_tasks:  # noqa: SLF001
+    while write_depth(client):
         if time.monotonic() > deadline:
             raise AssertionError("background writes did not finish")
         time.sleep(0.02)
