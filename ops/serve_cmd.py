@@ -17,7 +17,12 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to bind (default 8000)")
-    p.add_argument("--model", help="smollm2 (default), tiny-random, or a local HF model directory")
+    p.add_argument("--engine", choices=["hf", "llamacpp"], help="model runtime: hf (transformers, default) or "
+                   "llamacpp (llama-cpp-python, batched decoding)")
+    p.add_argument("--model", help="smollm2 (default); hf: tiny-random or a local HF model directory; "
+                   "llamacpp: a local .gguf file")
+    p.add_argument("--parallel", type=int, help="llamacpp: sequences decoded together (default 4)")
+    p.add_argument("--threads", type=int, help="llamacpp: CPU threads (default: one per core)")
     p.add_argument("--device", help="cpu (default) or cuda[:N]")
     p.add_argument("--redis-url", help="redis://, rediss://, unix:// URL (cluster: add ?cluster=1)")
     p.add_argument("--namespace", help="prefix of every Redis key (default kvstash)")
@@ -39,7 +44,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 
     overrides = {
         name: getattr(args, name)
-        for name in ("host", "port", "model", "device", "redis_url", "namespace", "codec", "block_tokens",
+        for name in ("host", "port", "engine", "model", "parallel", "threads", "device", "redis_url", "namespace", "codec", "block_tokens",
                      "budget_bytes", "block_ttl_s", "session_ttl_s", "redis_timeout_s", "max_queue", "pod_name")
     }
     if args.no_cache:

@@ -8,7 +8,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -23,12 +23,14 @@ from cachestore.store import BlockStore
 from service import completions, health, openapi, sessions_api
 from service.errors import EXCEPTION_HANDLERS
 from service.metrics import PodMetrics
-from service.models import LoadedModel, load_model
+from service.engines import Engine, load_engine
 from service.pipeline import Pipeline
-from service.runner import ModelRunner
 from service.settings import PodSettings
 from service.state import PodState
 from service.writer import BackgroundWriter
+
+if TYPE_CHECKING:
+    from service.models import LoadedModel
 
 log = logging.getLogger("kvstash.service")
 
@@ -73,26 +75,40 @@ class RouteMetrics(BaseHTTPMiddleware):
         return response
 
 
-def build_state(settings: PodSettings, loaded: LoadedModel) -> PodState:
-    """Wire model, store, codec, writer and pipeline (no I/O; the store connects lazily)."""
+def build_state(settings: PodSettings, engine: Engine) -> PodState:
+    """Wire engine, store, codec, writer and pipeline (no I/O; the store connects lazily)."""
     state = PodState(settings=settings, metrics=PodMetrics())
     state.metrics = PodMetrics(lambda: _store_stats(state))
     codec = Codec(settings.codec)
-    state.loaded = loaded
-    state.runner = ModelRunner(loaded)
+    state.engine = engine
     if settings.cache_enabled:
         state.store = BlockStore(store_settings(settings))
         state.writer = BackgroundWriter(state.store, codec, state.metrics, settings.write_queue)
-    state.pipeline = Pipeline(settings, loaded, state.runner, state.store, codec, state.metrics, state.writer)
+    state.pipeline = Pipeline(settings, engine, state.store, codec, state.metrics, state.writer)
     return state
 
 
-def create_app(settings: PodSettings, loaded: LoadedModel | None = None) -> Starlette:
-    """The app; `loaded` lets tests and benchmarks share one model between several apps."""
+def _as_engine(model: Engine | LoadedModel) -> Engine:
+    """Tests and benchmarks may hand over a transformers model loaded once: it runs as the hf engine."""
+    from service.models import LoadedModel  # noqa: PLC0415  (transformers: only when handed a model)
+
+    if isinstance(model, LoadedModel):
+        from service.engines.hf import HfEngine  # noqa: PLC0415
+
+        return HfEngine(model)
+    return model
+
+
+def create_app(settings: PodSettings, engine: Engine | LoadedModel | None = None) -> Starlette:
+    """The app; `engine` lets tests and benchmarks share one loaded model between several apps."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        model = loaded or await asyncio.to_thread(load_model, settings.model, device=settings.device)
+        own = engine is None  # an engine handed in belongs to the caller, who closes it
+        model = _as_engine(engine) if engine is not None else await asyncio.to_thread(
+            load_engine, settings.engine, settings.model, device=settings.device, parallel=settings.parallel,
+            threads=settings.threads,
+        )
         state = build_state(settings, model)
         app.state.pod = state
         if state.writer is not None:
@@ -107,6 +123,8 @@ def create_app(settings: PodSettings, loaded: LoadedModel | None = None) -> Star
                 state.pipeline.close()
             if state.store is not None:
                 await state.store.close()
+            if own:
+                model.close()
 
     routes = [
         Route("/healthz", health.healthz, methods=["GET"]),

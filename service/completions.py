@@ -17,7 +17,7 @@ from cachestore.sessions import SessionRecord
 from service.errors import ApiError, bad_request, error_body, overloaded
 from service.pipeline import CacheView, Pipeline
 from service.requests import parse_completion, read_json
-from service.runner import GenParams, Generation
+from service.engines import GenParams, Generation
 from service.state import PodState
 from service.tenancy import resolve_tenant
 
@@ -46,15 +46,15 @@ def ready_pipeline(state: PodState) -> Pipeline:
 
 
 def check_model(state: PodState, model: str) -> None:
-    assert state.loaded is not None
-    if model != state.loaded.name:
-        raise ApiError(404, f"model {model!r} is not served here; this pod serves {state.loaded.name!r}",
+    assert state.engine is not None
+    if model != state.engine.name:
+        raise ApiError(404, f"model {model!r} is not served here; this pod serves {state.engine.name!r}",
                        code="model_not_found", param="model")
 
 
 def check_context(state: PodState, prompt_ids: list[int], params: GenParams) -> None:
-    assert state.loaded is not None
-    limit = state.loaded.max_context
+    assert state.engine is not None
+    limit = state.engine.geometry.max_context
     if len(prompt_ids) + params.max_tokens > limit:
         raise bad_request(
             f"the prompt has {len(prompt_ids)} tokens and max_tokens is {params.max_tokens}; "
@@ -226,8 +226,8 @@ async def _completion(request: Request, chat: bool) -> Response:
         max_tokens_limit=state.settings.max_tokens_limit, default_max_tokens=state.settings.default_max_tokens,
     )
     check_model(state, req.model)
-    runner = pipeline.runner
-    prompt_ids = runner.chat_ids(req.messages) if req.messages is not None else runner.text_ids(req.prompt or "")
+    engine = pipeline.engine
+    prompt_ids = engine.chat_ids(req.messages) if req.messages is not None else engine.text_ids(req.prompt or "")
     check_context(state, prompt_ids, req.params)
     previous: SessionRecord | None = None
 
@@ -263,8 +263,9 @@ async def list_models(request: Request) -> Response:
     state = pod(request)
     resolve_tenant(request, state.settings)
     data = []
-    if state.loaded is not None:
-        data.append({"id": state.loaded.name, "object": "model", "created": int(state.started_at),
-                     "owned_by": "kvstash", "context_length": state.loaded.max_context})
+    if state.engine is not None:
+        data.append({"id": state.engine.name, "object": "model", "created": int(state.started_at),
+                     "owned_by": "kvstash", "context_length": state.engine.geometry.max_context,
+                     "engine": state.engine.kind})
     return JSONResponse({"object": "list", "data": data})
 

@@ -29,7 +29,8 @@ async def readyz(request: Request) -> Response:
         redis_state = f"{redis_state} (breaker {state.store.breaker_state})"
     body = {
         "status": "ready" if state.ready else "loading",
-        "model": state.loaded.name if state.loaded else None,
+        "model": state.engine.name if state.engine else None,
+        "engine": state.engine.kind if state.engine else None,
         "redis": redis_state,
         "write_queue": state.writer.depth if state.writer else 0,
         "pod": state.settings.pod_name,

@@ -143,8 +143,8 @@ _BUILT: dict[str | None, dict[str, Any]] = {}
 
 
 async def openapi_json(request: Request) -> Response:
-    loaded = getattr(getattr(request.app.state, "pod", None), "loaded", None)
-    name = getattr(loaded, "name", None)
+    engine = getattr(getattr(request.app.state, "pod", None), "engine", None)
+    name = getattr(engine, "name", None)
     if name not in _BUILT:
         _BUILT[name] = build_schema(name)
     return JSONResponse(_BUILT[name])

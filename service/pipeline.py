@@ -22,8 +22,7 @@ from service.contextpool import ContextPool
 from service.errors import overloaded
 from service.framecheck import Rejection, frame_problem
 from service.metrics import PodMetrics
-from service.models import LoadedModel
-from service.runner import GenParams, Generation, ModelRunner
+from service.engines import Engine, GenParams, Generation
 from service.settings import PodSettings
 from service.writer import BackgroundWriter, WriteJob
 
@@ -59,29 +58,30 @@ class Pipeline:
     def __init__(
         self,
         settings: PodSettings,
-        loaded: LoadedModel,
-        runner: ModelRunner,
+        engine: Engine,
         store: BlockStore | None,
         codec: Codec | BlockCodecs,
         metrics: PodMetrics,
         writer: BackgroundWriter | None,
     ) -> None:
         self.settings = settings
-        self.loaded = loaded
-        self.runner = runner
+        self.engine = engine
+        self.geometry = geo = engine.geometry
         self.store = store if settings.cache_enabled else None
         self.codecs = codec if isinstance(codec, BlockCodecs) else BlockCodecs.for_spec(codec)
         self.metrics = metrics
         self.writer = writer
         self.block_tokens = settings.block_tokens
-        self.fingerprint = loaded.fingerprint(settings.block_tokens, self.codecs.name())
+        self.fingerprint = engine.fingerprint(settings.block_tokens, self.codecs.name())
         self.model_key = self.fingerprint.short()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstash-infer")
+        # as many generations in flight as the engine runs at once (1 for hf; llama.cpp batches them)
+        self._executor = ThreadPoolExecutor(max_workers=engine.parallel, thread_name_prefix="kvstash-infer")
         self._admitted = 0
         self._roots: dict[str, BlockHash] = {}
-        self._contexts = ContextPool(loaded.num_layers, loaded.kv_heads, loaded.head_dim, loaded.dtype)
+        self._contexts = ContextPool(geo.num_layers, geo.kv_heads, geo.head_dim, geo.dtype,
+                                     max_idle=max(2, engine.parallel))
         # [layers, 2, kv_heads, block_tokens, head_dim]
-        self._block_shape = (loaded.num_layers, 2, loaded.kv_heads, settings.block_tokens, loaded.head_dim)
+        self._block_shape = (geo.num_layers, 2, geo.kv_heads, settings.block_tokens, geo.head_dim)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -151,7 +151,7 @@ class Pipeline:
         # [layers, 2, kv_heads, capacity, head_dim]: a hit fills at most `usable` tokens; views are handed on.
         # Room for the whole reply too, so generation appends in place (hfcache.GrowingLayer); pages
         # that are never written are never touched.
-        capacity = min(len(prompt_ids) + self.settings.max_tokens_limit, self.loaded.max_context + 1)
+        capacity = min(len(prompt_ids) + self.settings.max_tokens_limit, self.geometry.max_context + 1)
         out = self._contexts.take(capacity)
         hit_blocks, fetched, frames = 0, 0, first
         while True:
@@ -186,14 +186,14 @@ class Pipeline:
         if tokens is not None:
             expected[3] = tokens
         codec = self.codecs.at(block_index)
-        problem = frame_problem(frame, codec.spec, expected, self.loaded.dtype)
+        problem = frame_problem(frame, codec.spec, expected, self.geometry.dtype)
         if problem is not None:
             return self._reject(problem)
         try:
             kv = codec.decode(frame, max_elements=math.prod(expected))
         except CodecError as exc:
             return self._reject(Rejection("corrupt", str(exc)))
-        return kv.to(self.loaded.dtype)
+        return kv.to(self.geometry.dtype)
 
     def _reject(self, problem: Rejection) -> None:
         """Bytes from Redis are untrusted: anything but what this pod would have written is a counted miss."""
@@ -209,7 +209,7 @@ class Pipeline:
         for i, frame in enumerate(frames):
             start = (first_block + i) * b
             codec = self.codecs.at(first_block + i)
-            problem = frame_problem(frame, codec.spec, self._block_shape, self.loaded.dtype)
+            problem = frame_problem(frame, codec.spec, self._block_shape, self.geometry.dtype)
             if problem is not None:
                 self._reject(problem)
                 break
@@ -262,7 +262,7 @@ class Pipeline:
         on_text: Callable[[str], None] | None = None,
     ) -> Generation:
         loop = asyncio.get_running_loop()
-        work = loop.run_in_executor(self._executor, self.runner.generate, prompt_ids, view.kv, params, on_text)
+        work = loop.run_in_executor(self._executor, self.engine.generate, prompt_ids, view.kv, params, on_text)
         if view.buffer is not None:  # back to the pool once the inference thread is done with it, even if
             buffer, view.buffer = view.buffer, None  # this request is cancelled meanwhile
             work.add_done_callback(lambda _: self._contexts.give(buffer))

@@ -15,7 +15,7 @@ from service.completions import check_context, pod, ready_pipeline, run_admitted
 from service.errors import ApiError, bad_request, not_found
 from service.pipeline import CacheView
 from service.requests import check_session_id, parse_messages, parse_params, read_json, stream_flags
-from service.runner import Generation
+from service.engines import Generation
 from service.state import PodState
 from service.tenancy import Tenant, resolve_tenant
 
@@ -135,14 +135,14 @@ async def add_messages(request: Request) -> Response:
         new = [{"role": "user", "content": body["content"]}]
     else:
         raise bad_request("send `messages` (an array) or `content` (a string)", param="messages")
-    if body.get("model") is not None and state.loaded is not None and body["model"] != state.loaded.name:
+    if body.get("model") is not None and state.engine is not None and body["model"] != state.engine.name:
         raise ApiError(404, f"model {body['model']!r} is not served here", code="model_not_found", param="model")
     params = parse_params(body, state.settings.max_tokens_limit, state.settings.default_max_tokens)
     stream, include_usage = stream_flags(body)
     record = await _load(state, tenant, session_id)
     pipeline = ready_pipeline(state)
     messages = [*record.messages, *new]
-    prompt_ids = pipeline.runner.chat_ids(messages)
+    prompt_ids = pipeline.engine.chat_ids(messages)
     check_context(state, prompt_ids, params)
 
     async def lookup() -> CacheView:
@@ -167,8 +167,8 @@ async def add_messages(request: Request) -> Response:
         pipeline.write_back(tenant.salt, gen, view)
         return None
 
-    assert state.loaded is not None
+    assert state.engine is not None
     return await run_admitted(
-        state, chat=True, model=state.loaded.name, prompt_ids=prompt_ids, params=params, stream=stream,
+        state, chat=True, model=state.engine.name, prompt_ids=prompt_ids, params=params, stream=stream,
         include_usage=include_usage, lookup=lookup, after=after,
     )

@@ -12,6 +12,7 @@ from typing import Any
 
 from cachestore.errors import ConfigError
 from cachestore.settings import mask_url
+from service.engines.base import ENGINES
 
 TENANT_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 DEFAULT_TENANT = "default"
@@ -23,8 +24,11 @@ class PodSettings:
 
     host: str = "127.0.0.1"
     port: int = 8000
+    engine: str = "hf"  # hf (transformers) | llamacpp (llama-cpp-python)
     model: str = "smollm2"
     device: str = "cpu"
+    parallel: int = 4  # sequences the llamacpp engine decodes together (hf: always 1)
+    threads: int = 0  # llama.cpp threads; 0 = one per core
     redis_url: str = "redis://127.0.0.1:6379/0"
     namespace: str = "kvstash"
     cache_enabled: bool = True
@@ -47,6 +51,10 @@ class PodSettings:
     pod_name: str = ""
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if not 1 <= self.parallel <= 64 or self.threads < 0:
+            raise ConfigError("parallel must be in 1..64 and threads >= 0")
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
         if self.block_tokens < 1 or self.block_tokens > 4096:
@@ -92,7 +100,7 @@ def parse_api_keys(text: str) -> dict[str, str]:
 
 
 _ENV_CASTS: dict[str, Any] = {
-    "host": str, "port": int, "model": str, "device": str, "redis_url": str, "namespace": str,
+    "host": str, "port": int, "engine": str, "model": str, "device": str, "parallel": int, "threads": int, "redis_url": str, "namespace": str,
     "codec": str, "block_tokens": int, "block_ttl_s": int, "session_ttl_s": int,
     "budget_bytes": int, "max_value_bytes": int, "redis_timeout_s": float,
     "local_tier_bytes": int, "max_queue": int, "write_queue": int, "max_body_bytes": int, "body_timeout_s": float,

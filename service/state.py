@@ -7,9 +7,8 @@ from dataclasses import dataclass, field
 
 from cachestore.store import BlockStore
 from service.metrics import PodMetrics
-from service.models import LoadedModel
+from service.engines import Engine
 from service.pipeline import Pipeline
-from service.runner import ModelRunner
 from service.settings import PodSettings
 from service.writer import BackgroundWriter
 
@@ -18,8 +17,7 @@ from service.writer import BackgroundWriter
 class PodState:
     settings: PodSettings
     metrics: PodMetrics
-    loaded: LoadedModel | None = None
-    runner: ModelRunner | None = None
+    engine: Engine | None = None
     store: BlockStore | None = None
     writer: BackgroundWriter | None = None
     pipeline: Pipeline | None = None

@@ -26,7 +26,7 @@ POD_FLAGS = ["--model", "tiny-random", "--codec", "exact", "--block-tokens", "16
 
 def pod(redis: RedisProcess, tiny_model: Any, name: str) -> TestClient:
     settings = PodSettings(model="tiny-random", redis_url=redis.url, codec="exact", block_tokens=16, pod_name=name)
-    return TestClient(create_app(settings, loaded=tiny_model), raise_server_exceptions=False)
+    return TestClient(create_app(settings, engine=tiny_model), raise_server_exceptions=False)
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ def test_pod_stores_block_zero_as_int8_and_hits(redis_server: RedisProcess, tiny
         assert first.status_code == 200
         wait_written(client)
         pipeline = client.app.state.pod.pipeline  # type: ignore[attr-defined]
-        prompt = pipeline.runner.chat_ids(HISTORY)
+        prompt = pipeline.engine.chat_ids(HISTORY)
         hashes = pipeline.hashes(b"default", prompt)
         raw = redis_server.client()
         modes = []

@@ -211,7 +211,7 @@ def exposed_metrics(redis_url: str, tiny_model: Any) -> str:
     from service.settings import PodSettings
 
     settings = PodSettings(model="tiny-random", redis_url=redis_url, codec="exact", block_tokens=16)
-    with TestClient(create_app(settings, loaded=tiny_model)) as client:
+    with TestClient(create_app(settings, engine=tiny_model)) as client:
         body = {"model": "tiny-random", "messages": [{"role": "user", "content": "hello " * 40}], "max_tokens": 3}
         assert client.post("/v1/chat/completions", json=body).status_code == 200
         return client.get("/metrics").text

@@ -11,7 +11,8 @@ from service import pipeline as pipeline_module
 from service.app import store_settings
 from service.metrics import PodMetrics
 from service.pipeline import Pipeline
-from service.runner import GenParams, ModelRunner
+from service.engines import GenParams
+from service.engines.hf import HfEngine
 from service.settings import PodSettings
 
 SALT = b"chunks"
@@ -24,8 +25,8 @@ async def test_chunked_lookup_rebuilds_the_context_and_stops_at_a_corrupt_block(
     settings = PodSettings(redis_url=redis_server.url, namespace="chunks", codec="exact", block_tokens=b,
                            local_tier_bytes=0)
     store = BlockStore(store_settings(settings))
-    runner = ModelRunner(tiny_model)  # type: ignore[arg-type]
-    pipe = Pipeline(settings, tiny_model, runner, store, Codec("exact"), PodMetrics(), None)  # type: ignore[arg-type]
+    runner = HfEngine(tiny_model)  # type: ignore[arg-type]
+    pipe = Pipeline(settings, runner, store, Codec("exact"), PodMetrics(), None)
     try:
         prompt = list(range(100, 100 + 20 * b + 2))  # 20 full blocks usable: 3 chunks of 8, 8, 4
         assert pipeline_module.FETCH_CHUNK_BLOCKS < 20

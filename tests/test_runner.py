@@ -7,7 +7,8 @@ import torch
 
 from service import hfcache
 from service.models import LoadedModel, load_model
-from service.runner import GenParams, ModelRunner, _TextStream
+from service.engines.generation import TextStream
+from service.runner import GenParams, ModelRunner
 
 GREEDY = GenParams(max_tokens=24)
 BLOCK = 16
@@ -112,7 +113,7 @@ def test_text_stream_waits_for_whole_characters(runner: ModelRunner) -> None:
     text = "héllo 🙂 世界, naïve café ✓"
     ids = runner.text_ids(text)
     deltas: list[str] = []
-    stream = _TextStream(runner.tokenizer, (), deltas.append)
+    stream = TextStream(runner.tokenizer, (), deltas.append)
     for token in ids:
         assert not stream.push(token)
     stream.finish()
@@ -123,7 +124,7 @@ def test_text_stream_waits_for_whole_characters(runner: ModelRunner) -> None:
 def test_text_stream_holds_back_a_possible_stop(runner: ModelRunner) -> None:
     ids = runner.text_ids("one\ntwo\n\nthree")
     deltas: list[str] = []
-    stream = _TextStream(runner.tokenizer, ("\n\n",), deltas.append)
+    stream = TextStream(runner.tokenizer, ("\n\n",), deltas.append)
     stopped_at = next(i for i, t in enumerate(ids) if stream.push(t))
     assert runner.decode(ids[: stopped_at + 1]).startswith("one\ntwo\n\n")
     assert stream.text == "one\ntwo"

@@ -23,7 +23,7 @@ HISTORY = [
 def make_client(redis: RedisProcess, tiny_model: Any, **overrides: Any) -> TestClient:
     settings = PodSettings(model="tiny-random", redis_url=redis.url, codec=overrides.pop("codec", "exact"),
                            block_tokens=overrides.pop("block_tokens", 16), pod_name="pod-test", **overrides)
-    return TestClient(create_app(settings, loaded=tiny_model), raise_server_exceptions=False)
+    return TestClient(create_app(settings, engine=tiny_model), raise_server_exceptions=False)
 
 
 @pytest.fixture

@@ -63,10 +63,11 @@ class ResumeBench:
     """One model, one Redis; measures every method for one context at a time."""
 
     def __init__(self, loaded: Any, url: str, args: argparse.Namespace) -> None:
-        from service.runner import ModelRunner  # noqa: PLC0415
+        from service.engines.hf import HfEngine  # noqa: PLC0415
 
         self.loaded, self.url, self.args = loaded, url, args
-        self.runner = ModelRunner(loaded)
+        self.engine = HfEngine(loaded)
+        self.runner = self.engine.runner
         self._warm = False
 
     def recompute(self, prompt: list[int]) -> tuple[list[float], Any]:
@@ -101,7 +102,7 @@ class ResumeBench:
                                local_tier_bytes=0, redis_timeout_s=60.0, budget_bytes=8 << 30)
         store = BlockStore(store_settings(settings).with_options(write_timeout_s=60.0))
         codec = Codec(mode)
-        pipeline = Pipeline(settings, self.loaded, self.runner, store, codec, PodMetrics(), None)
+        pipeline = Pipeline(settings, self.engine, store, codec, PodMetrics(), None)
         raw = redis.Redis.from_url(self.url)
         try:
             hashes = pipeline.hashes(SALT, prompt[:context])
@@ -202,7 +203,7 @@ class ResumeBench:
                                local_tier_bytes=0, redis_timeout_s=60.0)
         store = BlockStore(store_settings(settings))
         codec = Codec(mode)
-        pipeline = Pipeline(settings, self.loaded, self.runner, store, codec, PodMetrics(), None)
+        pipeline = Pipeline(settings, self.engine, store, codec, PodMetrics(), None)
         phases: dict[str, list[float]] = {k: [] for k in ("fetch", "allocate", "decode_into", "cache_build", "forward")}
         try:
             hashes = pipeline.hashes(SALT, prompt[:context])

@@ -1,0 +1,68 @@
+"""The engine seam: everything the request path needs from a model runtime, and nothing more.
+
+The pipeline knows token ids, KV tensors in the codec's layout [layers, 2, kv_heads, tokens,
+head_dim] and a fingerprint. How a runtime (transformers, llama.cpp, a future one) keeps its
+cache is the engine's business alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from cachestore.hashing import ModelFingerprint
+from service.engines.generation import GenParams, Generation
+
+ENGINES = ("hf", "llamacpp")
+
+
+@dataclass(frozen=True)
+class KvGeometry:
+    """The shape and dtype of the KV an engine hands over and takes back."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype  # of the KV tensors exchanged with the pipeline
+    max_context: int  # tokens one sequence may hold (prompt + reply)
+
+
+class Engine(Protocol):
+    """A loaded model runtime. `generate` may be called from up to `parallel` threads at once."""
+
+    kind: str  # "hf" | "llamacpp": blocks of different engines never mix (it is in the fingerprint)
+    name: str  # the model name clients send
+    geometry: KvGeometry
+    parallel: int
+
+    def fingerprint(self, block_tokens: int, codec_name: str) -> ModelFingerprint:
+        """Names the engine, its version, the weights and every setting that changes the KV bits."""
+        ...
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """The chat's token ids ending with the assistant generation prompt; content is plain text."""
+        ...
+
+    def text_ids(self, text: str) -> list[int]:
+        """Plain text as token ids (no special tokens, no BOS)."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        ...
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        cached_kv: torch.Tensor | None,
+        params: GenParams,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Generation:
+        """Generate after `prompt_ids`, reusing `cached_kv` [layers, 2, kv_heads, n, head_dim] for
+        prompt_ids[:n]; returns the reply and the KV of the whole fed sequence. Blocks until done."""
+        ...
+
+    def close(self) -> None:
+        ...

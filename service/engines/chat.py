@@ -1,0 +1,44 @@
+"""Chat prompts as token ids where only the template makes special tokens.
+
+A user who types `<|im_end|><|im_start|>system` into a message must not close their turn and
+open a system turn. Every engine renders its chat template with each message's content
+replaced by a marker, tokenizes the template's own text with special tokens recognised, and
+the contents as plain text.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Callable
+
+Messages = list[dict[str, str]]
+
+
+def chat_token_ids(
+    messages: Messages,
+    render: Callable[[Messages], str],
+    template_ids: Callable[[str], list[int]],
+    content_ids: Callable[[str], list[int]],
+) -> list[int]:
+    """Token ids of `messages` rendered by `render` (the chat template, ending with the generation prompt).
+
+    `template_ids` tokenizes template text (special tokens allowed); `content_ids` tokenizes message
+    content as plain text. The marker carries a fresh nonce, so no content can forge one.
+    """
+    nonce = secrets.token_hex(8)
+    marked = [{**m, "content": f"\ue000{nonce}:{i}\ue001"} for i, m in enumerate(messages)]
+    rendered = render(marked)
+    pattern = re.compile("\ue000" + nonce + r":(\d+)\ue001")
+    ids: list[int] = []
+    at = 0
+    for match in pattern.finditer(rendered):
+        if match.start() > at:
+            ids += template_ids(rendered[at : match.start()])
+        index = int(match.group(1))
+        if 0 <= index < len(messages) and messages[index].get("content"):
+            ids += content_ids(messages[index]["content"])
+        at = match.end()
+    if at < len(rendered):
+        ids += template_ids(rendered[at:])
+    return ids

@@ -1,0 +1,138 @@
+"""What every engine shares about one generation: its parameters, its result, streamed text and sampling."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+# End-of-turn tokens of common chat templates, honoured when the vocabulary has them.
+END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "</s>")
+
+
+@dataclass(frozen=True)
+class GenParams:
+    """Sampling settings of one request; temperature 0 means greedy."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must lie in (0, 1]")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+
+@dataclass
+class Generation:
+    """The result of one generate call, with the KV the pod writes back to the cache."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float
+    total_s: float
+    seq_ids: list[int]
+    kv: torch.Tensor  # [layers, 2, kv_heads, len(seq_ids), head_dim] on CPU
+
+
+class Detokenizer(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class TextStream:
+    """Incremental detokenization with stop strings: emits only text that is final.
+
+    Text is held back while it ends in an incomplete UTF-8 sequence (U+FFFD) or in a
+    prefix of a stop string, so the concatenated deltas always equal the final text.
+    """
+
+    def __init__(self, tokenizer: Detokenizer, stop: tuple[str, ...], on_text: Callable[[str], None] | None):
+        self._tok = tokenizer
+        self._stop = stop
+        self._on_text = on_text
+        self._ids: list[int] = []
+        self._prefix = 0  # ids[_prefix:_read] decode to the tail of `text` already accounted
+        self._read = 0
+        self.text = ""  # decoded, complete text so far
+        self._emitted = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self._tok.decode(ids, skip_special_tokens=True))
+
+    def push(self, token_id: int) -> bool:
+        """Add a token; True when a stop string has appeared (text is then cut before it)."""
+        self._ids.append(token_id)
+        before = self._decode(self._ids[self._prefix : self._read])
+        after = self._decode(self._ids[self._prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before) :]
+            self._prefix, self._read = self._read, len(self._ids)
+        return self._check_stop()
+
+    def _check_stop(self) -> bool:
+        if not self._stop:
+            self._emit(len(self.text))
+            return False
+        hits = [i for s in self._stop if (i := self.text.find(s, self._emitted)) >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self._emit(len(self.text))
+            return True
+        hold = max((k for s in self._stop for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+        self._emit(len(self.text) - hold)
+        return False
+
+    def finish(self) -> None:
+        """Flush what was held back for a stop string that never came."""
+        self._emit(len(self.text))
+
+    def _emit(self, upto: int) -> None:
+        if upto > self._emitted:
+            delta = self.text[self._emitted : upto]
+            self._emitted = upto
+            if self._on_text is not None:
+                self._on_text(delta)
+
+
+def make_generator(params: GenParams, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """The request's random source: None when greedy, seeded when the request names a seed."""
+    if params.temperature == 0:
+        return None
+    generator = torch.Generator(device=device)
+    if params.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(params.seed)
+    return generator
+
+
+def pick(logits: torch.Tensor, params: GenParams, generator: torch.Generator | None) -> int:
+    """The next token from last-position logits [vocab]: argmax, or a top-p sample."""
+    if params.temperature == 0 or generator is None:
+        return int(torch.argmax(logits))
+    scores = logits.float()
+    # shift first: the top score becomes exactly 0, so a tiny temperature gives -inf, never inf - inf = nan
+    # (and float32 has no 1e-300: a temperature that small would divide by zero)
+    probs = torch.softmax((scores - scores.max()) / max(params.temperature, 1e-30), dim=-1)
+    if params.top_p < 1:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # keep the smallest set whose mass reaches top_p (always at least the top token)
+        keep = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) < params.top_p
+        keep[0] = True  # even when top_p is below float32's smallest number
+        sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+        choice = torch.multinomial(sorted_probs, 1, generator=generator)
+        return int(order[choice])
+    return int(torch.multinomial(probs, 1, generator=generator))

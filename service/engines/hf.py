@@ -1,0 +1,56 @@
+"""The `hf` engine: a transformers causal LM (service.models) run by service.runner, one generation at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from cachestore.hashing import ModelFingerprint
+from service.engines.base import KvGeometry
+from service.engines.generation import GenParams, Generation
+from service.models import LoadedModel, load_model
+from service.runner import ModelRunner
+
+
+class HfEngine:
+    """transformers behind the engine seam; its blocks are named by the weights digest, as before."""
+
+    kind = "hf"
+    parallel = 1  # one forward at a time: the model is not batched across requests
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.loaded = loaded
+        self.runner = ModelRunner(loaded)
+        self.name = loaded.name
+        self.geometry = KvGeometry(loaded.num_layers, loaded.kv_heads, loaded.head_dim, loaded.dtype,
+                                   loaded.max_context)
+
+    @classmethod
+    def load(cls, model: str, *, device: str = "cpu") -> HfEngine:
+        return cls(load_model(model, device=device))
+
+    def fingerprint(self, block_tokens: int, codec_name: str) -> ModelFingerprint:
+        # unchanged from before the seam, so blocks written by earlier hf pods still hit
+        return self.loaded.fingerprint(block_tokens, codec_name)
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.runner.chat_ids(messages)
+
+    def text_ids(self, text: str) -> list[int]:
+        return self.runner.text_ids(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.runner.decode(ids)
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        cached_kv: torch.Tensor | None,
+        params: GenParams,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Generation:
+        return self.runner.generate(prompt_ids, cached_kv, params, on_text)
+
+    def close(self) -> None:
+        pass
