@@ -20,7 +20,7 @@ def pod_client(redis_url: str, loaded: Any, **overrides: Any) -> TestClient:
     defaults: dict[str, Any] = {"model": "tiny-random", "redis_url": redis_url, "codec": "exact",
                                 "block_tokens": 16, "local_tier_bytes": 0, "pod_name": "pod-fault"}
     settings = PodSettings(**{**defaults, **overrides})
-    return TestClient(create_app(settings, loaded=loaded), raise_server_exceptions=False)
+    return TestClient(create_app(settings, engine=loaded), raise_server_exceptions=False)
 
 
 def chat(client: TestClient, messages: list[dict[str, str]], max_tokens: int = 8, **extra: Any) -> Any:

@@ -38,7 +38,7 @@ def pod_settings(redis: RedisProcess, **overrides: Any) -> PodSettings:
 
 @pytest.fixture
 def client(redis_server: RedisProcess, tiny_model: Any) -> Iterator[TestClient]:
-    with TestClient(create_app(pod_settings(redis_server), loaded=tiny_model), raise_server_exceptions=False) as c:
+    with TestClient(create_app(pod_settings(redis_server), engine=tiny_model), raise_server_exceptions=False) as c:
         yield c
 
 
