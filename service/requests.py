@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ ROLES = {"system", "user", "assistant", "tool", "developer"}
 MAX_MESSAGES = 1024
 MAX_STOP = 4
 MAX_JSON_DEPTH = 32
+DRAIN_MAX_BYTES = 32 << 20  # of a body over the limit, read (and dropped) at most this much so the client sees 413
 
 
 @dataclass(frozen=True)
@@ -49,27 +51,56 @@ def _depth(value: Any, limit: int) -> int:
     return deepest
 
 
-async def _read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes:
-    """The raw body, refused past `max_bytes` (413) or when it takes longer than `timeout_s` to arrive (408)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise ApiError(413, f"request body is larger than {max_bytes} bytes", code="body_too_large")
+async def _drain(stream: AsyncIterator[bytes], max_bytes: int, timeout_s: float) -> None:
+    """Read and drop what is left of a refused body, at most `max_bytes` and `timeout_s`. A client that sends its
+    whole body before reading (urllib, requests) then reads the 413; closing on unread bytes resets the connection
+    and the client sees "connection reset by peer" instead."""
 
-    async def collect() -> bytes:
-        chunks: list[bytes] = []
+    async def consume() -> None:
         size = 0
-        async for chunk in request.stream():
+        async for chunk in stream:
             size += len(chunk)
             if size > max_bytes:
-                raise ApiError(413, f"request body is larger than {max_bytes} bytes", code="body_too_large")
+                return
+
+    try:
+        await asyncio.wait_for(consume(), timeout_s)
+    except TimeoutError:
+        pass
+
+
+async def _read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes:
+    """The raw body, refused past `max_bytes` (413) or when it takes longer than `timeout_s` to arrive (408)."""
+    too_large = ApiError(413, f"request body is larger than {max_bytes} bytes", code="body_too_large",
+                         headers={"Connection": "close"})
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    stream = request.stream()
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        if int(declared) <= DRAIN_MAX_BYTES:
+            await _drain(stream, DRAIN_MAX_BYTES, timeout_s)
+        raise too_large
+
+    async def collect() -> bytes | None:
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in stream:
+            size += len(chunk)
+            if size > max_bytes:
+                return None
             chunks.append(chunk)
         return b"".join(chunks)
 
     try:
-        return await asyncio.wait_for(collect(), timeout_s)
+        body = await asyncio.wait_for(collect(), timeout_s)
     except TimeoutError:  # a slow (slowloris-style) body must not hold an admission slot or a buffer forever
         raise ApiError(408, f"request body did not arrive within {timeout_s:g} s", code="body_timeout",
                        headers={"Connection": "close"}) from None
+    if body is None:
+        await _drain(stream, DRAIN_MAX_BYTES, max(0.0, deadline - loop.time()))
+        raise too_large
+    return body
 
 
 async def read_json(request: Request, max_bytes: int, timeout_s: float = 10.0,

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 
 import httpx
@@ -75,3 +78,20 @@ def test_slow_body_gets_408_and_slow_headers_starve_nobody(pod: PodProcess, figu
     assert _chat(pod).status_code == 200
     figures.update(slow_header_connections=len(loris), slow_bodies=len(drips), slow_bodies_408=len(replies),
                    honest_requests=len(served) + 1, honest_ok=len(served) + 1, honest_seconds=round(honest_s, 2))
+
+
+@pytest.mark.parametrize("megabytes", [5, 20])
+def test_client_that_sends_all_first_reads_the_413(pod: PodProcess, megabytes: int) -> None:
+    """urllib (like `requests`) sends the whole body before it reads: it must get the 413 JSON, not a reset."""
+    body = b'{"model": "tiny-random", "pad": "' + b"x" * (megabytes << 20) + b'"}'
+    sized = urllib.request.Request(pod.url + "/v1/chat/completions", data=body, method="POST",
+                                   headers={"Content-Type": "application/json"})
+    chunked = urllib.request.Request(pod.url + "/v1/chat/completions", data=iter([body[i:i + (1 << 20)]
+                                     for i in range(0, len(body), 1 << 20)]), method="POST",
+                                     headers={"Content-Type": "application/json"})  # no length: chunked
+    for request in (sized, chunked):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 413
+        assert json.loads(refused.value.read())["error"]["code"] == "body_too_large"
+    assert _chat(pod).status_code == 200
