@@ -129,7 +129,8 @@ def test_sigterm_drains_queued_writes(pods: dict[str, PodProcess], redis_server:
         a.stop()  # SIGTERM: the lifespan drains the queue (waiting out the pause) before exiting
     finally:
         unpause.cancel()
-        unpause.join()
+        if unpause.ident is not None:
+            unpause.join()
         r.execute_command("CLIENT", "UNPAUSE")
     resp = _chat(b, messages)
     assert _text(resp) == expected
