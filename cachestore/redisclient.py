@@ -7,6 +7,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.connection import parse_url
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
@@ -57,13 +58,28 @@ def _sentinel_client(settings: StoreSettings) -> Redis:
     master = settings.sentinel_master or (path[0] if path else None)
     if not master:
         raise ConfigError("a sentinel URL needs the master name as its path, or sentinel_master=")
-    db = int(path[1]) if len(path) > 1 else 0
-    kwargs = _common(settings)
-    kwargs.pop("retry")
+    query = _query_options(parts.query)  # e.g. ?client_name=pod-a&ssl_cert_reqs=none, typed as redis-py types them
     ssl = parts.scheme.startswith("rediss")
-    sentinel = Sentinel(sentinels, sentinel_kwargs={"socket_timeout": settings.connect_timeout_s, "ssl": ssl},
-                        username=username, password=password, db=db, ssl=ssl, **kwargs)
-    return sentinel.master_for(master, max_connections=settings.max_connections, retry=small_retry())
+    sentinel_kwargs = {"socket_timeout": settings.connect_timeout_s, "ssl": ssl}
+    for name in ("sentinel_username", "sentinel_password"):  # credentials of the Sentinels themselves
+        if name in query:
+            sentinel_kwargs[name.removeprefix("sentinel_")] = query.pop(name)
+    kwargs = {**_common(settings), "db": int(path[1]) if len(path) > 1 else 0, **query}
+    kwargs.pop("retry")
+    kwargs["username"] = username or kwargs.get("username")
+    kwargs["password"] = password or kwargs.get("password")
+    max_connections = kwargs.pop("max_connections", settings.max_connections)
+    sentinel = Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs, ssl=ssl, **kwargs)
+    return sentinel.master_for(master, max_connections=max_connections, retry=small_retry())
+
+
+def _query_options(query: str) -> dict[str, Any]:
+    """A URL's query arguments as connection options, read and typed by redis-py's own URL parser."""
+    if not query:
+        return {}
+    options: dict[str, Any] = parse_url("redis://localhost/?" + query)
+    options.pop("host", None)
+    return options
 
 
 def make_client(settings: StoreSettings) -> Any:

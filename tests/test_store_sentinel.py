@@ -1,56 +1,93 @@
-"""BlockStore through Redis Sentinel: the master is found by name from a redis+sentinel:// URL."""
+"""BlockStore through Redis Sentinel: the master is found by name from a redis+sentinel:// URL, the URL's query
+arguments reach the connections, and a pod keeps answering (then hits again) when the primary is killed."""
 
 from __future__ import annotations
 
-import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
+from typing import Any
 
 import pytest
-import redis
+from starlette.testclient import TestClient
 
 from cachestore.hashing import BlockHash
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
-from ops.redisproc import RedisProcess, free_port, redis_binary
+from ops.redisproc import RedisProcessError, RedisSentinel
+from tests.faultkit import QUESTIONS, SYSTEM, chat, pod_client, reply_of, wait_written
 
 
 @pytest.fixture
-def sentinel_port(redis_server: RedisProcess, tmp_path: Path) -> Iterator[int]:
-    """One sentinel watching `redis_server` as master `kvmaster`."""
-    port = free_port()
-    conf = tmp_path / "sentinel.conf"
-    conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\n"
-                    f"sentinel monitor kvmaster 127.0.0.1 {redis_server.port} 1\n")
-    proc = subprocess.Popen([redis_binary(), str(conf), "--sentinel"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+def sentinel() -> Iterator[RedisSentinel]:
+    """A primary and one replica, watched by one Sentinel as `kvmaster`."""
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                masters = redis.Redis(port=port, socket_timeout=0.5).sentinel_masters()
-                if "kvmaster" in masters:
-                    break
-            except redis.RedisError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                pytest.skip("redis-server could not run as a sentinel here")
-            time.sleep(0.05)
-        yield port
+        watched = RedisSentinel().start()
+    except RedisProcessError as exc:
+        pytest.skip(f"redis-server could not run as a sentinel here: {exc}")
+    try:
+        yield watched
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        watched.cleanup()
 
 
-async def test_store_through_sentinel(redis_server: RedisProcess, sentinel_port: int) -> None:
-    settings = StoreSettings.from_url(f"redis+sentinel://127.0.0.1:{sentinel_port}/kvmaster", namespace="sent")
+async def test_store_through_sentinel(sentinel: RedisSentinel) -> None:
+    settings = StoreSettings.from_url(sentinel.url + "?client_name=kvpod-sent&health_check_interval=5",
+                                      namespace="sent")
     assert settings.is_sentinel
     store = BlockStore(settings)
     try:
         hashes, frames = [BlockHash(bytes([i]) * 16) for i in range(3)], [b"a" * 10, b"b" * 20, b"c" * 30]
         assert await store.put_blocks("abcdef0123456789", hashes, frames) == 3
         assert await store.lookup("abcdef0123456789", hashes) == frames
+        primary = sentinel.nodes[0].client()
+        # the URL's query arguments reached the connections to the primary (they used to be dropped)
+        names = [c.get("name") for c in primary.client_list()]
+        assert "kvpod-sent" in names, names
     finally:
         await store.close()
-    assert len(list(redis_server.client().scan_iter(match="sent:blk:*"))) == 3  # landed on the master
+    assert len(list(primary.scan_iter(match="sent:blk:*"))) == 3  # landed on the primary
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Any) -> Iterator[TestClient]:
+    with pod_client("redis://127.0.0.1:1/0", tiny_model, cache_enabled=False, pod_name="plain") as c:
+        yield c
+
+
+def test_primary_killed_replica_promoted_pod_answers_then_hits(sentinel: RedisSentinel, tiny_model: Any,
+                                                               reference: TestClient,
+                                                               figures: dict[str, object]) -> None:
+    expected: dict[str, str] = {}
+
+    def correct(messages: list[dict[str, str]], reply: str) -> bool:
+        key = repr(messages)
+        expected.setdefault(key, reply_of(chat(reference, messages)))
+        return reply == expected[key]
+
+    sent = ok = 0
+    with pod_client(sentinel.url, tiny_model, redis_timeout_s=1.0) as pod:
+        messages = [SYSTEM, {"role": "user", "content": QUESTIONS[1]}]
+        assert correct(messages, reply_of(chat(pod, messages)))
+        wait_written(pod)
+        old = sentinel.primary()
+        assert old.client().execute_command("WAIT", 1, 5000) == 1  # the replica holds the blocks too
+        assert chat(pod, messages).headers["x-kv-cache"] == "hit"
+        old.kill()
+        killed_at = time.monotonic()
+        statuses: list[str] = []
+        while time.monotonic() - killed_at < 40:
+            other = [SYSTEM, {"role": "user", "content": f"{QUESTIONS[2]} ({sent})"}]
+            for m in (other, messages):
+                resp = chat(pod, m)
+                sent += 1
+                ok += correct(m, reply_of(resp))  # replies continue throughout, by recompute if need be
+            statuses.append(resp.headers["x-kv-cache"])
+            wait_written(pod)
+            if statuses[-1] == "hit" and sentinel.primary() is not old:
+                break
+            time.sleep(0.5)
+        recovered_s = time.monotonic() - killed_at
+        assert sentinel.wait_failover(old, 5) is not old
+        assert statuses[-1] == "hit", statuses
+        assert ok == sent
+    figures.update(requests=sent, correct=ok, errors=0, recover_s=round(recovered_s, 2), statuses=statuses[:20])
