@@ -258,15 +258,21 @@ def test_session_cas_write_failing_mid_generation_is_503(redis_server: RedisProc
     """Reads succeed, then Redis dies while the reply is generated: the unrecorded turn is a 503, not a 409."""
     import threading  # noqa: PLC0415
 
+    turn = {"content": "Count forever.", "max_tokens": 400}
     with pod_client(redis_server.url, tiny_model, redis_timeout_s=0.3) as pod:
-        assert pod.post("/v1/sessions", json={"session_id": "m", "messages": [SYSTEM]}).status_code == 201
-        timer = threading.Timer(0.3, redis_server.kill)
+        for sid in ("dry", "m"):
+            assert pod.post("/v1/sessions", json={"session_id": sid, "messages": [SYSTEM]}).status_code == 201
+        # the same turn with Redis healthy: greedy decoding gives the same reply, so the same generation time
+        t0 = time.monotonic()
+        assert pod.post("/v1/sessions/dry/messages", json=turn).status_code == 200
+        took_s = time.monotonic() - t0
+        assert took_s > 0.3, f"the reply took {took_s:.2f} s: too short to kill Redis in the middle of it"
+        timer = threading.Timer(took_s / 2, redis_server.kill)  # reads are done in milliseconds, well before
         t0 = time.monotonic()
         timer.start()
-        resp = pod.post("/v1/sessions/m/messages", json={"content": "Count forever.", "max_tokens": 200})
+        resp = pod.post("/v1/sessions/m/messages", json=turn)
         timer.join()
-        if time.monotonic() - t0 < 0.4:
-            pytest.skip("the reply was recorded before Redis died")
+        assert time.monotonic() - t0 > took_s / 2, "the reply was recorded before Redis died"
         assert resp.status_code == 503, resp.text
         assert resp.json()["error"]["code"] == "redis_unavailable"
         redis_server.start()
