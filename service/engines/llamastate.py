@@ -1,0 +1,228 @@
+"""llama.cpp's sequence-state bytes <-> kvstash KV tensors, for the pinned llama.cpp (llama-cpp-python 0.3.36).
+
+`llama_state_seq_get_data` / `set_data` exchange one sequence of the KV cache as (all little-endian):
+
+| field                  | type          | notes                                                     |
+|------------------------|---------------|-----------------------------------------------------------|
+| magic                  | u32           | 0xaf143cd8                                                |
+| seq_id                 | i32           | ignored on read (the destination sequence is an argument) |
+| n_stream               | u32           | 1 for a unified cache, else n_seq_max                     |
+| per stream: cell_count | u32           | 0 for every stream but the sequence's own, which goes on: |
+| cells                  | cell_count x  | i32 pos, u32 n_seq_id (= 1), i32 seq_id                   |
+| v_trans                | u32           | 1 when V is stored transposed (no flash attention)        |
+| n_layer                | u32           |                                                           |
+| per layer: K           | i32 type, u64 row bytes, cell_count rows of kv_heads*head_dim |                |
+| per layer: V (rows)    | as K, when v_trans = 0                                    |                |
+| per layer: V (transp.) | i32 type, u32 element bytes, u32 n_embd_v_gqa, then n_embd_v_gqa rows of cell_count elements |
+| (the next streams)     | u32 cell_count = 0 each                                   |                |
+
+Only F16 K and V (llama.cpp's default) are read and written. Any other layout is a `StateLayoutError`:
+a llama.cpp upgrade that changes this must fail the golden test, never silently corrupt a cache.
+Parsing copies the tensors exactly once (into the output); so does assembling.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cachestore.errors import KvstashError
+
+MAGIC = 0xAF143CD8
+GGML_TYPE_F16 = 1
+# Bump when the layout above changes: it is part of the llama.cpp engine's fingerprint.
+LAYOUT_VERSION = 1
+_CELL = struct.Struct("<iIi")  # pos, n_seq_id, seq_id (one sequence per cell)
+
+
+class StateLayoutError(KvstashError):
+    """Sequence-state bytes that do not follow the layout this module reads."""
+
+
+@dataclass(frozen=True)
+class StateGeometry:
+    """What a sequence state must look like for one model and context."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    v_trans: bool
+    n_stream: int = 1
+
+    @property
+    def row_elements(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+class _Reader:
+    def __init__(self, blob: memoryview) -> None:
+        self.blob, self.pos = blob, 0
+
+    def take(self, nbytes: int) -> int:
+        """Reserve `nbytes` and return where they start; refuses to run past the end."""
+        if nbytes < 0 or self.pos + nbytes > len(self.blob):
+            raise StateLayoutError(f"sequence state truncated: need {nbytes} bytes at {self.pos} of {len(self.blob)}")
+        start, self.pos = self.pos, self.pos + nbytes
+        return start
+
+    def unpack(self, fmt: str) -> tuple[int, ...]:
+        size = struct.calcsize(fmt)
+        return struct.unpack_from(fmt, self.blob, self.take(size))
+
+    def u32(self) -> int:
+        return int(self.unpack("<I")[0])
+
+
+def _f16(blob: memoryview, offset: int, count: int) -> np.ndarray:
+    return np.frombuffer(blob, dtype=np.float16, count=count, offset=offset)
+
+
+@dataclass(frozen=True)
+class StateFacts:
+    """What a context's own state says about its layout (read once at start-up)."""
+
+    n_stream: int
+    v_trans: bool
+    num_layers: int
+    row_elements: int  # kv_heads * head_dim of layer 0's K
+
+
+def read_facts(blob: bytes | bytearray | memoryview) -> StateFacts | None:
+    """The layout facts of a state (None for a state with no cells): used at start-up to check
+    that the running llama.cpp writes what this module reads."""
+    r = _Reader(memoryview(blob).cast("B"))
+    magic, _seq = r.unpack("<Ii")
+    if magic != MAGIC:
+        raise StateLayoutError(f"sequence state magic {magic:#x}, expected {MAGIC:#x}")
+    n_stream = r.u32()
+    for _ in range(n_stream):
+        cells = r.u32()
+        if cells:
+            r.take(cells * _CELL.size)
+            v_trans, n_layer = r.unpack("<II")
+            k_type, k_row = r.unpack("<iQ")
+            if k_type != GGML_TYPE_F16 or k_row % 2:
+                raise StateLayoutError(f"K cache of ggml type {k_type}; kvstash reads F16 (type 1) only")
+            return StateFacts(n_stream, bool(v_trans), n_layer, k_row // 2)
+    return None
+
+
+def parse_state(blob: bytes | bytearray | memoryview, geo: StateGeometry) -> torch.Tensor:
+    """KV of one sequence as float16 [layers, 2, kv_heads, tokens, head_dim], tokens ordered by position.
+
+    The cells must hold positions 0..tokens-1 (each once): a sequence kvstash can cut into blocks.
+    """
+    view = memoryview(blob).cast("B")
+    r = _Reader(view)
+    magic, _seq = r.unpack("<Ii")
+    if magic != MAGIC:
+        raise StateLayoutError(f"sequence state magic {magic:#x}, expected {MAGIC:#x}")
+    n_stream = r.u32()
+    if n_stream != geo.n_stream:
+        raise StateLayoutError(f"sequence state has {n_stream} streams, the context {geo.n_stream}")
+    n_cells, streams_left = 0, n_stream
+    while streams_left and not n_cells:  # empty streams come first, then the sequence's own
+        n_cells, streams_left = r.u32(), streams_left - 1
+    L, H, D, E = geo.num_layers, geo.kv_heads, geo.head_dim, geo.row_elements
+    out = torch.empty((L, 2, H, n_cells, D), dtype=torch.float16)  # [layers, 2, kv_heads, tokens, head_dim]
+    if n_cells == 0:
+        return out
+    meta = np.frombuffer(view, dtype=np.int32, count=3 * n_cells, offset=r.take(n_cells * _CELL.size))
+    meta = meta.reshape(n_cells, 3)
+    if (meta[:, 1] != 1).any():
+        raise StateLayoutError("a cell shared by several sequences in a single-sequence state")
+    pos = meta[:, 0]
+    order: np.ndarray | None = None
+    if not np.array_equal(pos, np.arange(n_cells, dtype=np.int32)):
+        order = np.argsort(pos, kind="stable")
+        if not np.array_equal(pos[order], np.arange(n_cells, dtype=np.int32)):
+            raise StateLayoutError("cell positions are not 0..n-1: not a plain prefix of one sequence")
+    v_trans, n_layer = r.unpack("<II")
+    if n_layer != L or bool(v_trans) != geo.v_trans:
+        raise StateLayoutError(f"state of {n_layer} layers, v_trans={v_trans}; expected {L}, {int(geo.v_trans)}")
+    out_np = out.numpy()
+    for layer in range(L):
+        k_type, k_row = r.unpack("<iQ")
+        if k_type != GGML_TYPE_F16 or k_row != 2 * E:
+            raise StateLayoutError(f"layer {layer}: K of type {k_type}, {k_row} bytes a row; expected F16, {2 * E}")
+        rows = _f16(view, r.take(n_cells * k_row), n_cells * E).reshape(n_cells, H, D)
+        _place(out_np[layer, 0], rows.transpose(1, 0, 2), order)  # [H, cells, D]
+    for layer in range(L):
+        if geo.v_trans:
+            v_type, v_el, v_embd = r.unpack("<iII")
+            if v_type != GGML_TYPE_F16 or v_el != 2 or v_embd != E:
+                raise StateLayoutError(f"layer {layer}: transposed V of type {v_type}, {v_el}-byte elements, "
+                                       f"{v_embd} channels; expected F16, 2, {E}")
+            chans = _f16(view, r.take(E * n_cells * 2), E * n_cells).reshape(H, D, n_cells)
+            _place(out_np[layer, 1], chans.transpose(0, 2, 1), order)  # [H, cells, D]
+        else:
+            v_type, v_row = r.unpack("<iQ")
+            if v_type != GGML_TYPE_F16 or v_row != 2 * E:
+                raise StateLayoutError(f"layer {layer}: V of type {v_type}, {v_row} bytes a row; expected F16")
+            rows = _f16(view, r.take(n_cells * v_row), n_cells * E).reshape(n_cells, H, D)
+            _place(out_np[layer, 1], rows.transpose(1, 0, 2), order)
+    for _ in range(streams_left):
+        if r.u32():
+            raise StateLayoutError("a sequence with cells in two streams")
+    if r.pos != len(view):
+        raise StateLayoutError(f"{len(view) - r.pos} unexpected bytes after the sequence state")
+    return out
+
+
+def _place(dst: np.ndarray, src: np.ndarray, order: np.ndarray | None) -> None:
+    """dst[H, tokens, D] = src[H, cells, D] with cells sorted into position order."""
+    if order is None:
+        np.copyto(dst, src)
+    else:
+        np.take(src, order, axis=1, out=dst)
+
+
+def state_size(tokens: int, geo: StateGeometry) -> int:
+    """Bytes of the state of `tokens` cells (both V layouts take 12 header bytes a layer)."""
+    per_layer = 12 + 2 * geo.row_elements * tokens
+    return 12 + 4 * geo.n_stream + _CELL.size * tokens + 8 + 2 * geo.num_layers * per_layer
+
+
+def assemble_state(kv: torch.Tensor, geo: StateGeometry, seq_id: int = 0) -> bytearray:
+    """The sequence state holding `kv` [layers, 2, kv_heads, tokens, head_dim] at positions 0..tokens-1."""
+    L, H, D, E = geo.num_layers, geo.kv_heads, geo.head_dim, geo.row_elements
+    if kv.dim() != 5 or tuple(kv.shape[:3]) != (L, 2, H) or kv.shape[4] != D:
+        raise StateLayoutError(f"kv {tuple(kv.shape)} does not fit [{L}, 2, {H}, tokens, {D}]")
+    n = int(kv.shape[3])
+    src = kv.detach().cpu().numpy() if kv.dtype == torch.float16 else kv.detach().cpu().float().numpy()
+    buf = bytearray(state_size(n, geo))
+    view = memoryview(buf)
+    struct.pack_into("<IiI", buf, 0, MAGIC, seq_id, geo.n_stream)
+    struct.pack_into("<I", buf, 12, n)  # the first stream holds the cells (the context puts them in its own)
+    pos = 16
+    meta = np.frombuffer(view, dtype=np.int32, count=3 * n, offset=pos).reshape(n, 3)
+    meta[:, 0] = np.arange(n, dtype=np.int32)
+    meta[:, 1] = 1
+    meta[:, 2] = seq_id
+    pos += _CELL.size * n
+    struct.pack_into("<II", buf, pos, int(geo.v_trans), L)
+    pos += 8
+    for layer in range(L):
+        struct.pack_into("<iQ", buf, pos, GGML_TYPE_F16, 2 * E)
+        pos += 12
+        rows = np.frombuffer(view, dtype=np.float16, count=n * E, offset=pos).reshape(n, H, D)
+        np.copyto(rows.transpose(1, 0, 2), src[layer, 0], casting="same_kind")  # [H, n, D]
+        pos += 2 * E * n
+    for layer in range(L):
+        if geo.v_trans:
+            struct.pack_into("<iII", buf, pos, GGML_TYPE_F16, 2, E)
+            pos += 12
+            chans = np.frombuffer(view, dtype=np.float16, count=n * E, offset=pos).reshape(H, D, n)
+            np.copyto(chans.transpose(0, 2, 1), src[layer, 1], casting="same_kind")
+        else:
+            struct.pack_into("<iQ", buf, pos, GGML_TYPE_F16, 2 * E)
+            pos += 12
+            rows = np.frombuffer(view, dtype=np.float16, count=n * E, offset=pos).reshape(n, H, D)
+            np.copyto(rows.transpose(1, 0, 2), src[layer, 1], casting="same_kind")
+        pos += 2 * E * n
+    pos += 4 * (geo.n_stream - 1)  # the other streams: cell_count 0 (the buffer is zeroed)
+    assert pos == len(buf)
+    return buf

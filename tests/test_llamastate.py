@@ -1,0 +1,101 @@
+"""llama.cpp sequence-state bytes <-> KV tensors: a hand-built golden state, hostile bytes, the real llama.cpp."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from service.engines import llamastate
+from service.engines.llamastate import StateGeometry, StateLayoutError, assemble_state, parse_state
+
+
+def _golden(v_trans: bool, positions: list[int]) -> tuple[bytes, torch.Tensor]:
+    """A state written field by field from the layout table (2 layers, 2 kv heads, head_dim 3), and the
+    tensor it must parse to. Values encode (layer, k/v, head, position, dim), so a misplaced one shows."""
+    layers, heads, dim, n = 2, 2, 3, len(positions)
+    value = lambda l, kv, h, p, d: l * 1000 + kv * 500 + h * 100 + p * 10 + d  # noqa: E731
+    want = torch.empty((layers, 2, heads, n, dim), dtype=torch.float16)
+    for l, kv, h, p, d in np.ndindex(layers, 2, heads, n, dim):
+        want[l, kv, h, p, d] = value(l, kv, h, p, d)
+    out = struct.pack("<IiI", 0xAF143CD8, 7, 1) + struct.pack("<I", n)
+    for p in positions:
+        out += struct.pack("<iIi", p, 1, 7)
+    out += struct.pack("<II", int(v_trans), layers)
+    for l in range(layers):
+        out += struct.pack("<iQ", 1, heads * dim * 2)
+        for p in positions:  # a row per cell: heads x dim
+            out += np.array([value(l, 0, h, p, d) for h in range(heads) for d in range(dim)], "<f2").tobytes()
+    for l in range(layers):
+        if v_trans:
+            out += struct.pack("<iII", 1, 2, heads * dim)
+            for h in range(heads):
+                for d in range(dim):  # a row per channel: one element per cell
+                    out += np.array([value(l, 1, h, p, d) for p in positions], "<f2").tobytes()
+        else:
+            out += struct.pack("<iQ", 1, heads * dim * 2)
+            for p in positions:
+                out += np.array([value(l, 1, h, p, d) for h in range(heads) for d in range(dim)], "<f2").tobytes()
+    return out, want
+
+
+@pytest.mark.parametrize("v_trans", [True, False])
+def test_golden_state_parses_and_reassembles_bit_identically(v_trans: bool) -> None:
+    blob, want = _golden(v_trans, [0, 1, 2, 3])
+    geo = StateGeometry(2, 2, 3, v_trans)
+    kv = parse_state(blob, geo)
+    assert kv.dtype == torch.float16 and torch.equal(kv, want)
+    assert bytes(assemble_state(kv, geo, seq_id=7)) == blob
+    assert llamastate.state_size(4, geo) == len(blob)
+
+
+def test_cells_out_of_order_are_sorted_by_position() -> None:
+    blob, want = _golden(True, [2, 0, 3, 1])
+    assert torch.equal(parse_state(blob, StateGeometry(2, 2, 3, True)), want)
+
+
+@pytest.mark.parametrize("positions", [[0, 1, 1], [1, 2, 3], [0, 2, 5]])
+def test_a_sequence_that_is_not_a_plain_prefix_is_refused(positions: list[int]) -> None:
+    blob, _ = _golden(True, positions)
+    with pytest.raises(StateLayoutError, match="positions"):
+        parse_state(blob, StateGeometry(2, 2, 3, True))
+
+
+def test_hostile_or_foreign_states_are_refused() -> None:
+    blob, _ = _golden(True, [0, 1, 2])
+    geo = StateGeometry(2, 2, 3, True)
+    for cut in (0, 3, 11, 20, len(blob) // 2, len(blob) - 1):
+        with pytest.raises(StateLayoutError):
+            parse_state(blob[:cut], geo)
+    with pytest.raises(StateLayoutError, match="unexpected bytes"):
+        parse_state(blob + b"\0", geo)
+    with pytest.raises(StateLayoutError, match="magic"):
+        parse_state(b"\0" * 4 + blob[4:], geo)
+    with pytest.raises(StateLayoutError, match="layers"):
+        parse_state(blob, StateGeometry(3, 2, 3, True))
+    with pytest.raises(StateLayoutError, match="v_trans"):
+        parse_state(blob, StateGeometry(2, 2, 3, False))
+    with pytest.raises(StateLayoutError, match="streams"):
+        parse_state(blob, StateGeometry(2, 2, 3, True, n_stream=4))
+    q8 = bytearray(blob)
+    k_type_at = 16 + 12 * 3 + 8
+    struct.pack_into("<i", q8, k_type_at, 8)  # GGML_TYPE_Q8_0: refused, never read as F16
+    with pytest.raises(StateLayoutError, match="type 8"):
+        parse_state(bytes(q8), geo)
+
+
+def test_one_stream_of_many_holds_the_sequence() -> None:
+    kv = torch.randn(2, 2, 2, 5, 3).half()
+    geo = StateGeometry(2, 2, 3, True, n_stream=4)
+    blob = assemble_state(kv, geo)
+    assert struct.unpack_from("<II", blob, 8) == (4, 5) and struct.unpack_from("<III", blob, len(blob) - 12) == (0, 0, 0)
+    assert torch.equal(parse_state(blob, geo), kv)
+    assert llamastate.read_facts(blob) == llamastate.StateFacts(4, True, 2, 6)
+
+
+def test_float32_kv_is_stored_as_f16() -> None:
+    kv = torch.randn(2, 2, 2, 4, 3)
+    geo = StateGeometry(2, 2, 3, False)
+    assert torch.equal(parse_state(assemble_state(kv, geo), geo), kv.half())
