@@ -14,6 +14,10 @@ def register(sub: Any) -> None:
         "serve", help="run an inference pod (OpenAI-compatible HTTP API)",
         description="Run an inference pod. Every flag also reads KVSTASH_<NAME> from the environment; "
                     "flags win.",
+        epilog="Slow clients: a request body must arrive within KVSTASH_BODY_TIMEOUT_S (10 s; else 408), but "
+               "uvicorn has no timeout for request headers, so a client that never finishes its headers holds "
+               "a socket until it leaves. Put a balancer that bounds headers in front of pods clients can reach "
+               "directly: the shipped ops/nginx/nginx.conf sets client_header_timeout 10s.",
     )
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to bind (default 8000)")

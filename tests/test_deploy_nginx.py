@@ -3,13 +3,16 @@
 The compose config names its upstreams pod1..pod3:8000, which resolve only on the compose network;
 nginx resolves upstream names once at start, so `nginx -t` fails here on them. The tests use the
 file itself with exactly three substitutions: the upstream server addresses (pod1:8000 -> a local
-port), the listen port, and the include path of kvstash-proxy.conf. Everything else is the real file.
+port), the listen port, and the include path of kvstash-proxy.conf (and the slow-header test a
+shorter header timeout). Everything else is the real file.
 """
 
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -85,11 +88,16 @@ def real_conf(ports: list[int], listen: int) -> str:
     return text.replace("include /etc/nginx/kvstash-proxy.conf;", f"include {NGINX_DIR / 'kvstash-proxy.conf'};")
 
 
+HEADER_TIMEOUT_S = 1  # the slow-header test's, instead of the file's 10 s
+
+
 @pytest.fixture
 def balancer(fake_pods: list[int], tmp_path: Path) -> Iterator[str]:
     port = free_port()
     conf = tmp_path / "nginx.conf"
-    conf.write_text(real_conf(fake_pods, port).replace("worker_processes auto;", "worker_processes 1;"))
+    text = real_conf(fake_pods, port).replace("worker_processes auto;", "worker_processes 1;")
+    assert "client_header_timeout 10s;" in text
+    conf.write_text(text.replace("client_header_timeout 10s;", f"client_header_timeout {HEADER_TIMEOUT_S}s;"))
     assert NGINX is not None
     proc = subprocess.Popen([NGINX, "-c", str(conf), "-p", str(tmp_path), "-g", "daemon off;"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -147,6 +155,31 @@ def test_nginx_streams_without_buffering(balancer: str) -> None:
         rest = "".join(chunks)
     assert first.startswith("data: pod") and first_at < 0.8  # the second chunk comes 1 s later
     assert rest.rstrip().endswith(" 1")
+
+
+def test_both_configs_time_out_slow_headers() -> None:
+    """uvicorn has no header timeout (`kvstash serve --help`): the shipped balancer configs must set one."""
+    for name in ("nginx.conf", "demo.conf.template"):
+        found = re.findall(r"^\s*client_header_timeout (\d+)s;", (NGINX_DIR / name).read_text(), re.M)
+        assert found and 0 < int(found[0]) <= 30, (name, found)
+    help_text = subprocess.run([sys.executable, "-m", "ops.cli", "serve", "--help"], capture_output=True, text=True,
+                               check=True, cwd=NGINX_DIR.parents[1]).stdout
+    assert "client_header_timeout" in " ".join(help_text.split())  # and `kvstash serve` says so
+
+
+def test_slow_headers_are_dropped_and_starve_nobody(balancer: str) -> None:
+    host, port = balancer.removeprefix("http://").split(":")
+    loris = []
+    for _ in range(20):  # connections that never finish their headers
+        sock = socket.create_connection((host, int(port)), timeout=HEADER_TIMEOUT_S + 5)
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        loris.append(sock)
+    t0 = time.monotonic()
+    assert httpx.get(balancer + "/v1/models", timeout=5).status_code == 200  # honest clients are served meanwhile
+    for sock in loris:
+        assert sock.recv(4096) == b"", "nginx answered a request whose headers never ended"  # closed by nginx
+        sock.close()
+    assert time.monotonic() - t0 < HEADER_TIMEOUT_S + 4  # dropped after the header timeout, not held
 
 
 def test_body_limit(balancer: str) -> None:
