@@ -11,7 +11,7 @@ from typing import Any
 from cachestore import inspect, repair, transfer
 from cachestore.codec import read_header
 from cachestore.errors import CodecError, KvstashError, StoreError
-from ops.admin import _call, _confirm, _print_json, _progress, _size, _when
+from ops.admin_console import call, confirm, print_json, progress, size, when
 
 
 def _where(settings: Any) -> str:
@@ -19,51 +19,51 @@ def _where(settings: Any) -> str:
 
 
 def cmd_stats(args: argparse.Namespace, settings: Any) -> int:
-    stats = _call(settings, lambda s: inspect.namespace_stats(s.client, s.keys, settings.budget_bytes,
-                                                              _progress(args)))
+    stats = call(settings, lambda s: inspect.namespace_stats(s.client, s.keys, settings.budget_bytes,
+                                                              progress(args)))
     if args.json:
-        _print_json(stats)
+        print_json(stats)
         return 0
     b, srv = stats["budget"], stats["server"]
     print(f"{_where(settings)} (Redis {srv['redis_version']}, {srv['primaries']} primaries)")
     print(f"{'kind':<9} {'keys':>10} {'memory':>12}")
     for kind, row in stats["kinds"].items():
-        print(f"{kind:<9} {row['keys']:>10} {_size(row['bytes']):>12}")
-    print(f"budget: {_size(b['bytes_held'])} accounted of {_size(b['budget_bytes'])} ({100 * b['fraction']:.1f}%); "
-          f"block values found by SCAN: {_size(b['block_value_bytes'])}")
+        print(f"{kind:<9} {row['keys']:>10} {size(row['bytes']):>12}")
+    print(f"budget: {size(b['bytes_held'])} accounted of {size(b['budget_bytes'])} ({100 * b['fraction']:.1f}%); "
+          f"block values found by SCAN: {size(b['block_value_bytes'])}")
     print(f"server: hits {srv['keyspace_hits']}, misses {srv['keyspace_misses']}, evicted {srv['evicted_keys']}, "
-          f"expired {srv['expired_keys']}, used {_size(srv['used_memory'])} of maxmemory "
-          f"{_size(srv['maxmemory']) if srv['maxmemory'] else 'unlimited'} ({srv['maxmemory_policy']})")
-    print(f"blocks: least recent access {_when(stats['oldest_block_access'])}, "
-          f"most recent {_when(stats['newest_block_access'])}")
-    print(f"sessions: oldest created {_when(stats['oldest_session_created'])}, "
-          f"last updated {_when(stats['newest_session_updated'])}")
+          f"expired {srv['expired_keys']}, used {size(srv['used_memory'])} of maxmemory "
+          f"{size(srv['maxmemory']) if srv['maxmemory'] else 'unlimited'} ({srv['maxmemory_policy']})")
+    print(f"blocks: least recent access {when(stats['oldest_block_access'])}, "
+          f"most recent {when(stats['newest_block_access'])}")
+    print(f"sessions: oldest created {when(stats['oldest_session_created'])}, "
+          f"last updated {when(stats['newest_session_updated'])}")
     print(f"{'model':<18} {'blocks':>8} {'block bytes':>12} {'sessions':>9}")
     for model, row in stats["models"].items():
-        print(f"{model:<18} {row['blocks']:>8} {_size(row['block_bytes']):>12} {row['sessions']:>9}")
+        print(f"{model:<18} {row['blocks']:>8} {size(row['block_bytes']):>12} {row['sessions']:>9}")
     if stats["tenants"]:
         print("sessions by tenant: " + ", ".join(f"{t} {n}" for t, n in stats["tenants"].items()))
     return 0
 
 
 def cmd_sessions(args: argparse.Namespace, settings: Any) -> int:
-    rows = _call(settings, lambda s: inspect.session_infos(s.client, s.keys, args.tenant, _progress(args),
+    rows = call(settings, lambda s: inspect.session_infos(s.client, s.keys, args.tenant, progress(args),
                                                            args.limit))
     if args.json:
-        _print_json([r.as_dict() for r in rows])
+        print_json([r.as_dict() for r in rows])
         return 0
     print(f"{'tenant':<12} {'session':<28} {'model':<17} {'tokens':>7} {'ver':>4} {'partial':>9} "
           f"{'updated':<19} {'ttl s':>7}")
     for r in rows:
         ttl = "none" if r.ttl_s is None else f"{r.ttl_s:.0f}"
         print(f"{r.tenant:<12} {r.session_id:<28} {r.model:<17} {r.n_tokens:>7} {r.version:>4} "
-              f"{_size(r.partial_bytes):>9} {_when(r.updated_at):<19} {ttl:>7}")
+              f"{size(r.partial_bytes):>9} {when(r.updated_at):<19} {ttl:>7}")
     print(f"{len(rows)} sessions")
     return 0
 
 
 def cmd_show(args: argparse.Namespace, settings: Any) -> int:
-    record, raw, ttl = _call(settings, lambda s: inspect.read_session(s.client, s.keys, args.tenant, args.session))
+    record, raw, ttl = call(settings, lambda s: inspect.read_session(s.client, s.keys, args.tenant, args.session))
     if not raw:
         raise StoreError(f"session {args.tenant}/{args.session} not found in {_where(settings)}")
     if record is None:
@@ -80,11 +80,11 @@ def cmd_show(args: argparse.Namespace, settings: Any) -> int:
             "tokens": len(record.token_ids), "version": record.version, "created_at": record.created_at,
             "updated_at": record.updated_at, "ttl_s": ttl, "partial": partial, "messages": record.messages}
     if args.json:
-        _print_json({**info, "token_ids": record.token_ids})
+        print_json({**info, "token_ids": record.token_ids})
         return 0
     for name in ("tenant", "session_id", "model", "tokens", "version"):
         print(f"{name:<11} {info[name]}")
-    print(f"{'created':<11} {_when(record.created_at)}\n{'updated':<11} {_when(record.updated_at)}")
+    print(f"{'created':<11} {when(record.created_at)}\n{'updated':<11} {when(record.updated_at)}")
     print(f"{'ttl':<11} {'none' if ttl is None else f'{ttl:.0f} s'}")
     print(f"{'partial':<11} {partial if partial else '-'}")
     print(f"messages ({len(record.messages)}):")
@@ -95,9 +95,9 @@ def cmd_show(args: argparse.Namespace, settings: Any) -> int:
 
 
 def cmd_delete(args: argparse.Namespace, settings: Any) -> int:
-    _confirm(args, f"delete session {args.tenant}/{args.session} from {_where(settings)}?")
+    confirm(args, f"delete session {args.tenant}/{args.session} from {_where(settings)}?")
     key_of = lambda s: s.keys.session(args.tenant, args.session)  # noqa: E731
-    deleted = _call(settings, lambda s: s.client.delete(key_of(s)))
+    deleted = call(settings, lambda s: s.client.delete(key_of(s)))
     if not int(deleted):
         raise StoreError(f"session {args.tenant}/{args.session} not found in {_where(settings)}")
     print(f"deleted session {args.tenant}/{args.session} (its blocks stay: other sessions may share them)")
@@ -106,12 +106,12 @@ def cmd_delete(args: argparse.Namespace, settings: Any) -> int:
 
 def cmd_verify(args: argparse.Namespace, settings: Any) -> int:
     if args.fix:
-        _confirm(args, f"repair {_where(settings)} (deletes corrupt blocks and bad session records)?")
-    report = _call(settings, lambda s: repair.verify(
+        confirm(args, f"repair {_where(settings)} (deletes corrupt blocks and bad session records)?")
+    report = call(settings, lambda s: repair.verify(
         s.client, s.keys, fix=args.fix, block_ttl_ms=settings.block_ttl_s * 1000,
-        session_ttl_ms=settings.session_ttl_s * 1000, progress=_progress(args)))
+        session_ttl_ms=settings.session_ttl_s * 1000, progress=progress(args)))
     if args.json:
-        _print_json(report.as_dict())
+        print_json(report.as_dict())
     else:
         for f in report.findings[:200]:
             print(f"{f.problem:<18} {'fixed ' if f.fixed else ''}{f.key}: {f.detail}")
@@ -126,8 +126,8 @@ def cmd_verify(args: argparse.Namespace, settings: Any) -> int:
 def cmd_evict(args: argparse.Namespace, settings: Any) -> int:
     if args.to_bytes < 0:
         raise KvstashError("--to-bytes must not be negative")
-    _confirm(args, f"evict least-recently-used blocks of {_where(settings)} down to {args.to_bytes} bytes?")
-    before, result, after = _call(settings, lambda s: repair.evict_to(s.client, s.keys, args.to_bytes))
+    confirm(args, f"evict least-recently-used blocks of {_where(settings)} down to {args.to_bytes} bytes?")
+    before, result, after = call(settings, lambda s: repair.evict_to(s.client, s.keys, args.to_bytes))
     print(f"held {before} bytes; evicted {result.evicted_blocks} blocks ({result.evicted_bytes} bytes), dropped "
           f"{result.stale_blocks} stale index entries; now {after} bytes")
     return 0
@@ -137,8 +137,8 @@ def cmd_purge(args: argparse.Namespace, settings: Any) -> int:
     from cachestore.keys import check_model  # noqa: PLC0415
 
     check_model(args.model)
-    _confirm(args, f"delete every block and session of model {args.model} in {_where(settings)}?")
-    result = _call(settings, lambda s: repair.purge_model(s.client, s.keys, args.model, _progress(args),
+    confirm(args, f"delete every block and session of model {args.model} in {_where(settings)}?")
+    result = call(settings, lambda s: repair.purge_model(s.client, s.keys, args.model, progress(args),
                                                           2 * settings.block_ttl_s * 1000))
     print(f"purged model {args.model}: {result.blocks} blocks ({result.block_bytes} accounted bytes), "
           f"{result.sessions} sessions")
@@ -161,7 +161,7 @@ def _chain(args: argparse.Namespace, tenant: str) -> transfer.Chain:
 
 def cmd_export(args: argparse.Namespace, settings: Any) -> int:
     chain = _chain(args, args.tenant)
-    exported = _call(settings, lambda s: transfer.collect(s.client, s.keys, args.tenant, args.session, chain))
+    exported = call(settings, lambda s: transfer.collect(s.client, s.keys, args.tenant, args.session, chain))
     if exported is None:
         raise StoreError(f"session {args.tenant}/{args.session} not found in {_where(settings)}")
     data = transfer.to_document(exported)
@@ -187,9 +187,9 @@ def cmd_import(args: argparse.Namespace, settings: Any) -> int:
     exported = transfer.parse_document(data, max_value_bytes=settings.max_value_bytes)
     record = exported.record
     if args.replace:
-        _confirm(args, f"replace session {record.tenant}/{record.session_id} in {_where(settings)}?")
+        confirm(args, f"replace session {record.tenant}/{record.session_id} in {_where(settings)}?")
     chain = _chain(args, record.tenant)
-    result = _call(settings, lambda s: transfer.restore(s, exported, chain, replace=args.replace))
+    result = call(settings, lambda s: transfer.restore(s, exported, chain, replace=args.replace))
     print(f"imported {record.tenant}/{record.session_id}: {len(record.token_ids)} tokens, "
           f"{result.blocks_present} of {exported.full_blocks} blocks in Redis ({result.blocks_written} written)")
     return 0
