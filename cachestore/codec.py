@@ -9,7 +9,10 @@ Modes and their loss (see DESIGN.md, "Codec"):
     fp16   cast to fp16; lossless only for fp16 input (fp32/bf16 lose mantissa or range).
     int8   symmetric, keys per channel, values per token; error <= half a step per scale.
     int4   asymmetric per group (keys: group_size tokens per channel; values:
-    int2   group_size channels per token), fp16 scale and zero; error <= half a step.
+    int2   group_size channels per token), fp16 scale and zero; error <= half a step
+           (of the clipped range with /clip). Options, part of the name: /rot (keys and
+           values Hadamard-rotated along head_dim), /rotk, /rotv (one of them), /clip
+           (MSE-chosen group ranges), /plain (none: the format 1 codec).
     fp8    e4m3 with a per-channel fp16 scale; relative error <= 2**-4.
 
 Storage policy (measured with `kvstash bench codec` on SmolLM2 KV): byte shuffle is used
@@ -32,7 +35,6 @@ from cachestore.frame import (
     COMPRESSORS,
     FLAG_SHUFFLE,
     FLOAT_MODES,
-    FORMAT_VERSION,
     GROUPED_MODES,
     HEADER_SIZE,
     MAX_DIM,
@@ -40,12 +42,14 @@ from cachestore.frame import (
     MAX_TOKENS,
     MIN_GROUP,
     MODES,
+    ROT_KEYS,
+    ROT_VALUES,
     FrameHeader,
     checksum,
     pack_header,
     parse_header,
 )
-from cachestore.quant import Dims, Section, dequantize, layout, quantize
+from cachestore.quant import PLAIN, Dims, Section, Variant, dequantize, layout, quantize
 
 __all__ = ["DEFAULT_MAX_ELEMENTS", "Codec", "CodecSpec", "FrameHeader", "read_header",
            "verify_frame"]
@@ -57,7 +61,15 @@ _WORTH = 0.97  # a compressed payload must save 3% or the raw bytes are stored i
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _SPEC = re.compile(r"(?P<mode>[a-z0-9]+)(?:\+(?P<comp>[a-z0-9]+)(?::(?P<level>-?\d+))?)?"
-                   r"(?:/g(?P<group>\d+))?")
+                   r"(?:/g(?P<group>\d+))?(?P<options>(?:/[a-z]+)*)")
+# int4/int2 options as spec text; "rot" is "rotk" and "rotv" together.
+_OPTIONS = {"rot": Variant(True, True), "rotk": Variant(rot_keys=True),
+            "rotv": Variant(rot_values=True), "clip": Variant(clip=True), "plain": PLAIN}
+# What a bare "int4" / "int2" means, chosen with `kvstash bench quality` on SmolLM2 (BENCHMARKS.md,
+# section 2): int4 errs mostly in its keys, which clipping makes worse and rotation better; int2
+# needs clipping above all, and rotating its keys buys nothing while costing decode time.
+DEFAULT_VARIANTS = {"int4": Variant(rot_keys=True, rot_values=True),
+                    "int2": Variant(rot_values=True, clip=True)}
 
 
 @dataclass(frozen=True)
@@ -69,6 +81,7 @@ class CodecSpec:
     compressor: str = "lz4"  # "zstd" | "lz4" | "none"
     level: int = 3  # zstd level, 1..22
     group_size: int = DEFAULT_GROUP  # int4/int2 group size
+    variant: Variant | None = None  # int4/int2 options; None: DEFAULT_VARIANTS of the mode
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -84,13 +97,17 @@ class CodecSpec:
             object.__setattr__(self, "level", 3)
         if self.mode not in GROUPED_MODES:
             object.__setattr__(self, "group_size", DEFAULT_GROUP)
+            object.__setattr__(self, "variant", PLAIN)
+        elif self.variant is None:
+            object.__setattr__(self, "variant", DEFAULT_VARIANTS[self.mode])
 
     @classmethod
     def parse(cls, text: str) -> CodecSpec:
-        """Parse "MODE[+COMPRESSOR[:LEVEL]][/gGROUP]", e.g. "int8", "int4+zstd:3/g32"."""
+        """Parse "MODE[+COMPRESSOR[:LEVEL]][/gGROUP][/OPTION...]", e.g. "int8", "int4+zstd:3/g32",
+        "int2/g32/rotv/clip" (options: rot, rotk, rotv, clip, plain; int4/int2 only)."""
         match = _SPEC.fullmatch(text.strip().lower()) if isinstance(text, str) else None
         if match is None:
-            raise ConfigError(f"bad codec spec {text!r}; expected MODE[+COMPRESSOR[:LEVEL]][/gN]")
+            raise ConfigError(f"bad codec spec {text!r}; expected MODE[+COMPRESSOR[:LEVEL]][/gN][/OPTION]")
         mode, comp = match["mode"], match["comp"] or "lz4"
         if match["level"] is not None and comp != "zstd":
             raise ConfigError(f"bad codec spec {text!r}: a level applies to zstd only")
@@ -98,7 +115,8 @@ class CodecSpec:
             raise ConfigError(f"bad codec spec {text!r}: a group size applies to int4/int2 only")
         level = int(match["level"]) if match["level"] is not None else 3
         group = int(match["group"]) if match["group"] is not None else DEFAULT_GROUP
-        return cls(mode=mode, compressor=comp, level=level, group_size=group)
+        return cls(mode=mode, compressor=comp, level=level, group_size=group,
+                   variant=_parse_options(text, mode, match["options"]))
 
     def name(self) -> str:
         """Canonical text of this spec; parse(name()) == self. Part of model fingerprints."""
@@ -106,13 +124,41 @@ class CodecSpec:
         if self.compressor == "zstd":
             text += f":{self.level}"
         if self.mode in GROUPED_MODES:
-            text += f"/g{self.group_size}"
+            text += f"/g{self.group_size}" + _options_text(self.variant or PLAIN)
         return text
+
+    @property
+    def transform(self) -> int:
+        """The frame's transform bits (format version 2) for this spec; 0 for none."""
+        v = self.variant or PLAIN
+        return (ROT_KEYS if v.rot_keys else 0) | (ROT_VALUES if v.rot_values else 0)
 
     @property
     def lossless(self) -> bool:
         """Only `exact` is lossless for every input (`fp16` is, for fp16 input alone)."""
         return self.mode == "exact"
+
+
+def _parse_options(text: str, mode: str, options: str) -> Variant | None:
+    """The Variant named by "/rot/clip"-style options, or None (the mode's default) if none."""
+    names = [o for o in options.split("/") if o]
+    if not names:
+        return None
+    if mode not in GROUPED_MODES:
+        raise ConfigError(f"bad codec spec {text!r}: options apply to int4/int2 only")
+    unknown = [n for n in names if n not in _OPTIONS]
+    if unknown or len(set(names)) != len(names) or ("plain" in names and len(names) > 1):
+        raise ConfigError(f"bad codec spec {text!r}: options are {', '.join(_OPTIONS)}, each once, "
+                          f"plain alone")
+    picked = [_OPTIONS[n] for n in names]
+    return Variant(*(any(field) for field in zip(*picked, strict=True)))
+
+
+def _options_text(v: Variant) -> str:
+    """The canonical option suffix of a Variant: "/rot/clip", "/rotv", "/plain" ..."""
+    rot = {(True, True): "/rot", (True, False): "/rotk", (False, True): "/rotv"}
+    text = rot.get((v.rot_keys, v.rot_values), "") + ("/clip" if v.clip else "")
+    return text or "/plain"
 
 
 def _offsets(sections: list[Section]) -> tuple[list[int], int]:
@@ -200,7 +246,7 @@ class Codec:
         spec = self.spec
         group = spec.group_size if spec.mode in GROUPED_MODES else 0
         sections = layout(spec.mode, dims, group, dtype)
-        parts = quantize(spec.mode, kv.detach(), group)
+        parts = quantize(spec.mode, kv.detach(), group, spec.variant or PLAIN)
         offsets, raw_len = _offsets(sections)
         raw = torch.zeros(raw_len, dtype=torch.uint8)
         for (sec_dtype, shape), part, start in zip(sections, parts, offsets, strict=True):
@@ -214,9 +260,10 @@ class Codec:
             # Incompressible (int8 and fp16 KV under lz4): store it plainly, so decoding
             # skips a decompression that would buy nothing. The frame says so itself.
             comp, shuffled, payload = "none", False, bytes(memoryview(raw.numpy()))
-        header = FrameHeader(FORMAT_VERSION, spec.mode, comp, _DTYPE_NAMES[dtype],
+        # Version 1 whenever nothing needs version 2: older readers keep reading those frames.
+        header = FrameHeader(2 if spec.transform else 1, spec.mode, comp, _DTYPE_NAMES[dtype],
                              FLAG_SHUFFLE if shuffled else 0, group, dims.layers, dims.heads,
-                             dims.tokens, dims.head_dim, raw_len, len(payload), 0)
+                             dims.tokens, dims.head_dim, raw_len, len(payload), 0, spec.transform)
         digest = checksum(pack_header(header), payload)
         return pack_header(replace(header, checksum=digest)) + payload
 
@@ -297,4 +344,6 @@ def _decode(view: memoryview, device: torch.device | str | None,
     parts = [buf[start:start + _nbytes(sec_dtype, shape)].view(sec_dtype).view(shape).to(target)
              for (sec_dtype, shape), start in zip(sections, offsets, strict=True)]
     dims = Dims(header.layers, header.kv_heads, header.tokens, header.head_dim)
-    return dequantize(header.mode, parts, dims, header.group_size, dtype, out)
+    variant = Variant(rot_keys=bool(header.transform & ROT_KEYS),
+                      rot_values=bool(header.transform & ROT_VALUES))
+    return dequantize(header.mode, parts, dims, header.group_size, dtype, out, variant)

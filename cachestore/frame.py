@@ -4,12 +4,14 @@ A frame is a fixed 52-byte little-endian header followed by the payload:
 
     offset size field
          0    4 magic            b"KVS1"
-         4    1 format version   1
+         4    1 format version   1 or 2
          5    1 mode             MODES code
          6    1 compressor       COMPRESSORS code
          7    1 dtype            DTYPES code (the tensor's dtype before encoding)
          8    1 flags            FLAG_SHUFFLE (bit 0); other bits must be zero
-         9    1 reserved         zero
+         9    1 transform        version 1: zero. Version 2 (int4/int2 only, non-zero):
+                                 ROT_KEYS (bit 0) / ROT_VALUES (bit 1): keys / values were
+                                 rotated along head_dim before quantizing; other bits zero
         10    2 group size       int4/int2 only, else zero
         12    4 layers
         16    4 kv heads
@@ -20,6 +22,10 @@ A frame is a fixed 52-byte little-endian header followed by the payload:
         44    8 checksum         xxh3_64 of header bytes 0..43 followed by the stored payload
 
 The tensor the frame holds is [layers, 2, kv_heads, tokens, head_dim]; index 0 is keys.
+
+Version 2 only gives meaning to byte 9. A writer emits version 1 whenever that byte is zero,
+so frames of every codec that existed before version 2 stay byte-identical, and a reader
+older than version 2 refuses the new frames cleanly by their version instead of misreading them.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ import xxhash
 from cachestore.errors import CodecError
 
 MAGIC = b"KVS1"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this module reads and writes
+VERSIONS = (1, 2)
 HEADER = struct.Struct("<4sBBBBBBHIIIIQQQ")
 HEADER_SIZE = HEADER.size  # 52
 _CHECKED = HEADER_SIZE - 8  # the checksum covers the header up to the checksum itself
@@ -45,6 +52,8 @@ FLOAT_MODES = ("exact", "fp16")  # payloads made of 2- or 4-byte floats: byte sh
 
 FLAG_SHUFFLE = 1
 _KNOWN_FLAGS = FLAG_SHUFFLE
+ROT_KEYS, ROT_VALUES = 1, 2
+_KNOWN_TRANSFORMS = ROT_KEYS | ROT_VALUES
 
 MIN_GROUP, MAX_GROUP = 4, 1024
 MAX_DIM = 1 << 16  # layers, kv heads and head dim each stay below this
@@ -72,6 +81,7 @@ class FrameHeader:
     raw_len: int
     payload_len: int
     checksum: int
+    transform: int = 0  # ROT_KEYS | ROT_VALUES bits (version 2)
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -93,7 +103,7 @@ class FrameHeader:
 def pack_header(h: FrameHeader) -> bytes:
     """The 52 header bytes of `h`; the checksum field is written as given."""
     return HEADER.pack(
-        MAGIC, h.version, MODES[h.mode], COMPRESSORS[h.compressor], DTYPES[h.dtype], h.flags, 0,
+        MAGIC, h.version, MODES[h.mode], COMPRESSORS[h.compressor], DTYPES[h.dtype], h.flags, h.transform,
         h.group_size, h.layers, h.kv_heads, h.tokens, h.head_dim, h.raw_len, h.payload_len,
         h.checksum,
     )
@@ -111,12 +121,13 @@ def parse_header(buf: bytes | memoryview, *, max_elements: int) -> FrameHeader:
     """Parse and validate the header at the start of `buf` (fields only, not the payload)."""
     if len(buf) < HEADER_SIZE:
         raise CodecError(f"truncated frame: {len(buf)} bytes, the header alone needs {HEADER_SIZE}")
-    (magic, version, mode, comp, dtype, flags, reserved, group, layers, heads, tokens, dim,
+    (magic, version, mode, comp, dtype, flags, transform, group, layers, heads, tokens, dim,
      raw_len, payload_len, digest) = HEADER.unpack_from(buf, 0)
     if magic != MAGIC:
         raise CodecError(f"not a kvstash frame: bad magic {bytes(magic)!r}")
-    if version != FORMAT_VERSION:
-        raise CodecError(f"unsupported frame format version {version} (this reader knows 1)")
+    if version not in VERSIONS:
+        raise CodecError(f"unsupported frame format version {version} (this reader knows "
+                         f"{', '.join(map(str, VERSIONS))})")
     if mode not in _MODE_NAMES:
         raise CodecError(f"unknown mode code {mode}")
     if comp not in _COMPRESSOR_NAMES:
@@ -124,8 +135,12 @@ def parse_header(buf: bytes | memoryview, *, max_elements: int) -> FrameHeader:
     if dtype not in _DTYPE_NAMES:
         raise CodecError(f"unknown dtype code {dtype}")
     mode_name = _MODE_NAMES[mode]
-    if flags & ~_KNOWN_FLAGS or reserved:
-        raise CodecError(f"unknown flags {flags:#x} or non-zero reserved byte {reserved}")
+    if flags & ~_KNOWN_FLAGS:
+        raise CodecError(f"unknown flags {flags:#x}")
+    if (version == 1) != (transform == 0):
+        raise CodecError(f"inconsistent frame: transform {transform:#x} in version {version}")
+    if transform & ~_KNOWN_TRANSFORMS or (transform and mode_name not in GROUPED_MODES):
+        raise CodecError(f"unknown transform {transform:#x} for mode {mode_name}")
     if flags & FLAG_SHUFFLE and mode_name not in FLOAT_MODES:
         raise CodecError(f"inconsistent frame: byte shuffle flag on mode {mode_name}")
     if mode_name in GROUPED_MODES:
@@ -138,7 +153,7 @@ def parse_header(buf: bytes | memoryview, *, max_elements: int) -> FrameHeader:
         if not 1 <= value < limit:
             raise CodecError(f"{name} = {value} outside 1..{limit - 1}")
     header = FrameHeader(version, mode_name, _COMPRESSOR_NAMES[comp], _DTYPE_NAMES[dtype], flags,
-                         group, layers, heads, tokens, dim, raw_len, payload_len, digest)
+                         group, layers, heads, tokens, dim, raw_len, payload_len, digest, transform)
     if header.elements > max_elements:
         raise CodecError(f"oversized frame: {header.elements} elements > limit {max_elements}")
     return header

@@ -7,8 +7,9 @@ import itertools
 import pytest
 import torch
 
-from cachestore.codec import Codec, CodecSpec, read_header, verify_frame
+from cachestore.codec import DEFAULT_VARIANTS, Codec, CodecSpec, read_header, verify_frame
 from cachestore.errors import CodecError, ConfigError
+from cachestore.quant import PLAIN, Variant, rotate
 
 MODES = ["exact", "fp16", "int8", "int4", "int2", "fp8"]
 COMPRESSORS = ["none", "lz4", "zstd"]
@@ -51,7 +52,7 @@ def _bound(mode: str, x: torch.Tensor, group: int) -> torch.Tensor:
 @pytest.mark.parametrize(("mode", "compressor", "dtype"),
                          list(itertools.product(MODES, COMPRESSORS, DTYPES)))
 def test_round_trip_within_contract(mode: str, compressor: str, dtype: torch.dtype) -> None:
-    codec = Codec(CodecSpec(mode=mode, compressor=compressor, group_size=8))
+    codec = Codec(CodecSpec(mode=mode, compressor=compressor, group_size=8, variant=PLAIN))
     for i, shape in enumerate(SHAPES):
         kv = _kv(shape, dtype, seed=i)
         frame = codec.encode(kv)
@@ -76,10 +77,66 @@ def test_bound_is_tight_enough_to_mean_something(mode: str) -> None:
     """A codec that used the wrong grouping would overshoot: the error uses a fair part
     of the bound but never exceeds it."""
     kv = _kv((2, 2, 2, 64, 16), torch.float32)
-    out = Codec(CodecSpec(mode=mode, compressor="none", group_size=8)).decode(
-        Codec(CodecSpec(mode=mode, compressor="none", group_size=8)).encode(kv))
+    codec = Codec(CodecSpec(mode=mode, compressor="none", group_size=8, variant=PLAIN))
+    out = codec.decode(codec.encode(kv))
     ratio = ((out - kv).abs() / _bound(mode, kv, 8)).max().item()
     assert 0.3 < ratio <= 1.0
+
+
+def _slab_norm(x: torch.Tensor) -> torch.Tensor:
+    """L2 norm of each [tokens, head_dim] slab of x [L, 2, H, T, D]."""
+    return x.square().sum((3, 4)).sqrt()
+
+
+VARIANTS = {"rot": Variant(True, True), "rotk": Variant(rot_keys=True), "rotv": Variant(rot_values=True),
+            "clip": Variant(clip=True), "rot/clip": Variant(True, True, True)}
+
+
+@pytest.mark.parametrize("mode", ["int4", "int2"])
+@pytest.mark.parametrize("option", sorted(VARIANTS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotated_and_clipped_variants_within_contract(mode: str, option: str, dtype: torch.dtype) -> None:
+    """The contract of the options: the rotation is orthonormal along head_dim, so each [tokens, head_dim]
+    slab's error norm is that of the quantization in the rotated space, which is at most the norm of the
+    half-steps of the rotated data's groups; clipping keeps, per group, the range of least squared error,
+    the unclipped range included, so the same norm bounds it."""
+    variant = VARIANTS[option]
+    codec = Codec(CodecSpec(mode=mode, compressor="lz4", group_size=8, variant=variant))
+    for i, shape in enumerate(SHAPES):
+        kv = _kv(shape, dtype, seed=i)
+        frame = codec.encode(kv)
+        assert read_header(frame).version == (2 if variant.rot_keys or variant.rot_values else 1)
+        out = Codec("exact").decode(frame)
+        assert out.shape == kv.shape and out.dtype == dtype and torch.isfinite(out).all()
+        x = kv.float()
+        xr = torch.stack([rotate(x[:, 0]) if variant.rot_keys else x[:, 0],
+                          rotate(x[:, 1]) if variant.rot_values else x[:, 1]], 1)
+        out_eps = {torch.float32: 0.0, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[dtype]
+        bound = _slab_norm(_bound(mode, xr, 8)) + _slab_norm((x.abs() + 1) * (out_eps + 2.0**-10)) + 1e-5
+        worst = (_slab_norm(out.float() - x) - bound).max().item()
+        assert worst <= 0, f"{mode}/{option}/{dtype} shape {shape}: over bound by {worst}"
+
+
+def test_rotation_is_its_own_inverse_and_spreads_an_outlier_channel() -> None:
+    for dim in (64, 96, 12, 7):
+        x = torch.randn(3, 5, dim)
+        assert torch.allclose(rotate(rotate(x)), x, atol=1e-5)
+        assert torch.allclose(rotate(x).norm(dim=-1), x.norm(dim=-1), rtol=1e-5)
+    spike = torch.zeros(1, 64)
+    spike[0, 5] = 8.0
+    assert rotate(spike).abs().max().item() == pytest.approx(1.0)  # 8 / sqrt(64) in every channel
+
+
+def test_options_lower_int2_error_on_outlier_channels() -> None:
+    """What the options are for: keys and values with a few large channels (as real KV has) lose less."""
+    kv = _kv((2, 2, 2, 64, 64), torch.float32, seed=3)
+    kv[:, :, :, :, :3] *= 12.0
+    errs = {}
+    for option in ("plain", "rot", "clip", "rot/clip"):
+        codec = Codec(f"int2+none/g64/{option}")
+        errs[option] = float((codec.decode(codec.encode(kv)) - kv).norm() / kv.norm())
+    assert errs["rot"] < errs["plain"] and errs["clip"] < errs["plain"], errs
+    assert errs["rot/clip"] < min(errs["rot"], errs["clip"]), errs
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -96,8 +153,8 @@ def test_constant_and_zero_groups_are_finite(mode: str, fill: float) -> None:
 
 def test_group_size_changes_the_frame_and_is_recorded() -> None:
     kv = _kv((1, 2, 2, 64, 64), torch.float16)
-    f32 = Codec("int4+none/g32").encode(kv)
-    f64 = Codec("int4+none/g64").encode(kv)
+    f32 = Codec("int4+none/g32/plain").encode(kv)
+    f64 = Codec("int4+none/g64/plain").encode(kv)
     assert read_header(f32).group_size == 32 and read_header(f64).group_size == 64
     assert len(f32) > len(f64)  # more groups, more scales
     err32 = (Codec().decode(f32).float() - kv.float()).norm()
@@ -147,9 +204,15 @@ def test_spec_parse_and_name_round_trip() -> None:
     assert CodecSpec.parse("int8") == CodecSpec()
     assert CodecSpec.parse("int4+zstd:3/g32") == CodecSpec("int4", "zstd", 3, 32)
     assert CodecSpec.parse(" INT2+none ") == CodecSpec("int2", "none")
-    for mode, comp, level, group in itertools.product(MODES, COMPRESSORS, (1, 9), (32, 64)):
-        spec = CodecSpec(mode, comp, level, group)
+    variants = [None, PLAIN, *VARIANTS.values()]
+    for mode, comp, level, group, variant in itertools.product(MODES, COMPRESSORS, (1, 9), (32, 64), variants):
+        spec = CodecSpec(mode, comp, level, group, variant)
         assert CodecSpec.parse(spec.name()) == spec
+    # options are part of the name (hence of the fingerprint); a bare int4/int2 names its default
+    assert CodecSpec.parse("int2/g32/clip/rotv").name() == "int2+lz4/g32/rotv/clip"
+    assert CodecSpec.parse("int4/plain").name() == "int4+lz4/g64/plain"
+    assert CodecSpec.parse("int4").variant == DEFAULT_VARIANTS["int4"] != PLAIN
+    assert CodecSpec.parse("int4/rotk/rotv") == CodecSpec.parse("int4/rot")
     # fields a mode ignores do not split otherwise identical specs
     assert CodecSpec("int8", "lz4", 7, 32) == CodecSpec("int8", "lz4")
     assert CodecSpec("int8", "lz4", 7, 32).name() == "int8+lz4"
@@ -158,7 +221,8 @@ def test_spec_parse_and_name_round_trip() -> None:
 
 @pytest.mark.parametrize("text", ["", "int3", "int8+gzip", "int8+lz4:3", "int8/g32",
                                   "int4/g2", "int4/g4096", "int4+zstd:99", "int4+zstd:x",
-                                  "int4 zstd"])
+                                  "int4 zstd", "int8/rot", "int4/spin", "int4/clip/clip",
+                                  "int4/plain/clip", "int4/g32/", "exact/plain"])
 def test_spec_parse_rejects(text: str) -> None:
     with pytest.raises(ConfigError):
         CodecSpec.parse(text)

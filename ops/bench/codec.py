@@ -15,6 +15,9 @@ MODES = ["exact", "fp16", "int8", "int4", "int2", "fp8"]
 COMPRESSORS = ["none", "lz4", "zstd"]
 TARGETS = {"int8": 1.9, "int4": 3.5, "int2": 6.0}  # minimum ratio vs fp16
 DECODE_TARGET_MB_S = 1000.0  # int8+lz4
+# Decode MB/s of int4/int2 (lz4, g64) before the rotated variants and the faster unpack landed:
+# docs/benchmarks/codec.json of 2026-11-29 (quiet machine). Their defaults must be no slower.
+BEFORE_DECODE_MB_S = {"int4": 552.0, "int2": 599.0}
 
 
 def register(bench_subparsers: Any) -> None:
@@ -24,6 +27,9 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--dtype", default="float16", choices=["float16", "float32", "bfloat16"],
                    help="dtype of the KV handed to the codec (default float16)")
     p.add_argument("--groups", default="32,64", help="int4/int2 group sizes to compare")
+    p.add_argument("--variants", default="plain,default",
+                   help="int4/int2 options to compare: 'default' (what a bare int4/int2 means), "
+                        "'plain' or option lists such as 'rot/clip' (default %(default)s)")
     p.add_argument("--level", type=int, default=3, help="zstd level")
     p.add_argument("--synthetic", action="store_true", help="skip the model: synthetic KV")
     p.add_argument("--json", type=Path, help="write the rows as JSON to this path")
@@ -64,7 +70,7 @@ def _rel_err(a: Any, b: Any) -> float:
 
 
 def _row(kv: Any, spec: Any, repeat: int) -> dict[str, Any]:
-    from cachestore.codec import Codec  # noqa: PLC0415
+    from cachestore.codec import Codec, CodecSpec  # noqa: PLC0415
 
     codec = Codec(spec)
     fp16_mb = kv.numel() * 2 / 1e6
@@ -73,6 +79,7 @@ def _row(kv: Any, spec: Any, repeat: int) -> dict[str, Any]:
     return {
         "mode": spec.mode, "compressor": spec.compressor, "spec": spec.name(),
         "group_size": spec.group_size if spec.mode in ("int4", "int2") else None,
+        "default_variant": spec.mode in ("int4", "int2") and spec.variant == CodecSpec(spec.mode).variant,
         "frame_bytes": len(frame),
         "ratio_vs_fp16": kv.numel() * 2 / len(frame),
         "encode_mb_s": fp16_mb / _median_s(lambda: codec.encode(kv), repeat),
@@ -123,8 +130,12 @@ def run(args: argparse.Namespace) -> int:
     groups = [int(g) for g in str(args.groups).split(",") if g]
     specs = [CodecSpec(m, c, args.level) for m in MODES for c in COMPRESSORS
              if m not in ("int4", "int2")]
-    specs += [CodecSpec(m, c, args.level, g) for m in ("int4", "int2") for g in groups
-              for c in COMPRESSORS]
+    for mode in ("int4", "int2"):
+        for group in groups:
+            for option in str(args.variants).split(","):
+                suffix = "" if option.strip() == "default" else f"/{option.strip()}"
+                base = CodecSpec.parse(f"{mode}/g{group}{suffix}")
+                specs += [CodecSpec(mode, c, args.level, group, base.variant) for c in COMPRESSORS]
     memcpy_mb_s = kv.numel() * kv.element_size() / 1e6 / _median_s(kv.clone, args.repeat)
     rows = [_row(kv, spec, args.repeat) for spec in specs]
     shuffle_rows = _shuffle_rows(kv, args.level, args.repeat)
@@ -148,6 +159,12 @@ def _targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
     speed = next(r["decode_mb_s"] for r in rows if r["spec"] == "int8+lz4")
     out["int8_lz4_decode_mb_s"] = {"value": speed, "target": DECODE_TARGET_MB_S,
                                    "met": speed >= DECODE_TARGET_MB_S}
+    for mode, before in BEFORE_DECODE_MB_S.items():
+        mine = [r["decode_mb_s"] for r in rows if r["mode"] == mode and r["default_variant"]
+                and r["compressor"] == "lz4" and r["group_size"] == 64]
+        if mine:
+            out[f"{mode}_lz4_g64_default_decode_mb_s"] = {"value": mine[0], "target": before,
+                                                          "met": mine[0] >= before}
     return out
 
 
@@ -156,10 +173,10 @@ def _print(rows: list[dict[str, Any]], shuffle_rows: list[dict[str, Any]], memcp
     print(f"KV source: {source} ({note}); shape {list(kv.shape)} {kv.dtype}, "
           f"{kv.numel() * 2 / 1e6:.1f} MB as fp16; 1 thread")
     print(f"memcpy: {memcpy_mb_s:,.0f} MB/s")
-    print(f"{'spec':<22}{'ratio':>8}{'enc MB/s':>10}{'dec MB/s':>10}{'K rel err':>11}"
+    print(f"{'spec':<28}{'ratio':>8}{'enc MB/s':>10}{'dec MB/s':>10}{'K rel err':>11}"
           f"{'V rel err':>11}")
     for r in rows:
-        print(f"{r['spec']:<22}{r['ratio_vs_fp16']:>8.2f}{r['encode_mb_s']:>10,.0f}"
+        print(f"{r['spec']:<28}{r['ratio_vs_fp16']:>8.2f}{r['encode_mb_s']:>10,.0f}"
               f"{r['decode_mb_s']:>10,.0f}{r['k_rel_err']:>11.2e}{r['v_rel_err']:>11.2e}")
     print("byte shuffle on the fp16 payload:")
     for s in shuffle_rows:

@@ -1,7 +1,9 @@
 """Golden codec frames: fixed inputs, their frames and decoded tensors, committed on purpose.
 
-Regenerate only when the frame format changes deliberately (and bump FORMAT_VERSION):
-    .venv/bin/python -m tests.golden.cases --write
+Format 1 frames (every case without /rot) were written before format 2 and must stay
+byte-identical; format 2 added the rotated int4/int2 frames. Write only new cases, deliberately
+(a changed format bumps FORMAT_VERSION and keeps reading, or cleanly refuses, the old files):
+    .venv/bin/python -m tests.golden.cases --write NAME [NAME ...]
 """
 
 from __future__ import annotations
@@ -20,10 +22,14 @@ CASES: dict[str, tuple[str, torch.dtype, tuple[int, int, int, int, int]]] = {
     "fp16_fp32_zstd": ("fp16+zstd:3", torch.float32, (1, 2, 1, 6, 8)),
     "int8_fp16_none": ("int8+none", torch.float16, (2, 2, 2, 5, 8)),
     "int8_fp32_lz4": ("int8+lz4", torch.float32, (1, 2, 2, 32, 8)),
-    "int4_fp16_none_g4": ("int4+none/g4", torch.float16, (1, 2, 2, 6, 8)),
-    "int4_bf16_zstd_g8": ("int4+zstd:3/g8", torch.bfloat16, (2, 2, 1, 9, 8)),
-    "int2_fp32_none_g4": ("int2+none/g4", torch.float32, (1, 2, 1, 10, 4)),
+    "int4_fp16_none_g4": ("int4+none/g4/plain", torch.float16, (1, 2, 2, 6, 8)),
+    "int4_bf16_zstd_g8": ("int4+zstd:3/g8/plain", torch.bfloat16, (2, 2, 1, 9, 8)),
+    "int2_fp32_none_g4": ("int2+none/g4/plain", torch.float32, (1, 2, 1, 10, 4)),
     "fp8_fp32_none": ("fp8+none", torch.float32, (1, 2, 2, 4, 8)),
+    # format 2: rotated keys and values (head_dim 8, one 8x8 Hadamard block; 12: three 4x4 blocks)
+    "int4_fp32_none_g4_rot_clip": ("int4+none/g4/rot/clip", torch.float32, (1, 2, 2, 6, 8)),
+    "int2_fp16_none_g8_rotv": ("int2+none/g8/rotv", torch.float16, (2, 2, 1, 9, 12)),
+    "int4_bf16_lz4_g4_rotk": ("int4+lz4/g4/rotk", torch.bfloat16, (1, 2, 2, 40, 8)),
 }
 
 
@@ -55,10 +61,11 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
 
-def write_all() -> None:
+def write(names: list[str]) -> None:
     from cachestore.codec import Codec  # noqa: PLC0415
 
-    for name, (spec, dtype, shape) in CASES.items():
+    for name in names:
+        spec, dtype, shape = CASES[name]
         frame = Codec(spec).encode(make_input(dtype, shape))
         frame_path(name).write_bytes(frame)
         expected_path(name).write_bytes(tensor_bytes(Codec().decode(frame)))
@@ -67,8 +74,10 @@ def write_all() -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--write", action="store_true", help="overwrite the committed files")
-    if parser.parse_args().write:
-        write_all()
+    parser.add_argument("--write", nargs="+", metavar="NAME", choices=sorted(CASES),
+                        help="(over)write the committed files of these cases")
+    args = parser.parse_args()
+    if args.write:
+        write(args.write)
     else:
         parser.print_help()
