@@ -148,14 +148,17 @@ def cmd_purge(args: argparse.Namespace, settings: Any) -> int:
 def _chain(args: argparse.Namespace, tenant: str) -> transfer.Chain:
     """The chain root of `tenant` under the pods' model settings (loads the model for its fingerprint)."""
     from cachestore.codec import CodecSpec  # noqa: PLC0415
-    from service.models import load_model  # noqa: PLC0415
+    from service.engines import load_engine  # noqa: PLC0415
     from service.settings import settings_from_env  # noqa: PLC0415
 
     pod = settings_from_env({k: v for k, v in os.environ.items() if k.startswith("KVSTASH_")}).with_overrides(
-        model=args.model, codec=args.codec, block_tokens=args.block_tokens, device=args.device)
-    print(f"loading model {pod.model} for its fingerprint ...", file=sys.stderr)
-    loaded = load_model(pod.model, device=pod.device)
-    fingerprint = loaded.fingerprint(pod.block_tokens, CodecSpec.parse(pod.codec).name())
+        engine=args.engine, model=args.model, codec=args.codec, block_tokens=args.block_tokens, device=args.device)
+    print(f"loading model {pod.model} ({pod.engine}) for its fingerprint ...", file=sys.stderr)
+    engine = load_engine(pod.engine, pod.model, device=pod.device, parallel=1)
+    try:
+        fingerprint = engine.fingerprint(pod.block_tokens, CodecSpec.parse(pod.codec).name())
+    finally:
+        engine.close()
     return transfer.Chain.of(fingerprint, pod.tenant_salt(tenant))
 
 
