@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-faults demo clean
+.PHONY: setup test test-faults lint demo clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,12 @@ test-faults: setup
 		tests/test_store_sentinel.py \
 		tests/test_hostile_api.py tests/test_hostile_slow.py tests/test_hostile_frames.py tests/test_codec_fuzz.py \
 		tests/test_security.py
+
+# ruff on the whole tree (config in pyproject.toml), mypy on the cache library; a few seconds once mypy's
+# cache is warm.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy cachestore
 
 demo: setup
 	$(VENV)/bin/kvstash demo

@@ -7,8 +7,8 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.connection import parse_url
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import parse_url
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff
@@ -77,7 +77,7 @@ def _query_options(query: str) -> dict[str, Any]:
     """A URL's query arguments as connection options, read and typed by redis-py's own URL parser."""
     if not query:
         return {}
-    options: dict[str, Any] = parse_url("redis://localhost/?" + query)
+    options: dict[str, Any] = dict(parse_url("redis://localhost/?" + query))
     options.pop("host", None)
     return options
 

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -55,7 +55,8 @@ class PodMetrics:
                                        buckets=FAST_BUCKETS, registry=r)
         self.redis_seconds = Histogram("kvstash_redis_seconds", "Redis operation time", ["op"],
                                        buckets=FAST_BUCKETS, registry=r)
-        self.write_queue_depth = Gauge("kvstash_write_queue_depth", "Background write jobs queued or being written", registry=r)
+        self.write_queue_depth = Gauge("kvstash_write_queue_depth", "Background write jobs queued or being written",
+                                       registry=r)
         self.writes_dropped = Counter("kvstash_writes_dropped", "Background writes dropped (queue full or failed)",
                                       ["reason"], registry=r)
         self.cache_rejected = Counter("kvstash_cache_rejected", "Cached values discarded as corrupt or not this "

@@ -11,8 +11,8 @@ from typing import Any
 
 from starlette.requests import Request
 
-from service.errors import ApiError, bad_request
 from service.engines import GenParams
+from service.errors import ApiError, bad_request
 
 SESSION_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 SESSION_ID_RULE = "session ids are 1-128 characters of A-Z a-z 0-9 . _ -"

@@ -15,7 +15,7 @@ from cachestore.sessions import SessionRecord
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
 from ops.cli import main
-from ops.redisproc import RedisCluster, RedisProcess
+from ops.redisproc import RedisCluster, RedisProcess, free_port
 
 FP = ModelFingerprint("tiny", "tok", "float32", 2, 2, 8, 16, "int8+lz4/g64")
 OTHER = ModelFingerprint("other", "tok", "float32", 2, 2, 8, 16, "int8+lz4/g64")
@@ -165,8 +165,6 @@ def test_evict_and_purge(redis_server: RedisProcess, capsys: pytest.CaptureFixtu
 
 def test_errors_are_one_line_and_mask_the_password(capsys: pytest.CaptureFixture[str],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    from ops.redisproc import free_port
-
     url = f"redis://admin:s3cret-pw@127.0.0.1:{free_port()}/0"
     rc, _, err = admin(capsys, url, "x", "stats")
     assert rc == 2 and err.count("\n") == 1 and err.startswith("kvstash: error: Redis at redis://admin:***@")

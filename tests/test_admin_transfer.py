@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from starlette.testclient import TestClient
 
 from cachestore import transfer
@@ -18,7 +19,7 @@ from ops.cli import main
 from ops.redisproc import RedisProcess
 from service.app import create_app
 from service.settings import PodSettings
-from tests.test_service_api import wait_written
+from tests.faultkit import wait_written
 
 SYSTEM = {"role": "system", "content": "You are a helpful travel assistant. " * 12}
 POD_FLAGS = ["--model", "tiny-random", "--codec", "exact", "--block-tokens", "16"]
@@ -104,8 +105,6 @@ def flip(b64: str) -> str:
 
 
 def valid_doc(tiny_model: Any) -> dict[str, Any]:
-    import torch
-
     fp = tiny_model.fingerprint(16, "exact")
     shape = (tiny_model.num_layers, 2, tiny_model.kv_heads, 16, tiny_model.head_dim)
     block = Codec("exact").encode(torch.zeros(shape))  # [L, 2, H, 16, D]

@@ -117,7 +117,7 @@ def start_redis_with(conf: Path, tmp_path: Path) -> tuple[subprocess.Popen[bytes
     server.proc = proc
     try:
         server.wait_ready()
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure to start: show redis-server's own output
         proc.kill()
         raise AssertionError(proc.stdout.read().decode() if proc.stdout else "redis-server failed") from None
     return proc, redis.Redis(port=port)
@@ -161,7 +161,8 @@ def k8s_docs() -> dict[str, dict[str, Any]]:
 
 def test_k8s_manifests() -> None:
     docs = k8s_docs()
-    assert {"Deployment", "Service", "HorizontalPodAutoscaler", "ConfigMap", "Secret", "PodDisruptionBudget"} <= set(docs)
+    kinds = {"Deployment", "Service", "HorizontalPodAutoscaler", "ConfigMap", "Secret", "PodDisruptionBudget"}
+    assert kinds <= set(docs)
     kustomize = load(OPS / "k8s" / "kustomization.yaml")
     assert sorted(kustomize["resources"]) == sorted(p.name for p in (OPS / "k8s").glob("*.yaml")
                                                     if p.name != "kustomization.yaml")
@@ -205,10 +206,10 @@ def test_prometheus_scrapes_every_pod() -> None:
 
 def exposed_metrics(redis_url: str, tiny_model: Any) -> str:
     """What a real pod's /metrics shows after one request (so labelled series exist)."""
-    from starlette.testclient import TestClient
+    from starlette.testclient import TestClient  # noqa: PLC0415 - the other deployment tests need no service
 
-    from service.app import create_app
-    from service.settings import PodSettings
+    from service.app import create_app  # noqa: PLC0415
+    from service.settings import PodSettings  # noqa: PLC0415
 
     settings = PodSettings(model="tiny-random", redis_url=redis_url, codec="exact", block_tokens=16)
     with TestClient(create_app(settings, engine=tiny_model)) as client:

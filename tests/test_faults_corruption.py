@@ -107,7 +107,7 @@ def test_garbage_session_record_is_a_counted_miss(field: str, pod: TestClient, p
     first = reply_of(chat(pod, history, session_id="s-garbage"))
     wait_written(pod)
     r = redis_server.client()
-    key = f"kvstash:sess:default:s-garbage"
+    key = "kvstash:sess:default:s-garbage"
     assert r.exists(key)
     r.hset(key, mapping=GARBAGE_FIELDS[field])
     r.close()

@@ -150,7 +150,8 @@ def test_two_pods_on_one_session_no_lost_update_no_mixed_history(pods: dict[str,
         gate = threading.Barrier(2)
         results: dict[str, httpx.Response] = {}
 
-        def turn(pod: PodProcess, content: str) -> None:
+        def turn(pod: PodProcess, content: str, gate: threading.Barrier = gate,
+                 results: dict[str, httpx.Response] = results) -> None:
             gate.wait()
             results[content] = httpx.post(pod.url + "/v1/sessions/race/messages",
                                           json={"content": content, "max_tokens": 24}, timeout=60)

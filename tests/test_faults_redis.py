@@ -145,7 +145,7 @@ def test_small_maxmemory_evicts_without_wrong_output(tiny_redis: RedisProcess, t
                for i in range(24)]
     sent = correct = hits = 0
     with pod_client(tiny_redis.url, tiny_model, budget_bytes=1 << 30) as pod:
-        for rounds in range(3):
+        for _ in range(3):
             for messages in prompts:
                 resp = chat(pod, messages, max_tokens=4)
                 sent += 1
@@ -156,7 +156,6 @@ def test_small_maxmemory_evicts_without_wrong_output(tiny_redis: RedisProcess, t
         info = tiny_redis.client().info("stats")
         evicted = int(info["evicted_keys"])
         assert evicted > 0, "the scenario must really make Redis evict"
-        store: BlockStore = state_of(pod).store
         client = tiny_redis.client()
         client.config_set("maxmemory", "0")  # the pressure is over: the books must now balance again
 

@@ -20,7 +20,6 @@ from starlette.testclient import TestClient
 
 from ops.redisproc import RedisProcess
 from service.app import create_app
-from service.openapi import build_schema
 from service.settings import PodSettings
 from tests.faultkit import wait_written
 
