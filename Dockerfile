@@ -16,6 +16,12 @@ WORKDIR /app
 # torch first, pinned, from the CPU index: the default wheel pulls a multi-GB CUDA build.
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 
+# the llamacpp engine: llama-cpp-python compiles llama.cpp; portable CPU code (no -march=native in an image),
+# no multimodal part; the compilers are removed again in the same layer.
+RUN apt-get update && apt-get install -y --no-install-recommends build-essential cmake \
+    && CMAKE_ARGS="-DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF" pip install llama-cpp-python==0.3.36 \
+    && apt-get purge -y build-essential cmake && apt-get autoremove -y && rm -rf /var/lib/apt/lists/*
+
 COPY pyproject.toml README.md ./
 COPY cachestore ./cachestore
 COPY service ./service
