@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 import struct
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -94,6 +95,8 @@ def test_crafted_header_corpus(probe: DecodeProbe, name: str, data: bytes) -> No
     assert outcome.status == "CodecError", f"{name}: a crafted frame decoded"
 
 
+RANDOM_SEEN: Counter[str] = Counter()  # figures of the random property: outcomes, worst peak and CPU time
+RANDOM_MAX = {"peak_bytes": 0.0, "cpu_s": 0.0}
 FIELD = st.one_of(st.integers(0, 8), st.sampled_from([1 << 15, (1 << 16) - 1, 1 << 16, 1 << 24, U32]))
 
 
@@ -102,8 +105,9 @@ FIELD = st.one_of(st.integers(0, 8), st.sampled_from([1 << 15, (1 << 16) - 1, 1 
        dims=st.tuples(FIELD, FIELD, FIELD, FIELD),
        raw_len=st.one_of(st.integers(0, 4096), st.sampled_from([1 << 31, 1 << 40, U64])),
        payload=st.binary(max_size=2048), lie=st.sampled_from([None, 0, 1 << 31, U64]))
-def test_random_checksummed_headers_stay_bounded(probe: DecodeProbe, codes: tuple[int, ...], dims: tuple[int, ...],
-                                                 raw_len: int, payload: bytes, lie: int | None) -> None:
+def test_random_checksummed_headers_stay_bounded(probe: DecodeProbe, figures: dict[str, object],
+                                                 codes: tuple[int, ...], dims: tuple[int, ...], raw_len: int,
+                                                 payload: bytes, lie: int | None) -> None:
     version, mode, comp, dtype, flags, reserved, group = codes
     fields = dict(version=version, mode=mode, comp=comp, dtype=dtype, flags=flags, reserved=reserved,
                   group=group, layers=dims[0], heads=dims[1], tokens=dims[2], dim=dims[3], raw_len=raw_len)
@@ -111,7 +115,13 @@ def test_random_checksummed_headers_stay_bounded(probe: DecodeProbe, codes: tupl
         fields["payload_len"] = lie
     # a decode that succeeds is fine if it stays bounded
     extra = 8 * (len(payload) + raw_len) if raw_len < 1 << 16 else 0
-    _within_bounds(probe.decode(frame(payload, **fields)), repr(fields), MAX_PEAK_BYTES + extra)
+    outcome = probe.decode(frame(payload, **fields))
+    _within_bounds(outcome, repr(fields), MAX_PEAK_BYTES + extra)
+    RANDOM_SEEN[outcome.status] += 1
+    RANDOM_MAX["peak_bytes"] = max(RANDOM_MAX["peak_bytes"], outcome.peak_bytes)
+    RANDOM_MAX["cpu_s"] = max(RANDOM_MAX["cpu_s"], outcome.cpu_s)
+    figures.update(outcomes=dict(RANDOM_SEEN), max_peak_bytes=int(RANDOM_MAX["peak_bytes"]),
+                   max_cpu_s=round(RANDOM_MAX["cpu_s"], 6))
 
 
 def test_a_valid_frame_still_decodes_under_the_same_bounds(probe: DecodeProbe) -> None:
