@@ -34,7 +34,7 @@ def test_bench_quality_tiny_writes_rows_and_plot(tmp_path: Path) -> None:
     assert main(["bench", "quality", "--text", "ops/data/sample.txt", "--model", "tiny-random", "--modes",
                  "exact,int8,int2", "--prefix", "32", "--continuation", "16", "--windows", "2", "--greedy", "3",
                  "--block-tokens", "8",  # several blocks: block 0 keeps int8 (the sink), the rest int2
-                 "--json", str(out), "--plot", str(png)]) == 0
+                 "--size-tokens", "64", "--json", str(out), "--plot", str(png)]) == 0
     report = json.loads(out.read_text())
     rows = {r["mode"]: r for r in report["rows"]}
     assert set(rows) == {"exact", "int8", "int2"}
@@ -44,5 +44,10 @@ def test_bench_quality_tiny_writes_rows_and_plot(tmp_path: Path) -> None:
         assert r["ppl"] > 0 and 0 <= r["top1_agree"] <= 1 and r["kl_mean"] >= 0
     assert rows["exact"]["ppl_delta_pct"] == 0 and rows["exact"]["top1_agree"] == 1 and rows["exact"]["kl_mean"] == 0
     assert rows["int2"]["kl_mean"] > rows["int8"]["kl_mean"]
-    assert len(report["windows"]) == 2 * 3 and set(report["targets"]) == {"int8_ppl_delta_pct", "int2_ppl_delta_pct"}
+    assert rows["int2"]["spec"] == "int2+lz4/g64/rotv/clip,sink=int8+lz4"
+    # sizes of the 64-token context, headers included: fp32 exact is 4 bytes a value, so about half the
+    # ratio of fp16 (lz4 may win a few %); int2 is smaller than int8 even with its int8 block 0
+    assert 0.45 < rows["exact"]["ratio_vs_fp16_ctx"] < 0.55
+    assert rows["int2"]["bytes_per_token_ctx"] < rows["int8"]["bytes_per_token_ctx"] < rows["exact"]["bytes_per_token_ctx"]
+    assert len(report["windows"]) == 2 * 3 and set(report["targets"]) == {"int8", "int2", "greedy"}
     assert png.read_bytes()[:8] == PNG_MAGIC

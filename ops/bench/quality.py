@@ -1,12 +1,18 @@
-"""`kvstash bench quality`: what each codec mode's round trip does to the model's predictions.
+"""`kvstash bench quality`: what each codec's round trip does to the model's predictions, and its size.
 
 For several windows of a text: prefill a prefix of N tokens, round-trip its KV (all but the last
 prefix token, which the pod always re-feeds) through Codec.encode/decode of each mode block by
-block as a pod stores it (--block-tokens, the tail as a session's partial block), then score
-the next M tokens with teacher forcing: perplexity and its change vs the exact cache, top-1
-agreement with the exact cache's predictions, mean KL(exact || mode) of the next-token
-distributions, and how many tokens of a greedy continuation (ModelRunner.generate, the pod's own
-path) match the exact cache's.
+block as a pod stores it (--block-tokens, block 0 with the sink codec, the tail as a session's
+partial block), then score the next M tokens with teacher forcing: perplexity and its change vs
+the exact cache, top-1 agreement with the exact cache's predictions, mean KL(exact || mode) of the
+next-token distributions, and how many tokens of a greedy continuation (the engine's own generate,
+as the pod runs it) match the exact cache's. Size is measured on a --size-tokens context (2048 by
+default) of the same text, encoded exactly as the pod stores it: bytes per token with every frame
+header and the sink block included.
+
+The model is driven through a small `Scorer` (prefill, score, greedy); `hf` is transformers. Another
+engine plugs in by adding its Scorer to SCORERS: it must hand over KV in the codec's layout
+[layers, 2, kv_heads, tokens, head_dim] and return the logits of every fed position.
 """
 
 from __future__ import annotations
@@ -14,17 +20,77 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from ops.bench.common import machine, plot_bars, print_table, write_json
+from ops.bench.common import machine, plot_lines, print_table, write_json
 
-MODES = "exact,fp16,int8,int4,int2,fp8"
-TARGETS = {"int8": 0.2, "int4": 1.0, "int2": 5.0}  # max perplexity change, percent
+# /plain rows are the codecs as they were before format 2 (same bits), for the before/after table
+MODES = "exact,fp16,int8,fp8,int4/plain,int4,int4+zstd,int2/plain,int2/g16/plain,int2,int2+zstd,int2/g32"
+PPL_TARGETS = {"int8": 0.2, "int4": 0.25, "int2": 3.0}  # max perplexity change, percent
+SIZE_TARGETS = {"int4": 3.5, "int2": 6.0}  # min ratio vs fp16 at --size-tokens, everything included
+GREEDY_TARGET = (31.0, 3.0)  # greedy match of 32 tokens (mean) at >= this ratio vs fp16
+FP16_BYTES = 2  # per KV value
+
+
+class Scorer(Protocol):
+    """What the bench needs from an engine."""
+
+    def text_ids(self, text: str) -> list[int]: ...
+
+    def prefill(self, ids: list[int]) -> Any:
+        """KV [layers, 2, kv_heads, len(ids), head_dim] of `ids` from an empty cache."""
+
+    def logits(self, kv: Any, ids: list[int]) -> Any:
+        """Logits [len(ids), vocab] of `ids` fed after the cached `kv`: row j predicts ids[j + 1]."""
+
+    def greedy(self, prompt: list[int], kv: Any, tokens: int) -> list[int]:
+        """Greedy continuation of `prompt` whose first kv.shape[3] tokens come from `kv`."""
+
+
+class HfScorer:
+    """transformers (the `hf` engine): prefill and scoring through service.hfcache, greedy through the engine."""
+
+    def __init__(self, model: str) -> None:
+        from service.engines.hf import HfEngine  # noqa: PLC0415
+
+        self.engine = HfEngine.load(model)
+        self.model = self.engine.loaded.model
+
+    def text_ids(self, text: str) -> list[int]:
+        return [int(i) for i in self.engine.text_ids(text)]
+
+    def prefill(self, ids: list[int]) -> Any:
+        import torch  # noqa: PLC0415
+
+        from service import hfcache  # noqa: PLC0415
+
+        with torch.inference_mode():
+            _, cache = hfcache.forward(self.model, ids, None)
+        return hfcache.tensor_from_cache(cache).clone()
+
+    def logits(self, kv: Any, ids: list[int]) -> Any:
+        import torch  # noqa: PLC0415
+
+        from service import hfcache  # noqa: PLC0415
+
+        with torch.inference_mode():
+            cache = hfcache.cache_from_tensor(kv, self.model)
+            logits, _ = hfcache.forward(self.model, ids, cache, all_logits=True)
+        return logits
+
+    def greedy(self, prompt: list[int], kv: Any, tokens: int) -> list[int]:
+        from service.engines.generation import GenParams  # noqa: PLC0415
+
+        return list(self.engine.generate(prompt, kv, GenParams(max_tokens=tokens)).token_ids)
+
+
+SCORERS: dict[str, type[HfScorer]] = {"hf": HfScorer}
 
 
 def register(bench_subparsers: Any) -> None:
-    p = bench_subparsers.add_parser("quality", help="perplexity, top-1, KL and greedy match of each codec mode")
+    p = bench_subparsers.add_parser("quality", help="perplexity, top-1, KL, greedy match and size of each codec mode")
     p.add_argument("--text", type=Path, required=True, help="a plain-text file (e.g. ops/data/sample.txt)")
+    p.add_argument("--engine", default="hf", choices=sorted(SCORERS), help="engine that runs the model (default hf)")
     p.add_argument("--model", default="smollm2", help="smollm2 (default), tiny-random or a local HF directory")
     p.add_argument("--modes", default=MODES, help="codec specs to compare (default %(default)s)")
     p.add_argument("--prefix", type=int, default=512, help="tokens in the cache (default 512)")
@@ -32,8 +98,10 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--windows", type=int, default=3, help="windows spread over the text (default 3)")
     p.add_argument("--block-tokens", type=int, default=64, help="tokens per encoded block, as the pod (default 64)")
     p.add_argument("--greedy", type=int, default=32, help="greedy tokens compared per window (default 32)")
+    p.add_argument("--size-tokens", type=int, default=2048,
+                   help="context whose encoded bytes per token are reported (default 2048; the text repeats if short)")
     p.add_argument("--json", type=Path, help="write rows and targets as JSON here")
-    p.add_argument("--plot", type=Path, help="bar chart of the perplexity change per mode (PNG)")
+    p.add_argument("--plot", type=Path, help="Pareto chart: perplexity change vs bytes per token, every mode (PNG)")
     p.set_defaults(func=run)
 
 
@@ -46,25 +114,6 @@ def _windows(n_ids: int, span: int, count: int) -> list[int]:
     return sorted({round(i * last / (count - 1)) for i in range(count)})
 
 
-def _score(loaded: Any, kv: Any, window: list[int], prefix: int) -> Any:
-    """Logits [M, vocab] for the continuation given the cached prefix[:-1] and the re-fed last token."""
-    import torch  # noqa: PLC0415
-
-    from service import hfcache  # noqa: PLC0415
-
-    with torch.inference_mode():
-        cache = hfcache.cache_from_tensor(kv, loaded.model)
-        logits, _ = hfcache.forward(loaded.model, window[prefix - 1:-1], cache, all_logits=True)
-    return logits  # row j predicts window[prefix + j]
-
-
-def _greedy(runner: Any, kv: Any, window: list[int], prefix: int, tokens: int) -> list[int]:
-    from service.runner import GenParams  # noqa: PLC0415
-
-    gen = runner.generate(window[:prefix], kv, GenParams(max_tokens=tokens))
-    return list(gen.token_ids)
-
-
 def _round_trip(codecs: Any, kv: Any, block_tokens: int) -> list[bytes]:
     """Frames as a pod writes them: one per full block of `block_tokens` (block 0 with the sink codec
     of `cachestore.blockcodec`), the rest as the session's tail."""
@@ -72,18 +121,24 @@ def _round_trip(codecs: Any, kv: Any, block_tokens: int) -> list[bytes]:
             for i in range(0, kv.shape[3], block_tokens)]
 
 
+def _sizes(scorer: Scorer, ids: list[int], modes: list[str], args: argparse.Namespace) -> dict[str, float]:
+    """Bytes per token of a --size-tokens context per mode, every frame (headers, sink block) included."""
+    from cachestore.blockcodec import BlockCodecs  # noqa: PLC0415
+
+    tokens = args.size_tokens
+    kv = scorer.prefill((ids * -(-tokens // len(ids)))[:tokens])
+    return {mode: sum(map(len, _round_trip(BlockCodecs.for_spec(mode), kv, args.block_tokens))) / tokens
+            for mode in modes}
+
+
 def _measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     import torch  # noqa: PLC0415
 
     from cachestore.blockcodec import BlockCodecs  # noqa: PLC0415
-    from service import hfcache  # noqa: PLC0415
-    from service.models import load_model  # noqa: PLC0415
     from service.pipeline import common_prefix  # noqa: PLC0415
-    from service.runner import ModelRunner  # noqa: PLC0415
 
-    loaded = load_model(args.model)
-    runner = ModelRunner(loaded)
-    ids = [int(i) for i in loaded.tokenizer.encode(args.text.read_text(encoding="utf-8"), add_special_tokens=False)]
+    scorer: Scorer = SCORERS[args.engine](args.model)
+    ids = scorer.text_ids(args.text.read_text(encoding="utf-8"))
     n, m = args.prefix, args.continuation
     modes = [s.strip() for s in args.modes.split(",") if s.strip()]
     if "exact" not in modes:
@@ -91,20 +146,16 @@ def _measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
     per_window: list[dict[str, Any]] = []
     for start in _windows(len(ids), n + m, args.windows):
         window = ids[start:start + n + m]
-        with torch.inference_mode():
-            _, cache = hfcache.forward(loaded.model, window[:n - 1], None)
-        with torch.no_grad():
-            kv = hfcache.tensor_from_cache(cache)  # [L, 2, H, n - 1, D]
+        kv = scorer.prefill(window[:n - 1])  # [L, 2, H, n - 1, D]
         target = torch.tensor(window[n:])
         ref_logp = ref_greedy = None
         for mode in modes:
             codecs = BlockCodecs.for_spec(mode)
-            codec = codecs.main
             frames = _round_trip(codecs, kv, args.block_tokens)
-            kv_mode = torch.cat([codec.decode(f) for f in frames], dim=3)  # [L, 2, H, n - 1, D]
-            logp = torch.log_softmax(_score(loaded, kv_mode, window, n), dim=-1)  # [M, vocab]
+            kv_mode = torch.cat([codecs.main.decode(f) for f in frames], dim=3)  # [L, 2, H, n - 1, D]
+            logp = torch.log_softmax(scorer.logits(kv_mode, window[n - 1:-1]), dim=-1)  # [M, vocab]
             nll = float(-logp.gather(1, target.unsqueeze(1)).mean())
-            greedy = _greedy(runner, kv_mode, window, n, args.greedy)
+            greedy = scorer.greedy(window[:n], kv_mode, args.greedy)
             if mode == "exact":
                 ref_logp, ref_greedy = logp, greedy
             assert ref_logp is not None and ref_greedy is not None
@@ -117,7 +168,13 @@ def _measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
             })
         print(f"window at token {start}: " + ", ".join(
             f"{r['mode']} ppl {math.exp(r['nll']):.3f}" for r in per_window if r["window_start"] == start), flush=True)
-    return _aggregate(per_window, modes), per_window
+    rows = _aggregate(per_window, modes)
+    sizes = _sizes(scorer, ids, modes, args)
+    geometry = kv.shape[0] * 2 * kv.shape[2] * kv.shape[4]  # KV values per token
+    for r in rows:
+        r["bytes_per_token_ctx"] = sizes[r["mode"]]
+        r["ratio_vs_fp16_ctx"] = geometry * FP16_BYTES / sizes[r["mode"]]
+    return rows, per_window
 
 
 def _aggregate(per_window: list[dict[str, Any]], modes: list[str]) -> list[dict[str, Any]]:
@@ -140,33 +197,53 @@ def _aggregate(per_window: list[dict[str, Any]], modes: list[str]) -> list[dict[
     return rows
 
 
-def _targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    out = {}
+def _targets(rows: list[dict[str, Any]], greedy_tokens: int) -> dict[str, Any]:
+    """Per int8/int4/int2 row: its perplexity (and size) target; the best greedy-keeping mode."""
+    from cachestore.codec import CodecSpec  # noqa: PLC0415
+
+    out: dict[str, Any] = {}
     for r in rows:
-        limit = TARGETS.get(r["mode"])
-        if limit is not None:
-            out[f"{r['mode']}_ppl_delta_pct"] = {"value": r["ppl_delta_pct"], "target": limit,
-                                                 "met": abs(r["ppl_delta_pct"]) <= limit}
+        mode = CodecSpec.parse(r["mode"]).mode
+        if mode not in PPL_TARGETS:
+            continue
+        t = {"ppl_delta_pct": r["ppl_delta_pct"], "ppl_target": PPL_TARGETS[mode],
+             "ratio_vs_fp16": r["ratio_vs_fp16_ctx"], "ratio_target": SIZE_TARGETS.get(mode, 0.0)}
+        t["met"] = abs(t["ppl_delta_pct"]) <= t["ppl_target"] and t["ratio_vs_fp16"] >= t["ratio_target"]
+        out[r["mode"]] = t
+    need, ratio = GREEDY_TARGET[0] * greedy_tokens / 32, GREEDY_TARGET[1]
+    keeping = [r for r in rows if r["greedy_match_mean"] >= need and r["ratio_vs_fp16_ctx"] >= ratio]
+    best = max(keeping, key=lambda r: r["ratio_vs_fp16_ctx"], default=None)
+    out["greedy"] = {"need_mean": need, "min_ratio": ratio, "met": best is not None,
+                     "mode": best["mode"] if best else None}
     return out
 
 
 def run(args: argparse.Namespace) -> int:
     before = machine()
     rows, per_window = _measure(args)
-    print(f"{args.model}: {args.prefix}-token prefix in the cache, next {args.continuation} tokens scored, "
-          f"{rows[0]['windows']} windows of {args.text.name}; greedy match over {args.greedy} tokens")
+    print(f"{args.engine} {args.model}: {args.prefix}-token prefix in the cache, next {args.continuation} tokens "
+          f"scored, {rows[0]['windows']} windows of {args.text.name}; greedy match over {args.greedy} tokens; "
+          f"size of a {args.size_tokens}-token context")
     print_table(rows, [("spec", "codec", ""), ("ppl", "ppl", ".4f"), ("ppl_delta_pct", "ppl Δ %", "+.3f"),
                        ("top1_agree", "top-1 agree", ".4f"), ("kl_mean", "KL mean", ".2e"),
                        ("greedy_match_mean", "greedy match", ".1f"), ("greedy_match_min", "min", "d"),
-                       ("bytes_per_token", "B/token", ",.0f")])
-    targets = _targets(rows)
+                       ("bytes_per_token_ctx", "B/token", ",.0f"), ("ratio_vs_fp16_ctx", "x fp16", ".2f")])
+    targets = _targets(rows, args.greedy)
     for name, t in targets.items():
-        print(f"target {name}: {t['value']:+.3f}% (|Δ| <= {t['target']}%) {'met' if t['met'] else 'MISSED'}")
+        if name == "greedy":
+            print(f"target greedy >= {t['need_mean']:.1f} of {args.greedy} at >= {t['min_ratio']}x: "
+                  f"{'met by ' + t['mode'] if t['met'] else 'MISSED'}")
+            continue
+        print(f"target {name}: {t['ppl_delta_pct']:+.3f}% (|Δ| <= {t['ppl_target']}%), {t['ratio_vs_fp16']:.2f}x fp16 "
+              f"(>= {t['ratio_target']}) {'met' if t['met'] else 'MISSED'}")
     if args.json:
-        write_json(args.json, {"rows": rows, "windows": per_window, "targets": targets, "model": args.model,
-                               "text": args.text.name, "prefix": args.prefix, "continuation": args.continuation,
-                               "greedy": args.greedy, "machine": before})
+        write_json(args.json, {"rows": rows, "windows": per_window, "targets": targets, "engine": args.engine,
+                               "model": args.model, "text": args.text.name, "prefix": args.prefix,
+                               "continuation": args.continuation, "greedy": args.greedy,
+                               "size_tokens": args.size_tokens, "machine": before})
     if args.plot:
-        plot_bars(args.plot, [r["mode"] for r in rows], {"perplexity change %": [r["ppl_delta_pct"] for r in rows]},
-                  title=f"Perplexity change vs the exact cache ({args.model})", ylabel="% vs exact")
+        plot_lines(args.plot, {r["spec"]: ([r["bytes_per_token_ctx"]], [r["ppl_delta_pct"]]) for r in rows},
+                   title=f"Perplexity change vs size, {args.text.name} ({args.engine} {args.model})",
+                   xlabel=f"bytes per token of a {args.size_tokens}-token context (log)",
+                   ylabel="perplexity change vs exact, %", logx=True)
     return 0
