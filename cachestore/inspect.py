@@ -9,8 +9,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from cachestore.budget import shard_totals
+from cachestore.errors import StoreError
 from cachestore.hashing import HASH_BYTES, BlockHash
-from cachestore.keys import KeySpace
+from cachestore.keys import ENTRY_KINDS, KeySpace
 from cachestore.sessions import SessionRecord, from_fields
 
 Progress = Callable[[int], None]
@@ -37,13 +38,15 @@ class BlockKey:
     block_hash: BlockHash
     shard: int
     reachable: bool
+    kind: str = "blk"  # blk | tail | ids (keys.ENTRY_KINDS)
 
 
 def parse_block_key(keys: KeySpace, key: str) -> BlockKey | None:
-    """`<ns>:blk:<model16>:<hash32hex>:{<ns>:sNN}` -> BlockKey, or None if it is not one."""
-    prefix = f"{keys.namespace}:blk:"
-    if not key.startswith(prefix):
+    """`<ns>:<blk|tail|ids>:<model16>:<hash32hex>:{<ns>:sNN}` -> BlockKey, or None if it is not one."""
+    kind = next((k for k in ENTRY_KINDS if key.startswith(f"{keys.namespace}:{k}:")), None)
+    if kind is None:
         return None
+    prefix = f"{keys.namespace}:{kind}:"
     body, sep, tag = key[len(prefix):].rpartition(":{")
     model, _, hex_hash = body.partition(":")
     if not sep or not model or len(hex_hash) != 2 * HASH_BYTES:
@@ -53,15 +56,22 @@ def parse_block_key(keys: KeySpace, key: str) -> BlockKey | None:
     except ValueError:
         return None
     shard = keys.shard_of(block_hash)
-    _, expected = keys.block(model, block_hash)
-    return BlockKey(key, model, block_hash, shard, expected == key)
+    try:
+        _, expected = keys.block(model, block_hash, kind)
+    except StoreError:  # a malformed model id
+        return None
+    return BlockKey(key, model, block_hash, shard, expected == key, kind)
 
 
 def classify(keys: KeySpace, key: str) -> str:
-    """block | index | session | other (a key of the namespace kvstash does not write)."""
+    """block | tail | ids | index | session | other (a key of the namespace kvstash does not write)."""
     ns = keys.namespace
     if key.startswith(f"{ns}:blk:"):
         return "block"
+    if key.startswith(f"{ns}:tail:"):
+        return "tail"
+    if key.startswith(f"{ns}:ids:"):
+        return "ids"
     if key.startswith(f"{ns}:idx:"):
         return "index"
     if key.startswith(f"{ns}:sess:"):
@@ -207,7 +217,8 @@ async def _memory(client: Any, batch: Sequence[str]) -> list[int]:
 async def namespace_stats(client: Any, keys: KeySpace, budget_bytes: int,
                           progress: Progress | None = None) -> dict[str, Any]:
     """Keys and bytes by kind and by model, budget use, server counters, oldest and newest entries."""
-    kinds: dict[str, dict[str, int]] = {k: {"keys": 0, "bytes": 0} for k in ("block", "index", "session", "other")}
+    kinds: dict[str, dict[str, int]] = {k: {"keys": 0, "bytes": 0}
+                                        for k in ("block", "tail", "ids", "index", "session", "other")}
     models: dict[str, dict[str, int]] = defaultdict(lambda: {"blocks": 0, "block_bytes": 0, "sessions": 0})
     tenants: dict[str, int] = defaultdict(int)
     times: dict[str, float | None] = {"session_created_min": None, "session_updated_max": None}

@@ -1,13 +1,16 @@
 """Every Redis key name kvstash uses, in one place (documented for operators in ops/KEYS.md).
 
     <ns>:blk:<model16>:<hash32hex>:{<ns>:sNN}   one encoded block (a single frame value)
+    <ns>:tail:<model16>:<hash32hex>:{<ns>:sNN}  the tokens after the last full block of a computed
+                                                sequence and their KV, under that block's hash
+    <ns>:ids:<model16>:<digest32hex>:{<ns>:sNN} the token ids a pod generated for a reply's text
     <ns>:idx:lru:{<ns>:sNN}                     ZSET block key -> last access (ms since epoch)
     <ns>:idx:size:{<ns>:sNN}                    HASH block key -> bytes accounted for it
     <ns>:idx:bytes:{<ns>:sNN}                   STRING bytes accounted in shard NN
     <ns>:sess:<tenant>:<session_id>             HASH one session record
 
-A block's shard NN comes from its hash, and the `{<ns>:sNN}` hash tag puts the block and
-its shard's three index keys in one cluster slot, so a Lua script touching them runs on
+A block's shard NN comes from its hash, and the `{<ns>:sNN}` hash tag puts the block (or tail, or
+reply ids: the budget accounts for all three alike) and its shard's three index keys in one cluster slot, so a Lua script touching them runs on
 Redis Cluster. Blocks spread over `index_shards` slots, so no single slot is the hot spot.
 """
 
@@ -22,6 +25,7 @@ from cachestore.hashing import HASH_BYTES, BlockHash
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _TENANT_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _MODEL_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+ENTRY_KINDS = ("blk", "tail", "ids")  # values the budget accounts for, all `<ns>:<kind>:<model16>:<hex>:{tag}`
 
 
 class InvalidName(StoreError, ValueError):
@@ -75,10 +79,19 @@ class KeySpace:
             raise InvalidName(f"a block hash has {HASH_BYTES} bytes, got {len(block_hash)}")
         return int.from_bytes(block_hash[:4], "big") % self.shards
 
-    def block(self, model: str, block_hash: BlockHash) -> tuple[int, str]:
-        """(shard, key) of a block; `model` is ModelFingerprint.short()."""
+    def block(self, model: str, block_hash: BlockHash, kind: str = "blk") -> tuple[int, str]:
+        """(shard, key) of a block; `model` is ModelFingerprint.short(). `kind` "tail" names the tail
+        after the block `block_hash` ends (or after the chain root), "ids" a reply's generated ids."""
+        if kind not in ENTRY_KINDS:
+            raise InvalidName(f"entry kind must be one of {', '.join(ENTRY_KINDS)}")
         shard = self.shard_of(block_hash)
-        return shard, f"{self.namespace}:blk:{model}:{block_hash.hex()}:{self._tags[shard]}"
+        return shard, f"{self.namespace}:{kind}:{model}:{block_hash.hex()}:{self._tags[shard]}"
+
+    def tail(self, model: str, parent: BlockHash) -> tuple[int, str]:
+        return self.block(model, parent, "tail")
+
+    def reply_ids(self, model: str, digest: BlockHash) -> tuple[int, str]:
+        return self.block(model, digest, "ids")
 
     def shard(self, shard: int) -> ShardKeys:
         return self._shard_keys[shard]

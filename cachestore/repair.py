@@ -10,8 +10,9 @@ from cachestore import budget
 from cachestore.codec import verify_frame
 from cachestore.errors import CodecError
 from cachestore.inspect import BlockKey, Progress, classify, parse_block_key, scan_batches, text
-from cachestore.keys import KeySpace
+from cachestore.keys import ENTRY_KINDS, KeySpace
 from cachestore.sessions import from_fields
+from cachestore.tails import unpack_ids, unpack_tail
 
 # the largest frame verify accepts: far above any real block (SmolLM2: 64 tokens ~ 1.5 M elements)
 VERIFY_MAX_ELEMENTS = 1 << 31
@@ -67,7 +68,7 @@ class _Verifier:
         async for batch in scan_batches(self.client, f"{self.keys.namespace}:*", progress, size=BLOCK_BATCH):
             self.report.keys_scanned += len(batch)
             kinds = {k: classify(self.keys, k) for k in batch}
-            await self._blocks([k for k in batch if kinds[k] == "block"])
+            await self._blocks([k for k in batch if kinds[k] in ("block", "tail", "ids")])
             await self._sessions([k for k in batch if kinds[k] == "session"])
             for key in (k for k in batch if kinds[k] in ("index", "other")):
                 if kinds[key] == "other" or key[key.rfind("{"):] not in self.shard_tags:
@@ -115,9 +116,14 @@ class _Verifier:
         if not parsed.reachable:
             return "unreachable_block", f"hash tag does not match shard {parsed.shard} of its hash"
         try:
-            verify_frame(value, max_elements=VERIFY_MAX_ELEMENTS)
+            if parsed.kind == "tail":
+                verify_frame(unpack_tail(value)[1], max_elements=VERIFY_MAX_ELEMENTS)
+            elif parsed.kind == "ids":
+                unpack_ids(value)
+            else:
+                verify_frame(value, max_elements=VERIFY_MAX_ELEMENTS)
         except CodecError as exc:
-            return "corrupt_block", str(exc)
+            return f"corrupt_{'block' if parsed.kind == 'blk' else parsed.kind}", str(exc)
         return None
 
     async def _sessions(self, batch: list[str]) -> None:
@@ -226,11 +232,18 @@ class PurgeResult:
     sessions: int
 
 
+async def _entry_batches(client: Any, keys: KeySpace, model: str, progress: Progress | None) -> Any:
+    for kind in ENTRY_KINDS:
+        async for batch in scan_batches(client, f"{keys.namespace}:{kind}:{model}:*", progress):
+            yield batch
+
+
 async def purge_model(client: Any, keys: KeySpace, model: str, progress: Progress | None = None,
                       index_ttl_ms: int = 172_800_000) -> PurgeResult:
-    """Delete every block and session record of one model fingerprint (ModelFingerprint.short())."""
+    """Delete every block, tail, reply record and session record of one model fingerprint
+    (ModelFingerprint.short())."""
     blocks = freed = 0
-    async for batch in scan_batches(client, f"{keys.namespace}:blk:{model}:*", progress):
+    async for batch in _entry_batches(client, keys, model, progress):
         by_shard: dict[int, list[str]] = defaultdict(list)
         pipe = client.pipeline(transaction=False)
         for key in batch:

@@ -160,6 +160,50 @@ class BlockStore:
         else:
             self._counters.add("hits")
 
+    async def get_entries(self, keyed: Sequence[tuple[int, str]]) -> list[bytes | None]:
+        """Values of tail or reply-ids keys (KeySpace.tail / reply_ids), each found or None, in one
+        round trip that also slides their TTL and LRU position; all None if Redis fails."""
+        if not keyed:
+            return []
+
+        async def read() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            for _, key in keyed:
+                pipe.getex(key, px=self._block_ttl_ms)
+            if self.settings.budget_enabled:
+                by_shard: dict[int, list[str]] = defaultdict(list)
+                for shard, key in keyed:
+                    by_shard[shard].append(key)
+                for shard, keys in by_shard.items():
+                    budget.touch(pipe, self.keys.shard(shard), keys, self._index_ttl_ms)
+            self._counters.add("round_trips")
+            return list(await pipe.execute(raise_on_error=False))[: len(keyed)]
+
+        values = await self._guarded(read, self.settings.op_timeout_s)
+        if isinstance(values, _Failed):
+            return [None] * len(keyed)
+        found = [v if isinstance(v, bytes) and v else None for v in values]
+        self._counters.add("bytes_read", sum(len(v) for v in found if v))
+        return found
+
+    async def put_entries(self, keyed: Sequence[tuple[int, str]], values: Sequence[bytes]) -> int:
+        """Write tail or reply-ids values, replacing what is there (the newest tail of a prefix wins),
+        under the byte budget like blocks; returns how many were written, 0 if Redis failed."""
+        if len(keyed) != len(values) or any(not v for v in values):
+            raise StoreError("put_entries needs one non-empty value per key")
+        for value in values:
+            if len(value) > self.settings.max_value_bytes:
+                raise ValueTooLarge(f"a value of {len(value)} bytes exceeds max_value_bytes")
+        if not values:
+            return 0
+        async with self._put_lock:
+            written = await self._guarded(lambda: self._write(list(keyed), values, nx=False),
+                                          self.settings.write_timeout_s)
+        if isinstance(written, _Failed):
+            self._counters.add("dropped_writes")
+            return 0
+        return written
+
     async def put_blocks(self, model: str, hashes: Sequence[BlockHash], frames: Sequence[bytes]) -> int:
         """Write blocks (present ones are left as they are); returns how many were written."""
         check_model(model)
@@ -184,7 +228,7 @@ class BlockStore:
             return 0
         return written
 
-    async def _write(self, keyed: list[tuple[int, str]], frames: Sequence[bytes]) -> int:
+    async def _write(self, keyed: list[tuple[int, str]], frames: Sequence[bytes], nx: bool = True) -> int:
         items = list(zip(keyed, frames, strict=True))
         if self.settings.budget_enabled:
             items = self._fit_budget(items)
@@ -192,7 +236,7 @@ class BlockStore:
         pipe = self._client.pipeline(transaction=False)
         by_shard: dict[int, list[str]] = defaultdict(list)
         for (shard, key), frame in items:
-            pipe.set(key, frame, px=self._block_ttl_ms, nx=True)
+            pipe.set(key, frame, px=self._block_ttl_ms, nx=nx)
             by_shard[shard].append(key)
         if self.settings.budget_enabled:
             for shard, keys in by_shard.items():

@@ -88,8 +88,9 @@ def _choice(chat: bool, text: str, finish_reason: str | None, delta: bool, first
 class Responder:
     """Runs one admitted generation and shapes it as a JSON reply or an SSE stream."""
 
-    def __init__(self, state: PodState, chat: bool, model: str, view: CacheView) -> None:
+    def __init__(self, state: PodState, chat: bool, model: str, view: CacheView, token_ids: bool = False) -> None:
         self.state = state
+        self.token_ids = token_ids  # vLLM's `return_token_ids`: the prompt's and the reply's ids in the body
         self.chat = chat
         self.model = model
         self.view = view
@@ -110,9 +111,17 @@ class Responder:
         problem = await after(gen, self.view)
         if problem is not None:
             raise _as_api_error(problem)
-        body = self._envelope([_choice(self.chat, gen.text, gen.finish_reason, delta=False)], chunk=False)
+        body = self._envelope([self._with_ids(_choice(self.chat, gen.text, gen.finish_reason, delta=False), gen)],
+                              chunk=False)
         body["usage"] = usage(gen)
+        if self.token_ids:
+            body["prompt_token_ids"] = prompt_ids
         return JSONResponse(body, headers=cache_headers(self.view))
+
+    def _with_ids(self, choice: dict[str, Any], gen: Generation) -> dict[str, Any]:
+        if self.token_ids:
+            choice["token_ids"] = gen.token_ids
+        return choice
 
     def stream(
         self, prompt_ids: list[int], params: GenParams, include_usage: bool, after: AfterGeneration,
@@ -164,7 +173,11 @@ class Responder:
             if problem is not None:
                 err = _as_api_error(problem)
                 yield self._sse(error_body(err.status, err.message, err.type, err.code, err.param))
-            yield self._sse(self._envelope([_choice(self.chat, "", gen.finish_reason, delta=True)], chunk=True))
+            last = self._envelope([self._with_ids(_choice(self.chat, "", gen.finish_reason, delta=True), gen)],
+                                  chunk=True)
+            if self.token_ids:
+                last["prompt_token_ids"] = prompt_ids
+            yield self._sse(last)
             if include_usage:
                 final = self._envelope([], chunk=True)
                 final["usage"] = usage(gen)
@@ -190,6 +203,7 @@ async def run_admitted(
     include_usage: bool,
     lookup: Callable[[], Awaitable[CacheView]],
     after: AfterGeneration,
+    token_ids: bool = False,
 ) -> Response:
     """Admission, lookup and generation for every completion route (sessions included)."""
     pipeline = ready_pipeline(state)
@@ -205,7 +219,7 @@ async def run_admitted(
     handed_over = False  # a stream releases its admission when it ends
     try:
         view = await lookup()
-        responder = Responder(state, chat, model, view)
+        responder = Responder(state, chat, model, view, token_ids)
         if stream:
             response = responder.stream(prompt_ids, params, include_usage, after, release)
             handed_over = True
@@ -227,7 +241,12 @@ async def _completion(request: Request, chat: bool) -> Response:
     )
     check_model(state, req.model)
     engine = pipeline.engine
-    prompt_ids = engine.chat_ids(req.messages) if req.messages is not None else engine.text_ids(req.prompt or "")
+    if req.messages is not None:  # assistant messages some pod generated keep the very ids it generated
+        prompt_ids = engine.chat_ids(req.messages, await pipeline.known_replies(tenant.salt, req.messages))
+    elif req.prompt_ids is not None:
+        prompt_ids = list(req.prompt_ids)
+    else:
+        prompt_ids = engine.text_ids(req.prompt or "")
     check_context(state, prompt_ids, req.params)
     previous: SessionRecord | None = None
 
@@ -242,12 +261,14 @@ async def _completion(request: Request, chat: bool) -> Response:
         if req.session_id is not None and req.messages is not None:
             messages = [*req.messages, {"role": "assistant", "content": gen.text}]
             record = pipeline.session_record(tenant.name, req.session_id, messages, gen, previous)
-        pipeline.write_back(tenant.salt, gen, view, record, previous.version if previous else None)
+        # the next turn may be sent the moment this reply ends, to any pod: its blocks go first
+        await pipeline.settle(pipeline.write_back(tenant.salt, gen, view, record,
+                                                  previous.version if previous else None))
         return None
 
     return await run_admitted(
         state, chat=chat, model=req.model, prompt_ids=prompt_ids, params=req.params, stream=req.stream,
-        include_usage=req.include_usage, lookup=lookup, after=after,
+        include_usage=req.include_usage, lookup=lookup, after=after, token_ids=req.return_token_ids,
     )
 
 

@@ -61,6 +61,13 @@ class PodMetrics:
                                       ["reason"], registry=r)
         self.cache_rejected = Counter("kvstash_cache_rejected", "Cached values discarded as corrupt or not this "
                                       "pod's (reason: corrupt, codec, model)", ["reason"], registry=r)
+        self.tail_lookups = Counter("kvstash_tail_lookups", "Cached tails read back (used, mismatch: they did "
+                                    "not continue the prompt)", ["result"], registry=r)
+        self.reply_ids = Counter("kvstash_reply_ids", "Assistant messages tokenized as the ids a pod generated "
+                                 "(used) or as plain text (absent, mismatch)", ["result"], registry=r)
+        self.write_waits = Counter("kvstash_write_waits", "Replies that waited for their writes before the last "
+                                   "byte: written, or late (the budget ran out; the write went on)", ["result"],
+                                   registry=r)
         self.inflight = Gauge("kvstash_inflight_requests", "Requests admitted and not finished", registry=r)
         self.rejected = Counter("kvstash_rejected", "Requests refused with 503 (overload)", registry=r)
         r.register(_StoreCollector(store_stats))

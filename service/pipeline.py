@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -16,6 +17,7 @@ from cachestore.blockcodec import BlockCodecs
 from cachestore.codec import Codec
 from cachestore.errors import CodecError
 from cachestore.hashing import BlockHash, chain_hashes, root_hash
+from cachestore.tails import pack_ids, reply_digest, unpack_ids, unpack_tail
 from cachestore.sessions import SessionRecord
 from cachestore.store import BlockStore
 from service.contextpool import ContextPool
@@ -30,6 +32,7 @@ log = logging.getLogger("kvstash.pipeline")
 # Blocks per pipelined read: small enough that decoding one chunk overlaps the next chunk's read,
 # large enough that round trips stay few (8 x 64 SmolLM2 tokens of int8 = ~6 MB).
 FETCH_CHUNK_BLOCKS = 8
+MAX_REPLY_TOKENS = 8192  # replies longer than this are re-tokenized rather than remembered
 
 
 @dataclass
@@ -100,11 +103,15 @@ class Pipeline:
         self.metrics.inflight.set(self._admitted)
 
     # -- lookup ------------------------------------------------------------------------------
-    def hashes(self, tenant_salt: bytes, token_ids: list[int]) -> list[BlockHash]:
+    def root(self, tenant_salt: bytes) -> BlockHash:
+        """The parent of the tenant's first block (and the key of a tail shorter than one block)."""
         root = self._roots.get(tenant_salt.hex())
         if root is None:
             root = self._roots.setdefault(tenant_salt.hex(), root_hash(self.fingerprint, tenant_salt))
-        return chain_hashes(token_ids, self.block_tokens, root)
+        return root
+
+    def hashes(self, tenant_salt: bytes, token_ids: list[int]) -> list[BlockHash]:
+        return chain_hashes(token_ids, self.block_tokens, self.root(tenant_salt))
 
     def _store_errors(self) -> int:
         assert self.store is not None
@@ -169,8 +176,20 @@ class Pipeline:
                 frames = await asyncio.wait_for(upcoming, max(0.0, deadline - loop.time()))
             except TimeoutError:
                 break  # out of time: use what already arrived
+        tail = None
+        b = self.block_tokens
+        session_partial = (session is not None and session.model == self.model_key and bool(session.partial)
+                           and hit_blocks == len(session.token_ids) // b)
+        if hit_blocks * b < usable and not session_partial and loop.time() < deadline:
+            # the tokens after the last full block some pod computed: one more short round trip
+            parent = hashes[hit_blocks - 1] if hit_blocks else self.root(tenant_salt)
+            try:
+                tail = await asyncio.wait_for(self._fetch_tail(parent), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                tail = None
         self.metrics.redis_seconds.labels("lookup").observe(time.perf_counter() - t0)
-        view = await asyncio.to_thread(self._with_session, out, hit_blocks, fetched, session, prompt_ids, usable)
+        view = await asyncio.to_thread(self._with_session, out, hit_blocks, fetched, session, prompt_ids, usable,
+                                       tail)
         if view.kv is None:
             self._contexts.give(out)
         else:
@@ -180,6 +199,29 @@ class Pipeline:
     async def _fetch(self, hashes: list[BlockHash]) -> list[bytes]:
         assert self.store is not None
         return await self.store.lookup(self.model_key, hashes) if hashes else []
+
+    async def _fetch_tail(self, parent: BlockHash) -> bytes | None:
+        assert self.store is not None
+        return (await self.store.get_entries([self.store.keys.tail(self.model_key, parent)]))[0]
+
+    def _apply_tail(self, value: bytes, out: torch.Tensor, start: int, prompt_ids: list[int], usable: int) -> int:
+        """Decode a tail into out[..., start:start + n] if every one of its n tokens is the prompt's at those
+        positions; returns n, or 0 when the tail is foreign, forged, corrupt or does not continue the prompt."""
+        try:
+            tokens, frame = unpack_tail(value)
+        except CodecError as exc:
+            self._reject(Rejection("corrupt", f"tail: {exc}"))
+            return 0
+        n = len(tokens)
+        if n >= self.block_tokens or start + n > usable or tokens != prompt_ids[start:start + n]:
+            self.metrics.tail_lookups.labels("mismatch").inc()
+            return 0
+        kv = self._decode(frame, n, start // self.block_tokens)  # [L, 2, H, n, D]
+        if kv is None:
+            return 0
+        out[:, :, :, start:start + n] = kv
+        self.metrics.tail_lookups.labels("used").inc()
+        return n
 
     def _decode(self, frame: bytes, tokens: int | None, block_index: int) -> torch.Tensor | None:
         expected = list(self._block_shape)
@@ -224,10 +266,13 @@ class Pipeline:
 
     def _with_session(
         self, out: torch.Tensor, hit_blocks: int, fetched: int, session: SessionRecord | None,
-        prompt_ids: list[int], usable: int,
+        prompt_ids: list[int], usable: int, tail: bytes | None = None,
     ) -> CacheView:
         b = self.block_tokens
         cached = hit_blocks * b
+        if tail is not None:
+            added = self._apply_tail(tail, out, cached, prompt_ids, usable)
+            cached, fetched = cached + added, fetched + (len(tail) if added else 0)
         # "hit": everything reusable was reused: the whole known history of a session, else every
         # full block of the prompt. "partial": some of it. "miss": none.
         target = (usable // b) * b
@@ -272,7 +317,7 @@ class Pipeline:
 
     # -- write-back --------------------------------------------------------------------------
     def session_record(
-        self, tenant: str, session_id: str, messages: list[dict[str, str]], gen: Generation,
+        self, tenant: str, session_id: str, messages: list[dict[str, Any]], gen: Generation,
         previous: SessionRecord | None,
     ) -> SessionRecord:
         now = time.time()
@@ -294,13 +339,17 @@ class Pipeline:
         view: CacheView,
         session: SessionRecord | None = None,
         expected_version: int | None = None,
-    ) -> bool:
-        """Queue the new full blocks (and the session) for the background writer; never waits."""
+    ) -> WriteJob | None:
+        """Queue the sequence's new full blocks, its tail, the reply's ids (and the session) for the
+        background writer; never waits. Returns the job (await it with `settle`), None if not queued."""
         if self.writer is None or self.store is None:
-            return False
+            return None
         b = self.block_tokens
         hashes = self.hashes(tenant_salt, gen.seq_ids)
         full = len(hashes)
+        tail_tokens = gen.seq_ids[full * b:]
+        parent = hashes[-1] if full else self.root(tenant_salt)
+        keys = self.store.keys
         job = WriteJob(
             model=self.model_key,
             hashes=hashes[view.hit_blocks :],
@@ -310,7 +359,62 @@ class Pipeline:
             session=session,
             session_expected_version=expected_version,
             session_tail_from=full * b,
+            tail_key=keys.tail(self.model_key, parent) if tail_tokens else None,
+            tail_tokens=list(tail_tokens),
+            tail_from=full * b,
+            reply=self._reply_entry(tenant_salt, gen),
+            written=asyncio.get_running_loop().create_future(),
         )
-        if not job.hashes and session is None:
-            return True
-        return self.writer.submit(job)
+        return job if self.writer.submit(job) else None
+
+    def _reply_entry(self, tenant_salt: bytes, gen: Generation) -> tuple[tuple[int, str], bytes] | None:
+        """The reply's generated ids under a digest of its exact text, if they decode to exactly that text."""
+        ids = gen.reply_ids
+        if not ids or not gen.text or len(ids) > MAX_REPLY_TOKENS or self.engine.decode(ids) != gen.text:
+            return None
+        assert self.store is not None
+        digest = reply_digest(self.root(tenant_salt), gen.text)
+        return self.store.keys.reply_ids(self.model_key, digest), pack_ids(ids)
+
+    async def settle(self, job: WriteJob | None) -> bool:
+        """Wait (at most `write_wait_s`) until `job` is in Redis, so a next turn sent the moment this reply
+        ends hits on any pod; a slow or dead Redis only makes the write late, never the request fail."""
+        if job is None or job.written is None:
+            return False
+        try:
+            ok = await asyncio.wait_for(asyncio.shield(job.written), self.settings.write_wait_s)
+        except TimeoutError:
+            self.metrics.write_waits.labels("late").inc()
+            return False
+        self.metrics.write_waits.labels("written" if ok else "failed").inc()
+        return ok
+
+    async def known_replies(self, tenant_salt: bytes, messages: list[dict[str, str]]) -> dict[int, list[int]]:
+        """Assistant messages whose exact text some pod generated: message index -> the generated ids
+        (one round trip; only ids that decode to exactly the message's text, of this tenant and model)."""
+        wanted = [(i, m["content"]) for i, m in enumerate(messages)
+                  if m.get("role") == "assistant" and m.get("content")]
+        if self.store is None or not wanted or self.store.breaker_state == "open":
+            return {}
+        root = self.root(tenant_salt)
+        keys = [self.store.keys.reply_ids(self.model_key, reply_digest(root, text)) for _, text in wanted]
+        try:
+            values = await asyncio.wait_for(self.store.get_entries(keys), self.settings.redis_timeout_s)
+        except TimeoutError:
+            return {}
+        known: dict[int, list[int]] = {}
+        for (index, text), value in zip(wanted, values, strict=True):
+            if value is None:
+                self.metrics.reply_ids.labels("absent").inc()
+                continue
+            try:
+                ids = unpack_ids(value)
+            except CodecError as exc:
+                self._reject(Rejection("corrupt", f"reply ids: {exc}"))
+                continue
+            if not ids or self.engine.decode(ids) != text:  # edited, forged or another tokenizer's
+                self.metrics.reply_ids.labels("mismatch").inc()
+                continue
+            known[index] = ids
+            self.metrics.reply_ids.labels("used").inc()
+        return known

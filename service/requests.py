@@ -34,6 +34,22 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     session_id: str | None
+    prompt_ids: list[int] | None = None  # text completions: a prompt of token ids, as OpenAI's API takes
+    return_token_ids: bool = False  # vLLM's extension: the body carries the prompt's and the reply's token ids
+
+
+MAX_PROMPT_IDS = 1 << 17
+
+
+def _token_ids(raw: list[Any]) -> list[int] | None:
+    """A prompt given as token ids ([1, 2, 3] or [[1, 2, 3]]), or None if it is not one."""
+    if len(raw) == 1 and isinstance(raw[0], list):
+        raw = raw[0]
+    if not raw or not all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+        return None
+    if len(raw) > MAX_PROMPT_IDS or min(raw) < 0 or max(raw) >= 2**31:
+        raise bad_request(f"a token-id prompt holds 1..{MAX_PROMPT_IDS} ids in [0, 2**31)", param="prompt")
+    return [int(t) for t in raw]
 
 
 def _depth(value: Any, limit: int) -> int:
@@ -233,15 +249,18 @@ def parse_completion(
         raise bad_request("model is required and must be a string", param="model")
     messages: list[dict[str, str]] | None = None
     prompt: str | None = None
+    prompt_ids: list[int] | None = None
     if chat:
         messages = parse_messages(body.get("messages"))
     else:
         raw = body.get("prompt")
         if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
             raw = raw[0]
-        if not isinstance(raw, str) or not raw:
-            raise bad_request("prompt must be a non-empty string", param="prompt")
-        prompt = raw
+        if isinstance(raw, list):
+            prompt_ids = _token_ids(raw)
+        if prompt_ids is None and (not isinstance(raw, str) or not raw):
+            raise bad_request("prompt must be a non-empty string or an array of token ids", param="prompt")
+        prompt = raw if isinstance(raw, str) else None
     session = body.get("session_id", header_session)
     stream, include_usage = stream_flags(body)
     return CompletionRequest(
@@ -252,4 +271,13 @@ def parse_completion(
         stream=stream,
         include_usage=include_usage,
         session_id=None if session is None else check_session_id(session),
+        prompt_ids=prompt_ids,
+        return_token_ids=_flag(body, "return_token_ids"),
     )
+
+
+def _flag(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if not isinstance(value, bool):
+        raise bad_request(f"{name} must be a boolean", param=name)
+    return value

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from service import hfcache
 from service.engines.chat import chat_token_ids
-from service.engines.generation import END_TOKENS, GenParams, Generation, TextStream, make_generator, pick
+from service.engines.generation import (
+    END_TOKENS,
+    GenParams,
+    Generation,
+    TextStream,
+    make_generator,
+    pick,
+    reply_ids,
+)
 from service.models import LoadedModel
 
 __all__ = ["GenParams", "Generation", "ModelRunner"]
@@ -23,6 +31,7 @@ class ModelRunner:
         self.tokenizer = loaded.tokenizer
         self.max_context = loaded.max_context
         self.end_ids = self._end_ids()
+        self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
 
     def _end_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -35,7 +44,7 @@ class ModelRunner:
         ids.update(vocab[token] for token in END_TOKENS if token in vocab)
         return frozenset(ids)
 
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_ids(self, messages: list[dict[str, str]], known: Mapping[int, list[int]] | None = None) -> list[int]:
         """Token ids of a chat, ending with the assistant generation prompt; message content is plain
         text (a special token typed by a user stays text), only the template makes special tokens."""
 
@@ -45,7 +54,7 @@ class ModelRunner:
         def template_ids(text: str) -> list[int]:
             return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
 
-        return chat_token_ids(messages, render, template_ids, self.text_ids)
+        return chat_token_ids(messages, render, template_ids, self.text_ids, known)
 
     def text_ids(self, text: str) -> list[int]:
         """Plain text: special-token strings in it are split like any other text."""
@@ -74,6 +83,8 @@ class ModelRunner:
         prompt = [int(i) for i in prompt_ids]
         if not prompt:
             raise ValueError("the prompt is empty")
+        if max(prompt) >= self.vocab_size or min(prompt) < 0:
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
         if len(prompt) >= self.max_context:
             raise ValueError(f"the prompt has {len(prompt)} tokens; the context is {self.max_context}")
         max_new = min(params.max_tokens, self.max_context - len(prompt))
@@ -86,6 +97,7 @@ class ModelRunner:
         stream = TextStream(self.tokenizer, params.stop, on_text)
         generated: list[int] = []
         finish = "length"
+        ended_by_token = cut_by_stop = False
         ttft = 0.0
         with torch.inference_mode():
             cache = None
@@ -99,10 +111,10 @@ class ModelRunner:
                     ttft = time.perf_counter() - started
                 generated.append(token)
                 if token in self.end_ids:
-                    finish = "stop"
+                    finish, ended_by_token = "stop", True
                     break
                 if stream.push(token):
-                    finish = "stop"
+                    finish, cut_by_stop = "stop", True
                     break
                 if len(generated) >= max_new:
                     break
@@ -121,4 +133,5 @@ class ModelRunner:
             total_s=time.perf_counter() - started,
             seq_ids=seq_ids,
             kv=kv,
+            reply_ids=reply_ids(generated, ended_by_token, cut_by_stop),
         )

@@ -38,7 +38,7 @@ def session_json(record: SessionRecord) -> dict[str, Any]:
         "id": record.session_id,
         "object": "session",
         "model": record.model,
-        "messages": record.messages,
+        "messages": [{"role": m.get("role"), "content": m.get("content")} for m in record.messages],
         "tokens": len(record.token_ids),
         "version": record.version,
         "created_at": record.created_at,
@@ -123,6 +123,19 @@ async def fork_session(request: Request) -> Response:
     return JSONResponse(session_json(child), status_code=201)
 
 
+def _own_reply_ids(pipeline: Any, messages: list[dict[str, Any]]) -> dict[int, list[int]]:
+    """Message index -> the ids recorded for an assistant reply, when they decode to exactly its text (a record
+    is read from Redis: untrusted, like everything there)."""
+    known: dict[int, list[int]] = {}
+    for i, m in enumerate(messages):
+        ids = m.get("token_ids")
+        if (m.get("role") == "assistant" and isinstance(ids, list) and ids and len(ids) <= 1 << 16
+                and all(isinstance(t, int) and 0 <= t < 2**31 for t in ids)
+                and pipeline.engine.decode(ids) == m.get("content")):
+            known[i] = ids
+    return known
+
+
 async def add_messages(request: Request) -> Response:
     """Append the new turn, generate the reply, and record both with compare-and-set."""
     state = pod(request)
@@ -141,8 +154,10 @@ async def add_messages(request: Request) -> Response:
     stream, include_usage = stream_flags(body)
     record = await _load(state, tenant, session_id)
     pipeline = ready_pipeline(state)
-    messages = [*record.messages, *new]
-    prompt_ids = pipeline.engine.chat_ids(messages)
+    history = [{"role": m.get("role", ""), "content": m.get("content", "")} for m in record.messages]
+    messages = [*history, *new]
+    # the session keeps the ids this service generated for its own replies: its turns never re-tokenize them
+    prompt_ids = pipeline.engine.chat_ids(messages, _own_reply_ids(pipeline, record.messages))
     check_context(state, prompt_ids, params)
 
     async def lookup() -> CacheView:
@@ -150,8 +165,11 @@ async def add_messages(request: Request) -> Response:
         return view
 
     async def after(gen: Generation, view: CacheView) -> str | ApiError | None:
-        updated = pipeline.session_record(tenant.name, session_id, [*messages, {"role": "assistant",
-                                          "content": gen.text}], gen, record)
+        reply: dict[str, Any] = {"role": "assistant", "content": gen.text}
+        if gen.reply_ids and pipeline.engine.decode(gen.reply_ids) == gen.text:
+            reply["token_ids"] = gen.reply_ids
+        kept = [*record.messages, *new]  # the history with its recorded ids, then the new turn
+        updated = pipeline.session_record(tenant.name, session_id, [*kept, reply], gen, record)
         assert pipeline.writer is not None
         full = (len(gen.seq_ids) // pipeline.block_tokens) * pipeline.block_tokens
         store = _store(state)
@@ -164,7 +182,7 @@ async def add_messages(request: Request) -> Response:
                 return _unavailable()
             return (f"session {session_id!r} was changed by another request while this reply was generated; "
                     "the reply was not recorded, read the session and retry")
-        pipeline.write_back(tenant.salt, gen, view)
+        await pipeline.settle(pipeline.write_back(tenant.salt, gen, view))
         return None
 
     assert state.engine is not None

@@ -32,13 +32,14 @@ class PodSettings:
     redis_url: str = "redis://127.0.0.1:6379/0"
     namespace: str = "kvstash"
     cache_enabled: bool = True
-    codec: str = "int8"
+    codec: str = "exact"  # lossless: a hit never changes the answer (README, "Picking a codec")
     block_tokens: int = 64
     block_ttl_s: int = 86400
     session_ttl_s: int = 86400
     budget_bytes: int = 2 << 30
     max_value_bytes: int = 8 << 20
     redis_timeout_s: float = 0.5  # the request path waits on Redis at most this long
+    write_wait_s: float = 2.0  # a reply's last byte waits at most this long for its blocks to be in Redis
     local_tier_bytes: int = 64 << 20
     max_queue: int = 8  # requests admitted (running + waiting) before 503
     write_queue: int = 64  # background writes waiting before new ones are dropped
@@ -59,6 +60,8 @@ class PodSettings:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
         if self.block_tokens < 1 or self.block_tokens > 4096:
             raise ConfigError("block_tokens must be in 1..4096")
+        if self.write_wait_s < 0:
+            raise ConfigError("write_wait_s must be >= 0")
         if self.redis_timeout_s <= 0 or self.body_timeout_s <= 0:
             raise ConfigError("redis_timeout_s and body_timeout_s must be positive")
         if self.max_queue < 1 or self.write_queue < 1:
@@ -102,7 +105,7 @@ def parse_api_keys(text: str) -> dict[str, str]:
 _ENV_CASTS: dict[str, Any] = {
     "host": str, "port": int, "engine": str, "model": str, "device": str, "parallel": int, "threads": int, "redis_url": str, "namespace": str,
     "codec": str, "block_tokens": int, "block_ttl_s": int, "session_ttl_s": int,
-    "budget_bytes": int, "max_value_bytes": int, "redis_timeout_s": float,
+    "budget_bytes": int, "max_value_bytes": int, "redis_timeout_s": float, "write_wait_s": float,
     "local_tier_bytes": int, "max_queue": int, "write_queue": int, "max_body_bytes": int, "body_timeout_s": float,
     "max_tokens_limit": int, "default_max_tokens": int, "tenant_secret": str, "pod_name": str,
 }

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +15,7 @@ from cachestore.errors import KvstashError
 from cachestore.hashing import BlockHash
 from cachestore.sessions import SessionRecord
 from cachestore.store import BlockStore
+from cachestore.tails import pack_tail
 from service.metrics import PodMetrics
 
 log = logging.getLogger("kvstash.writer")
@@ -23,7 +23,8 @@ log = logging.getLogger("kvstash.writer")
 
 @dataclass
 class WriteJob:
-    """Blocks `first_block..` of `kv` under `hashes`, then optionally a session record."""
+    """Blocks `first_block..` of `kv` under `hashes`, then the sequence's tail and the reply's ids, then
+    optionally a session record. `written` resolves (True, or False if anything failed) once done."""
 
     model: str
     hashes: list[BlockHash]  # hashes of the blocks to write, in order
@@ -33,7 +34,15 @@ class WriteJob:
     session: SessionRecord | None = None  # written after the blocks; `partial` filled in here
     session_expected_version: int | None = None
     session_tail_from: int = 0  # tokens of kv from here on form the session's partial block
-    done: Callable[[], Awaitable[None]] | None = field(default=None, repr=False)
+    tail_key: tuple[int, str] | None = None  # where the tokens after the last full block go (KeySpace.tail)
+    tail_tokens: list[int] = field(default_factory=list)  # those tokens: kv[..., tail_from:]
+    tail_from: int = 0
+    reply: tuple[tuple[int, str], bytes] | None = None  # (KeySpace.reply_ids key, tails.pack_ids value)
+    written: asyncio.Future[bool] | None = field(default=None, repr=False)
+
+    def finish(self, ok: bool) -> None:
+        if self.written is not None and not self.written.done():
+            self.written.set_result(ok)
 
 
 class BackgroundWriter:
@@ -44,7 +53,6 @@ class BackgroundWriter:
         self._queue: asyncio.Queue[WriteJob] = asyncio.Queue(maxsize=maxsize)
         self._task: asyncio.Task[None] | None = None
         self._pending = 0  # queued + the one being written: 0 means every accepted job is in Redis (or failed)
-        self.written_jobs = 0
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="kvstash-writer")
@@ -55,6 +63,7 @@ class BackgroundWriter:
             self._queue.put_nowait(job)
         except asyncio.QueueFull:
             self._metrics.writes_dropped.labels("queue_full").inc()
+            job.finish(False)
             return False
         self._pending += 1
         self._metrics.write_queue_depth.set(self._pending)
@@ -85,44 +94,58 @@ class BackgroundWriter:
     async def _run(self) -> None:
         while True:
             job = await self._queue.get()
+            ok = False
             try:
-                await self._write(job)
-                self.written_jobs += 1
+                ok = await self._write(job)
             except Exception:  # a write failing must never stop the writer
                 log.exception("background write failed")
                 self._metrics.writes_dropped.labels("error").inc()
             finally:
+                job.finish(ok)
                 self._pending -= 1
                 self._queue.task_done()
                 self._metrics.write_queue_depth.set(self._pending)
 
-    def _encode_blocks(self, job: WriteJob) -> list[bytes]:
+    def _encode_blocks(self, job: WriteJob) -> tuple[list[bytes], bytes | None]:
+        """The new blocks' frames and the tail value (or None)."""
         b = job.block_tokens
         frames = []
         for i in range(len(job.hashes)):
             start = (job.first_block + i) * b
             codec = self._codecs.at(job.first_block + i)
             frames.append(codec.encode(job.kv[:, :, :, start : start + b]))  # [L, 2, H, b, D]
-        return frames
+        tail = None
+        if job.tail_key is not None and job.tail_tokens:
+            n = len(job.tail_tokens)
+            frame = self._codecs.at(job.tail_from // b).encode(job.kv[:, :, :, job.tail_from:job.tail_from + n])
+            tail = pack_tail(job.tail_tokens, frame)
+        return frames, tail
 
-    async def _write(self, job: WriteJob) -> None:
-        if job.hashes:
-            t0 = time.perf_counter()
-            frames = await asyncio.to_thread(self._encode_blocks, job)
-            self._metrics.codec_seconds.labels("encode").observe(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            try:
-                await self._store.put_blocks(job.model, job.hashes, frames)
-            except KvstashError as exc:  # e.g. a block over the value limit: refuse, log, go on
-                log.warning("blocks not stored: %s", exc)
-                self._metrics.writes_dropped.labels("refused").inc()
-            else:
+    async def _write(self, job: WriteJob) -> bool:
+        ok = True
+        t0 = time.perf_counter()
+        frames, tail = await asyncio.to_thread(self._encode_blocks, job)
+        self._metrics.codec_seconds.labels("encode").observe(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        try:
+            if frames:
+                ok = await self._store.put_blocks(job.model, job.hashes, frames) == len(frames) and ok
                 self._metrics.bytes_stored.inc(sum(len(f) for f in frames))
-            self._metrics.redis_seconds.labels("put").observe(time.perf_counter() - t0)
+            entries = [(job.tail_key, tail)] if tail is not None and job.tail_key is not None else []
+            entries += [job.reply] if job.reply is not None else []
+            if entries:
+                ok = await self._store.put_entries([k for k, _ in entries], [v for _, v in entries]) \
+                    == len(entries) and ok
+        except KvstashError as exc:  # e.g. a block over the value limit: refuse, log, go on
+            log.warning("blocks not stored: %s", exc)
+            self._metrics.writes_dropped.labels("refused").inc()
+            ok = False
+        self._metrics.redis_seconds.labels("put").observe(time.perf_counter() - t0)
         if job.session is not None:
-            await self.write_session(job.session, job.kv, job.session_tail_from, job.session_expected_version)
-        if job.done is not None:
-            await job.done()
+            stored = await self.write_session(job.session, job.kv, job.session_tail_from,
+                                              job.session_expected_version)
+            ok = ok and stored is not None
+        return ok
 
     async def write_session(
         self, record: SessionRecord, kv: torch.Tensor | None, tail_from: int, expected_version: int | None

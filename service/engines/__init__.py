@@ -20,4 +20,8 @@ def load_engine(kind: str, model: str, *, device: str = "cpu", parallel: int = 4
         from service.engines.llamacpp import LlamaCppEngine  # noqa: PLC0415
 
         return LlamaCppEngine.load(model, parallel=parallel, threads=threads)
+    if kind == "llama-server":  # spawns its own llama-server; `kvstash sidecar` also fronts a running one
+        from service.engines.llamaserver import LlamaServerEngine  # noqa: PLC0415
+
+        return LlamaServerEngine.spawn(model, parallel=parallel, threads=threads)
     raise ConfigError(f"engine {kind!r} is not one of {', '.join(ENGINES)}")

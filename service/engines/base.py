@@ -7,7 +7,7 @@ cache is the engine's business alone.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -16,7 +16,7 @@ import torch
 from cachestore.hashing import ModelFingerprint
 from service.engines.generation import GenParams, Generation
 
-ENGINES = ("hf", "llamacpp")
+ENGINES = ("hf", "llamacpp", "llama-server")
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,9 @@ class Engine(Protocol):
         """Names the engine, its version, the weights and every setting that changes the KV bits."""
         ...
 
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """The chat's token ids ending with the assistant generation prompt; content is plain text."""
+    def chat_ids(self, messages: list[dict[str, str]], known: Mapping[int, list[int]] | None = None) -> list[int]:
+        """The chat's token ids ending with the assistant generation prompt; content is plain text, or the
+        ids in `known` (message index -> the ids a pod generated for that message's exact text)."""
         ...
 
     def text_ids(self, text: str) -> list[int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 Messages = list[dict[str, str]]
 
@@ -20,11 +20,13 @@ def chat_token_ids(
     render: Callable[[Messages], str],
     template_ids: Callable[[str], list[int]],
     content_ids: Callable[[str], list[int]],
+    known: Mapping[int, list[int]] | None = None,
 ) -> list[int]:
     """Token ids of `messages` rendered by `render` (the chat template, ending with the generation prompt).
 
     `template_ids` tokenizes template text (special tokens allowed); `content_ids` tokenizes message
-    content as plain text. The marker carries a fresh nonce, so no content can forge one.
+    content as plain text, except for the messages in `known` (index -> ids), whose content is given
+    as the very ids a pod generated for it. The marker carries a fresh nonce, so no content can forge one.
     """
     nonce = secrets.token_hex(8)
     marked = [{**m, "content": f"\ue000{nonce}:{i}\ue001"} for i, m in enumerate(messages)]
@@ -36,7 +38,9 @@ def chat_token_ids(
         if match.start() > at:
             ids += template_ids(rendered[at : match.start()])
         index = int(match.group(1))
-        if 0 <= index < len(messages) and messages[index].get("content"):
+        if known is not None and index in known:
+            ids += known[index]
+        elif 0 <= index < len(messages) and messages[index].get("content"):
             ids += content_ids(messages[index]["content"])
         at = match.end()
     if at < len(rendered):

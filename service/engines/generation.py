@@ -46,6 +46,15 @@ class Generation:
     total_s: float
     seq_ids: list[int]
     kv: torch.Tensor  # [layers, 2, kv_heads, len(seq_ids), head_dim] on CPU
+    reply_ids: list[int] | None = None  # ids that decode to exactly `text` (no end-of-turn token); None if cut
+
+
+def reply_ids(generated: list[int], ended_by_token: bool, cut_by_stop: bool) -> list[int] | None:
+    """The generated ids of a reply's text: without the end-of-turn token that ended it (the chat template
+    writes that one), and None when a stop string cut the text inside the generated tokens."""
+    if cut_by_stop:
+        return None
+    return generated[:-1] if ended_by_token else list(generated)
 
 
 class Detokenizer(Protocol):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -34,8 +34,8 @@ class HfEngine:
         # unchanged from before the seam, so blocks written by earlier hf pods still hit
         return self.loaded.fingerprint(block_tokens, codec_name)
 
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.runner.chat_ids(messages)
+    def chat_ids(self, messages: list[dict[str, str]], known: Mapping[int, list[int]] | None = None) -> list[int]:
+        return self.runner.chat_ids(messages, known)
 
     def text_ids(self, text: str) -> list[int]:
         return self.runner.text_ids(text)

@@ -16,7 +16,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +28,7 @@ from cachestore.hashing import ModelFingerprint
 from service.engines import llamastate
 from service.engines.base import KvGeometry
 from service.engines.chat import chat_token_ids
-from service.engines.generation import GenParams, Generation, TextStream, make_generator, pick
+from service.engines.generation import GenParams, Generation, TextStream, make_generator, pick, reply_ids
 
 log = logging.getLogger("kvstash.llamacpp")
 
@@ -89,6 +89,8 @@ class _Request:
     generated: list[int] = field(default_factory=list)
     ttft: float = 0.0
     finish: str = "length"
+    ended_by_token: bool = False
+    cut_by_stop: bool = False
     blob: bytearray | None = None  # the finished sequence's state, parsed by the caller
     error: BaseException | None = None
     restore_failed: bool = False
@@ -251,7 +253,7 @@ class LlamaCppEngine:
         )
 
     # -- text ------------------------------------------------------------------------------------
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_ids(self, messages: list[dict[str, str]], known: Mapping[int, list[int]] | None = None) -> list[int]:
         if self._template is None:
             raise ConfigError(f"{self.path.name} carries no chat template")
         from service.engines.jinja import render_chat  # noqa: PLC0415
@@ -259,7 +261,7 @@ class LlamaCppEngine:
         def render(marked: list[dict[str, str]]) -> str:
             return render_chat(self._template or "", marked, bos=self.vocab.decode([self._bos], False))
 
-        ids = chat_token_ids(messages, render, lambda t: self.vocab.tokenize(t, special=True), self.text_ids)
+        ids = chat_token_ids(messages, render, lambda t: self.vocab.tokenize(t, special=True), self.text_ids, known)
         if self._add_bos and (not ids or ids[0] != self._bos):
             ids.insert(0, self._bos)
         return ids
@@ -312,6 +314,7 @@ class LlamaCppEngine:
             text=req.stream.text, token_ids=req.generated, finish_reason=req.finish, prompt_tokens=len(prompt),
             cached_tokens=0 if req.restore_failed else cached, ttft_s=req.ttft,
             total_s=time.perf_counter() - req.started, seq_ids=seq_ids, kv=kv,
+            reply_ids=reply_ids(req.generated, req.ended_by_token, req.cut_by_stop),
         )
 
     def close(self) -> None:
@@ -411,9 +414,9 @@ class LlamaCppEngine:
         req.generated.append(token)
         try:
             if self._lib.llama_vocab_is_eog(self._vocab_p, token):
-                req.finish = "stop"
+                req.finish, req.ended_by_token = "stop", True
             elif req.stream.push(token):
-                req.finish = "stop"
+                req.finish, req.cut_by_stop = "stop", True
             elif len(req.generated) < req.max_new:
                 return
             req.stream.finish()

@@ -1,0 +1,91 @@
+"""Tails and reply ids: value formats that reject what they did not write, and a pod that never reuses a wrong
+token (forged tails and id records, edited replies, other tenants)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from cachestore.errors import CodecError
+from cachestore.hashing import BlockHash
+from cachestore.tails import pack_ids, pack_tail, reply_digest, unpack_ids, unpack_tail
+from ops.redisproc import RedisProcess
+from tests.test_service_api import chat, make_client
+
+HISTORY = [{"role": "system", "content": "You answer briefly. " * 3}, {"role": "user", "content": "Hello there!"}]
+
+
+def test_values_round_trip_and_reject_what_they_did_not_write() -> None:
+    tail = pack_tail([5, 6, 7], b"FRAME")
+    assert unpack_tail(tail) == ([5, 6, 7], b"FRAME")
+    assert unpack_ids(pack_ids([1, 2])) == [1, 2]
+    for bad in (tail[:-1], tail[:10], b"", tail[:20] + b"\0" + tail[21:], b"KVID" + tail[4:],
+                bytes([tail[0]]) + tail[1:4] + b"\x02" + tail[5:]):
+        with pytest.raises(CodecError):
+            unpack_tail(bad)
+    with pytest.raises(CodecError):
+        unpack_ids(tail)  # a tail is not a reply record
+    with pytest.raises(CodecError):
+        unpack_ids(pack_ids([1]) + b"x")
+
+
+def test_reply_digest_depends_on_root_and_exact_text() -> None:
+    a, b = BlockHash(b"a" * 16), BlockHash(b"b" * 16)
+    assert reply_digest(a, "hi") != reply_digest(b, "hi")
+    assert reply_digest(a, "hi") != reply_digest(a, "hi ")
+    assert reply_digest(a, "hi") == reply_digest(a, "hi")
+
+
+def _keys(redis: RedisProcess, kind: str) -> list[bytes]:
+    return list(redis.client().scan_iter(match=f"*:{kind}:*"))
+
+
+def test_a_stateless_next_turn_hits_prompt_and_reply(redis_server: RedisProcess, tiny_model: Any) -> None:
+    with make_client(redis_server, tiny_model) as c:
+        first = chat(c, HISTORY, return_token_ids=True).json()
+        assert _keys(redis_server, "tail") and _keys(redis_server, "ids")  # written before the reply ended
+        reply = first["choices"][0]["message"]["content"]
+        follow = [*HISTORY, {"role": "assistant", "content": reply}, {"role": "user", "content": "And?"}]
+        second = chat(c, follow, return_token_ids=True).json()
+        computed = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"] - 1
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == computed
+        fed = first["prompt_token_ids"] + first["choices"][0]["token_ids"][:-1]
+        assert second["prompt_token_ids"][:computed] == fed
+
+
+def test_forged_tail_and_forged_ids_are_never_used(redis_server: RedisProcess, tiny_model: Any) -> None:
+    with make_client(redis_server, tiny_model) as c:
+        first = chat(c, HISTORY, return_token_ids=True).json()
+        raw = redis_server.client()
+        [tail_key] = _keys(redis_server, "tail")
+        tokens, frame = unpack_tail(raw.get(tail_key))
+        forged = [t + 1 for t in tokens]  # a well-formed tail whose tokens the prompt does not continue
+        raw.set(tail_key, pack_tail(forged, frame))
+        [ids_key] = _keys(redis_server, "ids")
+        ids = unpack_ids(raw.get(ids_key))
+        raw.set(ids_key, pack_ids(ids[:-1] + [ids[-1] + 1]))  # ids that no longer decode to the reply's text
+        reply = first["choices"][0]["message"]["content"]
+        follow = [*HISTORY, {"role": "assistant", "content": reply}, {"role": "user", "content": "And?"}]
+        second = chat(c, follow, return_token_ids=True).json()
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached % 16 == 0  # whole blocks only: the forged tail was refused
+        metrics = c.get("/metrics").text
+        assert 'kvstash_tail_lookups_total{result="mismatch"}' in metrics
+        assert 'kvstash_reply_ids_total{result="mismatch"}' in metrics
+        raw.set(tail_key, b"garbage")
+        third = chat(c, follow).json()
+        assert third["usage"]["prompt_tokens_details"]["cached_tokens"] % 16 == 0
+
+
+def test_tenants_never_share_tails_or_reply_ids(redis_server: RedisProcess, tiny_model: Any) -> None:
+    keys = {"key-a": "tenant-a", "key-b": "tenant-b"}
+    with make_client(redis_server, tiny_model, api_keys=keys) as c:
+        a = chat(c, HISTORY, headers={"authorization": "Bearer key-a"}).json()
+        reply = a["choices"][0]["message"]["content"]
+        follow = [*HISTORY, {"role": "assistant", "content": reply}, {"role": "user", "content": "And?"}]
+        b = chat(c, follow, headers={"authorization": "Bearer key-b"}).json()
+        assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        again = chat(c, follow, headers={"authorization": "Bearer key-a"}).json()
+        computed = a["usage"]["prompt_tokens"] + a["usage"]["completion_tokens"] - 1
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == computed
