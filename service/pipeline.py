@@ -45,6 +45,8 @@ class CacheView:
     status: str  # "hit" | "partial" | "miss" | "bypass"
     fetched_bytes: int = 0
     buffer: torch.Tensor | None = None  # the pooled buffer `kv` is a view of; back to the pool after generation
+    salt: bytes | None = None  # the tenant's salt when the cache is writable: the prompt's blocks go early
+    early_blocks: int = 0  # blocks [hit_blocks, early_blocks) were queued while the reply was generated
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -194,6 +196,7 @@ class Pipeline:
             self._contexts.give(out)
         else:
             view.buffer = out
+        view.salt = tenant_salt
         return self._account(view, prompt_ids), session
 
     async def _fetch(self, hashes: list[BlockHash]) -> list[bytes]:
@@ -307,13 +310,42 @@ class Pipeline:
         on_text: Callable[[str], None] | None = None,
     ) -> Generation:
         loop = asyncio.get_running_loop()
-        work = loop.run_in_executor(self._executor, self.engine.generate, prompt_ids, view.kv, params, on_text)
+        early = self._early_writer(loop, prompt_ids, view)
+        work = loop.run_in_executor(self._executor, self.engine.generate, prompt_ids, view.kv, params, on_text,
+                                    early)
         if view.buffer is not None:  # back to the pool once the inference thread is done with it, even if
             buffer, view.buffer = view.buffer, None  # this request is cancelled meanwhile
             work.add_done_callback(lambda _: self._contexts.give(buffer))
         gen = await work
         self.metrics.ttft.labels(view.status).observe(gen.ttft_s)
         return gen
+
+    def _early_writer(
+        self, loop: asyncio.AbstractEventLoop, prompt_ids: list[int], view: CacheView
+    ) -> Callable[[Callable[[int, int], torch.Tensor]], None] | None:
+        """The prefill hook that queues the prompt's new full blocks while the reply is being generated."""
+        salt, b = view.salt, self.block_tokens
+        first, full = view.hit_blocks, len(prompt_ids) // b
+        if salt is None or self.writer is None or self.store is None or full <= first:
+            return None
+        hashes = self.hashes(salt, prompt_ids[:full * b])
+
+        def on_prefill(get_kv: Callable[[int, int], torch.Tensor]) -> None:  # on the inference thread
+            try:
+                kv = get_kv(first * b, full * b)  # [L, 2, H, (full - first) * b, D]
+            except Exception:  # an early write is an optimisation: the final write-back covers these blocks
+                log.exception("could not copy the prompt's KV for an early write")
+                return
+            job = WriteJob(model=self.model_key, hashes=hashes[first:], kv=kv, first_block=first, block_tokens=b,
+                           kv_from=first * b)
+            loop.call_soon_threadsafe(self._submit_early, view, job, full)
+
+        return on_prefill
+
+    def _submit_early(self, view: CacheView, job: WriteJob, full: int) -> None:
+        assert self.writer is not None
+        if self.writer.submit(job):
+            view.early_blocks = full
 
     # -- write-back --------------------------------------------------------------------------
     def session_record(
@@ -350,11 +382,12 @@ class Pipeline:
         tail_tokens = gen.seq_ids[full * b:]
         parent = hashes[-1] if full else self.root(tenant_salt)
         keys = self.store.keys
+        first = max(view.hit_blocks, view.early_blocks)  # the prompt's blocks may be queued already
         job = WriteJob(
             model=self.model_key,
-            hashes=hashes[view.hit_blocks :],
+            hashes=hashes[first:],
             kv=gen.kv,
-            first_block=view.hit_blocks,
+            first_block=first,
             block_tokens=b,
             session=session,
             session_expected_version=expected_version,

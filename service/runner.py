@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from service import hfcache
+from service.engines.base import PrefillHook
 from service.engines.chat import chat_token_ids
 from service.engines.generation import (
     END_TOKENS,
@@ -21,6 +22,12 @@ from service.engines.generation import (
 from service.models import LoadedModel
 
 __all__ = ["GenParams", "Generation", "ModelRunner"]
+
+def _copy_out(cache: object, start: int, end: int) -> torch.Tensor:
+    """Tokens [start, end) of the cache as a normal (not inference-mode) CPU tensor."""
+    with torch.inference_mode(False), torch.no_grad():
+        return hfcache.tensor_from_cache(cache, start, end)  # type: ignore[arg-type]
+
 
 class ModelRunner:
     """Runs one generation at a time on a loaded model (synchronous, not thread-safe)."""
@@ -77,6 +84,7 @@ class ModelRunner:
         cached_kv: torch.Tensor | None,
         params: GenParams,
         on_text: Callable[[str], None] | None = None,
+        on_prefill: PrefillHook | None = None,
     ) -> Generation:
         """Generate after `prompt_ids`, reusing `cached_kv` for prompt_ids[:n] (n = its token count)."""
         started = time.perf_counter()
@@ -110,6 +118,8 @@ class ModelRunner:
                 if not generated:
                     ttft = time.perf_counter() - started
                 generated.append(token)
+                if on_prefill is not None and len(generated) == 1:  # after the first token: not in its TTFT
+                    on_prefill(lambda start, end: _copy_out(cache, start, end))
                 if token in self.end_ids:
                     finish, ended_by_token = "stop", True
                     break

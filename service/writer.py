@@ -28,9 +28,10 @@ class WriteJob:
 
     model: str
     hashes: list[BlockHash]  # hashes of the blocks to write, in order
-    kv: torch.Tensor  # [layers, 2, kv_heads, tokens, head_dim]: the whole sequence's KV
+    kv: torch.Tensor  # [layers, 2, kv_heads, tokens, head_dim]: the sequence's KV from token `kv_from` on
     first_block: int  # index of hashes[0] in the sequence
     block_tokens: int
+    kv_from: int = 0
     session: SessionRecord | None = None  # written after the blocks; `partial` filled in here
     session_expected_version: int | None = None
     session_tail_from: int = 0  # tokens of kv from here on form the session's partial block
@@ -111,7 +112,7 @@ class BackgroundWriter:
         b = job.block_tokens
         frames = []
         for i in range(len(job.hashes)):
-            start = (job.first_block + i) * b
+            start = (job.first_block + i) * b - job.kv_from
             codec = self._codecs.at(job.first_block + i)
             frames.append(codec.encode(job.kv[:, :, :, start : start + b]))  # [L, 2, H, b, D]
         tail = None

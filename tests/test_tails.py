@@ -3,6 +3,8 @@ token (forged tails and id records, edited replies, other tenants)."""
 
 from __future__ import annotations
 
+import json
+import time
 from typing import Any
 
 import pytest
@@ -89,3 +91,20 @@ def test_tenants_never_share_tails_or_reply_ids(redis_server: RedisProcess, tiny
         again = chat(c, follow, headers={"authorization": "Bearer key-a"}).json()
         computed = a["usage"]["prompt_tokens"] + a["usage"]["completion_tokens"] - 1
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == computed
+
+
+def test_prompt_blocks_are_in_redis_while_the_reply_streams(redis_server: RedisProcess, tiny_model: Any) -> None:
+    with make_client(redis_server, tiny_model) as c:
+        body = {"model": "tiny-random", "messages": HISTORY * 8, "max_tokens": 400, "stream": True,
+                "stop": ["\x00never"], "return_token_ids": True}
+        seen_during: list[int] = []
+        last = b""
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            for i, line in enumerate(r.iter_lines()):
+                if i == 60:  # well into the reply: the prompt's blocks were queued after its first token
+                    time.sleep(0.3)
+                    seen_during.append(len(_keys(redis_server, "blk")))
+                if line.startswith("data: {"):
+                    last = line.encode()
+        prompt_tokens = json.loads(last[6:])["prompt_token_ids"]
+        assert seen_during and seen_during[0] >= len(prompt_tokens) // 16 > 0

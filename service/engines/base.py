@@ -16,6 +16,9 @@ import torch
 from cachestore.hashing import ModelFingerprint
 from service.engines.generation import GenParams, Generation
 
+# on_prefill(get_kv): get_kv(start, end) -> [layers, 2, kv_heads, end - start, head_dim], a CPU copy
+PrefillHook = Callable[[Callable[[int, int], torch.Tensor]], None]
+
 ENGINES = ("hf", "llamacpp", "llama-server")
 
 
@@ -60,9 +63,12 @@ class Engine(Protocol):
         cached_kv: torch.Tensor | None,
         params: GenParams,
         on_text: Callable[[str], None] | None = None,
+        on_prefill: PrefillHook | None = None,
     ) -> Generation:
         """Generate after `prompt_ids`, reusing `cached_kv` [layers, 2, kv_heads, n, head_dim] for
-        prompt_ids[:n]; returns the reply and the KV of the whole fed sequence. Blocks until done."""
+        prompt_ids[:n]; returns the reply and the KV of the whole fed sequence. Blocks until done.
+        `on_prefill` is called once, after the first token, with a function that copies out the KV of
+        prompt tokens [start, end) (so their blocks can be written while the reply is generated)."""
         ...
 
     def close(self) -> None:

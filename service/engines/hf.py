@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from cachestore.hashing import ModelFingerprint
-from service.engines.base import KvGeometry
+from service.engines.base import KvGeometry, PrefillHook
 from service.engines.generation import GenParams, Generation
 from service.models import LoadedModel, load_model
 from service.runner import ModelRunner
@@ -49,8 +49,9 @@ class HfEngine:
         cached_kv: torch.Tensor | None,
         params: GenParams,
         on_text: Callable[[str], None] | None = None,
+        on_prefill: PrefillHook | None = None,
     ) -> Generation:
-        return self.runner.generate(prompt_ids, cached_kv, params, on_text)
+        return self.runner.generate(prompt_ids, cached_kv, params, on_text, on_prefill)
 
     def close(self) -> None:
         pass

@@ -26,7 +26,7 @@ import torch
 from cachestore.errors import ConfigError
 from cachestore.hashing import ModelFingerprint
 from service.engines import llamastate
-from service.engines.base import KvGeometry
+from service.engines.base import KvGeometry, PrefillHook
 from service.engines.chat import chat_token_ids
 from service.engines.generation import GenParams, Generation, TextStream, make_generator, pick, reply_ids
 
@@ -82,6 +82,7 @@ class _Request:
     stream: TextStream
     generator: torch.Generator | None
     max_new: int
+    on_prefill: PrefillHook | None = None
     started: float = field(default_factory=time.perf_counter)
     done: threading.Event = field(default_factory=threading.Event)
     seq: int = -1
@@ -279,6 +280,7 @@ class LlamaCppEngine:
         cached_kv: torch.Tensor | None,
         params: GenParams,
         on_text: Callable[[str], None] | None = None,
+        on_prefill: PrefillHook | None = None,
     ) -> Generation:
         prompt = [int(i) for i in prompt_ids]
         limit = self.geometry.max_context
@@ -298,7 +300,7 @@ class LlamaCppEngine:
             except llamastate.StateLayoutError as exc:
                 raise ValueError(str(exc)) from None
         req = _Request(prompt, state, cached, params, on_text, TextStream(self.vocab, params.stop, on_text),
-                       make_generator(params), min(params.max_tokens, limit - len(prompt)))
+                       make_generator(params), min(params.max_tokens, limit - len(prompt)), on_prefill)
         if self._closed.is_set():
             raise StreamClosedError("the engine is closed")
         self._inbox.put(req)
@@ -412,6 +414,9 @@ class LlamaCppEngine:
         if not req.generated:
             req.ttft = time.perf_counter() - req.started
         req.generated.append(token)
+        if req.on_prefill is not None and len(req.generated) == 1:  # the prompt's KV, for early block writes
+            blob, geo = self._get_state(req.seq), self.state_geometry
+            req.on_prefill(lambda start, end: llamastate.parse_state(blob, geo)[:, :, :, start:end])
         try:
             if self._lib.llama_vocab_is_eog(self._vocab_p, token):
                 req.finish, req.ended_by_token = "stop", True
