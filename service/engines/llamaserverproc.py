@@ -62,7 +62,8 @@ class LlamaServerProcess:
         self.args = [
             str(self.binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
             "--slot-save-path", str(slot_dir) + "/", "-np", str(parallel), "-c", str(parallel * ctx_per_slot),
-            "--no-webui", "--no-warmup", *(["-t", str(threads)] if threads else []), *extra_args,
+            # kvstash is the prompt cache here: llama-server's own RAM cache (8 GiB by default) stays off
+            "--no-webui", "--no-warmup", "--cache-ram", "0", *(["-t", str(threads)] if threads else []), *extra_args,
         ]
         self.log_path = log_path or slot_dir / "llama-server.log"
         self.restarts = 0

@@ -1,0 +1,415 @@
+"""The `llama-server` engine: kvstash as a sidecar of a stock llama-server, sharing KV through Redis.
+
+Prompts are token ids from llama-server's own /apply-template and /tokenize, sent back to it as ids, so
+both sides see the same sequence. Cached KV enters a slot as a slot file (service.engines.slotfile)
+written into the directory llama-server saves slots to (`--slot-save-path`) and `POST /slots/{id}?action=
+restore`; the reply comes from `POST /completion` on that slot with `cache_prompt`; the slot is then saved
+and its file parsed into the KV the pod writes back. llama-server's timings (`cache_n`, `prompt_n`) say what
+it really reused: a restore it did not honour, a restart that emptied its slots, a refused or corrupt
+file all cost a prefill (counted in `stats`), never a wrong answer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from cachestore.errors import ConfigError
+from cachestore.hashing import ModelFingerprint
+from service.engines import llamastate, slotfile
+from service.engines.base import KvGeometry, PrefillHook
+from service.engines.chat import chat_token_ids
+from service.engines.generation import Generation, GenParams, reply_ids
+from service.engines.llamacpp import file_digest, resolve_gguf
+from service.engines.llamaserverproc import LlamaServerProcess
+
+log = logging.getLogger("kvstash.llamaserver")
+
+REQUEST_TIMEOUT_S = 600.0
+
+
+class UpstreamError(RuntimeError):
+    """llama-server answered a generation with an error."""
+
+
+@dataclass
+class _Slot:
+    id: int
+    tokens: list[int] = field(default_factory=list)  # what we believe the slot holds (a hint, checked by timings)
+    busy: bool = False
+    last_used: float = 0.0
+
+
+@dataclass
+class SidecarStats:
+    """What happened to cached KV on its way into llama-server (exported as metrics by the sidecar)."""
+
+    restores: int = 0  # slot files restored
+    restored_tokens: int = 0
+    restore_failures: int = 0  # restore refused or file unwritable: prefilled instead
+    reuse_misses: int = 0  # llama-server prefilled tokens it should have reused (timings.cache_n too small)
+    save_failures: int = 0  # slot not saved or its file unreadable: nothing written back
+    restore_s: float = 0.0
+    save_s: float = 0.0
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    return len(os.path.commonprefix([list(a), list(b)]))
+
+
+def gguf_geometry(path: Path, max_context: int) -> KvGeometry:
+    """Layers, KV heads and head size from the GGUF's metadata (what llama-server loaded)."""
+    import gguf  # noqa: PLC0415
+
+    fields = gguf.GGUFReader(str(path)).fields
+
+    def value(key: str) -> Any:
+        f = fields.get(key)
+        return f.contents() if f is not None else None
+
+    arch = value("general.architecture")
+    layers, heads = value(f"{arch}.block_count"), value(f"{arch}.attention.head_count")
+    kv_heads = value(f"{arch}.attention.head_count_kv") or heads
+    head_dim = value(f"{arch}.attention.key_length") or value(f"{arch}.embedding_length") // heads
+    return KvGeometry(int(layers), int(kv_heads), int(head_dim), torch.float16, max_context)
+
+
+class LlamaServerEngine:
+    """Generation forwarded to one llama-server, its slots filled from and saved to kvstash's cache."""
+
+    kind = "llama-server"
+
+    def __init__(
+        self, upstream: str, slot_dir: Path, model: str, *, reuse_slots: bool = True,
+        process: LlamaServerProcess | None = None,
+    ) -> None:
+        self.url = upstream.rstrip("/")
+        self.slot_dir = Path(slot_dir)
+        self.process = process
+        self.owns_slot_dir = False
+        self.reuse_slots = reuse_slots  # False (--no-cache): every request prefills, as a baseline
+        self.path = resolve_gguf(model)
+        self.name = model if model == "smollm2" else self.path.stem
+        self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=5.0))
+        props = self._json("GET", "/props")
+        self.parallel = int(props.get("total_slots") or 1)
+        n_ctx = int(props.get("default_generation_settings", {}).get("n_ctx") or 0)
+        self.geometry = gguf_geometry(self.path, n_ctx)
+        self._template = str(props.get("chat_template") or "")
+        self.build_info = str(props.get("build_info") or "")
+        bos = self._tokenize("", special=True, add_special=True)
+        self._bos = bos[0] if bos else None
+        self._digest = file_digest(self.path)
+        self._prefix = f"kvstash-{os.getpid()}-{id(self) & 0xFFFF:x}"
+        self._slots = [_Slot(i) for i in range(self.parallel)]
+        self._cond = threading.Condition()
+        self.stats = SidecarStats()
+        self._restarts_seen = process.restarts if process else 0
+        self.state_geometry = self._probe_layout()
+
+    @classmethod
+    def spawn(
+        cls, model: str, slot_dir: Path | None = None, *, parallel: int = 4, threads: int = 0, ctx_per_slot: int = 8192,
+        binary: Path | None = None, extra_args: Sequence[str] = (), reuse_slots: bool = True,
+    ) -> LlamaServerEngine:
+        """Start (and supervise) a llama-server of `parallel` slots, then the engine in front of it. Without
+        `slot_dir`, slots are saved in a fresh directory (in shared memory where there is one), removed on close."""
+        owned = slot_dir is None
+        if slot_dir is None:
+            shm = Path("/dev/shm")
+            slot_dir = Path(tempfile.mkdtemp(prefix="kvstash-slots-", dir=shm if shm.is_dir() else None))
+        slot_dir.mkdir(parents=True, exist_ok=True)
+        proc = LlamaServerProcess(resolve_gguf(model), slot_dir, parallel=parallel, ctx_per_slot=ctx_per_slot,
+                                  threads=threads, binary=binary, extra_args=extra_args)
+        proc.start()
+        try:
+            engine = cls(proc.url, slot_dir, model, reuse_slots=reuse_slots, process=proc)
+        except BaseException:
+            proc.stop()
+            if owned:
+                shutil.rmtree(slot_dir, ignore_errors=True)
+            raise
+        engine.owns_slot_dir = owned
+        return engine
+
+    # -- HTTP ------------------------------------------------------------------------------------
+    def _json(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        r = self._http.request(method, path, json=body)
+        if r.status_code != 200:
+            raise UpstreamError(f"llama-server {method} {path}: HTTP {r.status_code} {r.text[:200]}")
+        out: dict[str, Any] = r.json()
+        return out
+
+    def _tokenize(self, text: str, *, special: bool, add_special: bool = False) -> list[int]:
+        body = {"content": text, "add_special": add_special, "parse_special": special}
+        return [int(t) for t in self._json("POST", "/tokenize", body)["tokens"]]
+
+    def _slot_action(self, slot: int, action: str, filename: str | None = None) -> dict[str, Any]:
+        return self._json("POST", f"/slots/{slot}?action={action}", {"filename": filename} if filename else {})
+
+    # -- start-up check --------------------------------------------------------------------------
+    def _probe_layout(self) -> llamastate.StateGeometry:
+        """Complete two tokens in slot 0, save it and read the file back: the running llama-server must
+        save the layout kvstash reads and restore what kvstash writes, or the sidecar refuses to start."""
+        ids = self._tokenize("Hello", special=False)[:2] or [0]
+        name = f"{self._prefix}-probe.bin"
+        path = self.slot_dir / name
+        try:
+            self._json("POST", "/completion", {"prompt": ids, "n_predict": 2, "id_slot": 0, "cache_prompt": True,
+                                               "temperature": 0.0})
+            self._slot_action(0, "save", name)
+            data = path.read_bytes()
+            facts = slotfile.facts(data)
+            g = self.geometry
+            if facts.num_layers != g.num_layers or facts.row_elements != g.kv_heads * g.head_dim:
+                raise llamastate.StateLayoutError(f"state of {facts.num_layers} layers x {facts.row_elements}, "
+                                                  f"model {g.num_layers} x {g.kv_heads * g.head_dim}")
+            geo = llamastate.StateGeometry(g.num_layers, g.kv_heads, g.head_dim, facts.v_trans, facts.n_stream)
+            saved = slotfile.parse(data, geo)
+            if b"".join(bytes(p) for p in slotfile.assemble(saved.tokens, saved.kv, geo)) != data:
+                raise llamastate.StateLayoutError("a re-assembled slot file differs from llama-server's")
+            restored = self._slot_action(0, "restore", name)
+            if int(restored.get("n_restored", -1)) != len(saved.tokens):
+                raise llamastate.StateLayoutError(f"restore of the probe gave {restored}")
+        except (llamastate.StateLayoutError, UpstreamError, OSError, httpx.HTTPError) as exc:
+            raise ConfigError(f"llama-server at {self.url} ({self.build_info or 'unknown build'}) cannot share KV "
+                              f"with kvstash: {exc}") from None
+        finally:
+            path.unlink(missing_ok=True)
+            self._erase(0)
+        return geo
+
+    # -- identity and text -----------------------------------------------------------------------
+    def fingerprint(self, block_tokens: int, codec_name: str) -> ModelFingerprint:
+        template = hashlib.blake2b(self._template.encode(), digest_size=16).hexdigest()
+        return ModelFingerprint(
+            model_id=f"llama-server/state-v{llamastate.LAYOUT_VERSION}/{self._digest}",
+            tokenizer_digest=f"gguf/bos={self._bos}/tpl=b2:{template}",
+            dtype="float16",
+            num_layers=self.geometry.num_layers,
+            kv_heads=self.geometry.kv_heads,
+            head_dim=self.geometry.head_dim,
+            block_tokens=block_tokens,
+            codec=codec_name,
+        )
+
+    def chat_ids(self, messages: list[dict[str, str]], known: Mapping[int, list[int]] | None = None) -> list[int]:
+        def render(marked: list[dict[str, str]]) -> str:
+            return str(self._json("POST", "/apply-template", {"messages": marked})["prompt"])
+
+        ids = chat_token_ids(messages, render, lambda t: self._tokenize(t, special=True), self.text_ids, known)
+        if self._bos is not None and (not ids or ids[0] != self._bos):
+            ids.insert(0, self._bos)
+        return ids
+
+    def text_ids(self, text: str) -> list[int]:
+        return self._tokenize(text, special=False)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._json("POST", "/detokenize", {"tokens": [int(i) for i in ids]})["content"])
+
+    # -- slots -----------------------------------------------------------------------------------
+    def _acquire(self, prompt: list[int]) -> _Slot:
+        """The free slot sharing the longest prefix with `prompt` (least recently used on a tie)."""
+        with self._cond:
+            if self.process is not None and self.process.restarts != self._restarts_seen:
+                self._restarts_seen = self.process.restarts  # a restarted llama-server holds nothing
+                for s in self._slots:
+                    s.tokens = []
+            while True:
+                free = [s for s in self._slots if not s.busy]
+                if free:
+                    best = max(free, key=lambda s: (common_prefix(s.tokens, prompt), -s.last_used))
+                    best.busy = True
+                    return best
+                self._cond.wait()
+
+    def _release(self, slot: _Slot, tokens: list[int]) -> None:
+        with self._cond:
+            slot.tokens, slot.busy, slot.last_used = tokens, False, time.monotonic()
+            self._cond.notify()
+
+    def _erase(self, slot: int) -> None:
+        try:
+            self._slot_action(slot, "erase")
+        except (UpstreamError, httpx.HTTPError):
+            log.warning("could not erase llama-server slot %d", slot)
+
+    def _restore(self, slot: _Slot, tokens: list[int], kv: torch.Tensor) -> bool:
+        """Put `kv` [layers, 2, kv_heads, len(tokens), head_dim] into the slot; False (a miss) on any failure."""
+        name = f"{self._prefix}-slot{slot.id}.bin"
+        path = self.slot_dir / name
+        t0 = time.perf_counter()
+        try:
+            slotfile.write(path, tokens, kv, self.state_geometry)
+            answer = self._slot_action(slot.id, "restore", name)
+            if int(answer.get("n_restored", -1)) != len(tokens):
+                raise UpstreamError(f"restored {answer.get('n_restored')} of {len(tokens)} tokens")
+        except (OSError, UpstreamError, httpx.HTTPError, llamastate.StateLayoutError) as exc:
+            log.warning("slot %d: restoring %d cached tokens failed (%s); prefilling them", slot.id, len(tokens), exc)
+            self.stats.restore_failures += 1
+            self._erase(slot.id)  # never leave a half-restored slot behind
+            return False
+        finally:
+            path.unlink(missing_ok=True)
+        self.stats.restores += 1
+        self.stats.restored_tokens += len(tokens)
+        self.stats.restore_s += time.perf_counter() - t0
+        return True
+
+    def _save(self, slot: _Slot, prompt: list[int]) -> slotfile.SlotFile | None:
+        """The slot's tokens and KV after a reply; None (nothing written back) on any failure."""
+        name = f"{self._prefix}-slot{slot.id}.bin"
+        path = self.slot_dir / name
+        t0 = time.perf_counter()
+        try:
+            self._slot_action(slot.id, "save", name)
+            saved = slotfile.read(path, self.state_geometry)
+            if saved.tokens[: len(prompt)] != prompt:
+                raise llamastate.StateLayoutError("the saved slot does not begin with the prompt")
+        except (OSError, UpstreamError, httpx.HTTPError, llamastate.StateLayoutError) as exc:
+            log.warning("slot %d: saving failed (%s); nothing written back", slot.id, exc)
+            self.stats.save_failures += 1
+            return None
+        finally:
+            path.unlink(missing_ok=True)
+        self.stats.save_s += time.perf_counter() - t0
+        return saved
+
+    def restore_file(self, slot: int, filename: str) -> int:
+        """Restore a slot file already in the slot directory (llama-server's own mechanism, for comparisons);
+        returns the tokens restored."""
+        with self._cond:
+            self._slots[slot].tokens = []
+        return int(self._slot_action(slot, "restore", filename).get("n_restored", 0))
+
+    def forget(self) -> None:
+        """Empty every idle slot (llama-server's and what this engine believes it holds): the next requests
+        reuse only what they restore from the cache."""
+        with self._cond:
+            for s in self._slots:
+                if not s.busy:
+                    self._erase(s.id)
+                    s.tokens = []
+
+    def close(self) -> None:
+        self._http.close()
+        if self.process is not None:
+            self.process.stop()
+        if self.owns_slot_dir:
+            shutil.rmtree(self.slot_dir, ignore_errors=True)
+
+    # -- generation ------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt_ids: list[int],
+        cached_kv: torch.Tensor | None,
+        params: GenParams,
+        on_text: Callable[[str], None] | None = None,
+        on_prefill: PrefillHook | None = None,
+    ) -> Generation:
+        """`on_prefill` is never called: llama-server hands a slot's KV out only once the slot is idle, so
+        the prompt's blocks are written with the reply's, after the last token."""
+        prompt = [int(i) for i in prompt_ids]
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if len(prompt) >= self.geometry.max_context:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; the context is {self.geometry.max_context}")
+        started = time.perf_counter()
+        cached = min(int(cached_kv.shape[3]), len(prompt) - 1) if cached_kv is not None else 0
+        slot = self._acquire(prompt)
+        held: list[int] = []
+        saved: slotfile.SlotFile | None = None
+        try:
+            have = common_prefix(slot.tokens, prompt) if self.reuse_slots else 0
+            if cached > have and cached_kv is not None:
+                have = cached if self._restore(slot, prompt[:cached], cached_kv[:, :, :, :cached]) else 0
+            expected = min(have, len(prompt) - 1)
+            reply = self._complete(slot.id, prompt, params, on_text, started)
+            reused = int(reply.timings.get("cache_n", 0))
+            if reused < expected:
+                self.stats.reuse_misses += 1
+                log.warning("slot %d: llama-server reused %d of %d expected tokens", slot.id, reused, expected)
+            saved = self._save(slot, prompt)
+            if saved is not None:
+                held = saved.tokens
+        finally:
+            self._release(slot, held)
+        if saved is None:  # no KV to write back: an empty sequence writes nothing
+            seq_ids: list[int] = []
+            kv = torch.empty((self.geometry.num_layers, 2, self.geometry.kv_heads, 0, self.geometry.head_dim),
+                             dtype=torch.float16)
+        else:
+            seq_ids, kv = saved.tokens, saved.kv
+        return Generation(
+            text=reply.text, token_ids=reply.tokens, finish_reason=reply.finish, prompt_tokens=len(prompt),
+            cached_tokens=reused, ttft_s=reply.ttft_s, total_s=time.perf_counter() - started, seq_ids=seq_ids,
+            kv=kv, reply_ids=reply_ids(reply.tokens, reply.stop_type == "eos", reply.stop_type == "word"),
+        )
+
+    def _complete(
+        self, slot: int, prompt: list[int], params: GenParams, on_text: Callable[[str], None] | None,
+        started: float,
+    ) -> _Reply:
+        body: dict[str, Any] = {
+            "prompt": prompt, "id_slot": slot, "cache_prompt": self.reuse_slots, "stream": True,
+            "return_tokens": True, "n_predict": min(params.max_tokens, self.geometry.max_context - len(prompt)),
+            "temperature": params.temperature, "top_p": params.top_p, "top_k": 0, "min_p": 0.0,
+            "stop": list(params.stop),
+        }
+        if params.seed is not None:
+            body["seed"] = params.seed
+        reply = _Reply()
+        with self._http.stream("POST", "/completion", json=body) as r:
+            if r.status_code != 200:
+                raise UpstreamError(f"llama-server /completion: HTTP {r.status_code} {r.read()[:200]!r}")
+            for event in _events(r.iter_lines()):
+                if "error" in event:
+                    raise UpstreamError(f"llama-server /completion: {event['error']}")
+                if not reply.tokens and event.get("tokens"):
+                    reply.ttft_s = time.perf_counter() - started
+                reply.tokens += [int(t) for t in event.get("tokens") or ()]
+                text = str(event.get("content") or "")
+                if text:
+                    reply.text += text
+                    if on_text is not None:
+                        on_text(text)  # raises when the client went away: closing the stream cancels upstream
+                if event.get("stop"):
+                    reply.timings = dict(event.get("timings") or {})
+                    reply.stop_type = str(event.get("stop_type") or "")
+                    reply.finish = "length" if reply.stop_type == "limit" else "stop"
+        return reply
+
+
+@dataclass
+class _Reply:
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    finish: str = "length"
+    stop_type: str = ""  # llama-server's: eos | word | limit
+    ttft_s: float = 0.0
+    timings: dict[str, Any] = field(default_factory=dict)
+
+
+def _events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
+    """The JSON objects of a server-sent event stream (`data: {...}` lines)."""
+    for line in lines:
+        if line.startswith("data: "):
+            payload = line[6:].strip()
+            if payload and payload != "[DONE]":
+                yield json.loads(payload)
+        elif line.startswith("error: "):
+            yield {"error": line[7:]}
