@@ -212,6 +212,7 @@ class RedisSentinel:
     replicas: int = 1
     sentinels: int = 1
     down_after_ms: int = 1000
+    sentinel_password: str | None = None  # the Sentinels' own `requirepass` (the data nodes have none)
     nodes: list[RedisProcess] = field(default_factory=list)  # nodes[0] starts as the primary
     sentinel_ports: list[int] = field(default_factory=list)
     _procs: list[subprocess.Popen[bytes]] = field(default_factory=list, repr=False)
@@ -245,7 +246,8 @@ class RedisSentinel:
                             f"logfile {self._workdir / f'sentinel-{i}.log'}\n"
                             f"sentinel monitor {self.master_name} 127.0.0.1 {primary.port} {quorum}\n"
                             f"sentinel down-after-milliseconds {self.master_name} {self.down_after_ms}\n"
-                            f"sentinel failover-timeout {self.master_name} {max(3000, 3 * self.down_after_ms)}\n")
+                            f"sentinel failover-timeout {self.master_name} {max(3000, 3 * self.down_after_ms)}\n"
+                            + (f"requirepass {self.sentinel_password}\n" if self.sentinel_password else ""))
             self._procs.append(subprocess.Popen([redis_binary(), str(conf), "--sentinel"],
                                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             self.sentinel_ports.append(port)
@@ -258,7 +260,7 @@ class RedisSentinel:
 
     def _sentinels_see_all(self) -> bool:
         for port in self.sentinel_ports:
-            sentinel = redis.Redis(port=port, socket_timeout=1, decode_responses=True)
+            sentinel = redis.Redis(port=port, socket_timeout=1, decode_responses=True, password=self.sentinel_password)
             try:
                 master = sentinel.sentinel_masters().get(self.master_name)
                 if not master or int(master.get("num-slaves", 0)) < self.replicas \
@@ -284,7 +286,7 @@ class RedisSentinel:
     def primary(self) -> RedisProcess:
         """The node the first reachable Sentinel names as the primary now."""
         for port in self.sentinel_ports:
-            sentinel = redis.Redis(port=port, socket_timeout=1)
+            sentinel = redis.Redis(port=port, socket_timeout=1, password=self.sentinel_password)
             try:
                 _, primary_port = sentinel.sentinel_get_master_addr_by_name(self.master_name)
             except (redis.RedisError, TypeError):

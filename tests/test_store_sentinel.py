@@ -48,6 +48,24 @@ async def test_store_through_sentinel(sentinel: RedisSentinel) -> None:
     assert len(list(primary.scan_iter(match="sent:blk:*"))) == 3  # landed on the primary
 
 
+async def test_sentinel_credentials_come_from_the_query() -> None:
+    """Sentinels that require a password: `?sentinel_password=` authenticates to them, not to the data nodes."""
+    try:
+        guarded = RedisSentinel(replicas=0, sentinel_password="s3ntinel-pw").start()
+    except RedisProcessError as exc:
+        pytest.skip(f"redis-server could not run as a sentinel here: {exc}")
+    try:
+        for query, works in (("?sentinel_password=s3ntinel-pw", True), ("", False)):
+            store = BlockStore(StoreSettings.from_url(guarded.url + query, namespace="sentpw"))
+            try:
+                stored = await store.put_blocks("abcdef0123456789", [BlockHash(b"\x01" * 16)], [b"x"])
+                assert stored == (1 if works else 0), query
+            finally:
+                await store.close()
+    finally:
+        guarded.cleanup()
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_model: Any) -> Iterator[TestClient]:
     with pod_client("redis://127.0.0.1:1/0", tiny_model, cache_enabled=False, pod_name="plain") as c:
