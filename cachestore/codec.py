@@ -66,9 +66,11 @@ _SPEC = re.compile(r"(?P<mode>[a-z0-9]+)(?:\+(?P<comp>[a-z0-9]+)(?::(?P<level>-?
 _OPTIONS = {"rot": Variant(True, True), "rotk": Variant(rot_keys=True),
             "rotv": Variant(rot_values=True), "clip": Variant(clip=True), "plain": PLAIN}
 # What a bare "int4" / "int2" means, chosen with `kvstash bench quality` on SmolLM2 (BENCHMARKS.md,
-# section 2): int4 errs mostly in its keys, which clipping makes worse and rotation better; int2
-# needs clipping above all, and rotating its keys buys nothing while costing decode time.
-DEFAULT_VARIANTS = {"int4": Variant(rot_keys=True, rot_values=True),
+# section 2): both rotate their values; int2 also needs clipping above all (int4's keys get worse
+# with it). Rotating keys too (/rot) helps int4 a little more but costs a second 64x64 matmul per
+# decode, which made it slower than the format-1 int4; with values alone, decoding into the pod's
+# fp32 context is about as fast as the format-1 int4 was (BENCHMARKS.md, section 4).
+DEFAULT_VARIANTS = {"int4": Variant(rot_values=True),
                     "int2": Variant(rot_values=True, clip=True)}
 
 

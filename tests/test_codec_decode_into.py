@@ -8,7 +8,8 @@ import torch
 from cachestore.codec import Codec
 from cachestore.errors import CodecError
 
-SPECS = ["exact", "fp16", "int8", "int4/g32", "int2", "fp8", "exact+zstd", "int8+zstd"]
+SPECS = ["exact", "fp16", "int8", "int4/g32", "int2", "fp8", "exact+zstd", "int8+zstd",
+         "int4/g32/rot", "int2/g8/rotk/clip", "int4/plain"]  # rotated keys padded (g32) or not (g8)
 
 
 @pytest.mark.parametrize("spec", SPECS)
