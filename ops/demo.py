@@ -35,7 +35,7 @@ def register(sub: Any) -> None:
     p.add_argument("--engine", default="hf", choices=["hf", "llamacpp"],
                    help="model runtime of every pod: hf (transformers, default) or llamacpp")
     p.add_argument("--model", default="smollm2", help="model every pod serves (default smollm2)")
-    p.add_argument("--codec", default="int8", help="codec of the cached blocks (default int8)")
+    p.add_argument("--codec", default="exact", help="codec of the cached blocks (default exact: lossless)")
     p.add_argument("--block-tokens", type=int, default=64, help="tokens per cached block (default 64)")
     p.add_argument("--max-tokens", type=int, default=160, help="reply length per turn (default 160)")
     p.add_argument("--redis-url", help="use this Redis instead of starting a private one")

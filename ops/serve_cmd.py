@@ -30,7 +30,7 @@ def register(sub: Any) -> None:
     p.add_argument("--device", help="cpu (default) or cuda[:N]")
     p.add_argument("--redis-url", help="redis://, rediss://, unix:// URL (cluster: add ?cluster=1)")
     p.add_argument("--namespace", help="prefix of every Redis key (default kvstash)")
-    p.add_argument("--codec", help="exact, fp16, int8 (default), int4, int2, fp8; +zstd/+lz4/+none")
+    p.add_argument("--codec", help="exact (default, lossless), fp16, int8, int4, int2, fp8; +zstd/+lz4/+none")
     p.add_argument("--block-tokens", type=int, help="tokens per cached block (default 64)")
     p.add_argument("--budget-bytes", type=int, help="byte budget of the namespace in Redis")
     p.add_argument("--block-ttl-s", type=int, help="TTL of cached blocks in seconds")
