@@ -8,6 +8,7 @@ STAMP := $(VENV)/.installed
 .PHONY: setup test test-faults lint demo clean
 
 setup: $(STAMP)
+	$(PY) -m ops.llamaserver_build  # llama-server for the sidecar's tests and demo (~30 min once; then skipped)
 
 # torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 $(STAMP): pyproject.toml
