@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 # Modules of the top-level commands; bench commands live under `bench`.
-COMMANDS = ["ops.serve_cmd", "ops.demo", "ops.admin"]
+COMMANDS = ["ops.serve_cmd", "ops.sidecar_cmd", "ops.demo", "ops.admin"]
 BENCHES = [
     "ops.bench.codec",
     "ops.bench.store",

@@ -373,7 +373,8 @@ class LlamaServerEngine:
         if params.seed is not None:
             body["seed"] = params.seed
         reply = _Reply()
-        with self._http.stream("POST", "/completion", json=body) as r:
+        # a streamed response ends its connection: never hand that connection back to the pool
+        with self._http.stream("POST", "/completion", json=body, headers={"Connection": "close"}) as r:
             if r.status_code != 200:
                 raise UpstreamError(f"llama-server /completion: HTTP {r.status_code} {r.read()[:200]!r}")
             for event in _events(r.iter_lines()):

@@ -1,0 +1,151 @@
+"""`kvstash sidecar`: a kvstash pod in front of one llama-server, sharing its KV with every other pod via Redis."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+SIDECAR_EPILOG = """\
+Two ways to run it:
+  kvstash sidecar --upstream http://127.0.0.1:8080 --slot-dir /slots --model /models/m.gguf
+      in front of a running `llama-server -m /models/m.gguf --slot-save-path /slots -np N`
+      (the same slot directory on both sides: an emptyDir with medium Memory, or a tmpfs);
+  kvstash sidecar --spawn --model smollm2 --parallel 4 -- [llama-server arguments]
+      starts llama-server itself (built by `make setup`) and restarts it if it dies.
+The port opens (and GET /healthz answers) once llama-server is up and has passed a save/restore probe.
+"""
+
+
+def register(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "sidecar", help="run kvstash beside a llama-server (shares its KV through Redis)",
+        description="A kvstash pod (the OpenAI API of `kvstash serve`) whose generation runs in llama-server. "
+                    "Every kvstash flag also reads KVSTASH_<NAME> from the environment; flags win.",
+        epilog=SIDECAR_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    up = p.add_argument_group("llama-server")
+    up.add_argument("--upstream", help="URL of a running llama-server (started with --slot-save-path)")
+    up.add_argument("--slot-dir", help="the directory llama-server's --slot-save-path names (shared with it)")
+    up.add_argument("--spawn", action="store_true", help="start and supervise llama-server here")
+    up.add_argument("--model", help="smollm2 (default) or a .gguf path: the file llama-server serves (its digest "
+                    "keys the cache)")
+    up.add_argument("--parallel", type=int, help="--spawn: llama-server slots (-np, default 4)")
+    up.add_argument("--threads", type=int, help="--spawn: llama-server threads (default: its own)")
+    up.add_argument("--ctx-per-slot", type=int, default=8192, help="--spawn: context tokens per slot (default 8192)")
+    up.add_argument("--llama-server", help="--spawn: the binary (default: the one `make setup` built)")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port to bind (default 8000)")
+    p.add_argument("--redis-url", help="redis://, rediss://, unix:// URL (cluster: add ?cluster=1)")
+    p.add_argument("--namespace", help="prefix of every Redis key (default kvstash)")
+    p.add_argument("--codec", help="exact (default), fp16, int8, int4, int2, fp8; +zstd/+lz4/+none")
+    p.add_argument("--block-tokens", type=int, help="tokens per cached block (default 64)")
+    p.add_argument("--budget-bytes", type=int, help="byte budget of the namespace in Redis")
+    p.add_argument("--block-ttl-s", type=int, help="TTL of cached blocks in seconds")
+    p.add_argument("--session-ttl-s", type=int, help="TTL of session records in seconds")
+    p.add_argument("--redis-timeout-s", type=float, help="most a request waits on Redis (default 0.5)")
+    p.add_argument("--max-queue", type=int, help="requests admitted before 503 (default 8)")
+    p.add_argument("--pod-name", help="name reported in /readyz and the X-KV-Pod header")
+    p.add_argument("--no-cache", action="store_true", help="neither read nor write the cache, and let llama-server "
+                   "reuse nothing either (a full prefill every request: the baseline for comparisons)")
+    p.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+    p.add_argument("extra", nargs=argparse.REMAINDER, help="--spawn: arguments after -- go to llama-server")
+    p.set_defaults(func=run, engine="llama-server", device=None)
+
+
+def start_engine(args: argparse.Namespace) -> Any:
+    """The llama-server engine: spawned here, or in front of --upstream (probed either way)."""
+    from cachestore.errors import ConfigError  # noqa: PLC0415
+    from service.engines.llamaserver import LlamaServerEngine  # noqa: PLC0415
+
+    model = args.model or "smollm2"
+    extra = list(args.extra or [])
+    extra = extra[1:] if extra[:1] == ["--"] else extra
+    if args.spawn == bool(args.upstream):
+        raise ConfigError("give either --upstream URL --slot-dir DIR (a running llama-server) or --spawn")
+    if args.spawn:
+        return LlamaServerEngine.spawn(
+            model, Path(args.slot_dir) if args.slot_dir else None, parallel=args.parallel or 4,
+            threads=args.threads or 0, ctx_per_slot=args.ctx_per_slot,
+            binary=Path(args.llama_server) if args.llama_server else None, extra_args=extra,
+            reuse_slots=not args.no_cache,
+        )
+    if extra:
+        raise ConfigError("arguments after -- go to a spawned llama-server; with --upstream, give them to yours")
+    if not args.slot_dir:
+        raise ConfigError("--upstream needs --slot-dir: the directory of llama-server's --slot-save-path")
+    return LlamaServerEngine(args.upstream, Path(args.slot_dir), model, reuse_slots=not args.no_cache)
+
+
+class SidecarCollector:
+    """The engine's restore/save counters as Prometheus metrics, read at scrape time."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily  # noqa: PLC0415
+
+        stats = self._engine.stats
+        events = CounterMetricFamily("kvstash_sidecar_events", "llama-server slot events: restores, "
+                                     "restore_failures, reuse_misses (a restore llama-server did not use), "
+                                     "save_failures, restarts", labels=["event"])
+        for key in ("restores", "restore_failures", "reuse_misses", "save_failures"):
+            events.add_metric([key], float(getattr(stats, key)))
+        process = self._engine.process
+        events.add_metric(["restarts"], float(process.restarts if process else 0))
+        yield events
+        tokens = CounterMetricFamily("kvstash_sidecar_restored_tokens", "Tokens restored into llama-server slots")
+        tokens.add_metric([], float(stats.restored_tokens))
+        yield tokens
+
+
+def sidecar_app(settings: Any, engine: Any) -> Any:
+    """`kvstash serve`'s app around `engine`, with the sidecar's counters on its /metrics."""
+    from service.app import create_app  # noqa: PLC0415
+
+    app = create_app(settings, engine)
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a: Any) -> AsyncIterator[None]:
+        async with inner(a):
+            a.state.pod.metrics.registry.register(SidecarCollector(engine))
+            yield
+
+    app.router.lifespan_context = lifespan
+    return app
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn  # noqa: PLC0415
+
+    from cachestore.codec import CodecSpec  # noqa: PLC0415
+    from cachestore.redisclient import check_connection  # noqa: PLC0415
+    from cachestore.settings import StoreSettings  # noqa: PLC0415
+    from ops.serve_cmd import settings_from_args  # noqa: PLC0415
+    from service.app import store_settings  # noqa: PLC0415
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args.model = args.model or "smollm2"
+    args.parallel = args.parallel or 4
+    settings = settings_from_args(args)
+    CodecSpec.parse(settings.codec)
+    if settings.cache_enabled:
+        StoreSettings.from_url(settings.redis_url)
+        warning = asyncio.run(check_connection(store_settings(settings)))
+        if warning:
+            print(f"kvstash: warning: {warning}", file=sys.stderr)
+    engine = start_engine(args)  # the port opens only after llama-server is up and probed
+    try:
+        settings = settings.with_overrides(parallel=engine.parallel)
+        uvicorn.run(sidecar_app(settings, engine), host=settings.host, port=settings.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=15)
+    finally:
+        engine.close()
+    return 0

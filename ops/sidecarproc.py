@@ -1,0 +1,54 @@
+"""Start and stop `kvstash sidecar --spawn` processes (each with its own llama-server) for the demo, the
+benchmarks and the tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ops.pods import PodProcess
+from ops.redisproc import free_port
+
+# llama-server's log line for each request: "prompt eval time =  12.3 ms /  15 tokens (...)"
+PROMPT_EVAL = re.compile(r"prompt eval time =\s*[\d.]+ ms /\s*(\d+) tokens")
+
+
+@dataclass
+class SidecarProcess(PodProcess):
+    """One `kvstash sidecar --spawn` subprocess; its llama-server logs into `slot_dir`."""
+
+    parallel: int = 2
+    threads: int = 1
+    slot_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvstash-sidecar-")))
+
+    def start(self) -> SidecarProcess:
+        self.port = self.port or free_port()
+        args = [sys.executable, "-m", "ops.cli", "sidecar", "--spawn", "--model", self.model, "--port", str(self.port),
+                "--redis-url", self.redis_url, "--pod-name", self.name, "--log-level", "warning",
+                "--slot-dir", str(self.slot_dir), "--parallel", str(self.parallel), "--threads", str(self.threads),
+                *self.extra_args]
+        if self.no_cache:
+            args.append("--no-cache")
+        fd, log = tempfile.mkstemp(prefix=f"kvstash-{self.name}-", suffix=".log")
+        self.log_path = Path(log)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        self.proc = subprocess.Popen(args, stdout=fd, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        os.close(fd)
+        return self
+
+    def prompt_evals(self) -> list[int]:
+        """Prompt tokens llama-server itself reports having processed, one entry per request, oldest first."""
+        log = self.slot_dir / "llama-server.log"
+        text = log.read_text(errors="replace") if log.is_file() else ""
+        return [int(n) for n in PROMPT_EVAL.findall(text)]
+
+    def cleanup(self) -> None:
+        super().cleanup()
+        for path in self.slot_dir.glob("*"):
+            path.unlink(missing_ok=True)
+        self.slot_dir.rmdir()

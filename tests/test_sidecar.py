@@ -1,0 +1,218 @@
+"""`kvstash sidecar` beside real llama-server processes: turns alternating two sidecars hit after the first, and
+llama-server itself (its log) processed only the new tokens; replies equal one llama-server that restored the same
+tokens from a local slot file; what goes wrong (a corrupt or refused slot file, a killed llama-server, a slot
+directory llama-server does not write) is a miss or a refusal to start, never a wrong answer."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from cachestore.errors import ConfigError
+from ops.llamaserver_build import binary_path
+from ops.redisproc import RedisProcess
+from ops.sidecarproc import SidecarProcess
+from service.engines import GenParams, slotfile
+from service.engines.llamaserver import LlamaServerEngine
+
+ARGS = ("--codec", "exact", "--block-tokens", "16", "--ctx-per-slot", "4096")
+SYSTEM = {"role": "system", "content": "You are a concise science tutor. Answer in two or three sentences."}
+QUESTIONS = ["What is photosynthesis?", "Where in the cell does it happen?", "What gas does it release?",
+             "Why does that matter for animals?"]
+GREEDY = GenParams(max_tokens=32)
+
+pytestmark = pytest.mark.skipif(binary_path() is None, reason="no llama-server built: run `make setup`")
+
+
+# -- one engine in this process --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine() -> Iterator[LlamaServerEngine]:
+    eng = LlamaServerEngine.spawn("smollm2", parallel=2, threads=1, ctx_per_slot=4096)
+    try:
+        yield eng
+    finally:
+        eng.close()
+
+
+def _conversation(engine: LlamaServerEngine) -> tuple[list[int], list[int], Any]:
+    """A first turn generated from scratch, and the prompt of the turn after it."""
+    first = engine.chat_ids([SYSTEM, {"role": "user", "content": QUESTIONS[0]}])
+    gen = engine.generate(first, None, GREEDY)
+    second = engine.chat_ids([SYSTEM, {"role": "user", "content": QUESTIONS[0]},
+                              {"role": "assistant", "content": gen.text}, {"role": "user", "content": QUESTIONS[1]}])
+    return first, second, gen
+
+
+def test_a_slot_dir_llama_server_does_not_write_is_refused_at_start(engine: LlamaServerEngine, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot share KV with kvstash"):
+        LlamaServerEngine(engine.url, tmp_path, "smollm2")
+
+
+def test_cached_kv_is_restored_and_llama_server_reuses_it(engine: LlamaServerEngine) -> None:
+    first, second, gen = _conversation(engine)
+    assert gen.seq_ids[: len(first)] == first and gen.kv.shape[3] == len(gen.seq_ids)
+    keep = len(first)
+    engine.forget()
+    plain = engine.generate(second, None, GREEDY)
+    engine.forget()
+    before = engine.stats.restores
+    hit = engine.generate(second, gen.kv[:, :, :, :keep], GREEDY)
+    assert (hit.cached_tokens, engine.stats.restores) == (keep, before + 1)
+    assert plain.cached_tokens == 0 and hit.token_ids and plain.token_ids
+
+
+def test_a_corrupt_slot_file_is_a_miss_and_leaves_no_trace(engine: LlamaServerEngine,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A truncated file (llama-server refuses it): the request prefills, replies as with no cache at all, and the
+    next restore works (upstream once corrupted later completions after a failed restore)."""
+    first, second, gen = _conversation(engine)
+    engine.forget()
+    plain = engine.generate(second, None, GREEDY)
+    engine.forget()
+    honest = slotfile.assemble
+    monkeypatch.setattr(slotfile, "assemble", lambda *a: [*honest(*a)[:2], honest(*a)[2][:-4096]])
+    failures = engine.stats.restore_failures
+    missed = engine.generate(second, gen.kv[:, :, :, : len(first)], GREEDY)
+    assert engine.stats.restore_failures == failures + 1
+    assert missed.cached_tokens == 0 and missed.text == plain.text
+    monkeypatch.undo()
+    engine.forget()
+    again = engine.generate(second, gen.kv[:, :, :, : len(first)], GREEDY)
+    assert again.cached_tokens == len(first) and again.token_ids
+
+
+def test_a_refused_restore_is_a_miss(engine: LlamaServerEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A token id outside the vocabulary in the file: llama-server refuses the restore."""
+    first, second, gen = _conversation(engine)
+    honest = slotfile.assemble
+    monkeypatch.setattr(slotfile, "assemble", lambda tokens, kv, geo: honest([10**8, *tokens[1:]], kv, geo))
+    engine.forget()
+    failures = engine.stats.restore_failures
+    missed = engine.generate(second, gen.kv[:, :, :, : len(first)], GREEDY)
+    assert engine.stats.restore_failures == failures + 1 and missed.cached_tokens == 0
+
+
+def test_a_killed_llama_server_is_restarted_and_costs_a_miss(engine: LlamaServerEngine) -> None:
+    first, second, gen = _conversation(engine)
+    assert engine.process is not None and engine.process.pid is not None
+    restarts = engine.process.restarts
+    os.kill(engine.process.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while engine.process.restarts == restarts or httpx.get(engine.url + "/health", timeout=5).status_code != 200:
+        assert time.monotonic() < deadline, "llama-server was not restarted"
+        time.sleep(0.2)
+    after = engine.generate(second, None, GREEDY)  # its slots are empty: a full prefill
+    assert after.cached_tokens == 0 and after.token_ids
+    hit = engine.generate(second, gen.kv[:, :, :, : len(first)], GREEDY)  # a restore into the new server works
+    assert hit.token_ids and hit.cached_tokens >= len(first)
+
+
+# -- sidecar processes ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pods() -> Iterator[dict[str, SidecarProcess]]:
+    redis = RedisProcess().start()
+    procs = {
+        "a": SidecarProcess("side-a", redis.url, "smollm2", ARGS),
+        "b": SidecarProcess("side-b", redis.url, "smollm2", ARGS),
+        "plain": SidecarProcess("side-plain", redis.url, "smollm2", ARGS, no_cache=True),
+    }
+    try:
+        for p in procs.values():
+            p.start()
+        for p in procs.values():
+            p.wait_ready(180)
+        yield procs
+    finally:
+        for p in procs.values():
+            p.cleanup()
+        redis.cleanup()
+
+
+def _chat(url: str, messages: list[dict[str, str]], **extra: Any) -> httpx.Response:
+    body = {"model": "smollm2", "messages": messages, "max_tokens": 32, "temperature": 0, **extra}
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=180)
+
+
+def _settle(pod: SidecarProcess) -> None:
+    for _ in range(300):
+        if httpx.get(pod.url + "/readyz", timeout=5).json()["write_queue"] == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError("write queue did not drain")
+
+
+def test_turns_alternate_sidecars_with_hits_and_only_new_tokens_processed(
+    pods: dict[str, SidecarProcess], engine: LlamaServerEngine, figures: dict[str, object]
+) -> None:
+    """Every turn after the first hits on the other sidecar; llama-server's own log shows it processed only the
+    tokens after what was restored; the reply is exactly that of one llama-server (`engine`, emptied each turn)
+    that restored the same number of tokens of its own KV from a local slot file. Turns that differ from a sidecar
+    with --no-cache (a full prefill: llama.cpp's batch-size numerics) are reported, never asserted away."""
+    messages = [SYSTEM]
+    previous_prompt, previous_kv, differs, rows = 0, None, [], []
+    for turn, question in enumerate(QUESTIONS):
+        messages.append({"role": "user", "content": question})
+        pod = pods["a"] if turn % 2 == 0 else pods["b"]
+        resp, plain = _chat(pod.url, messages), _chat(pods["plain"].url, messages)
+        assert resp.status_code == 200 and plain.status_code == 200, resp.text
+        reply = resp.json()["choices"][0]["message"]["content"]
+        usage = resp.json()["usage"]
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        prompt = engine.chat_ids(messages)
+        assert usage["prompt_tokens"] == len(prompt)
+        processed = pod.prompt_evals()[-1]  # llama-server's own count, from its log
+        assert processed == len(prompt) - cached
+        if turn == 0:
+            assert cached == 0 and resp.headers["x-kv-cache"] == "miss"
+        else:  # everything the other pod processed, up to its last full block
+            assert cached >= (previous_prompt // 16) * 16 > 0, (turn, cached, previous_prompt)
+            assert resp.headers["x-kv-cache"] in ("hit", "partial")
+        engine.forget()
+        kept = previous_kv[:, :, :, :cached] if cached else None
+        expected = engine.generate(prompt, kept, GenParams(max_tokens=32))
+        assert expected.cached_tokens == cached
+        assert reply == expected.text, f"turn {turn}: the cache changed the reply"
+        no_cache = plain.json()["choices"][0]["message"]["content"]
+        assert pods["plain"].prompt_evals()[-1] == len(prompt)  # --no-cache: llama-server prefilled all
+        if turn == 0:
+            assert reply == no_cache
+        elif reply != no_cache:
+            differs.append({"turn": turn, "cached": reply, "no_cache": no_cache})
+        rows.append({"turn": turn, "prompt": len(prompt), "cached": cached, "processed": processed})
+        previous_prompt, previous_kv = len(prompt), expected.kv
+        messages.append({"role": "assistant", "content": reply})
+        _settle(pod)
+    figures["turns"] = rows
+    figures["turns_differing_from_no_cache"] = differs
+    print(json.dumps(rows))
+
+
+def test_streamed_reply_equals_the_whole_one(pods: dict[str, SidecarProcess]) -> None:
+    messages = [SYSTEM, {"role": "user", "content": "Name the planets of the solar system."}]
+    whole = _chat(pods["a"].url, messages).json()["choices"][0]["message"]["content"]
+    text = ""
+    with httpx.stream("POST", pods["b"].url + "/v1/chat/completions", timeout=180,
+                      json={"model": "smollm2", "messages": messages, "max_tokens": 32, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choices = json.loads(line[6:])["choices"]
+                if choices:
+                    text += choices[0]["delta"].get("content", "")
+    assert text == whole
+
+
+def test_metrics_count_restores_and_no_unused_restore(pods: dict[str, SidecarProcess]) -> None:
+    text = httpx.get(pods["b"].url + "/metrics").text
+    events = {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith("kvstash_sidecar_events_total{")}
+    assert events["restores"] >= 1 and events["reuse_misses"] == 0 and events["restore_failures"] == 0
+    ready = httpx.get(pods["b"].url + "/readyz").json()
+    assert (ready["engine"], ready["model"]) == ("llama-server", "smollm2")
