@@ -232,11 +232,12 @@ async def reconcile(client: Any, keys: KeySpace, index_ttl_ms: int, chunk: int =
     blocks that are gone, and recount every shard's bytes. O(keys of the namespace)."""
     by_tag = {shard.lru[shard.lru.rfind("{"):]: index for index, shard in enumerate(keys.all_shards())}
     orphans: dict[int, list[str]] = defaultdict(list)
-    async for raw in client.scan_iter(match=keys.block_pattern(), count=1000):
-        key = _text(raw)
-        index = by_tag.get(key[key.rfind("{"):])
-        if index is not None:
-            orphans[index].append(key)
+    for pattern in keys.entry_patterns():
+        async for raw in client.scan_iter(match=pattern, count=1000):
+            key = _text(raw)
+            index = by_tag.get(key[key.rfind("{"):])
+            if index is not None:
+                orphans[index].append(key)
     stale_n = stale = 0
     shards = keys.all_shards()
     for index, shard in enumerate(shards):

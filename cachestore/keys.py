@@ -118,3 +118,7 @@ class KeySpace:
 
     def block_pattern(self) -> str:
         return f"{self.namespace}:blk:*"
+
+    def entry_patterns(self) -> list[str]:
+        """SCAN patterns of every value the budget accounts for: blocks, tails, reply ids."""
+        return [f"{self.namespace}:{kind}:*" for kind in ENTRY_KINDS]

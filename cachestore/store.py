@@ -15,6 +15,7 @@ from cachestore.errors import StoreError, ValueTooLarge
 from cachestore.hashing import BlockHash
 from cachestore.keys import KeySpace, check_model
 from cachestore.localtier import LocalTier
+from cachestore.outcome import Outcome, Result
 from cachestore.redisclient import make_client
 from cachestore.sessions import PUT_SESSION, SessionRecord, from_fields, to_fields
 from cachestore.settings import StoreSettings
@@ -103,9 +104,13 @@ class BlockStore:
 
     async def lookup(self, model: str, hashes: Sequence[BlockHash]) -> list[bytes]:
         """Frames of the longest present prefix of `hashes`, in one pipelined round trip."""
+        return (await self.fetch(model, hashes)).value
+
+    async def fetch(self, model: str, hashes: Sequence[BlockHash]) -> Result[list[bytes]]:
+        """`lookup` with what happened: FOUND (some frames), ABSENT (Redis answered: none), UNAVAILABLE."""
         check_model(model)
         if not hashes:
-            return []
+            return Result(Outcome.ABSENT, [])
         self._counters.add("lookups")
         keyed = [self.keys.block(model, h) for h in hashes]
         frames: list[bytes] = []
@@ -116,14 +121,18 @@ class BlockStore:
                     break
                 frames.append(frame)
             self._counters.add("local_hits", len(frames))
+        failed = False
         if len(frames) < len(keyed):
             remote = await self._guarded(lambda: self._fetch(keyed, len(frames)), self.settings.op_timeout_s)
+            failed = isinstance(remote, _Failed)
             if not isinstance(remote, _Failed):
                 frames.extend(remote)
         self._count_lookup(len(frames), len(keyed))
         self._counters.add("blocks_read", len(frames))
         self._counters.add("bytes_read", sum(len(f) for f in frames))
-        return frames
+        if frames:
+            return Result(Outcome.FOUND, frames)
+        return Result(Outcome.UNAVAILABLE if failed else Outcome.ABSENT, frames)
 
     async def _fetch(self, keyed: list[tuple[int, str]], start: int) -> list[bytes]:
         pipe = self._client.pipeline(transaction=False)
@@ -206,6 +215,10 @@ class BlockStore:
 
     async def put_blocks(self, model: str, hashes: Sequence[BlockHash], frames: Sequence[bytes]) -> int:
         """Write blocks (present ones are left as they are); returns how many were written."""
+        return (await self.store_blocks(model, hashes, frames)).value
+
+    async def store_blocks(self, model: str, hashes: Sequence[BlockHash], frames: Sequence[bytes]) -> Result[int]:
+        """`put_blocks` with what happened: STORED (how many were new) or UNAVAILABLE (none written)."""
         check_model(model)
         if len(hashes) != len(frames):
             raise StoreError("put_blocks needs one frame per hash")
@@ -216,7 +229,7 @@ class BlockStore:
             if not frame:
                 raise StoreError("a block frame cannot be empty")
         if not frames:
-            return 0
+            return Result(Outcome.STORED, 0)
         keyed = [self.keys.block(model, h) for h in hashes]
         if self._local is not None:
             for (_, key), frame in zip(keyed, frames, strict=True):
@@ -225,8 +238,8 @@ class BlockStore:
             written = await self._guarded(lambda: self._write(keyed, frames), self.settings.write_timeout_s)
         if isinstance(written, _Failed):
             self._counters.add("dropped_writes")
-            return 0
-        return written
+            return Result(Outcome.UNAVAILABLE, 0)
+        return Result(Outcome.STORED, written)
 
     async def _write(self, keyed: list[tuple[int, str]], frames: Sequence[bytes], nx: bool = True) -> int:
         items = list(zip(keyed, frames, strict=True))
@@ -300,6 +313,10 @@ class BlockStore:
     # -- sessions ---------------------------------------------------------------------------
 
     async def get_session(self, tenant: str, session_id: str) -> SessionRecord | None:
+        return (await self.read_session(tenant, session_id)).value
+
+    async def read_session(self, tenant: str, session_id: str) -> Result[SessionRecord | None]:
+        """The record (FOUND), none (ABSENT: also a garbage record, which is dropped) or UNAVAILABLE."""
         key = self.keys.session(tenant, session_id)
 
         async def read() -> Any:
@@ -310,19 +327,28 @@ class BlockStore:
             return (await pipe.execute())[0]
 
         raw = await self._guarded(read, self.settings.op_timeout_s)
-        if isinstance(raw, _Failed) or not raw:
-            return None
+        if isinstance(raw, _Failed):
+            return Result(Outcome.UNAVAILABLE, None)
+        if not raw:
+            return Result(Outcome.ABSENT, None)
         record = from_fields(raw, tenant, session_id)
         if record is None:
             self._counters.add("bad_records")
             fmt = raw.get(b"format", b"1")
             if fmt == b"1" or not fmt.isdigit():  # garbage, not a newer format: drop it so the id heals
                 await self._guarded(lambda: self._client.delete(key), self.settings.op_timeout_s)
-        return record
+            return Result(Outcome.ABSENT, None)
+        return Result(Outcome.FOUND, record)
 
     async def put_session(self, record: SessionRecord, expected_version: int | None) -> SessionRecord | None:
         """Compare-and-set: None = create only if absent. Returns the stored record, or None
         if the CAS lost (or Redis failed: then `dropped_writes` counts it)."""
+        return (await self.write_session(record, expected_version)).value
+
+    async def write_session(
+        self, record: SessionRecord, expected_version: int | None
+    ) -> Result[SessionRecord | None]:
+        """`put_session` with what happened: STORED (the record as stored), CONFLICT or UNAVAILABLE."""
         key = self.keys.session(record.tenant, record.session_id)
         now = time.time()
         expected = "" if expected_version is None else str(int(expected_version))
@@ -335,12 +361,12 @@ class BlockStore:
         result = await self._guarded(write, self.settings.op_timeout_s)
         if isinstance(result, _Failed):
             self._counters.add("dropped_writes")
-            return None
+            return Result(Outcome.UNAVAILABLE, None)
         version, created = int(result[0]), result[1]
         if version < 0:
             self._counters.add("cas_conflicts")
-            return None
-        return replace(record, version=version, created_at=float(created), updated_at=now)
+            return Result(Outcome.CONFLICT, None)
+        return Result(Outcome.STORED, replace(record, version=version, created_at=float(created), updated_at=now))
 
     async def delete_session(self, tenant: str, session_id: str) -> bool:
         key = self.keys.session(tenant, session_id)

@@ -254,12 +254,12 @@ async def restore(store: BlockStore, export: SessionExport, chain: Chain, *, rep
     if not replace and await client.exists(key):
         raise StoreError(f"session {record.tenant}/{record.session_id} already exists (use --replace)")
     hashes = chain.hashes(record.token_ids)[:len(export.blocks)]
-    before = store.stats().dropped_writes
     written = 0
     for start in range(0, len(hashes), 16):
-        written += await store.put_blocks(chain.model_key, hashes[start:start + 16], export.blocks[start:start + 16])
-    if store.stats().dropped_writes > before:
-        raise StoreError(f"Redis at {store.settings.masked_url} refused the block writes")
+        result = await store.store_blocks(chain.model_key, hashes[start:start + 16], export.blocks[start:start + 16])
+        if result.unavailable:
+            raise StoreError(f"Redis at {store.settings.masked_url} refused the block writes")
+        written += result.value
     present = 0
     if hashes:
         pipe = client.pipeline(transaction=False)

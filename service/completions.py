@@ -263,7 +263,7 @@ async def _completion(request: Request, chat: bool) -> Response:
             record = pipeline.session_record(tenant.name, req.session_id, messages, gen, previous)
         # the next turn may be sent the moment this reply ends, to any pod: its blocks go first
         await pipeline.settle(pipeline.write_back(tenant.salt, gen, view, record,
-                                                  previous.version if previous else None))
+                                                  previous.version if previous else None), view)
         return None
 
     return await run_admitted(

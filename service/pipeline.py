@@ -115,10 +115,6 @@ class Pipeline:
     def hashes(self, tenant_salt: bytes, token_ids: list[int]) -> list[BlockHash]:
         return chain_hashes(token_ids, self.block_tokens, self.root(tenant_salt))
 
-    def _store_errors(self) -> int:
-        assert self.store is not None
-        return int(getattr(self.store.stats(), "errors", 0))
-
     async def _none(self) -> None:
         return None
 
@@ -141,22 +137,22 @@ class Pipeline:
             return self._account(CacheView(None, 0, 0, "bypass"), prompt_ids), session
         usable = len(prompt_ids) - 1  # the last prompt token is always re-fed for logits
         hashes = self.hashes(tenant_salt, prompt_ids[:usable])
-        errors_before = self._store_errors()
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         deadline = loop.time() + self.settings.redis_timeout_s
         fetch_session = self.store.get_session(*session_key) if session_key else self._none()
         chunks = [hashes[i:i + FETCH_CHUNK_BLOCKS] for i in range(0, len(hashes), FETCH_CHUNK_BLOCKS)]
         try:
-            first, fetched_session = await asyncio.wait_for(
-                asyncio.gather(self._fetch(chunks[0] if chunks else []), fetch_session),
+            head, fetched_session = await asyncio.wait_for(
+                asyncio.gather(self.store.fetch(self.model_key, chunks[0] if chunks else []), fetch_session),
                 self.settings.redis_timeout_s,
             )
         except TimeoutError:
             return self._account(CacheView(None, 0, 0, "bypass"), prompt_ids), session
         session = session or fetched_session
-        if not first and self._store_errors() > errors_before:
+        if head.unavailable:  # Redis failed: recompute (a concurrent request's error cannot make this a bypass)
             return self._account(CacheView(None, 0, 0, "bypass"), prompt_ids), session
+        first = head.value
         # [layers, 2, kv_heads, capacity, head_dim]: a hit fills at most `usable` tokens; views are handed on.
         # Room for the whole reply too, so generation appends in place (hfcache.GrowingLayer); pages
         # that are never written are never touched.
@@ -409,13 +405,16 @@ class Pipeline:
         digest = reply_digest(self.root(tenant_salt), gen.text)
         return self.store.keys.reply_ids(self.model_key, digest), pack_ids(ids)
 
-    async def settle(self, job: WriteJob | None) -> bool:
+    async def settle(self, job: WriteJob | None, view: CacheView | None = None) -> bool:
         """Wait (at most `write_wait_s`) until `job` is in Redis, so a next turn sent the moment this reply
-        ends hits on any pod; a slow or dead Redis only makes the write late, never the request fail."""
-        if job is None or job.written is None:
+        ends hits on any pod; a slow or dead Redis only makes the write late, never the request fail. No
+        wait at all when this request already found Redis failing (its read was a bypass)."""
+        if job is None or job.written is None or (view is not None and view.status == "bypass"):
+            return False
+        if self.store is None or self.store.breaker_state == "open":
             return False
         try:
-            ok = await asyncio.wait_for(asyncio.shield(job.written), self.settings.write_wait_s)
+            ok = await asyncio.wait_for(asyncio.shield(job.written), self.settings.write_wait)
         except TimeoutError:
             self.metrics.write_waits.labels("late").inc()
             return False

@@ -272,11 +272,11 @@ def parse_completion(
         include_usage=include_usage,
         session_id=None if session is None else check_session_id(session),
         prompt_ids=prompt_ids,
-        return_token_ids=_flag(body, "return_token_ids"),
+        return_token_ids=parse_flag(body, "return_token_ids"),
     )
 
 
-def _flag(body: dict[str, Any], name: str) -> bool:
+def parse_flag(body: dict[str, Any], name: str) -> bool:
     value = body.get(name, False)
     if not isinstance(value, bool):
         raise bad_request(f"{name} must be a boolean", param=name)

@@ -9,12 +9,13 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from cachestore.outcome import Outcome
 from cachestore.sessions import SessionRecord
 from cachestore.store import BlockStore
 from service.completions import check_context, pod, ready_pipeline, run_admitted
 from service.errors import ApiError, bad_request, not_found
 from service.pipeline import CacheView
-from service.requests import check_session_id, parse_messages, parse_params, read_json, stream_flags
+from service.requests import check_session_id, parse_flag, parse_messages, parse_params, read_json, stream_flags
 from service.engines import Generation
 from service.state import PodState
 from service.tenancy import Tenant, resolve_tenant
@@ -47,14 +48,12 @@ def session_json(record: SessionRecord) -> dict[str, Any]:
 
 
 async def _load(state: PodState, tenant: Tenant, session_id: str) -> SessionRecord:
-    store = _store(state)
-    errors = store.stats().errors
-    record = await store.get_session(tenant.name, session_id)
-    if record is None:
-        if store.breaker_state == "open" or store.stats().errors > errors:  # Redis failed: not a "not found"
-            raise _unavailable()
+    read = await _store(state).read_session(tenant.name, session_id)
+    if read.unavailable:  # Redis failed: not a "not found"
+        raise _unavailable()
+    if read.value is None:
         raise not_found(f"session {session_id!r} not found")
-    return record
+    return read.value
 
 
 def _new_session_id(body: dict[str, Any]) -> str:
@@ -152,6 +151,7 @@ async def add_messages(request: Request) -> Response:
         raise ApiError(404, f"model {body['model']!r} is not served here", code="model_not_found", param="model")
     params = parse_params(body, state.settings.max_tokens_limit, state.settings.default_max_tokens)
     stream, include_usage = stream_flags(body)
+    token_ids = parse_flag(body, "return_token_ids")
     record = await _load(state, tenant, session_id)
     pipeline = ready_pipeline(state)
     history = [{"role": m.get("role", ""), "content": m.get("content", "")} for m in record.messages]
@@ -172,21 +172,17 @@ async def add_messages(request: Request) -> Response:
         updated = pipeline.session_record(tenant.name, session_id, [*kept, reply], gen, record)
         assert pipeline.writer is not None
         full = (len(gen.seq_ids) // pipeline.block_tokens) * pipeline.block_tokens
-        store = _store(state)
-        conflicts = store.stats().cas_conflicts
-        stored = await pipeline.writer.write_session(updated, gen.kv, full, record.version)
-        if stored is None:
-            # put_session returns None both when the compare-and-set lost and when Redis failed (a timeout,
-            # a paused or dead server): only a lost CAS counts a conflict, the rest is a 503 to retry
-            if store.stats().cas_conflicts == conflicts:
-                return _unavailable()
+        written = await pipeline.writer.write_session(updated, gen.kv, full, record.version)
+        if written.outcome is Outcome.CONFLICT:
             return (f"session {session_id!r} was changed by another request while this reply was generated; "
                     "the reply was not recorded, read the session and retry")
-        await pipeline.settle(pipeline.write_back(tenant.salt, gen, view))
+        if written.outcome is not Outcome.STORED:  # a timeout, a paused or dead Redis: retry
+            return _unavailable()
+        await pipeline.settle(pipeline.write_back(tenant.salt, gen, view), view)
         return None
 
     assert state.engine is not None
     return await run_admitted(
         state, chat=True, model=state.engine.name, prompt_ids=prompt_ids, params=params, stream=stream,
-        include_usage=include_usage, lookup=lookup, after=after,
+        include_usage=include_usage, lookup=lookup, after=after, token_ids=token_ids,
     )

@@ -39,7 +39,8 @@ class PodSettings:
     budget_bytes: int = 2 << 30
     max_value_bytes: int = 8 << 20
     redis_timeout_s: float = 0.5  # the request path waits on Redis at most this long
-    write_wait_s: float = 2.0  # a reply's last byte waits at most this long for its blocks to be in Redis
+    write_wait_s: float | None = None  # a reply's last byte waits at most this long for its writes (None: the
+    # Redis budget, redis_timeout_s); never when this request's read already found Redis failing
     local_tier_bytes: int = 64 << 20
     max_queue: int = 8  # requests admitted (running + waiting) before 503
     write_queue: int = 64  # background writes waiting before new ones are dropped
@@ -60,7 +61,7 @@ class PodSettings:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
         if self.block_tokens < 1 or self.block_tokens > 4096:
             raise ConfigError("block_tokens must be in 1..4096")
-        if self.write_wait_s < 0:
+        if self.write_wait_s is not None and self.write_wait_s < 0:
             raise ConfigError("write_wait_s must be >= 0")
         if self.redis_timeout_s <= 0 or self.body_timeout_s <= 0:
             raise ConfigError("redis_timeout_s and body_timeout_s must be positive")
@@ -80,6 +81,10 @@ class PodSettings:
     @property
     def multi_tenant(self) -> bool:
         return bool(self.api_keys)
+
+    @property
+    def write_wait(self) -> float:
+        return self.redis_timeout_s if self.write_wait_s is None else self.write_wait_s
 
     def tenant_salt(self, tenant: str) -> bytes:
         """Salt folded into a tenant's hash chain; keyed by the shared secret when one is set."""

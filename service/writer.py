@@ -14,6 +14,7 @@ from cachestore.codec import Codec
 from cachestore.errors import KvstashError
 from cachestore.hashing import BlockHash
 from cachestore.sessions import SessionRecord
+from cachestore.outcome import Outcome, Result
 from cachestore.store import BlockStore
 from cachestore.tails import pack_tail
 from service.metrics import PodMetrics
@@ -145,19 +146,19 @@ class BackgroundWriter:
         if job.session is not None:
             stored = await self.write_session(job.session, job.kv, job.session_tail_from,
                                               job.session_expected_version)
-            ok = ok and stored is not None
+            ok = ok and stored.outcome is Outcome.STORED
         return ok
 
     async def write_session(
         self, record: SessionRecord, kv: torch.Tensor | None, tail_from: int, expected_version: int | None
-    ) -> SessionRecord | None:
-        """Encode the tail of `kv` into the record and compare-and-set it; None if the CAS lost."""
+    ) -> Result[SessionRecord | None]:
+        """Encode the tail of `kv` into the record and compare-and-set it: STORED, CONFLICT or UNAVAILABLE."""
         if kv is not None and kv.shape[3] > tail_from:
             codec = self._codecs.at(0 if tail_from == 0 else 1)  # a tail from token 0 is block 0
             record.partial = await asyncio.to_thread(codec.encode, kv[:, :, :, tail_from:])
         else:
             record.partial = b""
         t0 = time.perf_counter()
-        stored = await self._store.put_session(record, expected_version)
+        stored = await self._store.write_session(record, expected_version)
         self._metrics.redis_seconds.labels("session").observe(time.perf_counter() - t0)
         return stored

@@ -25,8 +25,19 @@ def pod_client(redis_url: str, loaded: Any, **overrides: Any) -> TestClient:
 
 def chat(client: TestClient, messages: list[dict[str, str]], max_tokens: int = 8, **extra: Any) -> Any:
     headers = extra.pop("headers", None) or {}
-    body = {"model": "tiny-random", "messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra}
+    body = {"model": "tiny-random", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True, **extra}
     return client.post("/v1/chat/completions", json=body, headers=headers)
+
+
+def reference_reply(reference: TestClient, resp: Any, max_tokens: int = 8) -> str:
+    """What a pod without the cache replies when handed exactly the tokens `resp`'s pod used (a pod turns an
+    assistant message some pod generated into the very ids it generated, not a re-tokenization)."""
+    ids = resp.json()["prompt_token_ids"]
+    body = {"model": "tiny-random", "prompt": ids, "max_tokens": max_tokens, "temperature": 0}
+    got = reference.post("/v1/completions", json=body)
+    assert got.status_code == 200, got.text
+    return str(got.json()["choices"][0]["text"])
 
 
 def reply_of(resp: Any) -> str:

@@ -45,8 +45,18 @@ def revive(pods: dict[str, PodProcess]) -> Iterator[None]:
 
 
 def _chat(pod: PodProcess, messages: list[dict[str, str]], max_tokens: int = 8, **extra: Any) -> httpx.Response:
-    body = {"model": "tiny-random", "messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra}
+    body = {"model": "tiny-random", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True, **extra}
     return httpx.post(pod.url + "/v1/chat/completions", json=body, timeout=60)
+
+
+def _same_tokens(plain: PodProcess, resp: httpx.Response, max_tokens: int = 8) -> str:
+    """The no-cache pod's reply to exactly the tokens `resp`'s pod used."""
+    body = {"model": "tiny-random", "prompt": resp.json()["prompt_token_ids"], "max_tokens": max_tokens,
+            "temperature": 0}
+    got = httpx.post(plain.url + "/v1/completions", json=body, timeout=60)
+    assert got.status_code == 200, got.text
+    return str(got.json()["choices"][0]["text"])
 
 
 def _text(resp: httpx.Response) -> str:
@@ -106,7 +116,7 @@ def test_sigkill_with_writes_queued_leaves_nothing_torn(pods: dict[str, PodProce
         messages.append({"role": "user", "content": QUESTIONS[(int(sid[1:]) + 1) % 8]})
         resp = _chat(b, messages, session_id=sid)
         sent += 1
-        correct += _text(resp) == _text(_chat(plain, messages))
+        correct += _text(resp) == _same_tokens(plain, resp)
         hits += resp.headers["x-kv-cache"] in ("hit", "partial")
     _settle(b)
     _audit(r)
@@ -153,8 +163,8 @@ def test_two_pods_on_one_session_no_lost_update_no_mixed_history(pods: dict[str,
         def turn(pod: PodProcess, content: str, gate: threading.Barrier = gate,
                  results: dict[str, httpx.Response] = results) -> None:
             gate.wait()
-            results[content] = httpx.post(pod.url + "/v1/sessions/race/messages",
-                                          json={"content": content, "max_tokens": 24}, timeout=60)
+            results[content] = httpx.post(pod.url + "/v1/sessions/race/messages", timeout=60,
+                                          json={"content": content, "max_tokens": 24, "return_token_ids": True})
 
         contents = [f"round {rnd} from A: {QUESTIONS[rnd % 8]}", f"round {rnd} from B: {QUESTIONS[(rnd + 3) % 8]}"]
         threads = [threading.Thread(target=turn, args=(p, c)) for p, c in zip((a, b), contents, strict=True)]
@@ -180,10 +190,11 @@ def test_two_pods_on_one_session_no_lost_update_no_mixed_history(pods: dict[str,
         for c in winners:
             reply = results[c].json()["choices"][0]["message"]["content"]
             assert added[2 * users.index(c) + 1]["content"] == reply, "a reply recorded under another turn"
-        # no mixed history: each recorded reply is exactly what a no-cache pod says after its own history
+        # no mixed history: each recorded reply is exactly what a no-cache pod says to the very tokens its turn was
+        # given (the session's history, its own replies as the ids it generated, then the new message)
         for i in range(0, len(added), 2):
-            history = after[: len(before) + i + 1]
-            assert added[i + 1]["content"] == _text(_chat(plain, history, max_tokens=24))
+            winner = results[added[i]["content"]]
+            assert added[i + 1]["content"] == _same_tokens(plain, winner, 24)
     assert outcomes["200"] >= rounds
     figures.update(requests=2 * rounds, ok=outcomes["200"], conflicts_409=outcomes["409"], lost_updates=0,
                    mixed_histories=0)

@@ -14,7 +14,16 @@ from starlette.testclient import TestClient
 from cachestore.store import BlockStore
 from ops.redisproc import RedisCluster, RedisProcess
 from service.app import store_settings
-from tests.faultkit import QUESTIONS, SYSTEM, chat, pod_client, reply_of, state_of, wait_written
+from tests.faultkit import (
+    QUESTIONS,
+    SYSTEM,
+    chat,
+    pod_client,
+    reference_reply,
+    reply_of,
+    state_of,
+    wait_written,
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +40,11 @@ class Oracle:
         self.client = client
         self.memo: dict[str, str] = {}
 
-    def __call__(self, messages: list[dict[str, str]], max_tokens: int = 8) -> str:
-        key = repr((messages, max_tokens))
+    def __call__(self, resp: Any, max_tokens: int = 8) -> str:
+        """The no-cache reply to exactly the tokens `resp`'s pod used."""
+        key = repr((resp.json()["prompt_token_ids"], max_tokens))
         if key not in self.memo:
-            self.memo[key] = reply_of(chat(self.client, messages, max_tokens))
+            self.memo[key] = reference_reply(self.client, resp, max_tokens)
         return self.memo[key]
 
 
@@ -63,8 +73,8 @@ def test_redis_killed_mid_conversation_and_restarted_empty(redis_server: RedisPr
             resp = chat(pod, messages, session_id="conv-1")
             sent += 1
             text = reply_of(resp)
-            correct += text == oracle(messages)
-            assert text == oracle(messages), f"turn {turn} differs from the no-cache reply"
+            correct += text == oracle(resp)
+            assert text == oracle(resp), f"turn {turn} differs from the no-cache reply"
             statuses.append(resp.headers["x-kv-cache"])
             messages.append({"role": "assistant", "content": text})
             wait_written(pod)
@@ -85,7 +95,8 @@ def test_client_pause_past_the_budget_opens_then_closes_the_breaker(
     budget_s = 0.25
     with pod_client(redis_server.url, tiny_model, redis_timeout_s=budget_s) as pod:
         messages = [SYSTEM, {"role": "user", "content": QUESTIONS[0]}]
-        assert reply_of(chat(pod, messages)) == oracle(messages)
+        first = chat(pod, messages)
+        assert reply_of(first) == oracle(first)
         wait_written(pod)
         assert chat(pod, messages).headers["x-kv-cache"] == "hit"
         t0 = time.perf_counter()
@@ -102,21 +113,22 @@ def test_client_pause_past_the_budget_opens_then_closes_the_breaker(
             resp = chat(pod, messages)
             latencies.append(time.perf_counter() - t)
             sent += 1
-            correct += reply_of(resp) == oracle(messages)
+            correct += reply_of(resp) == oracle(resp)
             assert resp.headers["x-kv-cache"] == "bypass"
         assert store.breaker_state == "open", "the breaker never opened while Redis was paused"
         assert correct == sent
         # each reply waited on Redis at most the budget (plus recompute and scheduling slack)
         assert max(latencies) < budget_s + 3 * recompute_s + 0.5, (latencies, recompute_s)
         t = time.perf_counter()
-        assert reply_of(chat(pod, messages)) == oracle(messages)  # breaker open: no wait on Redis at all
+        first = chat(pod, messages)
+        assert reply_of(first) == oracle(first)  # breaker open: no wait on Redis at all
         open_latency = time.perf_counter() - t
         deadline = time.monotonic() + 20
         status = ""
         while time.monotonic() < deadline:
             resp = chat(pod, messages)
             sent += 1
-            correct += reply_of(resp) == oracle(messages)
+            correct += reply_of(resp) == oracle(resp)
             status = resp.headers["x-kv-cache"]
             if status == "hit" and store.breaker_state == "closed":
                 break
@@ -150,7 +162,7 @@ def test_small_maxmemory_evicts_without_wrong_output(tiny_redis: RedisProcess, t
                 resp = chat(pod, messages, max_tokens=4)
                 sent += 1
                 hits += resp.headers["x-kv-cache"] in ("hit", "partial")
-                correct += reply_of(resp) == oracle(messages, 4)
+                correct += reply_of(resp) == oracle(resp, 4)
                 wait_written(pod)
         assert correct == sent
         info = tiny_redis.client().info("stats")
@@ -168,7 +180,8 @@ def test_small_maxmemory_evicts_without_wrong_output(tiny_redis: RedisProcess, t
                 await fresh.close()
 
         held, _ = asyncio.run(reconcile())
-        actual = sum(client.strlen(k) for k in client.scan_iter(match="kvstash:blk:*", count=1000))
+        actual = sum(client.strlen(k) for kind in ("blk", "tail", "ids")  # everything the budget accounts for
+                     for k in client.scan_iter(match=f"kvstash:{kind}:*", count=1000))
         client.close()
         assert held == actual, (held, actual)
     figures.update(requests=sent, correct=correct, errors=0, redis_evicted_keys=evicted, cache_hits=hits,
@@ -184,7 +197,8 @@ def test_cluster_primary_killed_replica_promoted(redis_cluster_with_replicas: Re
     _wait_replicas_in_sync(cluster)  # a replica that never synced refuses to fail over (validity factor)
     with pod_client(url, tiny_model, redis_timeout_s=1.0) as pod:
         messages = [SYSTEM, {"role": "user", "content": QUESTIONS[1]}]
-        assert reply_of(chat(pod, messages)) == oracle(messages)
+        first = chat(pod, messages)
+        assert reply_of(first) == oracle(first)
         wait_written(pod)
         assert chat(pod, messages).headers["x-kv-cache"] == "hit"
         primary = next(n for n in cluster.nodes if n.client().info("replication")["role"] == "master")
@@ -196,10 +210,10 @@ def test_cluster_primary_killed_replica_promoted(redis_cluster_with_replicas: Re
             for m in (messages, other):
                 resp = chat(pod, m)
                 sent += 1
-                correct += reply_of(resp) == oracle(m)
+                correct += reply_of(resp) == oracle(resp)
             resp = chat(pod, messages)
             sent += 1
-            correct += reply_of(resp) == oracle(messages)
+            correct += reply_of(resp) == oracle(resp)
             status = resp.headers["x-kv-cache"]
             statuses.append(status)
             wait_written(pod)
