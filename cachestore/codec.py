@@ -12,7 +12,8 @@ Modes and their loss (see DESIGN.md, "Codec"):
     int2   group_size channels per token), fp16 scale and zero; error <= half a step
            (of the clipped range with /clip). Options, part of the name: /rot (keys and
            values Hadamard-rotated along head_dim), /rotk, /rotv (one of them), /clip
-           (MSE-chosen group ranges), /plain (none: the format 1 codec).
+           (MSE-chosen group ranges), /plain (none: the format 1 codec). A bare int4 is
+           /plain, a bare int2 /rotv/clip (DEFAULT_VARIANTS).
     fp8    e4m3 with a per-channel fp16 scale; relative error <= 2**-4.
 
 Storage policy (measured with `kvstash bench codec` on SmolLM2 KV): byte shuffle is used
@@ -66,11 +67,12 @@ _SPEC = re.compile(r"(?P<mode>[a-z0-9]+)(?:\+(?P<comp>[a-z0-9]+)(?::(?P<level>-?
 _OPTIONS = {"rot": Variant(True, True), "rotk": Variant(rot_keys=True),
             "rotv": Variant(rot_values=True), "clip": Variant(clip=True), "plain": PLAIN}
 # What a bare "int4" / "int2" means, chosen with `kvstash bench quality` on SmolLM2 (BENCHMARKS.md,
-# section 2): both rotate their values; int2 also needs clipping above all (int4's keys get worse
-# with it). Rotating keys too (/rot) helps int4 a little more but costs a second 64x64 matmul per
-# decode, which made it slower than the format-1 int4; with values alone, decoding into the pod's
-# fp32 context is about as fast as the format-1 int4 was (BENCHMARKS.md, section 4).
-DEFAULT_VARIANTS = {"int4": Variant(rot_values=True),
+# section 2). int2 needs clipping above all and rotated values: perplexity +7.7% / +13.2% -> -1.4% /
+# +1.7% on the two texts. int4 stays plain: /rot lowers its KL by a third and doubles its greedy
+# match, but its perplexity change was no better (within noise) and its second 64x64 matmul per
+# decode made it slower than the format-1 int4, which the decode-speed target forbids; /rotv was
+# a wash. Both stay available by name.
+DEFAULT_VARIANTS = {"int4": PLAIN,
                     "int2": Variant(rot_values=True, clip=True)}
 
 

@@ -211,7 +211,8 @@ def test_spec_parse_and_name_round_trip() -> None:
     # options are part of the name (hence of the fingerprint); a bare int4/int2 names its default
     assert CodecSpec.parse("int2/g32/clip/rotv").name() == "int2+lz4/g32/rotv/clip"
     assert CodecSpec.parse("int4/plain").name() == "int4+lz4/g64/plain"
-    assert CodecSpec.parse("int4").variant == DEFAULT_VARIANTS["int4"] != PLAIN
+    assert CodecSpec.parse("int2").variant == DEFAULT_VARIANTS["int2"] != PLAIN
+    assert CodecSpec.parse("int4").name() == "int4+lz4/g64/plain"
     assert CodecSpec.parse("int4/rotk/rotv") == CodecSpec.parse("int4/rot")
     # fields a mode ignores do not split otherwise identical specs
     assert CodecSpec("int8", "lz4", 7, 32) == CodecSpec("int8", "lz4")

@@ -15,8 +15,11 @@ def test_bench_codec_synthetic_writes_rows(tmp_path: Path, capsys: object) -> No
     report = json.loads(out.read_text())
     assert report["source"] == "synthetic" and report["memcpy_mb_s"] > 0
     rows = {r["spec"]: r for r in report["rows"]}
-    assert len(rows) == 24 and {"int4+zstd:3/g32/plain", "int2+lz4/g32/rotv/clip", "int4+lz4/g32/rotv"} <= set(rows)
+    # 4 modes x 3 compressors; int4 plain (its default) and rot; int2 plain, rotv/clip (its default) and rot
+    assert len(rows) == 12 + 2 * 3 + 3 * 3
+    assert {"int4+zstd:3/g32/plain", "int4+lz4/g32/rot", "int2+lz4/g32/rotv/clip", "int2+none/g32/rot"} <= set(rows)
     assert rows["int2+lz4/g32/rotv/clip"]["default_variant"] and not rows["int2+lz4/g32/plain"]["default_variant"]
+    assert rows["int4+lz4/g32/plain"]["default_variant"] and not rows["int4+lz4/g32/rot"]["default_variant"]
     for field in ("ratio_vs_fp16", "encode_mb_s", "decode_mb_s", "k_rel_err", "v_rel_err"):
         assert all(r[field] >= 0 for r in rows.values()), field
     assert rows["exact+none"]["k_rel_err"] == 0.0 and rows["int2+none/g32/plain"]["v_rel_err"] > 0

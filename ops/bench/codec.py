@@ -27,7 +27,7 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--dtype", default="float16", choices=["float16", "float32", "bfloat16"],
                    help="dtype of the KV handed to the codec (default float16)")
     p.add_argument("--groups", default="32,64", help="int4/int2 group sizes to compare")
-    p.add_argument("--variants", default="plain,default",
+    p.add_argument("--variants", default="plain,default,rot",
                    help="int4/int2 options to compare: 'default' (what a bare int4/int2 means), "
                         "'plain' or option lists such as 'rot/clip' (default %(default)s)")
     p.add_argument("--level", type=int, default=3, help="zstd level")
@@ -135,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
             for option in str(args.variants).split(","):
                 suffix = "" if option.strip() == "default" else f"/{option.strip()}"
                 base = CodecSpec.parse(f"{mode}/g{group}{suffix}")
-                specs += [CodecSpec(mode, c, args.level, group, base.variant) for c in COMPRESSORS]
+                specs += [s for c in COMPRESSORS  # int4's default is plain: listed once
+                          if (s := CodecSpec(mode, c, args.level, group, base.variant)) not in specs]
     memcpy_mb_s = kv.numel() * kv.element_size() / 1e6 / _median_s(kv.clone, args.repeat)
     rows = [_row(kv, spec, args.repeat) for spec in specs]
     shuffle_rows = _shuffle_rows(kv, args.level, args.repeat)
