@@ -10,7 +10,8 @@
     <ns>:sess:<tenant>:<session_id>             HASH one session record
 
 A block's shard NN comes from its hash, and the `{<ns>:sNN}` hash tag puts the block (or tail, or
-reply ids: the budget accounts for all three alike) and its shard's three index keys in one cluster slot, so a Lua script touching them runs on
+reply ids: the budget accounts for all three alike) and its shard's three index keys in one cluster
+slot, so a Lua script touching them runs on
 Redis Cluster. Blocks spread over `index_shards` slots, so no single slot is the hot spot.
 """
 

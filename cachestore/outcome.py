@@ -7,13 +7,13 @@ Callers decide "Redis failed" from this, never by diffing the store's error coun
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
 
-class Outcome(str, Enum):
+class Outcome(StrEnum):
     FOUND = "found"  # read: the value is there (for blocks: at least the first one)
     ABSENT = "absent"  # read: Redis answered, nothing there
     STORED = "stored"  # write: done

@@ -12,6 +12,7 @@ from cachestore.errors import CodecError
 from cachestore.inspect import BlockKey, Progress, classify, parse_block_key, scan_batches, text
 from cachestore.keys import ENTRY_KINDS, KeySpace
 from cachestore.sessions import from_fields
+from cachestore.settings import StoreSettings, index_ttl_ms
 from cachestore.tails import unpack_ids, unpack_tail
 
 # the largest frame verify accepts: far above any real block (SmolLM2: 64 tokens ~ 1.5 M elements)
@@ -55,7 +56,7 @@ class _Verifier:
     def __init__(self, client: Any, keys: KeySpace, fix: bool, block_ttl_ms: int, session_ttl_ms: int) -> None:
         self.client, self.keys, self.fix = client, keys, fix
         self.block_ttl_ms, self.session_ttl_ms = block_ttl_ms, session_ttl_ms
-        self.index_ttl_ms = 2 * block_ttl_ms
+        self.index_ttl_ms = index_ttl_ms(block_ttl_ms)
         self.report = VerifyReport()
         self.by_shard: dict[int, list[str]] = defaultdict(list)  # valid blocks, to check against the index
         self.dropped: dict[int, list[str]] = defaultdict(list)  # blocks deleted by --fix, to unindex
@@ -217,8 +218,10 @@ class _Verifier:
                                        "1" if last else "0", self.index_ttl_ms)
 
 
-async def verify(client: Any, keys: KeySpace, *, fix: bool = False, block_ttl_ms: int = 86_400_000,
-                 session_ttl_ms: int = 86_400_000, progress: Progress | None = None) -> VerifyReport:
+async def verify(client: Any, keys: KeySpace, *, fix: bool = False,
+                 block_ttl_ms: int = StoreSettings.block_ttl_s * 1000,
+                 session_ttl_ms: int = StoreSettings.session_ttl_s * 1000,
+                 progress: Progress | None = None) -> VerifyReport:
     """Check every key of the namespace; with `fix`, delete corrupt or unreachable blocks and bad
     session records, give TTL-less keys their TTL, adopt unindexed blocks into the budget index,
     drop stale index entries and recount the shard counters."""
@@ -239,7 +242,7 @@ async def _entry_batches(client: Any, keys: KeySpace, model: str, progress: Prog
 
 
 async def purge_model(client: Any, keys: KeySpace, model: str, progress: Progress | None = None,
-                      index_ttl_ms: int = 172_800_000) -> PurgeResult:
+                      block_ttl_ms: int = StoreSettings.block_ttl_s * 1000) -> PurgeResult:
     """Delete every block, tail, reply record and session record of one model fingerprint
     (ModelFingerprint.short())."""
     blocks = freed = 0
@@ -254,7 +257,7 @@ async def purge_model(client: Any, keys: KeySpace, model: str, progress: Progres
         blocks += sum(int(n) for n in await pipe.execute())
         for index, gone in by_shard.items():  # CHECK drops the entries of the blocks just unlinked
             _, stale, _ = await client.eval(budget.CHECK, 3 + len(gone), *keys.shard(index).all(), *gone,
-                                            "0", index_ttl_ms)
+                                            "0", index_ttl_ms(block_ttl_ms))
             freed += int(stale)
     sessions = 0
     async for batch in scan_batches(client, keys.session_pattern(), progress):

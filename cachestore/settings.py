@@ -34,6 +34,11 @@ def mask_url(url: str) -> str:
     return scheme + sep + _QUERY_SECRET_RE.sub(r"\1***", netloc + slash + tail)
 
 
+def index_ttl_ms(block_ttl_ms: int) -> int:
+    """Index keys outlive the blocks they account for: twice the block TTL (the one place this rule lives)."""
+    return 2 * block_ttl_ms
+
+
 @dataclass(frozen=True)
 class StoreSettings:
     """Configuration of one BlockStore. Times in seconds, sizes in bytes."""
@@ -44,7 +49,7 @@ class StoreSettings:
     sentinel_master: str | None = None
     block_ttl_s: int = 86400
     session_ttl_s: int = 86400
-    budget_bytes: int = 1 << 30
+    budget_bytes: int = 2 << 30  # the one default of the namespace budget (pods and admin read it from here)
     high_watermark: float = 0.95
     low_watermark: float = 0.85
     budget_enabled: bool = True
@@ -85,8 +90,8 @@ class StoreSettings:
         return self.sentinel_master is not None or self.scheme.endswith("+sentinel")
 
     @property
-    def shard_budget_bytes(self) -> int:
-        return self.budget_bytes // self.index_shards
+    def index_ttl_ms(self) -> int:
+        return index_ttl_ms(self.block_ttl_s * 1000)
 
     def _validate(self) -> None:
         scheme = self.scheme
@@ -94,7 +99,8 @@ class StoreSettings:
             raise ConfigError(f"unsupported Redis URL scheme {scheme!r}; use one of {', '.join(_SCHEMES)}")
         if not _NAMESPACE_RE.match(self.namespace):
             raise ConfigError("namespace must match [A-Za-z0-9._-]{1,64}")
-        positive = ("block_ttl_s", "session_ttl_s", "budget_bytes", "max_value_bytes", "op_timeout_s", "write_timeout_s",
+        positive = ("block_ttl_s", "session_ttl_s", "budget_bytes", "max_value_bytes", "op_timeout_s",
+                    "write_timeout_s",
                     "connect_timeout_s", "max_connections", "breaker_failures", "index_shards")
         for name in positive:
             if getattr(self, name) <= 0:

@@ -48,7 +48,7 @@ class BlockStore:
         self._local = LocalTier(settings.local_tier_bytes) if settings.local_tier_bytes else None
         self._put_lock = asyncio.Lock()
         self._block_ttl_ms = settings.block_ttl_s * 1000
-        self._index_ttl_ms = 2 * self._block_ttl_ms
+        self._index_ttl_ms = settings.index_ttl_ms
         self._session_ttl_ms = settings.session_ttl_s * 1000
 
     # -- plumbing ---------------------------------------------------------------------------

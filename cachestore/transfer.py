@@ -35,6 +35,7 @@ from cachestore.hashing import BlockHash, ModelFingerprint, chain_hashes, root_h
 from cachestore.inspect import read_session
 from cachestore.keys import KeySpace
 from cachestore.sessions import MAX_MESSAGES_BYTES, MAX_TOKENS, SessionRecord, to_fields
+from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
 
 FORMAT = "kvstash-session"
@@ -190,7 +191,7 @@ def _fingerprint(value: Any) -> ModelFingerprint:
         raise TransferError(f"invalid session file: {exc}") from exc
 
 
-def parse_document(data: bytes, *, max_value_bytes: int = 8 << 20) -> SessionExport:
+def parse_document(data: bytes, *, max_value_bytes: int = StoreSettings.max_value_bytes) -> SessionExport:
     """Validate a session file completely (it is untrusted input) and return what it holds."""
     _need(len(data) <= MAX_FILE_BYTES, f"larger than {MAX_FILE_BYTES} bytes")
     try:

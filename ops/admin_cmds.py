@@ -139,7 +139,7 @@ def cmd_purge(args: argparse.Namespace, settings: Any) -> int:
     check_model(args.model)
     confirm(args, f"delete every block and session of model {args.model} in {_where(settings)}?")
     result = call(settings, lambda s: repair.purge_model(s.client, s.keys, args.model, progress(args),
-                                                          2 * settings.block_ttl_s * 1000))
+                                                          settings.block_ttl_s * 1000))
     print(f"purged model {args.model}: {result.blocks} blocks ({result.block_bytes} accounted bytes), "
           f"{result.sessions} sessions")
     return 0

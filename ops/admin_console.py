@@ -34,7 +34,6 @@ def store_settings(args: argparse.Namespace) -> Any:
                 options[name] = int(os.environ[env])
             except ValueError as exc:
                 raise ConfigError(f"{env} must be an integer") from exc
-    options.setdefault("budget_bytes", 2 << 30)  # the pods' default (service.settings.PodSettings)
     return StoreSettings.from_url(url, **options)
 
 

@@ -21,9 +21,9 @@ from cachestore.codec import Codec
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
 from service import completions, health, openapi, sessions_api
+from service.engines import Engine, load_engine
 from service.errors import EXCEPTION_HANDLERS
 from service.metrics import PodMetrics
-from service.engines import Engine, load_engine
 from service.pipeline import Pipeline
 from service.settings import PodSettings
 from service.state import PodState
@@ -77,8 +77,7 @@ class RouteMetrics(BaseHTTPMiddleware):
 
 def build_state(settings: PodSettings, engine: Engine) -> PodState:
     """Wire engine, store, codec, writer and pipeline (no I/O; the store connects lazily)."""
-    state = PodState(settings=settings, metrics=PodMetrics())
-    state.metrics = PodMetrics(lambda: _store_stats(state))
+    state = PodState(settings=settings, metrics=PodMetrics(lambda: _store_stats(state)))
     codec = Codec(settings.codec)
     state.engine = engine
     if settings.cache_enabled:

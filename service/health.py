@@ -8,7 +8,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from service.completions import pod
+from service.respond import pod
 
 
 async def healthz(request: Request) -> Response:
@@ -35,8 +35,6 @@ async def readyz(request: Request) -> Response:
         "write_queue": state.writer.depth if state.writer else 0,
         "pod": state.settings.pod_name,
     }
-    if state.load_error:
-        body["error"] = state.load_error
     return JSONResponse(body, status_code=200 if state.ready else 503)
 
 

@@ -17,14 +17,14 @@ from cachestore.blockcodec import BlockCodecs
 from cachestore.codec import Codec
 from cachestore.errors import CodecError
 from cachestore.hashing import BlockHash, chain_hashes, root_hash
-from cachestore.tails import pack_ids, reply_digest, unpack_ids, unpack_tail
 from cachestore.sessions import SessionRecord
 from cachestore.store import BlockStore
+from cachestore.tails import pack_ids, reply_digest, unpack_ids, unpack_tail
 from service.contextpool import ContextPool
+from service.engines import Engine, Generation, GenParams
 from service.errors import overloaded
 from service.framecheck import Rejection, frame_problem
 from service.metrics import PodMetrics
-from service.engines import Engine, GenParams, Generation
 from service.settings import PodSettings
 from service.writer import BackgroundWriter, WriteJob
 
@@ -162,7 +162,8 @@ class Pipeline:
         while True:
             wanted = len(chunks[hit_blocks // FETCH_CHUNK_BLOCKS]) if chunks else 0
             more = bool(frames) and len(frames) == wanted and hit_blocks + wanted < len(hashes)
-            upcoming = asyncio.ensure_future(self._fetch(chunks[hit_blocks // FETCH_CHUNK_BLOCKS + 1])) if more else None
+            upcoming = (asyncio.ensure_future(self._fetch(chunks[hit_blocks // FETCH_CHUNK_BLOCKS + 1]))
+                        if more else None)
             decoded, nbytes = await asyncio.to_thread(self._decode_blocks, frames, out, hit_blocks)
             hit_blocks, fetched = hit_blocks + decoded, fetched + nbytes
             if upcoming is None:

@@ -12,8 +12,8 @@ from service.engines.base import PrefillHook
 from service.engines.chat import chat_token_ids
 from service.engines.generation import (
     END_TOKENS,
-    GenParams,
     Generation,
+    GenParams,
     TextStream,
     make_generator,
     pick,
@@ -119,7 +119,7 @@ class ModelRunner:
                     ttft = time.perf_counter() - started
                 generated.append(token)
                 if on_prefill is not None and len(generated) == 1:  # after the first token: not in its TTFT
-                    on_prefill(lambda start, end: _copy_out(cache, start, end))
+                    on_prefill(lambda start, end, cache=cache: _copy_out(cache, start, end))
                 if token in self.end_ids:
                     finish, ended_by_token = "stop", True
                     break

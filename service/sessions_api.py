@@ -12,11 +12,11 @@ from starlette.responses import JSONResponse, Response
 from cachestore.outcome import Outcome
 from cachestore.sessions import SessionRecord
 from cachestore.store import BlockStore
-from service.completions import check_context, pod, ready_pipeline, run_admitted
+from service.engines import Generation
 from service.errors import ApiError, bad_request, not_found
 from service.pipeline import CacheView
 from service.requests import check_session_id, parse_flag, parse_messages, parse_params, read_json, stream_flags
-from service.engines import Generation
+from service.respond import check_context, pod, ready_pipeline, run_admitted
 from service.state import PodState
 from service.tenancy import Tenant, resolve_tenant
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from cachestore.errors import ConfigError
-from cachestore.settings import mask_url
+from cachestore.settings import StoreSettings, mask_url
 from service.engines.base import ENGINES
 
 TENANT_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -34,10 +34,10 @@ class PodSettings:
     cache_enabled: bool = True
     codec: str = "exact"  # lossless: a hit never changes the answer (README, "Picking a codec")
     block_tokens: int = 64
-    block_ttl_s: int = 86400
-    session_ttl_s: int = 86400
-    budget_bytes: int = 2 << 30
-    max_value_bytes: int = 8 << 20
+    block_ttl_s: int = StoreSettings.block_ttl_s  # the store's defaults are the only ones
+    session_ttl_s: int = StoreSettings.session_ttl_s
+    budget_bytes: int = StoreSettings.budget_bytes
+    max_value_bytes: int = StoreSettings.max_value_bytes
     redis_timeout_s: float = 0.5  # the request path waits on Redis at most this long
     write_wait_s: float | None = None  # a reply's last byte waits at most this long for its writes (None: the
     # Redis budget, redis_timeout_s); never when this request's read already found Redis failing
@@ -108,7 +108,8 @@ def parse_api_keys(text: str) -> dict[str, str]:
 
 
 _ENV_CASTS: dict[str, Any] = {
-    "host": str, "port": int, "engine": str, "model": str, "device": str, "parallel": int, "threads": int, "redis_url": str, "namespace": str,
+    "host": str, "port": int, "engine": str, "model": str, "device": str, "parallel": int, "threads": int,
+    "redis_url": str, "namespace": str,
     "codec": str, "block_tokens": int, "block_ttl_s": int, "session_ttl_s": int,
     "budget_bytes": int, "max_value_bytes": int, "redis_timeout_s": float, "write_wait_s": float,
     "local_tier_bytes": int, "max_queue": int, "write_queue": int, "max_body_bytes": int, "body_timeout_s": float,

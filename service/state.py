@@ -6,8 +6,8 @@ import time
 from dataclasses import dataclass, field
 
 from cachestore.store import BlockStore
-from service.metrics import PodMetrics
 from service.engines import Engine
+from service.metrics import PodMetrics
 from service.pipeline import Pipeline
 from service.settings import PodSettings
 from service.writer import BackgroundWriter
@@ -22,7 +22,6 @@ class PodState:
     writer: BackgroundWriter | None = None
     pipeline: Pipeline | None = None
     started_at: float = field(default_factory=time.time)
-    load_error: str | None = None
 
     @property
     def ready(self) -> bool:

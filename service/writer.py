@@ -13,8 +13,8 @@ from cachestore.blockcodec import BlockCodecs
 from cachestore.codec import Codec
 from cachestore.errors import KvstashError
 from cachestore.hashing import BlockHash
-from cachestore.sessions import SessionRecord
 from cachestore.outcome import Outcome, Result
+from cachestore.sessions import SessionRecord
 from cachestore.store import BlockStore
 from cachestore.tails import pack_tail
 from service.metrics import PodMetrics

@@ -16,28 +16,28 @@ def _golden(v_trans: bool, positions: list[int]) -> tuple[bytes, torch.Tensor]:
     """A state written field by field from the layout table (2 layers, 2 kv heads, head_dim 3), and the
     tensor it must parse to. Values encode (layer, k/v, head, position, dim), so a misplaced one shows."""
     layers, heads, dim, n = 2, 2, 3, len(positions)
-    value = lambda l, kv, h, p, d: l * 1000 + kv * 500 + h * 100 + p * 10 + d  # noqa: E731
+    value = lambda ly, kv, h, p, d: ly * 1000 + kv * 500 + h * 100 + p * 10 + d  # noqa: E731
     want = torch.empty((layers, 2, heads, n, dim), dtype=torch.float16)
-    for l, kv, h, p, d in np.ndindex(layers, 2, heads, n, dim):
-        want[l, kv, h, p, d] = value(l, kv, h, p, d)
+    for ly, kv, h, p, d in np.ndindex(layers, 2, heads, n, dim):
+        want[ly, kv, h, p, d] = value(ly, kv, h, p, d)
     out = struct.pack("<IiI", 0xAF143CD8, 7, 1) + struct.pack("<I", n)
     for p in positions:
         out += struct.pack("<iIi", p, 1, 7)
     out += struct.pack("<II", int(v_trans), layers)
-    for l in range(layers):
+    for ly in range(layers):
         out += struct.pack("<iQ", 1, heads * dim * 2)
         for p in positions:  # a row per cell: heads x dim
-            out += np.array([value(l, 0, h, p, d) for h in range(heads) for d in range(dim)], "<f2").tobytes()
-    for l in range(layers):
+            out += np.array([value(ly, 0, h, p, d) for h in range(heads) for d in range(dim)], "<f2").tobytes()
+    for ly in range(layers):
         if v_trans:
             out += struct.pack("<iII", 1, 2, heads * dim)
             for h in range(heads):
                 for d in range(dim):  # a row per channel: one element per cell
-                    out += np.array([value(l, 1, h, p, d) for p in positions], "<f2").tobytes()
+                    out += np.array([value(ly, 1, h, p, d) for p in positions], "<f2").tobytes()
         else:
             out += struct.pack("<iQ", 1, heads * dim * 2)
             for p in positions:
-                out += np.array([value(l, 1, h, p, d) for h in range(heads) for d in range(dim)], "<f2").tobytes()
+                out += np.array([value(ly, 1, h, p, d) for h in range(heads) for d in range(dim)], "<f2").tobytes()
     return out, want
 
 
@@ -90,7 +90,8 @@ def test_one_stream_of_many_holds_the_sequence() -> None:
     kv = torch.randn(2, 2, 2, 5, 3).half()
     geo = StateGeometry(2, 2, 3, True, n_stream=4)
     blob = assemble_state(kv, geo)
-    assert struct.unpack_from("<II", blob, 8) == (4, 5) and struct.unpack_from("<III", blob, len(blob) - 12) == (0, 0, 0)
+    assert struct.unpack_from("<II", blob, 8) == (4, 5)
+    assert struct.unpack_from("<III", blob, len(blob) - 12) == (0, 0, 0)
     assert torch.equal(parse_state(blob, geo), kv)
     assert llamastate.read_facts(blob) == llamastate.StateFacts(4, True, 2, 6)
 

@@ -1,8 +1,8 @@
 """`kvstash bench load`: concurrent multi-turn chat sessions over P pods behind a round robin, cache on vs off.
 
 Each session starts with notes unique to it (a window of ops/data/sample.txt in its system prompt),
-so its first turn is a miss; every later turn resends the whole conversation (the OpenAI way, with
-an X-Session-Id header) and can reuse everything the previous turn processed, wherever it ran.
+so its first turn is a miss; every later turn resends the whole conversation (the OpenAI way, with no
+session id unless --session-header) and can reuse everything the previous turn processed, wherever it ran.
 The best possible hit for turn k is the previous turn's prompt + reply (less the last reply token,
 which is never fed); hit rate = cached tokens / that. S sessions run at once, T turns each, with a
 short think time between turns; the generator is bounded by --deadline-s and always terminates.
@@ -56,6 +56,9 @@ def register(bench_subparsers: Any) -> None:
                    help="torch threads per pod (default: cores / pods, at least 1)")
     p.add_argument("--deadline-s", type=float, default=600.0, help="stop starting turns after this (default 600)")
     p.add_argument("--no-baseline", action="store_true", help="skip the run with the cache disabled")
+    p.add_argument("--session-header", action="store_true",
+                   help="send X-Session-Id (server-side partial blocks); default: stateless, as the OpenAI "
+                        "clients send the whole history and no session id")
     p.add_argument("--json", type=Path, help="write the summary and every turn as JSON here")
     p.add_argument("--plot", type=Path, help="TTFT p50/p99 by turn kind, cache on vs off (PNG)")
     p.set_defaults(func=run)
@@ -87,7 +90,8 @@ def _session(idx: int, args: argparse.Namespace, pick: Any, deadline: float) -> 
                     "temperature": 0}
             t0 = time.monotonic()
             try:
-                res = stream_chat(client, pick(), body, headers={"X-Session-Id": f"load-{idx}"})
+                headers = {"X-Session-Id": f"load-{idx}"} if args.session_header else {}
+                res = stream_chat(client, pick(), body, headers=headers)
             except Exception as exc:  # noqa: BLE001 - every failure is counted as an error row
                 rows.append({"session": idx, "turn": turn, "status": 0, "error": f"{type(exc).__name__}: {exc}",
                              "started": t0})
@@ -292,7 +296,8 @@ def run(args: argparse.Namespace) -> int:
                                                                     if k != "func" and not isinstance(v, Path)}})
     if args.plot:
         labels = ["turn 1 p50", "turns 2+ p50", "turns 2+ p99"]
-        groups = {(("cache on" if r["cache"] else "cache off") + f" (parallel {r['parallel']})"): [r["ttft_ms_first_turn_p50"], r["ttft_ms_later_turns_p50"],
+        groups = {(("cache on" if r["cache"] else "cache off") + f" (parallel {r['parallel']})"):
+                  [r["ttft_ms_first_turn_p50"], r["ttft_ms_later_turns_p50"],
                                                                  r["ttft_ms_later_turns_p99"]] for r in runs}
         plot_bars(args.plot, labels, groups, title=f"TTFT under load: {args.sessions} sessions, {args.pods} pods",
                   ylabel="ms")

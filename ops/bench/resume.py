@@ -32,8 +32,9 @@ TARGET_SPEEDUP, TARGET_FLOOR_RATIO, TARGET_CONTEXT, TARGET_MODE = 20.0, 1.5, 204
 
 def register(bench_subparsers: Any) -> None:
     p = bench_subparsers.add_parser("resume", help="TTFT of a resumed session: kvstash vs recompute, naive, floor")
-    p.add_argument("--engine", default="hf", choices=["hf", "llamacpp"],
-                   help="model runtime: hf (transformers, default) or llamacpp (recompute = llama.cpp's prefill)")
+    p.add_argument("--engine", default="hf", choices=["hf", "llamacpp", "llama-server"],
+                   help="model runtime: hf (transformers, default), llamacpp (recompute = llama.cpp's prefill) or "
+                        "llama-server (a spawned llama-server; adds slot-file-tmpfs, its own slot restore)")
     p.add_argument("--model", default="smollm2",
                    help="smollm2 (default); hf: tiny-random or a local HF directory; llamacpp: a .gguf file")
     p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)),
@@ -69,6 +70,8 @@ class ResumeBench:
         self.engine, self.url, self.args = engine, url, args
         self.loaded = getattr(engine, "loaded", None)  # the transformers model of the hf engine
         self._warm = False
+        # llama-server keeps each slot's tokens: emptied before every timed run, so nothing is reused unasked
+        self._fresh = getattr(engine, "forget", lambda: None)
 
     def recompute(self, prompt: list[int]) -> tuple[list[float], Any]:
         from service.runner import GenParams  # noqa: PLC0415
@@ -78,6 +81,7 @@ class ResumeBench:
             self.engine.generate(prompt[:64], None, GenParams(max_tokens=1))
             self._warm = True
         for _ in range(max(1, self.args.recompute_repeat)):
+            self._fresh()
             gen = self.engine.generate(prompt, None, GenParams(max_tokens=1))
             times.append(gen.ttft_s)
             kv = gen.kv
@@ -106,11 +110,13 @@ class ResumeBench:
         raw = redis.Redis.from_url(self.url)
         try:
             hashes = pipeline.hashes(SALT, prompt[:context])
-            frames = [pipeline.codecs.at(i).encode(kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]  # [L,2,H,b,D]
+            # [L, 2, H, b, D] each
+            frames = [pipeline.codecs.at(i).encode(kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
             assert await store.put_blocks(pipeline.model_key, hashes, frames) == len(frames)
             nbytes = sum(len(f) for f in frames)
             times: list[float] = []
             for rep in range(self.args.repeat + 1):  # the first run warms up and is not counted
+                self._fresh()
                 t0 = time.perf_counter()
                 view, _ = await pipeline.lookup(SALT, prompt)
                 if view.cached_tokens != context:
@@ -160,6 +166,7 @@ class ResumeBench:
         kv = kv.clone()
         times = []
         for rep in range(self.args.repeat + 1):
+            self._fresh()
             t0 = time.perf_counter()
             pipe = raw.pipeline(transaction=False)
             for key in keys:
@@ -171,6 +178,29 @@ class ResumeBench:
                 times.append(fetched + gen.ttft_s)
             assert all(isinstance(g, bytes) for g in got)
         return times
+
+    def slot_restore(self, prompt: list[int], kv: Any) -> dict[str, Any]:
+        """llama-server's own mechanism, the bar a user compares with: the history's slot file already on the local
+        tmpfs (written once), then `POST /slots/0?action=restore` + the completion of the last token."""
+        from service.engines import GenParams, slotfile  # noqa: PLC0415
+
+        context = len(prompt) - 1
+        path = self.engine.slot_dir / "bench-floor.bin"
+        nbytes = slotfile.write(path, prompt[:context], kv[:, :, :, :context], self.engine.state_geometry)
+        times = []
+        try:
+            for rep in range(self.args.repeat + 1):
+                self._fresh()
+                t0 = time.perf_counter()
+                r = self.engine.restore_file(0, path.name)
+                gen = self.engine.generate(prompt, None, GenParams(max_tokens=1))
+                if r != context or gen.cached_tokens != context:
+                    raise RuntimeError(f"slot restore: {r} tokens restored, {gen.cached_tokens} reused of {context}")
+                if rep:
+                    times.append(time.perf_counter() - t0 - (gen.total_s - gen.ttft_s))
+        finally:
+            path.unlink(missing_ok=True)
+        return _row(context, "slot-file-tmpfs", times, nbytes)
 
     def naive(self, prompt: list[int], kv: Any) -> dict[str, Any]:
         """What people write by hand: torch.save the whole cache into one key, GET it, torch.load it."""
@@ -304,6 +334,9 @@ async def _measure(args: argparse.Namespace, url: str) -> tuple[list[dict[str, A
             rows += [hit, floor]
             print(f"context {context}: {hit['method']} p50 {hit['ttft_ms_p50']:.1f} ms, "
                   f"floor {floor['ttft_ms_p50']:.1f} ms", flush=True)
+        if args.engine == "llama-server":
+            rows.append(bench.slot_restore(prompt, kv))
+            print(f"context {context}: slot-file-tmpfs p50 {rows[-1]['ttft_ms_p50']:.1f} ms", flush=True)
         if not args.no_naive and bench.loaded is not None:
             rows.append(bench.naive(prompt, kv))
         if args.profile and context == TARGET_CONTEXT and bench.loaded is not None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from service.engines.base import ENGINES, Engine, KvGeometry
-from service.engines.generation import GenParams, Generation
+from service.engines.generation import Generation, GenParams
 
 __all__ = ["ENGINES", "Engine", "GenParams", "Generation", "KvGeometry", "load_engine"]
 

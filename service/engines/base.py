@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from cachestore.hashing import ModelFingerprint
-from service.engines.generation import GenParams, Generation
+from service.engines.generation import Generation, GenParams
 
 # on_prefill(get_kv): get_kv(start, end) -> [layers, 2, kv_heads, end - start, head_dim], a CPU copy
 PrefillHook = Callable[[Callable[[int, int], torch.Tensor]], None]

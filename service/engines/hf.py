@@ -8,7 +8,7 @@ import torch
 
 from cachestore.hashing import ModelFingerprint
 from service.engines.base import KvGeometry, PrefillHook
-from service.engines.generation import GenParams, Generation
+from service.engines.generation import Generation, GenParams
 from service.models import LoadedModel, load_model
 from service.runner import ModelRunner
 

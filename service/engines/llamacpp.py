@@ -28,7 +28,7 @@ from cachestore.hashing import ModelFingerprint
 from service.engines import llamastate
 from service.engines.base import KvGeometry, PrefillHook
 from service.engines.chat import chat_token_ids
-from service.engines.generation import GenParams, Generation, TextStream, make_generator, pick, reply_ids
+from service.engines.generation import Generation, GenParams, TextStream, make_generator, pick, reply_ids
 
 log = logging.getLogger("kvstash.llamacpp")
 
@@ -425,7 +425,7 @@ class LlamaCppEngine:
             elif len(req.generated) < req.max_new:
                 return
             req.stream.finish()
-        except Exception as exc:  # the client hung up (its callback raised): free the sequence now
+        except Exception as exc:  # noqa: BLE001 - the client hung up (its callback raised): free the sequence now
             self._end(req, exc)
             return
         req.blob = self._get_state(req.seq)

@@ -13,7 +13,8 @@
 | n_layer                | u32           |                                                           |
 | per layer: K           | i32 type, u64 row bytes, cell_count rows of kv_heads*head_dim |                |
 | per layer: V (rows)    | as K, when v_trans = 0                                    |                |
-| per layer: V (transp.) | i32 type, u32 element bytes, u32 n_embd_v_gqa, then n_embd_v_gqa rows of cell_count elements |
+| per layer: V (transp.) | i32 type, u32 element bytes, u32 n_embd_v_gqa,                  |                |
+|                        | then n_embd_v_gqa rows of cell_count elements             |                |
 | (the next streams)     | u32 cell_count = 0 each                                   |                |
 
 Only F16 K and V (llama.cpp's default) are read and written. Any other layout is a `StateLayoutError`:
