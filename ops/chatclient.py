@@ -21,6 +21,7 @@ class TurnResult:
     prompt_tokens: int
     completion_tokens: int
     status: int
+    prompt_token_ids: list[int] | None = None  # when the request asked for them (return_token_ids)
 
 
 def stream_chat(
@@ -33,6 +34,7 @@ def stream_chat(
     ttft = None
     pieces: list[str] = []
     usage: dict[str, Any] = {}
+    prompt_ids: list[int] | None = None
     with client.stream("POST", base_url + path, json=payload, headers=headers or {}) as resp:
         if resp.status_code != 200:
             resp.read()
@@ -55,6 +57,8 @@ def stream_chat(
                     pieces.append(delta)
             if event.get("usage"):
                 usage = event["usage"]
+            if isinstance(event.get("prompt_token_ids"), list):
+                prompt_ids = event["prompt_token_ids"]
         total = time.perf_counter() - t0
         return TurnResult(
             text="".join(pieces),
@@ -66,4 +70,5 @@ def stream_chat(
             prompt_tokens=int(usage.get("prompt_tokens", 0)),
             completion_tokens=int(usage.get("completion_tokens", 0)),
             status=resp.status_code,
+            prompt_token_ids=prompt_ids,
         )

@@ -7,7 +7,6 @@ import contextlib
 import json
 import signal
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,8 +31,9 @@ def register(sub: Any) -> None:
                     "multi-turn chat through it, and compare every turn with a pod that has no cache.",
     )
     p.add_argument("--turns", type=int, default=6, help="number of chat turns (default 6, at most 8)")
-    p.add_argument("--engine", default="hf", choices=["hf", "llamacpp"],
-                   help="model runtime of every pod: hf (transformers, default) or llamacpp")
+    p.add_argument("--engine", default="hf", choices=["hf", "llamacpp", "llama-server"],
+                   help="model runtime of every pod: hf (transformers, default), llamacpp, or llama-server "
+                        "(each pod a `kvstash sidecar` with its own llama-server)")
     p.add_argument("--model", default="smollm2", help="model every pod serves (default smollm2)")
     p.add_argument("--codec", default="exact", help="codec of the cached blocks (default exact: lossless)")
     p.add_argument("--block-tokens", type=int, default=64, help="tokens per cached block (default 64)")
@@ -63,8 +63,13 @@ def _cluster(args: argparse.Namespace) -> Iterator[tuple[str, list[Any], Any, An
             redis_url = redis_proc.url
             _say(f"redis        {redis_url} (private, started for the demo)")
         extra = ("--engine", args.engine, "--codec", args.codec, "--block-tokens", str(args.block_tokens))
-        pods = [PodProcess(f"pod-{chr(ord('a') + i)}", redis_url, args.model, extra) for i in range(args.pods)]
-        baseline = PodProcess("pod-nocache", redis_url, args.model, extra, no_cache=True)
+        pod_class: Any = PodProcess
+        if args.engine == "llama-server":  # every pod a sidecar beside its own llama-server
+            from ops.sidecarproc import SidecarProcess  # noqa: PLC0415
+
+            pod_class, extra = SidecarProcess, extra[2:]
+        pods = [pod_class(f"pod-{chr(ord('a') + i)}", redis_url, args.model, extra) for i in range(args.pods)]
+        baseline = pod_class("pod-nocache", redis_url, args.model, extra, no_cache=True)
         for pod in [*pods, baseline]:
             started.append(pod.start())
         _say(f"starting {len(pods)} pods + 1 no-cache pod (engine {args.engine}, model {args.model}, "
@@ -105,36 +110,47 @@ def run(args: argparse.Namespace) -> int:
         count = _token_counter(args.engine, args.model)
         model = client.get(pods[0].url + "/v1/models").json()["data"][0]["id"]  # the name pods answer to
         _say("")
-        _say(f"{'turn':>4}  {'pod':<8} {'cache':<8} {'prompt':>6} {'cached':>6} {'TTFT ms':>8} "
+        _say(f"{'turn':>4}  {'pod':<8} {'cache':<8} {'prompt':>6} {'possible':>8} {'cached':>6} {'TTFT ms':>8} "
              f"{'no-cache ms':>11} {'speedup':>7}  same reply")
+        possible = 0  # tokens of this prompt some pod already computed: the last prompt and its reply
         for turn in range(1, args.turns + 1):
             messages.append({"role": "user", "content": QUESTIONS[turn - 1]})
-            body = {"model": model, "messages": messages, "max_tokens": args.max_tokens, "temperature": 0}
+            body = {"model": model, "messages": messages, "max_tokens": args.max_tokens, "temperature": 0,
+                    "return_token_ids": True}
             target = balancer.url if balancer else pods[(turn - 1) % len(pods)].url
             cached = stream_chat(client, target, body)
-            plain = stream_chat(client, baseline.url, body)
+            # the no-cache pod is handed exactly the tokens the caching pod used (a reply some pod generated is
+            # fed back as the ids it generated, not a re-tokenization of its text)
+            same_tokens = {"model": model, "prompt": cached.prompt_token_ids or [], "max_tokens": args.max_tokens,
+                           "temperature": 0}
+            plain = stream_chat(client, baseline.url, same_tokens, path="/v1/completions")
             if cached.status != 200 or plain.status != 200:
                 print(f"kvstash demo: turn {turn} failed: {cached.text or plain.text}", file=sys.stderr)
                 return 1
             same = cached.text == plain.text
             rows.append({
                 "turn": turn, "pod": cached.pod, "cache": cached.cache, "prompt_tokens": cached.prompt_tokens,
-                "cached_tokens": cached.cached_tokens, "ttft_ms": round(cached.ttft_ms, 1),
+                "possible_tokens": possible, "cached_tokens": cached.cached_tokens, "ttft_ms": round(cached.ttft_ms, 1),
                 "ttft_ms_nocache": round(plain.ttft_ms, 1), "identical": same,
                 "matching_tokens": common_prefix(count(cached.text), count(plain.text)),
             })
             speed = plain.ttft_ms / cached.ttft_ms if cached.ttft_ms else 0.0
-            _say(f"{turn:>4}  {cached.pod:<8} {cached.cache:<8} {cached.prompt_tokens:>6} "
+            _say(f"{turn:>4}  {cached.pod:<8} {cached.cache:<8} {cached.prompt_tokens:>6} {possible:>8} "
                  f"{cached.cached_tokens:>6} {cached.ttft_ms:>8.0f} {plain.ttft_ms:>11.0f} {speed:>6.1f}x  "
                  f"{'yes' if same else 'no'}")
             messages.append({"role": "assistant", "content": cached.text})
-            time.sleep(0.3)  # let the serving pod's background write land before the next turn
+            possible = cached.prompt_tokens + cached.completion_tokens - 1  # the next turn is sent at once
     later = [r for r in rows if r["turn"] > 1]
     speedup = (sum(r["ttft_ms_nocache"] for r in later) / max(1e-9, sum(r["ttft_ms"] for r in later))) if later else 0
     all_identical = all(r["identical"] for r in rows)
     _say("")
     _say(f"turns 2..{args.turns}: mean TTFT {_mean(later, 'ttft_ms'):.0f} ms with kvstash vs "
          f"{_mean(later, 'ttft_ms_nocache'):.0f} ms recomputing: {speedup:.1f}x faster")
+    possible = sum(r["possible_tokens"] for r in later)
+    reused = sum(min(r["cached_tokens"], r["possible_tokens"]) for r in later)
+    if possible:
+        _say(f"turns 2..{args.turns}: {reused} of the {possible} tokens some pod had already computed came from "
+             f"the cache ({100 * reused / possible:.1f}%), each turn sent the moment the previous reply ended")
     pods_used = sorted({r["pod"] for r in rows})
     _say(f"pods that served turns: {', '.join(pods_used)}")
     if all_identical:
