@@ -18,6 +18,7 @@ from schemathesis.generation.modes import GenerationMode
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from cachestore.keys import ENTRY_KINDS
 from ops.redisproc import RedisProcess
 from service.app import create_app
 from service.settings import PodSettings
@@ -27,7 +28,7 @@ EXAMPLES = int(os.environ.get("KVSTASH_API_FUZZ_EXAMPLES", "150"))
 NS = "hostile"
 POSTS = ["/v1/chat/completions", "/v1/completions", "/v1/sessions", "/v1/sessions/victim/messages",
          "/v1/sessions/victim/fork"]
-KEY_PREFIXES = (f"{NS}:blk:", f"{NS}:idx:", f"{NS}:sess:")
+KEY_PREFIXES = tuple(f"{NS}:{kind}:" for kind in (*ENTRY_KINDS, "idx", "sess"))  # every key shape kvstash writes
 
 
 def pod_settings(redis: RedisProcess, **overrides: Any) -> PodSettings:
@@ -64,7 +65,7 @@ def seed_victim(client: TestClient) -> dict[str, Any]:
 
 
 def redis_snapshot(redis: RedisProcess) -> dict[bytes, bytes]:
-    """Every block and session key with a digest of its value (index keys change on reads by design)."""
+    """Every value and session key with its DUMP (index keys change on reads by design)."""
     r = redis.client()
     try:
         out = {}
