@@ -161,7 +161,7 @@ def _hadamard_cpu(dim: int) -> torch.Tensor:
     block = torch.ones(1, 1)
     while block.shape[0] < size:
         block = torch.cat([torch.cat([block, block], 1), torch.cat([block, -block], 1)], 0)
-    return torch.block_diag(*[block / math.sqrt(size)] * (dim // size)).contiguous()
+    return torch.kron(torch.eye(dim // size), block / math.sqrt(size)).contiguous()
 
 
 def rotate(x: torch.Tensor) -> torch.Tensor:
@@ -312,7 +312,7 @@ def _affine_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: 
     padded = q.shape[dim] * q.shape[dim + 1] != size
     scale32, zero32 = scale.float(), zero.float()  # q * scale is exact in fp32 (<= 15 bits)
     if not padded and not rot and out.dtype == torch.float32:
-        grouped = out.unflatten(dim, q.shape[dim:dim + 2])
+        grouped = out.view(*out.shape[:dim], *q.shape[dim:dim + 2], *out.shape[dim + 1:])
         grouped.copy_(q).mul_(scale32).add_(zero32)
         return
     x = q.to(torch.float32).mul_(scale32).add_(zero32)

@@ -156,7 +156,7 @@ def _measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
             frames = _round_trip(codecs, kv, args.block_tokens)
             kv_mode = torch.cat([codecs.main.decode(f) for f in frames], dim=3)  # [L, 2, H, n - 1, D]
             # modes that differ only in the compressor decode to the same bits: score those once
-            digest = hashlib.sha256(kv_mode.contiguous().view(torch.uint8).numpy()).digest()
+            digest = hashlib.sha256(kv_mode.contiguous().view(torch.uint8).numpy().tobytes()).digest()
             if digest not in seen:
                 logp = torch.log_softmax(scorer.logits(kv_mode, window[n - 1:-1]), dim=-1)  # [M, vocab]
                 seen[digest] = logp, scorer.greedy(window[:n], kv_mode, args.greedy)
