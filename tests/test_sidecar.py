@@ -5,23 +5,28 @@ directory llama-server does not write) is a miss or a refusal to start, never a 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from starlette.testclient import TestClient
 
 from cachestore.errors import ConfigError
 from ops.llamaserver_build import binary_path
 from ops.redisproc import RedisProcess
+from ops.sidecar_cmd import sidecar_app
 from ops.sidecarproc import SidecarProcess
 from service.engines import GenParams, slotfile
 from service.engines.llamaserver import LlamaServerEngine
+from service.settings import PodSettings
 
 ARGS = ("--codec", "exact", "--block-tokens", "16", "--ctx-per-slot", "4096")
 SYSTEM = {"role": "system", "content": "You are a concise science tutor. Answer in two or three sentences."}
@@ -113,6 +118,48 @@ def test_a_killed_llama_server_is_restarted_and_costs_a_miss(engine: LlamaServer
     assert after.cached_tokens == 0 and after.token_ids
     hit = engine.generate(second, gen.kv[:, :, :, : len(first)], GREEDY)  # a restore into the new server works
     assert hit.token_ids and hit.cached_tokens >= len(first)
+
+
+def test_concurrent_requests_never_share_a_slot(engine: LlamaServerEngine) -> None:
+    """Three requests at once on two slots: each saved slot holds exactly its own request's sequence (a slot
+    handed to two requests would hold a mix, or llama-server would queue one behind the other's id_slot).
+    Replies are not compared with solo runs: two sequences decoded together change llama.cpp's batch sizes."""
+    prompts = [engine.chat_ids([SYSTEM, {"role": "user", "content": q}]) for q in QUESTIONS[:3]]
+    engine.forget()
+    with ThreadPoolExecutor(3) as pool:
+        gens = list(pool.map(lambda p: engine.generate(p, None, GREEDY), prompts))
+    for prompt, gen in zip(prompts, gens, strict=True):
+        assert gen.seq_ids == prompt + gen.token_ids[: len(gen.seq_ids) - len(prompt)] and gen.token_ids
+        assert gen.kv.shape[3] == len(gen.seq_ids)
+
+
+def test_a_full_slot_directory_is_a_miss(engine: LlamaServerEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    first, second, gen = _conversation(engine)
+
+    def full(*args: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(slotfile, "write", full)
+    engine.forget()
+    failures = engine.stats.restore_failures
+    missed = engine.generate(second, gen.kv[:, :, :, : len(first)], GREEDY)
+    assert engine.stats.restore_failures == failures + 1 and missed.cached_tokens == 0 and missed.token_ids
+
+
+def test_sidecar_app_in_front_of_a_running_llama_server(engine: LlamaServerEngine) -> None:
+    """--upstream: a second engine on the same llama-server and slot directory, served by the sidecar's app."""
+    upstream = LlamaServerEngine(engine.url, engine.slot_dir, "smollm2")
+    try:
+        settings = PodSettings(engine="llama-server", cache_enabled=False, parallel=upstream.parallel)
+        with TestClient(sidecar_app(settings, upstream)) as client:
+            body = {"model": "smollm2", "messages": [SYSTEM, {"role": "user", "content": QUESTIONS[0]}],
+                    "max_tokens": 8}
+            r = client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text
+            assert 'kvstash_sidecar_events_total{event="restores"}' in client.get("/metrics").text
+            assert client.get("/healthz").status_code == 200
+    finally:
+        upstream.close()
 
 
 # -- sidecar processes ----------------------------------------------------------------------------------------------
