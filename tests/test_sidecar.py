@@ -25,7 +25,9 @@ from ops.redisproc import RedisProcess
 from ops.sidecar_cmd import sidecar_app
 from ops.sidecarproc import SidecarProcess
 from service.engines import GenParams, slotfile
+from service.engines.llamacpp import resolve_gguf
 from service.engines.llamaserver import LlamaServerEngine
+from service.engines.llamaserverproc import LlamaServerProcess
 from service.settings import PodSettings
 
 ARGS = ("--codec", "exact", "--block-tokens", "16", "--ctx-per-slot", "4096")
@@ -160,6 +162,33 @@ def test_sidecar_app_in_front_of_a_running_llama_server(engine: LlamaServerEngin
             assert client.get("/healthz").status_code == 200
     finally:
         upstream.close()
+
+
+def test_an_upstream_restarted_underneath_is_noticed_and_costs_one_miss(tmp_path: Path) -> None:
+    """--upstream: the engine does not supervise llama-server and believes slot 0 holds the conversation; after a
+    restart llama-server prefills everything (counted as a reuse miss, the reply still right), and a restore into
+    the new server works."""
+    proc = LlamaServerProcess(resolve_gguf("smollm2"), tmp_path, parallel=1, ctx_per_slot=4096, threads=1)
+    proc.start()
+    upstream = LlamaServerEngine(proc.url, tmp_path, "smollm2")
+    try:
+        first, second, gen = _conversation(upstream)
+        restarts = proc.restarts
+        assert proc.pid is not None
+        os.kill(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while proc.restarts == restarts or httpx.get(proc.url + "/health", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, "llama-server was not restarted"
+            time.sleep(0.2)
+        misses = upstream.stats.reuse_misses
+        after = upstream.generate(second, gen.kv[:, :, :, : len(first)], GREEDY)
+        assert (after.cached_tokens, upstream.stats.reuse_misses) == (0, misses + 1) and after.token_ids
+        upstream.forget()
+        again = upstream.generate(second, gen.kv[:, :, :, : len(first)], GREEDY)  # restores into the new server
+        assert again.cached_tokens == len(first) and again.token_ids
+    finally:
+        upstream.close()
+        proc.stop()
 
 
 # -- sidecar processes ----------------------------------------------------------------------------------------------

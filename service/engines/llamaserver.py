@@ -237,6 +237,13 @@ class LlamaServerEngine:
                     return best
                 self._cond.wait()
 
+    def _distrust_slots(self) -> None:
+        """Forget what the other idle slots were believed to hold (their next request restores from the cache)."""
+        with self._cond:
+            for s in self._slots:
+                if not s.busy:
+                    s.tokens = []
+
     def _release(self, slot: _Slot, tokens: list[int]) -> None:
         with self._cond:
             slot.tokens, slot.busy, slot.last_used = tokens, False, time.monotonic()
@@ -343,6 +350,7 @@ class LlamaServerEngine:
             if reused < expected:
                 self.stats.reuse_misses += 1
                 log.warning("slot %d: llama-server reused %d of %d expected tokens", slot.id, reused, expected)
+                self._distrust_slots()  # a restarted llama-server emptied every slot, not only this one
             saved = self._save(slot, prompt)
             if saved is not None:
                 held = saved.tokens
