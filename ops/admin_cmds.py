@@ -147,7 +147,8 @@ def cmd_purge(args: argparse.Namespace, settings: Any) -> int:
 
 def _chain(args: argparse.Namespace, tenant: str) -> transfer.Chain:
     """The chain root of `tenant` under the pods' model settings (loads the model for its fingerprint)."""
-    from cachestore.codec import CodecSpec  # noqa: PLC0415
+    from cachestore.blockcodec import BlockCodecs  # noqa: PLC0415
+    from cachestore.codec import Codec  # noqa: PLC0415
     from service.engines import load_engine  # noqa: PLC0415
     from service.settings import settings_from_env  # noqa: PLC0415
 
@@ -156,7 +157,8 @@ def _chain(args: argparse.Namespace, tenant: str) -> transfer.Chain:
     print(f"loading model {pod.model} ({pod.engine}) for its fingerprint ...", file=sys.stderr)
     engine = load_engine(pod.engine, pod.model, device=pod.device, parallel=1)
     try:
-        fingerprint = engine.fingerprint(pod.block_tokens, CodecSpec.parse(pod.codec).name())
+        # the name the pods put in their fingerprint: the block-codec policy (sink block included)
+        fingerprint = engine.fingerprint(pod.block_tokens, BlockCodecs.for_spec(Codec(pod.codec)).name())
     finally:
         engine.close()
     return transfer.Chain.of(fingerprint, pod.tenant_salt(tenant))

@@ -34,6 +34,9 @@ def frame_problem(frame: bytes, spec: CodecSpec, shape: Sequence[int], dtype: to
         return Rejection("corrupt", str(exc))
     if header.mode != spec.mode or (header.mode in GROUPED_MODES and header.group_size != spec.group_size):
         return Rejection("codec", f"frame of codec {header.mode}/g{header.group_size}, this pod uses {spec.name()}")
+    if header.transform != spec.transform:  # a rotated frame under a plain key, or the other way round
+        return Rejection("codec", f"frame with transform bits {header.transform}, this pod's codec "
+                                  f"{spec.name()} writes {spec.transform}")
     want_dtype = str(dtype).removeprefix("torch.")
     if list(header.shape) != list(shape) or header.dtype != want_dtype:
         return Rejection("model", f"frame of shape {list(header.shape)} {header.dtype}, "

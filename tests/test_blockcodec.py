@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from cachestore.blockcodec import BlockCodecs
-from cachestore.codec import read_header
+from cachestore.codec import Codec, read_header
 from ops.redisproc import RedisProcess
 from tests.test_service_api import HISTORY, chat, make_client, wait_written
 
@@ -39,3 +39,18 @@ def test_pod_stores_block_zero_as_int8_and_hits(redis_server: RedisProcess, tiny
         second = chat(client, HISTORY)
         assert second.headers["x-kv-cache"] == "hit"
         assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(hashes) * 16
+
+
+def test_a_rotated_frame_under_a_plain_key_is_refused() -> None:
+    import torch  # noqa: PLC0415
+
+    from service.framecheck import frame_problem  # noqa: PLC0415
+
+    kv = torch.randn(2, 2, 2, 16, 64)  # [L, 2, H, T, D]
+    plain, rotated = Codec("int4/plain"), Codec("int4/rot")
+    shape = list(kv.shape)
+    assert frame_problem(plain.encode(kv), plain.spec, shape, torch.float32) is None
+    assert frame_problem(rotated.encode(kv), rotated.spec, shape, torch.float32) is None
+    problem = frame_problem(rotated.encode(kv), plain.spec, shape, torch.float32)
+    assert problem is not None and problem.reason == "codec"
+    assert frame_problem(plain.encode(kv), rotated.spec, shape, torch.float32) is not None
