@@ -285,6 +285,22 @@ def test_streamed_reply_equals_the_whole_one(pods: dict[str, SidecarProcess]) ->
     assert text == whole
 
 
+def test_session_resumes_on_the_other_sidecar(pods: dict[str, SidecarProcess]) -> None:
+    a, b = pods["a"], pods["b"]
+    assert httpx.post(a.url + "/v1/sessions", json={"session_id": "ls-1", "messages": [SYSTEM]}).status_code == 201
+    first = httpx.post(a.url + "/v1/sessions/ls-1/messages", json={"content": QUESTIONS[0], "max_tokens": 24},
+                       timeout=180)
+    assert first.status_code == 200, first.text
+    _settle(a)
+    second = httpx.post(b.url + "/v1/sessions/ls-1/messages", json={"content": QUESTIONS[1], "max_tokens": 24},
+                        timeout=180)
+    assert second.status_code == 200, second.text
+    assert second.headers["x-kv-cache"] == "hit"
+    cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= first.json()["usage"]["prompt_tokens"]
+    assert b.prompt_evals()[-1] == second.json()["usage"]["prompt_tokens"] - cached
+
+
 def test_metrics_count_restores_and_no_unused_restore(pods: dict[str, SidecarProcess]) -> None:
     text = httpx.get(pods["b"].url + "/metrics").text
     events = {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
