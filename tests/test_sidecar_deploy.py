@@ -68,6 +68,7 @@ def test_compose_profile_shares_a_tmpfs_slot_volume() -> None:
         (["--spawn", "--upstream", "http://127.0.0.1:1"], "either --upstream"),
         (["--upstream", "http://127.0.0.1:1"], "needs --slot-dir"),
         (["--upstream", "http://127.0.0.1:1", "--slot-dir", "/tmp", "--", "-fa", "on"], "go to a spawned"),
+        (["--upstream", "http://127.0.0.1:1", "--slot-dir", "/tmp"], "does not answer /props"),
     ],
 )
 def test_sidecar_command_line_mistakes_are_one_line(argv: list[str], message: str) -> None:

@@ -104,7 +104,11 @@ class LlamaServerEngine:
         self.path = resolve_gguf(model)
         self.name = model if model == "smollm2" else self.path.stem
         self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=5.0))
-        props = self._json("GET", "/props")
+        try:
+            props = self._json("GET", "/props")
+        except (httpx.HTTPError, UpstreamError) as exc:
+            self._http.close()
+            raise ConfigError(f"llama-server at {self.url} does not answer /props: {exc}") from None
         self.parallel = int(props.get("total_slots") or 1)
         n_ctx = int(props.get("default_generation_settings", {}).get("n_ctx") or 0)
         self.geometry = gguf_geometry(self.path, n_ctx)
