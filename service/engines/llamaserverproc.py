@@ -6,7 +6,10 @@ prefilled) and treats it as a miss, so supervision needs no coordination with re
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
+import signal
 import socket
 import subprocess
 import threading
@@ -23,6 +26,7 @@ log = logging.getLogger("kvstash.llamaserver")
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_BINARY = ROOT / ".venv" / "llama-server" / "bin" / "llama-server"  # what `make setup` builds
 START_TIMEOUT_S = 120.0
+PR_SET_PDEATHSIG = 1
 
 
 def free_port() -> int:
@@ -44,6 +48,14 @@ def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | Non
             pass
         time.sleep(0.1)
     raise ConfigError(f"llama-server at {url} did not become healthy within {timeout_s:.0f} s")
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the sidecar dies, even by SIGKILL (Linux), so no orphaned
+    llama-server keeps its port and memory. (Linux ties this to the thread that started the child: a
+    llama-server started from a thread that then ends is stopped, and the watcher restarts it.)"""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class LlamaServerProcess:
@@ -80,7 +92,8 @@ class LlamaServerProcess:
 
     def _launch(self) -> None:
         with self._lock, self.log_path.open("ab") as logf:
-            self._proc = subprocess.Popen(self.args, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self._proc = subprocess.Popen(self.args, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          preexec_fn=_die_with_parent)
 
     @property
     def pid(self) -> int | None:
