@@ -48,7 +48,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 
     overrides = {
         name: getattr(args, name)
-        for name in ("host", "port", "engine", "model", "parallel", "threads", "device", "redis_url", "namespace", "codec", "block_tokens",
+        for name in ("host", "port", "engine", "model", "parallel", "threads", "device", "redis_url", "namespace",
+                     "codec", "block_tokens",
                      "budget_bytes", "block_ttl_s", "session_ttl_s", "redis_timeout_s", "max_queue", "pod_name")
     }
     if args.no_cache:
@@ -60,8 +61,8 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn  # noqa: PLC0415
 
     from cachestore.codec import CodecSpec  # noqa: PLC0415
-    from cachestore.settings import StoreSettings  # noqa: PLC0415
     from cachestore.redisclient import check_connection  # noqa: PLC0415
+    from cachestore.settings import StoreSettings  # noqa: PLC0415
     from service.app import create_app, store_settings  # noqa: PLC0415
 
     settings = settings_from_args(args)

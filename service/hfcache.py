@@ -20,7 +20,7 @@ from transformers.cache_utils import Cache, DynamicLayer  # noqa: E402
 KV_DIMS = 5  # [layers, 2, kv_heads, tokens, head_dim]
 
 
-def _cache_arg(model: PreTrainedModel) -> str:
+def cache_arg(model: PreTrainedModel) -> str:
     """The name under which this model's forward takes the cache ("cache" from 5.24 on)."""
     return _cache_arg_of(type(model))
 
@@ -157,7 +157,7 @@ def forward(
         raise ValueError("forward needs at least one new token")
     if cache is None:
         cache = empty_cache(model)
-    kwargs = {_cache_arg(model): cache}
+    kwargs = {cache_arg(model): cache}
     out = model(input_ids=ids, use_cache=True, logits_to_keep=0 if all_logits else 1, **kwargs)
     new_cache = getattr(out, "cache", None)
     if new_cache is None:

@@ -155,7 +155,7 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _ensure_built(target: Path, build: Callable[[Path], None], recipe: str) -> Path:
+def ensure_built(target: Path, build: Callable[[Path], None], recipe: str) -> Path:
     """Build `target` once; concurrent processes wait on a lock, and a rename publishes it whole."""
     meta = _read_meta(target)
     if meta and meta.get("recipe") == recipe:
@@ -245,9 +245,9 @@ def resolve_model_dir(name_or_path: str, cache_dir: Path | None = None) -> Path:
     """The local directory of a served model, building the cached ones on first use."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if name_or_path == SMOLLM2:
-        return _ensure_built(root / SMOLLM2, _build_smollm2, _RECIPE[SMOLLM2])
+        return ensure_built(root / SMOLLM2, _build_smollm2, _RECIPE[SMOLLM2])
     if name_or_path == TINY_RANDOM:
-        return _ensure_built(
+        return ensure_built(
             root / TINY_RANDOM, lambda out: _build_tiny_random(out, root), _RECIPE[TINY_RANDOM]
         )
     path = Path(name_or_path).expanduser()

@@ -13,7 +13,8 @@ from pathlib import Path
 
 
 def _demo(*args: str) -> list[str]:
-    return [sys.executable, "-m", "ops.cli", "demo", "--model", "tiny-random", "--max-tokens", "12", "--block-tokens", "16",
+    return [sys.executable, "-m", "ops.cli", "demo", "--model", "tiny-random", "--max-tokens", "12",
+            "--block-tokens", "16",
             *args]
 
 

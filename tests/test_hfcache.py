@@ -23,7 +23,7 @@ def _full(tiny: LoadedModel) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_transformers_takes_the_cache_as_cache(tiny: LoadedModel) -> None:
-    assert hfcache._cache_arg(tiny.model) == "cache"
+    assert hfcache.cache_arg(tiny.model) == "cache"
 
 
 def test_tensor_cache_round_trip(tiny: LoadedModel) -> None:

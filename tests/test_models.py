@@ -100,7 +100,7 @@ def test_concurrent_builds_run_once(tmp_path: Path) -> None:
 
     results: list[Path] = []
     threads = [
-        threading.Thread(target=lambda: results.append(models._ensure_built(tmp_path / "m", build, "r1")))
+        threading.Thread(target=lambda: results.append(models.ensure_built(tmp_path / "m", build, "r1")))
         for _ in range(3)
     ]
     for t in threads:
@@ -110,8 +110,8 @@ def test_concurrent_builds_run_once(tmp_path: Path) -> None:
     assert len(calls) == 1
     assert results == [tmp_path / "m"] * 3
     assert (tmp_path / "m" / "model.safetensors").read_bytes() == b"weights"
-    assert models._ensure_built(tmp_path / "m", build, "r1") == tmp_path / "m" and len(calls) == 1
-    models._ensure_built(tmp_path / "m", build, "r2")  # a new recipe rebuilds
+    assert models.ensure_built(tmp_path / "m", build, "r1") == tmp_path / "m" and len(calls) == 1
+    models.ensure_built(tmp_path / "m", build, "r2")  # a new recipe rebuilds
     assert len(calls) == 2
 
 
@@ -121,7 +121,7 @@ def test_failed_build_publishes_nothing(tmp_path: Path) -> None:
         raise RuntimeError("disk full")
 
     with pytest.raises(RuntimeError):
-        models._ensure_built(tmp_path / "m", build, "r1")
+        models.ensure_built(tmp_path / "m", build, "r1")
     assert not (tmp_path / "m").exists()
     assert [p.name for p in tmp_path.iterdir()] == [".m.lock"]
 

@@ -9,10 +9,10 @@ from cachestore.store import BlockStore
 from ops.redisproc import RedisProcess
 from service import pipeline as pipeline_module
 from service.app import store_settings
-from service.metrics import PodMetrics
-from service.pipeline import Pipeline
 from service.engines import GenParams
 from service.engines.hf import HfEngine
+from service.metrics import PodMetrics
+from service.pipeline import Pipeline
 from service.settings import PodSettings
 
 SALT = b"chunks"

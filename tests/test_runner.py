@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from service import hfcache
-from service.models import LoadedModel, load_model
 from service.engines.generation import TextStream
+from service.models import load_model
 from service.runner import GenParams, ModelRunner
 
 GREEDY = GenParams(max_tokens=24)

@@ -81,7 +81,8 @@ async def test_tls_with_acl_user(tls_acl_redis: tuple[RedisProcess, int, Path]) 
     finally:
         await store.close()
     # the same user cannot touch keys outside its namespace, and plain TCP is not TLS
-    user = redis.Redis(host="127.0.0.1", port=tls_port, ssl=True, ssl_ca_certs=str(cert), username="kv", password=PASSWORD)
+    user = redis.Redis(host="127.0.0.1", port=tls_port, ssl=True, ssl_ca_certs=str(cert), username="kv",
+                       password=PASSWORD)
     with pytest.raises(redis.exceptions.NoPermissionError):
         user.set("other:key", b"x")
     user.close()

@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             kv, note = _model_kv(args.tokens)
             source = "smollm2"
-        except Exception as exc:  # any failure to get the model means the synthetic fallback
+        except Exception as exc:  # noqa: BLE001 - any failure to get the model means the synthetic fallback
             note = f"model unavailable ({type(exc).__name__}: {exc})"
     if kv is None:
         kv = _synthetic_kv(args.tokens)

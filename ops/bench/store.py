@@ -122,9 +122,10 @@ async def bench_block_size(url: str, payload: bytes, block_bytes: int, reps: int
                 times[name].append(await timed(call))
             await raw.unlink(*raw_keys)  # untimed
             hashes = fresh_hashes(len(frames))
-            times["put"].append(await timed(lambda: budgeted.put_blocks(MODEL, hashes, frames)))
+            times["put"].append(await timed(lambda hashes=hashes: budgeted.put_blocks(MODEL, hashes, frames)))
             hashes = fresh_hashes(len(frames))
-            times["put_nobudget"].append(await timed(lambda: unbudgeted.put_blocks(MODEL, hashes, frames)))
+            times["put_nobudget"].append(
+                await timed(lambda hashes=hashes: unbudgeted.put_blocks(MODEL, hashes, frames)))
             times["raw_put"].append(await timed(raw_put))
             if old_unbudgeted:  # untimed: keep the unbudgeted namespace from growing
                 await raw.unlink(*(unbudgeted.keys.block(MODEL, h)[1] for h in old_unbudgeted))
