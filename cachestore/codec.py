@@ -259,11 +259,11 @@ class Codec:
                 part.contiguous().view(-1).view(torch.uint8))  # copies device -> cpu if needed
         comp, shuffled = spec.compressor, spec.mode in FLOAT_MODES and spec.compressor == "zstd"
         packed = shuffle(raw, _itemsize(spec.mode, dtype)) if shuffled else raw
-        payload = compress(memoryview(packed.numpy()), comp, spec.level)
+        payload = compress(memoryview(packed.numpy()), comp, spec.level)  # type: ignore[arg-type]
         if comp != "none" and len(payload) > raw_len * _WORTH:
             # Incompressible (int8 and fp16 KV under lz4): store it plainly, so decoding
             # skips a decompression that would buy nothing. The frame says so itself.
-            comp, shuffled, payload = "none", False, bytes(memoryview(raw.numpy()))
+            comp, shuffled, payload = "none", False, bytes(memoryview(raw.numpy()))  # type: ignore[arg-type]
         # Version 1 whenever nothing needs version 2: older readers keep reading those frames.
         header = FrameHeader(2 if spec.transform else 1, spec.mode, comp, _DTYPE_NAMES[dtype],
                              FLAG_SHUFFLE if shuffled else 0, group, dims.layers, dims.heads,

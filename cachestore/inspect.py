@@ -117,7 +117,7 @@ async def server_info(client: Any) -> dict[str, Any]:
     else:
         sections.append(await client.info())
     flat = [s for s in sections if isinstance(s, dict)]
-    summed = {name: sum(int(s.get(name, 0)) for s in flat) for name in (
+    summed: dict[str, Any] = {name: sum(int(s.get(name, 0)) for s in flat) for name in (
         "keyspace_hits", "keyspace_misses", "evicted_keys", "expired_keys", "used_memory", "maxmemory")}
     summed["primaries"] = len(flat)
     summed["maxmemory_policy"] = text(flat[0].get("maxmemory_policy", "")) if flat else ""
@@ -169,8 +169,7 @@ async def session_infos(client: Any, keys: KeySpace, tenant: str | None = None,
     """Every session of the namespace (or of one tenant), sorted by tenant and id."""
     found: list[SessionInfo] = []
     async for batch in scan_batches(client, keys.session_pattern(tenant), progress):
-        named = [(k, keys.parse_session(k)) for k in batch]
-        named = [(k, p) for k, p in named if p is not None]
+        named = [(k, p) for k in batch if (p := keys.parse_session(k)) is not None]
         pipe = client.pipeline(transaction=False)
         for key, _ in named:
             pipe.hmget(key, *_SESSION_SUMMARY)
@@ -225,7 +224,8 @@ async def namespace_stats(client: Any, keys: KeySpace, budget_bytes: int,
     async for batch in scan_batches(client, f"{keys.namespace}:*", progress):
         memory = await _memory(client, batch)
         blocks = [(k, parse_block_key(keys, k)) for k in batch if classify(keys, k) == "block"]
-        sessions = [(k, keys.parse_session(k)) for k in batch if classify(keys, k) == "session"]
+        sessions: list[tuple[str, tuple[str, str] | None]] = [
+            (k, keys.parse_session(k)) for k in batch if classify(keys, k) == "session"]
         pipe = client.pipeline(transaction=False)
         for key, _ in blocks:
             pipe.strlen(key)
@@ -240,12 +240,12 @@ async def namespace_stats(client: Any, keys: KeySpace, budget_bytes: int,
             model = models[parsed.model if parsed else "(malformed)"]
             model["blocks"] += 1
             model["block_bytes"] += _int(length)
-        for (_, parsed), fields in zip(sessions, results[len(blocks):], strict=True):
+        for (_, owner), fields in zip(sessions, results[len(blocks):], strict=True):
             if not isinstance(fields, list) or fields[0] is None:
                 continue
             models[text(fields[0])]["sessions"] += 1
-            if parsed is not None:
-                tenants[parsed[0]] += 1
+            if owner is not None:
+                tenants[owner[0]] += 1
             created, updated = _float(fields[1]), _float(fields[2])
             low, high = times["session_created_min"], times["session_updated_max"]
             times["session_created_min"] = created if low is None else min(low, created)

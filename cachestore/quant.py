@@ -216,10 +216,10 @@ def quantize(mode: str, kv: torch.Tensor, group: int, variant: Variant = PLAIN) 
     if mode == "exact":
         return [kv.contiguous()]
     if mode == "fp16":
-        h = kv.to(F16).contiguous()
-        if kv.dtype != F16 and not bool(torch.isfinite(h).all()) and bool(torch.isfinite(kv).all()):
+        half = kv.to(F16).contiguous()
+        if kv.dtype != F16 and not bool(torch.isfinite(half).all()) and bool(torch.isfinite(kv).all()):
             raise CodecError("KV values overflow fp16; use mode exact")
-        return [h]
+        return [half]
     x = kv.float()
     if mode == "fp8":
         if FP8 is None:
