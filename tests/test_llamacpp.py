@@ -175,3 +175,13 @@ def test_bad_inputs_are_value_errors(engine: LlamaCppEngine) -> None:
         engine.generate([1, 2, 3], torch.zeros(30, 2, 3, 5, 64, dtype=torch.float16), GREEDY)
     with pytest.raises(ValueError):
         engine.generate([1, 2, 3], torch.zeros(30, 2, 2, 2, 64, dtype=torch.float16), GREEDY)
+
+
+def test_score_gives_every_positions_logits(engine: LlamaCppEngine) -> None:
+    prompt = _prompt(engine, QUESTIONS[4])
+    full = engine.generate(prompt, None, GREEDY)
+    n = len(prompt) - 5
+    logits = engine.score(full.kv[:, :, :, :n], prompt[n:])  # the quality bench's llama.cpp column
+    assert logits.shape == (5, engine.n_vocab)
+    hit = engine.generate(prompt, full.kv[:, :, :, :n], GREEDY)  # the same split: n cached, 5 fed together
+    assert int(logits[-1].argmax()) == hit.token_ids[0]

@@ -85,7 +85,32 @@ class HfScorer:
         return list(self.engine.generate(prompt, kv, GenParams(max_tokens=tokens)).token_ids)
 
 
-SCORERS: dict[str, type[HfScorer]] = {"hf": HfScorer}
+class LlamaCppScorer:
+    """llama.cpp (the `llamacpp` engine): the GGUF's own weights and F16 KV, scored through the engine."""
+
+    def __init__(self, model: str) -> None:
+        from service.engines.llamacpp import LlamaCppEngine  # noqa: PLC0415
+
+        self.engine = LlamaCppEngine.load(model, parallel=1)
+
+    def text_ids(self, text: str) -> list[int]:
+        return self.engine.text_ids(text)
+
+    def prefill(self, ids: list[int]) -> Any:
+        from service.engines.generation import GenParams  # noqa: PLC0415
+
+        return self.engine.generate(ids, None, GenParams(max_tokens=1)).kv  # [L, 2, H, len(ids), D]
+
+    def logits(self, kv: Any, ids: list[int]) -> Any:
+        return self.engine.score(kv, ids)
+
+    def greedy(self, prompt: list[int], kv: Any, tokens: int) -> list[int]:
+        from service.engines.generation import GenParams  # noqa: PLC0415
+
+        return list(self.engine.generate(prompt, kv, GenParams(max_tokens=tokens)).token_ids)
+
+
+SCORERS: dict[str, type[HfScorer] | type[LlamaCppScorer]] = {"hf": HfScorer, "llamacpp": LlamaCppScorer}
 
 
 def register(bench_subparsers: Any) -> None:

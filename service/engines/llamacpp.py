@@ -94,6 +94,7 @@ class _Request:
     cut_by_stop: bool = False
     blob: bytearray | None = None  # the finished sequence's state, parsed by the caller
     error: BaseException | None = None
+    scores: list[torch.Tensor] | None = None  # score(): the logits of every fed prompt token, no sampling
     restore_failed: bool = False
 
 
@@ -319,6 +320,22 @@ class LlamaCppEngine:
             reply_ids=reply_ids(req.generated, req.ended_by_token, req.cut_by_stop),
         )
 
+    def score(self, cached_kv: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        """Logits [len(ids), vocab] of `ids` fed after the KV of cached_kv.shape[3] tokens (the quality
+        bench: row j predicts ids[j + 1])."""
+        n = int(cached_kv.shape[3])
+        state = llamastate.assemble_state(cached_kv, self.state_geometry) if n else None
+        prompt = [0] * n + [int(t) for t in ids]  # the cached tokens' ids are not read back
+        req = _Request(prompt, state, n, GenParams(max_tokens=1), None, TextStream(self.vocab, (), None), None, 1)
+        req.scores = []
+        self._inbox.put(req)
+        req.done.wait()
+        if req.error is not None:
+            raise req.error
+        if req.restore_failed:
+            raise RuntimeError("llama.cpp refused the cached prefix")
+        return torch.stack(req.scores)
+
     def close(self) -> None:
         if self._closed.is_set():
             return
@@ -379,15 +396,24 @@ class LlamaCppEngine:
             if req.fed < len(req.prompt) and room > 0:
                 take = min(room, len(req.prompt) - req.fed)
                 last = req.fed + take == len(req.prompt)
+                first_index = len(tokens)
                 for i in range(take):
                     pos = req.fed + i
-                    tokens.append((req.prompt[pos], pos, req.seq, last and i == take - 1))
-                owners.append((req, take, len(tokens) - 1 if last else -1))
+                    tokens.append((req.prompt[pos], pos, req.seq, req.scores is not None or (last and i == take - 1)))
+                if req.scores is not None:  # score(): every position's logits, then done
+                    owners.append((req, take, -2 - first_index))
+                else:
+                    owners.append((req, take, len(tokens) - 1 if last else -1))
                 room -= take
         self._decode_tokens(tokens)
         for req, fed, index in owners:
             req.fed += fed
-            if index >= 0:
+            if index <= -2:
+                assert req.scores is not None
+                req.scores += [self._logits(i) for i in range(-2 - index, -2 - index + fed)]
+                if req.fed == len(req.prompt):
+                    self._end(req, None)
+            elif index >= 0:
                 self._sample(req, self._logits(index))
 
     def _decode_tokens(self, tokens: list[tuple[int, int, int, bool]]) -> None:
