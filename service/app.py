@@ -18,6 +18,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from cachestore.codec import Codec
+from cachestore.errors import KvstashError
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
 from service import completions, health, openapi, sessions_api
@@ -57,6 +58,22 @@ def _store_stats(state: PodState) -> dict[str, Any] | None:
     values = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(vars(stats))
     values["breaker_state"] = state.store.breaker_state
     return values
+
+
+async def _sample_usage(state: PodState) -> None:
+    """Every pod exports the namespace's bytes, budget and entry count itself (no redis_exporter needed);
+    sampled, never per request. A Redis that does not answer leaves the last values."""
+    assert state.store is not None
+    state.metrics.budget.set(state.settings.budget_bytes)
+    while True:
+        try:
+            usage = await state.store.usage()
+        except KvstashError:
+            pass
+        else:
+            state.metrics.bytes_held.set(usage.bytes_held)
+            state.metrics.entries_held.set(usage.blocks)
+        await asyncio.sleep(state.settings.usage_sample_s)
 
 
 class RouteMetrics(BaseHTTPMiddleware):
@@ -112,10 +129,13 @@ def create_app(settings: PodSettings, engine: Engine | LoadedModel | None = None
         app.state.pod = state
         if state.writer is not None:
             state.writer.start()
+        sampler = asyncio.create_task(_sample_usage(state), name="kvstash-usage") if state.store else None
         log.info("pod ready: %r", settings)
         try:
             yield
         finally:
+            if sampler is not None:
+                sampler.cancel()
             if state.writer is not None:
                 await state.writer.stop(drain_timeout_s=10.0)  # graceful shutdown drains the write queue
             if state.pipeline is not None:

@@ -39,6 +39,7 @@ class PodSettings:
     budget_bytes: int = StoreSettings.budget_bytes
     max_value_bytes: int = StoreSettings.max_value_bytes
     redis_timeout_s: float = 0.5  # the request path waits on Redis at most this long
+    usage_sample_s: float = 15.0  # how often the pod samples the namespace's bytes for its own gauges
     write_wait_s: float | None = None  # a reply's last byte waits at most this long for its writes (None: the
     # Redis budget, redis_timeout_s); never when this request's read already found Redis failing
     local_tier_bytes: int = 64 << 20
@@ -61,6 +62,8 @@ class PodSettings:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
         if self.block_tokens < 1 or self.block_tokens > 4096:
             raise ConfigError("block_tokens must be in 1..4096")
+        if self.usage_sample_s <= 0:
+            raise ConfigError("usage_sample_s must be positive")
         if self.write_wait_s is not None and self.write_wait_s < 0:
             raise ConfigError("write_wait_s must be >= 0")
         if self.redis_timeout_s <= 0 or self.body_timeout_s <= 0:
@@ -111,7 +114,8 @@ _ENV_CASTS: dict[str, Any] = {
     "host": str, "port": int, "engine": str, "model": str, "device": str, "parallel": int, "threads": int,
     "redis_url": str, "namespace": str,
     "codec": str, "block_tokens": int, "block_ttl_s": int, "session_ttl_s": int,
-    "budget_bytes": int, "max_value_bytes": int, "redis_timeout_s": float, "write_wait_s": float,
+    "budget_bytes": int, "max_value_bytes": int, "redis_timeout_s": float,
+    "write_wait_s": float, "usage_sample_s": float,
     "local_tier_bytes": int, "max_queue": int, "write_queue": int, "max_body_bytes": int, "body_timeout_s": float,
     "max_tokens_limit": int, "default_max_tokens": int, "tenant_secret": str, "pod_name": str,
 }

@@ -241,3 +241,21 @@ def test_overload_gets_503_with_retry_after(redis_server: RedisProcess, tiny_mod
             assert refused.json()["error"]["code"] == "overloaded"
             held.read()
         assert chat(c, HISTORY).status_code == 200
+
+
+def test_every_pod_exports_the_namespace_bytes_budget_and_entries(redis_server: RedisProcess, tiny_model: Any) -> None:
+    with make_client(redis_server, tiny_model, usage_sample_s=0.1, budget_bytes=3 << 30) as c:
+        assert chat(c, HISTORY).status_code == 200  # its blocks are in Redis before the reply ends
+
+        def gauge(name: str) -> float:
+            line = next(x for x in c.get("/metrics").text.splitlines() if x.startswith(name + " "))
+            return float(line.split()[1])
+
+        deadline = time.monotonic() + 10
+        while gauge("kvstash_cache_bytes_held") == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        store = c.app.state.pod.store  # type: ignore[attr-defined]
+        held = c.portal.call(store.usage)  # type: ignore[attr-defined]
+        assert gauge("kvstash_cache_bytes_held") == held.bytes_held > 0
+        assert gauge("kvstash_cache_entries") == held.blocks > 0
+        assert gauge("kvstash_cache_budget_bytes") == 3 << 30
