@@ -152,7 +152,7 @@ def _chain(args: argparse.Namespace, tenant: str) -> transfer.Chain:
     from service.engines import load_engine  # noqa: PLC0415
     from service.settings import settings_from_env  # noqa: PLC0415
 
-    pod = settings_from_env({k: v for k, v in os.environ.items() if k.startswith("KVSTASH_")}).with_overrides(
+    pod = settings_from_env().with_overrides(
         engine=args.engine, model=args.model, codec=args.codec, block_tokens=args.block_tokens, device=args.device)
     print(f"loading model {pod.model} ({pod.engine}) for its fingerprint ...", file=sys.stderr)
     engine = load_engine(pod.engine, pod.model, device=pod.device, parallel=1)

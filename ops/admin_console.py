@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -17,23 +16,19 @@ T = TypeVar("T")
 def store_settings(args: argparse.Namespace) -> Any:
     from cachestore.errors import ConfigError  # noqa: PLC0415
     from cachestore.settings import StoreSettings  # noqa: PLC0415
+    from service.settings import configured_redis_url, settings_from_env  # noqa: PLC0415
 
-    url = args.redis_url or os.environ.get("KVSTASH_REDIS_URL")
+    url = args.redis_url or configured_redis_url()
     if not url:
         raise ConfigError("no Redis URL: pass --redis-url or set KVSTASH_REDIS_URL")
+    pods = settings_from_env()  # the pods' own settings: one reader of the environment
     options: dict[str, Any] = {
-        "namespace": args.namespace or os.environ.get("KVSTASH_NAMESPACE") or "kvstash",
+        "namespace": args.namespace or pods.namespace, "budget_bytes": pods.budget_bytes,
+        "block_ttl_s": pods.block_ttl_s, "session_ttl_s": pods.session_ttl_s, "max_value_bytes": pods.max_value_bytes,
         "write_timeout_s": 30.0, "connect_timeout_s": 5.0, "max_connections": 8,
     }
     if args.index_shards:
         options["index_shards"] = args.index_shards
-    for name, env in (("budget_bytes", "KVSTASH_BUDGET_BYTES"), ("block_ttl_s", "KVSTASH_BLOCK_TTL_S"),
-                      ("session_ttl_s", "KVSTASH_SESSION_TTL_S"), ("max_value_bytes", "KVSTASH_MAX_VALUE_BYTES")):
-        if os.environ.get(env):
-            try:
-                options[name] = int(os.environ[env])
-            except ValueError as exc:
-                raise ConfigError(f"{env} must be an integer") from exc
     return StoreSettings.from_url(url, **options)
 
 

@@ -76,8 +76,10 @@ def _log(message: str) -> None:
 
 def default_cache_dir() -> Path:
     """Where converted models live: $KVSTASH_CACHE_DIR, else ~/.cache/kvstash/models."""
-    env = os.environ.get("KVSTASH_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvstash" / "models"
+    from service.settings import settings_from_env  # noqa: PLC0415  (the one reader of the environment)
+
+    configured = settings_from_env().cache_dir
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "kvstash" / "models"
 
 
 def gguf_path() -> Path:

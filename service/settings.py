@@ -52,6 +52,7 @@ class PodSettings:
     api_keys: Mapping[str, str] = field(default_factory=dict, repr=False)  # key -> tenant
     tenant_secret: str = field(default="", repr=False)
     pod_name: str = ""
+    cache_dir: str = ""  # where converted models live (KVSTASH_CACHE_DIR); "" = ~/.cache/kvstash/models
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -117,8 +118,14 @@ _ENV_CASTS: dict[str, Any] = {
     "budget_bytes": int, "max_value_bytes": int, "redis_timeout_s": float,
     "write_wait_s": float, "usage_sample_s": float,
     "local_tier_bytes": int, "max_queue": int, "write_queue": int, "max_body_bytes": int, "body_timeout_s": float,
-    "max_tokens_limit": int, "default_max_tokens": int, "tenant_secret": str, "pod_name": str,
+    "max_tokens_limit": int, "default_max_tokens": int, "tenant_secret": str, "pod_name": str, "cache_dir": str,
 }
+
+
+def configured_redis_url(environ: Mapping[str, str] | None = None) -> str | None:
+    """KVSTASH_REDIS_URL when it is set (tools that must not fall back to a default Redis ask this)."""
+    env = os.environ if environ is None else environ
+    return env.get("KVSTASH_REDIS_URL") or None
 
 
 def settings_from_env(environ: Mapping[str, str] | None = None) -> PodSettings:
