@@ -23,8 +23,14 @@ from dataclasses import dataclass
 from cachestore.errors import StoreError
 from cachestore.hashing import HASH_BYTES, BlockHash
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
-_TENANT_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+# The one definition of what a session id and a tenant may be: key validation, request validation, the
+# pod's settings and its OpenAPI schema all use these.
+SESSION_ID_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
+SESSION_ID_RULE = "session ids are 1-128 characters of A-Z a-z 0-9 . _ -"
+TENANT_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
+_NAME_RE = re.compile(SESSION_ID_PATTERN)
+_TENANT_RE = re.compile(TENANT_PATTERN)
+TENANT_RE = _TENANT_RE
 _MODEL_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 ENTRY_KINDS = ("blk", "tail", "ids")  # values the budget accounts for, all `<ns>:<kind>:<model16>:<hex>:{tag}`
 
@@ -35,7 +41,7 @@ class InvalidName(StoreError, ValueError):
 
 def check_session_id(session_id: str) -> str:
     if not isinstance(session_id, str) or not _NAME_RE.match(session_id):
-        raise InvalidName("session id must match [A-Za-z0-9._-]{1,128}")
+        raise InvalidName(SESSION_ID_RULE)
     return session_id
 
 

@@ -7,10 +7,11 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from service.requests import MAX_MESSAGES, MAX_STOP
+from cachestore.keys import SESSION_ID_PATTERN
+from service.requests import MAX_MESSAGES, MAX_STOP, ROLES
 
-SESSION_ID = {"type": "string", "pattern": "^[A-Za-z0-9._-]{1,128}$", "minLength": 1, "maxLength": 128}
-_ROLE = {"type": "string", "enum": ["system", "user", "assistant", "tool", "developer"]}
+SESSION_ID = {"type": "string", "pattern": SESSION_ID_PATTERN, "minLength": 1, "maxLength": 128}
+_ROLE = {"type": "string", "enum": list(ROLES)}
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
 MESSAGE = {

@@ -11,12 +11,12 @@ from typing import Any
 
 from starlette.requests import Request
 
+from cachestore.keys import SESSION_ID_PATTERN, SESSION_ID_RULE
 from service.engines import GenParams
 from service.errors import ApiError, bad_request
 
-SESSION_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
-SESSION_ID_RULE = "session ids are 1-128 characters of A-Z a-z 0-9 . _ -"
-ROLES = {"system", "user", "assistant", "tool", "developer"}
+SESSION_ID_RE = re.compile(SESSION_ID_PATTERN)
+ROLES = ("system", "user", "assistant", "tool", "developer")  # the one list (validation and OpenAPI)
 MAX_MESSAGES = 1024
 MAX_STOP = 4
 MAX_JSON_DEPTH = 32
@@ -195,7 +195,7 @@ def parse_messages(value: Any, param: str = "messages", allow_empty: bool = Fals
             raise bad_request(f"{where} must be an object", param=where)
         role = msg.get("role")
         if role not in ROLES:
-            raise bad_request(f"{where}.role must be one of {sorted(ROLES)}", param=where)
+            raise bad_request(f"{where}.role must be one of {list(ROLES)}", param=where)
         messages.append({"role": role, "content": _text_content(msg.get("content"), where)})
     return messages
 

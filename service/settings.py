@@ -5,16 +5,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from cachestore.errors import ConfigError
+from cachestore.keys import TENANT_PATTERN, TENANT_RE
 from cachestore.settings import StoreSettings, mask_url
 from service.engines.base import ENGINES
 
-TENANT_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 DEFAULT_TENANT = "default"
 
 
@@ -73,7 +72,7 @@ class PodSettings:
             raise ConfigError("max_queue and write_queue must be at least 1")
         for key, tenant in self.api_keys.items():
             if not key or not TENANT_RE.match(tenant):
-                raise ConfigError("api keys need a non-empty key and a tenant matching [A-Za-z0-9._-]{1,64}")
+                raise ConfigError(f"api keys need a non-empty key and a tenant matching {TENANT_PATTERN}")
 
     def __repr__(self) -> str:
         shown = {f.name: getattr(self, f.name) for f in fields(self) if f.repr}
