@@ -55,7 +55,7 @@ def test_compose_pods_are_alike_and_their_settings_load() -> None:
     assert envs[0] == envs[1] == envs[2]
     assert set(envs[0]) <= KNOWN_ENV
     settings = settings_from_env({k: substitute(str(v)) for k, v in envs[0].items()})
-    assert settings.redis_url == "redis://redis:6379/0" and settings.codec == "int8"
+    assert settings.redis_url == "redis://redis:6379/0" and settings.codec == "exact"
     maxmemory = re.search(r"^maxmemory (\d+)gb$", (OPS / "redis" / "redis.conf").read_text(), re.M)
     assert maxmemory is not None
     assert settings.budget_bytes <= 0.8 * int(maxmemory.group(1)) * (1 << 30)  # room for sessions and overshoot
