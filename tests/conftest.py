@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any, TypeVar
 
 import pytest
 
@@ -13,23 +14,32 @@ from ops.redisproc import RedisCluster, RedisProcess
 POD_ARGS = ("--codec", "exact", "--block-tokens", "16")
 
 
+P = TypeVar("P", bound=Any)
+
+
 @contextmanager
-def tiny_pods(redis_url: str) -> Iterator[dict[str, PodProcess]]:
-    """Two caching tiny-random pods (`a`, `b`) and one without the cache (`plain`), as processes."""
-    procs = {
-        "a": PodProcess("pod-a", redis_url, "tiny-random", POD_ARGS),
-        "b": PodProcess("pod-b", redis_url, "tiny-random", POD_ARGS),
-        "plain": PodProcess("pod-plain", redis_url, "tiny-random", POD_ARGS, no_cache=True),
-    }
+def running(procs: dict[str, P], ready_s: float = 120) -> Iterator[dict[str, P]]:
+    """Start every process (pods, sidecars) at once, wait until each is ready, clean all of them up after."""
     try:
         for p in procs.values():
             p.start()
         for p in procs.values():
-            p.wait_ready(120)
+            p.wait_ready(ready_s)
         yield procs
     finally:
         for p in procs.values():
             p.cleanup()
+
+
+@contextmanager
+def tiny_pods(redis_url: str) -> Iterator[dict[str, PodProcess]]:
+    """Two caching tiny-random pods (`a`, `b`) and one without the cache (`plain`), as processes."""
+    with running({
+        "a": PodProcess("pod-a", redis_url, "tiny-random", POD_ARGS),
+        "b": PodProcess("pod-b", redis_url, "tiny-random", POD_ARGS),
+        "plain": PodProcess("pod-plain", redis_url, "tiny-random", POD_ARGS, no_cache=True),
+    }) as procs:
+        yield procs
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ from ops.pods import PodProcess
 from ops.redisproc import RedisProcess
 from service.engines import GenParams
 from service.engines.llamacpp import LlamaCppEngine
+from tests.conftest import running
 
 ARGS = ("--engine", "llamacpp", "--codec", "exact", "--block-tokens", "16", "--parallel", "2", "--threads", "1")
 SYSTEM = {"role": "system", "content": "You are a concise science tutor. Answer in two or three sentences."}
@@ -23,20 +24,14 @@ QUESTIONS = ["What is photosynthesis?", "Where in the cell does it happen?", "Wh
 @pytest.fixture(scope="module")
 def pods() -> Iterator[dict[str, PodProcess]]:
     redis = RedisProcess().start()
-    procs = {
-        "a": PodProcess("llama-a", redis.url, "smollm2", ARGS),
-        "b": PodProcess("llama-b", redis.url, "smollm2", ARGS),
-        "plain": PodProcess("llama-plain", redis.url, "smollm2", ARGS, no_cache=True),
-    }
     try:
-        for p in procs.values():
-            p.start()
-        for p in procs.values():
-            p.wait_ready(120)
-        yield procs
+        with running({
+            "a": PodProcess("llama-a", redis.url, "smollm2", ARGS),
+            "b": PodProcess("llama-b", redis.url, "smollm2", ARGS),
+            "plain": PodProcess("llama-plain", redis.url, "smollm2", ARGS, no_cache=True),
+        }) as procs:
+            yield procs
     finally:
-        for p in procs.values():
-            p.cleanup()
         redis.cleanup()
 
 

@@ -251,11 +251,12 @@ def test_every_pod_exports_the_namespace_bytes_budget_and_entries(redis_server: 
             line = next(x for x in c.get("/metrics").text.splitlines() if x.startswith(name + " "))
             return float(line.split()[1])
 
-        deadline = time.monotonic() + 10
-        while gauge("kvstash_cache_bytes_held") == 0 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_written(c)
         store = c.app.state.pod.store  # type: ignore[attr-defined]
         held = c.portal.call(store.usage)  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 10  # the next sample (every 0.1 s) sees what the store holds now
+        while gauge("kvstash_cache_bytes_held") != held.bytes_held and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert gauge("kvstash_cache_bytes_held") == held.bytes_held > 0
         assert gauge("kvstash_cache_entries") == held.blocks > 0
         assert gauge("kvstash_cache_budget_bytes") == 3 << 30

@@ -29,6 +29,7 @@ from service.engines.llamacpp import resolve_gguf
 from service.engines.llamaserver import LlamaServerEngine
 from service.engines.llamaserverproc import LlamaServerProcess
 from service.settings import PodSettings
+from tests.conftest import running
 
 ARGS = ("--codec", "exact", "--block-tokens", "16", "--ctx-per-slot", "4096")
 SYSTEM = {"role": "system", "content": "You are a concise science tutor. Answer in two or three sentences."}
@@ -195,20 +196,14 @@ def test_an_upstream_restarted_underneath_is_noticed_and_costs_one_miss(tmp_path
 @pytest.fixture(scope="module")
 def pods() -> Iterator[dict[str, SidecarProcess]]:
     redis = RedisProcess().start()
-    procs = {
-        "a": SidecarProcess("side-a", redis.url, "smollm2", ARGS),
-        "b": SidecarProcess("side-b", redis.url, "smollm2", ARGS),
-        "plain": SidecarProcess("side-plain", redis.url, "smollm2", ARGS, no_cache=True),
-    }
     try:
-        for p in procs.values():
-            p.start()
-        for p in procs.values():
-            p.wait_ready(180)
-        yield procs
+        with running({
+            "a": SidecarProcess("side-a", redis.url, "smollm2", ARGS),
+            "b": SidecarProcess("side-b", redis.url, "smollm2", ARGS),
+            "plain": SidecarProcess("side-plain", redis.url, "smollm2", ARGS, no_cache=True),
+        }, ready_s=180) as procs:
+            yield procs
     finally:
-        for p in procs.values():
-            p.cleanup()
         redis.cleanup()
 
 

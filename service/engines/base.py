@@ -7,6 +7,7 @@ cache is the engine's business alone.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -31,6 +32,25 @@ class KvGeometry:
     head_dim: int
     dtype: torch.dtype  # of the KV tensors exchanged with the pipeline
     max_context: int  # tokens one sequence may hold (prompt + reply)
+
+
+def gguf_fingerprint(
+    engine_id: str, weights_digest: str, template: str, add_bos: bool, geometry: KvGeometry, block_tokens: int,
+    codec_name: str,
+) -> ModelFingerprint:
+    """The fingerprint of a GGUF served by a llama.cpp runtime: `engine_id` names the runtime, its version and
+    the state layout; the GGUF's digest, chat template and BOS rule name the model and its tokens."""
+    template_digest = hashlib.blake2b(template.encode(), digest_size=16).hexdigest()
+    return ModelFingerprint(
+        model_id=f"{engine_id}/{weights_digest}",
+        tokenizer_digest=f"gguf/bos={int(add_bos)}/tpl=b2:{template_digest}",
+        dtype="float16",
+        num_layers=geometry.num_layers,
+        kv_heads=geometry.kv_heads,
+        head_dim=geometry.head_dim,
+        block_tokens=block_tokens,
+        codec=codec_name,
+    )
 
 
 class Engine(Protocol):

@@ -26,7 +26,7 @@ import torch
 from cachestore.errors import ConfigError
 from cachestore.hashing import ModelFingerprint
 from service.engines import llamastate
-from service.engines.base import KvGeometry, PrefillHook
+from service.engines.base import KvGeometry, PrefillHook, gguf_fingerprint
 from service.engines.chat import chat_token_ids
 from service.engines.generation import Generation, GenParams, TextStream, make_generator, pick, reply_ids
 
@@ -242,17 +242,9 @@ class LlamaCppEngine:
         return geo
 
     def fingerprint(self, block_tokens: int, codec_name: str) -> ModelFingerprint:
-        template = hashlib.blake2b((self._template or "").encode(), digest_size=16).hexdigest()
-        return ModelFingerprint(
-            model_id=f"llamacpp-{PINNED_VERSION}/state-v{llamastate.LAYOUT_VERSION}/{self._digest}",
-            tokenizer_digest=f"gguf/bos={int(self._add_bos)}/tpl=b2:{template}",
-            dtype="float16",
-            num_layers=self.geometry.num_layers,
-            kv_heads=self.geometry.kv_heads,
-            head_dim=self.geometry.head_dim,
-            block_tokens=block_tokens,
-            codec=codec_name,
-        )
+        engine_id = f"llamacpp-{PINNED_VERSION}/state-v{llamastate.LAYOUT_VERSION}"
+        return gguf_fingerprint(engine_id, self._digest, self._template or "", self._add_bos, self.geometry,
+                                block_tokens, codec_name)
 
     # -- text ------------------------------------------------------------------------------------
     def chat_ids(self, messages: list[dict[str, str]], known: Mapping[int, list[int]] | None = None) -> list[int]:

@@ -11,7 +11,6 @@ file all cost a prefill (counted in `stats`), never a wrong answer.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -30,7 +29,7 @@ import torch
 from cachestore.errors import ConfigError
 from cachestore.hashing import ModelFingerprint
 from service.engines import llamastate, slotfile
-from service.engines.base import KvGeometry, PrefillHook
+from service.engines.base import KvGeometry, PrefillHook, gguf_fingerprint
 from service.engines.chat import chat_token_ids
 from service.engines.generation import Generation, GenParams, reply_ids
 from service.engines.llamacpp import file_digest, resolve_gguf
@@ -198,17 +197,8 @@ class LlamaServerEngine:
 
     # -- identity and text -----------------------------------------------------------------------
     def fingerprint(self, block_tokens: int, codec_name: str) -> ModelFingerprint:
-        template = hashlib.blake2b(self._template.encode(), digest_size=16).hexdigest()
-        return ModelFingerprint(
-            model_id=f"llama-server/state-v{llamastate.LAYOUT_VERSION}/{self._digest}",
-            tokenizer_digest=f"gguf/bos={self._bos}/tpl=b2:{template}",
-            dtype="float16",
-            num_layers=self.geometry.num_layers,
-            kv_heads=self.geometry.kv_heads,
-            head_dim=self.geometry.head_dim,
-            block_tokens=block_tokens,
-            codec=codec_name,
-        )
+        return gguf_fingerprint(f"llama-server/state-v{llamastate.LAYOUT_VERSION}", self._digest, self._template,
+                                self._bos is not None, self.geometry, block_tokens, codec_name)
 
     def chat_ids(self, messages: list[dict[str, str]], known: Mapping[int, list[int]] | None = None) -> list[int]:
         def render(marked: list[dict[str, str]]) -> str:
