@@ -108,13 +108,20 @@ def test_a_refused_restore_is_a_miss(engine: LlamaServerEngine, monkeypatch: pyt
     assert engine.stats.restore_failures == failures + 1 and missed.cached_tokens == 0
 
 
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=5).status_code == 200
+    except httpx.HTTPError:  # not listening yet
+        return False
+
+
 def test_a_killed_llama_server_is_restarted_and_costs_a_miss(engine: LlamaServerEngine) -> None:
     first, second, gen = _conversation(engine)
     assert engine.process is not None and engine.process.pid is not None
     restarts = engine.process.restarts
     os.kill(engine.process.pid, signal.SIGKILL)
     deadline = time.monotonic() + 120
-    while engine.process.restarts == restarts or httpx.get(engine.url + "/health", timeout=5).status_code != 200:
+    while engine.process.restarts == restarts or not _healthy(engine.url):
         assert time.monotonic() < deadline, "llama-server was not restarted"
         time.sleep(0.2)
     after = engine.generate(second, None, GREEDY)  # its slots are empty: a full prefill

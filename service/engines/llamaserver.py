@@ -38,6 +38,7 @@ from service.engines.llamaserverproc import LlamaServerProcess
 log = logging.getLogger("kvstash.llamaserver")
 
 REQUEST_TIMEOUT_S = 600.0
+UPSTREAM_WAIT_S = 60.0  # how long a request waits for a restarting llama-server before it fails
 
 
 class UpstreamError(RuntimeError):
@@ -149,8 +150,27 @@ class LlamaServerEngine:
         return engine
 
     # -- HTTP ------------------------------------------------------------------------------------
+    def _await_upstream(self, why: str) -> None:
+        """llama-server is (re)starting: wait, bounded, until it answers /health with 200."""
+        deadline = time.monotonic() + UPSTREAM_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                if self._http.get("/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise UpstreamError(f"llama-server did not come back within {UPSTREAM_WAIT_S:.0f} s ({why})")
+
     def _json(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        r = self._http.request(method, path, json=body)
+        try:
+            r = self._http.request(method, path, json=body)
+        except httpx.TransportError as exc:  # restarted underneath (supervised): wait for it once, then retry
+            self._await_upstream(str(exc))
+            r = self._http.request(method, path, json=body)
+        if r.status_code == 503:  # still loading its model
+            self._await_upstream(r.text[:100])
+            r = self._http.request(method, path, json=body)
         if r.status_code != 200:
             raise UpstreamError(f"llama-server {method} {path}: HTTP {r.status_code} {r.text[:200]}")
         out: dict[str, Any] = r.json()
