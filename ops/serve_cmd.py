@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from cachestore.redisclient import check_connection  # noqa: PLC0415
     from cachestore.settings import StoreSettings  # noqa: PLC0415
     from service.app import create_app, store_settings  # noqa: PLC0415
+    from service.engines import load_engine  # noqa: PLC0415
 
     settings = settings_from_args(args)
     CodecSpec.parse(settings.codec)  # fail fast with a clear message on a bad codec
@@ -74,6 +75,13 @@ def run(args: argparse.Namespace) -> int:
         if warning:
             print(f"kvstash: warning: {warning}", file=sys.stderr)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level,
-                timeout_graceful_shutdown=15)
+    # the model loads before the port opens: a model the engine cannot serve (a missing or sliding-window GGUF,
+    # another llama.cpp state layout) is one line and a non-zero exit, never a traceback from the lifespan
+    engine = load_engine(settings.engine, settings.model, device=settings.device, parallel=settings.parallel,
+                         threads=settings.threads)
+    try:
+        uvicorn.run(create_app(settings, engine), host=settings.host, port=settings.port,
+                    log_level=args.log_level, timeout_graceful_shutdown=15)
+    finally:
+        engine.close()
     return 0
