@@ -28,6 +28,13 @@ def register(sub: Any) -> None:
     p.add_argument("--parallel", type=int, help="llamacpp: sequences decoded together (default 4)")
     p.add_argument("--threads", type=int, help="llamacpp: CPU threads (default: one per core)")
     p.add_argument("--device", help="cpu (default) or cuda[:N]")
+    add_pod_options(p)
+    p.set_defaults(func=run)
+
+
+def add_pod_options(p: argparse.ArgumentParser, no_cache_help: str = "neither read nor write the cache (for "
+                    "comparisons)") -> None:
+    """The flags of every pod-like command (`serve`, `sidecar`): Redis, cache, admission, logging."""
     p.add_argument("--redis-url", help="redis://, rediss://, unix:// URL (cluster: add ?cluster=1)")
     p.add_argument("--namespace", help="prefix of every Redis key (default kvstash)")
     p.add_argument("--codec", help="exact (default, lossless), fp16, int8, int4, int2, fp8; +zstd/+lz4/+none")
@@ -38,9 +45,8 @@ def register(sub: Any) -> None:
     p.add_argument("--redis-timeout-s", type=float, help="most a request waits on Redis (default 0.5)")
     p.add_argument("--max-queue", type=int, help="requests admitted before 503 (default 8)")
     p.add_argument("--pod-name", help="name reported in /readyz and the X-KV-Pod header")
-    p.add_argument("--no-cache", action="store_true", help="neither read nor write the cache (for comparisons)")
+    p.add_argument("--no-cache", action="store_true", help=no_cache_help)
     p.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
-    p.set_defaults(func=run)
 
 
 def settings_from_args(args: argparse.Namespace) -> Any:

@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+from ops.serve_cmd import add_pod_options
+
 SIDECAR_EPILOG = """\
 Two ways to run it:
   kvstash sidecar --upstream http://127.0.0.1:8080 --slot-dir /slots --model /models/m.gguf
@@ -41,19 +43,8 @@ def register(sub: Any) -> None:
     up.add_argument("--llama-server", help="--spawn: the binary (default: the one `make setup` built)")
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to bind (default 8000)")
-    p.add_argument("--redis-url", help="redis://, rediss://, unix:// URL (cluster: add ?cluster=1)")
-    p.add_argument("--namespace", help="prefix of every Redis key (default kvstash)")
-    p.add_argument("--codec", help="exact (default), fp16, int8, int4, int2, fp8; +zstd/+lz4/+none")
-    p.add_argument("--block-tokens", type=int, help="tokens per cached block (default 64)")
-    p.add_argument("--budget-bytes", type=int, help="byte budget of the namespace in Redis")
-    p.add_argument("--block-ttl-s", type=int, help="TTL of cached blocks in seconds")
-    p.add_argument("--session-ttl-s", type=int, help="TTL of session records in seconds")
-    p.add_argument("--redis-timeout-s", type=float, help="most a request waits on Redis (default 0.5)")
-    p.add_argument("--max-queue", type=int, help="requests admitted before 503 (default 8)")
-    p.add_argument("--pod-name", help="name reported in /readyz and the X-KV-Pod header")
-    p.add_argument("--no-cache", action="store_true", help="neither read nor write the cache, and let llama-server "
-                   "reuse nothing either (a full prefill every request: the baseline for comparisons)")
-    p.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+    add_pod_options(p, no_cache_help="neither read nor write the cache, and let llama-server reuse nothing "
+                    "either (a full prefill every request: the baseline for comparisons)")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="--spawn: arguments after -- go to llama-server")
     p.set_defaults(func=run, engine="llama-server", device=None)
 
