@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+import httpx
 import pytest
 
 from ops.pods import PodProcess
@@ -15,6 +17,19 @@ POD_ARGS = ("--codec", "exact", "--block-tokens", "16")
 
 
 P = TypeVar("P", bound=Any)
+
+
+def write_queue(url: str) -> int:
+    """Background write jobs queued or being written on the pod at `url` (/readyz counts the one in flight)."""
+    return int(httpx.get(url + "/readyz", timeout=5).json()["write_queue"])
+
+
+def settle(url: str, timeout_s: float = 20.0) -> None:
+    """Until the pod at `url` has nothing queued or being written."""
+    deadline = time.monotonic() + timeout_s
+    while write_queue(url):
+        assert time.monotonic() < deadline, "write queue did not drain"
+        time.sleep(0.05)
 
 
 @contextmanager

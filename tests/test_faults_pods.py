@@ -16,7 +16,7 @@ from cachestore.codec import Codec
 from cachestore.sessions import from_fields
 from ops.pods import PodProcess
 from ops.redisproc import RedisProcess
-from tests.conftest import tiny_pods
+from tests.conftest import settle, tiny_pods, write_queue
 from tests.faultkit import QUESTIONS, SYSTEM
 
 
@@ -66,18 +66,6 @@ def _text(resp: httpx.Response) -> str:
     return str(resp.json()["choices"][0]["message"]["content"])
 
 
-def _queued(pod: PodProcess) -> int:
-    """Background write jobs queued or being written on the pod (/readyz counts the one in flight too)."""
-    return int(httpx.get(pod.url + "/readyz", timeout=5).json()["write_queue"])
-
-
-def _settle(pod: PodProcess) -> None:
-    deadline = time.monotonic() + 20
-    while _queued(pod):
-        assert time.monotonic() < deadline, "write queue did not drain"
-        time.sleep(0.05)
-
-
 def _audit(r: redis.Redis) -> tuple[int, int]:
     """Every block decodes whole and every session record parses: nothing torn is visible."""
     blocks = sessions = 0
@@ -106,7 +94,7 @@ def test_sigkill_with_writes_queued_leaves_nothing_torn(pods: dict[str, PodProce
         for sid, messages in conversations.items():
             reply = _text(_chat(a, messages, session_id=sid))
             messages.append({"role": "assistant", "content": reply})
-        queued = _queued(a)
+        queued = write_queue(a.url)
         assert queued > 0, "nothing was queued at the kill: the scenario did not happen"
         a.kill()  # SIGKILL: whatever is queued or in flight is lost, never half-written
     finally:
@@ -120,7 +108,7 @@ def test_sigkill_with_writes_queued_leaves_nothing_torn(pods: dict[str, PodProce
         sent += 1
         correct += _text(resp) == _same_tokens(plain, resp)
         hits += resp.headers["x-kv-cache"] in ("hit", "partial")
-    _settle(b)
+    settle(b.url)
     _audit(r)
     r.close()
     assert correct == sent
@@ -136,7 +124,7 @@ def test_sigterm_drains_queued_writes(pods: dict[str, PodProcess], redis_server:
     unpause = threading.Timer(1.0, r.execute_command, ("CLIENT", "UNPAUSE"))
     try:
         expected = _text(_chat(a, messages))
-        assert _queued(a) > 0, "nothing was queued at the stop: the scenario did not happen"
+        assert write_queue(a.url) > 0, "nothing was queued at the stop: the scenario did not happen"
         unpause.start()
         a.stop()  # SIGTERM: the lifespan drains the queue (waiting out the pause) before exiting
     finally:

@@ -9,11 +9,12 @@ from typing import Any
 import httpx
 import pytest
 
+from ops.chatclient import stream_chat
 from ops.pods import PodProcess
 from ops.redisproc import RedisProcess
 from service.engines import GenParams
 from service.engines.llamacpp import LlamaCppEngine
-from tests.conftest import running
+from tests.conftest import running, settle
 
 ARGS = ("--engine", "llamacpp", "--codec", "exact", "--block-tokens", "16", "--parallel", "2", "--threads", "1")
 SYSTEM = {"role": "system", "content": "You are a concise science tutor. Answer in two or three sentences."}
@@ -38,13 +39,6 @@ def pods() -> Iterator[dict[str, PodProcess]]:
 def _chat(url: str, messages: list[dict[str, str]], **extra: Any) -> httpx.Response:
     body = {"model": "smollm2", "messages": messages, "max_tokens": 48, "temperature": 0, **extra}
     return httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
-
-
-def _settle(pod: PodProcess) -> None:
-    for _ in range(200):
-        if httpx.get(pod.url + "/readyz", timeout=5).json()["write_queue"] == 0:
-            return
-    raise AssertionError("write queue did not drain")
 
 
 def test_ready_reports_the_engine(pods: dict[str, PodProcess]) -> None:
@@ -92,7 +86,7 @@ def test_turns_alternate_llama_pods_with_hits_and_exact_replies(
                 differs.append({"turn": turn, "cached": reply, "no_cache": no_cache})
             previous_prompt, previous_kv = usage["prompt_tokens"], expected.kv
             messages.append({"role": "assistant", "content": reply})
-            _settle(pod)
+            settle(pod.url)
     finally:
         reference.close()
     figures["turns_differing_from_no_cache"] = differs
@@ -101,17 +95,9 @@ def test_turns_alternate_llama_pods_with_hits_and_exact_replies(
 def test_streamed_reply_equals_the_whole_one(pods: dict[str, PodProcess]) -> None:
     messages = [SYSTEM, {"role": "user", "content": "Name the planets of the solar system."}]
     whole = _chat(pods["a"].url, messages).json()["choices"][0]["message"]["content"]
-    text = ""
-    with httpx.stream("POST", pods["b"].url + "/v1/chat/completions", timeout=120,
-                      json={"model": "smollm2", "messages": messages, "max_tokens": 48, "stream": True}) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                import json  # noqa: PLC0415
-
-                choices = json.loads(line[6:])["choices"]
-                if choices:
-                    text += choices[0]["delta"].get("content", "")
-    assert text == whole
+    with httpx.Client(timeout=120) as client:
+        streamed = stream_chat(client, pods["b"].url, {"model": "smollm2", "messages": messages, "max_tokens": 48})
+    assert streamed.status == 200 and streamed.text == whole
 
 
 def test_session_resumes_on_the_other_llama_pod(pods: dict[str, PodProcess]) -> None:
@@ -120,7 +106,7 @@ def test_session_resumes_on_the_other_llama_pod(pods: dict[str, PodProcess]) -> 
     first = httpx.post(a.url + "/v1/sessions/llama-1/messages", json={"content": QUESTIONS[0], "max_tokens": 24},
                        timeout=120)
     assert first.status_code == 200, first.text
-    _settle(a)
+    settle(a.url)
     second = httpx.post(b.url + "/v1/sessions/llama-1/messages", json={"content": QUESTIONS[1], "max_tokens": 24},
                         timeout=120)
     assert second.status_code == 200, second.text

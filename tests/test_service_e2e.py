@@ -10,7 +10,7 @@ import pytest
 
 from ops.pods import PodProcess
 from ops.redisproc import RedisProcess
-from tests.conftest import tiny_pods
+from tests.conftest import settle, tiny_pods
 
 QUESTIONS = ["Tell me a story about a lighthouse keeper.", "What happened next?", "How did it end?",
              "Give it a title."]
@@ -26,14 +26,6 @@ def pods(redis_server: RedisProcess) -> Iterator[dict[str, PodProcess]]:
 def _chat(url: str, messages: list[dict[str, str]], **extra: Any) -> httpx.Response:
     body = {"model": "tiny-random", "messages": messages, "max_tokens": 10, "temperature": 0, **extra}
     return httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
-
-
-def _settle(pod: PodProcess) -> None:
-    """Wait until the pod's background writes are done (its queue is empty)."""
-    for _ in range(100):
-        if httpx.get(pod.url + "/readyz", timeout=5).json()["write_queue"] == 0:
-            return
-    raise AssertionError("write queue did not drain")
 
 
 def test_turns_alternate_pods_with_hits_and_identical_replies(pods: dict[str, PodProcess]) -> None:
@@ -57,7 +49,7 @@ def test_turns_alternate_pods_with_hits_and_identical_replies(pods: dict[str, Po
             assert cached >= (previous_prompt // 16) * 16 > 0
         previous_prompt = usage["prompt_tokens"]
         messages.append({"role": "assistant", "content": reply})
-        _settle(pod)
+        settle(pod.url)
 
 
 def test_session_resumes_on_another_pod_after_the_first_stops(pods: dict[str, PodProcess]) -> None:

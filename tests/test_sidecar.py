@@ -20,6 +20,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from cachestore.errors import ConfigError
+from ops.chatclient import stream_chat
 from ops.llamaserver_build import binary_path
 from ops.redisproc import RedisProcess
 from ops.sidecar_cmd import sidecar_app
@@ -29,7 +30,7 @@ from service.engines.llamacpp import resolve_gguf
 from service.engines.llamaserver import LlamaServerEngine
 from service.engines.llamaserverproc import LlamaServerProcess
 from service.settings import PodSettings
-from tests.conftest import running
+from tests.conftest import running, settle
 
 ARGS = ("--codec", "exact", "--block-tokens", "16", "--ctx-per-slot", "4096")
 SYSTEM = {"role": "system", "content": "You are a concise science tutor. Answer in two or three sentences."}
@@ -219,14 +220,6 @@ def _chat(url: str, messages: list[dict[str, str]], **extra: Any) -> httpx.Respo
     return httpx.post(url + "/v1/chat/completions", json=body, timeout=180)
 
 
-def _settle(pod: SidecarProcess) -> None:
-    for _ in range(300):
-        if httpx.get(pod.url + "/readyz", timeout=5).json()["write_queue"] == 0:
-            return
-        time.sleep(0.05)
-    raise AssertionError("write queue did not drain")
-
-
 def test_turns_alternate_sidecars_with_hits_and_only_new_tokens_processed(
     pods: dict[str, SidecarProcess], engine: LlamaServerEngine, figures: dict[str, object]
 ) -> None:
@@ -267,7 +260,7 @@ def test_turns_alternate_sidecars_with_hits_and_only_new_tokens_processed(
         rows.append({"turn": turn, "prompt": len(prompt), "cached": cached, "processed": processed})
         previous_prompt, previous_kv = len(prompt), expected.kv
         messages.append({"role": "assistant", "content": reply})
-        _settle(pod)
+        settle(pod.url)
     figures["turns"] = rows
     figures["turns_differing_from_no_cache"] = differs
     print(json.dumps(rows))
@@ -276,15 +269,9 @@ def test_turns_alternate_sidecars_with_hits_and_only_new_tokens_processed(
 def test_streamed_reply_equals_the_whole_one(pods: dict[str, SidecarProcess]) -> None:
     messages = [SYSTEM, {"role": "user", "content": "Name the planets of the solar system."}]
     whole = _chat(pods["a"].url, messages).json()["choices"][0]["message"]["content"]
-    text = ""
-    with httpx.stream("POST", pods["b"].url + "/v1/chat/completions", timeout=180,
-                      json={"model": "smollm2", "messages": messages, "max_tokens": 32, "stream": True}) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                choices = json.loads(line[6:])["choices"]
-                if choices:
-                    text += choices[0]["delta"].get("content", "")
-    assert text == whole
+    with httpx.Client(timeout=180) as client:
+        streamed = stream_chat(client, pods["b"].url, {"model": "smollm2", "messages": messages, "max_tokens": 32})
+    assert streamed.status == 200 and streamed.text == whole
 
 
 def test_session_resumes_on_the_other_sidecar(pods: dict[str, SidecarProcess]) -> None:
@@ -293,7 +280,7 @@ def test_session_resumes_on_the_other_sidecar(pods: dict[str, SidecarProcess]) -
     first = httpx.post(a.url + "/v1/sessions/ls-1/messages", json={"content": QUESTIONS[0], "max_tokens": 24},
                        timeout=180)
     assert first.status_code == 200, first.text
-    _settle(a)
+    settle(a.url)
     second = httpx.post(b.url + "/v1/sessions/ls-1/messages", json={"content": QUESTIONS[1], "max_tokens": 24},
                         timeout=180)
     assert second.status_code == 200, second.text
