@@ -108,3 +108,22 @@ def test_prompt_blocks_are_in_redis_while_the_reply_streams(redis_server: RedisP
                     last = line.encode()
         prompt_tokens = json.loads(last[6:])["prompt_token_ids"]
         assert seen_during and seen_during[0] >= len(prompt_tokens) // 16 > 0
+
+
+def test_a_reply_ends_only_once_its_writes_are_in_redis(redis_server: RedisProcess, tiny_model: Any) -> None:
+    """Writes paused in the middle of a long reply: the reply waits for them (bounded by write_wait_s), so a
+    next turn sent the moment it ends finds everything; a pod that answered first would leave nothing there."""
+    import threading  # noqa: PLC0415
+
+    admin = redis_server.client()
+    pause = threading.Timer(0.3, admin.execute_command, ("CLIENT", "PAUSE", "2000", "WRITE"))
+    with make_client(redis_server, tiny_model, write_wait_s=10.0) as c:
+        body = {"model": "tiny-random", "messages": HISTORY, "max_tokens": 300, "stop": ["\x00never"]}
+        pause.start()
+        try:
+            first = c.post("/v1/chat/completions", json=body)
+            tails, ids = _keys(redis_server, "tail"), _keys(redis_server, "ids")
+        finally:
+            pause.join()
+        assert first.status_code == 200
+        assert tails and ids, "the reply ended before its tail and reply ids were in Redis"
