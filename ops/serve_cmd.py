@@ -28,6 +28,10 @@ def register(sub: Any) -> None:
     p.add_argument("--parallel", type=int, help="llamacpp: sequences decoded together (default 4)")
     p.add_argument("--threads", type=int, help="llamacpp: CPU threads (default: one per core)")
     p.add_argument("--device", help="cpu (default) or cuda[:N]")
+    p.add_argument("--memory-kv-bytes", type=int,
+                   help="with --no-cache: keep the KV of recent sequences in this pod's memory, at most this many "
+                        "bytes, least recently used evicted (the sticky-sessions baseline of `kvstash bench load "
+                        "--baseline sticky`: only this pod can reuse it, and a restart loses it)")
     add_pod_options(p)
     p.set_defaults(func=run)
 
@@ -58,6 +62,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
                      "codec", "block_tokens",
                      "budget_bytes", "block_ttl_s", "session_ttl_s", "redis_timeout_s", "max_queue", "pod_name")
     }
+    overrides["memory_kv_bytes"] = getattr(args, "memory_kv_bytes", None)  # `serve` only, not `sidecar`
     if args.no_cache:
         overrides["cache_enabled"] = False
     return settings_from_env().with_overrides(**overrides)

@@ -69,10 +69,12 @@ class PodMetrics:
                                    "byte: written, or late (the budget ran out; the write went on)", ["result"],
                                    registry=r)
         self.bytes_held = Gauge("kvstash_cache_bytes_held", "Bytes the namespace holds in Redis, as the budget "
-                                "index accounts them (sampled by every pod)", registry=r)
-        self.budget = Gauge("kvstash_cache_budget_bytes", "The namespace's byte budget", registry=r)
+                                "index accounts them (sampled by every pod); with --memory-kv-bytes, the KV bytes "
+                                "this pod keeps in its own memory", registry=r)
+        self.budget = Gauge("kvstash_cache_budget_bytes", "The namespace's byte budget (with --memory-kv-bytes, "
+                            "this pod's)", registry=r)
         self.entries_held = Gauge("kvstash_cache_entries", "Blocks, tails and reply records the namespace holds "
-                                  "(sampled)", registry=r)
+                                  "(sampled); with --memory-kv-bytes, sequences this pod keeps", registry=r)
         self.inflight = Gauge("kvstash_inflight_requests", "Requests admitted and not finished", registry=r)
         self.rejected = Counter("kvstash_rejected", "Requests refused with 503 (overload)", registry=r)
         r.register(_StoreCollector(store_stats))

@@ -24,6 +24,7 @@ from service.contextpool import ContextPool
 from service.engines import Engine, Generation, GenParams
 from service.errors import overloaded
 from service.framecheck import Rejection, frame_problem
+from service.memkv import MemoryKV
 from service.metrics import PodMetrics
 from service.settings import PodSettings
 from service.writer import BackgroundWriter, WriteJob
@@ -87,6 +88,10 @@ class Pipeline:
                                      max_idle=max(2, engine.parallel))
         # [layers, 2, kv_heads, block_tokens, head_dim]
         self._block_shape = (geo.num_layers, 2, geo.kv_heads, settings.block_tokens, geo.head_dim)
+        # the sticky-sessions baseline: KV kept in this pod's memory instead of Redis
+        self.memory = MemoryKV(settings.memory_kv_bytes) if settings.memory_kv_bytes else None
+        if self.memory is not None:
+            metrics.budget.set(self.memory.max_bytes)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -133,6 +138,8 @@ class Pipeline:
         thread, straight into one preallocated context) while chunk i + 1 is on the wire: the
         hit then costs about the fetch plus the last chunk's decode, not fetch + decode.
         """
+        if self.memory is not None:
+            return self._account(await self._memory_view(tenant_salt, prompt_ids), prompt_ids), session
         if self.store is None or self.store.breaker_state == "open":
             return self._account(CacheView(None, 0, 0, "bypass"), prompt_ids), session
         usable = len(prompt_ids) - 1  # the last prompt token is always re-fed for logits
@@ -195,6 +202,27 @@ class Pipeline:
             view.buffer = out
         view.salt = tenant_salt
         return self._account(view, prompt_ids), session
+
+    async def _memory_view(self, tenant_salt: bytes, prompt_ids: list[int]) -> CacheView:
+        """The longest prefix this pod itself computed, copied into a pooled buffer: the engine appends into the
+        buffer it is handed (hfcache.GrowingLayer), and the kept tensor must never change. The copy is part of
+        this TTFT; an engine-native prefix cache would not copy."""
+        assert self.memory is not None
+        found = self.memory.find(tenant_salt, prompt_ids[:-1])  # the last prompt token is always re-fed
+        if found is None:
+            return CacheView(None, 0, 0, "miss", salt=tenant_salt)
+        n = found.tokens
+        out = self._contexts.take(min(len(prompt_ids) + self.settings.max_tokens_limit, self.geometry.max_context + 1))
+        await asyncio.to_thread(out[:, :, :, :n].copy_, found.kv[:, :, :, :n])  # [L, 2, H, n, D]
+        return CacheView(out[:, :, :, :n], n, 0, found.status, buffer=out, salt=tenant_salt)
+
+    def _remember(self, view: CacheView, gen: Generation) -> None:
+        """Keep what this generation computed in the pod's memory (the sticky baseline; event loop only)."""
+        assert self.memory is not None and view.salt is not None
+        self.memory.put(view.salt, gen.seq_ids, gen.kv)  # gen.kv is the engine's own fresh copy: handed over
+        self.memory.remember_reply(view.salt, gen.text, gen.reply_ids, self.engine.decode)
+        self.metrics.bytes_held.set(self.memory.bytes_held)
+        self.metrics.entries_held.set(len(self.memory))
 
     async def _fetch(self, hashes: list[BlockHash]) -> list[bytes]:
         assert self.store is not None
@@ -315,6 +343,8 @@ class Pipeline:
             work.add_done_callback(lambda _: self._contexts.give(buffer))
         gen = await work
         self.metrics.ttft.labels(view.status).observe(gen.ttft_s)
+        if self.memory is not None and view.salt is not None:
+            self._remember(view, gen)
         return gen
 
     def _early_writer(
@@ -425,6 +455,8 @@ class Pipeline:
     async def known_replies(self, tenant_salt: bytes, messages: list[dict[str, str]]) -> dict[int, list[int]]:
         """Assistant messages whose exact text some pod generated: message index -> the generated ids
         (one round trip; only ids that decode to exactly the message's text, of this tenant and model)."""
+        if self.memory is not None:
+            return self.memory.known_replies(tenant_salt, messages)
         wanted = [(i, m["content"]) for i, m in enumerate(messages)
                   if m.get("role") == "assistant" and m.get("content")]
         if self.store is None or not wanted or self.store.breaker_state == "open":

@@ -42,6 +42,8 @@ class PodSettings:
     write_wait_s: float | None = None  # a reply's last byte waits at most this long for its writes (None: the
     # Redis budget, redis_timeout_s); never when this request's read already found Redis failing
     local_tier_bytes: int = 64 << 20
+    memory_kv_bytes: int = 0  # > 0: the sticky-sessions baseline, KV kept in this pod's memory (service.memkv),
+    # no Redis; needs the cache disabled
     max_queue: int = 8  # requests admitted (running + waiting) before 503
     write_queue: int = 64  # background writes waiting before new ones are dropped
     max_body_bytes: int = 1 << 20
@@ -68,6 +70,11 @@ class PodSettings:
             raise ConfigError("write_wait_s must be >= 0")
         if self.redis_timeout_s <= 0 or self.body_timeout_s <= 0:
             raise ConfigError("redis_timeout_s and body_timeout_s must be positive")
+        if self.memory_kv_bytes < 0:
+            raise ConfigError("memory_kv_bytes must be >= 0")
+        if self.memory_kv_bytes and self.cache_enabled:
+            raise ConfigError("the in-memory KV cache (memory_kv_bytes) replaces Redis: run it with the Redis cache "
+                              "disabled (--no-cache, KVSTASH_NO_CACHE=1)")
         if self.max_queue < 1 or self.write_queue < 1:
             raise ConfigError("max_queue and write_queue must be at least 1")
         for key, tenant in self.api_keys.items():
@@ -116,7 +123,8 @@ _ENV_CASTS: dict[str, Any] = {
     "codec": str, "block_tokens": int, "block_ttl_s": int, "session_ttl_s": int,
     "budget_bytes": int, "max_value_bytes": int, "redis_timeout_s": float,
     "write_wait_s": float, "usage_sample_s": float,
-    "local_tier_bytes": int, "max_queue": int, "write_queue": int, "max_body_bytes": int, "body_timeout_s": float,
+    "local_tier_bytes": int, "memory_kv_bytes": int, "max_queue": int, "write_queue": int, "max_body_bytes": int,
+    "body_timeout_s": float,
     "max_tokens_limit": int, "default_max_tokens": int, "tenant_secret": str, "pod_name": str, "cache_dir": str,
 }
 
