@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -103,9 +104,20 @@ def nginx_binary() -> str | None:
     return None
 
 
-def render_nginx_conf(upstreams: Sequence[str], port: int, workdir: Path) -> str:
-    """The demo balancer: ops/nginx/demo.conf.template with its upstream servers and paths filled in."""
+def sticky_directive(header: str) -> str:
+    """nginx's consistent hash on a request header: every request carrying the same value goes to the same pod
+    (the sticky-sessions alternative to kvstash; see ops/nginx/sticky-sessions.conf.example)."""
+    if not re.fullmatch(r"[A-Za-z0-9-]+", header):
+        raise ValueError(f"not an HTTP header name: {header!r}")
+    return f"hash $http_{header.lower().replace('-', '_')} consistent;"
+
+
+def render_nginx_conf(upstreams: Sequence[str], port: int, workdir: Path, hash_header: str | None = None) -> str:
+    """The demo balancer: ops/nginx/demo.conf.template with its upstream servers and paths filled in; round robin,
+    or sticky on `hash_header` (a consistent hash of that header's value)."""
     servers = "\n".join(f"        server {u} max_fails=1 fail_timeout=5s;" for u in upstreams)
+    if hash_header is not None:
+        servers = f"        {sticky_directive(hash_header)}\n{servers}"
     text = NGINX_TEMPLATE.read_text()
     return text.replace("@UPSTREAM_SERVERS@", servers).replace("@PORT@", str(port)).replace(
         "@WORKDIR@", str(workdir)).replace("@NGINX_DIR@", str(NGINX_TEMPLATE.parent.resolve()))
@@ -113,10 +125,11 @@ def render_nginx_conf(upstreams: Sequence[str], port: int, workdir: Path) -> str
 
 @dataclass
 class NginxProcess:
-    """nginx as a round-robin balancer in front of `upstreams` (host:port strings)."""
+    """nginx in front of `upstreams` (host:port strings): round robin, or sticky on the `hash_header` header."""
 
     upstreams: Sequence[str]
     port: int = 0
+    hash_header: str | None = None
     workdir: Path | None = None
     proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
 
@@ -131,7 +144,7 @@ class NginxProcess:
         self.port = self.port or free_port()
         self.workdir = Path(tempfile.mkdtemp(prefix="kvstash-nginx-"))
         conf = self.workdir / "nginx.conf"
-        conf.write_text(render_nginx_conf(self.upstreams, self.port, self.workdir))
+        conf.write_text(render_nginx_conf(self.upstreams, self.port, self.workdir, self.hash_header))
         check = subprocess.run([binary, "-t", "-c", str(conf), "-p", str(self.workdir)], capture_output=True,
                                text=True, check=False)
         if check.returncode != 0:

@@ -1,4 +1,4 @@
-"""`kvstash bench load`: concurrent multi-turn chat sessions over P pods behind a round robin, cache on vs off.
+"""`kvstash bench load`: concurrent multi-turn chat sessions over P pods, kvstash against its alternatives.
 
 Each session starts with notes unique to it (a window of ops/data/sample.txt in its system prompt),
 so its first turn is a miss; every later turn resends the whole conversation (the OpenAI way, with no
@@ -6,22 +6,28 @@ session id unless --session-header) and can reuse everything the previous turn p
 The best possible hit for turn k is the previous turn's prompt + reply (less the last reply token,
 which is never fed); hit rate = cached tokens / that. S sessions run at once, T turns each, with a
 short think time between turns; the generator is bounded by --deadline-s and always terminates.
+
+Runs: kvstash (Redis, round robin), then the baselines: `off` (no cache, round robin) and `sticky` (each pod
+keeps KV in its own memory, `kvstash serve --memory-kv-bytes`, and nginx hashes X-Session-Id consistently, so a
+session stays on one pod). `--skew` makes a few sessions heavy; `--restart-pod-at` kills a pod mid-run.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import re
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ops.bench.common import SAMPLE_TEXT, machine, percentile, plot_bars, print_table, write_json
+from ops.bench import loadstats
+from ops.bench.common import SAMPLE_TEXT, machine, plot_bars, write_json
+from ops.bench.restart import PodRestarter, RestartAt
+from ops.bench.routing import ConsistentHash, RoundRobin, Router, ViaBalancer
 
 QUESTIONS = [
     "Summarise these notes in two sentences.",
@@ -34,11 +40,17 @@ QUESTIONS = [
     "End with a one-line summary.",
 ]
 CHARS_PER_TOKEN = 4.4  # English prose under SmolLM2's tokenizer, measured on sample.txt
+BASELINES = ("off", "sticky")
+RUN_LABELS = {"kvstash": "kvstash (round robin)", "sticky": "sticky sessions", "off": "cache OFF"}
+STICKY_HEADER = "X-Session-Id"  # what nginx hashes in the sticky run (every request of it carries one)
+HEAVY_NOTES, HEAVY_TURNS = 4, 2  # --skew: a heavy session's notes and turns, times a light one's
+RETRIES = 2  # a turn whose pod died under it (502, connection reset) is sent again, as a client would
 _METRIC = re.compile(r'^(kvstash_[a-z_]+?)(?:_total)?(\{[^}]*\})? ([0-9.eE+-]+)$')
 
 
 def register(bench_subparsers: Any) -> None:
-    p = bench_subparsers.add_parser("load", help="S concurrent sessions x T turns over P pods, cache on vs off")
+    p = bench_subparsers.add_parser("load", help="S concurrent sessions x T turns over P pods: kvstash against "
+                                    "cache off and sticky sessions")
     p.add_argument("--pods", type=int, default=3, help="caching pods behind the balancer (default 3)")
     p.add_argument("--sessions", type=int, default=32, help="concurrent sessions (default 32)")
     p.add_argument("--turns", type=int, default=5, help=f"turns per session (default 5, at most {len(QUESTIONS)})")
@@ -55,13 +67,31 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--threads-per-pod", type=int, default=0,
                    help="torch threads per pod (default: cores / pods, at least 1)")
     p.add_argument("--deadline-s", type=float, default=600.0, help="stop starting turns after this (default 600)")
-    p.add_argument("--no-baseline", action="store_true", help="skip the run with the cache disabled")
+    p.add_argument("--baseline", default="off",
+                   help="runs after kvstash's, comma-separated: off (cache disabled, round robin; the default), "
+                        "sticky (pod-local in-memory KV, nginx hash on X-Session-Id consistent)")
+    p.add_argument("--no-baseline", action="store_true", help="only the kvstash run")
+    p.add_argument("--memory-kv-mb", type=int, default=0,
+                   help="sticky: KV each pod keeps in memory, MiB (default: --budget-mb, per pod)")
+    p.add_argument("--skew", action="store_true",
+                   help=f"a few heavy sessions (one in five, at least one) among light ones: {HEAVY_NOTES}x the "
+                        f"notes and {HEAVY_TURNS}x the turns (at most {len(QUESTIONS)}); TTFT reported apart")
+    p.add_argument("--restart-pod-at", type=_restart_at, metavar="WHEN",
+                   help="kill -9 the busiest pod mid-run and start it again on its port, in every run: seconds "
+                        "into the run (30) or once a share of the turns is done (40%%)")
     p.add_argument("--session-header", action="store_true",
                    help="send X-Session-Id (server-side partial blocks); default: stateless, as the OpenAI "
                         "clients send the whole history and no session id")
     p.add_argument("--json", type=Path, help="write the summary and every turn as JSON here")
-    p.add_argument("--plot", type=Path, help="TTFT p50/p99 by turn kind, cache on vs off (PNG)")
+    p.add_argument("--plot", type=Path, help="TTFT p50/p99 by turn kind, one bar per run (PNG)")
     p.set_defaults(func=run)
+
+
+def _restart_at(text: str) -> RestartAt:
+    try:
+        return RestartAt.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _notes(session: int, doc_tokens: int) -> str:
@@ -71,36 +101,76 @@ def _notes(session: int, doc_tokens: int) -> str:
     return text[start:start + chars]
 
 
-def _session(idx: int, args: argparse.Namespace, pick: Any, deadline: float) -> list[dict[str, Any]]:
-    """One conversation of --turns turns; every turn is sent to the next pod of the rotation."""
+@dataclass(frozen=True)
+class SessionPlan:
+    index: int
+    doc_tokens: int
+    turns: int
+    heavy: bool
+
+    @property
+    def key(self) -> str:
+        return f"load-{self.index}"
+
+
+def plan_sessions(args: argparse.Namespace) -> list[SessionPlan]:
+    """--sessions conversations; with --skew the first one in five (at least one) is heavy."""
+    heavy = max(1, args.sessions // 5) if args.skew else 0
+    return [SessionPlan(i, args.doc_tokens * HEAVY_NOTES, min(len(QUESTIONS), args.turns * HEAVY_TURNS), True)
+            if i < heavy else SessionPlan(i, args.doc_tokens, args.turns, False) for i in range(args.sessions)]
+
+
+def _session(
+    plan: SessionPlan, args: argparse.Namespace, router: Router, started: float, deadline: float,
+    restarter: PodRestarter | None, send_session_id: bool,
+) -> list[dict[str, Any]]:
+    """One conversation of `plan.turns` turns, each sent where the router says."""
     import httpx  # noqa: PLC0415
 
     from ops.chatclient import stream_chat  # noqa: PLC0415
 
-    messages = [{"role": "system", "content": f"Session {idx}. Answer briefly from these notes.\n\n"
-                                              f"{_notes(idx, args.doc_tokens)}"}]
+    messages = [{"role": "system", "content": f"Session {plan.index}. Answer briefly from these notes.\n\n"
+                                              f"{_notes(plan.index, plan.doc_tokens)}"}]
     rows: list[dict[str, Any]] = []
     previous_seq = 0
+    headers = {STICKY_HEADER: plan.key} if send_session_id else {}
     with httpx.Client(timeout=300) as client:
-        for turn in range(1, args.turns + 1):
+        for turn in range(1, plan.turns + 1):
             if time.monotonic() > deadline:
                 break
             messages.append({"role": "user", "content": QUESTIONS[turn - 1]})
             body = {"model": args.model_name, "messages": messages, "max_tokens": args.max_tokens,
                     "temperature": 0}
             t0 = time.monotonic()
-            try:
-                headers = {"X-Session-Id": f"load-{idx}"} if args.session_header else {}
-                res = stream_chat(client, pick(), body, headers=headers)
-            except Exception as exc:  # noqa: BLE001 - every failure is counted as an error row
-                rows.append({"session": idx, "turn": turn, "status": 0, "error": f"{type(exc).__name__}: {exc}",
-                             "started": t0})
+            base = {"session": plan.index, "turn": turn, "heavy": plan.heavy, "started": t0,
+                    "started_s": t0 - started}
+            res, error = None, ""
+            for attempt in range(RETRIES + 1):
+                if attempt:
+                    time.sleep(0.5)
+                sent, url = time.monotonic(), router.pick(plan.key)
+                try:
+                    res = stream_chat(client, url, body, headers=headers)
+                except Exception as exc:  # noqa: BLE001 - every failure is counted: a retry, then an error row
+                    res, error = None, f"{type(exc).__name__}: {exc}"
+                    router.failed(url)
+                    continue
+                if res.status != 502:
+                    break
+                router.failed(url)
+            base.update(retries=attempt, ended_s=time.monotonic() - started)
+            if res is None:
+                rows.append({**base, "status": 0, "error": error})
                 break
-            row = {"session": idx, "turn": turn, "status": res.status, "pod": res.pod, "cache": res.cache,
-                   "ttft_ms": res.ttft_ms, "total_ms": res.total_ms, "prompt_tokens": res.prompt_tokens,
-                   "cached_tokens": res.cached_tokens, "completion_tokens": res.completion_tokens,
-                   "cacheable_tokens": min(previous_seq, max(0, res.prompt_tokens - 1)), "started": t0}
+            waited_ms = (sent - t0) * 1000  # a retried turn's user waited through the failed tries too
+            row = {**base, "status": res.status, "pod": res.pod, "cache": res.cache,
+                   "ttft_ms": waited_ms + res.ttft_ms, "total_ms": waited_ms + res.total_ms,
+                   "prompt_tokens": res.prompt_tokens, "cached_tokens": res.cached_tokens,
+                   "completion_tokens": res.completion_tokens,
+                   "cacheable_tokens": min(previous_seq, max(0, res.prompt_tokens - 1))}
             rows.append(row)
+            if restarter is not None and res.status == 200:
+                restarter.turn_done(res.pod)
             if res.status != 200:
                 row["error"] = res.text[:200]
                 break
@@ -130,8 +200,10 @@ def _scrape(urls: list[str]) -> dict[str, float]:
 
 @contextlib.contextmanager
 def _pods(
-    args: argparse.Namespace, redis_url: str, cache: bool, namespace: str, parallel: int
+    args: argparse.Namespace, redis_url: str, kind: str, namespace: str, parallel: int
 ) -> Iterator[tuple[list[Any], Any]]:
+    """The run's pods and nginx: kvstash pods (Redis) or cache-off pods behind a round robin, or pods keeping KV
+    in their own memory behind a consistent hash on the session (sticky)."""
     import os  # noqa: PLC0415
 
     from ops.pods import NginxProcess, PodProcess, ProcessError, nginx_binary  # noqa: PLC0415
@@ -140,8 +212,10 @@ def _pods(
     extra = ("--codec", args.codec, "--max-queue", str(args.sessions + 4), "--namespace", namespace,
              "--budget-bytes", str(args.budget_mb << 20), "--redis-timeout-s", "2", "--engine", args.engine,
              "--parallel", str(parallel), "--threads", str(threads))
+    if kind == "sticky":
+        extra += ("--memory-kv-bytes", str((args.memory_kv_mb or args.budget_mb) << 20))
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    pods = [PodProcess(f"pod-{chr(ord('a') + i)}", redis_url, args.model, extra, no_cache=not cache, env=env)
+    pods = [PodProcess(f"pod-{chr(ord('a') + i)}", redis_url, args.model, extra, no_cache=kind != "kvstash", env=env)
             for i in range(args.pods)]
     balancer = None
     try:
@@ -151,9 +225,10 @@ def _pods(
             pod.wait_ready()
         if nginx_binary() is not None:
             try:
-                balancer = NginxProcess([f"127.0.0.1:{p.port}" for p in pods]).start()
+                balancer = NginxProcess([f"127.0.0.1:{p.port}" for p in pods],
+                                        hash_header=STICKY_HEADER if kind == "sticky" else None).start()
             except ProcessError as exc:
-                print(f"nginx could not start ({exc}); the client rotates over the pods itself", flush=True)
+                print(f"nginx could not start ({exc}); the client routes to the pods itself", flush=True)
         yield pods, balancer
     finally:
         if balancer is not None:
@@ -162,81 +237,80 @@ def _pods(
             pod.cleanup()
 
 
-def _drive(args: argparse.Namespace, pods: list[Any], balancer: Any) -> tuple[list[dict[str, Any]], float]:
+def _router(kind: str, pods: list[Any], balancer: Any) -> Router:
     if balancer is not None:
-        def pick() -> str:
-            return str(balancer.url)
-    else:
-        rotation = itertools.cycle([p.url for p in pods])
-        lock = threading.Lock()
+        return ViaBalancer(str(balancer.url), "nginx (hash $http_x_session_id consistent)" if kind == "sticky"
+                           else "nginx (round robin)")
+    urls = [str(p.url) for p in pods]
+    return ConsistentHash(urls) if kind == "sticky" else RoundRobin(urls)
 
-        def pick() -> str:
-            with lock:
-                return str(next(rotation))
+
+def _drive(
+    args: argparse.Namespace, kind: str, pods: list[Any], router: Router
+) -> tuple[list[dict[str, Any]], float, dict[str, Any]]:
+    plans = plan_sessions(args)
     start = time.monotonic()
     deadline = start + args.deadline_s
-    with ThreadPoolExecutor(max_workers=args.sessions) as pool:
-        futures = [pool.submit(_session, i, args, pick, deadline) for i in range(args.sessions)]
+    restarter = (PodRestarter(args.restart_pod_at, pods, sum(p.turns for p in plans), start).start()
+                 if args.restart_pod_at else None)
+    with ThreadPoolExecutor(max_workers=len(plans)) as pool:
+        futures = [pool.submit(_session, plan, args, router, start, deadline, restarter,
+                               kind == "sticky" or args.session_header) for plan in plans]
         rows = [row for f in futures for row in f.result()]
-    return rows, time.monotonic() - start
-
-
-def _summary(rows: list[dict[str, Any]], wall_s: float, cache: bool) -> dict[str, Any]:
-    ok = [r for r in rows if r.get("status") == 200]
-    first = [r["ttft_ms"] for r in ok if r["turn"] == 1]
-    later = [r["ttft_ms"] for r in ok if r["turn"] > 1]
-    hits = [r["ttft_ms"] for r in ok if r.get("cache") == "hit"]
-    misses = [r["ttft_ms"] for r in ok if r.get("cache") in ("miss", "bypass")]
-    cacheable = sum(r["cacheable_tokens"] for r in ok)
-    cached = sum(min(r["cached_tokens"], r["cacheable_tokens"]) for r in ok)
-    kinds: dict[str, int] = {}
-    for r in ok:
-        kinds[r["cache"]] = kinds.get(r["cache"], 0) + 1
-    return {
-        "cache": cache, "requests": len(rows), "ok": len(ok), "errors": len(rows) - len(ok), "wall_s": wall_s,
-        "requests_per_s": len(ok) / wall_s if wall_s else 0.0,
-        "completion_tokens_per_s": sum(r["completion_tokens"] for r in ok) / wall_s if wall_s else 0.0,
-        "prompt_tokens": sum(r["prompt_tokens"] for r in ok), "cached_tokens": sum(r["cached_tokens"] for r in ok),
-        "cacheable_tokens": cacheable, "hit_rate_vs_possible": cached / cacheable if cacheable else 0.0,
-        "lookup_results": kinds, "pods_used": sorted({r["pod"] for r in ok}),
-        "ttft_ms_hit_p50": percentile(hits, 0.5), "ttft_ms_hit_p99": percentile(hits, 0.99), "hits": len(hits),
-        "ttft_ms_miss_p50": percentile(misses, 0.5), "ttft_ms_miss_p99": percentile(misses, 0.99),
-        "misses": len(misses),
-        "ttft_ms_first_turn_p50": percentile(first, 0.5), "ttft_ms_first_turn_p99": percentile(first, 0.99),
-        "ttft_ms_later_turns_p50": percentile(later, 0.5), "ttft_ms_later_turns_p99": percentile(later, 0.99),
-    }
+    wall = time.monotonic() - start
+    return rows, wall, restarter.finish() if restarter else {}
 
 
 def _one_run(
-    args: argparse.Namespace, redis_url: str, cache: bool, parallel: int
+    args: argparse.Namespace, redis_url: str, kind: str, parallel: int
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     from cachestore.settings import StoreSettings  # noqa: PLC0415
     from cachestore.syncstore import SyncBlockStore  # noqa: PLC0415
 
-    namespace = f"load-cache-p{parallel}" if cache else "load-nocache"
-    label = ("cache on" if cache else "cache OFF") + (f", parallel {parallel}" if args.engine != "hf" else "")
-    with _pods(args, redis_url, cache, namespace, parallel) as (pods, balancer):
-        route = f"nginx {balancer.url}" if balancer else "client-side round robin (nginx not installed)"
-        print(f"[{label}] {len(pods)} pods ready; {route}; {args.sessions} sessions x {args.turns} turns", flush=True)
-        rows, wall = _drive(args, pods, balancer)
+    cache = kind == "kvstash"
+    namespace = f"load-cache-p{parallel}" if cache else f"load-{kind}"
+    label = RUN_LABELS[kind] + (f", parallel {parallel}" if args.engine != "hf" else "")
+    with _pods(args, redis_url, kind, namespace, parallel) as (pods, balancer):
+        router = _router(kind, pods, balancer)
+        print(f"[{label}] {len(pods)} pods ready; {router.name}; {args.sessions} sessions x {args.turns} turns"
+              + (" (skewed)" if args.skew else ""), flush=True)
+        rows, wall, restart = _drive(args, kind, pods, router)
         time.sleep(1.0)  # let the last background writes land before reading the store
         metrics = _scrape([p.url for p in pods])
-    summary = _summary(rows, wall, cache)
-    summary["balancer"] = "nginx" if balancer else "client round robin"
+    summary = {"run": kind, "label": label, "cache": cache, **loadstats.summary(rows, wall)}
+    if args.skew:
+        summary.update(loadstats.skew(rows))
+    if args.restart_pod_at:
+        summary["restart"] = restart
+        summary.update(loadstats.after_kill(rows, restart))
+    summary["balancer"] = router.name
     summary["engine"], summary["parallel"] = args.engine, parallel if args.engine != "hf" else 1
     summary["evictions"] = metrics.get('kvstash_store_events{event="evictions"}', 0.0)
     summary["store_errors"] = metrics.get('kvstash_store_events{event="errors"}', 0.0)
     summary["writes_dropped"] = sum(v for k, v in metrics.items() if k.startswith("kvstash_writes_dropped"))
     summary["budget_bytes"] = args.budget_mb << 20
     summary["bytes_held"] = 0
+    if kind == "sticky":  # summed over the pods; a restarted pod counts only what it kept since
+        summary["bytes_held"] = metrics.get("kvstash_cache_bytes_held", 0.0)
+        summary["budget_bytes"] = (args.memory_kv_mb or args.budget_mb) << 20  # per pod
     if cache:
         settings = StoreSettings.from_url(redis_url, namespace=namespace, budget_bytes=args.budget_mb << 20)
         with SyncBlockStore(settings) as store:
             usage = store.usage()
         summary["bytes_held"], summary["blocks_held"] = usage.bytes_held, usage.blocks
-    print(f"[{label}] {summary['ok']}/{summary['requests']} ok in {wall:.1f} s; lookups {summary['lookup_results']}",
-          flush=True)
+    print(f"[{label}] {summary['ok']}/{summary['requests']} ok in {wall:.1f} s; lookups {summary['lookup_results']}"
+          + (f"; restart {restart}" if restart else ""), flush=True)
     return summary, rows
+
+
+def _baselines(args: argparse.Namespace) -> list[str]:
+    if args.no_baseline:
+        return []
+    wanted = [b.strip() for b in str(args.baseline).split(",") if b.strip() and b.strip() != "none"]
+    unknown = [b for b in wanted if b not in BASELINES]
+    if unknown:
+        raise SystemExit(f"--baseline takes {', '.join(BASELINES)} (comma-separated), not {', '.join(unknown)}")
+    return list(dict.fromkeys(wanted))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -244,6 +318,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not 1 <= args.turns <= len(QUESTIONS):
         raise SystemExit(f"--turns must be in 1..{len(QUESTIONS)}")
+    baselines = _baselines(args)
     if args.engine == "llamacpp" and args.model != "smollm2":
         args.model_name = Path(args.model).stem  # a llama.cpp pod answers to the GGUF file's name
     else:
@@ -260,23 +335,22 @@ def run(args: argparse.Namespace) -> int:
     runs: list[dict[str, Any]] = []
     turns: list[dict[str, Any]] = []
     try:
-        plan = [(True, p) for p in parallels] + ([] if args.no_baseline else [(False, parallels[-1])])
-        for cache, parallel in plan:
-            summary, rows = _one_run(args, redis.url, cache, parallel)
+        plan = [("kvstash", p) for p in parallels] + [(b, parallels[-1]) for b in baselines]
+        for kind, parallel in plan:
+            summary, rows = _one_run(args, redis.url, kind, parallel)
             runs.append(summary)
-            turns += [{**r, "cache_enabled": cache, "parallel": parallel} for r in rows]
+            turns += [{**r, "run": kind, "cache_enabled": kind == "kvstash", "parallel": parallel} for r in rows]
     finally:
         redis.cleanup()
-    print_table(runs, [("cache", "cache", ""), ("parallel", "par", "d"), ("ok", "ok", "d"), ("errors", "errors", "d"),
-                       ("requests_per_s", "req/s", ".2f"), ("completion_tokens_per_s", "tok/s", ".1f"),
-                       ("ttft_ms_first_turn_p50", "turn1 p50", ".0f"), ("ttft_ms_later_turns_p50", "turn2+ p50", ".0f"),
-                       ("ttft_ms_later_turns_p99", "turn2+ p99", ".0f"), ("ttft_ms_hit_p50", "hit p50", ".0f"),
-                       ("ttft_ms_hit_p99", "hit p99", ".0f"), ("ttft_ms_miss_p50", "miss p50", ".0f"),
-                       ("hit_rate_vs_possible", "hit rate", ".3f"), ("evictions", "evict", ".0f")])
+    loadstats.print_report(runs, args.skew, args.restart_pod_at.describe() if args.restart_pod_at else None)
     on = runs[len(parallels) - 1]  # the cache-on run with the most parallel sequences
     print(f"Redis holds {on['bytes_held'] / 1e6:.1f} MB of a {on['budget_bytes'] / 1e6:.0f} MB budget; "
           f"{on['evictions']:.0f} evictions, {on['store_errors']:.0f} store errors, "
           f"{on['writes_dropped']:.0f} writes dropped")
+    for r in runs:
+        if r["run"] == "sticky":
+            print(f"sticky pods hold {r['bytes_held'] / 1e6:.1f} MB of KV in memory together (at most "
+                  f"{r['budget_bytes'] / 1e6:.0f} MB each)")
     targets = {
         "hit_rate_vs_possible": {"value": on["hit_rate_vs_possible"], "target": 0.95,
                                  "met": on["hit_rate_vs_possible"] >= 0.95},
@@ -292,13 +366,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"target {name}: {t['value']} {'met' if t['met'] else 'MISSED'}")
     if args.json:
         write_json(args.json, {"runs": runs, "targets": targets, "turns": turns, "machine_before": before,
-                               "machine_after": machine(), "args": {k: v for k, v in vars(args).items()
-                                                                    if k != "func" and not isinstance(v, Path)}})
+                               "machine_after": machine(), "args": {
+                                   k: v.describe() if isinstance(v, RestartAt) else v for k, v in vars(args).items()
+                                   if k != "func" and not isinstance(v, Path)}})
     if args.plot:
         labels = ["turn 1 p50", "turns 2+ p50", "turns 2+ p99"]
-        groups = {(("cache on" if r["cache"] else "cache off") + f" (parallel {r['parallel']})"):
-                  [r["ttft_ms_first_turn_p50"], r["ttft_ms_later_turns_p50"],
-                                                                 r["ttft_ms_later_turns_p99"]] for r in runs}
-        plot_bars(args.plot, labels, groups, title=f"TTFT under load: {args.sessions} sessions, {args.pods} pods",
-                  ylabel="ms")
+        keys = ["ttft_ms_first_turn_p50", "ttft_ms_later_turns_p50", "ttft_ms_later_turns_p99"]
+        if args.restart_pod_at:
+            labels, keys = labels + ["after kill p50", "after kill p99"], keys + ["after_kill_ttft_ms_p50",
+                                                                              "after_kill_ttft_ms_p99"]
+        groups = {r["label"]: [r.get(k, 0.0) for k in keys] for r in runs}
+        plot_bars(args.plot, labels, groups, title=f"TTFT under load: {args.sessions} sessions, {args.pods} pods"
+                  + (", skewed" if args.skew else ""), ylabel="ms")
     return 0

@@ -1,0 +1,108 @@
+"""The sticky-sessions balancer of `kvstash bench load --baseline sticky`: the nginx config ops/pods.py renders
+with `hash_header`, and (where nginx is installed) that it really keeps a session on one pod; the client-side
+consistent hash used without nginx."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ops.bench.routing import ConsistentHash
+from ops.pods import NginxProcess, nginx_binary, render_nginx_conf, sticky_directive
+from ops.redisproc import free_port
+
+NGINX_DIR = Path(__file__).resolve().parent.parent / "ops" / "nginx"
+
+
+def _upstream(text: str) -> str:
+    match = re.search(r"upstream kvstash_pods \{.*?\}", text, re.S)
+    assert match is not None
+    return match.group(0)
+
+
+def test_rendered_config_hashes_the_header_consistently(tmp_path: Path) -> None:
+    upstreams = ["127.0.0.1:9001", "127.0.0.1:9002"]
+    sticky = _upstream(render_nginx_conf(upstreams, 9000, tmp_path, hash_header="X-Session-Id"))
+    assert re.search(r"^\s*hash \$http_x_session_id consistent;$", sticky, re.M), sticky
+    assert sticky.count("server 127.0.0.1:900") == 2
+    plain = _upstream(render_nginx_conf(upstreams, 9000, tmp_path))
+    assert "hash" not in plain  # round robin unless asked
+    with pytest.raises(ValueError):
+        sticky_directive("X-Session-Id; include /etc/passwd")  # a header name, nothing else, reaches the config
+
+
+def test_operator_example_is_the_same_directive() -> None:
+    example = _upstream((NGINX_DIR / "sticky-sessions.conf.example").read_text())
+    assert sticky_directive("X-Session-Id") in example
+
+
+class _Pod(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        body = self.server.name.encode()  # type: ignore[attr-defined]
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("X-KV-Pod", self.server.name)  # type: ignore[attr-defined]
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_pods() -> Iterator[list[int]]:
+    servers = []
+    for name in ("pod1", "pod2", "pod3"):
+        server = ThreadingHTTPServer(("127.0.0.1", free_port()), _Pod)
+        server.name = name  # type: ignore[attr-defined]
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+    try:
+        yield [s.server_address[1] for s in servers]
+    finally:
+        for s in servers:
+            s.shutdown()
+            s.server_close()
+
+
+@pytest.mark.skipif(nginx_binary() is None, reason="nginx is not installed (CI installs nginx-light in .ci/run)")
+def test_nginx_keeps_each_session_on_one_pod(fake_pods: list[int], tmp_path: Path) -> None:
+    conf = tmp_path / "nginx.conf"
+    conf.write_text(render_nginx_conf([f"127.0.0.1:{p}" for p in fake_pods], free_port(), tmp_path, "X-Session-Id"))
+    binary = nginx_binary()
+    assert binary is not None
+    check = subprocess.run([binary, "-t", "-c", str(conf), "-p", str(tmp_path)], capture_output=True, text=True,
+                           check=False)
+    assert check.returncode == 0, check.stderr
+    proc = NginxProcess([f"127.0.0.1:{p}" for p in fake_pods], hash_header="X-Session-Id").start()
+    try:
+        with httpx.Client() as client:
+            served = {s: {client.get(proc.url + "/v1/models", headers={"X-Session-Id": f"s-{s}"}).headers["x-kv-pod"]
+                          for _ in range(4)} for s in range(12)}
+    finally:
+        proc.cleanup()
+    assert all(len(pods) == 1 for pods in served.values()), served  # every request of a session: one pod
+    assert len({next(iter(p)) for p in served.values()}) >= 2  # and the sessions spread over the pods
+
+
+def test_client_consistent_hash_sticks_spreads_and_fails_over() -> None:
+    urls = ["http://a", "http://b", "http://c"]
+    ring = ConsistentHash(urls)
+    owners = {f"load-{i}": ring.pick(f"load-{i}") for i in range(30)}
+    assert all(ring.pick(k) == v for k, v in owners.items())  # stable
+    assert set(owners.values()) == set(urls)  # spread
+    ring.failed("http://c")  # c refused a request: its sessions go to the next pod of the ring for a while
+    for key, owner in owners.items():
+        assert ring.pick(key) == (owner if owner != "http://c" else ring.owners(key)[1]) != "http://c"
+    smaller = ConsistentHash(urls[:2])  # consistent: removing c moves only c's sessions
+    assert all(smaller.pick(k) == v for k, v in owners.items() if v != "http://c")
+    assert all(smaller.pick(k) == ring.pick(k) for k in owners)  # and where the ring's failover sends them
