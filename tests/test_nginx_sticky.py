@@ -88,10 +88,13 @@ def test_nginx_keeps_each_session_on_one_pod(fake_pods: list[int], tmp_path: Pat
         with httpx.Client() as client:
             served = {s: {client.get(proc.url + "/v1/models", headers={"X-Session-Id": f"s-{s}"}).headers["x-kv-pod"]
                           for _ in range(4)} for s in range(12)}
+            # no header: nginx falls back to round robin (ops/nginx/sticky-sessions.conf.example says so)
+            anonymous = {client.get(proc.url + "/v1/models").headers["x-kv-pod"] for _ in range(6)}
     finally:
         proc.cleanup()
     assert all(len(pods) == 1 for pods in served.values()), served  # every request of a session: one pod
     assert len({next(iter(p)) for p in served.values()}) >= 2  # and the sessions spread over the pods
+    assert anonymous == {"pod1", "pod2", "pod3"}
 
 
 def test_client_consistent_hash_sticks_spreads_and_fails_over() -> None:
