@@ -40,7 +40,9 @@ def _raw_state(tokens: list[int]) -> tuple[bytes, int]:
     """llama.cpp's own state of one sequence, through llama-cpp-python's C API and nothing of kvstash's."""
     import llama_cpp  # noqa: PLC0415
 
-    model = llama_cpp.llama_model_load_from_file(str(smollm2_gguf()).encode(), llama_cpp.llama_model_default_params())
+    mparams = llama_cpp.llama_model_default_params()
+    mparams.use_extra_bufts = False  # as the engine: AMX kernels fault under torch's OpenMP on AMX CPUs
+    model = llama_cpp.llama_model_load_from_file(str(smollm2_gguf()).encode(), mparams)
     params = llama_cpp.llama_context_default_params()
     params.n_ctx, params.n_batch, params.n_threads, params.n_threads_batch = 512, 512, 2, 2
     ctx = llama_cpp.llama_init_from_model(model, params)

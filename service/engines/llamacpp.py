@@ -146,6 +146,9 @@ class LlamaCppEngine:
         lib.llama_backend_init()
         self.name, self.path, self.parallel = name, path, parallel
         mparams = lib.llama_model_default_params()
+        # No AMX/repacked weight buffers: their kernels fault (ldtilecfg) when torch's libgomp runs ggml's
+        # threads, as it does in a pod, on CPUs with AMX (seen on Sapphire Rapids VMs)
+        mparams.use_extra_bufts = False
         self._model = lib.llama_model_load_from_file(str(path).encode(), mparams)
         if not self._model:
             raise ConfigError(f"llama.cpp could not load {path}")
