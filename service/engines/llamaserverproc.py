@@ -75,7 +75,10 @@ class LlamaServerProcess:
             str(self.binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
             "--slot-save-path", str(slot_dir) + "/", "-np", str(parallel), "-c", str(parallel * ctx_per_slot),
             # kvstash is the prompt cache here: llama-server's own RAM cache (8 GiB by default) stays off
-            "--no-webui", "--no-warmup", "--cache-ram", "0", *(["-t", str(threads)] if threads else []), *extra_args,
+            "--no-webui", "--no-warmup", "--cache-ram", "0", *(["-t", str(threads)] if threads else []),
+            # no repacked (AMX) weight buffers: their kernels crash llama-server at its first decode on VMs that
+            # report AMX but do not grant it (seen here: exit -11 while loading); the same as the in-pod engine
+            "--no-repack", *extra_args,
         ]
         self.log_path = log_path or slot_dir / "llama-server.log"
         self.restarts = 0
