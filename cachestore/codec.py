@@ -50,9 +50,18 @@ from cachestore.frame import (
     pack_header,
     parse_header,
 )
-from cachestore.quant import PLAIN, Dims, Section, Variant, dequantize, layout, quantize
+from cachestore.quant import (
+    PLAIN,
+    Dims,
+    Section,
+    Variant,
+    codes_split_by_layer,
+    dequantize,
+    layout,
+    quantize,
+)
 
-__all__ = ["DEFAULT_MAX_ELEMENTS", "Codec", "CodecSpec", "FrameHeader", "read_header",
+__all__ = ["DEFAULT_MAX_ELEMENTS", "Codec", "CodecSpec", "FrameHeader", "OpenFrame", "read_header",
            "verify_frame"]
 
 DEFAULT_MAX_ELEMENTS = 1 << 28  # 512 MiB of fp16 KV; far above any block
@@ -284,6 +293,17 @@ class Codec:
             raise CodecError(f"undecodable frame: {type(exc).__name__}: {exc}") from exc
 
 
+    def open(self, frame: bytes | bytearray | memoryview, *,
+             max_elements: int = DEFAULT_MAX_ELEMENTS) -> OpenFrame:
+        """Verify and decompress a frame of any mode, leaving the dequantization for later
+        (`OpenFrame.decode_into`, possibly a few layers at a time). Raises only CodecError."""
+        try:
+            return _open(_as_bytes(frame), None, max_elements)
+        except CodecError:
+            raise
+        except Exception as exc:  # a frame must never raise anything but CodecError
+            raise CodecError(f"undecodable frame: {type(exc).__name__}: {exc}") from exc
+
     def decode_into(self, frame: bytes | bytearray | memoryview, out: torch.Tensor, *,
                     max_elements: int = DEFAULT_MAX_ELEMENTS) -> torch.Tensor:
         """Decode a frame of any mode straight into `out` [layers, 2, kv_heads, tokens, head_dim]
@@ -328,11 +348,14 @@ def _borrow(payload: memoryview, raw_len: int) -> torch.Tensor:
 
 def _decode(view: memoryview, device: torch.device | str | None,
             max_elements: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    header = verify_frame(view, max_elements=max_elements)
+    frame = _open(view, device, max_elements)
     if out is not None:
-        shape = [header.layers, 2, header.kv_heads, header.tokens, header.head_dim]
-        if list(out.shape) != shape or not out.dtype.is_floating_point:
-            raise CodecError(f"frame holds {shape}, the output is {list(out.shape)} {out.dtype}")
+        frame.check_output(out)
+    return frame.decode_into(out)
+
+
+def _open(view: memoryview, device: torch.device | str | None, max_elements: int) -> OpenFrame:
+    header = verify_frame(view, max_elements=max_elements)
     payload = view[HEADER_SIZE:]
     if header.compressor == "none" and header.mode not in FLOAT_MODES:
         buf = _borrow(payload, header.raw_len)
@@ -347,7 +370,53 @@ def _decode(view: memoryview, device: torch.device | str | None,
     offsets, _ = _offsets(sections)
     parts = [buf[start:start + _nbytes(sec_dtype, shape)].view(sec_dtype).view(shape).to(target)
              for (sec_dtype, shape), start in zip(sections, offsets, strict=True)]
-    dims = Dims(header.layers, header.kv_heads, header.tokens, header.head_dim)
-    variant = Variant(rot_keys=bool(header.transform & ROT_KEYS),
-                      rot_values=bool(header.transform & ROT_VALUES))
-    return dequantize(header.mode, parts, dims, header.group_size, dtype, out, variant)
+    return OpenFrame(header, parts)
+
+
+@dataclass(frozen=True)
+class OpenFrame:
+    """A frame already verified and decompressed: dequantizing it cannot fail, and it can be done
+    a few layers at a time (the pod hands layers to the forward step as they are ready)."""
+
+    header: FrameHeader
+    parts: list[torch.Tensor]  # the payload sections of quant.layout, layers first
+
+    @property
+    def shape(self) -> list[int]:
+        h = self.header
+        return [h.layers, 2, h.kv_heads, h.tokens, h.head_dim]
+
+    @property
+    def splits_by_layer(self) -> bool:
+        """Whether `decode_into` takes a part of the layers (packed codes of odd shapes do not)."""
+        h = self.header
+        return codes_split_by_layer(h.mode, Dims(h.layers, h.kv_heads, h.tokens, h.head_dim), h.group_size)
+
+    def check_output(self, out: torch.Tensor) -> None:
+        if list(out.shape) != self.shape or not out.dtype.is_floating_point:
+            raise CodecError(f"frame holds {self.shape}, the output is {list(out.shape)} {out.dtype}")
+
+    def decode_into(self, out: torch.Tensor | None = None, layers: slice | None = None) -> torch.Tensor:
+        """Dequantize layers `layers` (all by default) into `out` [those layers, 2, kv_heads, tokens,
+        head_dim] (any float dtype, a strided view is fine), or into a new tensor of the frame's dtype."""
+        h = self.header
+        first, stop, _ = (layers or slice(None)).indices(h.layers)
+        count = max(0, stop - first)
+        dims = Dims(count, h.kv_heads, h.tokens, h.head_dim)
+        if count != h.layers:
+            if not codes_split_by_layer(h.mode, dims, h.group_size):
+                raise CodecError("this frame's packed codes cannot be split by layer")
+            parts = [_layer_slice(p, first, count, h.layers) for p in self.parts]
+        else:
+            parts = self.parts
+        variant = Variant(rot_keys=bool(h.transform & ROT_KEYS), rot_values=bool(h.transform & ROT_VALUES))
+        return dequantize(h.mode, parts, dims, h.group_size, _DTYPES[h.dtype], out, variant)
+
+
+def _layer_slice(part: torch.Tensor, first: int, count: int, layers: int) -> torch.Tensor:
+    """Layers [first, first + count) of a payload section: a leading-dim slice, or for the packed
+    int4/int2 codes (flat bytes, layer-major, each layer's codes starting on a byte) those layers' bytes."""
+    if part.dim() > 1:
+        return part[first:first + count]
+    per_layer = part.numel() // layers
+    return part[first * per_layer:(first + count) * per_layer]

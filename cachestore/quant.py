@@ -94,6 +94,17 @@ def layout(mode: str, dims: Dims, group: int, dtype: torch.dtype) -> list[Sectio
     raise CodecError(f"unknown mode {mode!r}")
 
 
+def codes_split_by_layer(mode: str, dims: Dims, group: int) -> bool:
+    """Whether the packed codes of every layer start on a byte (always, but for odd shapes of int4/int2):
+    then a frame's layers can be dequantized separately."""
+    if mode not in BITS:
+        return True
+    gk, nk, gv, nv = groups(dims, group)
+    per_byte = 8 // BITS[mode]
+    keys, values = dims.heads * nk * gk * dims.head_dim, dims.heads * dims.tokens * nv * gv  # codes per layer
+    return keys % per_byte == 0 and values % per_byte == 0
+
+
 def _outward(x: torch.Tensor, up: bool) -> torch.Tensor:
     """fp32 -> fp16, rounded up (or down) so the result bounds x; CodecError if not finite."""
     h = x.to(F16)
