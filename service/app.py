@@ -21,7 +21,7 @@ from cachestore.codec import Codec
 from cachestore.errors import KvstashError
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
-from service import completions, health, openapi, sessions_api
+from service import completions, health, openapi, sessions_api, threads
 from service.engines import Engine, load_engine
 from service.errors import EXCEPTION_HANDLERS
 from service.metrics import PodMetrics
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from service.models import LoadedModel
 
 log = logging.getLogger("kvstash.service")
+IO_THREADS = 8  # asyncio.to_thread's pool in a pod: encoding for write-back, tails, copies
 
 
 def store_settings(settings: PodSettings) -> StoreSettings:
@@ -121,10 +122,13 @@ def create_app(settings: PodSettings, engine: Engine | LoadedModel | None = None
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         own = engine is None  # an engine handed in belongs to the caller, who closes it
-        model = _as_engine(engine) if engine is not None else await asyncio.to_thread(
-            load_engine, settings.engine, settings.model, device=settings.device, parallel=settings.parallel,
-            threads=settings.threads,
-        )
+        # torch on every core in one thread only, the compute thread (service.threads): the event loop's
+        # thread and the threads of asyncio.to_thread (encoding, copies) keep to one core
+        threads.one_core()
+        asyncio.get_running_loop().set_default_executor(threads.io_executor(IO_THREADS, "kvstash-io"))
+        model = _as_engine(engine) if engine is not None else await asyncio.wrap_future(
+            threads.compute_executor().submit(load_engine, settings.engine, settings.model, device=settings.device,
+                                              parallel=settings.parallel, threads=settings.threads))
         state = build_state(settings, model)
         app.state.pod = state
         if state.writer is not None:

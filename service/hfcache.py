@@ -17,6 +17,8 @@ import torch  # noqa: E402
 from transformers import DynamicCache, PreTrainedModel  # noqa: E402
 from transformers.cache_utils import Cache, DynamicLayer  # noqa: E402
 
+from service.rehydrate import LayerGate  # noqa: E402
+
 KV_DIMS = 5  # [layers, 2, kv_heads, tokens, head_dim]
 
 
@@ -43,8 +45,10 @@ class GrowingLayer(DynamicLayer):
     decodes the cached blocks into a buffer with spare capacity, so the context is never copied.
     """
 
-    def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int) -> None:
+    def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int,
+                 ready: LayerGate | None = None, index: int = 0) -> None:
         super().__init__()
+        self._ready, self._index = ready, index  # the cached tokens of this layer may still be on their way
         self.device = key_buffer.device
         self.is_initialized = True
         self._key_buf, self._value_buf, self._length = key_buffer, value_buffer, length  # [1, H, cap, D]
@@ -53,6 +57,9 @@ class GrowingLayer(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._ready is not None:  # the forward step reached this layer: its cached tokens must be in place
+            self._ready.wait(self._index)
+            self._ready = None
         end = self._length + key_states.shape[-2]
         if end > self._key_buf.shape[-2]:  # out of room: move to a buffer twice as large, once
             self._key_buf = self._grow(self._key_buf, end)
@@ -87,11 +94,12 @@ def _spare_capacity(kv: torch.Tensor) -> int:
     return capacity
 
 
-def cache_from_tensor(kv: torch.Tensor, model: PreTrainedModel) -> Cache:
+def cache_from_tensor(kv: torch.Tensor, model: PreTrainedModel, ready: LayerGate | None = None) -> Cache:
     """A DynamicCache holding `kv` [layers, 2, kv_heads, tokens, head_dim], on the model's device and dtype.
 
     When `kv` is the first `tokens` of a larger [layers, 2, kv_heads, capacity, head_dim] buffer (as
-    the pod's rehydrated context is), generated tokens are appended into that buffer in place.
+    the pod's rehydrated context is), generated tokens are appended into that buffer in place, and
+    with `ready` each layer is waited for only when the forward step reaches it.
     """
     if kv.dim() != KV_DIMS or kv.shape[1] != 2:
         raise ValueError(f"kv must be [layers, 2, kv_heads, tokens, head_dim], got {tuple(kv.shape)}")
@@ -100,17 +108,21 @@ def cache_from_tensor(kv: torch.Tensor, model: PreTrainedModel) -> Cache:
         raise ValueError(f"kv has {kv.shape[0]} layers, the model {layers}")
     if kv.shape[3] == 0:
         return empty_cache(model)
-    kv = kv.to(device=model.device, dtype=model.dtype)
-    capacity = _spare_capacity(kv)
-    _, _, heads, tokens, dim = kv.shape
+    capacity = _spare_capacity(kv) if kv.device == model.device and kv.dtype == model.dtype else 0
     cache = DynamicCache(config=model.config)
+    if ready is not None and (not capacity or any(type(layer) is not DynamicLayer for layer in cache.layers)):
+        ready.wait_all()  # the context is copied or handed over whole: all of it first
+        ready = None
+    kv = kv.to(device=model.device, dtype=model.dtype)
+    _, _, heads, tokens, dim = kv.shape
     for i, layer in enumerate(cache.layers):
         key, value = kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0)  # [batch=1, kv_heads, tokens, head_dim]
         if type(layer) is not DynamicLayer:  # sliding-window and other layer kinds keep their own bookkeeping
             layer.update(key, value)
         elif capacity:
             size, stride = (1, heads, capacity, dim), (kv.stride(1), kv.stride(2), dim, 1)
-            cache.layers[i] = GrowingLayer(key.as_strided(size, stride), value.as_strided(size, stride), tokens)
+            cache.layers[i] = GrowingLayer(key.as_strided(size, stride), value.as_strided(size, stride), tokens,
+                                           ready, i)
         else:
             # Adopt the tensors as they are: DynamicLayer.update would torch.cat them onto an
             # empty tensor, a full copy of the context that the next forward copies again anyway.

@@ -6,26 +6,28 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from cachestore.blockcodec import BlockCodecs
-from cachestore.codec import Codec
+from cachestore.codec import Codec, OpenFrame
 from cachestore.errors import CodecError
 from cachestore.hashing import BlockHash, chain_hashes, root_hash
 from cachestore.sessions import SessionRecord
 from cachestore.store import BlockStore
 from cachestore.tails import pack_ids, reply_digest, unpack_ids, unpack_tail
+from service import threads
 from service.contextpool import ContextPool
 from service.engines import Engine, Generation, GenParams
 from service.errors import overloaded
 from service.framecheck import Rejection, frame_problem
 from service.memkv import MemoryKV
 from service.metrics import PodMetrics
+from service.rehydrate import LayerGate, Rehydration
 from service.settings import PodSettings
 from service.writer import BackgroundWriter, WriteJob
 
@@ -33,6 +35,8 @@ log = logging.getLogger("kvstash.pipeline")
 # Blocks per pipelined read: small enough that decoding one chunk overlaps the next chunk's read,
 # large enough that round trips stay few (8 x 64 SmolLM2 tokens of int8 = ~6 MB).
 FETCH_CHUNK_BLOCKS = 8
+FETCH_AHEAD = 1  # chunks on the wire at once: the next is asked for as soon as one arrives, never after its decode
+LAST_CHUNK_BLOCKS = 2  # a short final chunk: little is left to dequantize once the last bytes arrive
 MAX_REPLY_TOKENS = 8192  # replies longer than this are re-tokenized rather than remembered
 
 
@@ -48,6 +52,34 @@ class CacheView:
     buffer: torch.Tensor | None = None  # the pooled buffer `kv` is a view of; back to the pool after generation
     salt: bytes | None = None  # the tenant's salt when the cache is writable: the prompt's blocks go early
     early_blocks: int = 0  # blocks [hit_blocks, early_blocks) were queued while the reply was generated
+    ready: LayerGate | None = None  # layers of `kv` still being dequantized: the engine waits per layer
+    rehydrating: asyncio.Future[None] | None = None  # the thread writing into `buffer`, until it is done
+
+    def complete(self) -> torch.Tensor | None:
+        """`kv` with every layer in place (blocks the calling thread until then); engines wait on `ready`."""
+        if self.ready is not None:
+            self.ready.wait_all()
+        return self.kv
+
+
+def chunk_plan(blocks: int, size: int = FETCH_CHUNK_BLOCKS, last: int = LAST_CHUNK_BLOCKS) -> list[range]:
+    """Consecutive block ranges covering `blocks`: `size` blocks each, then a final chunk of `last`."""
+    if blocks <= size:
+        return [range(0, blocks)] if blocks else []
+    body = blocks - last
+    plan = [range(i, min(body, i + size)) for i in range(0, body, size)]
+    return [*plan, range(body, blocks)]
+
+
+def _cancel(tasks: Iterable[asyncio.Future[Any]], extra: asyncio.Future[Any] | None) -> None:
+    for task in [*tasks, extra]:
+        if task is not None and not task.done():
+            task.cancel()
+
+
+def _settle(future: asyncio.Future[Any], value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -81,7 +113,13 @@ class Pipeline:
         self.fingerprint = engine.fingerprint(settings.block_tokens, self.codecs.name())
         self.model_key = self.fingerprint.short()
         # as many generations in flight as the engine runs at once (1 for hf; llama.cpp batches them)
-        self._executor = ThreadPoolExecutor(max_workers=engine.parallel, thread_name_prefix="kvstash-infer")
+        # An engine that runs torch on the calling thread gets the process's one compute thread (service.threads);
+        # llama.cpp computes on its own scheduler thread, and these threads only hand requests over.
+        self._own_executor = not engine.runs_torch
+        self._executor = (threads.io_executor(engine.parallel, "kvstash-infer") if self._own_executor
+                          else threads.compute_executor())
+        # one rehydration per lookup, each on its own thread while its lookup is fed
+        self._decoder = threads.io_executor(2 * engine.parallel + 6, "kvstash-decode")
         self._admitted = 0
         self._roots: dict[str, BlockHash] = {}
         self._contexts = ContextPool(geo.num_layers, geo.kv_heads, geo.head_dim, geo.dtype,
@@ -94,7 +132,9 @@ class Pipeline:
             metrics.budget.set(self.memory.max_bytes)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._own_executor:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        self._decoder.shutdown(wait=False, cancel_futures=True)
 
     # -- admission ---------------------------------------------------------------------------
     def admit(self) -> None:
@@ -134,9 +174,11 @@ class Pipeline:
         """The prompt's cached blocks (and the session record named by `session_key`, fetched
         concurrently); the session's partial block extends a full hit.
 
-        Blocks are read in pipelined chunks of FETCH_CHUNK_BLOCKS, and chunk i is decoded (in a
-        thread, straight into one preallocated context) while chunk i + 1 is on the wire: the
-        hit then costs about the fetch plus the last chunk's decode, not fetch + decode.
+        Blocks are read in pipelined chunks (`chunk_plan`), FETCH_AHEAD of them on the wire at once so
+        the wire never waits for the CPU; a `Rehydration` thread verifies and dequantizes each chunk as
+        it arrives, straight into one preallocated context. The hit is known when the last chunk is
+        verified; what is not dequantized by then is done layer group by layer group while the forward
+        step runs (the view's `ready` gate), so a hit costs about the fetch plus the forward step.
         """
         if self.memory is not None:
             return self._account(await self._memory_view(tenant_salt, prompt_ids), prompt_ids), session
@@ -144,64 +186,116 @@ class Pipeline:
             return self._account(CacheView(None, 0, 0, "bypass"), prompt_ids), session
         usable = len(prompt_ids) - 1  # the last prompt token is always re-fed for logits
         hashes = self.hashes(tenant_salt, prompt_ids[:usable])
+        b = self.block_tokens
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         deadline = loop.time() + self.settings.redis_timeout_s
+        chunks = [hashes[r.start:r.stop] for r in chunk_plan(len(hashes))]
+        tail_parent = hashes[-1] if hashes else self.root(tenant_salt)
+        wants_tail = len(hashes) * b < usable
+        # the first chunks (and, when the prompt ends mid-block, its tail) go out before anything else
+        ahead = deque(asyncio.ensure_future(self._fetch(c)) for c in chunks[1:FETCH_AHEAD])
+        tail_task = (asyncio.ensure_future(self._fetch_tail(tail_parent))
+                     if wants_tail and len(chunks) <= FETCH_AHEAD else None)
         fetch_session = self.store.get_session(*session_key) if session_key else self._none()
-        chunks = [hashes[i:i + FETCH_CHUNK_BLOCKS] for i in range(0, len(hashes), FETCH_CHUNK_BLOCKS)]
         try:
             head, fetched_session = await asyncio.wait_for(
                 asyncio.gather(self.store.fetch(self.model_key, chunks[0] if chunks else []), fetch_session),
                 self.settings.redis_timeout_s,
             )
         except TimeoutError:
+            _cancel(ahead, tail_task)
             return self._account(CacheView(None, 0, 0, "bypass"), prompt_ids), session
         session = session or fetched_session
         if head.unavailable:  # Redis failed: recompute (a concurrent request's error cannot make this a bypass)
+            _cancel(ahead, tail_task)
             return self._account(CacheView(None, 0, 0, "bypass"), prompt_ids), session
-        first = head.value
         # [layers, 2, kv_heads, capacity, head_dim]: a hit fills at most `usable` tokens; views are handed on.
         # Room for the whole reply too, so generation appends in place (hfcache.GrowingLayer); pages
         # that are never written are never touched.
         capacity = min(len(prompt_ids) + self.settings.max_tokens_limit, self.geometry.max_context + 1)
         out = self._contexts.take(capacity)
-        hit_blocks, fetched, frames = 0, 0, first
-        while True:
-            wanted = len(chunks[hit_blocks // FETCH_CHUNK_BLOCKS]) if chunks else 0
-            more = bool(frames) and len(frames) == wanted and hit_blocks + wanted < len(hashes)
-            upcoming = (asyncio.ensure_future(self._fetch(chunks[hit_blocks // FETCH_CHUNK_BLOCKS + 1]))
-                        if more else None)
-            decoded, nbytes = await asyncio.to_thread(self._decode_blocks, frames, out, hit_blocks)
-            hit_blocks, fetched = hit_blocks + decoded, fetched + nbytes
-            if upcoming is None:
-                break
-            if decoded < len(frames):  # a corrupt block truncates the hit there, like a hole
-                upcoming.cancel()
-                break
-            try:
-                frames = await asyncio.wait_for(upcoming, max(0.0, deadline - loop.time()))
-            except TimeoutError:
-                break  # out of time: use what already arrived
-        tail = None
-        b = self.block_tokens
-        session_partial = (session is not None and session.model == self.model_key and bool(session.partial)
-                           and hit_blocks == len(session.token_ids) // b)
-        if hit_blocks * b < usable and not session_partial and loop.time() < deadline:
-            # the tokens after the last full block some pod computed: one more short round trip
-            parent = hashes[hit_blocks - 1] if hit_blocks else self.root(tenant_salt)
-            try:
-                tail = await asyncio.wait_for(self._fetch_tail(parent), max(0.0, deadline - loop.time()))
-            except TimeoutError:
-                tail = None
-        self.metrics.redis_seconds.labels("lookup").observe(time.perf_counter() - t0)
-        view = await asyncio.to_thread(self._with_session, out, hit_blocks, fetched, session, prompt_ids, usable,
-                                       tail)
-        if view.kv is None:
-            self._contexts.give(out)
-        else:
-            view.buffer = out
+        rehydration = Rehydration(out, b, self._open_block, layerwise=self.engine.layerwise)
+        verified: asyncio.Future[tuple[int, int]] = loop.create_future()
+        worker = loop.run_in_executor(self._decoder, rehydration.run,
+                                      lambda n, nbytes: loop.call_soon_threadsafe(_settle, verified, (n, nbytes)))
+        given = False
+        try:
+            frames, index = head.value, 0
+            while True:
+                rehydration.feed(frames)
+                index += 1
+                if index >= len(chunks) or len(frames) < len(chunks[index - 1]) or rehydration.stopped.is_set():
+                    break
+                if index + FETCH_AHEAD - 1 < len(chunks):
+                    ahead.append(asyncio.ensure_future(self._fetch(chunks[index + FETCH_AHEAD - 1])))
+                if wants_tail and tail_task is None and index + FETCH_AHEAD >= len(chunks):
+                    # the last chunk is on the wire: the tail after it goes along
+                    tail_task = asyncio.ensure_future(self._fetch_tail(tail_parent))
+                try:
+                    frames = await asyncio.wait_for(ahead.popleft(), max(0.0, deadline - loop.time()))
+                except TimeoutError:
+                    break  # out of time: use what already arrived
+            _cancel(ahead, None)
+            rehydration.end()
+            hit_blocks, fetched = await verified
+            tail = await self._tail(tail_task, hit_blocks, len(hashes), hashes, tenant_salt, usable, session,
+                                    deadline)
+            tail_task = None
+            self.metrics.redis_seconds.labels("lookup").observe(time.perf_counter() - t0)
+            if tail is None and not self._session_partial(session, hit_blocks):
+                view = self._with_session(out, hit_blocks, fetched, session, prompt_ids, usable)
+            else:  # decoding a tail or a session's partial block: off the event loop
+                view = await asyncio.to_thread(self._with_session, out, hit_blocks, fetched, session, prompt_ids,
+                                               usable, tail)
+            if view.kv is not None:
+                view.buffer, view.ready, view.rehydrating = out, rehydration.gate, worker
+                given = True
+        finally:
+            _cancel(ahead, tail_task)
+            rehydration.end()  # a second end after the first is never read: harmless
+            if not given:  # back to the pool once the thread is done with it
+                worker.add_done_callback(lambda _: self._contexts.give(out))
+        worker.add_done_callback(lambda w: self.metrics.codec_seconds.labels("decode").observe(
+            rehydration.decode_seconds))
         view.salt = tenant_salt
         return self._account(view, prompt_ids), session
+
+    def _session_partial(self, session: SessionRecord | None, hit_blocks: int) -> bool:
+        """Whether the session's partial block continues this hit (then it extends the hit)."""
+        return (session is not None and session.model == self.model_key and bool(session.partial)
+                and hit_blocks == len(session.token_ids) // self.block_tokens)
+
+    async def _tail(
+        self, prefetched: asyncio.Future[bytes | None] | None, hit_blocks: int, blocks: int,
+        hashes: list[BlockHash], tenant_salt: bytes, usable: int, session: SessionRecord | None, deadline: float,
+    ) -> bytes | None:
+        """The tokens after the last full block some pod computed: prefetched with the last chunk when every
+        block hit, else one more short round trip (none when the session's partial block continues the hit)."""
+        loop = asyncio.get_running_loop()
+        if hit_blocks * self.block_tokens >= usable or self._session_partial(session, hit_blocks):
+            return None
+        try:
+            if prefetched is not None and hit_blocks == blocks:
+                return await asyncio.wait_for(prefetched, max(0.0, deadline - loop.time()))
+            if loop.time() >= deadline:
+                return None
+            parent = hashes[hit_blocks - 1] if hit_blocks else self.root(tenant_salt)
+            return await asyncio.wait_for(self._fetch_tail(parent), max(0.0, deadline - loop.time()))
+        except TimeoutError:
+            return None
+
+    def _open_block(self, frame: bytes, index: int) -> OpenFrame | None:
+        """Block `index`'s frame verified and decompressed, or None (counted) if it is not what this pod
+        would have written."""
+        codec = self.codecs.at(index)
+        problem = frame_problem(frame, codec.spec, self._block_shape, self.geometry.dtype)
+        if problem is not None:
+            return self._reject(problem)
+        try:
+            return codec.open(frame, max_elements=math.prod(self._block_shape))
+        except CodecError as exc:
+            return self._reject(Rejection("corrupt", str(exc)))
 
     async def _memory_view(self, tenant_salt: bytes, prompt_ids: list[int]) -> CacheView:
         """The longest prefix this pod itself computed, copied into a pooled buffer: the engine appends into the
@@ -270,28 +364,6 @@ class Pipeline:
         log.warning("discarding a cached frame (%s): %s", problem.reason, problem.detail)
         self.metrics.cache_rejected.labels(problem.reason).inc()
 
-    def _decode_blocks(self, frames: list[bytes], out: torch.Tensor, first_block: int) -> tuple[int, int]:
-        """Decode consecutive blocks into out[..., block tokens, :]; stops at the first bad frame.
-        Returns (blocks decoded, their bytes)."""
-        b = self.block_tokens
-        t0 = time.perf_counter()
-        done, nbytes = 0, 0
-        for i, frame in enumerate(frames):
-            start = (first_block + i) * b
-            codec = self.codecs.at(first_block + i)
-            problem = frame_problem(frame, codec.spec, self._block_shape, self.geometry.dtype)
-            if problem is not None:
-                self._reject(problem)
-                break
-            try:
-                codec.decode_into(frame, out[:, :, :, start:start + b])  # [L, 2, H, b, D] view
-            except CodecError as exc:
-                self._reject(Rejection("corrupt", str(exc)))
-                break
-            done, nbytes = done + 1, nbytes + len(frame)
-        self.metrics.codec_seconds.labels("decode").observe(time.perf_counter() - t0)
-        return done, nbytes
-
     def _with_session(
         self, out: torch.Tensor, hit_blocks: int, fetched: int, session: SessionRecord | None,
         prompt_ids: list[int], usable: int, tail: bytes | None = None,
@@ -337,10 +409,18 @@ class Pipeline:
         loop = asyncio.get_running_loop()
         early = self._early_writer(loop, prompt_ids, view)
         work = loop.run_in_executor(self._executor, self.engine.generate, prompt_ids, view.kv, params, on_text,
-                                    early)
-        if view.buffer is not None:  # back to the pool once the inference thread is done with it, even if
-            buffer, view.buffer = view.buffer, None  # this request is cancelled meanwhile
-            work.add_done_callback(lambda _: self._contexts.give(buffer))
+                                    early, view.ready)
+        if view.buffer is not None:  # back to the pool once the inference and the rehydration threads are done
+            buffer, view.buffer = view.buffer, None  # with it, even if this request is cancelled meanwhile
+            rehydrating = view.rehydrating
+
+            def give(_: object) -> None:
+                if rehydrating is not None and not rehydrating.done():
+                    rehydrating.add_done_callback(lambda _: self._contexts.give(buffer))
+                else:
+                    self._contexts.give(buffer)
+
+            work.add_done_callback(give)
         gen = await work
         self.metrics.ttft.labels(view.status).observe(gen.ttft_s)
         if self.memory is not None and view.salt is not None:

@@ -20,6 +20,7 @@ from service.engines.generation import (
     reply_ids,
 )
 from service.models import LoadedModel
+from service.rehydrate import LayerGate
 
 __all__ = ["GenParams", "Generation", "ModelRunner"]
 
@@ -85,8 +86,10 @@ class ModelRunner:
         params: GenParams,
         on_text: Callable[[str], None] | None = None,
         on_prefill: PrefillHook | None = None,
+        kv_ready: LayerGate | None = None,
     ) -> Generation:
-        """Generate after `prompt_ids`, reusing `cached_kv` for prompt_ids[:n] (n = its token count)."""
+        """Generate after `prompt_ids`, reusing `cached_kv` for prompt_ids[:n] (n = its token count); a layer of
+        it is read only once `kv_ready` (if given) says it is in place."""
         started = time.perf_counter()
         prompt = [int(i) for i in prompt_ids]
         if not prompt:
@@ -111,7 +114,7 @@ class ModelRunner:
             cache = None
             if cached:
                 assert cached_kv is not None
-                cache = hfcache.cache_from_tensor(cached_kv[:, :, :, :cached], self.model)
+                cache = hfcache.cache_from_tensor(cached_kv[:, :, :, :cached], self.model, ready=kv_ready)
             logits, cache = hfcache.forward(self.model, prompt[cached:], cache)
             while True:
                 token = pick(logits[-1], params, generator)

@@ -37,7 +37,7 @@ async def test_chunked_lookup_rebuilds_the_context_and_stops_at_a_corrupt_block(
 
         view, _ = await pipe.lookup(SALT, prompt)
         assert (view.status, view.cached_tokens, view.hit_blocks) == ("hit", 20 * b, 20)
-        assert view.kv is not None and torch.equal(view.kv, kv[:, :, :, :20 * b])
+        assert view.kv is not None and torch.equal(view.complete(), kv[:, :, :, :20 * b])
         assert view.fetched_bytes == sum(map(len, frames))
 
         # a corrupt block in the second chunk truncates the hit there
@@ -45,14 +45,14 @@ async def test_chunked_lookup_rebuilds_the_context_and_stops_at_a_corrupt_block(
         await store.client.set(key, frames[11][:-1] + bytes([frames[11][-1] ^ 1]))
         view, _ = await pipe.lookup(SALT, prompt)
         assert (view.status, view.cached_tokens) == ("partial", 11 * b)
-        assert view.kv is not None and torch.equal(view.kv, kv[:, :, :, :11 * b])
+        assert view.kv is not None and torch.equal(view.complete(), kv[:, :, :, :11 * b])
 
         # a hole in the third chunk: the first two chunks still count
         await store.client.delete(store.keys.block(pipe.model_key, hashes[17])[1])
         await store.client.set(key, frames[11])
         view, _ = await pipe.lookup(SALT, prompt)
         assert view.cached_tokens == 17 * b
-        gen = runner.generate(prompt, view.kv, GenParams(max_tokens=3))
+        gen = runner.generate(prompt, view.kv, GenParams(max_tokens=3), kv_ready=view.ready)
         plain = runner.generate(prompt, None, GenParams(max_tokens=3))
         assert gen.cached_tokens == 17 * b and gen.token_ids == plain.token_ids
     finally:

@@ -16,6 +16,7 @@ import torch
 
 from cachestore.hashing import ModelFingerprint
 from service.engines.generation import Generation, GenParams
+from service.rehydrate import LayerGate
 
 # on_prefill(get_kv): get_kv(start, end) -> [layers, 2, kv_heads, end - start, head_dim], a CPU copy
 PrefillHook = Callable[[Callable[[int, int], torch.Tensor]], None]
@@ -60,6 +61,8 @@ class Engine(Protocol):
     name: str  # the model name clients send
     geometry: KvGeometry
     parallel: int
+    layerwise: bool  # runs the cached context layer by layer: `generate` waits on `kv_ready` per layer
+    runs_torch: bool  # `generate` runs torch on the calling thread: the pod calls it on its compute thread
 
     def fingerprint(self, block_tokens: int, codec_name: str) -> ModelFingerprint:
         """Names the engine, its version, the weights and every setting that changes the KV bits."""
@@ -84,11 +87,14 @@ class Engine(Protocol):
         params: GenParams,
         on_text: Callable[[str], None] | None = None,
         on_prefill: PrefillHook | None = None,
+        kv_ready: LayerGate | None = None,
     ) -> Generation:
         """Generate after `prompt_ids`, reusing `cached_kv` [layers, 2, kv_heads, n, head_dim] for
         prompt_ids[:n]; returns the reply and the KV of the whole fed sequence. Blocks until done.
         `on_prefill` is called once, after the first token, with a function that copies out the KV of
-        prompt tokens [start, end) (so their blocks can be written while the reply is generated)."""
+        prompt tokens [start, end) (so their blocks can be written while the reply is generated).
+        `kv_ready`, when given, says which layers of `cached_kv` are in place yet: a `layerwise` engine
+        waits for each layer as it reaches it, any other engine for all of them before reading any."""
         ...
 
     def close(self) -> None:

@@ -10,6 +10,7 @@ from cachestore.hashing import ModelFingerprint
 from service.engines.base import KvGeometry, PrefillHook
 from service.engines.generation import Generation, GenParams
 from service.models import LoadedModel, load_model
+from service.rehydrate import LayerGate
 from service.runner import ModelRunner
 
 
@@ -18,6 +19,8 @@ class HfEngine:
 
     kind = "hf"
     parallel = 1  # one forward at a time: the model is not batched across requests
+    layerwise = True  # a cached layer is waited for when the forward step reaches it (hfcache.GrowingLayer)
+    runs_torch = True  # the forward step runs on the calling thread
 
     def __init__(self, loaded: LoadedModel) -> None:
         self.loaded = loaded
@@ -50,8 +53,9 @@ class HfEngine:
         params: GenParams,
         on_text: Callable[[str], None] | None = None,
         on_prefill: PrefillHook | None = None,
+        kv_ready: LayerGate | None = None,
     ) -> Generation:
-        return self.runner.generate(prompt_ids, cached_kv, params, on_text, on_prefill)
+        return self.runner.generate(prompt_ids, cached_kv, params, on_text, on_prefill, kv_ready)
 
     def close(self) -> None:
         pass

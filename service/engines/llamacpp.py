@@ -29,6 +29,7 @@ from service.engines import llamastate
 from service.engines.base import KvGeometry, PrefillHook, gguf_fingerprint
 from service.engines.chat import chat_token_ids
 from service.engines.generation import Generation, GenParams, TextStream, make_generator, pick, reply_ids
+from service.rehydrate import LayerGate
 
 log = logging.getLogger("kvstash.llamacpp")
 
@@ -132,6 +133,8 @@ class LlamaCppEngine:
     """A GGUF model served by llama.cpp with continuous batching over `parallel` sequences."""
 
     kind = "llamacpp"
+    layerwise = False  # a sequence's state is set whole
+    runs_torch = False  # llama.cpp computes on its own scheduler thread
 
     def __init__(self, path: Path, *, name: str, parallel: int = 4, threads: int = 0) -> None:
         try:
@@ -277,6 +280,7 @@ class LlamaCppEngine:
         params: GenParams,
         on_text: Callable[[str], None] | None = None,
         on_prefill: PrefillHook | None = None,
+        kv_ready: LayerGate | None = None,
     ) -> Generation:
         prompt = [int(i) for i in prompt_ids]
         limit = self.geometry.max_context
@@ -291,6 +295,8 @@ class LlamaCppEngine:
             if cached_kv.shape[3] > len(prompt):
                 raise ValueError(f"cached kv covers {cached_kv.shape[3]} tokens, the prompt has {len(prompt)}")
             cached = min(int(cached_kv.shape[3]), len(prompt) - 1)  # the last prompt token is always fed
+            if kv_ready is not None:
+                kv_ready.wait_all()  # the state is set whole: every layer first
             try:
                 state = llamastate.assemble_state(cached_kv[:, :, :, :cached], self.state_geometry)
             except llamastate.StateLayoutError as exc:

@@ -34,6 +34,7 @@ from service.engines.chat import chat_token_ids
 from service.engines.generation import Generation, GenParams, reply_ids
 from service.engines.llamacpp import file_digest, resolve_gguf
 from service.engines.llamaserverproc import LlamaServerProcess
+from service.rehydrate import LayerGate
 
 log = logging.getLogger("kvstash.llamaserver")
 
@@ -91,6 +92,8 @@ class LlamaServerEngine:
     """Generation forwarded to one llama-server, its slots filled from and saved to kvstash's cache."""
 
     kind = "llama-server"
+    layerwise = False  # the KV goes to llama-server as one slot file
+    runs_torch = False  # llama-server computes in its own process
 
     def __init__(
         self, upstream: str, slot_dir: Path, model: str, *, reuse_slots: bool = True,
@@ -341,6 +344,7 @@ class LlamaServerEngine:
         params: GenParams,
         on_text: Callable[[str], None] | None = None,
         on_prefill: PrefillHook | None = None,
+        kv_ready: LayerGate | None = None,
     ) -> Generation:
         """`on_prefill` is never called: llama-server hands a slot's KV out only once the slot is idle, so
         the prompt's blocks are written with the reply's, after the last token."""
@@ -357,6 +361,8 @@ class LlamaServerEngine:
         try:
             have = common_prefix(slot.tokens, prompt) if self.reuse_slots else 0
             if cached > have and cached_kv is not None:
+                if kv_ready is not None:
+                    kv_ready.wait_all()  # a slot file is written whole: every layer first
                 have = cached if self._restore(slot, prompt[:cached], cached_kv[:, :, :, :cached]) else 0
             expected = min(have, len(prompt) - 1)
             reply = self._complete(slot.id, prompt, params, on_text, started)

@@ -1,0 +1,149 @@
+"""Rehydration: frames opened once and dequantized a few layers at a time, a gate the forward step waits on."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from cachestore.codec import Codec
+from cachestore.errors import CodecError
+from service.engines import GenParams
+from service.engines.hf import HfEngine
+from service.pipeline import chunk_plan
+from service.rehydrate import LayerGate, Rehydration
+
+MODES = ["exact", "fp16", "int8", "int4", "int2", "int4/rot", "int2+zstd", "int4/g32/clip", "fp8", "fp16+zstd"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_layers_decoded_apart_equal_the_whole_frame(mode: str) -> None:
+    kv = torch.randn(5, 2, 3, 16, 64, generator=torch.Generator().manual_seed(1))  # [L, 2, H, T, D]
+    codec = Codec(mode)
+    frame = codec.encode(kv)
+    whole = codec.decode(frame).float()
+    opened = codec.open(frame)
+    assert opened.splits_by_layer
+    out = torch.full_like(kv, float("nan"))
+    for first, stop in ((3, 5), (0, 1), (1, 3)):  # any order, any grouping
+        opened.decode_into(out[first:stop], slice(first, stop))
+    assert torch.equal(out, whole)
+
+
+def test_packed_codes_that_end_mid_byte_decode_whole_only() -> None:
+    kv = torch.randn(2, 2, 1, 3, 3, generator=torch.Generator().manual_seed(2))  # 9 two-bit codes per layer
+    codec = Codec("int2/plain")
+    opened = codec.open(codec.encode(kv))
+    assert not opened.splits_by_layer
+    with pytest.raises(CodecError, match="split by layer"):
+        opened.decode_into(torch.empty(1, 2, 1, 3, 3), slice(0, 1))
+    # the rehydration decodes such a frame whole, before the layer groups
+    out = torch.full((2, 2, 1, 3, 3), float("nan"))
+    rehydration = Rehydration(out, 3, lambda frame, i: codec.open(frame), layerwise=True)
+    rehydration.feed([codec.encode(kv)])
+    rehydration.end()
+    rehydration.run(lambda n, nbytes: None)
+    rehydration.gate.wait_all()  # the layer groups are handed over: the waiter runs them
+    assert torch.equal(out, codec.decode(codec.encode(kv)).float())
+
+
+def test_chunk_plan_ends_with_a_short_chunk_and_covers_every_block_once() -> None:
+    assert chunk_plan(0) == []
+    assert chunk_plan(5, size=8, last=2) == [range(0, 5)]
+    assert chunk_plan(32, size=8, last=2) == [range(0, 8), range(8, 16), range(16, 24), range(24, 30), range(30, 32)]
+    for blocks in range(1, 70):
+        plan = chunk_plan(blocks, size=8, last=2)
+        assert [i for r in plan for i in r] == list(range(blocks))
+        assert all(0 < len(r) <= 8 for r in plan)
+
+
+def test_gate_releases_waiters_in_layer_order_and_reports_failure() -> None:
+    gate = LayerGate(4)
+    passed: list[int] = []
+
+    def waiter(layer: int) -> None:
+        gate.wait(layer)
+        passed.append(layer)
+
+    threads = [threading.Thread(target=waiter, args=(layer,)) for layer in (3, 1)]
+    for t in threads:
+        t.start()
+    time.sleep(0.1)
+    assert passed == []
+    gate.release(2)  # layers 0 and 1 in place
+    threads[1].join(5)
+    assert passed == [1] and threads[0].is_alive()
+    gate.release(4)
+    threads[0].join(5)
+    assert passed == [1, 3]
+
+    failing = LayerGate(2)
+    failing.release(1)
+    failing.wait(0)  # in place already: no wait
+    failing.fail(CodecError("boom"))
+    with pytest.raises(RuntimeError, match="could not be rehydrated"):
+        failing.wait(1)
+
+
+def test_rehydration_truncates_at_a_bad_frame_and_hands_layers_over_in_order() -> None:
+    layers, b = 6, 4
+    kv = torch.randn(layers, 2, 2, 6 * b, 8, generator=torch.Generator().manual_seed(3))
+    codec = Codec("int8")
+    frames = [codec.encode(kv[:, :, :, i * b:(i + 1) * b]) for i in range(6)]
+    frames[4] = frames[4][:-1] + bytes([frames[4][-1] ^ 1])  # corrupt: the hit stops at block 4
+
+    def open_block(frame: bytes, index: int) -> object:
+        try:
+            return codec.open(frame)
+        except CodecError:
+            return None
+
+    out = torch.full((layers, 2, 2, 8 * b, 8), float("nan"))
+    rehydration = Rehydration(out, b, open_block, layerwise=True)  # type: ignore[arg-type]
+    verified: list[tuple[int, int]] = []
+    seen: dict[int, bool] = {}
+    expected = torch.cat([codec.decode(f).float() for f in frames[:4]], dim=3)  # [L, 2, H, 16, D]
+
+    def forward_step() -> None:  # what the model does: each layer once it is in place
+        for layer in range(layers):
+            rehydration.gate.wait(layer)
+            seen[layer] = torch.equal(out[layer, :, :, :4 * b], expected[layer])
+
+    consumer = threading.Thread(target=forward_step)
+    consumer.start()
+    # every frame arrives before the thread runs: nothing is dequantized whole; the layer groups are handed
+    # over to the consumer, which dequantizes each group when it reaches it
+    rehydration.feed(frames[:3])
+    rehydration.feed(frames[3:])
+    rehydration.end()
+    rehydration.run(lambda n, nbytes: verified.append((n, nbytes)))
+    consumer.join(10)
+    assert verified == [(4, sum(len(f) for f in frames[:4]))]
+    assert rehydration.stopped.is_set()
+    assert seen == {layer: True for layer in range(layers)}
+    assert torch.isnan(out[:, :, :, 4 * b:]).all()  # nothing past the bad frame was written
+
+
+def test_the_forward_step_waits_for_cached_layers(tiny_model: object) -> None:
+    """An hf generation over a context still being rehydrated blocks until its layers are released, then
+    answers as if the context had been there all along."""
+    engine = HfEngine(tiny_model)  # type: ignore[arg-type]
+    prompt = list(range(50, 90))
+    full = engine.generate(prompt, None, GenParams(max_tokens=4))
+    assert full.kv is not None
+    geo = engine.geometry
+    buffer = torch.zeros((geo.num_layers, 2, geo.kv_heads, 64, geo.head_dim), dtype=geo.dtype)
+    gate = LayerGate(geo.num_layers)
+    result: list[object] = []
+    worker = threading.Thread(target=lambda: result.append(
+        engine.generate(prompt, buffer[:, :, :, :39], GenParams(max_tokens=4), kv_ready=gate)))
+    worker.start()
+    time.sleep(0.3)
+    assert worker.is_alive() and not result  # waiting on layer 0
+    buffer[:, :, :, :39] = full.kv[:, :, :, :39]
+    gate.release(geo.num_layers)
+    worker.join(30)
+    gen = result[0]
+    assert gen.cached_tokens == 39 and gen.token_ids == full.token_ids  # type: ignore[attr-defined]
