@@ -30,6 +30,19 @@ def test_bench_resume_tiny_writes_rows_and_plot(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == PNG_MAGIC
 
 
+def test_bench_resume_burst_reports_every_session_arriving_at_once(tmp_path: Path) -> None:
+    out = tmp_path / "burst.json"
+    assert main(["bench", "resume", "--model", "tiny-random", "--contexts", "64", "--modes", "int8", "--no-naive",
+                 "--repeat", "1", "--recompute-repeat", "1", "--burst", "3", "--json", str(out)]) == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    hit, recompute = rows["burst3-kvstash-int8"], rows["burst3-recompute"]
+    assert hit["runs"] == recompute["runs"] == 3  # one TTFT per session
+    assert hit["context"] == recompute["context"] == 1984  # the tiny model's 2048-token context, less a block
+    for r in (hit, recompute):
+        assert r["ttft_ms_p99"] >= r["ttft_ms_p50"] > 0
+    assert hit["speedup_vs_recompute"] == recompute["ttft_ms_p50"] / hit["ttft_ms_p50"]
+
+
 def test_bench_quality_tiny_writes_rows_and_plot(tmp_path: Path) -> None:
     out, png = tmp_path / "quality.json", tmp_path / "quality.png"
     assert main(["bench", "quality", "--text", "ops/data/sample.txt", "--model", "tiny-random", "--modes",

@@ -28,6 +28,7 @@ CONTEXTS = [256, 512, 1024, 2048, 4096]
 LONG_CONTEXT = 8128  # the largest multiple of 64 whose prompt (+1 token) fits SmolLM2's 8192 context
 SALT = b"bench-resume"
 TARGET_SPEEDUP, TARGET_FLOOR_RATIO, TARGET_CONTEXT, TARGET_MODE = 20.0, 1.5, 2048, "int8"
+BURST_CONTEXT = 2048
 
 
 def register(bench_subparsers: Any) -> None:
@@ -45,6 +46,9 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--repeat", type=int, default=7, help="timed runs per hit method (default 7)")
     p.add_argument("--recompute-repeat", type=int, default=3, help="timed full prefills per context (default 3)")
     p.add_argument("--no-naive", action="store_true", help="skip the torch.save baseline")
+    p.add_argument("--burst", type=int, default=0, metavar="N",
+                   help=f"also N sessions of {BURST_CONTEXT} tokens arriving together on one pod: p50/p99 TTFT of "
+                        "their hits (first mode) and of recomputing them")
     p.add_argument("--profile", action="store_true", help="break the int8 hit at 2048 tokens into its phases")
     p.add_argument("--redis-url", help="use this Redis (default: a private redis-server)")
     p.add_argument("--json", type=Path, help="write rows and targets as JSON here")
@@ -73,16 +77,23 @@ class ResumeBench:
         # llama-server keeps each slot's tokens: emptied before every timed run, so nothing is reused unasked
         self._fresh = getattr(engine, "forget", lambda: None)
 
+    @staticmethod
+    def compute(fn: Any, *args: Any) -> Any:
+        """Run `fn` on the process's compute thread, where a pod runs its model (service.threads): the recompute,
+        floor and naive methods get the cores exactly as the pod's hit path does."""
+        from service import threads  # noqa: PLC0415
+
+        return threads.compute_executor().submit(fn, *args).result()
     def recompute(self, prompt: list[int]) -> tuple[list[float], Any]:
         from service.runner import GenParams  # noqa: PLC0415
 
         times, kv = [], None
         if not self._warm:  # the first forward of a process pays one-time setup: not a prefill cost
-            self.engine.generate(prompt[:64], None, GenParams(max_tokens=1))
+            self.compute(self.engine.generate, prompt[:64], None, GenParams(max_tokens=1))
             self._warm = True
         for _ in range(max(1, self.args.recompute_repeat)):
             self._fresh()
-            gen = self.engine.generate(prompt, None, GenParams(max_tokens=1))
+            gen = self.compute(self.engine.generate, prompt, None, GenParams(max_tokens=1))
             times.append(gen.ttft_s)
             kv = gen.kv
         return times, kv  # kv: [L, 2, H, N + 1, D], the history's KV and the new token's
@@ -128,12 +139,61 @@ class ResumeBench:
                     times.append(elapsed)
             keys = [store.keys.block(pipeline.model_key, h)[1] for h in hashes]
             decoded = await pipeline.lookup(SALT, prompt)
-            floor = self._floor(raw, keys, prompt, decoded[0].kv)
+            floor = self.compute(self._floor, raw, keys, prompt, decoded[0].complete())
             return _row(context, f"kvstash-{mode}", times, nbytes), _row(context, f"floor-{mode}", floor, nbytes)
         finally:
             await store.clear_namespace()
             await store.close()
             raw.close()
+
+    async def burst(self, mode: str, prompts: list[list[int]]) -> list[dict[str, Any]]:
+        """len(prompts) sessions that another pod processed arrive on this pod at the same moment: each one's
+        TTFT counted from that moment, for recomputing them all and for kvstash's hits (queueing included:
+        an hf pod runs one forward at a time, a llama.cpp pod batches)."""
+        from cachestore.store import BlockStore  # noqa: PLC0415
+        from service.app import store_settings  # noqa: PLC0415
+        from service.metrics import PodMetrics  # noqa: PLC0415
+        from service.pipeline import CacheView, Pipeline  # noqa: PLC0415
+        from service.runner import GenParams  # noqa: PLC0415
+        from service.settings import PodSettings  # noqa: PLC0415
+
+        b = self.args.block_tokens
+        settings = PodSettings(redis_url=self.url, namespace="bench-burst", codec=mode, block_tokens=b,
+                               local_tier_bytes=0, redis_timeout_s=60.0, budget_bytes=8 << 30)
+        store = BlockStore(store_settings(settings).with_options(write_timeout_s=60.0))
+        pipeline = Pipeline(settings, self.engine, store, mode, PodMetrics(), None)
+
+        async def together(cached: bool) -> tuple[list[float], list[Any]]:
+            start = time.perf_counter()
+
+            async def one(prompt: list[int]) -> tuple[float, Any]:
+                view = (await pipeline.lookup(SALT, prompt))[0] if cached else CacheView(None, 0, 0, "miss")
+                gen = await pipeline.generate(prompt, view, GenParams(max_tokens=1))
+                if cached and view.cached_tokens != len(prompt) - 1:
+                    raise RuntimeError(f"burst: expected a hit of {len(prompt) - 1} tokens, got {view}")
+                return time.perf_counter() - start - (gen.total_s - gen.ttft_s), gen.kv
+
+            done = await asyncio.gather(*(one(p) for p in prompts))
+            return [t for t, _ in done], [kv for _, kv in done]
+
+        try:
+            self._fresh()
+            recompute, kvs = await together(cached=False)
+            for prompt, kv in zip(prompts, kvs, strict=True):
+                hashes = pipeline.hashes(SALT, prompt[:-1])
+                frames = [pipeline.codecs.at(i).encode(kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
+                await store.put_blocks(pipeline.model_key, hashes, frames)
+            self._fresh()
+            await together(cached=True)  # warm-up: buffers, connections
+            self._fresh()
+            hits, _ = await together(cached=True)
+        finally:
+            await store.clear_namespace()
+            await store.close()
+            pipeline.close()
+        context, n = len(prompts[0]) - 1, len(prompts)
+        return [{**_row(context, f"burst{n}-{name}", times, 0), "ttft_ms_p99": percentile(times, 0.99) * 1000}
+                for name, times in (("recompute", recompute), (f"kvstash-{mode}", hits))]
 
     def _floor(self, raw: Any, keys: list[str], prompt: list[int], kv: Any) -> list[float]:
         if self.loaded is None:
@@ -270,12 +330,15 @@ class ResumeBench:
                 for i, frame in enumerate(got):
                     codec.decode_into(frame, whole[:, :, :, i * b:(i + 1) * b])
                 marks.append(time.perf_counter())
-                with torch.inference_mode():
-                    cache = hfcache.cache_from_tensor(whole, self.loaded.model)
+                def step(whole: Any = whole, marks: list[float] = marks) -> None:  # on the compute thread
+                    with torch.inference_mode():
+                        cache = hfcache.cache_from_tensor(whole, self.loaded.model)
+                        marks.append(time.perf_counter())
+                        logits, _ = hfcache.forward(self.loaded.model, prompt[context:], cache)
+                        int(torch.argmax(logits[-1]))
                     marks.append(time.perf_counter())
-                    logits, _ = hfcache.forward(self.loaded.model, prompt[context:], cache)
-                    int(torch.argmax(logits[-1]))
-                marks.append(time.perf_counter())
+
+                self.compute(step)
                 if rep:
                     for name, t0, t1 in zip(phases, marks, marks[1:], strict=False):
                         phases[name].append(t1 - t0)
@@ -289,7 +352,8 @@ def _finish(rows: list[dict[str, Any]]) -> None:
     """Fill speedup vs recompute and the ratio to the floor of the same bytes."""
     by = {(r["context"], r["method"]): r for r in rows}
     for r in rows:
-        rec = by.get((r["context"], "recompute"))
+        burst = r["method"].split("-", 1)[0] if r["method"].startswith("burst") else None
+        rec = by.get((r["context"], f"{burst}-recompute" if burst else "recompute"))
         if rec and r["ttft_ms_p50"] > 0:
             r["speedup_vs_recompute"] = rec["ttft_ms_p50"] / r["ttft_ms_p50"]
         if r["method"].startswith("kvstash-"):
@@ -311,13 +375,15 @@ def _targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def _measure(args: argparse.Namespace, url: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    from service import threads  # noqa: PLC0415
     from service.engines import load_engine  # noqa: PLC0415
 
-    engine = load_engine(args.engine, args.model, parallel=1)
+    threads.one_core()  # this thread runs the event loop, as in a pod; models run on the compute thread
+    engine = threads.compute_executor().submit(load_engine, args.engine, args.model, parallel=1).result()
     bench = ResumeBench(engine, url, args)
     contexts = [int(c) for c in args.contexts.split(",") if c.strip()] + ([LONG_CONTEXT] if args.long else [])
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    ids = _prompt_ids(engine, max(contexts) + 1)
+    ids = _prompt_ids(engine, max([*contexts, BURST_CONTEXT if args.burst else 0]) + 1)
     max_context = engine.geometry.max_context
     rows: list[dict[str, Any]] = []
     profile: dict[str, Any] = {}
@@ -338,9 +404,18 @@ async def _measure(args: argparse.Namespace, url: str) -> tuple[list[dict[str, A
             rows.append(bench.slot_restore(prompt, kv))
             print(f"context {context}: slot-file-tmpfs p50 {rows[-1]['ttft_ms_p50']:.1f} ms", flush=True)
         if not args.no_naive and bench.loaded is not None:
-            rows.append(bench.naive(prompt, kv))
+            rows.append(bench.compute(bench.naive, prompt, kv))
         if args.profile and context == TARGET_CONTEXT and bench.loaded is not None:
             profile = await bench.profile(TARGET_MODE, prompt, kv)
+    if args.burst:
+        length = min(BURST_CONTEXT, (max_context - 2) // args.block_tokens * args.block_tokens)
+        step = max(1, len(ids) // (args.burst + 1))  # a different history per session
+        prompts = [(ids[i * step:] + ids)[:length + 1] for i in range(args.burst)]
+        burst = await bench.burst(modes[0], prompts)
+        rows += burst
+        for r in burst:
+            print(f"burst of {args.burst} at {length} tokens: {r['method']} TTFT p50 {r['ttft_ms_p50']:.0f} ms, "
+                  f"p99 {r['ttft_ms_p99']:.0f} ms", flush=True)
     engine.close()
     return rows, profile
 

@@ -32,6 +32,7 @@ from ops.bench.common import percentile
 SMOLLM2_KV_BYTES_PER_TOKEN = 23_040  # fp16: 30 layers x 2 (K, V) x 3 kv heads x 64 dims x 2 bytes
 MODEL = "bench00000000000"
 KIB = 1024
+TARGET_FETCH_RATIO = 0.90  # of raw redis-py at every block size
 
 
 def register(bench_subparsers: Any) -> None:
@@ -42,7 +43,8 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--tokens", type=int, default=2048, help="context length in tokens (%(default)s)")
     p.add_argument("--bytes-per-token", type=int, default=SMOLLM2_KV_BYTES_PER_TOKEN,
                    help="KV bytes per token: 23040 = SmolLM2-135M fp16 (default), 11520 = int8")
-    p.add_argument("--reps", type=int, default=9, help="timed repetitions per cell (%(default)s)")
+    p.add_argument("--reps", type=int, default=25,
+                   help="timed repetitions per cell (%(default)s; a noisy neighbour moves a median of 9 by 20%%)")
     p.add_argument("--json", dest="json_path", help="write the rows as JSON to this path")
     p.set_defaults(func=run)
 
@@ -163,7 +165,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     free = {r["block_bytes"]: r for r in rows if r["op"] == "put_nobudget"}
     worst_get = min(r["ratio"] for r in gets)
     costs = [1 - puts[b]["kvstash_mb_s"] / free[b]["kvstash_mb_s"] for b in puts]
-    print(f"\nfetch: kvstash/raw throughput >= {worst_get:.2f} at every block size (target >= 0.80)")
+    verdict = "met" if worst_get >= TARGET_FETCH_RATIO else "MISSED"
+    print(f"\nfetch: kvstash/raw throughput >= {worst_get:.2f} at every block size "
+          f"(target >= {TARGET_FETCH_RATIO:.2f}) {verdict}")
     print(f"budget enforcement costs {max(costs) * 100:.1f}% of put throughput at worst, "
           f"{statistics.median(costs) * 100:.1f}% median (target <= 10%)")
 
