@@ -25,6 +25,7 @@ import torch
 
 from cachestore.errors import ConfigError
 from cachestore.hashing import ModelFingerprint
+from service import threads as torch_threads
 from service.engines import llamastate
 from service.engines.base import KvGeometry, PrefillHook, gguf_fingerprint
 from service.engines.chat import chat_token_ids
@@ -137,6 +138,10 @@ class LlamaCppEngine:
     runs_torch = False  # llama.cpp computes on its own scheduler thread
 
     def __init__(self, path: Path, *, name: str, parallel: int = 4, threads: int = 0) -> None:
+        # llama.cpp runs its own OpenMP team on the scheduler thread: torch work on the thread that loads (and
+        # probes) the engine keeps to one core, or libgomp, with more threads than cores, parks its workers
+        # between regions and every decode step pays the wake-ups (service.threads)
+        torch_threads.one_core()
         try:
             import llama_cpp  # noqa: PLC0415
         except ImportError as exc:
