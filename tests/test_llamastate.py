@@ -100,3 +100,17 @@ def test_float32_kv_is_stored_as_f16() -> None:
     kv = torch.randn(2, 2, 2, 4, 3)
     geo = StateGeometry(2, 2, 3, False)
     assert torch.equal(parse_state(assemble_state(kv, geo), geo), kv.half())
+
+
+@pytest.mark.parametrize(("v_trans", "n_stream"), [(True, 1), (False, 1), (True, 2)])
+def test_a_reused_dirty_buffer_holds_the_same_state_as_a_fresh_one(v_trans: bool, n_stream: int) -> None:
+    geo = StateGeometry(num_layers=3, kv_heads=2, head_dim=4, v_trans=v_trans, n_stream=n_stream)
+    kv = torch.randn(3, 2, 2, 5, 4, generator=torch.Generator().manual_seed(7)).half()
+    fresh = assemble_state(kv, geo)
+    size = llamastate.state_size(5, geo)
+    dirty = bytearray(b"\xab" * (size + 100))  # an earlier, longer state's leftovers
+    assert assemble_state(kv, geo, into=dirty) is dirty
+    assert bytes(dirty[:size]) == bytes(fresh)
+    assert torch.equal(parse_state(bytes(dirty[:size]), geo), kv)
+    with pytest.raises(StateLayoutError, match="needs"):
+        assemble_state(kv, geo, into=bytearray(size - 1))
