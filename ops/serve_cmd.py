@@ -26,7 +26,8 @@ def register(sub: Any) -> None:
     p.add_argument("--model", help="smollm2 (default); hf: tiny-random or a local HF model directory; "
                    "llamacpp: a local .gguf file")
     p.add_argument("--parallel", type=int, help="llamacpp: sequences decoded together (default 4)")
-    p.add_argument("--threads", type=int, help="llamacpp: CPU threads (default: one per core)")
+    p.add_argument("--threads", type=int,
+                   help="CPU threads of the model: llama.cpp's, or torch's for hf (default: one per core)")
     p.add_argument("--device", help="cpu (default) or cuda[:N]")
     p.add_argument("--memory-kv-bytes", type=int,
                    help="with --no-cache: keep the KV of recent sequences in this pod's memory, at most this many "
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     # another llama.cpp state layout) is one line and a non-zero exit, never a traceback from the lifespan
     # (on the process's compute thread, the one thread that runs torch on every core: service.threads)
     threads.one_core()
-    engine = threads.compute_executor().submit(
+    engine = threads.compute_executor(settings.threads).submit(
         load_engine, settings.engine, settings.model, device=settings.device, parallel=settings.parallel,
         threads=settings.threads).result()
     try:

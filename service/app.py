@@ -127,8 +127,9 @@ def create_app(settings: PodSettings, engine: Engine | LoadedModel | None = None
         threads.one_core()
         asyncio.get_running_loop().set_default_executor(threads.io_executor(IO_THREADS, "kvstash-io"))
         model = _as_engine(engine) if engine is not None else await asyncio.wrap_future(
-            threads.compute_executor().submit(load_engine, settings.engine, settings.model, device=settings.device,
-                                              parallel=settings.parallel, threads=settings.threads))
+            threads.compute_executor(settings.threads).submit(
+                load_engine, settings.engine, settings.model, device=settings.device, parallel=settings.parallel,
+                threads=settings.threads))
         state = build_state(settings, model)
         app.state.pod = state
         if state.writer is not None:

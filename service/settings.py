@@ -27,7 +27,7 @@ class PodSettings:
     model: str = "smollm2"
     device: str = "cpu"
     parallel: int = 4  # sequences the llamacpp engine decodes together (hf: always 1)
-    threads: int = 0  # llama.cpp threads; 0 = one per core
+    threads: int = 0  # CPU threads of the model (llama.cpp's, or torch's for hf); 0 = one per core
     redis_url: str = "redis://127.0.0.1:6379/0"
     namespace: str = "kvstash"
     cache_enabled: bool = True

@@ -31,11 +31,12 @@ def io_executor(workers: int, name: str) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name, initializer=one_core)
 
 
-def compute_executor() -> ThreadPoolExecutor:
-    """The one thread of this process that runs torch models on COMPUTE_THREADS cores (shared, never shut down)."""
+def compute_executor(threads: int = 0) -> ThreadPoolExecutor:
+    """The one thread of this process that runs torch models (shared, never shut down), on `threads` cores as
+    the first call asks (0: COMPUTE_THREADS)."""
     global _compute
     with _lock:
         if _compute is None:
             _compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstash-compute",
-                                          initializer=torch.set_num_threads, initargs=(COMPUTE_THREADS,))
+                                          initializer=torch.set_num_threads, initargs=(threads or COMPUTE_THREADS,))
         return _compute
