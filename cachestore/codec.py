@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import torch
 
@@ -64,6 +66,7 @@ from cachestore.quant import (
 __all__ = ["DEFAULT_MAX_ELEMENTS", "Codec", "CodecSpec", "FrameHeader", "OpenFrame", "read_header",
            "verify_frame"]
 
+T = TypeVar("T")
 DEFAULT_MAX_ELEMENTS = 1 << 28  # 512 MiB of fp16 KV; far above any block
 DEFAULT_GROUP = 64  # measured against 32 on SmolLM2 KV: see ops/bench/codec.py --groups
 _ALIGN = 8
@@ -285,36 +288,30 @@ class Codec:
                max_elements: int = DEFAULT_MAX_ELEMENTS) -> torch.Tensor:
         """A frame of any mode -> kv [layers, 2, kv_heads, tokens, head_dim] in its original
         dtype on `device` (default cpu). Raises only CodecError."""
-        try:
-            return _decode(_as_bytes(frame), device, max_elements)
-        except CodecError:
-            raise
-        except Exception as exc:  # a frame must never raise anything but CodecError
-            raise CodecError(f"undecodable frame: {type(exc).__name__}: {exc}") from exc
-
+        return _codec_errors_only(lambda: _decode(_as_bytes(frame), device, max_elements))
 
     def open(self, frame: bytes | bytearray | memoryview, *,
              max_elements: int = DEFAULT_MAX_ELEMENTS) -> OpenFrame:
         """Verify and decompress a frame of any mode, leaving the dequantization for later
         (`OpenFrame.decode_into`, possibly a few layers at a time). Raises only CodecError."""
-        try:
-            return _open(_as_bytes(frame), None, max_elements)
-        except CodecError:
-            raise
-        except Exception as exc:  # a frame must never raise anything but CodecError
-            raise CodecError(f"undecodable frame: {type(exc).__name__}: {exc}") from exc
+        return _codec_errors_only(lambda: _open(_as_bytes(frame), None, max_elements))
 
     def decode_into(self, frame: bytes | bytearray | memoryview, out: torch.Tensor, *,
                     max_elements: int = DEFAULT_MAX_ELEMENTS) -> torch.Tensor:
         """Decode a frame of any mode straight into `out` [layers, 2, kv_heads, tokens, head_dim]
         (any float dtype and device, a strided view such as a slice of a larger context is fine);
         returns `out`. A frame whose shape differs from out's raises CodecError, out untouched."""
-        try:
-            return _decode(_as_bytes(frame), out.device, max_elements, out)
-        except CodecError:
-            raise
-        except Exception as exc:  # a frame must never raise anything but CodecError
-            raise CodecError(f"undecodable frame: {type(exc).__name__}: {exc}") from exc
+        return _codec_errors_only(lambda: _decode(_as_bytes(frame), out.device, max_elements, out))
+
+
+def _codec_errors_only(decode: Callable[[], T]) -> T:
+    """Run a decoding step over untrusted bytes: a frame must never raise anything but CodecError."""
+    try:
+        return decode()
+    except CodecError:
+        raise
+    except Exception as exc:
+        raise CodecError(f"undecodable frame: {type(exc).__name__}: {exc}") from exc
 
 
 def _check_input(kv: torch.Tensor) -> tuple[Dims, torch.dtype]:

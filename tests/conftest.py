@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, TypeVar
 
 import httpx
 import pytest
 
 from ops.pods import PodProcess
-from ops.redisproc import RedisCluster, RedisProcess
+from ops.redisproc import RedisCluster, RedisProcess, free_port
 
 POD_ARGS = ("--codec", "exact", "--block-tokens", "16")
 
@@ -120,3 +122,50 @@ def figures(request: pytest.FixtureRequest) -> Iterator[dict[str, object]]:
         found.setdefault("seconds", round(time.monotonic() - started, 2))
         with open(path, "a", encoding="utf-8") as out:
             out.write(json.dumps({"test": request.node.nodeid, **found}) + "\n")
+
+
+class _FakePod(BaseHTTPRequestHandler):
+    """Answers GET with its name (body and X-KV-Pod); /stream sends two SSE events a second apart."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        name = self.server.name  # type: ignore[attr-defined]
+        if self.path == "/stream":
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for i, pause in enumerate((0.0, 1.0)):
+                time.sleep(pause)
+                chunk = f"data: {name} {i}\n\n".encode()
+                self.wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+            return
+        body = name.encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("X-KV-Pod", name)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_pods() -> Iterator[list[int]]:
+    """Three tiny HTTP servers standing in for pods behind nginx: their ports."""
+    servers = []
+    for name in ("pod1", "pod2", "pod3"):
+        server = ThreadingHTTPServer(("127.0.0.1", free_port()), _FakePod)
+        server.name = name  # type: ignore[attr-defined]
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+    try:
+        yield [s.server_address[1] for s in servers]
+    finally:
+        for s in servers:
+            s.shutdown()
+            s.server_close()

@@ -13,10 +13,8 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -34,50 +32,6 @@ def upstream_block(text: str) -> str:
     match = re.search(r"upstream kvstash_pods \{.*?\}", text, re.S)
     assert match is not None
     return match.group(0)
-
-
-class _Pod(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        name = self.server.name  # type: ignore[attr-defined]
-        if self.path == "/stream":
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
-            for i, pause in enumerate((0.0, 1.0)):
-                time.sleep(pause)
-                chunk = f"data: {name} {i}\n\n".encode()
-                self.wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
-                self.wfile.flush()
-            self.wfile.write(b"0\r\n\r\n")
-            return
-        body = name.encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("X-KV-Pod", name)
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-@pytest.fixture
-def fake_pods() -> Iterator[list[int]]:
-    servers = []
-    for name in ("pod1", "pod2", "pod3"):
-        server = ThreadingHTTPServer(("127.0.0.1", free_port()), _Pod)
-        server.name = name  # type: ignore[attr-defined]
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
-    try:
-        yield [s.server_address[1] for s in servers]
-    finally:
-        for s in servers:
-            s.shutdown()
-            s.server_close()
 
 
 def real_conf(ports: list[int], listen: int) -> str:

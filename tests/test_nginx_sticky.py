@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -41,37 +38,6 @@ def test_rendered_config_hashes_the_header_consistently(tmp_path: Path) -> None:
 def test_operator_example_is_the_same_directive() -> None:
     example = _upstream((NGINX_DIR / "sticky-sessions.conf.example").read_text())
     assert sticky_directive("X-Session-Id") in example
-
-
-class _Pod(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        body = self.server.name.encode()  # type: ignore[attr-defined]
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("X-KV-Pod", self.server.name)  # type: ignore[attr-defined]
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-@pytest.fixture
-def fake_pods() -> Iterator[list[int]]:
-    servers = []
-    for name in ("pod1", "pod2", "pod3"):
-        server = ThreadingHTTPServer(("127.0.0.1", free_port()), _Pod)
-        server.name = name  # type: ignore[attr-defined]
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
-    try:
-        yield [s.server_address[1] for s in servers]
-    finally:
-        for s in servers:
-            s.shutdown()
-            s.server_close()
 
 
 @pytest.mark.skipif(nginx_binary() is None, reason="nginx is not installed (CI installs nginx-light in .ci/run)")
