@@ -240,8 +240,7 @@ class Pipeline:
             rehydration.end()
             hit_blocks, fetched = await verified
             tail = await self._tail(tail_task, hit_blocks, len(hashes), hashes, tenant_salt, usable, session,
-                                    deadline)
-            tail_task = None
+                                    deadline)  # a prefetched tail of another parent is cancelled below
             self.metrics.redis_seconds.labels("lookup").observe(time.perf_counter() - t0)
             if tail is None and not self._session_partial(session, hit_blocks):
                 view = self._with_session(out, hit_blocks, fetched, session, prompt_ids, usable)
