@@ -79,6 +79,9 @@ def summarize(block_bytes: int, op: str, nbytes: int, ours: list[float], raw: li
         "block_bytes": block_bytes, "op": op, "context_bytes": nbytes, "reps": len(ours),
         "kvstash_mb_s": round(ours_mb_s, 1), "raw_mb_s": round(raw_mb_s, 1),
         "ratio": round(ours_mb_s / raw_mb_s, 3),
+        # each kvstash call against the raw call made right next to it (the order alternates rep by rep):
+        # this VM's speed drifts by 10-20% over minutes, which moves both medians but not a pair
+        "paired_ratio": round(statistics.median(r / o for o, r in zip(ours, raw, strict=True)), 3),
         "p50_ms": round(pct(ours, 0.5), 2), "p99_ms": round(pct(ours, 0.99), 2),
         "raw_p50_ms": round(pct(raw, 0.5), 2), "raw_p99_ms": round(pct(raw, 0.99), 2),
     }
@@ -152,21 +155,21 @@ async def bench_block_size(url: str, payload: bytes, block_bytes: int, reps: int
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    head = f"{'block':>8} {'op':<13} {'kvstash MB/s':>12} {'raw MB/s':>9} {'ratio':>6} {'p50 ms':>8} " \
+    head = f"{'block':>8} {'op':<13} {'kvstash MB/s':>12} {'raw MB/s':>9} {'ratio':>6} {'paired':>6} {'p50 ms':>8} " \
            f"{'p99 ms':>8} {'raw p50':>8} {'raw p99':>8}"
     print(head)
     print("-" * len(head))
     for r in rows:
         print(f"{r['block_bytes'] // KIB:>6}Ki {r['op']:<13} {r['kvstash_mb_s']:>12.1f} {r['raw_mb_s']:>9.1f} "
-              f"{r['ratio']:>6.2f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} {r['raw_p50_ms']:>8.1f} "
-              f"{r['raw_p99_ms']:>8.1f}")
+              f"{r['ratio']:>6.2f} {r['paired_ratio']:>6.2f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} "
+              f"{r['raw_p50_ms']:>8.1f} {r['raw_p99_ms']:>8.1f}")
     gets = [r for r in rows if r["op"] == "get"]
     puts = {r["block_bytes"]: r for r in rows if r["op"] == "put"}
     free = {r["block_bytes"]: r for r in rows if r["op"] == "put_nobudget"}
-    worst_get = min(r["ratio"] for r in gets)
+    worst_get = min(r["paired_ratio"] for r in gets)
     costs = [1 - puts[b]["kvstash_mb_s"] / free[b]["kvstash_mb_s"] for b in puts]
     verdict = "met" if worst_get >= TARGET_FETCH_RATIO else "MISSED"
-    print(f"\nfetch: kvstash/raw throughput >= {worst_get:.2f} at every block size "
+    print(f"\nfetch: kvstash/raw throughput (median of paired reps) >= {worst_get:.2f} at every block size "
           f"(target >= {TARGET_FETCH_RATIO:.2f}) {verdict}")
     print(f"budget enforcement costs {max(costs) * 100:.1f}% of put throughput at worst, "
           f"{statistics.median(costs) * 100:.1f}% median (target <= 10%)")
