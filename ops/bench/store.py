@@ -169,7 +169,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     worst_get = min(r["paired_ratio"] for r in gets)
     costs = [1 - puts[b]["kvstash_mb_s"] / free[b]["kvstash_mb_s"] for b in puts]
     verdict = "met" if worst_get >= TARGET_FETCH_RATIO else "MISSED"
-    print(f"\nfetch: kvstash/raw throughput (median of paired reps) >= {worst_get:.2f} at every block size "
+    print(f"\nfetch: kvstash/raw throughput (median of paired reps) >= {worst_get:.3f} at every block size "
           f"(target >= {TARGET_FETCH_RATIO:.2f}) {verdict}")
     print(f"budget enforcement costs {max(costs) * 100:.1f}% of put throughput at worst, "
           f"{statistics.median(costs) * 100:.1f}% median (target <= 10%)")

@@ -1,0 +1,22 @@
+"""`kvstash bench store` runs end to end on a private redis-server and reports paired and unpaired ratios."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ops.cli import main
+
+
+def test_bench_store_small_run_reports_both_ratios(tmp_path: Path) -> None:
+    out = tmp_path / "store.json"
+    assert main(["bench", "store", "--block-sizes", "256K", "--reps", "3", "--tokens", "512",
+                 "--json", str(out)]) == 0
+    rows = {r["op"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"get", "put", "put_nobudget"}
+    get = rows["get"]
+    assert get["reps"] == 3 and get["context_bytes"] == 512 * 23040
+    assert get["kvstash_mb_s"] > 0 and get["raw_mb_s"] > 0
+    assert get["ratio"] == round(get["kvstash_mb_s"] / get["raw_mb_s"], 3) or abs(
+        get["ratio"] - get["kvstash_mb_s"] / get["raw_mb_s"]) < 0.01
+    assert 0 < get["paired_ratio"] < 100
