@@ -345,10 +345,7 @@ def _borrow(payload: memoryview, raw_len: int) -> torch.Tensor:
 
 def _decode(view: memoryview, device: torch.device | str | None,
             max_elements: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    frame = _open(view, device, max_elements)
-    if out is not None:
-        frame.check_output(out)
-    return frame.decode_into(out)
+    return _open(view, device, max_elements).decode_into(out)
 
 
 def _open(view: memoryview, device: torch.device | str | None, max_elements: int) -> OpenFrame:
@@ -379,27 +376,22 @@ class OpenFrame:
     parts: list[torch.Tensor]  # the payload sections of quant.layout, layers first
 
     @property
-    def shape(self) -> list[int]:
-        h = self.header
-        return [h.layers, 2, h.kv_heads, h.tokens, h.head_dim]
-
-    @property
     def splits_by_layer(self) -> bool:
         """Whether `decode_into` takes a part of the layers (packed codes of odd shapes do not)."""
         h = self.header
         return codes_split_by_layer(h.mode, Dims(h.layers, h.kv_heads, h.tokens, h.head_dim), h.group_size)
 
-    def check_output(self, out: torch.Tensor) -> None:
-        if list(out.shape) != self.shape or not out.dtype.is_floating_point:
-            raise CodecError(f"frame holds {self.shape}, the output is {list(out.shape)} {out.dtype}")
-
     def decode_into(self, out: torch.Tensor | None = None, layers: slice | None = None) -> torch.Tensor:
         """Dequantize layers `layers` (all by default) into `out` [those layers, 2, kv_heads, tokens,
-        head_dim] (any float dtype, a strided view is fine), or into a new tensor of the frame's dtype."""
+        head_dim] (any float dtype, a strided view is fine), or into a new tensor of the frame's dtype.
+        An output of another shape raises CodecError and is left untouched."""
         h = self.header
         first, stop, _ = (layers or slice(None)).indices(h.layers)
         count = max(0, stop - first)
         dims = Dims(count, h.kv_heads, h.tokens, h.head_dim)
+        shape = [count, 2, h.kv_heads, h.tokens, h.head_dim]
+        if out is not None and (list(out.shape) != shape or not out.dtype.is_floating_point):
+            raise CodecError(f"frame holds {shape}, the output is {list(out.shape)} {out.dtype}")
         if count != h.layers:
             if not codes_split_by_layer(h.mode, dims, h.group_size):
                 raise CodecError("this frame's packed codes cannot be split by layer")
