@@ -177,8 +177,8 @@ class Pipeline:
         Blocks are read in pipelined chunks (`chunk_plan`), FETCH_AHEAD of them on the wire at once so
         the wire never waits for the CPU; a `Rehydration` thread verifies and dequantizes each chunk as
         it arrives, straight into one preallocated context. The hit is known when the last chunk is
-        verified; what is not dequantized by then is done layer group by layer group while the forward
-        step runs (the view's `ready` gate), so a hit costs about the fetch plus the forward step.
+        verified; what is not dequantized by then is handed to the engine through the view's `ready` gate
+        (a layer-by-layer engine dequantizes it on its own thread as its forward step reaches those layers).
         """
         if self.memory is not None:
             return self._account(await self._memory_view(tenant_salt, prompt_ids), prompt_ids), session
@@ -210,12 +210,10 @@ class Pipeline:
         if head.unavailable:  # Redis failed: recompute (a concurrent request's error cannot make this a bypass)
             _cancel(ahead, tail_task)
             return self._account(CacheView(None, 0, 0, "bypass"), prompt_ids), session
-        # [layers, 2, kv_heads, capacity, head_dim]: a hit fills at most `usable` tokens; views are handed on.
-        # Room for the whole reply too, so generation appends in place (hfcache.GrowingLayer); pages
-        # that are never written are never touched.
-        capacity = min(len(prompt_ids) + self.settings.max_tokens_limit, self.geometry.max_context + 1)
-        out = self._contexts.take(capacity)
-        rehydration = Rehydration(out, b, self._open_block, layerwise=self.engine.layerwise)
+        out = self._context_for(prompt_ids)  # a hit fills at most `usable` tokens; views are handed on
+        decode_seconds = self.metrics.codec_seconds.labels("decode")
+        rehydration = Rehydration(out, b, self._open_block, layerwise=self.engine.layerwise,
+                                  on_decoded=decode_seconds.observe)
         verified: asyncio.Future[tuple[int, int]] = loop.create_future()
         worker = loop.run_in_executor(self._decoder, rehydration.run,
                                       lambda n, nbytes: loop.call_soon_threadsafe(_settle, verified, (n, nbytes)))
@@ -255,10 +253,14 @@ class Pipeline:
             rehydration.end()  # a second end after the first is never read: harmless
             if not given:  # back to the pool once the thread is done with it
                 worker.add_done_callback(lambda _: self._contexts.give(out))
-        worker.add_done_callback(lambda w: self.metrics.codec_seconds.labels("decode").observe(
-            rehydration.decode_seconds))
         view.salt = tenant_salt
         return self._account(view, prompt_ids), session
+
+    def _context_for(self, prompt_ids: list[int]) -> torch.Tensor:
+        """A pooled [layers, 2, kv_heads, capacity, head_dim] buffer with room for the prompt and the longest reply,
+        so generation appends in place (hfcache.GrowingLayer); pages never written are never touched."""
+        return self._contexts.take(min(len(prompt_ids) + self.settings.max_tokens_limit,
+                                       self.geometry.max_context + 1))
 
     def _session_partial(self, session: SessionRecord | None, hit_blocks: int) -> bool:
         """Whether the session's partial block continues this hit (then it extends the hit)."""
@@ -305,7 +307,7 @@ class Pipeline:
         if found is None:
             return CacheView(None, 0, 0, "miss", salt=tenant_salt)
         n = found.tokens
-        out = self._contexts.take(min(len(prompt_ids) + self.settings.max_tokens_limit, self.geometry.max_context + 1))
+        out = self._context_for(prompt_ids)
         await asyncio.to_thread(out[:, :, :, :n].copy_, found.kv[:, :, :, :n])  # [L, 2, H, n, D]
         return CacheView(out[:, :, :, :n], n, 0, found.status, buffer=out, salt=tenant_salt)
 

@@ -39,10 +39,6 @@ class LayerGate:
         self._work: Callable[[int], int] | None = None
         self._cond = threading.Condition()
 
-    @property
-    def ready(self) -> int:
-        return self._ready
-
     def release(self, layers_done: int) -> None:
         with self._cond:
             self._ready = max(self._ready, min(layers_done, self.layers))
@@ -92,9 +88,11 @@ class Rehydration:
         block_tokens: int,
         open_block: Callable[[bytes, int], OpenFrame | None],
         layerwise: bool,
+        on_decoded: Callable[[float], None] = lambda seconds: None,
     ) -> None:
         self.out, self.block_tokens, self.layerwise = out, block_tokens, layerwise
         self._open_block = open_block  # None for a frame to reject (it truncates the hit there)
+        self._on_decoded = on_decoded  # the seconds spent dequantizing, once every layer is in place
         self._queue: queue.SimpleQueue[list[bytes] | None] = queue.SimpleQueue()
         self.gate = LayerGate(out.shape[0])
         self.stopped = threading.Event()  # set at the first bad frame: later chunks are not needed
@@ -109,6 +107,13 @@ class Rehydration:
     def run(self, on_verified: Callable[[int, int], None]) -> None:
         """Until `end`: verify each chunk as it comes and dequantize whole frames while the queue is empty.
         Then `on_verified(good frames, their bytes)`, and the rest layer group by layer group."""
+        try:
+            self._run(on_verified)
+        except BaseException as exc:  # whoever waits on the gate hears of it: never left waiting
+            self.gate.fail(exc)
+            raise
+
+    def _run(self, on_verified: Callable[[int, int], None]) -> None:
         opened: list[OpenFrame] = []
         sizes: list[int] = []
         done = 0
@@ -134,14 +139,11 @@ class Rehydration:
         layers = self.gate.layers
         if done == len(opened):
             self.gate.release(layers)
+            self._on_decoded(self.decode_seconds)
         elif self.layerwise:  # the forward step dequantizes each layer group when it reaches it, on its own cores
             self.gate.hand_over(self._groups(opened[done:], done, max(1, -(-layers // LAYER_STEPS))))
         else:
-            try:
-                self._groups(opened[done:], done, layers)(0)
-            except BaseException as exc:  # the engine is waiting on the gate: tell it, never leave it hanging
-                self.gate.fail(exc)
-                raise
+            self._groups(opened[done:], done, layers)(0)
             self.gate.release(layers)
 
     def _span(self, index: int) -> slice:
@@ -175,6 +177,8 @@ class Rehydration:
                 elif start == 0:
                     frame.decode_into(self.out[:, :, :, self._span(first + k)])
             self.decode_seconds += time.perf_counter() - t0
+            if stop == layers:  # the last group, on whichever thread ran it
+                self._on_decoded(self.decode_seconds)
             return stop
 
         return work

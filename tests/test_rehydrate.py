@@ -101,7 +101,8 @@ def test_rehydration_truncates_at_a_bad_frame_and_hands_layers_over_in_order() -
             return None
 
     out = torch.full((layers, 2, 2, 8 * b, 8), float("nan"))
-    rehydration = Rehydration(out, b, open_block, layerwise=True)  # type: ignore[arg-type]
+    decoded: list[float] = []
+    rehydration = Rehydration(out, b, open_block, layerwise=True, on_decoded=decoded.append)  # type: ignore[arg-type]
     verified: list[tuple[int, int]] = []
     seen: dict[int, bool] = {}
     expected = torch.cat([codec.decode(f).float() for f in frames[:4]], dim=3)  # [L, 2, H, 16, D]
@@ -124,6 +125,7 @@ def test_rehydration_truncates_at_a_bad_frame_and_hands_layers_over_in_order() -
     assert rehydration.stopped.is_set()
     assert seen == {layer: True for layer in range(layers)}
     assert torch.isnan(out[:, :, :, 4 * b:]).all()  # nothing past the bad frame was written
+    assert len(decoded) == 1 and decoded[0] > 0  # the time, reported once the consumer ran the last group
 
 
 def test_the_forward_step_waits_for_cached_layers(tiny_model: object) -> None:
@@ -147,3 +149,35 @@ def test_the_forward_step_waits_for_cached_layers(tiny_model: object) -> None:
     worker.join(30)
     gen = result[0]
     assert gen.cached_tokens == 39 and gen.token_ids == full.token_ids  # type: ignore[attr-defined]
+
+
+def test_an_unexpected_failure_reaches_the_waiter_at_once() -> None:
+    """A bug while dequantizing (here a whole frame, while the next chunk would be on the wire) must fail the
+    generation waiting on the gate, not leave it waiting a minute."""
+
+    class Broken:
+        splits_by_layer = True
+
+        def decode_into(self, out: object, layers: object = None) -> None:
+            raise ValueError("a bug")
+
+    out = torch.zeros(2, 2, 1, 8, 4)
+    rehydration = Rehydration(out, 4, lambda frame, i: Broken(), layerwise=True)  # type: ignore[arg-type,return-value]
+    verified: list[tuple[int, int]] = []
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            rehydration.run(lambda n, nbytes: verified.append((n, nbytes)))
+        except ValueError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    rehydration.feed([b"x", b"y"])  # nothing else queued: the thread dequantizes the first frame whole
+    thread.join(5)
+    assert not thread.is_alive() and len(errors) == 1 and verified == [(2, 2)]
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="could not be rehydrated"):
+        rehydration.gate.wait_all()
+    assert time.monotonic() - start < 1.0
