@@ -26,6 +26,7 @@ import torch
 from cachestore.errors import ConfigError
 from cachestore.hashing import ModelFingerprint
 from service import threads as torch_threads
+from service.contextpool import IdlePool
 from service.engines import llamastate
 from service.engines.base import KvGeometry, PrefillHook, gguf_fingerprint
 from service.engines.chat import chat_token_ids
@@ -74,29 +75,13 @@ class StreamClosedError(Exception):
     """The request was abandoned (its client went away, or the engine closed)."""
 
 
-class _StateBuffers:
-    """Sequence-state buffers kept between requests (thread-safe): a fresh 47 MB bytearray, a 2048-token
-    state of SmolLM2, costs ~17 ms of zeroing and page faults before a hit can be set."""
+STATE_ROUND_BYTES = 4 << 20  # pooled state buffers are rounded up so that one also fits later, longer states
 
-    ROUND_BYTES = 4 << 20  # sizes are rounded up so that a buffer also fits later, slightly longer states
 
-    def __init__(self, keep: int) -> None:
-        self._keep = keep
-        self._idle: list[bytearray] = []
-        self._lock = threading.Lock()
-
-    def take(self, size: int) -> bytearray:
-        with self._lock:
-            fitting = [i for i, b in enumerate(self._idle) if len(b) >= size]
-            if fitting:
-                return self._idle.pop(min(fitting, key=lambda i: len(self._idle[i])))
-        return bytearray(-(-size // self.ROUND_BYTES) * self.ROUND_BYTES)
-
-    def give(self, buf: bytearray) -> None:
-        with self._lock:
-            self._idle.append(buf)
-            self._idle.sort(key=len, reverse=True)
-            del self._idle[self._keep:]
+def _state_buffers(keep: int) -> IdlePool[bytearray]:
+    """Sequence-state buffers kept between requests: a fresh 47 MB bytearray, a 2048-token state of SmolLM2,
+    costs ~17 ms of zeroing and page faults before a hit can be set."""
+    return IdlePool(len, lambda size: bytearray(-(-size // STATE_ROUND_BYTES) * STATE_ROUND_BYTES), keep)
 
 
 @dataclass
@@ -218,7 +203,7 @@ class LlamaCppEngine:
         self.restore_failures = 0
         self._inbox: queue.Queue[_Request] = queue.Queue()
         self._free = list(range(parallel))
-        self._state_buffers = _StateBuffers(keep=parallel)
+        self._state_buffers = _state_buffers(keep=parallel)
         self._active: list[_Request] = []
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvstash-llamacpp", daemon=True)
@@ -323,7 +308,7 @@ class LlamaCppEngine:
             raise ValueError(f"the prompt has {len(prompt)} tokens; the context is {limit}")
         if any(not 0 <= t < self.n_vocab for t in prompt):
             raise ValueError(f"token ids must lie in [0, {self.n_vocab})")
-        cached, state = 0, None
+        cached, state, size = 0, None, 0
         if cached_kv is not None and cached_kv.shape[3] > 0:
             if cached_kv.shape[3] > len(prompt):
                 raise ValueError(f"cached kv covers {cached_kv.shape[3]} tokens, the prompt has {len(prompt)}")
@@ -338,7 +323,7 @@ class LlamaCppEngine:
                 raise ValueError(str(exc)) from None
         req = _Request(prompt, state, cached, params, on_text, TextStream(self.vocab, params.stop, on_text),
                        make_generator(params), min(params.max_tokens, limit - len(prompt)), on_prefill)
-        req.state_size = llamastate.state_size(cached, self.state_geometry) if state is not None else 0
+        req.state_size = size
         if self._closed.is_set():
             raise StreamClosedError("the engine is closed")
         self._inbox.put(req)
