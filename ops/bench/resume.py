@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -98,72 +100,77 @@ class ResumeBench:
             kv = gen.kv
         return times, kv  # kv: [L, 2, H, N + 1, D], the history's KV and the new token's
 
-    async def kvstash(self, mode: str, prompt: list[int], kv: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The pod's hit path for codec `mode`, then the floor over the very same frames."""
-        import redis  # noqa: PLC0415
-
-        from cachestore.codec import Codec  # noqa: PLC0415
+    @contextlib.asynccontextmanager
+    async def _pod(self, namespace: str, mode: str) -> AsyncIterator[tuple[Any, Any]]:
+        """(pipeline, store) of a pod with codec `mode` that did not process the history: no local tier, and a
+        Redis budget generous enough to time a cold 8k fp16 fetch instead of bypassing it. Emptied after."""
         from cachestore.store import BlockStore  # noqa: PLC0415
         from service.app import store_settings  # noqa: PLC0415
         from service.metrics import PodMetrics  # noqa: PLC0415
         from service.pipeline import Pipeline  # noqa: PLC0415
-        from service.runner import GenParams  # noqa: PLC0415
         from service.settings import PodSettings  # noqa: PLC0415
 
-        context, b = len(prompt) - 1, self.args.block_tokens
-        # A pod that did not process the history: no local tier; a Redis budget generous enough
-        # to time a cold 8k fp16 fetch instead of bypassing it.
-        settings = PodSettings(redis_url=self.url, namespace="bench-resume", codec=mode, block_tokens=b,
+        settings = PodSettings(redis_url=self.url, namespace=namespace, codec=mode, block_tokens=self.args.block_tokens,
                                local_tier_bytes=0, redis_timeout_s=60.0, budget_bytes=8 << 30)
         store = BlockStore(store_settings(settings).with_options(write_timeout_s=60.0))
-        codec = Codec(mode)
-        pipeline = Pipeline(settings, self.engine, store, codec, PodMetrics(), None)
-        raw = redis.Redis.from_url(self.url)
+        pipeline = Pipeline(settings, self.engine, store, mode, PodMetrics(), None)
         try:
-            hashes = pipeline.hashes(SALT, prompt[:context])
-            # [L, 2, H, b, D] each
-            frames = [pipeline.codecs.at(i).encode(kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
-            assert await store.put_blocks(pipeline.model_key, hashes, frames) == len(frames)
-            nbytes = sum(len(f) for f in frames)
-            times: list[float] = []
-            for rep in range(self.args.repeat + 1):  # the first run warms up and is not counted
-                self._fresh()
-                t0 = time.perf_counter()
-                view, _ = await pipeline.lookup(SALT, prompt)
-                if view.cached_tokens != context:
-                    raise RuntimeError(f"{mode}: expected a hit of {context} tokens, got {view}")
-                gen = await pipeline.generate(prompt, view, GenParams(max_tokens=1))
-                # everything after the first token (copying the KV out for write-back) is not TTFT
-                elapsed = time.perf_counter() - t0 - (gen.total_s - gen.ttft_s)
-                if rep:
-                    times.append(elapsed)
-            keys = [store.keys.block(pipeline.model_key, h)[1] for h in hashes]
-            decoded = await pipeline.lookup(SALT, prompt)
-            floor = self.compute(self._floor, raw, keys, prompt, decoded[0].complete())
-            return _row(context, f"kvstash-{mode}", times, nbytes), _row(context, f"floor-{mode}", floor, nbytes)
+            yield pipeline, store
         finally:
             await store.clear_namespace()
             await store.close()
+            pipeline.close()
+
+    async def _store_history(
+        self, pipeline: Any, store: Any, prompt: list[int], kv: Any
+    ) -> tuple[list[Any], list[bytes]]:
+        """The KV of prompt[:-1] written as another pod writes it: its full blocks, in the pipeline's codecs."""
+        b = self.args.block_tokens
+        hashes = pipeline.hashes(SALT, prompt[:-1])
+        frames = [pipeline.codecs.at(i).encode(kv[:, :, :, i * b:(i + 1) * b])  # [L, 2, H, b, D] each
+                  for i in range(len(hashes))]
+        assert await store.put_blocks(pipeline.model_key, hashes, frames) == len(frames)
+        return hashes, frames
+
+    async def kvstash(self, mode: str, prompt: list[int], kv: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The pod's hit path for codec `mode`, then the floor over the very same frames."""
+        import redis  # noqa: PLC0415
+
+        from service.runner import GenParams  # noqa: PLC0415
+
+        context = len(prompt) - 1
+        raw = redis.Redis.from_url(self.url)
+        try:
+            async with self._pod("bench-resume", mode) as (pipeline, store):
+                hashes, frames = await self._store_history(pipeline, store, prompt, kv)
+                nbytes = sum(len(f) for f in frames)
+                times: list[float] = []
+                for rep in range(self.args.repeat + 1):  # the first run warms up and is not counted
+                    self._fresh()
+                    t0 = time.perf_counter()
+                    view, _ = await pipeline.lookup(SALT, prompt)
+                    if view.cached_tokens != context:
+                        raise RuntimeError(f"{mode}: expected a hit of {context} tokens, got {view}")
+                    gen = await pipeline.generate(prompt, view, GenParams(max_tokens=1))
+                    # everything after the first token (copying the KV out for write-back) is not TTFT
+                    elapsed = time.perf_counter() - t0 - (gen.total_s - gen.ttft_s)
+                    if rep:
+                        times.append(elapsed)
+                keys = [store.keys.block(pipeline.model_key, h)[1] for h in hashes]
+                decoded = await pipeline.lookup(SALT, prompt)
+                floor = self.compute(self._floor, raw, keys, prompt, decoded[0].complete())
+            return _row(context, f"kvstash-{mode}", times, nbytes), _row(context, f"floor-{mode}", floor, nbytes)
+        finally:
             raw.close()
 
     async def burst(self, mode: str, prompts: list[list[int]]) -> list[dict[str, Any]]:
         """len(prompts) sessions that another pod processed arrive on this pod at the same moment: each one's
         TTFT counted from that moment, for recomputing them all and for kvstash's hits (queueing included:
         an hf pod runs one forward at a time, a llama.cpp pod batches)."""
-        from cachestore.store import BlockStore  # noqa: PLC0415
-        from service.app import store_settings  # noqa: PLC0415
-        from service.metrics import PodMetrics  # noqa: PLC0415
-        from service.pipeline import CacheView, Pipeline  # noqa: PLC0415
+        from service.pipeline import CacheView  # noqa: PLC0415
         from service.runner import GenParams  # noqa: PLC0415
-        from service.settings import PodSettings  # noqa: PLC0415
 
-        b = self.args.block_tokens
-        settings = PodSettings(redis_url=self.url, namespace="bench-burst", codec=mode, block_tokens=b,
-                               local_tier_bytes=0, redis_timeout_s=60.0, budget_bytes=8 << 30)
-        store = BlockStore(store_settings(settings).with_options(write_timeout_s=60.0))
-        pipeline = Pipeline(settings, self.engine, store, mode, PodMetrics(), None)
-
-        async def together(cached: bool) -> tuple[list[float], list[Any]]:
+        async def together(pipeline: Any, cached: bool) -> tuple[list[float], list[Any]]:
             start = time.perf_counter()
 
             async def one(prompt: list[int]) -> tuple[float, Any]:
@@ -176,21 +183,15 @@ class ResumeBench:
             done = await asyncio.gather(*(one(p) for p in prompts))
             return [t for t, _ in done], [kv for _, kv in done]
 
-        try:
+        async with self._pod("bench-burst", mode) as (pipeline, store):
             self._fresh()
-            recompute, kvs = await together(cached=False)
+            recompute, kvs = await together(pipeline, cached=False)
             for prompt, kv in zip(prompts, kvs, strict=True):
-                hashes = pipeline.hashes(SALT, prompt[:-1])
-                frames = [pipeline.codecs.at(i).encode(kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
-                await store.put_blocks(pipeline.model_key, hashes, frames)
+                await self._store_history(pipeline, store, prompt, kv)
             self._fresh()
-            await together(cached=True)  # warm-up: buffers, connections
+            await together(pipeline, cached=True)  # warm-up: buffers, connections
             self._fresh()
-            hits, _ = await together(cached=True)
-        finally:
-            await store.clear_namespace()
-            await store.close()
-            pipeline.close()
+            hits, _ = await together(pipeline, cached=True)
         context, n = len(prompts[0]) - 1, len(prompts)
         return [{**_row(context, f"burst{n}-{name}", times, 0), "ttft_ms_p99": percentile(times, 0.99) * 1000}
                 for name, times in (("recompute", recompute), (f"kvstash-{mode}", hits))]
@@ -303,24 +304,13 @@ class ResumeBench:
         import torch  # noqa: PLC0415
 
         from cachestore.codec import Codec  # noqa: PLC0415
-        from cachestore.store import BlockStore  # noqa: PLC0415
         from service import hfcache  # noqa: PLC0415
-        from service.app import store_settings  # noqa: PLC0415
-        from service.metrics import PodMetrics  # noqa: PLC0415
-        from service.pipeline import Pipeline  # noqa: PLC0415
-        from service.settings import PodSettings  # noqa: PLC0415
 
         context, b = len(prompt) - 1, self.args.block_tokens
-        settings = PodSettings(redis_url=self.url, namespace="bench-profile", codec=mode, block_tokens=b,
-                               local_tier_bytes=0, redis_timeout_s=60.0)
-        store = BlockStore(store_settings(settings))
         codec = Codec(mode)
-        pipeline = Pipeline(settings, self.engine, store, codec, PodMetrics(), None)
         phases: dict[str, list[float]] = {k: [] for k in ("fetch", "allocate", "decode_into", "cache_build", "forward")}
-        try:
-            hashes = pipeline.hashes(SALT, prompt[:context])
-            frames = [pipeline.codecs.at(i).encode(kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
-            await store.put_blocks(pipeline.model_key, hashes, frames)
+        async with self._pod("bench-profile", mode) as (pipeline, store):
+            hashes, _ = await self._store_history(pipeline, store, prompt, kv)
             for rep in range(self.args.repeat + 1):
                 marks = [time.perf_counter()]
                 got = await store.lookup(pipeline.model_key, hashes)
@@ -330,6 +320,7 @@ class ResumeBench:
                 for i, frame in enumerate(got):
                     codec.decode_into(frame, whole[:, :, :, i * b:(i + 1) * b])
                 marks.append(time.perf_counter())
+
                 def step(whole: Any = whole, marks: list[float] = marks) -> None:  # on the compute thread
                     with torch.inference_mode():
                         cache = hfcache.cache_from_tensor(whole, self.loaded.model)
@@ -342,9 +333,6 @@ class ResumeBench:
                 if rep:
                     for name, t0, t1 in zip(phases, marks, marks[1:], strict=False):
                         phases[name].append(t1 - t0)
-        finally:
-            await store.clear_namespace()
-            await store.close()
         return {name: percentile(v, 0.5) * 1000 for name, v in phases.items()}
 
 
