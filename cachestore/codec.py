@@ -13,7 +13,9 @@ Modes and their loss (see DESIGN.md, "Codec"):
            (of the clipped range with /clip). Options, part of the name: /rot (keys and
            values Hadamard-rotated along head_dim), /rotk, /rotv (one of them), /clip
            (MSE-chosen group ranges), /plain (none: the format 1 codec). A bare int4 is
-           /plain, a bare int2 /rotv/clip (DEFAULT_VARIANTS).
+           /plain, a bare int2 /rotv/clip (DEFAULT_VARIANTS). /k8=L.L... and /v8=L.L... keep
+           the keys / values of those layers at int8 (int8's bound there; frame format 3):
+           a per-layer bit allocation calibrated on one text (BENCHMARKS.md, section 2).
     fp8    e4m3 with a per-channel fp16 scale; relative error <= 2**-4.
 
 Storage policy (measured with `kvstash bench codec` on SmolLM2 KV): byte shuffle is used
@@ -40,6 +42,8 @@ from cachestore.frame import (
     FLOAT_MODES,
     GROUPED_MODES,
     HEADER_SIZE,
+    HI_BITS,
+    LAYER_TABLE,
     MAX_DIM,
     MAX_GROUP,
     MAX_TOKENS,
@@ -53,12 +57,16 @@ from cachestore.frame import (
     parse_header,
 )
 from cachestore.quant import (
+    BITS,
+    NO_HI,
     PLAIN,
     Dims,
+    HiLayers,
     Section,
     Variant,
     codes_split_by_layer,
     dequantize,
+    dequantize_mixed,
     layout,
     quantize,
 )
@@ -74,7 +82,8 @@ _WORTH = 0.97  # a compressed payload must save 3% or the raw bytes are stored i
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _SPEC = re.compile(r"(?P<mode>[a-z0-9]+)(?:\+(?P<comp>[a-z0-9]+)(?::(?P<level>-?\d+))?)?"
-                   r"(?:/g(?P<group>\d+))?(?P<options>(?:/[a-z]+)*)")
+                   r"(?:/g(?P<group>\d+))?(?P<options>(?:/[a-z]+)*)"
+                   r"(?:/k8=(?P<k8>\d+(?:\.\d+)*))?(?:/v8=(?P<v8>\d+(?:\.\d+)*))?")
 # int4/int2 options as spec text; "rot" is "rotk" and "rotv" together.
 _OPTIONS = {"rot": Variant(True, True), "rotk": Variant(rot_keys=True),
             "rotv": Variant(rot_values=True), "clip": Variant(clip=True), "plain": PLAIN}
@@ -98,6 +107,7 @@ class CodecSpec:
     level: int = 3  # zstd level, 1..22
     group_size: int = DEFAULT_GROUP  # int4/int2 group size
     variant: Variant | None = None  # int4/int2 options; None: DEFAULT_VARIANTS of the mode
+    hi: HiLayers = NO_HI  # int4/int2: layers whose keys / values are kept at int8
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -111,19 +121,25 @@ class CodecSpec:
             raise ConfigError(f"group size {self.group_size} outside {MIN_GROUP}..{MAX_GROUP}")
         if self.compressor != "zstd":
             object.__setattr__(self, "level", 3)
+        if any(not 0 <= layer < MAX_DIM for layer in (*self.hi.keys, *self.hi.values)):
+            raise ConfigError(f"int8 layers {self.hi} outside 0..{MAX_DIM - 1}")
+        object.__setattr__(self, "hi", HiLayers(*(tuple(sorted(set(h))) for h in self.hi)))
         if self.mode not in GROUPED_MODES:
             object.__setattr__(self, "group_size", DEFAULT_GROUP)
             object.__setattr__(self, "variant", PLAIN)
+            object.__setattr__(self, "hi", NO_HI)
         elif self.variant is None:
             object.__setattr__(self, "variant", DEFAULT_VARIANTS[self.mode])
 
     @classmethod
     def parse(cls, text: str) -> CodecSpec:
-        """Parse "MODE[+COMPRESSOR[:LEVEL]][/gGROUP][/OPTION...]", e.g. "int8", "int4+zstd:3/g32",
-        "int2/g32/rotv/clip" (options: rot, rotk, rotv, clip, plain; int4/int2 only)."""
+        """Parse "MODE[+COMPRESSOR[:LEVEL]][/gGROUP][/OPTION...][/k8=L.L...][/v8=L.L...]", e.g. "int8",
+        "int4+zstd:3/g32", "int2/g32/rotv/clip", "int4+zstd/k8=0.1" (options: rot, rotk, rotv, clip,
+        plain; k8/v8: layers whose keys/values stay int8; int4/int2 only)."""
         match = _SPEC.fullmatch(text.strip().lower()) if isinstance(text, str) else None
         if match is None:
-            raise ConfigError(f"bad codec spec {text!r}; expected MODE[+COMPRESSOR[:LEVEL]][/gN][/OPTION]")
+            raise ConfigError(f"bad codec spec {text!r}; expected MODE[+COMPRESSOR[:LEVEL]][/gN][/OPTION]"
+                              f"[/k8=L.L][/v8=L.L]")
         mode, comp = match["mode"], match["comp"] or "lz4"
         if match["level"] is not None and comp != "zstd":
             raise ConfigError(f"bad codec spec {text!r}: a level applies to zstd only")
@@ -131,8 +147,9 @@ class CodecSpec:
             raise ConfigError(f"bad codec spec {text!r}: a group size applies to int4/int2 only")
         level = int(match["level"]) if match["level"] is not None else 3
         group = int(match["group"]) if match["group"] is not None else DEFAULT_GROUP
+        hi = HiLayers(*(_parse_layers(text, mode, match[name]) for name in ("k8", "v8")))
         return cls(mode=mode, compressor=comp, level=level, group_size=group,
-                   variant=_parse_options(text, mode, match["options"]))
+                   variant=_parse_options(text, mode, match["options"]), hi=hi)
 
     def name(self) -> str:
         """Canonical text of this spec; parse(name()) == self. Part of model fingerprints."""
@@ -141,13 +158,24 @@ class CodecSpec:
             text += f":{self.level}"
         if self.mode in GROUPED_MODES:
             text += f"/g{self.group_size}" + _options_text(self.variant or PLAIN)
+            for name, layers in zip(("k8", "v8"), self.hi, strict=True):
+                text += f"/{name}=" + ".".join(map(str, layers)) if layers else ""
         return text
 
     @property
     def transform(self) -> int:
-        """The frame's transform bits (format version 2) for this spec; 0 for none."""
+        """The frame's transform bits (format versions 2 and 3) for this spec; 0 for none."""
         v = self.variant or PLAIN
-        return (ROT_KEYS if v.rot_keys else 0) | (ROT_VALUES if v.rot_values else 0)
+        return ((ROT_KEYS if v.rot_keys else 0) | (ROT_VALUES if v.rot_values else 0)
+                | (LAYER_TABLE if self.hi != NO_HI else 0))
+
+    def layer_table(self, layers: int) -> bytes:
+        """The frame's layer table (format version 3) for KV of `layers` layers; empty when no layer is raised."""
+        if self.hi == NO_HI:
+            return b""
+        bits = BITS[self.mode]
+        return bytes((HI_BITS if i in self.hi.keys else bits) | (HI_BITS if i in self.hi.values else bits) << 4
+                     for i in range(layers))
 
     @property
     def lossless(self) -> bool:
@@ -168,6 +196,18 @@ def _parse_options(text: str, mode: str, options: str) -> Variant | None:
                           f"plain alone")
     picked = [_OPTIONS[n] for n in names]
     return Variant(*(any(field) for field in zip(*picked, strict=True)))
+
+
+def _parse_layers(text: str, mode: str, layers: str | None) -> tuple[int, ...]:
+    """The layer numbers of a "/k8=0.5.12" option, distinct; () if the option is absent."""
+    if layers is None:
+        return ()
+    if mode not in GROUPED_MODES:
+        raise ConfigError(f"bad codec spec {text!r}: int8 layers apply to int4/int2 only")
+    numbers = [int(n) for n in layers.split(".")]
+    if len(set(numbers)) != len(numbers):
+        raise ConfigError(f"bad codec spec {text!r}: a layer is named twice")
+    return tuple(numbers)
 
 
 def _options_text(v: Variant) -> str:
@@ -197,7 +237,11 @@ def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
 def _sections(h: FrameHeader) -> list[Section]:
     group = h.group_size if h.mode in GROUPED_MODES else 0
     return layout(h.mode, Dims(h.layers, h.kv_heads, h.tokens, h.head_dim), group,
-                  _DTYPES[h.dtype])
+                  _DTYPES[h.dtype], h.hi_counts)
+
+
+def _hi_of(h: FrameHeader) -> HiLayers:
+    return HiLayers(h.hi_layers(0), h.hi_layers(1)) if h.layer_bits else NO_HI
 
 
 def _itemsize(mode: str, dtype: torch.dtype) -> int:
@@ -239,7 +283,7 @@ def verify_frame(frame: bytes | bytearray | memoryview, *,
         what = "truncated" if stored < header.payload_len else "oversized"
         raise CodecError(f"{what} frame: payload is {stored} bytes, header says "
                          f"{header.payload_len}")
-    if header.payload_len > compress_bound(header.compressor, header.raw_len):
+    if header.payload_len > compress_bound(header.compressor, header.raw_len) + header.table_len:
         raise CodecError(f"payload of {header.payload_len} bytes exceeds the {header.compressor} "
                          f"bound for {header.raw_len} raw bytes")
     if checksum(view[:HEADER_SIZE], view[HEADER_SIZE:]) != header.checksum:
@@ -261,8 +305,8 @@ class Codec:
         dims, dtype = _check_input(kv)
         spec = self.spec
         group = spec.group_size if spec.mode in GROUPED_MODES else 0
-        sections = layout(spec.mode, dims, group, dtype)
-        parts = quantize(spec.mode, kv.detach(), group, spec.variant or PLAIN)
+        sections = layout(spec.mode, dims, group, dtype, (len(spec.hi.keys), len(spec.hi.values)))
+        parts = quantize(spec.mode, kv.detach(), group, spec.variant or PLAIN, spec.hi)
         offsets, raw_len = _offsets(sections)
         raw = torch.zeros(raw_len, dtype=torch.uint8)
         for (sec_dtype, shape), part, start in zip(sections, parts, offsets, strict=True):
@@ -276,12 +320,16 @@ class Codec:
             # Incompressible (int8 and fp16 KV under lz4): store it plainly, so decoding
             # skips a decompression that would buy nothing. The frame says so itself.
             comp, shuffled, payload = "none", False, bytes(memoryview(raw.numpy()))  # type: ignore[arg-type]
-        # Version 1 whenever nothing needs version 2: older readers keep reading those frames.
-        header = FrameHeader(2 if spec.transform else 1, spec.mode, comp, _DTYPE_NAMES[dtype],
+        # The oldest version that holds the frame (1: nothing transformed, 2: rotations, 3: a layer
+        # table): older readers keep reading the frames they can.
+        table = spec.layer_table(dims.layers)
+        version = 3 if table else 2 if spec.transform else 1
+        stored = table + payload
+        header = FrameHeader(version, spec.mode, comp, _DTYPE_NAMES[dtype],
                              FLAG_SHUFFLE if shuffled else 0, group, dims.layers, dims.heads,
-                             dims.tokens, dims.head_dim, raw_len, len(payload), 0, spec.transform)
-        digest = checksum(pack_header(header), payload)
-        return pack_header(replace(header, checksum=digest)) + payload
+                             dims.tokens, dims.head_dim, raw_len, len(stored), 0, spec.transform, table)
+        digest = checksum(pack_header(header), stored)
+        return pack_header(replace(header, checksum=digest)) + stored
 
     def decode(self, frame: bytes | bytearray | memoryview, *,
                device: torch.device | str | None = None,
@@ -350,7 +398,7 @@ def _decode(view: memoryview, device: torch.device | str | None,
 
 def _open(view: memoryview, device: torch.device | str | None, max_elements: int) -> OpenFrame:
     header = verify_frame(view, max_elements=max_elements)
-    payload = view[HEADER_SIZE:]
+    payload = view[HEADER_SIZE + header.table_len:]
     if header.compressor == "none" and header.mode not in FLOAT_MODES:
         buf = _borrow(payload, header.raw_len)
     else:
@@ -379,6 +427,8 @@ class OpenFrame:
     def splits_by_layer(self) -> bool:
         """Whether `decode_into` takes a part of the layers (packed codes of odd shapes do not)."""
         h = self.header
+        if h.layer_bits:  # each layer's codes are padded to a byte in frames with a layer table
+            return True
         return codes_split_by_layer(h.mode, Dims(h.layers, h.kv_heads, h.tokens, h.head_dim), h.group_size)
 
     def decode_into(self, out: torch.Tensor | None = None, layers: slice | None = None) -> torch.Tensor:
@@ -392,13 +442,18 @@ class OpenFrame:
         shape = [count, 2, h.kv_heads, h.tokens, h.head_dim]
         if out is not None and (list(out.shape) != shape or not out.dtype.is_floating_point):
             raise CodecError(f"frame holds {shape}, the output is {list(out.shape)} {out.dtype}")
+        variant = Variant(rot_keys=bool(h.transform & ROT_KEYS), rot_values=bool(h.transform & ROT_VALUES))
+        if h.layer_bits:
+            if out is None:
+                out = torch.empty(shape, dtype=_DTYPES[h.dtype], device=self.parts[0].device)
+            full = Dims(h.layers, h.kv_heads, h.tokens, h.head_dim)
+            return dequantize_mixed(h.mode, self.parts, full, h.group_size, out, variant, _hi_of(h), first)
         if count != h.layers:
             if not codes_split_by_layer(h.mode, dims, h.group_size):
                 raise CodecError("this frame's packed codes cannot be split by layer")
             parts = [_layer_slice(p, first, count, h.layers) for p in self.parts]
         else:
             parts = self.parts
-        variant = Variant(rot_keys=bool(h.transform & ROT_KEYS), rot_values=bool(h.transform & ROT_VALUES))
         return dequantize(h.mode, parts, dims, h.group_size, _DTYPES[h.dtype], out, variant)
 
 

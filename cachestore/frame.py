@@ -4,14 +4,15 @@ A frame is a fixed 52-byte little-endian header followed by the payload:
 
     offset size field
          0    4 magic            b"KVS1"
-         4    1 format version   1 or 2
+         4    1 format version   1, 2 or 3
          5    1 mode             MODES code
          6    1 compressor       COMPRESSORS code
          7    1 dtype            DTYPES code (the tensor's dtype before encoding)
          8    1 flags            FLAG_SHUFFLE (bit 0); other bits must be zero
          9    1 transform        version 1: zero. Version 2 (int4/int2 only, non-zero):
                                  ROT_KEYS (bit 0) / ROT_VALUES (bit 1): keys / values were
-                                 rotated along head_dim before quantizing; other bits zero
+                                 rotated along head_dim before quantizing; other bits zero.
+                                 Version 3: LAYER_TABLE (bit 2) set, the rotation bits as in 2
         10    2 group size       int4/int2 only, else zero
         12    4 layers
         16    4 kv heads
@@ -20,12 +21,16 @@ A frame is a fixed 52-byte little-endian header followed by the payload:
         28    8 raw length       payload bytes after decompression
         36    8 payload length   payload bytes as stored (== frame length - 52)
         44    8 checksum         xxh3_64 of header bytes 0..43 followed by the stored payload
+        52    L layer table      version 3 only, stored uncompressed at the start of the payload: one
+                                 byte per layer, key bits (low nibble) and value bits (high nibble),
+                                 each the mode's (4 or 2) or 8; at least one 8
 
 The tensor the frame holds is [layers, 2, kv_heads, tokens, head_dim]; index 0 is keys.
 
 Version 2 only gives meaning to byte 9. A writer emits version 1 whenever that byte is zero,
 so frames of every codec that existed before version 2 stay byte-identical, and a reader
 older than version 2 refuses the new frames cleanly by their version instead of misreading them.
+Version 3 does the same for the layer table: only frames that keep some layers at int8 carry it.
 """
 
 from __future__ import annotations
@@ -38,8 +43,8 @@ import xxhash
 from cachestore.errors import CodecError
 
 MAGIC = b"KVS1"
-FORMAT_VERSION = 2  # the newest this module reads and writes
-VERSIONS = (1, 2)
+FORMAT_VERSION = 3  # the newest this module reads and writes
+VERSIONS = (1, 2, 3)
 HEADER = struct.Struct("<4sBBBBBBHIIIIQQQ")
 HEADER_SIZE = HEADER.size  # 52
 _CHECKED = HEADER_SIZE - 8  # the checksum covers the header up to the checksum itself
@@ -52,8 +57,10 @@ FLOAT_MODES = ("exact", "fp16")  # payloads made of 2- or 4-byte floats: byte sh
 
 FLAG_SHUFFLE = 1
 _KNOWN_FLAGS = FLAG_SHUFFLE
-ROT_KEYS, ROT_VALUES = 1, 2
-_KNOWN_TRANSFORMS = ROT_KEYS | ROT_VALUES
+ROT_KEYS, ROT_VALUES, LAYER_TABLE = 1, 2, 4
+_KNOWN_TRANSFORMS = ROT_KEYS | ROT_VALUES | LAYER_TABLE
+HI_BITS = 8  # the precision a layer table may raise a layer's keys or values to
+_MODE_BITS = {"int4": 4, "int2": 2}
 
 MIN_GROUP, MAX_GROUP = 4, 1024
 MAX_DIM = 1 << 16  # layers, kv heads and head dim each stay below this
@@ -81,7 +88,8 @@ class FrameHeader:
     raw_len: int
     payload_len: int
     checksum: int
-    transform: int = 0  # ROT_KEYS | ROT_VALUES bits (version 2)
+    transform: int = 0  # ROT_KEYS | ROT_VALUES | LAYER_TABLE bits (versions 2 and 3)
+    layer_bits: bytes = b""  # version 3: the layer table, one byte per layer; empty otherwise
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -98,6 +106,21 @@ class FrameHeader:
     @property
     def frame_len(self) -> int:
         return HEADER_SIZE + self.payload_len
+
+    @property
+    def table_len(self) -> int:
+        """Bytes of the layer table at the start of the stored payload (0 before version 3)."""
+        return len(self.layer_bits)
+
+    def hi_layers(self, half: int) -> tuple[int, ...]:
+        """Layers whose keys (half 0) or values (half 1) the layer table keeps at int8."""
+        return tuple(i for i, b in enumerate(self.layer_bits) if (b >> (4 * half)) & 0xF == HI_BITS)
+
+    @property
+    def hi_counts(self) -> tuple[int, int]:
+        """How many layers keep their keys / values at int8 (what the payload's layout depends on)."""
+        return (sum(1 for b in self.layer_bits if b & 0xF == HI_BITS),
+                sum(1 for b in self.layer_bits if b >> 4 == HI_BITS))
 
 
 def pack_header(h: FrameHeader) -> bytes:
@@ -141,6 +164,8 @@ def parse_header(buf: bytes | memoryview, *, max_elements: int) -> FrameHeader:
         raise CodecError(f"inconsistent frame: transform {transform:#x} in version {version}")
     if transform & ~_KNOWN_TRANSFORMS or (transform and mode_name not in GROUPED_MODES):
         raise CodecError(f"unknown transform {transform:#x} for mode {mode_name}")
+    if bool(transform & LAYER_TABLE) != (version == 3):
+        raise CodecError(f"inconsistent frame: transform {transform:#x} in version {version}")
     if flags & FLAG_SHUFFLE and mode_name not in FLOAT_MODES:
         raise CodecError(f"inconsistent frame: byte shuffle flag on mode {mode_name}")
     if mode_name in GROUPED_MODES:
@@ -152,8 +177,24 @@ def parse_header(buf: bytes | memoryview, *, max_elements: int) -> FrameHeader:
                                ("tokens", tokens, MAX_TOKENS), ("head_dim", dim, MAX_DIM)):
         if not 1 <= value < limit:
             raise CodecError(f"{name} = {value} outside 1..{limit - 1}")
+    table = _layer_table(buf, mode_name, layers, payload_len) if transform & LAYER_TABLE else b""
     header = FrameHeader(version, mode_name, _COMPRESSOR_NAMES[comp], _DTYPE_NAMES[dtype], flags,
-                         group, layers, heads, tokens, dim, raw_len, payload_len, digest, transform)
+                         group, layers, heads, tokens, dim, raw_len, payload_len, digest, transform, table)
     if header.elements > max_elements:
         raise CodecError(f"oversized frame: {header.elements} elements > limit {max_elements}")
     return header
+
+
+def _layer_table(buf: bytes | memoryview, mode: str, layers: int, payload_len: int) -> bytes:
+    """The version 3 layer table that follows the header, checked byte by byte."""
+    if payload_len < layers or len(buf) < HEADER_SIZE + layers:
+        raise CodecError(f"truncated frame: the layer table needs {layers} bytes after the header")
+    table = bytes(buf[HEADER_SIZE:HEADER_SIZE + layers])
+    allowed = {_MODE_BITS[mode], HI_BITS}
+    for layer, entry in enumerate(table):
+        if entry & 0xF not in allowed or entry >> 4 not in allowed:
+            raise CodecError(f"layer table: layer {layer} has key/value bits {entry & 0xF}/{entry >> 4}, "
+                             f"{mode} frames allow {_MODE_BITS[mode]} or {HI_BITS}")
+    if all(entry == _MODE_BITS[mode] * 0x11 for entry in table):
+        raise CodecError("inconsistent frame: a layer table that raises no layer")
+    return table

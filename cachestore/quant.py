@@ -11,6 +11,10 @@ own inverse), which spreads outlier channels over the whole head; `clip` lets th
 shrink each group's range where that lowers the group's squared error (decoding is unchanged;
 values beyond the clipped range saturate, everything inside it stays within half a step).
 Only the rotations change what a decoder must do, so only they are recorded in the frame.
+
+A grouped frame may also keep the keys and/or values of some layers at int8 (`HiLayers`, format 3):
+those layers are quantized exactly as mode int8 quantizes them (never rotated), the others as the
+grouped mode; each half's int4/int2 codes are then packed layer by layer, every layer starting on a byte.
 """
 
 from __future__ import annotations
@@ -42,6 +46,17 @@ class Variant(NamedTuple):
 
 
 PLAIN = Variant()
+
+
+class HiLayers(NamedTuple):
+    """Layers of a grouped frame whose keys / values are kept at int8 (sorted, distinct); none by default."""
+
+    keys: tuple[int, ...] = ()
+    values: tuple[int, ...] = ()
+
+
+NO_HI = HiLayers()
+HI_BITS = 8
 # Range fractions the encoder tries per group with `clip` (the first is no clipping): for few
 # levels a group's extremes waste most of the steps, for many levels clipping buys little.
 CLIP_RATIOS = {2: (1.0, 0.9, 0.8, 0.7, 0.6, 0.5), 4: (1.0, 0.95, 0.9, 0.85, 0.8)}
@@ -68,9 +83,14 @@ def groups(dims: Dims, group: int) -> tuple[int, int, int, int]:
     return gk, _ceil_div(dims.tokens, gk), gv, _ceil_div(dims.head_dim, gv)
 
 
-def layout(mode: str, dims: Dims, group: int, dtype: torch.dtype) -> list[Section]:
-    """The (dtype, shape) of each payload section of `mode`, in payload order."""
+def layout(mode: str, dims: Dims, group: int, dtype: torch.dtype, hi_counts: tuple[int, int] = (0, 0)) -> list[Section]:
+    """The (dtype, shape) of each payload section of `mode`, in payload order.
+
+    With int8 layers (grouped modes only; `hi_counts`: how many layers keep keys / values at int8): the
+    grouped sections of the other layers (codes packed per layer), then int8's four sections of those."""
     n_layers, h, t, d = dims
+    if hi_counts != (0, 0):
+        return _mixed_layout(mode, dims, group, hi_counts)
     if mode == "exact":
         return [(dtype, (n_layers, 2, h, t, d))]
     if mode == "fp16":
@@ -92,6 +112,32 @@ def layout(mode: str, dims: Dims, group: int, dtype: torch.dtype) -> list[Sectio
         return [(F16, kshape), (F16, kshape), (F16, vshape), (F16, vshape),
                 (torch.uint8, (kbytes,)), (torch.uint8, (vbytes,))]
     raise CodecError(f"unknown mode {mode!r}")
+
+
+def _mixed_layout(mode: str, dims: Dims, group: int, hi_counts: tuple[int, int]) -> list[Section]:
+    if mode not in BITS:
+        raise CodecError(f"int8 layers apply to int4/int2 only, not {mode}")
+    n_layers, h, t, d = dims
+    gk, nk, gv, nv = groups(dims, group)
+    nk_hi, nv_hi = hi_counts
+    if not (0 <= nk_hi <= n_layers and 0 <= nv_hi <= n_layers):
+        raise CodecError(f"{hi_counts} int8 layers of {n_layers}")
+    nk_lo, nv_lo = n_layers - nk_hi, n_layers - nv_hi
+    kbytes, vbytes = _layer_code_bytes(mode, dims, group)
+    return [(F16, (nk_lo, h, nk, 1, d)), (F16, (nk_lo, h, nk, 1, d)),
+            (F16, (nv_lo, h, t, nv, 1)), (F16, (nv_lo, h, t, nv, 1)),
+            (torch.uint8, (nk_lo * kbytes,)), (torch.uint8, (nv_lo * vbytes,)),
+            (F16, (nk_hi, h, 1, d)), (F16, (nv_hi, h, t, 1)),
+            (torch.int8, (nk_hi, h, t, d)), (torch.int8, (nv_hi, h, t, d))]
+
+
+def _layer_code_bytes(mode: str, dims: Dims, group: int) -> tuple[int, int]:
+    """Bytes of one layer's packed key codes and value codes in a frame with int8 layers (each layer
+    padded to a whole byte)."""
+    gk, nk, gv, nv = groups(dims, group)
+    per_byte = 8 // BITS[mode]
+    return (_ceil_div(dims.heads * nk * gk * dims.head_dim, per_byte),
+            _ceil_div(dims.heads * dims.tokens * nv * gv, per_byte))
 
 
 def codes_split_by_layer(mode: str, dims: Dims, group: int) -> bool:
@@ -222,7 +268,8 @@ def unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     return out.view(torch.uint8)[:count]
 
 
-def quantize(mode: str, kv: torch.Tensor, group: int, variant: Variant = PLAIN) -> list[torch.Tensor]:
+def quantize(mode: str, kv: torch.Tensor, group: int, variant: Variant = PLAIN,
+             hi: HiLayers = NO_HI) -> list[torch.Tensor]:
     """kv [layers, 2, heads, tokens, dim] -> the payload sections of `layout`, on kv's device."""
     if mode == "exact":
         return [kv.contiguous()]
@@ -239,24 +286,65 @@ def quantize(mode: str, kv: torch.Tensor, group: int, variant: Variant = PLAIN) 
         return [scale, (x / _safe(scale)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)]
     k, v = x[:, 0], x[:, 1]  # [L, H, T, D]
     if mode == "int8":
-        sk = _outward(k.abs().amax(dim=2, keepdim=True) / 127, up=True)  # [L, H, 1, D]
-        sv = _outward(v.abs().amax(dim=3, keepdim=True) / 127, up=True)  # [L, H, T, 1]
-        qk = (k / _safe(sk)).round_().clamp_(-127, 127).to(torch.int8)
-        qv = (v / _safe(sv)).round_().clamp_(-127, 127).to(torch.int8)
+        sk, qk = _int8(k, 2)
+        sv, qv = _int8(v, 3)
         return [sk, sv, qk, qv]
     if mode not in BITS:
         raise CodecError(f"unknown mode {mode!r}")
-    n_layers, _, h, t, d = kv.shape
-    gk, nk, gv, nv = groups(Dims(n_layers, h, t, d), group)
-    levels = (1 << BITS[mode]) - 1
-    k = rotate(k) if variant.rot_keys else k
-    v = rotate(v) if variant.rot_values else v
-    ratios = CLIP_RATIOS[BITS[mode]] if variant.clip else (1.0,)
-    kg = _pad(k, 2, nk * gk).view(n_layers, h, nk, gk, d)  # groups of tokens per channel
-    vg = _pad(v, 3, nv * gv).view(n_layers, h, t, nv, gv)  # groups of channels per token
-    sk, zk, qk = _asym(kg, 3, levels, ratios)
-    sv, zv, qv = _asym(vg, 4, levels, ratios)
+    if hi != NO_HI:
+        return _quantize_mixed(mode, k, v, group, variant, hi)
+    sk, zk, qk = _grouped_keys(k, group, BITS[mode], variant)
+    sv, zv, qv = _grouped_values(v, group, BITS[mode], variant)
     return [sk, zk, sv, zv, pack(qk, BITS[mode]), pack(qv, BITS[mode])]
+
+
+def _int8(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 of x [L, H, T, D] (fp32) with one scale per slice along `dim`: (scale, codes)."""
+    scale = _outward(x.abs().amax(dim=dim, keepdim=True) / 127, up=True)  # keys [L,H,1,D], values [L,H,T,1]
+    return scale, (x / _safe(scale)).round_().clamp_(-127, 127).to(torch.int8)
+
+
+def _grouped_keys(k: torch.Tensor, group: int, bits: int, variant: Variant) -> tuple[torch.Tensor, ...]:
+    """Keys [L, H, T, D] (fp32) -> scale, zero [L, H, groups, 1, D] and codes [L, H, groups, group, D]."""
+    n_layers, h, t, d = k.shape
+    gk, nk, _, _ = groups(Dims(n_layers, h, t, d), group)
+    k = rotate(k) if variant.rot_keys else k
+    kg = _pad(k, 2, nk * gk).view(n_layers, h, nk, gk, d)  # groups of tokens per channel
+    return _asym(kg, 3, (1 << bits) - 1, CLIP_RATIOS[bits] if variant.clip else (1.0,))
+
+
+def _grouped_values(v: torch.Tensor, group: int, bits: int, variant: Variant) -> tuple[torch.Tensor, ...]:
+    """Values [L, H, T, D] (fp32) -> scale, zero [L, H, T, groups, 1] and codes [L, H, T, groups, group]."""
+    n_layers, h, t, d = v.shape
+    _, _, gv, nv = groups(Dims(n_layers, h, t, d), group)
+    v = rotate(v) if variant.rot_values else v
+    vg = _pad(v, 3, nv * gv).view(n_layers, h, t, nv, gv)  # groups of channels per token
+    return _asym(vg, 4, (1 << bits) - 1, CLIP_RATIOS[bits] if variant.clip else (1.0,))
+
+
+def _quantize_mixed(mode: str, k: torch.Tensor, v: torch.Tensor, group: int, variant: Variant,
+                    hi: HiLayers) -> list[torch.Tensor]:
+    """The sections of `_mixed_layout`: grouped keys/values of the other layers, int8 of the `hi` ones."""
+    n_layers, bits = k.shape[0], BITS[mode]
+    if any(not 0 <= layer < n_layers for layer in (*hi.keys, *hi.values)):
+        raise CodecError(f"the codec keeps layers {hi.keys} (keys) / {hi.values} (values) at int8, but the KV "
+                         f"has {n_layers} layers")
+    lo_k = [layer for layer in range(n_layers) if layer not in hi.keys]
+    lo_v = [layer for layer in range(n_layers) if layer not in hi.values]
+    sk, zk, qk = _grouped_keys(k[lo_k], group, bits, variant)
+    sv, zv, qv = _grouped_values(v[lo_v], group, bits, variant)
+    sk8, qk8 = _int8(k[list(hi.keys)], 2)
+    sv8, qv8 = _int8(v[list(hi.values)], 3)
+    return [sk, zk, sv, zv, pack_rows(qk, bits), pack_rows(qv, bits), sk8, sv8, qk8, qv8]
+
+
+def pack_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """`pack` of each q[i] (uint8 codes, leading dim = layers) padded to a whole byte, concatenated."""
+    rows = q.reshape(q.shape[0], math.prod(q.shape[1:]))
+    pad = (-rows.shape[1]) % (8 // bits)
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(rows.shape[0], pad)], dim=1)
+    return pack(rows, bits)
 
 
 def _int8_as_half(q: torch.Tensor) -> torch.Tensor:
@@ -294,12 +382,8 @@ def dequantize(mode: str, parts: list[torch.Tensor], dims: Dims, group: int,
         return torch.mul(q.to(compute), scale.to(compute), out=out)
     if mode == "int8":
         sk, sv, qk, qv = parts
-        if compute == torch.float32:  # int8 -> fp32 copy is vectorized: ~4x the fp16 route here
-            out[:, 0].copy_(qk).mul_(sk.to(compute))
-            out[:, 1].copy_(qv).mul_(sv.to(compute))
-            return out
-        torch.mul(_int8_as_half(qk), sk.to(compute), out=out[:, 0])
-        torch.mul(_int8_as_half(qv), sv.to(compute), out=out[:, 1])
+        _int8_into(out[:, 0], qk, sk)
+        _int8_into(out[:, 1], qv, sv)
         return out
     gk, nk, gv, nv = groups(dims, group)
     sk, zk, sv, zv, pk, pv = parts
@@ -309,6 +393,54 @@ def dequantize(mode: str, parts: list[torch.Tensor], dims: Dims, group: int,
     _affine_into(out[:, 0], qk, sk, zk, 2, variant.rot_keys)
     _affine_into(out[:, 1], qv, sv, zv, 3, variant.rot_values)
     return out
+
+
+def _int8_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """out [L, H, T, D] (any float dtype, a strided view is fine) = int8 codes q times their fp16 scale."""
+    if out.dtype != F16:  # int8 -> fp32 copy is vectorized: ~4x the fp16 route here
+        out.copy_(q).mul_(scale.float())
+        return
+    torch.mul(_int8_as_half(q), scale, out=out)
+
+
+def dequantize_mixed(mode: str, parts: list[torch.Tensor], dims: Dims, group: int, out: torch.Tensor,
+                     variant: Variant, hi: HiLayers, first: int = 0) -> torch.Tensor:
+    """The sections of a frame with int8 layers (`_mixed_layout`, the frame's whole `dims`) -> its layers
+    [first, first + out.shape[0]) in out [those layers, 2, heads, tokens, dim], run by run of layers of
+    one precision."""
+    _, h, t, d = dims
+    gk, nk, gv, nv = groups(dims, group)
+    bits = BITS[mode]
+    kbytes, vbytes = _layer_code_bytes(mode, dims, group)
+    sk, zk, sv, zv, pk, pv, sk8, sv8, qk8, qv8 = parts
+    halves = ((hi.keys, sk, zk, pk, kbytes, (h, nk, gk, d), 2, variant.rot_keys, sk8, qk8),
+              (hi.values, sv, zv, pv, vbytes, (h, t, nv, gv), 3, variant.rot_values, sv8, qv8))
+    for half, (hi_layers, scale, zero, packed, nbytes, shape, dim, rot, scale8, q8) in enumerate(halves):
+        codes = math.prod(shape)  # per layer
+        for start, stop, at_int8, rank in _runs(first, first + out.shape[0], hi_layers):
+            target, n = out[start - first:stop - first, half], stop - start
+            if at_int8:
+                _int8_into(target, q8[rank:rank + n], scale8[rank:rank + n])
+                continue
+            q = unpack(packed[rank * nbytes:(rank + n) * nbytes], bits, n * nbytes * (8 // bits))
+            q = q.view(n, -1)[:, :codes].reshape(n, *shape)  # a view unless a layer's codes end mid-byte
+            _affine_into(target, q, scale[rank:rank + n], zero[rank:rank + n], dim, rot)
+    return out
+
+
+def _runs(first: int, stop: int, hi_layers: tuple[int, ...]) -> list[tuple[int, int, bool, int]]:
+    """Maximal runs [start, end) of layers first..stop-1 of one precision: (start, end, at int8, rank of
+    start among the layers of its precision, i.e. its index in that precision's sections)."""
+    runs: list[tuple[int, int, bool, int]] = []
+    hi_set = set(hi_layers)
+    for layer in range(first, stop):
+        at_int8 = layer in hi_set
+        if runs and runs[-1][2] == at_int8:
+            runs[-1] = (runs[-1][0], layer + 1, at_int8, runs[-1][3])
+            continue
+        below = sum(1 for x in hi_layers if x < layer)
+        runs.append((layer, layer + 1, at_int8, below if at_int8 else layer - below))
+    return runs
 
 
 def _affine_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,

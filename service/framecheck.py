@@ -37,6 +37,8 @@ def frame_problem(frame: bytes, spec: CodecSpec, shape: Sequence[int], dtype: to
     if header.transform != spec.transform:  # a rotated frame under a plain key, or the other way round
         return Rejection("codec", f"frame with transform bits {header.transform}, this pod's codec "
                                   f"{spec.name()} writes {spec.transform}")
+    if header.layer_bits != spec.layer_table(header.layers):  # other layers kept at int8 (format 3)
+        return Rejection("codec", f"frame with layer table {header.layer_bits.hex()}, this pod uses {spec.name()}")
     want_dtype = str(dtype).removeprefix("torch.")
     if list(header.shape) != list(shape) or header.dtype != want_dtype:
         return Rejection("model", f"frame of shape {list(header.shape)} {header.dtype}, "

@@ -30,7 +30,8 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _raw_payload(frame: bytes) -> bytes:
     header = read_header(frame)
-    return bytes(decompress(memoryview(frame)[HEADER_SIZE:], header.compressor, header.raw_len))
+    stored = memoryview(frame)[HEADER_SIZE + header.table_len:]  # format 3: after the layer table
+    return bytes(decompress(stored, header.compressor, header.raw_len))
 
 
 @pytest.mark.parametrize("name", BIT_EXACT)
@@ -44,10 +45,10 @@ def test_encoding_reproduces_the_golden_frame(name: str) -> None:
         # compressed bytes may differ between lz4/zstd library releases; what is pinned is
         # the header (less payload length and checksum) and the raw payload it decompresses to
         mine, theirs = read_header(frame), read_header(golden)
-        assert (mine.mode, mine.compressor, mine.dtype, mine.flags, mine.group_size,
-                mine.shape, mine.raw_len) == (theirs.mode, theirs.compressor, theirs.dtype,
-                                              theirs.flags, theirs.group_size, theirs.shape,
-                                              theirs.raw_len)
+        assert (mine.version, mine.mode, mine.compressor, mine.dtype, mine.flags, mine.transform,
+                mine.group_size, mine.shape, mine.raw_len, mine.layer_bits) == (
+            theirs.version, theirs.mode, theirs.compressor, theirs.dtype, theirs.flags, theirs.transform,
+            theirs.group_size, theirs.shape, theirs.raw_len, theirs.layer_bits)
         assert _raw_payload(frame) == _raw_payload(golden)
 
 
@@ -76,8 +77,8 @@ def test_decoding_the_golden_frame_gives_the_golden_tensor(name: str) -> None:
 def test_golden_frames_cover_every_mode_and_compressor() -> None:
     headers = [read_header(frame_path(name).read_bytes()) for name in NAMES]
     assert {h.mode for h in headers} == {"exact", "fp16", "int8", "int4", "int2", "fp8"}
-    assert {h.version for h in headers} == {1, 2}
-    assert {h.transform for h in headers} == {0, 1, 2, 3}
+    assert {h.version for h in headers} == {1, 2, 3}
+    assert {h.transform for h in headers} == {0, 1, 2, 3, 4}
     assert {h.compressor for h in headers} == {"none", "lz4", "zstd"}
     assert {h.dtype for h in headers} == {"float32", "float16", "bfloat16"}
     assert any(h.shuffled for h in headers)
@@ -85,8 +86,8 @@ def test_golden_frames_cover_every_mode_and_compressor() -> None:
 
 def test_a_future_version_is_rejected_cleanly() -> None:
     frame = bytearray(frame_path("int8_fp16_none").read_bytes())
-    frame[4] = 3
-    with pytest.raises(CodecError, match="version 3"):
+    frame[4] = 4
+    with pytest.raises(CodecError, match="version 4"):
         Codec().decode(bytes(frame))
 
 

@@ -65,6 +65,13 @@ def corpus() -> Iterator[tuple[str, bytes]]:
     yield "flags", frame(small, flags=0xFE)
     yield "reserved", frame(small, reserved=1)
     yield "shuffle-on-int8", frame(small, mode=3, flags=1)
+    # format 3: a layer table after the header (int4, transform bit 4), lying about its layers or bits
+    table = dict(version=3, mode=4, group=4, reserved=4)
+    yield "table-truncated", frame(b"\x84", layers=2, **table)
+    yield "table-65535-layers", frame(small, layers=(1 << 16) - 1, **table)
+    yield "table-65535-layers-int8", frame(b"\x88" * ((1 << 16) - 1), layers=(1 << 16) - 1, tokens=1, **table)
+    yield "table-bad-bits", frame(b"\x33\x84" + small, **table)
+    yield "table-in-version-2", frame(b"\x84\x84" + small, **{**table, "version": 2})
     yield "bad-checksum", frame(small, fix_checksum=False)[:-1] + b"\x01"
     yield "header-only", frame(b"")
     yield "short", frame(small)[:HEADER_SIZE - 1]

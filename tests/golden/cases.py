@@ -1,8 +1,9 @@
 """Golden codec frames: fixed inputs, their frames and decoded tensors, committed on purpose.
 
-Format 1 frames (every case without /rot) were written before format 2 and must stay
-byte-identical; format 2 added the rotated int4/int2 frames. Write only new cases, deliberately
-(a changed format bumps FORMAT_VERSION and keeps reading, or cleanly refuses, the old files):
+Format 1 frames (every case without /rot, /k8 or /v8) were written before format 2 and must stay
+byte-identical; format 2 added the rotated int4/int2 frames, format 3 those with int8 layers (/k8,
+/v8). Write only new cases, deliberately (a changed format bumps FORMAT_VERSION and keeps reading,
+or cleanly refuses, the old files):
     .venv/bin/python -m tests.golden.cases --write NAME [NAME ...]
 """
 
@@ -30,6 +31,9 @@ CASES: dict[str, tuple[str, torch.dtype, tuple[int, int, int, int, int]]] = {
     "int4_fp32_none_g4_rot_clip": ("int4+none/g4/rot/clip", torch.float32, (1, 2, 2, 6, 8)),
     "int2_fp16_none_g8_rotv": ("int2+none/g8/rotv", torch.float16, (2, 2, 1, 9, 12)),
     "int4_bf16_lz4_g4_rotk": ("int4+lz4/g4/rotk", torch.bfloat16, (1, 2, 2, 40, 8)),
+    # format 3: a layer table keeping some layers' keys / values at int8 (int2 g5 head_dim 3: codes end mid-byte)
+    "int4_fp32_zstd_g4_k8v8": ("int4+zstd:3/g4/plain/k8=1/v8=0.2", torch.float32, (3, 2, 2, 6, 8)),
+    "int2_fp16_none_g5_k8": ("int2+none/g5/plain/k8=0", torch.float16, (2, 2, 1, 7, 3)),
 }
 
 

@@ -1,0 +1,168 @@
+"""int4/int2 frames that keep some layers' keys or values at int8 (`/k8=`, `/v8=`, frame format 3)."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+from cachestore.blockcodec import BlockCodecs
+from cachestore.codec import Codec, CodecSpec, read_header
+from cachestore.errors import CodecError, ConfigError
+from cachestore.frame import HEADER_SIZE, LAYER_TABLE, checksum
+from cachestore.quant import NO_HI, HiLayers
+from tests.test_codec import _bound, _kv
+
+SHAPE = (4, 2, 3, 40, 16)  # [layers, 2, kv_heads, tokens, head_dim]
+
+
+def _resealed(frame: bytes | bytearray) -> bytes:
+    """The frame with its checksum recomputed, so what is checked is the edit, not the checksum."""
+    digest = checksum(bytes(frame[:HEADER_SIZE]), bytes(frame[HEADER_SIZE:]))
+    return bytes(frame[:HEADER_SIZE - 8]) + struct.pack("<Q", digest) + bytes(frame[HEADER_SIZE:])
+
+
+def test_spec_names_the_int8_layers_and_parses_back() -> None:
+    spec = CodecSpec.parse("int4+zstd/k8=3.1/v8=0")
+    assert spec.hi == HiLayers(keys=(1, 3), values=(0,))
+    assert spec.name() == "int4+zstd:3/g64/plain/k8=1.3/v8=0"
+    assert CodecSpec.parse(spec.name()) == spec
+    for text in ("int4/g32/rot/k8=2", "int2+lz4/g8/rotv/clip/v8=5.7", "int4+none/plain/k8=0/v8=0"):
+        assert CodecSpec.parse(CodecSpec.parse(text).name()) == CodecSpec.parse(text)
+    assert CodecSpec.parse("int4/k8=2").variant == CodecSpec.parse("int4").variant  # orthogonal to options
+    assert CodecSpec("int8", hi=HiLayers((1,), ())) == CodecSpec("int8")  # ignored where it has no meaning
+    assert CodecSpec("int4", hi=HiLayers((3, 1, 3), ())).hi == HiLayers((1, 3), ())  # sorted, distinct
+
+
+@pytest.mark.parametrize("text", ["int8/k8=1", "int4/k8=1.1", "int4/k8=", "int4/k8=a", "int4/v8=1/k8=2",
+                                  "int4/k8=1/k8=2", "int4/k8=-1", "int4/k8=99999", "fp8/v8=0"])
+def test_spec_rejects_bad_layer_lists(text: str) -> None:
+    with pytest.raises(ConfigError):
+        CodecSpec.parse(text)
+
+
+def test_the_layers_are_part_of_the_fingerprint() -> None:
+    names = {BlockCodecs.for_spec(s).name() for s in ("int4+zstd", "int4+zstd/k8=1", "int4+zstd/k8=2",
+                                                       "int4+zstd/v8=1", "int4+zstd/k8=1/v8=1")}
+    assert len(names) == 5
+    codecs = BlockCodecs.for_spec("int4+zstd/k8=1")
+    assert codecs.name() == "int4+zstd:3/g64/plain/k8=1,sink=int8+zstd:3"
+    assert codecs.sink.spec.hi == NO_HI  # the sink block is int8 throughout
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("mode", "group"), [("int4", 8), ("int2", 8), ("int4", 64)])
+def test_each_half_keeps_its_own_precision(mode: str, group: int, dtype: torch.dtype) -> None:
+    """Keys of layers 1 and 3 and values of layers 0 and 1 within int8's bound, the rest within the grouped
+    mode's; and the int8 halves really are int8 (their error far below what the grouped mode gives there)."""
+    kv = _kv(SHAPE, dtype, seed=5)
+    x = kv.float()
+    frame = Codec(f"{mode}+zstd/g{group}/plain/k8=1.3/v8=0.1").encode(kv)
+    header = read_header(frame)
+    assert (header.version, header.transform) == (3, LAYER_TABLE)
+    lo, hi = {"int4": 4, "int2": 2}[mode], 8
+    assert header.layer_bits == bytes((lo | hi << 4, hi | hi << 4, lo | lo << 4, hi | lo << 4))
+    out = Codec().decode(frame).float()
+    plain = Codec(f"{mode}+zstd/g{group}/plain").decode(Codec(f"{mode}+zstd/g{group}/plain").encode(kv)).float()
+    out_eps = {torch.float32: 0.0, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[dtype]
+    slack = (x.abs() + 1) * (out_eps + 2.0**-10) + 1e-6
+    int8_bound, grouped_bound = _bound("int8", x, group) + slack, _bound(mode, x, group) + slack
+    hi_halves = {(1, 0), (3, 0), (0, 1), (1, 1)}
+    for layer in range(SHAPE[0]):
+        for half in (0, 1):
+            err = (out[layer, half] - x[layer, half]).abs()
+            if (layer, half) in hi_halves:
+                assert bool((err <= int8_bound[layer, half]).all()), (layer, half)
+                assert err.max() < 0.25 * (plain[layer, half] - x[layer, half]).abs().max(), (layer, half)
+            else:
+                assert bool((err <= grouped_bound[layer, half]).all()), (layer, half)
+                assert torch.equal(out[layer, half], plain[layer, half]), (layer, half)  # same codes as without
+
+
+@pytest.mark.parametrize("spec", ["int4/g8/k8=1.3/v8=0.1", "int2+zstd/g5/plain/k8=0", "int4/g32/rot/v8=2",
+                                  "int2/g8/rotv/clip/k8=0.1.2.3/v8=0.1.2.3"])
+def test_layers_decode_apart_into_strided_views_as_whole(spec: str) -> None:
+    """Any range of layers, any output dtype, a slice of a larger context; odd shapes whose codes end
+    mid-byte (g5 int2, head_dim 3) included: each layer's codes start on a byte in these frames."""
+    for shape in ((4, 2, 2, 40, 16), (4, 2, 1, 7, 3)):
+        kv = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
+        frame = Codec(spec).encode(kv)
+        whole = Codec().decode(frame)
+        opened = Codec().open(frame)
+        assert opened.splits_by_layer
+        for first, stop in ((0, 1), (1, 3), (2, 4), (0, 4), (3, 4)):
+            assert torch.equal(opened.decode_into(layers=slice(first, stop)), whole[first:stop]), (first, stop)
+        context = torch.full((4, 2, shape[2], shape[3] + 20, shape[4]), 7.0)
+        Codec().decode_into(frame, context[:, :, :, 10:10 + shape[3]])
+        assert torch.equal(context[:, :, :, 10:10 + shape[3]], whole)
+        assert bool((context[:, :, :, :10] == 7).all()) and bool((context[:, :, :, 10 + shape[3]:] == 7).all())
+        half = torch.empty(shape, dtype=torch.float16)
+        Codec().decode_into(frame, half)
+        assert torch.allclose(half.float(), whole, rtol=2.0**-10, atol=1e-4)
+
+
+def test_frames_without_int8_layers_are_unchanged() -> None:
+    """No layer raised: the very frame of the codec without the option (format 1 or 2, no table)."""
+    kv = _kv(SHAPE, torch.float32)
+    for text in ("int4+zstd/g8/plain", "int2/g8/rotv/clip"):
+        spec = CodecSpec.parse(text)
+        assert CodecSpec(spec.mode, spec.compressor, spec.level, spec.group_size, spec.variant, NO_HI) == spec
+        assert read_header(Codec(spec).encode(kv)).version in (1, 2)
+        assert read_header(Codec(spec).encode(kv)).layer_bits == b""
+
+
+def test_a_layer_the_kv_lacks_is_refused_at_encode() -> None:
+    with pytest.raises(CodecError, match="layers"):
+        Codec("int4/k8=4").encode(_kv(SHAPE, torch.float32))
+
+
+def test_one_int8_layer_costs_about_its_share_of_the_bytes() -> None:
+    kv = _kv((30, 2, 3, 64, 64), torch.float16)
+    plain = len(Codec("int4+none/plain").encode(kv))
+    one = len(Codec("int4+none/plain/k8=0/v8=0").encode(kv))
+    int8 = len(Codec("int8+none").encode(kv))
+    assert one - plain == pytest.approx((int8 - plain) / 30, rel=0.05)
+
+
+def _table_frame() -> bytearray:
+    return bytearray(Codec("int4+none/g8/k8=1/v8=0").encode(_kv((2, 2, 1, 8, 8), torch.float32)))
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    ({HEADER_SIZE: 0x33}, "layer table"),  # 3 bits: neither int4 nor int8
+    ({HEADER_SIZE: 0x94}, "layer table"),  # 9 bits for values
+    ({HEADER_SIZE: 0x44, HEADER_SIZE + 1: 0x44}, "raises no layer"),  # nothing needing version 3
+    ({HEADER_SIZE: 0x88}, "raw length"),  # another layout than the payload's (one more int8 half)
+    ({9: 0}, "transform 0x0 in version 3"),  # version 3 without its table bit
+    ({4: 2}, "transform 0x4 in version 2"),  # a table in a version 2 frame
+    ({9: LAYER_TABLE | 8}, "unknown transform"),  # a bit of a writer newer than this reader
+    ({4: 4}, "version 4"),  # a newer format altogether
+])
+def test_bad_layer_tables_are_refused_cleanly(edit: dict[int, int], match: str) -> None:
+    frame = _table_frame()
+    assert Codec().decode(bytes(frame)).shape == (2, 2, 1, 8, 8)
+    for offset, value in edit.items():
+        frame[offset] = value
+    with pytest.raises(CodecError, match=match):
+        Codec().decode(_resealed(frame))
+
+
+def test_a_frame_cut_inside_its_layer_table_is_refused() -> None:
+    frame = _table_frame()
+    with pytest.raises(CodecError, match="layer table"):
+        read_header(bytes(frame[:HEADER_SIZE + 1]))
+    frame[36:44] = struct.pack("<Q", 1)  # a payload too short to hold the table, sealed
+    with pytest.raises(CodecError, match="layer table"):
+        Codec().decode(_resealed(frame[:HEADER_SIZE + 1]))
+
+
+def test_a_frame_with_other_int8_layers_is_refused_before_decoding() -> None:
+    from service.framecheck import frame_problem  # noqa: PLC0415
+
+    kv = _kv(SHAPE, torch.float32)
+    mine, other = Codec("int4/k8=1"), Codec("int4/k8=2")
+    assert frame_problem(mine.encode(kv), mine.spec, list(SHAPE), torch.float32) is None
+    for codec in (other, Codec("int4/v8=1"), Codec("int4")):
+        problem = frame_problem(codec.encode(kv), mine.spec, list(SHAPE), torch.float32)
+        assert problem is not None and problem.reason == "codec", codec
