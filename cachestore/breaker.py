@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -13,7 +14,7 @@ HALF_OPEN = "half_open"
 class CircuitBreaker:
     """Opens after `failures` consecutive failures; after `reset_s` lets one probe through.
 
-    Not thread-safe: one breaker belongs to one event loop (one BlockStore).
+    Thread-safe: a BlockStore's event loop and its lookups' reader threads share one.
     """
 
     def __init__(self, failures: int, reset_s: float, clock: Callable[[], float] = time.monotonic) -> None:
@@ -25,6 +26,7 @@ class CircuitBreaker:
         self._opened_at = 0.0
         self._probe_in_flight = False
         self.times_opened = 0
+        self._lock = threading.Lock()
 
     @property
     def state(self) -> str:
@@ -34,30 +36,34 @@ class CircuitBreaker:
 
     def allow(self) -> bool:
         """May the caller talk to Redis now? In half-open state only one probe at a time."""
-        state = self.state
-        if state == CLOSED:
-            return True
-        if state == HALF_OPEN and not self._probe_in_flight:
-            self._state = HALF_OPEN
-            self._probe_in_flight = True
-            return True
-        return False
+        with self._lock:
+            state = self.state
+            if state == CLOSED:
+                return True
+            if state == HALF_OPEN and not self._probe_in_flight:
+                self._state = HALF_OPEN
+                self._probe_in_flight = True
+                return True
+            return False
 
     def record_success(self) -> None:
-        self._state = CLOSED
-        self._failures = 0
-        self._probe_in_flight = False
+        with self._lock:
+            self._state = CLOSED
+            self._failures = 0
+            self._probe_in_flight = False
 
     def record_failure(self) -> None:
-        self._failures += 1
-        probing = self._probe_in_flight
-        self._probe_in_flight = False
-        if probing or self._failures >= self.failure_threshold:
-            if self._state != OPEN:
-                self.times_opened += 1
-            self._state = OPEN
-            self._opened_at = self._clock()
+        with self._lock:
+            self._failures += 1
+            probing = self._probe_in_flight
+            self._probe_in_flight = False
+            if probing or self._failures >= self.failure_threshold:
+                if self._state != OPEN:
+                    self.times_opened += 1
+                self._state = OPEN
+                self._opened_at = self._clock()
 
     def release(self) -> None:
         """A call that was allowed ended without telling success or failure (e.g. cancelled)."""
-        self._probe_in_flight = False
+        with self._lock:
+            self._probe_in_flight = False

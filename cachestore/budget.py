@@ -172,8 +172,9 @@ def account(pipe: Any, shard: ShardKeys, block_keys: Sequence[str], index_ttl_ms
 
 
 def touch(pipe: Any, shard: ShardKeys, block_keys: Sequence[str], index_ttl_ms: int) -> None:
-    """Queue TOUCH for blocks of one shard on `pipe` (after their GETEXs)."""
-    pipe.eval(TOUCH, 3 + len(block_keys), *shard.all(), *block_keys, now_ms(), index_ttl_ms)
+    """Queue TOUCH for blocks of one shard on `pipe` (after their GETEXs): any pipeline, asyncio or blocking,
+    standalone or Cluster (redis-py's blocking ClusterPipeline refuses `.eval()` but routes EVAL by its keys)."""
+    pipe.execute_command("EVAL", TOUCH, 3 + len(block_keys), *shard.all(), *block_keys, now_ms(), index_ttl_ms)
 
 
 async def shard_totals(client: Any, keys: KeySpace) -> list[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Hashable
 
@@ -11,6 +12,7 @@ class LocalTier:
 
     Nothing invalidates an entry but the bound: blocks are content-addressed, so a key
     always names the same bytes. A value larger than the whole bound is never kept.
+    Thread-safe (the event loop and the lookups' reader threads share one).
     """
 
     def __init__(self, max_bytes: int) -> None:
@@ -22,6 +24,7 @@ class LocalTier:
         self.hits = 0
         self.misses = 0
         self.evictions = 0
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -34,28 +37,31 @@ class LocalTier:
         return self._bytes
 
     def get(self, key: Hashable) -> bytes | None:
-        value = self._items.get(key)
-        if value is None:
-            self.misses += 1
-            return None
-        self._items.move_to_end(key)
-        self.hits += 1
-        return value
+        with self._lock:
+            value = self._items.get(key)
+            if value is None:
+                self.misses += 1
+                return None
+            self._items.move_to_end(key)
+            self.hits += 1
+            return value
 
     def put(self, key: Hashable, value: bytes) -> None:
         size = len(value)
         if size > self.max_bytes:
             return
-        old = self._items.pop(key, None)
-        if old is not None:
-            self._bytes -= len(old)
-        self._items[key] = value
-        self._bytes += size
-        while self._bytes > self.max_bytes:
-            _, evicted = self._items.popitem(last=False)
-            self._bytes -= len(evicted)
-            self.evictions += 1
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self._bytes -= len(old)
+            self._items[key] = value
+            self._bytes += size
+            while self._bytes > self.max_bytes:
+                _, evicted = self._items.popitem(last=False)
+                self._bytes -= len(evicted)
+                self.evictions += 1
 
     def clear(self) -> None:
-        self._items.clear()
-        self._bytes = 0
+        with self._lock:
+            self._items.clear()
+            self._bytes = 0

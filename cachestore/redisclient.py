@@ -1,32 +1,61 @@
-"""Build the redis.asyncio client for StoreSettings: standalone, TLS, unix socket, Cluster or Sentinel."""
+"""Build the redis-py client for StoreSettings: standalone, TLS, unix socket, Cluster or Sentinel.
+
+The store talks through redis.asyncio (`make_client`); the lookups' reader threads read blocks through a
+blocking twin of the same client (`make_client(settings, asynchronous=False)`), which moves large values with far
+less CPU than an event loop does (measured: FACTS/BENCHMARKS, the hit path).
+"""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.cluster import RedisCluster
+import redis
+import redis.asyncio
+import redis.asyncio.cluster
+import redis.asyncio.retry
+import redis.asyncio.sentinel
+import redis.cluster
+import redis.retry
+import redis.sentinel
 from redis.asyncio.connection import parse_url
-from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff
 
 from cachestore.errors import ConfigError
 from cachestore.settings import StoreSettings
 
 
-def small_retry() -> Retry:
+@dataclass(frozen=True)
+class _Family:
+    """redis-py's classes of one flavour: asyncio, or blocking."""
+
+    redis: Any
+    pool: Any
+    cluster: Any
+    sentinel: Any
+    retry: Any
+
+
+_ASYNC = _Family(redis.asyncio.Redis, redis.asyncio.BlockingConnectionPool, redis.asyncio.cluster.RedisCluster,
+                 redis.asyncio.sentinel.Sentinel, redis.asyncio.retry.Retry)
+_BLOCKING = _Family(redis.Redis, redis.BlockingConnectionPool, redis.cluster.RedisCluster, redis.sentinel.Sentinel,
+                    redis.retry.Retry)
+
+
+def small_retry(family: _Family = _ASYNC) -> Any:
     """One quick retry (a fresh connection after a broken one), never redis-py's default 10."""
-    return Retry(ExponentialBackoff(cap=0.05, base=0.005), retries=1)
+    return family.retry(ExponentialBackoff(cap=0.05, base=0.005), retries=1)
 
 
-def _common(settings: StoreSettings) -> dict[str, Any]:
+def _common(settings: StoreSettings, family: _Family) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
-        "socket_timeout": max(settings.op_timeout_s, settings.write_timeout_s),
+        # a blocking client only reads blocks: its socket waits as long as a read may take
+        "socket_timeout": (max(settings.op_timeout_s, settings.write_timeout_s) if family is _ASYNC
+                           else settings.op_timeout_s),
         "socket_connect_timeout": settings.connect_timeout_s,
-        "retry": small_retry(),
+        "retry": small_retry(family),
         "decode_responses": False,
     }
     if settings.tls_ca_path:
@@ -39,7 +68,7 @@ def _strip_scheme_suffix(url: str) -> str:
     return scheme.split("+", 1)[0] + "://" + rest
 
 
-def _sentinel_client(settings: StoreSettings) -> Redis:
+def _sentinel_client(settings: StoreSettings, family: _Family) -> Any:
     """redis+sentinel://[user:pass@]host:port[,host:port...]/master_name[/db]"""
     parts = urlsplit(settings.url)
     netloc = parts.netloc
@@ -64,13 +93,13 @@ def _sentinel_client(settings: StoreSettings) -> Redis:
     for name in ("sentinel_username", "sentinel_password"):  # credentials of the Sentinels themselves
         if name in query:
             sentinel_kwargs[name.removeprefix("sentinel_")] = query.pop(name)
-    kwargs = {**_common(settings), "db": int(path[1]) if len(path) > 1 else 0, **query}
+    kwargs = {**_common(settings, family), "db": int(path[1]) if len(path) > 1 else 0, **query}
     kwargs.pop("retry")
     kwargs["username"] = username or kwargs.get("username")
     kwargs["password"] = password or kwargs.get("password")
     max_connections = kwargs.pop("max_connections", settings.max_connections)
-    sentinel = Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs, ssl=ssl, **kwargs)
-    return sentinel.master_for(master, max_connections=max_connections, retry=small_retry())
+    sentinel = family.sentinel(sentinels, sentinel_kwargs=sentinel_kwargs, ssl=ssl, **kwargs)
+    return sentinel.master_for(master, max_connections=max_connections, retry=small_retry(family))
 
 
 def _query_options(query: str) -> dict[str, Any]:
@@ -82,20 +111,23 @@ def _query_options(query: str) -> dict[str, Any]:
     return options
 
 
-def make_client(settings: StoreSettings) -> Any:
-    """A redis.asyncio client (Redis or RedisCluster) with bounded pools and short timeouts."""
+def make_client(settings: StoreSettings, *, asynchronous: bool = True) -> Any:
+    """A redis.asyncio client (Redis or RedisCluster) with bounded pools and short timeouts; with
+    `asynchronous=False` its blocking twin, for threads (same URL forms, pool bound and timeouts)."""
+    family = _ASYNC if asynchronous else _BLOCKING
     if settings.is_sentinel:
-        return _sentinel_client(settings)
+        return _sentinel_client(settings, family)
     url = _strip_scheme_suffix(settings.url)
     if settings.is_cluster:
-        return RedisCluster.from_url(
+        return family.cluster.from_url(
             url, max_connections=settings.max_connections,
-            **_common(settings),
+            **_common(settings, family),
         )
-    pool = BlockingConnectionPool.from_url(
-        url, max_connections=settings.max_connections, timeout=settings.connect_timeout_s, **_common(settings)
+    pool = family.pool.from_url(
+        url, max_connections=settings.max_connections, timeout=settings.connect_timeout_s,
+        **_common(settings, family),
     )
-    return Redis(connection_pool=pool)
+    return family.redis(connection_pool=pool)
 
 
 async def check_connection(settings: StoreSettings, timeout_s: float = 5.0) -> str | None:

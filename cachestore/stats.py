@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, fields
 
 
@@ -36,18 +37,21 @@ class StoreStats:
 
 
 class Counters:
-    """The mutable counters behind StoreStats (one event loop, so no locking)."""
+    """The mutable counters behind StoreStats: the event loop and the lookups' reader threads add to them."""
 
     def __init__(self) -> None:
         self.values: dict[str, int] = {
             f.name: 0 for f in fields(StoreStats) if f.type in (int, "int") and f.name != "breaker_opened"
         }
+        self._lock = threading.Lock()
 
     def add(self, name: str, n: int = 1) -> None:
-        self.values[name] += n
+        with self._lock:
+            self.values[name] += n
 
     def snapshot(self, breaker_state: str, breaker_opened: int) -> StoreStats:
-        return StoreStats(**self.values, breaker_state=breaker_state, breaker_opened=breaker_opened)
+        with self._lock:
+            return StoreStats(**self.values, breaker_state=breaker_state, breaker_opened=breaker_opened)
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
+
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from cachestore import budget
 from cachestore.breaker import CircuitBreaker
@@ -43,6 +46,8 @@ class BlockStore:
         self.settings = settings
         self.keys = KeySpace(settings.namespace, settings.index_shards)
         self._client = make_client(settings)
+        self._blocking: Any = None  # the reader threads' blocking client, made on first use (fetch_blocking)
+        self._blocking_lock = threading.Lock()
         self._breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_reset_s)
         self._counters = Counters()
         self._local = LocalTier(settings.local_tier_bytes) if settings.local_tier_bytes else None
@@ -79,13 +84,31 @@ class BlockStore:
             self._breaker.release()
             raise
         except Exception as exc:  # noqa: BLE001 - any Redis trouble is a miss or a dropped write
-            self._counters.add("errors")
-            if isinstance(exc, TimeoutError):
-                self._counters.add("timeouts")
-            self._breaker.record_failure()
-            return FAILED
+            return self._failure(exc)
         self._breaker.record_success()
         return result
+
+    def _guarded_blocking(self, call: Callable[[], T]) -> T | _Failed:
+        """`_guarded` for a blocking call on a reader thread (its client's socket timeout bounds it)."""
+        if not self._breaker.allow():
+            self._counters.add("skipped_open")
+            return FAILED
+        try:
+            result = call()
+        except Exception as exc:  # noqa: BLE001 - any Redis trouble is a miss
+            return self._failure(exc)
+        except BaseException:
+            self._breaker.release()
+            raise
+        self._breaker.record_success()
+        return result
+
+    def _failure(self, exc: Exception) -> _Failed:
+        self._counters.add("errors")
+        if isinstance(exc, TimeoutError | RedisTimeoutError):
+            self._counters.add("timeouts")
+        self._breaker.record_failure()
+        return FAILED
 
     async def _admin(self, call: Callable[[], Awaitable[T]]) -> T:
         result = await self._guarded(call, self.settings.write_timeout_s)
@@ -99,6 +122,10 @@ class BlockStore:
 
     async def close(self) -> None:
         await self._client.aclose()
+        with self._blocking_lock:
+            blocking, self._blocking = self._blocking, None
+        if blocking is not None:
+            await asyncio.to_thread(blocking.close)
 
     # -- blocks -----------------------------------------------------------------------------
 
@@ -108,12 +135,35 @@ class BlockStore:
 
     async def fetch(self, model: str, hashes: Sequence[BlockHash]) -> Result[list[bytes]]:
         """`lookup` with what happened: FOUND (some frames), ABSENT (Redis answered: none), UNAVAILABLE."""
+        keyed, frames = self._begin_fetch(model, hashes)
+        failed = False
+        if len(frames) < len(keyed):
+            remote = await self._guarded(lambda: self._fetch(keyed, len(frames)), self.settings.op_timeout_s)
+            failed = isinstance(remote, _Failed)
+            if not isinstance(remote, _Failed):
+                frames.extend(remote)
+        return self._end_fetch(keyed, frames, failed)
+
+    def fetch_blocking(self, model: str, hashes: Sequence[BlockHash]) -> Result[list[bytes]]:
+        """`fetch` for a thread beside the event loop (a lookup's reader): the same commands in one round trip,
+        on a blocking client of the same Redis, under the same breaker and counters. Safe on any thread."""
+        keyed, frames = self._begin_fetch(model, hashes)
+        failed = False
+        if len(frames) < len(keyed):
+            remote = self._guarded_blocking(lambda: self._fetch_blocking(keyed, len(frames)))
+            failed = isinstance(remote, _Failed)
+            if not isinstance(remote, _Failed):
+                frames.extend(remote)
+        return self._end_fetch(keyed, frames, failed)
+
+    def _begin_fetch(self, model: str, hashes: Sequence[BlockHash]) -> tuple[list[tuple[int, str]], list[bytes]]:
+        """The keys of `hashes`, and the frames of their longest prefix the local tier holds."""
         check_model(model)
-        if not hashes:
-            return Result(Outcome.ABSENT, [])
-        self._counters.add("lookups")
         keyed = [self.keys.block(model, h) for h in hashes]
         frames: list[bytes] = []
+        if not keyed:
+            return keyed, frames
+        self._counters.add("lookups")
         if self._local is not None:
             for _, key in keyed:
                 frame = self._local.get(key)
@@ -121,12 +171,11 @@ class BlockStore:
                     break
                 frames.append(frame)
             self._counters.add("local_hits", len(frames))
-        failed = False
-        if len(frames) < len(keyed):
-            remote = await self._guarded(lambda: self._fetch(keyed, len(frames)), self.settings.op_timeout_s)
-            failed = isinstance(remote, _Failed)
-            if not isinstance(remote, _Failed):
-                frames.extend(remote)
+        return keyed, frames
+
+    def _end_fetch(self, keyed: list[tuple[int, str]], frames: list[bytes], failed: bool) -> Result[list[bytes]]:
+        if not keyed:
+            return Result(Outcome.ABSENT, [])
         self._count_lookup(len(frames), len(keyed))
         self._counters.add("blocks_read", len(frames))
         self._counters.add("bytes_read", sum(len(f) for f in frames))
@@ -136,6 +185,20 @@ class BlockStore:
 
     async def _fetch(self, keyed: list[tuple[int, str]], start: int) -> list[bytes]:
         pipe = self._client.pipeline(transaction=False)
+        self._queue_fetch(pipe, keyed, start)
+        return self._fetched(keyed, start, await pipe.execute(raise_on_error=False))
+
+    def _fetch_blocking(self, keyed: list[tuple[int, str]], start: int) -> list[bytes]:
+        with self._blocking_lock:
+            if self._blocking is None:
+                self._blocking = make_client(self.settings, asynchronous=False)
+            client = self._blocking
+        pipe = client.pipeline(transaction=False)
+        self._queue_fetch(pipe, keyed, start)
+        return self._fetched(keyed, start, pipe.execute(raise_on_error=False))
+
+    def _queue_fetch(self, pipe: Any, keyed: list[tuple[int, str]], start: int) -> None:
+        """One round trip: slide the TTL of what is held locally, GETEX the rest, touch their LRU index."""
         for _, key in keyed[:start]:
             pipe.pexpire(key, self._block_ttl_ms)  # held locally: only slide the TTL
         for _, key in keyed[start:]:
@@ -147,7 +210,8 @@ class BlockStore:
             for shard, keys in by_shard.items():
                 budget.touch(pipe, self.keys.shard(shard), keys, self._index_ttl_ms)
         self._counters.add("round_trips")
-        results = await pipe.execute(raise_on_error=False)
+
+    def _fetched(self, keyed: list[tuple[int, str]], start: int, results: list[Any]) -> list[bytes]:
         found: list[bytes] = []
         for (_, key), value in zip(keyed[start:], results[start:start + len(keyed) - start], strict=True):
             if not isinstance(value, bytes) or not value:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +17,7 @@ from cachestore.blockcodec import BlockCodecs
 from cachestore.codec import Codec, OpenFrame
 from cachestore.errors import CodecError
 from cachestore.hashing import BlockHash, chain_hashes, root_hash
+from cachestore.outcome import Result
 from cachestore.sessions import SessionRecord
 from cachestore.store import BlockStore
 from cachestore.tails import pack_ids, reply_digest, unpack_ids, unpack_tail
@@ -35,7 +36,6 @@ log = logging.getLogger("kvstash.pipeline")
 # Blocks per pipelined read: small enough that decoding one chunk overlaps the next chunk's read,
 # large enough that round trips stay few (8 x 64 SmolLM2 tokens of int8 = ~6 MB).
 FETCH_CHUNK_BLOCKS = 8
-FETCH_AHEAD = 1  # chunks on the wire at once: the next is asked for as soon as one arrives, never after its decode
 LAST_CHUNK_BLOCKS = 2  # a short final chunk: little is left to dequantize once the last bytes arrive
 MAX_REPLY_TOKENS = 8192  # replies longer than this are re-tokenized rather than remembered
 
@@ -71,10 +71,9 @@ def chunk_plan(blocks: int, size: int = FETCH_CHUNK_BLOCKS, last: int = LAST_CHU
     return [*plan, range(body, blocks)]
 
 
-def _cancel(tasks: Iterable[asyncio.Future[Any]], extra: asyncio.Future[Any] | None) -> None:
-    for task in [*tasks, extra]:
-        if task is not None and not task.done():
-            task.cancel()
+def _log_failure(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("a block reader failed: %r", future.exception())
 
 
 def _settle(future: asyncio.Future[Any], value: Any) -> None:
@@ -118,8 +117,9 @@ class Pipeline:
         self._own_executor = not engine.runs_torch
         self._executor = (threads.io_executor(engine.parallel, "kvstash-infer") if self._own_executor
                           else threads.compute_executor())
-        # one rehydration per lookup, each on its own thread while its lookup is fed
+        # one rehydration per lookup, each on its own thread while its lookup is fed, and one reader feeding it
         self._decoder = threads.io_executor(2 * engine.parallel + 6, "kvstash-decode")
+        self._readers = threads.io_executor(2 * engine.parallel + 6, "kvstash-read")
         self._admitted = 0
         self._roots: dict[str, BlockHash] = {}
         self._contexts = ContextPool(geo.num_layers, geo.kv_heads, geo.head_dim, geo.dtype,
@@ -135,6 +135,7 @@ class Pipeline:
         if self._own_executor:
             self._executor.shutdown(wait=False, cancel_futures=True)
         self._decoder.shutdown(wait=False, cancel_futures=True)
+        self._readers.shutdown(wait=False, cancel_futures=True)
 
     # -- admission ---------------------------------------------------------------------------
     def admit(self) -> None:
@@ -174,9 +175,10 @@ class Pipeline:
         """The prompt's cached blocks (and the session record named by `session_key`, fetched
         concurrently); the session's partial block extends a full hit.
 
-        Blocks are read in pipelined chunks (`chunk_plan`), FETCH_AHEAD of them on the wire at once so
-        the wire never waits for the CPU; a `Rehydration` thread verifies and dequantizes each chunk as
-        it arrives, straight into one preallocated context. The hit is known when the last chunk is
+        A reader thread reads the blocks in pipelined chunks (`chunk_plan`), back to back on a blocking client
+        (it moves large values with far less CPU than the event loop: BENCHMARKS.md, section 1), so the wire
+        never waits for the CPU; a `Rehydration` thread verifies and dequantizes each chunk as it arrives,
+        straight into one preallocated context. The hit is known when the last chunk is
         verified; what is not dequantized by then is handed to the engine through the view's `ready` gate
         (a layer-by-layer engine dequantizes it on its own thread as its forward step reaches those layers).
         """
@@ -193,48 +195,45 @@ class Pipeline:
         chunks = [hashes[r.start:r.stop] for r in chunk_plan(len(hashes))]
         tail_parent = hashes[-1] if hashes else self.root(tenant_salt)
         wants_tail = len(hashes) * b < usable
-        # the first chunks (and, when the prompt ends mid-block, its tail) go out before anything else
-        ahead = deque(asyncio.ensure_future(self._fetch(c)) for c in chunks[1:FETCH_AHEAD])
-        tail_task = (asyncio.ensure_future(self._fetch_tail(tail_parent))
-                     if wants_tail and len(chunks) <= FETCH_AHEAD else None)
-        fetch_session = self.store.get_session(*session_key) if session_key else self._none()
-        try:
-            head, fetched_session = await asyncio.wait_for(
-                asyncio.gather(self.store.fetch(self.model_key, chunks[0] if chunks else []), fetch_session),
-                self.settings.redis_timeout_s,
-            )
-        except TimeoutError:
-            _cancel(ahead, tail_task)
-            return self._account(CacheView(None, 0, 0, "bypass"), prompt_ids), session
-        session = session or fetched_session
-        if head.unavailable:  # Redis failed: recompute (a concurrent request's error cannot make this a bypass)
-            _cancel(ahead, tail_task)
-            return self._account(CacheView(None, 0, 0, "bypass"), prompt_ids), session
+        tail_task: asyncio.Future[bytes | None] | None = None
+
+        def last_chunk_sent() -> None:  # on the loop: the prompt's tail goes along with the last chunk
+            nonlocal tail_task
+            if wants_tail and tail_task is None and not stop.is_set():
+                tail_task = asyncio.ensure_future(self._fetch_tail(tail_parent))
+
         out = self._context_for(prompt_ids)  # a hit fills at most `usable` tokens; views are handed on
         decode_seconds = self.metrics.codec_seconds.labels("decode")
         rehydration = Rehydration(out, b, self._open_block, layerwise=self.engine.layerwise,
                                   on_decoded=decode_seconds.observe)
         verified: asyncio.Future[tuple[int, int]] = loop.create_future()
+        first: asyncio.Future[Result[list[bytes]] | None] = loop.create_future()
+        stop = threading.Event()
+        # the reader goes first: the first chunk is on the wire before anything else is computed
+        reader = loop.run_in_executor(
+            self._readers, self._read_blocks, chunks, rehydration, stop, time.monotonic() + (deadline - loop.time()),
+            lambda result: loop.call_soon_threadsafe(_settle, first, result),
+            lambda: loop.call_soon_threadsafe(last_chunk_sent))
         worker = loop.run_in_executor(self._decoder, rehydration.run,
                                       lambda n, nbytes: loop.call_soon_threadsafe(_settle, verified, (n, nbytes)))
+        if not chunks:
+            last_chunk_sent()
+        fetch_session = self.store.get_session(*session_key) if session_key else self._none()
         given = False
+        view = CacheView(None, 0, 0, "bypass")
         try:
-            frames, index = head.value, 0
-            while True:
-                rehydration.feed(frames)
-                index += 1
-                if index >= len(chunks) or len(frames) < len(chunks[index - 1]) or rehydration.stopped.is_set():
-                    break
-                if index + FETCH_AHEAD - 1 < len(chunks):
-                    ahead.append(asyncio.ensure_future(self._fetch(chunks[index + FETCH_AHEAD - 1])))
-                if wants_tail and tail_task is None and index + FETCH_AHEAD >= len(chunks):
-                    # the last chunk is on the wire: the tail after it goes along
-                    tail_task = asyncio.ensure_future(self._fetch_tail(tail_parent))
-                try:
-                    frames = await asyncio.wait_for(ahead.popleft(), max(0.0, deadline - loop.time()))
-                except TimeoutError:
-                    break  # out of time: use what already arrived
-            _cancel(ahead, None)
+            try:
+                head, fetched_session = await asyncio.wait_for(asyncio.gather(first, fetch_session),
+                                                               self.settings.redis_timeout_s)
+            except TimeoutError:
+                return self._account(view, prompt_ids), session
+            session = session or fetched_session
+            if head is not None and head.unavailable:  # Redis failed: recompute
+                return self._account(view, prompt_ids), session
+            try:  # the last chunk verified, or out of time: then what already arrived
+                await asyncio.wait_for(asyncio.shield(reader), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                stop.set()
             rehydration.end()
             hit_blocks, fetched = await verified
             tail = await self._tail(tail_task, hit_blocks, len(hashes), hashes, tenant_salt, usable, session,
@@ -249,12 +248,41 @@ class Pipeline:
                 view.buffer, view.ready, view.rehydrating = out, rehydration.gate, worker
                 given = True
         finally:
-            _cancel(ahead, tail_task)
+            stop.set()
+            reader.add_done_callback(_log_failure)  # awaited above unless the lookup gave up first
+            if tail_task is not None:
+                tail_task.cancel()  # a no-op once done
             rehydration.end()  # a second end after the first is never read: harmless
             if not given:  # back to the pool once the thread is done with it
                 worker.add_done_callback(lambda _: self._contexts.give(out))
         view.salt = tenant_salt
         return self._account(view, prompt_ids), session
+
+    def _read_blocks(
+        self, chunks: list[list[BlockHash]], rehydration: Rehydration, stop: threading.Event, deadline: float,
+        on_first: Callable[[Result[list[bytes]] | None], None], on_last: Callable[[], None],
+    ) -> None:
+        """On a reader thread: each chunk in one blocking round trip, fed to the rehydration as it arrives, until a
+        chunk comes back short, a frame is bad, the lookup gives up, or `deadline` (time.monotonic) passes."""
+        assert self.store is not None
+        head: Result[list[bytes]] | None = None
+        try:
+            for index, chunk in enumerate(chunks):
+                if stop.is_set() or rehydration.stopped.is_set() or time.monotonic() >= deadline:
+                    break
+                if index == len(chunks) - 1:
+                    on_last()
+                result = self.store.fetch_blocking(self.model_key, chunk)
+                if index == 0:
+                    head = result
+                    on_first(head)
+                rehydration.feed(result.value)
+                if len(result.value) < len(chunk):
+                    break
+        finally:
+            if head is None:
+                on_first(None)
+            rehydration.end()
 
     def _context_for(self, prompt_ids: list[int]) -> torch.Tensor:
         """A pooled [layers, 2, kv_heads, capacity, head_dim] buffer with room for the prompt and the longest reply,
@@ -318,10 +346,6 @@ class Pipeline:
         self.memory.remember_reply(view.salt, gen.text, gen.reply_ids, self.engine.decode)
         self.metrics.bytes_held.set(self.memory.bytes_held)
         self.metrics.entries_held.set(len(self.memory))
-
-    async def _fetch(self, hashes: list[BlockHash]) -> list[bytes]:
-        assert self.store is not None
-        return await self.store.lookup(self.model_key, hashes) if hashes else []
 
     async def _fetch_tail(self, parent: BlockHash) -> bytes | None:
         assert self.store is not None

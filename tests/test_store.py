@@ -12,6 +12,7 @@ import pytest
 from cachestore.errors import ConfigError, ValueTooLarge
 from cachestore.hashing import BlockHash, ModelFingerprint, chain_hashes, root_hash
 from cachestore.keys import InvalidName
+from cachestore.outcome import Outcome
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
 from ops.redisproc import RedisProcess
@@ -175,6 +176,62 @@ async def test_redis_killed_mid_workload_then_back(redis_server: RedisProcess) -
         assert store.breaker_state == "closed"
         assert await store.put_blocks(FP.short(), hashes, frames) == 4
         assert await store.lookup(FP.short(), hashes) == frames  # hits resume
+    finally:
+        await store.close()
+
+
+async def test_blocking_fetch_from_reader_threads_is_fetch(store: BlockStore) -> None:
+    """fetch_blocking (a lookup's reader thread) answers as fetch does, from many threads at once beside the event
+    loop, into the same counters, local tier and TTL slide."""
+    hashes, frames = hashes_for(list(range(16 * 6))), frames_for(6, 20_000)
+    assert await store.put_blocks(FP.short(), hashes, frames) == 6
+    other = hashes_for(list(range(5000, 5000 + 16 * 2)))
+    before = store.stats()
+
+    async def on_loop() -> list[bytes]:
+        return await store.lookup(FP.short(), hashes)
+
+    results = await asyncio.gather(
+        *(asyncio.to_thread(store.fetch_blocking, FP.short(), hashes) for _ in range(8)),
+        *(on_loop() for _ in range(4)),
+        asyncio.to_thread(store.fetch_blocking, FP.short(), hashes[:3] + other),  # a partial hit
+        asyncio.to_thread(store.fetch_blocking, FP.short(), other),  # a miss: Redis answered
+    )
+    assert [r.value for r in results[:8]] == [frames] * 8 and list(results[8:12]) == [frames] * 4
+    assert results[12].value == frames[:3] and results[13].outcome is Outcome.ABSENT
+    after = store.stats()
+    assert (after.lookups - before.lookups, after.hits - before.hits) == (14, 12)
+    assert (after.partial_hits - before.partial_hits, after.misses - before.misses) == (1, 1)
+    assert after.bytes_read - before.bytes_read == (12 * 6 + 3) * 20_000
+    assert after.round_trips - before.round_trips == 14 and after.errors == 0
+
+
+async def test_blocking_fetch_shares_the_breaker(redis_server: RedisProcess) -> None:
+    """Redis gone: reader threads miss (UNAVAILABLE, counted), open the breaker the event loop obeys too, and read
+    again on fresh connections once Redis is back."""
+    settings = StoreSettings.from_url(redis_server.url, namespace="chaos-b", op_timeout_s=0.3,
+                                      connect_timeout_s=0.2, breaker_failures=3, breaker_reset_s=0.3)
+    store = BlockStore(settings)
+    try:
+        hashes, frames = hashes_for(list(range(64))), frames_for(4)
+        assert await store.put_blocks(FP.short(), hashes, frames) == 4
+        assert (await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes)).value == frames
+        redis_server.kill()
+        for _ in range(3):
+            assert (await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes)).outcome is Outcome.UNAVAILABLE
+        assert store.breaker_state == "open" and store.stats().errors >= 3
+        skipped = store.stats().skipped_open
+        assert await store.lookup(FP.short(), hashes) == []  # the event loop's calls are not even made
+        assert (await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes)).outcome is Outcome.UNAVAILABLE
+        assert store.stats().skipped_open == skipped + 2
+        redis_server.start()  # same port, empty
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and store.breaker_state != "closed":
+            await asyncio.sleep(0.1)
+            await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes)  # the half-open probe, from a thread
+        assert store.breaker_state == "closed"
+        assert await store.put_blocks(FP.short(), hashes, frames) == 4
+        assert (await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes)).value == frames
     finally:
         await store.close()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import pytest
@@ -37,6 +38,11 @@ async def test_cluster_round_trip_budget_and_sessions(redis_cluster: RedisCluste
         before, trips = [getex_calls(n) for n in nodes], store.stats().round_trips
         assert await store.lookup(FP.short(), hashes) == frames
         assert store.stats().round_trips == trips + 1  # one pipeline, split by node
+        assert [getex_calls(n) - b for n, b in zip(nodes, before, strict=True)] == per_node
+        # a lookup's reader thread: the same round trip on the blocking cluster client (its LRU touch included)
+        before, trips = [getex_calls(n) for n in nodes], store.stats().round_trips
+        assert (await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes)).value == frames
+        assert store.stats().round_trips == trips + 1 and store.stats().errors == 0
         assert [getex_calls(n) - b for n, b in zip(nodes, before, strict=True)] == per_node
 
         # the budget runs its Lua scripts across the cluster's slots

@@ -3,6 +3,7 @@ arguments reach the connections, and a pod keeps answering (then hits again) whe
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -39,6 +40,8 @@ async def test_store_through_sentinel(sentinel: RedisSentinel) -> None:
         hashes, frames = [BlockHash(bytes([i]) * 16) for i in range(3)], [b"a" * 10, b"b" * 20, b"c" * 30]
         assert await store.put_blocks("abcdef0123456789", hashes, frames) == 3
         assert await store.lookup("abcdef0123456789", hashes) == frames
+        # a lookup's reader thread finds the primary through the Sentinels too
+        assert (await asyncio.to_thread(store.fetch_blocking, "abcdef0123456789", hashes)).value == frames
         primary = sentinel.nodes[0].client()
         # the URL's query arguments reached the connections to the primary (they used to be dropped)
         names = [c.get("name") for c in primary.client_list()]

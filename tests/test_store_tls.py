@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -73,6 +74,8 @@ async def test_tls_with_acl_user(tls_acl_redis: tuple[RedisProcess, int, Path]) 
         frames = [bytes([i]) * 5000 for i in range(6)]
         assert await store.put_blocks("abcdef0123456789", hashes, frames) == 6
         assert await store.lookup("abcdef0123456789", hashes) == frames
+        # a lookup's reader thread: the blocking twin of the client speaks TLS with the same CA and ACL user
+        assert (await asyncio.to_thread(store.fetch_blocking, "abcdef0123456789", hashes)).value == frames
         assert (await store.usage()).bytes_held == 30_000
         assert await store.put_session(SessionRecord("acme", "s1", "m"), None) is not None
         assert await store.list_sessions() == [("acme", "s1")]
