@@ -5,7 +5,10 @@ as one context: kvstash's BlockStore (one pipelined round trip, TTL sliding, LRU
 byte budget) side by side with a raw redis.asyncio pipeline of GET/SET of the same values,
 interleaved rep by rep in one event loop (MB/s from each cell's median rep). Rows:
 
-    get            BlockStore.lookup            vs raw pipelined GETs
+    get            BlockStore.lookup            vs raw pipelined GETs (redis.asyncio)
+    get_reader     BlockStore.fetch_blocking, as a pod's lookup reads blocks on its reader thread,
+                                                vs raw pipelined GETs on a blocking redis-py client
+                                                (both timed on one worker thread)
     put            BlockStore.put_blocks, budget on and evicting (budget = 1.5 contexts)
                                                 vs raw pipelined SET PX
     put_nobudget   BlockStore.put_blocks, budget off  vs raw pipelined SET PX
@@ -22,6 +25,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import redis
 import redis.asyncio as aioredis
 
 from cachestore.hashing import BlockHash
@@ -69,6 +73,12 @@ async def timed(call: Callable[[], Awaitable[Any]]) -> float:
     return time.perf_counter() - start
 
 
+def timed_blocking(call: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
 def summarize(block_bytes: int, op: str, nbytes: int, ours: list[float], raw: list[float]) -> dict[str, Any]:
     def pct(xs: list[float], q: float) -> float:
         return percentile(xs, q) * 1000
@@ -98,6 +108,7 @@ async def bench_block_size(url: str, payload: bytes, block_bytes: int, reps: int
                                                  **base))
     unbudgeted = BlockStore(StoreSettings.from_url(url, namespace="bench-n", budget_enabled=False, **base))
     raw = aioredis.Redis.from_url(url)
+    raw_blocking = redis.Redis.from_url(url)
     raw_keys = [f"bench-raw:{i}" for i in range(len(frames))]
     ttl_ms = 3600 * 1000
 
@@ -113,18 +124,32 @@ async def bench_block_size(url: str, payload: bytes, block_bytes: int, reps: int
             pipe.get(key)
         return await pipe.execute()
 
+    def raw_get_blocking() -> list[bytes]:
+        pipe = raw_blocking.pipeline(transaction=False)
+        for key in raw_keys:
+            pipe.get(key)
+        return pipe.execute()
+
+    def reader_get() -> list[bytes]:
+        return reader.fetch_blocking(MODEL, read_hashes).value
+
     try:
-        times: dict[str, list[float]] = {k: [] for k in ("get", "raw_get", "put", "put_nobudget", "raw_put")}
+        times: dict[str, list[float]] = {k: [] for k in ("get", "raw_get", "get_reader", "raw_get_blocking", "put",
+                                                          "put_nobudget", "raw_put")}
         await raw_put()
         read_hashes = fresh_hashes(len(frames))
         assert await reader.put_blocks(MODEL, read_hashes, frames) == len(frames)
         assert len(await reader.lookup(MODEL, read_hashes)) == len(frames)  # warm up
         await raw_get()
+        assert len(await asyncio.to_thread(reader_get)) == len(frames) == len(await asyncio.to_thread(raw_get_blocking))
         old_unbudgeted: list[BlockHash] = []
         for rep in range(reps):
             gets = [("get", lambda: reader.lookup(MODEL, read_hashes)), ("raw_get", raw_get)]
             for name, call in gets[::1 if rep % 2 else -1]:  # alternate who goes first
                 times[name].append(await timed(call))
+            blocking = [("get_reader", reader_get), ("raw_get_blocking", raw_get_blocking)]
+            for name, fn in blocking[::1 if rep % 2 else -1]:
+                times[name].append(await asyncio.to_thread(timed_blocking, fn))
             await raw.unlink(*raw_keys)  # untimed
             hashes = fresh_hashes(len(frames))
             times["put"].append(await timed(lambda hashes=hashes: budgeted.put_blocks(MODEL, hashes, frames)))
@@ -143,6 +168,7 @@ async def bench_block_size(url: str, payload: bytes, block_bytes: int, reps: int
         n = len(payload)
         return [
             summarize(block_bytes, "get", n, times["get"], times["raw_get"]),
+            summarize(block_bytes, "get_reader", n, times["get_reader"], times["raw_get_blocking"]),
             summarize(block_bytes, "put", n, times["put"], times["raw_put"]),
             summarize(block_bytes, "put_nobudget", n, times["put_nobudget"], times["raw_put"]),
         ]
@@ -152,6 +178,7 @@ async def bench_block_size(url: str, payload: bytes, block_bytes: int, reps: int
             await store.clear_namespace()
             await store.close()
         await raw.aclose()
+        raw_blocking.close()
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -164,6 +191,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"{r['ratio']:>6.2f} {r['paired_ratio']:>6.2f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} "
               f"{r['raw_p50_ms']:>8.1f} {r['raw_p99_ms']:>8.1f}")
     gets = [r for r in rows if r["op"] == "get"]
+    readers = [r for r in rows if r["op"] == "get_reader"]
     puts = {r["block_bytes"]: r for r in rows if r["op"] == "put"}
     free = {r["block_bytes"]: r for r in rows if r["op"] == "put_nobudget"}
     worst_get = min(r["paired_ratio"] for r in gets)
@@ -171,6 +199,12 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     verdict = "met" if worst_get >= TARGET_FETCH_RATIO else "MISSED"
     print(f"\nfetch: kvstash/raw throughput (median of paired reps) >= {worst_get:.3f} at every block size "
           f"(target >= {TARGET_FETCH_RATIO:.2f}) {verdict}")
+    if readers:
+        worst_reader = min(r["paired_ratio"] for r in readers)
+        fastest = max(r["kvstash_mb_s"] / g["kvstash_mb_s"] for r, g in zip(readers, gets, strict=True))
+        print(f"fetch on a lookup's reader thread (blocking client): >= {worst_reader:.3f} of raw blocking redis-py "
+              f"(target >= {TARGET_FETCH_RATIO:.2f}) {'met' if worst_reader >= TARGET_FETCH_RATIO else 'MISSED'}; "
+              f"up to {fastest:.2f}x the event loop's MB/s")
     print(f"budget enforcement costs {max(costs) * 100:.1f}% of put throughput at worst, "
           f"{statistics.median(costs) * 100:.1f}% median (target <= 10%)")
 
