@@ -24,3 +24,14 @@ def test_bench_codec_synthetic_writes_rows(tmp_path: Path, capsys: object) -> No
         assert all(r[field] >= 0 for r in rows.values()), field
     assert rows["exact+none"]["k_rel_err"] == 0.0 and rows["int2+none/g32/plain"]["v_rel_err"] > 0
     assert "SYNTHETIC" in capsys.readouterr().err  # type: ignore[attr-defined]
+
+
+def test_bench_codec_compares_int8_layers(tmp_path: Path) -> None:
+    out = tmp_path / "codec.json"
+    assert main(["bench", "codec", "--synthetic", "--tokens", "40", "--repeat", "1", "--groups", "64",
+                 "--variants", "plain,plain/k8=0.1", "--json", str(out)]) == 0
+    rows = {r["spec"]: r for r in json.loads(out.read_text())["rows"]}
+    mixed, plain = rows["int4+none/g64/plain/k8=0.1"], rows["int4+none/g64/plain"]
+    assert plain["default_variant"] and not mixed["default_variant"]
+    assert mixed["k_rel_err"] < plain["k_rel_err"] and mixed["v_rel_err"] == plain["v_rel_err"]
+    assert plain["frame_bytes"] < mixed["frame_bytes"] < rows["int8+none"]["frame_bytes"]

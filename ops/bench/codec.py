@@ -29,7 +29,7 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--groups", default="32,64", help="int4/int2 group sizes to compare")
     p.add_argument("--variants", default="plain,default,rot",
                    help="int4/int2 options to compare: 'default' (what a bare int4/int2 means), "
-                        "'plain' or option lists such as 'rot/clip' (default %(default)s)")
+                        "'plain' or option lists such as 'rot/clip' or 'plain/k8=0.1' (default %(default)s)")
     p.add_argument("--level", type=int, default=3, help="zstd level")
     p.add_argument("--synthetic", action="store_true", help="skip the model: synthetic KV")
     p.add_argument("--json", type=Path, help="write the rows as JSON to this path")
@@ -79,7 +79,8 @@ def _row(kv: Any, spec: Any, repeat: int) -> dict[str, Any]:
     return {
         "mode": spec.mode, "compressor": spec.compressor, "spec": spec.name(),
         "group_size": spec.group_size if spec.mode in ("int4", "int2") else None,
-        "default_variant": spec.mode in ("int4", "int2") and spec.variant == CodecSpec(spec.mode).variant,
+        "default_variant": spec.mode in ("int4", "int2") and (spec.variant, spec.hi) == (
+            CodecSpec(spec.mode).variant, CodecSpec(spec.mode).hi),
         "frame_bytes": len(frame),
         "ratio_vs_fp16": kv.numel() * 2 / len(frame),
         "encode_mb_s": fp16_mb / _median_s(lambda: codec.encode(kv), repeat),
@@ -136,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
                 suffix = "" if option.strip() == "default" else f"/{option.strip()}"
                 base = CodecSpec.parse(f"{mode}/g{group}{suffix}")
                 specs += [s for c in COMPRESSORS  # int4's default is plain: listed once
-                          if (s := CodecSpec(mode, c, args.level, group, base.variant)) not in specs]
+                          if (s := CodecSpec(mode, c, args.level, group, base.variant, base.hi)) not in specs]
     memcpy_mb_s = kv.numel() * kv.element_size() / 1e6 / _median_s(kv.clone, args.repeat)
     rows = [_row(kv, spec, args.repeat) for spec in specs]
     shuffle_rows = _shuffle_rows(kv, args.level, args.repeat)
