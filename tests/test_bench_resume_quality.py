@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+from ops.bench.resume import _finish, _targets
 from ops.cli import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -27,6 +29,7 @@ def test_bench_resume_tiny_writes_rows_and_plot(tmp_path: Path) -> None:
     int2, int8 = rows[(128, "kvstash-int2")]["bytes"], rows[(128, "kvstash-int8")]["bytes"]
     assert 0 < int2 < int8 < rows[(128, "naive")]["bytes"]
     assert rows[(128, "kvstash-int8")]["ratio_to_floor"] > 0 and rows[(128, "recompute")]["bytes"] == 0
+    assert report["targets"] == {}  # targets are set at 2048 and 8128 tokens only
     assert png.read_bytes()[:8] == PNG_MAGIC
 
 
@@ -66,3 +69,23 @@ def test_bench_quality_tiny_writes_rows_and_plot(tmp_path: Path) -> None:
     assert size["int2"] < size["int8"] < size["exact"]
     assert len(report["windows"]) == 2 * 3 and set(report["targets"]) == {"int8", "int2", "greedy"}
     assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_bench_resume_targets_follow_each_mode_and_engine() -> None:
+    def row(context: int, method: str, ms: float) -> dict[str, Any]:
+        return {"context": context, "method": method, "ttft_ms_p50": ms, "speedup_vs_recompute": None,
+                "ratio_to_floor": None}
+
+    rows = [row(2048, "recompute", 8000.0), row(2048, "kvstash-int8", 110.0), row(2048, "floor-int8", 100.0),
+            row(8128, "kvstash-int4", 130.0), row(8128, "floor-int4", 100.0),
+            row(8128, "kvstash-fp16", 120.0), row(8128, "floor-fp16", 100.0),
+            row(512, "kvstash-int8", 90.0), row(512, "floor-int8", 30.0)]
+    _finish(rows)
+    targets = _targets(rows, "llamacpp")
+    assert set(targets) == {"speedup_int8_2048_llamacpp", "floor_ratio_int8_2048", "floor_ratio_int4_8128",
+                            "floor_ratio_fp16_8128"}
+    assert targets["speedup_int8_2048_llamacpp"] == {"value": 8000 / 110, "target": 50.0, "met": True}
+    met = {name: (round(t["value"], 2), t["target"], t["met"]) for name, t in targets.items() if "floor" in name}
+    assert met == {"floor_ratio_int8_2048": (1.1, 1.15, True), "floor_ratio_int4_8128": (1.3, 1.25, False),
+                   "floor_ratio_fp16_8128": (1.2, 1.15, False)}
+    assert _targets(rows, "hf")["speedup_int8_2048_hf"]["target"] == 20.0

@@ -29,7 +29,13 @@ from ops.bench.common import SAMPLE_TEXT, machine, percentile, plot_lines, print
 CONTEXTS = [256, 512, 1024, 2048, 4096]
 LONG_CONTEXT = 8128  # the largest multiple of 64 whose prompt (+1 token) fits SmolLM2's 8192 context
 SALT = b"bench-resume"
-TARGET_SPEEDUP, TARGET_FLOOR_RATIO, TARGET_CONTEXT, TARGET_MODE = 20.0, 1.5, 2048, "int8"
+TARGET_CONTEXT, TARGET_MODE = 2048, "int8"
+# speedup over recompute at 2048 tokens, int8: the engine the README recommends for the fastest resume
+# (llama.cpp, 50x) and transformers (20x, bounded by its forward step)
+TARGET_SPEEDUP = {"hf": 20.0, "llamacpp": 50.0}
+# a hit within this factor of the floor (a raw GET of the same frames + the step), at 2048 and 8128 tokens
+TARGET_FLOOR_RATIO = {"int8": 1.15, "fp16": 1.15, "int4": 1.25}
+TARGET_FLOOR_CONTEXTS = (TARGET_CONTEXT, LONG_CONTEXT)
 BURST_CONTEXT = 2048
 
 
@@ -313,7 +319,8 @@ class ResumeBench:
             hashes, _ = await self._store_history(pipeline, store, prompt, kv)
             for rep in range(self.args.repeat + 1):
                 marks = [time.perf_counter()]
-                got = await store.lookup(pipeline.model_key, hashes)
+                # as a pod's lookup reads them: on a reader thread, with the blocking client
+                got = (await asyncio.to_thread(store.fetch_blocking, pipeline.model_key, hashes)).value
                 marks.append(time.perf_counter())
                 whole = torch.empty_like(kv[:, :, :, :context])  # [L, 2, H, N, D]
                 marks.append(time.perf_counter())
@@ -350,16 +357,21 @@ def _finish(rows: list[dict[str, Any]]) -> None:
                 r["ratio_to_floor"] = r["ttft_ms_p50"] / floor["ttft_ms_p50"]
 
 
-def _targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def _targets(rows: list[dict[str, Any]], engine: str) -> dict[str, Any]:
+    """The speedup at 2048 tokens (int8) and every measured hit's ratio to its floor, against the targets."""
+    targets: dict[str, Any] = {}
     hit = next((r for r in rows if r["context"] == TARGET_CONTEXT and r["method"] == f"kvstash-{TARGET_MODE}"), None)
-    if hit is None:
-        return {}
-    return {
-        "speedup_int8_2048": {"value": hit["speedup_vs_recompute"], "target": TARGET_SPEEDUP,
-                              "met": (hit["speedup_vs_recompute"] or 0) >= TARGET_SPEEDUP},
-        "floor_ratio_int8_2048": {"value": hit["ratio_to_floor"], "target": TARGET_FLOOR_RATIO,
-                                  "met": (hit["ratio_to_floor"] or 1e9) <= TARGET_FLOOR_RATIO},
-    }
+    if hit is not None and engine in TARGET_SPEEDUP:
+        speedup, least = hit["speedup_vs_recompute"], TARGET_SPEEDUP[engine]
+        targets[f"speedup_int8_2048_{engine}"] = {"value": speedup, "target": least, "met": (speedup or 0) >= least}
+    for r in rows:
+        mode = r["method"].removeprefix("kvstash-")
+        if (r["method"].startswith("kvstash-") and mode in TARGET_FLOOR_RATIO and r["context"] in TARGET_FLOOR_CONTEXTS
+                and r["ratio_to_floor"] is not None):
+            limit = TARGET_FLOOR_RATIO[mode]
+            targets[f"floor_ratio_{mode}_{r['context']}"] = {"value": r["ratio_to_floor"], "target": limit,
+                                                            "met": r["ratio_to_floor"] <= limit}
+    return targets
 
 
 async def _measure(args: argparse.Namespace, url: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -429,7 +441,7 @@ def run(args: argparse.Namespace) -> int:
     if profile:
         print("int8 hit at 2048 tokens, median ms per phase: "
               + ", ".join(f"{k} {v:.1f}" for k, v in profile.items()))
-    targets = _targets(rows)
+    targets = _targets(rows, args.engine)
     for name, t in targets.items():
         print(f"target {name}: {t['value']:.2f} (target {t['target']}) {'met' if t['met'] else 'MISSED'}")
     if args.json:
