@@ -136,25 +136,18 @@ class BlockStore:
     async def fetch(self, model: str, hashes: Sequence[BlockHash]) -> Result[list[bytes]]:
         """`lookup` with what happened: FOUND (some frames), ABSENT (Redis answered: none), UNAVAILABLE."""
         keyed, frames = self._begin_fetch(model, hashes)
-        failed = False
-        if len(frames) < len(keyed):
-            remote = await self._guarded(lambda: self._fetch(keyed, len(frames)), self.settings.op_timeout_s)
-            failed = isinstance(remote, _Failed)
-            if not isinstance(remote, _Failed):
-                frames.extend(remote)
-        return self._end_fetch(keyed, frames, failed)
+        if len(frames) == len(keyed):
+            return self._end_fetch(keyed, frames, [])
+        remote = await self._guarded(lambda: self._fetch(keyed, len(frames)), self.settings.op_timeout_s)
+        return self._end_fetch(keyed, frames, remote)
 
     def fetch_blocking(self, model: str, hashes: Sequence[BlockHash]) -> Result[list[bytes]]:
         """`fetch` for a thread beside the event loop (a lookup's reader): the same commands in one round trip,
         on a blocking client of the same Redis, under the same breaker and counters. Safe on any thread."""
         keyed, frames = self._begin_fetch(model, hashes)
-        failed = False
-        if len(frames) < len(keyed):
-            remote = self._guarded_blocking(lambda: self._fetch_blocking(keyed, len(frames)))
-            failed = isinstance(remote, _Failed)
-            if not isinstance(remote, _Failed):
-                frames.extend(remote)
-        return self._end_fetch(keyed, frames, failed)
+        if len(frames) == len(keyed):
+            return self._end_fetch(keyed, frames, [])
+        return self._end_fetch(keyed, frames, self._guarded_blocking(lambda: self._fetch_blocking(keyed, len(frames))))
 
     def _begin_fetch(self, model: str, hashes: Sequence[BlockHash]) -> tuple[list[tuple[int, str]], list[bytes]]:
         """The keys of `hashes`, and the frames of their longest prefix the local tier holds."""
@@ -173,9 +166,15 @@ class BlockStore:
             self._counters.add("local_hits", len(frames))
         return keyed, frames
 
-    def _end_fetch(self, keyed: list[tuple[int, str]], frames: list[bytes], failed: bool) -> Result[list[bytes]]:
+    def _end_fetch(
+        self, keyed: list[tuple[int, str]], frames: list[bytes], remote: list[bytes] | _Failed,
+    ) -> Result[list[bytes]]:
+        """The local frames followed by those Redis returned (`remote`), counted."""
         if not keyed:
             return Result(Outcome.ABSENT, [])
+        failed = isinstance(remote, _Failed)
+        if not isinstance(remote, _Failed):
+            frames.extend(remote)
         self._count_lookup(len(frames), len(keyed))
         self._counters.add("blocks_read", len(frames))
         self._counters.add("bytes_read", sum(len(f) for f in frames))
