@@ -21,8 +21,12 @@ def test_policy(spec: str, sink: str) -> None:
     assert ("sink=" in codecs.name()) == (codecs.sink is not codecs.main)
 
 
-def test_pod_stores_block_zero_as_int8_and_hits(redis_server: RedisProcess, tiny_model: Any) -> None:
-    with make_client(redis_server, tiny_model, codec="int2", local_tier_bytes=0) as client:
+@pytest.mark.parametrize(("codec", "main"), [("int2", (2, "int2", b"")),
+                                             ("int4+zstd/k8=1/v8=0", (3, "int4", bytes((0x84, 0x48))))])
+def test_pod_stores_block_zero_as_int8_and_hits(redis_server: RedisProcess, tiny_model: Any, codec: str,
+                                                main: tuple[int, str, bytes]) -> None:
+    """The other blocks in the main codec: format 3 frames (int8 layers) included, through the pod's whole path."""
+    with make_client(redis_server, tiny_model, codec=codec, local_tier_bytes=0) as client:
         first = chat(client, HISTORY)
         assert first.status_code == 200
         wait_written(client)
@@ -30,12 +34,13 @@ def test_pod_stores_block_zero_as_int8_and_hits(redis_server: RedisProcess, tiny
         prompt = pipeline.engine.chat_ids(HISTORY)
         hashes = pipeline.hashes(b"default", prompt)
         raw = redis_server.client()
-        modes = []
+        headers = []
         for h in hashes:
             keys = [k for k in raw.scan_iter(match=f"*:blk:*:{h.hex()}*")]
             assert len(keys) == 1
-            modes.append(read_header(raw.get(keys[0])).mode)
-        assert modes[0] == "int8" and set(modes[1:]) == {"int2"}, modes
+            headers.append(read_header(raw.get(keys[0])))
+        assert (headers[0].mode, headers[0].layer_bits) == ("int8", b"")
+        assert {(h.version, h.mode, h.layer_bits) for h in headers[1:]} == {main}, headers
         second = chat(client, HISTORY)
         assert second.headers["x-kv-cache"] == "hit"
         assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(hashes) * 16
