@@ -83,7 +83,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _SPEC = re.compile(r"(?P<mode>[a-z0-9]+)(?:\+(?P<comp>[a-z0-9]+)(?::(?P<level>-?\d+))?)?"
                    r"(?:/g(?P<group>\d+))?(?P<options>(?:/[a-z]+)*)"
-                   r"(?:/k8=(?P<k8>\d+(?:\.\d+)*))?(?:/v8=(?P<v8>\d+(?:\.\d+)*))?")
+                   r"(?:/k8=(?P<k8>\d{1,5}(?:\.\d{1,5})*))?(?:/v8=(?P<v8>\d{1,5}(?:\.\d{1,5})*))?")
 # int4/int2 options as spec text; "rot" is "rotk" and "rotv" together.
 _OPTIONS = {"rot": Variant(True, True), "rotk": Variant(rot_keys=True),
             "rotv": Variant(rot_values=True), "clip": Variant(clip=True), "plain": PLAIN}
@@ -159,7 +159,8 @@ class CodecSpec:
         if self.mode in GROUPED_MODES:
             text += f"/g{self.group_size}" + _options_text(self.variant or PLAIN)
             for name, layers in zip(("k8", "v8"), self.hi, strict=True):
-                text += f"/{name}=" + ".".join(map(str, layers)) if layers else ""
+                if layers:
+                    text += f"/{name}=" + ".".join(map(str, layers))
         return text
 
     @property

@@ -36,7 +36,8 @@ def test_spec_names_the_int8_layers_and_parses_back() -> None:
 
 
 @pytest.mark.parametrize("text", ["int8/k8=1", "int4/k8=1.1", "int4/k8=", "int4/k8=a", "int4/v8=1/k8=2",
-                                  "int4/k8=1/k8=2", "int4/k8=-1", "int4/k8=99999", "fp8/v8=0"])
+                                  "int4/k8=1/k8=2", "int4/k8=-1", "int4/k8=99999", "fp8/v8=0",
+                                  "int4/k8=" + "9" * 5000])
 def test_spec_rejects_bad_layer_lists(text: str) -> None:
     with pytest.raises(ConfigError):
         CodecSpec.parse(text)
