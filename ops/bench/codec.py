@@ -175,10 +175,10 @@ def _print(rows: list[dict[str, Any]], shuffle_rows: list[dict[str, Any]], memcp
     print(f"KV source: {source} ({note}); shape {list(kv.shape)} {kv.dtype}, "
           f"{kv.numel() * 2 / 1e6:.1f} MB as fp16; 1 thread")
     print(f"memcpy: {memcpy_mb_s:,.0f} MB/s")
-    print(f"{'spec':<28}{'ratio':>8}{'enc MB/s':>10}{'dec MB/s':>10}{'K rel err':>11}"
+    print(f"{'spec':<34}{'ratio':>8}{'enc MB/s':>10}{'dec MB/s':>10}{'K rel err':>11}"
           f"{'V rel err':>11}")
     for r in rows:
-        print(f"{r['spec']:<28}{r['ratio_vs_fp16']:>8.2f}{r['encode_mb_s']:>10,.0f}"
+        print(f"{r['spec']:<34}{r['ratio_vs_fp16']:>8.2f}{r['encode_mb_s']:>10,.0f}"
               f"{r['decode_mb_s']:>10,.0f}{r['k_rel_err']:>11.2e}{r['v_rel_err']:>11.2e}")
     print("byte shuffle on the fp16 payload:")
     for s in shuffle_rows:
