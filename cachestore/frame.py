@@ -18,8 +18,8 @@ A frame is a fixed 52-byte little-endian header followed by the payload:
         16    4 kv heads
         20    4 tokens
         24    4 head dim
-        28    8 raw length       payload bytes after decompression
-        36    8 payload length   payload bytes as stored (== frame length - 52)
+        28    8 raw length       payload bytes after decompression (the layer table not included)
+        36    8 payload length   payload bytes as stored (== frame length - 52; the table included)
         44    8 checksum         xxh3_64 of header bytes 0..43 followed by the stored payload
         52    L layer table      version 3 only, stored uncompressed at the start of the payload: one
                                  byte per layer, key bits (low nibble) and value bits (high nibble),
