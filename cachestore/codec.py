@@ -163,6 +163,14 @@ class CodecSpec:
                     text += f"/{name}=" + ".".join(map(str, layers))
         return text
 
+    def check_layers(self, num_layers: int) -> None:
+        """ConfigError unless every /k8= and /v8= layer exists in a model of `num_layers` layers (they are one
+        model's calibration: a pod whose model lacks them would drop every write)."""
+        beyond = [n for n in (*self.hi.keys, *self.hi.values) if n >= num_layers]
+        if beyond:
+            raise ConfigError(f"codec {self.name()} keeps layer {max(beyond)} at int8, but the model has layers "
+                              f"0-{num_layers - 1}: /k8= and /v8= name one model's layers")
+
     @property
     def transform(self) -> int:
         """The frame's transform bits (format versions 2 and 3) for this spec; 0 for none."""

@@ -106,6 +106,7 @@ class Pipeline:
         self.geometry = geo = engine.geometry
         self.store = store if settings.cache_enabled else None
         self.codecs = codec if isinstance(codec, BlockCodecs) else BlockCodecs.for_spec(codec)
+        self.codecs.main.spec.check_layers(geo.num_layers)  # refuse to start rather than drop every write
         self.metrics = metrics
         self.writer = writer
         self.block_tokens = settings.block_tokens

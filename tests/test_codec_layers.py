@@ -167,3 +167,21 @@ def test_a_frame_with_other_int8_layers_is_refused_before_decoding() -> None:
     for codec in (other, Codec("int4/v8=1"), Codec("int4")):
         problem = frame_problem(codec.encode(kv), mine.spec, list(SHAPE), torch.float32)
         assert problem is not None and problem.reason == "codec", codec
+
+
+def test_a_pod_refuses_int8_layers_its_model_lacks_in_one_line() -> None:
+    """/k8= layers are one model's calibration: a pod of a smaller model exits at start-up with one line (it would
+    otherwise drop every write), and the check itself accepts every layer the model has."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    CodecSpec.parse("int4+zstd/k8=0.1").check_layers(2)
+    with pytest.raises(ConfigError, match="layers 0-1"):
+        CodecSpec.parse("int4+zstd/v8=2").check_layers(2)
+    done = subprocess.run([sys.executable, "-m", "ops.cli", "serve", "--model", "tiny-random", "--codec",
+                           "int4+zstd/k8=18.20", "--no-cache", "--port", "1"], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "kvstash: error: codec int4+zstd:3/g64/plain/k8=18.20 keeps layer 20 at int8, but the model has layers "
+        "0-1: /k8= and /v8= name one model's layers")
