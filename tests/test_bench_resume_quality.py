@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ops.bench.common import pareto_frontier
 from ops.bench.resume import _finish, _targets
 from ops.cli import main
 
@@ -89,3 +90,10 @@ def test_bench_resume_targets_follow_each_mode_and_engine() -> None:
     assert met == {"floor_ratio_int8_2048": (1.1, 1.15, True), "floor_ratio_int4_8128": (1.3, 1.25, False),
                    "floor_ratio_fp16_8128": (1.2, 1.15, False)}
     assert _targets(rows, "hf")["speedup_int8_2048_hf"]["target"] == 20.0
+
+
+def test_the_pareto_frontier_keeps_what_nothing_smaller_beats() -> None:
+    points = {"exact": (46_081, 0.0), "fp16": (23_041, 0.002), "int8": (11_881, -0.017), "int4": (6_284, 0.092),
+              "int4/rot": (6_306, 0.748), "int4/k8": (6_507, 0.227), "int2": (3_790, -1.364),
+              "int2/plain": (3_860, 7.7)}
+    assert pareto_frontier(points) == ["int2", "int4", "int8", "fp16", "exact"]

@@ -80,7 +80,8 @@ def _save(fig: Any, path: Path | str) -> None:
     """Legend, layout, write the figure as PNG (creating parent folders) and free it."""
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    fig.axes[0].legend()
+    if fig.axes[0].get_legend() is None:
+        fig.axes[0].legend()
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -108,6 +109,48 @@ def plot_lines(path: Path | str, series: dict[str, tuple[Sequence[float], Sequen
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.3)
+    _save(fig, path)
+
+
+def pareto_frontier(points: dict[str, tuple[float, float]]) -> list[str]:
+    """The labels of {label: (size, loss)} that no smaller point beats on |loss|, smallest first."""
+    frontier, best = [], float("inf")
+    for label, (_, y) in sorted(points.items(), key=lambda kv: (kv[1][0], abs(kv[1][1]))):
+        if abs(y) < best:
+            frontier.append(label)
+            best = abs(y)
+    return frontier
+
+
+def plot_pareto(path: Path | str, points: dict[str, tuple[float, float]], *, title: str, xlabel: str,
+                ylabel: str) -> None:
+    """A PNG scatter of {label: (size, loss)}, each point named, the frontier (no other point both smaller and
+    closer to 0) joined by a line; x log2, y symmetric-log so losses of 0.1% and 10% both read."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(12, 6), dpi=100)
+    items = sorted(points.items(), key=lambda kv: (kv[1][0], abs(kv[1][1])))
+    best = pareto_frontier(points)
+    frontier = [points[label] for label in best]
+    for i, (label, (x, y)) in enumerate(items, 1):  # numbered at the point, named in the legend
+        on = label in best
+        ax.scatter([x], [y], s=40, color="tab:red" if on else "tab:blue", zorder=3,
+                   label=f"{i}: {label} ({y:+.2f}%)")
+        ax.annotate(str(i), (x, y), xytext=(-4 + 8 * (i % 3), 6 if i % 2 else -12), textcoords="offset points",
+                    fontsize=8)
+    fx, fy = zip(*sorted(frontier), strict=True)
+    ax.plot(fx, fy, color="tab:red", alpha=0.5, label="red, joined: nothing smaller loses less")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("symlog", linthresh=0.1)
+    ax.axhline(0, color="gray", lw=0.8)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, borderaxespad=0)
     _save(fig, path)
 
 
