@@ -434,8 +434,11 @@ class Pipeline:
     ) -> Generation:
         loop = asyncio.get_running_loop()
         early = self._early_writer(loop, prompt_ids, view)
+        # the blocks this hit read are in Redis: the write-back needs the KV from the first block after them (the
+        # sticky baseline keeps the whole sequence in memory)
+        keep_from = 0 if self.memory is not None else view.hit_blocks * self.block_tokens
         work = loop.run_in_executor(self._executor, self.engine.generate, prompt_ids, view.kv, params, on_text,
-                                    early, view.ready)
+                                    early, view.ready, keep_from)
         if view.buffer is not None:  # back to the pool once the inference and the rehydration threads are done
             buffer, view.buffer = view.buffer, None  # with it, even if this request is cancelled meanwhile
             rehydrating = view.rehydrating
@@ -522,6 +525,7 @@ class Pipeline:
             kv=gen.kv,
             first_block=first,
             block_tokens=b,
+            kv_from=gen.kv_from,
             session=session,
             session_expected_version=expected_version,
             session_tail_from=full * b,

@@ -172,7 +172,7 @@ async def add_messages(request: Request) -> Response:
         updated = pipeline.session_record(tenant.name, session_id, [*kept, reply], gen, record)
         assert pipeline.writer is not None
         full = (len(gen.seq_ids) // pipeline.block_tokens) * pipeline.block_tokens
-        written = await pipeline.writer.write_session(updated, gen.kv, full, record.version)
+        written = await pipeline.writer.write_session(updated, gen.kv, full, record.version, gen.kv_from)
         if written.outcome is Outcome.CONFLICT:
             return (f"session {session_id!r} was changed by another request while this reply was generated; "
                     "the reply was not recorded, read the session and retry")

@@ -35,9 +35,9 @@ class WriteJob:
     kv_from: int = 0
     session: SessionRecord | None = None  # written after the blocks; `partial` filled in here
     session_expected_version: int | None = None
-    session_tail_from: int = 0  # tokens of kv from here on form the session's partial block
+    session_tail_from: int = 0  # the sequence's tokens from here on form the session's partial block
     tail_key: tuple[int, str] | None = None  # where the tokens after the last full block go (KeySpace.tail)
-    tail_tokens: list[int] = field(default_factory=list)  # those tokens: kv[..., tail_from:]
+    tail_tokens: list[int] = field(default_factory=list)  # those tokens: the sequence's from tail_from on
     tail_from: int = 0
     reply: tuple[tuple[int, str], bytes] | None = None  # (KeySpace.reply_ids key, tails.pack_ids value)
     written: asyncio.Future[bool] | None = field(default=None, repr=False)
@@ -119,7 +119,8 @@ class BackgroundWriter:
         tail = None
         if job.tail_key is not None and job.tail_tokens:
             n = len(job.tail_tokens)
-            frame = self._codecs.at(job.tail_from // b).encode(job.kv[:, :, :, job.tail_from:job.tail_from + n])
+            start = job.tail_from - job.kv_from
+            frame = self._codecs.at(job.tail_from // b).encode(job.kv[:, :, :, start:start + n])
             tail = pack_tail(job.tail_tokens, frame)
         return frames, tail
 
@@ -145,17 +146,19 @@ class BackgroundWriter:
         self._metrics.redis_seconds.labels("put").observe(time.perf_counter() - t0)
         if job.session is not None:
             stored = await self.write_session(job.session, job.kv, job.session_tail_from,
-                                              job.session_expected_version)
+                                              job.session_expected_version, job.kv_from)
             ok = ok and stored.outcome is Outcome.STORED
         return ok
 
     async def write_session(
-        self, record: SessionRecord, kv: torch.Tensor | None, tail_from: int, expected_version: int | None
+        self, record: SessionRecord, kv: torch.Tensor | None, tail_from: int, expected_version: int | None,
+        kv_from: int = 0,
     ) -> Result[SessionRecord | None]:
-        """Encode the tail of `kv` into the record and compare-and-set it: STORED, CONFLICT or UNAVAILABLE."""
-        if kv is not None and kv.shape[3] > tail_from:
+        """Encode the sequence's tokens from `tail_from` on (`kv` holds them from token `kv_from`) into the record
+        and compare-and-set it: STORED, CONFLICT or UNAVAILABLE."""
+        if kv is not None and kv_from + kv.shape[3] > tail_from:
             codec = self._codecs.at(0 if tail_from == 0 else 1)  # a tail from token 0 is block 0
-            record.partial = await asyncio.to_thread(codec.encode, kv[:, :, :, tail_from:])
+            record.partial = await asyncio.to_thread(codec.encode, kv[:, :, :, tail_from - kv_from:])
         else:
             record.partial = b""
         t0 = time.perf_counter()

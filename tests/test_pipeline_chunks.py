@@ -6,6 +6,7 @@ import torch
 
 from cachestore.codec import Codec
 from cachestore.store import BlockStore
+from cachestore.tails import unpack_tail
 from ops.redisproc import RedisProcess
 from service import pipeline as pipeline_module
 from service.app import store_settings
@@ -14,6 +15,7 @@ from service.engines.hf import HfEngine
 from service.metrics import PodMetrics
 from service.pipeline import Pipeline
 from service.settings import PodSettings
+from service.writer import BackgroundWriter
 
 SALT = b"chunks"
 
@@ -56,6 +58,53 @@ async def test_chunked_lookup_rebuilds_the_context_and_stops_at_a_corrupt_block(
         plain = runner.generate(prompt, None, GenParams(max_tokens=3))
         assert gen.cached_tokens == 17 * b and gen.token_ids == plain.token_ids
     finally:
+        await store.clear_namespace()
+        await store.close()
+        pipe.close()
+
+
+async def test_a_hit_writes_back_the_blocks_after_it_and_its_tail_from_the_kv_it_copied_out(
+    redis_server: RedisProcess, tiny_model: object
+) -> None:
+    """A hit copies out only the KV after the blocks it read (keep_from); what the write-back stores from it, the
+    new blocks and the tail, is the sequence's own KV at the right positions."""
+    b = 4
+    settings = PodSettings(redis_url=redis_server.url, namespace="wb", codec="exact", block_tokens=b,
+                           local_tier_bytes=0)
+    store = BlockStore(store_settings(settings))
+    runner = HfEngine(tiny_model)  # type: ignore[arg-type]
+    metrics = PodMetrics()
+    writer = BackgroundWriter(store, Codec("exact"), metrics, 8)
+    writer.start()
+    pipe = Pipeline(settings, runner, store, Codec("exact"), metrics, writer)
+    try:
+        prompt = list(range(300, 300 + 9 * b + 3))  # 9 full blocks and 2 more tokens usable
+        truth = runner.generate(prompt, None, GenParams(max_tokens=4))  # the whole sequence's KV, from scratch
+        hashes = pipe.hashes(SALT, prompt[:-1])
+        frames = [Codec("exact").encode(truth.kv[:, :, :, i * b:(i + 1) * b]) for i in range(5)]
+        assert await store.put_blocks(pipe.model_key, hashes[:5], frames) == 5  # another pod wrote 5 blocks
+
+        view, _ = await pipe.lookup(SALT, prompt)
+        assert view.hit_blocks == 5
+        gen = await pipe.generate(prompt, view, GenParams(max_tokens=4))
+        assert gen.token_ids == truth.token_ids and gen.kv_from == 5 * b
+        assert await pipe.settle(pipe.write_back(SALT, gen, view), view)
+
+        seq = gen.seq_ids
+        full = len(seq) // b
+        stored = await store.lookup(pipe.model_key, pipe.hashes(SALT, seq))
+        assert len(stored) == full
+        for i in range(5, full):
+            torch.testing.assert_close(Codec("exact").decode(stored[i]), truth.kv[:, :, :, i * b:(i + 1) * b],
+                                       rtol=1e-4, atol=1e-4)
+        tail = (await store.get_entries([store.keys.tail(pipe.model_key, pipe.hashes(SALT, seq)[-1])]))[0]
+        assert tail is not None
+        ids, frame = unpack_tail(tail)
+        assert ids == seq[full * b:]
+        torch.testing.assert_close(Codec("exact").decode(frame), truth.kv[:, :, :, full * b:len(seq)],
+                                   rtol=1e-4, atol=1e-4)
+    finally:
+        await writer.stop()
         await store.clear_namespace()
         await store.close()
         pipe.close()

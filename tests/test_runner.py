@@ -58,6 +58,19 @@ def test_generation_reports_its_kv(runner: ModelRunner, prompt: list[int]) -> No
     gen.kv.mul_(1.0)  # a normal tensor: in-place codec ops work outside inference mode
 
 
+@pytest.mark.parametrize("keep_from", [BLOCK, 2 * BLOCK, 10_000])
+def test_a_hit_copies_out_only_the_kv_its_write_back_needs(runner: ModelRunner, prompt: list[int],
+                                                           keep_from: int) -> None:
+    """keep_from: the blocks a hit read need no write-back, so their KV is not copied out (kv_from says where the
+    returned KV starts); the tokens and the rest of the KV are those of a whole copy."""
+    whole = runner.generate(prompt, _prefix_kv(runner, prompt)[:, :, :, :2 * BLOCK], GREEDY)
+    part = runner.generate(prompt, _prefix_kv(runner, prompt)[:, :, :, :2 * BLOCK], GREEDY, keep_from=keep_from)
+    start = min(keep_from, len(part.seq_ids))
+    assert part.token_ids == whole.token_ids and part.kv_from == start and whole.kv_from == 0
+    assert part.kv.shape[3] == len(part.seq_ids) - start and part.kv.is_contiguous()
+    torch.testing.assert_close(part.kv, whole.kv[:, :, :, start:], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("cached", [0, 1, BLOCK, 2 * BLOCK, -1, None])
 def test_cache_hit_is_token_identical(runner: ModelRunner, prompt: list[int], cached: int | None) -> None:
     n = len(prompt) if cached is None else (len(prompt) - 1 if cached == -1 else cached)

@@ -88,9 +88,12 @@ class Engine(Protocol):
         on_text: Callable[[str], None] | None = None,
         on_prefill: PrefillHook | None = None,
         kv_ready: LayerGate | None = None,
+        keep_from: int = 0,
     ) -> Generation:
         """Generate after `prompt_ids`, reusing `cached_kv` [layers, 2, kv_heads, n, head_dim] for
-        prompt_ids[:n]; returns the reply and the KV of the whole fed sequence. Blocks until done.
+        prompt_ids[:n]; returns the reply and the KV of the whole fed sequence, or of its tokens from
+        `keep_from` on if the engine can copy out less (then `Generation.kv_from` says so: a hit's cached
+        blocks need no write-back, so their copy is skipped). Blocks until done.
         `on_prefill` is called once, after the first token, with a function that copies out the KV of
         prompt tokens [start, end) (so their blocks can be written while the reply is generated).
         `kv_ready`, when given, says which layers of `cached_kv` are in place yet: a `layerwise` engine

@@ -45,8 +45,9 @@ class Generation:
     ttft_s: float
     total_s: float
     seq_ids: list[int]
-    kv: torch.Tensor  # [layers, 2, kv_heads, len(seq_ids), head_dim] on CPU
+    kv: torch.Tensor  # [layers, 2, kv_heads, len(seq_ids) - kv_from, head_dim] on CPU: seq_ids[kv_from:]'s KV
     reply_ids: list[int] | None = None  # ids that decode to exactly `text` (no end-of-turn token); None if cut
+    kv_from: int = 0  # the first token `kv` holds (the caller said it needs none before: `keep_from`)
 
 
 def reply_ids(generated: list[int], ended_by_token: bool, cut_by_stop: bool) -> list[int] | None:

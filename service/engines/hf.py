@@ -54,8 +54,9 @@ class HfEngine:
         on_text: Callable[[str], None] | None = None,
         on_prefill: PrefillHook | None = None,
         kv_ready: LayerGate | None = None,
+        keep_from: int = 0,
     ) -> Generation:
-        return self.runner.generate(prompt_ids, cached_kv, params, on_text, on_prefill, kv_ready)
+        return self.runner.generate(prompt_ids, cached_kv, params, on_text, on_prefill, kv_ready, keep_from)
 
     def close(self) -> None:
         pass

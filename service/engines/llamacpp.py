@@ -299,6 +299,7 @@ class LlamaCppEngine:
         on_text: Callable[[str], None] | None = None,
         on_prefill: PrefillHook | None = None,
         kv_ready: LayerGate | None = None,
+        keep_from: int = 0,  # the whole sequence's KV is returned (kv_from 0): parsing the state is one copy anyway
     ) -> Generation:
         prompt = [int(i) for i in prompt_ids]
         limit = self.geometry.max_context

@@ -345,6 +345,7 @@ class LlamaServerEngine:
         on_text: Callable[[str], None] | None = None,
         on_prefill: PrefillHook | None = None,
         kv_ready: LayerGate | None = None,
+        keep_from: int = 0,  # the whole sequence's KV is returned (kv_from 0): parsing the state is one copy anyway
     ) -> Generation:
         """`on_prefill` is never called: llama-server hands a slot's KV out only once the slot is idle, so
         the prompt's blocks are written with the reply's, after the last token."""
