@@ -73,7 +73,6 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn  # noqa: PLC0415
 
     from cachestore.codec import CodecSpec  # noqa: PLC0415
-    from cachestore.errors import ConfigError  # noqa: PLC0415
     from cachestore.redisclient import check_connection  # noqa: PLC0415
     from cachestore.settings import StoreSettings  # noqa: PLC0415
     from service import threads  # noqa: PLC0415
@@ -98,10 +97,6 @@ def run(args: argparse.Namespace) -> int:
         threads=settings.threads).result()
     try:
         CodecSpec.parse(settings.codec).check_layers(engine.geometry.num_layers)
-    except ConfigError:
-        engine.close()
-        raise
-    try:
         uvicorn.run(create_app(settings, engine), host=settings.host, port=settings.port,
                     log_level=args.log_level, timeout_graceful_shutdown=15)
     finally:
