@@ -60,7 +60,7 @@ _KNOWN_FLAGS = FLAG_SHUFFLE
 ROT_KEYS, ROT_VALUES, LAYER_TABLE = 1, 2, 4
 _KNOWN_TRANSFORMS = ROT_KEYS | ROT_VALUES | LAYER_TABLE
 HI_BITS = 8  # the precision a layer table may raise a layer's keys or values to
-_MODE_BITS = {"int4": 4, "int2": 2}
+MODE_BITS = {"int4": 4, "int2": 2}  # bits per code of the grouped modes
 
 MIN_GROUP, MAX_GROUP = 4, 1024
 MAX_DIM = 1 << 16  # layers, kv heads and head dim each stay below this
@@ -190,11 +190,11 @@ def _layer_table(buf: bytes | memoryview, mode: str, layers: int, payload_len: i
     if payload_len < layers or len(buf) < HEADER_SIZE + layers:
         raise CodecError(f"truncated frame: the layer table needs {layers} bytes after the header")
     table = bytes(buf[HEADER_SIZE:HEADER_SIZE + layers])
-    allowed = {_MODE_BITS[mode], HI_BITS}
+    allowed = {MODE_BITS[mode], HI_BITS}
     for layer, entry in enumerate(table):
         if entry & 0xF not in allowed or entry >> 4 not in allowed:
             raise CodecError(f"layer table: layer {layer} has key/value bits {entry & 0xF}/{entry >> 4}, "
-                             f"{mode} frames allow {_MODE_BITS[mode]} or {HI_BITS}")
-    if all(entry == _MODE_BITS[mode] * 0x11 for entry in table):
+                             f"{mode} frames allow {MODE_BITS[mode]} or {HI_BITS}")
+    if all(entry == MODE_BITS[mode] * 0x11 for entry in table):
         raise CodecError("inconsistent frame: a layer table that raises no layer")
     return table

@@ -27,11 +27,11 @@ from typing import NamedTuple
 import torch
 
 from cachestore.errors import CodecError
+from cachestore.frame import MODE_BITS as BITS
 
 F16 = torch.float16
 FP8 = getattr(torch, "float8_e4m3fn", None)
 FP8_MAX = 448.0
-BITS = {"int4": 4, "int2": 2}
 
 Section = tuple[torch.dtype, tuple[int, ...]]
 _LITTLE_ENDIAN = sys.byteorder == "little"
@@ -56,7 +56,6 @@ class HiLayers(NamedTuple):
 
 
 NO_HI = HiLayers()
-HI_BITS = 8
 # Range fractions the encoder tries per group with `clip` (the first is no clipping): for few
 # levels a group's extremes waste most of the steps, for many levels clipping buys little.
 CLIP_RATIOS = {2: (1.0, 0.9, 0.8, 0.7, 0.6, 0.5), 4: (1.0, 0.95, 0.9, 0.85, 0.8)}
@@ -131,13 +130,18 @@ def _mixed_layout(mode: str, dims: Dims, group: int, hi_counts: tuple[int, int])
             (torch.int8, (nk_hi, h, t, d)), (torch.int8, (nv_hi, h, t, d))]
 
 
+def _codes_per_layer(dims: Dims, group: int) -> tuple[int, int]:
+    """How many key codes and value codes one layer of a grouped frame holds (padded groups included)."""
+    gk, nk, gv, nv = groups(dims, group)
+    return dims.heads * nk * gk * dims.head_dim, dims.heads * dims.tokens * nv * gv
+
+
 def _layer_code_bytes(mode: str, dims: Dims, group: int) -> tuple[int, int]:
     """Bytes of one layer's packed key codes and value codes in a frame with int8 layers (each layer
     padded to a whole byte)."""
-    gk, nk, gv, nv = groups(dims, group)
+    keys, values = _codes_per_layer(dims, group)
     per_byte = 8 // BITS[mode]
-    return (_ceil_div(dims.heads * nk * gk * dims.head_dim, per_byte),
-            _ceil_div(dims.heads * dims.tokens * nv * gv, per_byte))
+    return _ceil_div(keys, per_byte), _ceil_div(values, per_byte)
 
 
 def codes_split_by_layer(mode: str, dims: Dims, group: int) -> bool:
@@ -145,10 +149,8 @@ def codes_split_by_layer(mode: str, dims: Dims, group: int) -> bool:
     then a frame's layers can be dequantized separately."""
     if mode not in BITS:
         return True
-    gk, nk, gv, nv = groups(dims, group)
     per_byte = 8 // BITS[mode]
-    keys, values = dims.heads * nk * gk * dims.head_dim, dims.heads * dims.tokens * nv * gv  # codes per layer
-    return keys % per_byte == 0 and values % per_byte == 0
+    return all(n % per_byte == 0 for n in _codes_per_layer(dims, group))
 
 
 def _outward(x: torch.Tensor, up: bool) -> torch.Tensor:
