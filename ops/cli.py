@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 # Modules of the top-level commands; bench commands live under `bench`.
 COMMANDS = ["ops.serve_cmd", "ops.sidecar_cmd", "ops.demo", "ops.admin"]
+# the commands that run a model in this process: their malloc is tuned for it (service/malloc.py)
+MODEL_COMMANDS = {"serve", "sidecar", "bench"}
 BENCHES = [
     "ops.bench.codec",
     "ops.bench.store",
@@ -48,6 +50,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if args.command in MODEL_COMMANDS:
+            from service import malloc, settings  # noqa: PLC0415
+
+            malloc.tune(settings.malloc_arenas())  # before any thread allocates
         return int(args.func(args) or 0)
     except KvstashError as exc:
         print(f"kvstash: error: {exc}", file=sys.stderr)

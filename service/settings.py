@@ -135,6 +135,25 @@ def configured_redis_url(environ: Mapping[str, str] | None = None) -> str | None
     return env.get("KVSTASH_REDIS_URL") or None
 
 
+MALLOC_ARENAS = 1  # service/malloc.py: one glibc arena, memory kept mapped between hits
+
+
+def malloc_arenas(environ: Mapping[str, str] | None = None) -> int:
+    """KVSTASH_MALLOC_ARENAS: glibc malloc arenas of a kvstash process (service/malloc.py); 0 leaves glibc's
+    defaults. Read by the command line before anything else runs, so not a PodSettings field."""
+    env = os.environ if environ is None else environ
+    raw = env.get("KVSTASH_MALLOC_ARENAS", "")
+    if raw == "":
+        return MALLOC_ARENAS
+    try:
+        value = int(raw)
+    except ValueError as exc:
+        raise ConfigError(f"KVSTASH_MALLOC_ARENAS must be an int, got {raw!r}") from exc
+    if value < 0:
+        raise ConfigError(f"KVSTASH_MALLOC_ARENAS must be 0 (glibc's defaults) or more, got {value}")
+    return value
+
+
 def settings_from_env(environ: Mapping[str, str] | None = None) -> PodSettings:
     """Build settings from KVSTASH_* variables (e.g. KVSTASH_REDIS_URL, KVSTASH_CODEC)."""
     env = os.environ if environ is None else environ
