@@ -353,23 +353,26 @@ class Pipeline:
         return (await self.store.get_entries([self.store.keys.tail(self.model_key, parent)]))[0]
 
     def _apply_tail(self, value: bytes, out: torch.Tensor, start: int, prompt_ids: list[int], usable: int) -> int:
-        """Decode a tail into out[..., start:start + n] if every one of its n tokens is the prompt's at those
-        positions; returns n, or 0 when the tail is foreign, forged, corrupt or does not continue the prompt."""
+        """Decode a tail of n tokens and place the KV of its first m in out[..., start:start + m], m being as many
+        as the prompt continues (a token's KV depends only on the tokens up to it: the same prompt sent again
+        reuses the tail its last request left, reply tokens and all, up to the prompt's end; an edited last
+        message, up to the edit); returns m, or 0 when the tail is foreign, forged, corrupt or shares nothing."""
         try:
             tokens, frame = unpack_tail(value)
         except CodecError as exc:
             self._reject(Rejection("corrupt", f"tail: {exc}"))
             return 0
         n = len(tokens)
-        if n >= self.block_tokens or start + n > usable or tokens != prompt_ids[start:start + n]:
+        take = common_prefix(tokens, prompt_ids[start:usable]) if n < self.block_tokens else 0
+        if take == 0:
             self.metrics.tail_lookups.labels("mismatch").inc()
             return 0
         kv = self._decode(frame, n, start // self.block_tokens)  # [L, 2, H, n, D]
         if kv is None:
             return 0
-        out[:, :, :, start:start + n] = kv
+        out[:, :, :, start:start + take] = kv[:, :, :, :take]
         self.metrics.tail_lookups.labels("used").inc()
-        return n
+        return take
 
     def _decode(self, frame: bytes, tokens: int | None, block_index: int) -> torch.Tensor | None:
         expected = list(self._block_shape)

@@ -13,7 +13,8 @@ from cachestore.errors import CodecError
 from cachestore.hashing import BlockHash
 from cachestore.tails import pack_ids, pack_tail, reply_digest, unpack_ids, unpack_tail
 from ops.redisproc import RedisProcess
-from tests.test_service_api import chat, make_client
+from tests.faultkit import metric
+from tests.test_service_api import chat, make_client, wait_written
 
 HISTORY = [{"role": "system", "content": "You answer briefly. " * 3}, {"role": "user", "content": "Hello there!"}]
 
@@ -127,3 +128,31 @@ def test_a_reply_ends_only_once_its_writes_are_in_redis(redis_server: RedisProce
             pause.join()
         assert first.status_code == 200
         assert tails and ids, "the reply ended before its tail and reply ids were in Redis"
+
+
+def _complete(c: Any, ids: list[int]) -> Any:
+    body = {"model": "tiny-random", "prompt": ids, "max_tokens": 1, "temperature": 0}
+    got = c.post("/v1/completions", json=body)
+    assert got.status_code == 200, got.text
+    return got.json()
+
+
+def test_a_tail_is_reused_as_far_as_the_prompt_continues_it(redis_server: RedisProcess, tiny_model: Any) -> None:
+    """The same prompt again reuses every token its last request computed (the tail holds one past the prompt's
+    usable end); a prompt that departs inside the tail reuses the tail up to the departure."""
+    prompt = list(range(100, 140))  # 40 ids, 16-token blocks: 2 full blocks, a tail of 8 (39 usable)
+    with make_client(redis_server, tiny_model) as c:
+        assert _complete(c, prompt)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        wait_written(c)
+        again = _complete(c, prompt)
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 39  # was 32: whole blocks only
+        edited = prompt[:36] + [7, 8, 9, 10]
+        reused = _complete(c, edited)
+        assert reused["usage"]["prompt_tokens_details"]["cached_tokens"] == 36
+        apart = prompt[:32] + [1, 2, 3, 4, 5, 6, 7, 8]  # departs at the tail's first token: whole blocks only
+        assert _complete(c, apart)["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+        assert metric(c, "kvstash_tail_lookups_total", 'result="used"') == 2
+        assert metric(c, "kvstash_tail_lookups_total", 'result="mismatch"') == 1
+    with make_client(redis_server, tiny_model, cache_enabled=False) as plain:  # the same reply as recomputing
+        assert _complete(plain, edited)["choices"][0]["text"] == reused["choices"][0]["text"]
+        assert _complete(plain, prompt)["choices"][0]["text"] == again["choices"][0]["text"]
