@@ -390,8 +390,8 @@ def _check_input(kv: torch.Tensor) -> tuple[Dims, torch.dtype]:
 def _borrow(payload: memoryview, raw_len: int) -> torch.Tensor:
     """A uint8 tensor over the caller's (possibly read-only) bytes, without a copy.
 
-    Only for quantized modes: dequantizing reads these sections once and writes new
-    tensors, so nothing returned aliases the frame and nothing writes to it.
+    Nothing writes to it: dequantizing reads these sections once and writes new tensors, and a
+    float frame decoded without an output is copied out of it (`OpenFrame.decode_into`).
     """
     if len(payload) != raw_len:
         raise CodecError(f"payload is {len(payload)} bytes, header says {raw_len}")
@@ -408,7 +408,8 @@ def _decode(view: memoryview, device: torch.device | str | None,
 def _open(view: memoryview, device: torch.device | str | None, max_elements: int) -> OpenFrame:
     header = verify_frame(view, max_elements=max_elements)
     payload = view[HEADER_SIZE + header.table_len:]
-    if header.compressor == "none" and header.mode not in FLOAT_MODES:
+    borrowed = header.compressor == "none"
+    if borrowed:  # read in place: an fp16 context of 2048 SmolLM2 tokens would be a 47 MB copy
         buf = _borrow(payload, header.raw_len)
     else:
         raw = decompress(payload, header.compressor, header.raw_len)
@@ -421,7 +422,7 @@ def _open(view: memoryview, device: torch.device | str | None, max_elements: int
     offsets, _ = _offsets(sections)
     parts = [buf[start:start + _nbytes(sec_dtype, shape)].view(sec_dtype).view(shape).to(target)
              for (sec_dtype, shape), start in zip(sections, offsets, strict=True)]
-    return OpenFrame(header, parts)
+    return OpenFrame(header, parts, borrowed and target.type == "cpu")  # .to(cpu) is the same tensor
 
 
 @dataclass(frozen=True)
@@ -431,6 +432,7 @@ class OpenFrame:
 
     header: FrameHeader
     parts: list[torch.Tensor]  # the payload sections of quant.layout, layers first
+    borrowed: bool = False  # the parts are the caller's (read-only) frame bytes: never handed out as they are
 
     @property
     def splits_by_layer(self) -> bool:
@@ -452,6 +454,8 @@ class OpenFrame:
         if out is not None and (list(out.shape) != shape or not out.dtype.is_floating_point):
             raise CodecError(f"frame holds {shape}, the output is {list(out.shape)} {out.dtype}")
         variant = Variant(rot_keys=bool(h.transform & ROT_KEYS), rot_values=bool(h.transform & ROT_VALUES))
+        if out is None and self.borrowed and h.mode in FLOAT_MODES:  # else the result would alias the frame
+            out = torch.empty(shape, dtype=_DTYPES[h.dtype], device=self.parts[0].device)
         if h.layer_bits:
             if out is None:
                 out = torch.empty(shape, dtype=_DTYPES[h.dtype], device=self.parts[0].device)
