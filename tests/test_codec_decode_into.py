@@ -57,3 +57,16 @@ def test_a_stored_frame_is_read_in_place_not_copied_first(spec: str) -> None:
     assert not start <= alone.data_ptr() < start + len(frame)
     alone.fill_(3.0)
     assert torch.equal(Codec(spec).decode(frame).float(), out)
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4+zstd/k8=0.2"])
+def test_an_fp16_context_gets_the_fp32_values_rounded_once(spec: str) -> None:
+    """int8 codes times their fp16 scale are exact in fp32; an fp16 output (llama.cpp's context) holds exactly those
+    products rounded to fp16, whichever route the decode takes."""
+    kv = torch.randn(3, 2, 2, 64, 32, generator=torch.Generator().manual_seed(4)) * 5
+    frame = Codec(spec).encode(kv)
+    wide = torch.empty(3, 2, 2, 64, 32)
+    half = torch.empty(3, 2, 2, 64, 32, dtype=torch.float16)
+    Codec(spec).decode_into(frame, wide)
+    Codec(spec).decode_into(frame, half)
+    assert torch.equal(half, wide.half())
