@@ -318,7 +318,7 @@ class ResumeBench:
                 # as a pod's lookup reads them: on a reader thread, with the blocking client
                 got = (await asyncio.to_thread(store.fetch_blocking, pipeline.model_key, hashes)).value
                 marks.append(time.perf_counter())
-                whole = pooled[:, :, :, :context]  # [L, 2, H, N, D] of a buffer with room to grow, as a pod's
+                whole = pooled[:, :, :, :context]  # [L, 2, H, N, D], a view of a buffer with room to grow
                 marks.append(time.perf_counter())
                 for i, frame in enumerate(got):
                     codec.decode_into(frame, whole[:, :, :, i * b:(i + 1) * b])
