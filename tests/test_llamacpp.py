@@ -92,6 +92,20 @@ def test_a_hit_is_token_identical_to_a_full_prefill(engine: LlamaCppEngine) -> N
     assert again.token_ids == engine.generate(follow, None, GREEDY).token_ids
 
 
+def test_a_hit_returns_only_the_kv_its_write_back_needs(engine: LlamaCppEngine) -> None:
+    """keep_from: the KV from that token on, the same values as the whole sequence's, and kv_from says where it
+    starts (a hit of 2048 tokens no longer parses 47 MB of state it already has in Redis)."""
+    prompt = _prompt(engine, QUESTIONS[1])
+    full = engine.generate(prompt, None, GREEDY)
+    assert full.kv_from == 0
+    for keep in (16, len(prompt) - 1, len(full.seq_ids), len(full.seq_ids) + 5):
+        hit = engine.generate(prompt, full.kv[:, :, :, :16], GREEDY, keep_from=keep)
+        start = min(keep, len(full.seq_ids))
+        assert hit.token_ids == full.token_ids and hit.kv_from == start, keep
+        assert hit.kv.shape[3] == len(hit.seq_ids) - start
+        assert torch.equal(hit.kv, full.kv[:, :, :, start:]), keep
+
+
 def test_concurrent_requests_decode_together_with_the_same_replies(engine: LlamaCppEngine) -> None:
     prompts = [_prompt(engine, q) for q in QUESTIONS]  # 5 requests, 4 sequences: one waits for a free one
     alone = [engine.generate(p, None, GREEDY).token_ids for p in prompts]

@@ -56,6 +56,20 @@ def test_cells_out_of_order_are_sorted_by_position() -> None:
     assert torch.equal(parse_state(blob, StateGeometry(2, 2, 3, True)), want)
 
 
+@pytest.mark.parametrize("positions", [[0, 1, 2, 3, 4], [3, 0, 4, 2, 1]])
+@pytest.mark.parametrize("v_trans", [True, False])
+def test_a_range_of_positions_is_parsed_alone(positions: list[int], v_trans: bool) -> None:
+    """What a hit's write-back needs (the tokens after the blocks it read) comes out without the rest, by position
+    whatever the order of the cells; the whole state is still checked."""
+    blob, want = _golden(v_trans, positions)
+    geo = StateGeometry(2, 2, 3, v_trans)
+    for start, end in ((0, None), (2, None), (1, 3), (4, 5), (5, None), (3, 99)):
+        got = parse_state(blob, geo, start, end)
+        assert torch.equal(got, want[:, :, :, start:end]), (start, end)
+    with pytest.raises(StateLayoutError, match="unexpected bytes"):
+        parse_state(blob + b"\0", geo, start=4)
+
+
 @pytest.mark.parametrize("positions", [[0, 1, 1], [1, 2, 3], [0, 2, 5]])
 def test_a_sequence_that_is_not_a_plain_prefix_is_refused(positions: list[int]) -> None:
     blob, _ = _golden(True, positions)

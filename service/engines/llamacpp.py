@@ -299,8 +299,10 @@ class LlamaCppEngine:
         on_text: Callable[[str], None] | None = None,
         on_prefill: PrefillHook | None = None,
         kv_ready: LayerGate | None = None,
-        keep_from: int = 0,  # the whole sequence's KV is returned (kv_from 0): parsing the state is one copy anyway
+        keep_from: int = 0,
     ) -> Generation:
+        """The returned KV starts at token `keep_from` (`Generation.kv_from`): only those cells are parsed out of the
+        sequence state, which at 2048 tokens saves a 47 MB copy (~20 ms on one core) before the reply returns."""
         prompt = [int(i) for i in prompt_ids]
         limit = self.geometry.max_context
         if not prompt:
@@ -332,15 +334,16 @@ class LlamaCppEngine:
         if req.error is not None:
             raise req.error
         assert req.blob is not None
-        kv = llamastate.parse_state(req.blob, self.state_geometry)  # [L, 2, H, tokens, D] float16
         seq_ids = prompt + req.generated[:-1]
-        if kv.shape[3] != len(seq_ids):
-            raise RuntimeError(f"llama.cpp holds {kv.shape[3]} tokens of a sequence of {len(seq_ids)}")
+        kv_from = min(max(0, keep_from), len(seq_ids))
+        kv = llamastate.parse_state(req.blob, self.state_geometry, start=kv_from)  # [L, 2, H, tokens, D] float16
+        if kv_from + kv.shape[3] != len(seq_ids):
+            raise RuntimeError(f"llama.cpp holds {kv_from + kv.shape[3]} tokens of a sequence of {len(seq_ids)}")
         return Generation(
             text=req.stream.text, token_ids=req.generated, finish_reason=req.finish, prompt_tokens=len(prompt),
             cached_tokens=0 if req.restore_failed else cached, ttft_s=req.ttft,
             total_s=time.perf_counter() - req.started, seq_ids=seq_ids, kv=kv,
-            reply_ids=reply_ids(req.generated, req.ended_by_token, req.cut_by_stop),
+            reply_ids=reply_ids(req.generated, req.ended_by_token, req.cut_by_stop), kv_from=kv_from,
         )
 
     def score(self, cached_kv: torch.Tensor, ids: list[int]) -> torch.Tensor:
@@ -468,7 +471,7 @@ class LlamaCppEngine:
         req.generated.append(token)
         if req.on_prefill is not None and len(req.generated) == 1:  # the prompt's KV, for early block writes
             blob, geo = self._get_state(req.seq), self.state_geometry
-            req.on_prefill(lambda start, end: llamastate.parse_state(blob, geo)[:, :, :, start:end])
+            req.on_prefill(lambda start, end: llamastate.parse_state(blob, geo, start, end))
         try:
             if self._lib.llama_vocab_is_eog(self._vocab_p, token):
                 req.finish, req.ended_by_token = "stop", True

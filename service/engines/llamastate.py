@@ -19,7 +19,7 @@
 
 Only F16 K and V (llama.cpp's default) are read and written. Any other layout is a `StateLayoutError`:
 a llama.cpp upgrade that changes this must fail the golden test, never silently corrupt a cache.
-Parsing copies the tensors exactly once (into the output); so does assembling.
+Parsing copies the tensors exactly once (into the output; only the positions asked for); so does assembling.
 """
 
 from __future__ import annotations
@@ -111,8 +111,11 @@ def read_facts(blob: bytes | bytearray | memoryview) -> StateFacts | None:
     return None
 
 
-def parse_state(blob: bytes | bytearray | memoryview, geo: StateGeometry) -> torch.Tensor:
-    """KV of one sequence as float16 [layers, 2, kv_heads, tokens, head_dim], tokens ordered by position.
+def parse_state(blob: bytes | bytearray | memoryview, geo: StateGeometry, start: int = 0,
+                end: int | None = None) -> torch.Tensor:
+    """KV of one sequence as float16 [layers, 2, kv_heads, tokens, head_dim], tokens ordered by position; with
+    `start`/`end`, only positions [start, end) (clipped to the sequence), the only ones copied. The whole state is
+    validated either way.
 
     The cells must hold positions 0..tokens-1 (each once): a sequence kvstash can cut into blocks.
     """
@@ -128,7 +131,9 @@ def parse_state(blob: bytes | bytearray | memoryview, geo: StateGeometry) -> tor
     while streams_left and not n_cells:  # empty streams come first, then the sequence's own
         n_cells, streams_left = r.u32(), streams_left - 1
     L, H, D, E = geo.num_layers, geo.kv_heads, geo.head_dim, geo.row_elements
-    out = torch.empty((L, 2, H, n_cells, D), dtype=torch.float16)  # [layers, 2, kv_heads, tokens, head_dim]
+    stop = n_cells if end is None else min(max(end, 0), n_cells)
+    first = min(max(start, 0), stop)
+    out = torch.empty((L, 2, H, stop - first, D), dtype=torch.float16)  # [layers, 2, kv_heads, tokens, head_dim]
     if n_cells == 0:
         return out
     meta = np.frombuffer(view, dtype=np.int32, count=3 * n_cells, offset=r.take(n_cells * _CELL.size))
@@ -136,11 +141,12 @@ def parse_state(blob: bytes | bytearray | memoryview, geo: StateGeometry) -> tor
     if (meta[:, 1] != 1).any():
         raise StateLayoutError("a cell shared by several sequences in a single-sequence state")
     pos = meta[:, 0]
-    order: np.ndarray | None = None
+    order: np.ndarray | slice = slice(first, stop)  # the cells of positions first..stop-1
     if not np.array_equal(pos, np.arange(n_cells, dtype=np.int32)):
-        order = np.argsort(pos, kind="stable")
-        if not np.array_equal(pos[order], np.arange(n_cells, dtype=np.int32)):
+        by_position = np.argsort(pos, kind="stable")
+        if not np.array_equal(pos[by_position], np.arange(n_cells, dtype=np.int32)):
             raise StateLayoutError("cell positions are not 0..n-1: not a plain prefix of one sequence")
+        order = by_position[first:stop]
     v_trans, n_layer = r.unpack("<II")
     if n_layer != L or bool(v_trans) != geo.v_trans:
         raise StateLayoutError(f"state of {n_layer} layers, v_trans={v_trans}; expected {L}, {int(geo.v_trans)}")
@@ -173,10 +179,10 @@ def parse_state(blob: bytes | bytearray | memoryview, geo: StateGeometry) -> tor
     return out
 
 
-def _place(dst: np.ndarray, src: np.ndarray, order: np.ndarray | None) -> None:
-    """dst[H, tokens, D] = src[H, cells, D] with cells sorted into position order."""
-    if order is None:
-        np.copyto(dst, src)
+def _place(dst: np.ndarray, src: np.ndarray, order: np.ndarray | slice) -> None:
+    """dst[H, tokens, D] = the cells `order` picks of src[H, cells, D] (a slice when they are in position order)."""
+    if isinstance(order, slice):
+        np.copyto(dst, src[:, order])
     else:
         np.take(src, order, axis=1, out=dst)
 
