@@ -45,6 +45,16 @@ def test_golden_file_parses_and_reassembles_bit_identically(tmp_path: Path) -> N
     assert slotfile.facts(data).num_layers == 2
 
 
+def test_the_kv_of_the_later_tokens_is_read_alone(tmp_path: Path) -> None:
+    """What a hit's write-back needs: every token, the KV from `start` on, and kv_from saying so."""
+    data = _golden(TOKENS, _kv(4))
+    (tmp_path / "s.bin").write_bytes(data)
+    for start in (0, 1, 3, 4, 9):
+        saved = slotfile.read(tmp_path / "s.bin", GEO, start)
+        assert saved.tokens == TOKENS and saved.kv_from == min(start, 4), start
+        assert torch.equal(saved.kv, _kv(4)[:, :, :, min(start, 4):]), start
+
+
 def test_a_plain_token_list_of_older_servers_is_read() -> None:
     assert slotfile.parse(_golden(TOKENS, _kv(4), token_words=TOKENS), GEO).tokens == TOKENS
 

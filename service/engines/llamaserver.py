@@ -294,14 +294,15 @@ class LlamaServerEngine:
         self.stats.restore_s += time.perf_counter() - t0
         return True
 
-    def _save(self, slot: _Slot, prompt: list[int]) -> slotfile.SlotFile | None:
-        """The slot's tokens and KV after a reply; None (nothing written back) on any failure."""
+    def _save(self, slot: _Slot, prompt: list[int], keep_from: int = 0) -> slotfile.SlotFile | None:
+        """The slot's tokens and their KV from token `keep_from` on, after a reply; None (nothing written back) on any
+        failure."""
         name = f"{self._prefix}-slot{slot.id}.bin"
         path = self.slot_dir / name
         t0 = time.perf_counter()
         try:
             self._slot_action(slot.id, "save", name)
-            saved = slotfile.read(path, self.state_geometry)
+            saved = slotfile.read(path, self.state_geometry, keep_from)
             if saved.tokens[: len(prompt)] != prompt:
                 raise llamastate.StateLayoutError("the saved slot does not begin with the prompt")
         except (OSError, UpstreamError, httpx.HTTPError, llamastate.StateLayoutError) as exc:
@@ -345,7 +346,7 @@ class LlamaServerEngine:
         on_text: Callable[[str], None] | None = None,
         on_prefill: PrefillHook | None = None,
         kv_ready: LayerGate | None = None,
-        keep_from: int = 0,  # the whole sequence's KV is returned (kv_from 0): parsing the state is one copy anyway
+        keep_from: int = 0,  # the returned KV starts there (kv_from): the rest of the saved slot is not parsed
     ) -> Generation:
         """`on_prefill` is never called: llama-server hands a slot's KV out only once the slot is idle, so
         the prompt's blocks are written with the reply's, after the last token."""
@@ -372,21 +373,23 @@ class LlamaServerEngine:
                 self.stats.reuse_misses += 1
                 log.warning("slot %d: llama-server reused %d of %d expected tokens", slot.id, reused, expected)
                 self._distrust_slots()  # a restarted llama-server emptied every slot, not only this one
-            saved = self._save(slot, prompt)
+            saved = self._save(slot, prompt, keep_from)
             if saved is not None:
                 held = saved.tokens
         finally:
             self._release(slot, held)
+        kv_from = 0
         if saved is None:  # no KV to write back: an empty sequence writes nothing
             seq_ids: list[int] = []
             kv = torch.empty((self.geometry.num_layers, 2, self.geometry.kv_heads, 0, self.geometry.head_dim),
                              dtype=torch.float16)
         else:
-            seq_ids, kv = saved.tokens, saved.kv
+            seq_ids, kv, kv_from = saved.tokens, saved.kv, saved.kv_from
         return Generation(
             text=reply.text, token_ids=reply.tokens, finish_reason=reply.finish, prompt_tokens=len(prompt),
             cached_tokens=reused, ttft_s=reply.ttft_s, total_s=time.perf_counter() - started, seq_ids=seq_ids,
             kv=kv, reply_ids=reply_ids(reply.tokens, reply.stop_type == "eos", reply.stop_type == "word"),
+            kv_from=kv_from,
         )
 
     def _complete(

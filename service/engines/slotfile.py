@@ -40,10 +40,12 @@ class SlotFileError(llamastate.StateLayoutError):
 
 @dataclass(frozen=True)
 class SlotFile:
-    """One saved slot: its tokens and their KV [layers, 2, kv_heads, tokens, head_dim] float16."""
+    """One saved slot: its tokens and their KV [layers, 2, kv_heads, tokens, head_dim] float16, from token `kv_from`
+    on (all of them unless a reader asked for less)."""
 
     tokens: list[int]
     kv: torch.Tensor
+    kv_from: int = 0
 
 
 def _packed_tokens(words: np.ndarray) -> list[int]:
@@ -86,17 +88,18 @@ def facts(data: bytes | bytearray | memoryview) -> llamastate.StateFacts:
     return found
 
 
-def parse(data: bytes | bytearray | memoryview, geo: llamastate.StateGeometry) -> SlotFile:
-    """Tokens and KV of a slot file's bytes; the KV must cover exactly its tokens."""
+def parse(data: bytes | bytearray | memoryview, geo: llamastate.StateGeometry, start: int = 0) -> SlotFile:
+    """Tokens and KV of a slot file's bytes, the KV of tokens `start`.. only; the KV must cover exactly its tokens."""
     tokens, state = _state(memoryview(data).cast("B"))
-    kv = llamastate.parse_state(state, geo)  # [layers, 2, kv_heads, tokens, head_dim]
-    if kv.shape[3] != len(tokens):
-        raise SlotFileError(f"slot file lists {len(tokens)} tokens but holds KV of {kv.shape[3]}")
-    return SlotFile(tokens, kv)
+    start = min(max(0, start), len(tokens))
+    kv = llamastate.parse_state(state, geo, start)  # [layers, 2, kv_heads, tokens - start, head_dim]
+    if start + kv.shape[3] != len(tokens):
+        raise SlotFileError(f"slot file lists {len(tokens)} tokens but holds KV of {start + kv.shape[3]}")
+    return SlotFile(tokens, kv, start)
 
 
-def read(path: Path, geo: llamastate.StateGeometry) -> SlotFile:
-    return parse(path.read_bytes(), geo)
+def read(path: Path, geo: llamastate.StateGeometry, start: int = 0) -> SlotFile:
+    return parse(path.read_bytes(), geo, start)
 
 
 def assemble(tokens: list[int], kv: torch.Tensor, geo: llamastate.StateGeometry) -> list[memoryview | bytes]:
