@@ -68,6 +68,9 @@ def test_a_range_of_positions_is_parsed_alone(positions: list[int], v_trans: boo
         assert torch.equal(got, want[:, :, :, start:end]), (start, end)
     with pytest.raises(StateLayoutError, match="unexpected bytes"):
         parse_state(blob + b"\0", geo, start=4)
+    assert parse_state(blob, geo, 5, cells=5).shape[3] == 0
+    with pytest.raises(llamastate.CellCountError, match="holds KV of 5"):
+        parse_state(blob, geo, 5, cells=6)  # a sequence the caller knows to be longer, even with nothing copied
 
 
 @pytest.mark.parametrize("positions", [[0, 1, 1], [1, 2, 3], [0, 2, 5]])

@@ -88,6 +88,8 @@ def test_hostile_bytes_are_refused(mutate: object, message: str) -> None:
 def test_token_lists_that_do_not_fit_are_refused(words: list[int], message: str) -> None:
     with pytest.raises(SlotFileError, match=message):
         slotfile.parse(_golden(TOKENS, _kv(4), token_words=words), GEO)
+    with pytest.raises(SlotFileError, match=message):  # asking for none of the KV checks the lengths all the same
+        slotfile.parse(_golden(TOKENS, _kv(4), token_words=words), GEO, start=len(TOKENS))
 
 
 # -- llama-server's own files --------------------------------------------------------------------------------------

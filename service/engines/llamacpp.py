@@ -336,9 +336,10 @@ class LlamaCppEngine:
         assert req.blob is not None
         seq_ids = prompt + req.generated[:-1]
         kv_from = min(max(0, keep_from), len(seq_ids))
-        kv = llamastate.parse_state(req.blob, self.state_geometry, start=kv_from)  # [L, 2, H, tokens, D] float16
-        if kv_from + kv.shape[3] != len(seq_ids):
-            raise RuntimeError(f"llama.cpp holds {kv_from + kv.shape[3]} tokens of a sequence of {len(seq_ids)}")
+        try:  # [L, 2, H, tokens - kv_from, D] float16
+            kv = llamastate.parse_state(req.blob, self.state_geometry, start=kv_from, cells=len(seq_ids))
+        except llamastate.CellCountError as exc:
+            raise RuntimeError(f"llama.cpp's state of a sequence of {len(seq_ids)} tokens {exc}") from None
         return Generation(
             text=req.stream.text, token_ids=req.generated, finish_reason=req.finish, prompt_tokens=len(prompt),
             cached_tokens=0 if req.restore_failed else cached, ttft_s=req.ttft,

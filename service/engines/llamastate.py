@@ -43,6 +43,10 @@ class StateLayoutError(KvstashError):
     """Sequence-state bytes that do not follow the layout this module reads."""
 
 
+class CellCountError(StateLayoutError):
+    """A sequence state of another length than its caller knows the sequence to be."""
+
+
 @dataclass(frozen=True)
 class StateGeometry:
     """What a sequence state must look like for one model and context."""
@@ -112,10 +116,10 @@ def read_facts(blob: bytes | bytearray | memoryview) -> StateFacts | None:
 
 
 def parse_state(blob: bytes | bytearray | memoryview, geo: StateGeometry, start: int = 0,
-                end: int | None = None) -> torch.Tensor:
+                end: int | None = None, cells: int | None = None) -> torch.Tensor:
     """KV of one sequence as float16 [layers, 2, kv_heads, tokens, head_dim], tokens ordered by position; with
     `start`/`end`, only positions [start, end) (clipped to the sequence), the only ones copied. The whole state is
-    validated either way.
+    validated either way, and with `cells` it must hold exactly that many tokens (whatever range is copied).
 
     The cells must hold positions 0..tokens-1 (each once): a sequence kvstash can cut into blocks.
     """
@@ -130,6 +134,8 @@ def parse_state(blob: bytes | bytearray | memoryview, geo: StateGeometry, start:
     n_cells, streams_left = 0, n_stream
     while streams_left and not n_cells:  # empty streams come first, then the sequence's own
         n_cells, streams_left = r.u32(), streams_left - 1
+    if cells is not None and n_cells != cells:
+        raise CellCountError(f"holds KV of {n_cells}")
     L, H, D, E = geo.num_layers, geo.kv_heads, geo.head_dim, geo.row_elements
     stop = n_cells if end is None else min(max(end, 0), n_cells)
     first = min(max(start, 0), stop)

@@ -92,9 +92,10 @@ def parse(data: bytes | bytearray | memoryview, geo: llamastate.StateGeometry, s
     """Tokens and KV of a slot file's bytes, the KV of tokens `start`.. only; the KV must cover exactly its tokens."""
     tokens, state = _state(memoryview(data).cast("B"))
     start = min(max(0, start), len(tokens))
-    kv = llamastate.parse_state(state, geo, start)  # [layers, 2, kv_heads, tokens - start, head_dim]
-    if start + kv.shape[3] != len(tokens):
-        raise SlotFileError(f"slot file lists {len(tokens)} tokens but holds KV of {start + kv.shape[3]}")
+    try:  # [layers, 2, kv_heads, tokens - start, head_dim]
+        kv = llamastate.parse_state(state, geo, start, cells=len(tokens))
+    except llamastate.CellCountError as exc:
+        raise SlotFileError(f"slot file lists {len(tokens)} tokens but {exc}") from None
     return SlotFile(tokens, kv, start)
 
 
