@@ -135,20 +135,28 @@ def configured_redis_url(environ: Mapping[str, str] | None = None) -> str | None
     return env.get("KVSTASH_REDIS_URL") or None
 
 
+def _env_value(env: Mapping[str, str], var: str, cast: Any) -> Any:
+    """The variable `var` of `env` as `cast` makes it, None when unset or empty; a ConfigError naming it if it is not
+    one."""
+    raw = env.get(var)
+    if raw is None or raw == "":
+        return None
+    try:
+        return cast(raw)
+    except ValueError as exc:
+        name = cast.__name__
+        raise ConfigError(f"{var} must be {'an' if name[0] in 'aeiou' else 'a'} {name}, got {raw!r}") from exc
+
+
 MALLOC_ARENAS = 1  # service/malloc.py: one glibc arena, memory kept mapped between hits
 
 
 def malloc_arenas(environ: Mapping[str, str] | None = None) -> int:
     """KVSTASH_MALLOC_ARENAS: glibc malloc arenas of a kvstash process (service/malloc.py); 0 leaves glibc's
     defaults. Read by the command line before anything else runs, so not a PodSettings field."""
-    env = os.environ if environ is None else environ
-    raw = env.get("KVSTASH_MALLOC_ARENAS", "")
-    if raw == "":
+    value = _env_value(os.environ if environ is None else environ, "KVSTASH_MALLOC_ARENAS", int)
+    if value is None:
         return MALLOC_ARENAS
-    try:
-        value = int(raw)
-    except ValueError as exc:
-        raise ConfigError(f"KVSTASH_MALLOC_ARENAS must be an int, got {raw!r}") from exc
     if value < 0:
         raise ConfigError(f"KVSTASH_MALLOC_ARENAS must be 0 (glibc's defaults) or more, got {value}")
     return value
@@ -159,13 +167,9 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> PodSettings:
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     for name, cast in _ENV_CASTS.items():
-        raw = env.get(f"KVSTASH_{name.upper()}")
-        if raw is None or raw == "":
-            continue
-        try:
-            values[name] = cast(raw)
-        except ValueError as exc:
-            raise ConfigError(f"KVSTASH_{name.upper()} must be a {cast.__name__}, got {raw!r}") from exc
+        value = _env_value(env, f"KVSTASH_{name.upper()}", cast)
+        if value is not None:
+            values[name] = value
     if env.get("KVSTASH_NO_CACHE", "").lower() in {"1", "true", "yes"}:
         values["cache_enabled"] = False
     if env.get("KVSTASH_API_KEYS"):
