@@ -437,7 +437,7 @@ def _open(view: memoryview, device: torch.device | str | None, max_elements: int
              for (sec_dtype, shape), start in zip(sections, offsets, strict=True)]
     if target.type != "cpu":
         parts = [part.to(target) for part in parts]
-    return OpenFrame(header, parts, borrowed and target.type == "cpu")  # .to(cpu) is the same tensor
+    return OpenFrame(header, parts, borrowed and target.type == "cpu")  # parts moved to a device are copies
 
 
 @dataclass(frozen=True)
