@@ -244,10 +244,6 @@ def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     return count * dtype.itemsize
 
 
-def _sections(h: FrameHeader) -> list[Section]:
-    return list(_plan(h)[0])
-
-
 def _plan(h: FrameHeader) -> tuple[tuple[Section, ...], tuple[int, ...], int]:
     """The header's payload sections, their offsets and the raw length; computed once per kind of frame (a
     lookup opens hundreds of frames of one shape: this was a third of opening one)."""
