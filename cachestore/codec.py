@@ -72,7 +72,7 @@ from cachestore.quant import (
     quantize,
 )
 
-__all__ = ["DEFAULT_MAX_ELEMENTS", "Codec", "CodecSpec", "FrameHeader", "OpenFrame", "read_header",
+__all__ = ["DEFAULT_MAX_ELEMENTS", "Codec", "CodecSpec", "FrameHeader", "FrameRun", "OpenFrame", "read_header",
            "verify_frame"]
 
 T = TypeVar("T")
@@ -350,6 +350,16 @@ class Codec:
         digest = checksum(pack_header(header), stored)
         return pack_header(replace(header, checksum=digest)) + stored
 
+    def plain_size(self, kv_shape: tuple[int, int, int, int, int], dtype: torch.dtype) -> int:
+        """The length of this spec's frame of KV [layers, 2, kv_heads, tokens, head_dim] in `dtype` when stored
+        plainly (uncompressed; lz4 leaves int8 and fp16 KV so): a lookup reads frames of this length in place."""
+        layers, _, heads, tokens, dim = kv_shape
+        spec = self.spec
+        _, _, raw_len = _plan_of(spec.mode, layers, heads, tokens, dim,
+                                 spec.group_size if spec.mode in GROUPED_MODES else 0, _DTYPE_NAMES[dtype],
+                                 (len(spec.hi.keys), len(spec.hi.values)))
+        return HEADER_SIZE + len(spec.layer_table(layers)) + raw_len
+
     def decode(self, frame: bytes | bytearray | memoryview, *,
                device: torch.device | str | None = None,
                max_elements: int = DEFAULT_MAX_ELEMENTS) -> torch.Tensor:
@@ -424,16 +434,13 @@ def _open(view: memoryview, device: torch.device | str | None, max_elements: int
     else:
         raw = decompress(payload, header.compressor, header.raw_len)
         buf = torch.frombuffer(raw, dtype=torch.uint8)  # shares raw, which it keeps alive
-    dtype = _DTYPES[header.dtype]
     if header.shuffled:
-        buf = unshuffle(buf, _itemsize(header.mode, dtype))
+        buf = unshuffle(buf, _itemsize(header.mode, _DTYPES[header.dtype]))
     target = torch.device(device) if device is not None else torch.device("cpu")
-    sections, offsets, _ = _plan(header)
-    parts = [buf[start:start + _nbytes(sec_dtype, shape)].view(sec_dtype).view(shape)
-             for (sec_dtype, shape), start in zip(sections, offsets, strict=True)]
+    frame = OpenFrame(header, buf, borrowed and target.type == "cpu", target)  # parts moved to a device are copies
     if target.type != "cpu":
-        parts = [part.to(target) for part in parts]
-    return OpenFrame(header, parts, borrowed and target.type == "cpu")  # parts moved to a device are copies
+        _ = frame.parts  # moved now: a frame opened for a device is whole there
+    return frame
 
 
 @dataclass(frozen=True)
@@ -442,8 +449,18 @@ class OpenFrame:
     a few layers at a time (the pod hands layers to the forward step as they are ready)."""
 
     header: FrameHeader
-    parts: list[torch.Tensor]  # the payload sections of quant.layout, layers first
-    borrowed: bool = False  # the parts are the caller's (read-only) frame bytes: never handed out as they are
+    raw: torch.Tensor  # the raw payload, uint8 on the CPU
+    borrowed: bool = False  # `raw` is the caller's (read-only) frame bytes: never handed out as they are
+    device: torch.device = torch.device("cpu")
+
+    @functools.cached_property
+    def parts(self) -> list[torch.Tensor]:
+        """The payload sections of quant.layout (layers first), views of `raw` (copies on another device); made on
+        first use: a frame dequantized from its lookup's landing (`FrameRun`) never needs them."""
+        sections, offsets, _ = _plan(self.header)
+        parts = [self.raw[start:start + _nbytes(sec_dtype, shape)].view(sec_dtype).view(shape)
+                 for (sec_dtype, shape), start in zip(sections, offsets, strict=True)]
+        return parts if self.device.type == "cpu" else [part.to(self.device) for part in parts]
 
     @property
     def splits_by_layer(self) -> bool:
@@ -479,6 +496,83 @@ class OpenFrame:
         else:
             parts = self.parts
         return dequantize(h.mode, parts, dims, h.group_size, _DTYPES[h.dtype], out, variant)
+
+
+class FrameRun:
+    """Frames of one kind lying at one stride in one buffer (a lookup's landing, `cachestore.landing`): one layer
+    of all of them is dequantized in a single call, straight from the buffer.
+
+    Dequantizing frame after frame writes the whole context before the first layer's attention, and the context
+    is larger than the caches (94 MB at 2048 SmolLM2 tokens in fp32): the forward step then reads it back from
+    memory. Layer by layer, each layer's KV is written just before its attention reads it, while it is still
+    cached; with one call per layer per run instead of one per frame.
+    """
+
+    def __init__(self, header: FrameHeader, count: int, stride: int, typed: dict[torch.dtype, torch.Tensor],
+                 starts: list[int]) -> None:
+        self.header, self.count = header, count
+        self._stride = stride  # bytes from one frame to the next
+        self._typed = typed  # the buffer viewed as each section's dtype
+        self._starts = starts  # each section's first element in frame 0, in its dtype's view of the buffer
+
+    @classmethod
+    def of(cls, buffer: torch.Tensor, frames: list[OpenFrame]) -> FrameRun | None:
+        """`frames` as one run over `buffer` (1-D uint8), or None unless each is read in place from it, all at one
+        stride, of one kind (mode, shape, dtype, group, transform; no layer table, codes that split by layer)."""
+        if not frames or buffer.dtype != torch.uint8 or buffer.dim() != 1:
+            return None
+        first = frames[0]
+        h = first.header
+        kind = _kind(h)
+        if h.layer_bits or not first.splits_by_layer or any(not f.borrowed or _kind(f.header) != kind for f in frames):
+            return None
+        base, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
+        origins = [f.raw.data_ptr() for f in frames]
+        stride = origins[1] - origins[0] if len(frames) > 1 else 0
+        if (any(o != origins[0] + k * stride for k, o in enumerate(origins)) or origins[0] < base
+                or origins[-1] + h.raw_len > end):
+            return None
+        sections, offsets, _ = _plan(h)
+        typed: dict[torch.dtype, torch.Tensor] = {}
+        starts = []
+        for (dtype, _), offset in zip(sections, offsets, strict=True):
+            size = dtype.itemsize
+            at = origins[0] - base + offset
+            if at % size or stride % size:
+                return None
+            if dtype not in typed:
+                typed[dtype] = buffer[: buffer.numel() - buffer.numel() % size].view(dtype)
+            starts.append(at // size)
+        return cls(h, len(frames), stride, typed, starts)
+
+    def decode_layer_into(self, out: torch.Tensor, layer: int) -> torch.Tensor:
+        """Layer `layer` of every frame into `out` [frames, 2, kv_heads, tokens, head_dim] (a strided view of a
+        context is fine; frame k's tokens at out[k]); returns `out`."""
+        h, n = self.header, self.count
+        sections, _, _ = _plan(h)
+        parts = []
+        for (dtype, shape), start in zip(sections, self._starts, strict=True):
+            typed, step = self._typed[dtype], self._stride // dtype.itemsize
+            if len(shape) > 1:  # layers first: frame k's layer is one contiguous block, `step` after frame k-1's
+                inner = shape[1:]
+                strides: list[int] = []
+                acc = 1
+                for size in reversed(inner):
+                    strides.insert(0, acc)
+                    acc *= size
+                parts.append(typed.as_strided((n, *inner), (step, *strides), start + layer * acc))
+            else:  # packed codes, layer-major, each layer's on whole bytes (splits_by_layer)
+                per = shape[0] // h.layers
+                parts.append(typed.as_strided((n, per), (step, 1), start + layer * per).reshape(-1))
+        variant = Variant(rot_keys=bool(h.transform & ROT_KEYS), rot_values=bool(h.transform & ROT_VALUES))
+        return dequantize(h.mode, parts, Dims(n, h.kv_heads, h.tokens, h.head_dim), h.group_size, _DTYPES[h.dtype],
+                          out, variant)
+
+
+def _kind(h: FrameHeader) -> tuple[object, ...]:
+    """Every field of a header but its checksum: frames of one kind share their layout."""
+    return (h.version, h.mode, h.compressor, h.dtype, h.flags, h.group_size, h.layers, h.kv_heads, h.tokens,
+            h.head_dim, h.raw_len, h.payload_len, h.transform, h.layer_bits)
 
 
 def _layer_slice(part: torch.Tensor, first: int, count: int, layers: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from cachestore import budget
+from cachestore import budget, landing
 from cachestore.breaker import CircuitBreaker
 from cachestore.errors import StoreError, ValueTooLarge
 from cachestore.hashing import BlockHash
@@ -25,6 +25,7 @@ from cachestore.settings import StoreSettings
 from cachestore.stats import Counters, StoreStats, Usage
 
 T = TypeVar("T")
+F = TypeVar("F", bytes, bytes | memoryview)
 
 
 class _Failed:
@@ -32,6 +33,14 @@ class _Failed:
 
 
 FAILED = _Failed()
+
+
+def _land(frame: bytes, target: memoryview) -> bytes | memoryview:
+    """A frame from the local tier, in its lookup buffer when it fits (as if it had landed there)."""
+    if len(frame) != len(target):
+        return frame
+    target[:] = frame
+    return target
 
 
 class BlockStore:
@@ -48,6 +57,7 @@ class BlockStore:
         self._client = make_client(settings)
         self._blocking: Any = None  # the reader threads' blocking client, made on first use (fetch_blocking)
         self._blocking_lock = threading.Lock()
+        self._landable = False  # whether the blocking client can receive values into buffers
         self._breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_reset_s)
         self._counters = Counters()
         self._local = LocalTier(settings.local_tier_bytes) if settings.local_tier_bytes else None
@@ -141,13 +151,23 @@ class BlockStore:
         remote = await self._guarded(lambda: self._fetch(keyed, len(frames)), self.settings.op_timeout_s)
         return self._end_fetch(keyed, frames, remote)
 
-    def fetch_blocking(self, model: str, hashes: Sequence[BlockHash]) -> Result[list[bytes]]:
+    def fetch_blocking(
+        self, model: str, hashes: Sequence[BlockHash], into: Sequence[memoryview] | None = None,
+    ) -> Result[list[bytes | memoryview]]:
         """`fetch` for a thread beside the event loop (a lookup's reader): the same commands in one round trip,
-        on a blocking client of the same Redis, under the same breaker and counters. Safe on any thread."""
+        on a blocking client of the same Redis, under the same breaker and counters. Safe on any thread.
+
+        With `into` (a writable buffer per hash), a frame of exactly its buffer's length is received straight into
+        it and returned as that memoryview (`cachestore.landing`); a frame held locally is copied there; any other
+        comes back as bytes."""
         keyed, frames = self._begin_fetch(model, hashes)
+        found: list[bytes | memoryview] = list(frames)
+        if into is not None:
+            found = [_land(frame, target) for frame, target in zip(frames, into, strict=False)]
         if len(frames) == len(keyed):
-            return self._end_fetch(keyed, frames, [])
-        return self._end_fetch(keyed, frames, self._guarded_blocking(lambda: self._fetch_blocking(keyed, len(frames))))
+            return self._end_fetch(keyed, found, [])
+        return self._end_fetch(keyed, found,
+                               self._guarded_blocking(lambda: self._fetch_blocking(keyed, len(frames), into)))
 
     def _begin_fetch(self, model: str, hashes: Sequence[BlockHash]) -> tuple[list[tuple[int, str]], list[bytes]]:
         """The keys of `hashes`, and the frames of their longest prefix the local tier holds."""
@@ -167,8 +187,8 @@ class BlockStore:
         return keyed, frames
 
     def _end_fetch(
-        self, keyed: list[tuple[int, str]], frames: list[bytes], remote: list[bytes] | _Failed,
-    ) -> Result[list[bytes]]:
+        self, keyed: list[tuple[int, str]], frames: list[F], remote: list[F] | _Failed,
+    ) -> Result[list[F]]:
         """The local frames followed by those Redis returned (`remote`), counted."""
         if not keyed:
             return Result(Outcome.ABSENT, [])
@@ -187,14 +207,21 @@ class BlockStore:
         self._queue_fetch(pipe, keyed, start)
         return self._fetched(keyed, start, await pipe.execute(raise_on_error=False))
 
-    def _fetch_blocking(self, keyed: list[tuple[int, str]], start: int) -> list[bytes]:
+    def _fetch_blocking(
+        self, keyed: list[tuple[int, str]], start: int, into: Sequence[memoryview] | None = None,
+    ) -> list[bytes | memoryview]:
         with self._blocking_lock:
             if self._blocking is None:
                 self._blocking = make_client(self.settings, asynchronous=False)
+                self._landable = landing.landable(self._blocking)
             client = self._blocking
         pipe = client.pipeline(transaction=False)
         self._queue_fetch(pipe, keyed, start)
-        return self._fetched(keyed, start, pipe.execute(raise_on_error=False))
+        if into is None or not self._landable:
+            return self._fetched(keyed, start, pipe.execute(raise_on_error=False))
+        # the replies of the PEXPIREs of locally held frames come first: no buffer for them
+        targets: list[memoryview | None] = [None] * start + list(into[start:len(keyed)])
+        return self._fetched(keyed, start, landing.pipelined_into(client, [a for a, _ in pipe.command_stack], targets))
 
     def _queue_fetch(self, pipe: Any, keyed: list[tuple[int, str]], start: int) -> None:
         """One round trip: slide the TTL of what is held locally, GETEX the rest, touch their LRU index."""
@@ -210,16 +237,16 @@ class BlockStore:
                 budget.touch(pipe, self.keys.shard(shard), keys, self._index_ttl_ms)
         self._counters.add("round_trips")
 
-    def _fetched(self, keyed: list[tuple[int, str]], start: int, results: list[Any]) -> list[bytes]:
-        found: list[bytes] = []
+    def _fetched(self, keyed: list[tuple[int, str]], start: int, results: list[Any]) -> list[Any]:
+        found: list[Any] = []
         for (_, key), value in zip(keyed[start:], results[start:start + len(keyed) - start], strict=True):
-            if not isinstance(value, bytes) or not value:
+            if not isinstance(value, bytes | memoryview) or not value:
                 if isinstance(value, Exception):
                     self._counters.add("errors")
                 break
             found.append(value)
-            if self._local is not None:
-                self._local.put(key, value)
+            if self._local is not None:  # a landed frame's buffer is reused later: the local tier keeps a copy
+                self._local.put(key, value if isinstance(value, bytes) else bytes(value))
         stale = [r for r in results[len(keyed):] if isinstance(r, int)]
         self._counters.add("stale_removed", sum(1 for s in stale if s > 0))
         return found

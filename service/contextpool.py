@@ -14,6 +14,7 @@ from typing import Generic, TypeVar
 import torch
 
 ROUND_TOKENS = 256  # capacities are rounded up so that buffers fit later, longer prompts
+LANDING_ROUND = 4 << 20  # landing buffers likewise, in bytes
 
 B = TypeVar("B")
 
@@ -56,3 +57,14 @@ class ContextPool(IdlePool[torch.Tensor]):
             return torch.empty((layers, 2, kv_heads, capacity, head_dim), dtype=dtype)
 
         super().__init__(lambda buf: buf.shape[3], make, max_idle)
+
+
+class LandingPool(IdlePool[torch.Tensor]):
+    """Idle 1-D uint8 buffers a lookup's frames are received into (`cachestore.landing`); `take(n)` holds n bytes,
+    rounded up so that buffers fit later, longer lookups."""
+
+    def __init__(self, max_idle: int = 2) -> None:
+        def make(nbytes: int) -> torch.Tensor:
+            return torch.empty(-(-nbytes // LANDING_ROUND) * LANDING_ROUND, dtype=torch.uint8)
+
+        super().__init__(lambda buf: buf.numel(), make, max_idle)

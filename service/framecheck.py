@@ -20,7 +20,9 @@ class Rejection:
     detail: str
 
 
-def frame_problem(frame: bytes, spec: CodecSpec, shape: Sequence[int], dtype: torch.dtype) -> Rejection | None:
+def frame_problem(
+    frame: bytes | memoryview, spec: CodecSpec, shape: Sequence[int], dtype: torch.dtype,
+) -> Rejection | None:
     """None if the frame's header names this pod's codec, block shape and dtype; a Rejection otherwise.
 
     A key already carries the model fingerprint and codec, so a mismatch here means corruption or a

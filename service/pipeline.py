@@ -22,7 +22,7 @@ from cachestore.sessions import SessionRecord
 from cachestore.store import BlockStore
 from cachestore.tails import pack_ids, reply_digest, unpack_ids, unpack_tail
 from service import threads
-from service.contextpool import ContextPool
+from service.contextpool import ContextPool, LandingPool
 from service.engines import Engine, Generation, GenParams
 from service.errors import overloaded
 from service.framecheck import Rejection, frame_problem
@@ -38,6 +38,10 @@ log = logging.getLogger("kvstash.pipeline")
 FETCH_CHUNK_BLOCKS = 8
 LAST_CHUNK_BLOCKS = 2  # a short final chunk: little is left to dequantize once the last bytes arrive
 MAX_REPLY_TOKENS = 8192  # replies longer than this are re-tokenized rather than remembered
+LANDING_ALIGN = 64  # each frame's slot in a lookup's landing starts on a cache line
+# compressors under which frames are mostly stored plainly (lz4 gains nothing on quantized KV), so their length is
+# known before they are read: they land in place (a frame of another length is read and decoded as before)
+LANDING_COMPRESSORS = frozenset({"none", "lz4"})
 
 
 @dataclass
@@ -53,7 +57,8 @@ class CacheView:
     salt: bytes | None = None  # the tenant's salt when the cache is writable: the prompt's blocks go early
     early_blocks: int = 0  # blocks [hit_blocks, early_blocks) were queued while the reply was generated
     ready: LayerGate | None = None  # layers of `kv` still being dequantized: the engine waits per layer
-    rehydrating: asyncio.Future[None] | None = None  # the thread writing into `buffer`, until it is done
+    landing: torch.Tensor | None = None  # the pooled buffer the frames were received into, read by `ready`'s work
+    rehydrating: asyncio.Future[Any] | None = None  # the threads writing into `buffer` and `landing`, until done
 
     def complete(self) -> torch.Tensor | None:
         """`kv` with every layer in place (blocks the calling thread until then); engines wait on `ready`."""
@@ -127,6 +132,12 @@ class Pipeline:
                                      max_idle=max(2, engine.parallel))
         # [layers, 2, kv_heads, block_tokens, head_dim]
         self._block_shape = (geo.num_layers, 2, geo.kv_heads, settings.block_tokens, geo.head_dim)
+        # frames stored plainly (int8, fp16 and exact under lz4 or none) are received into one buffer and dequantized
+        # from there a layer at a time (cachestore.landing, service.rehydrate); block 0 may have its own codec
+        self._slot_sizes = ((self.codecs.sink.plain_size(self._block_shape, geo.dtype),
+                             self.codecs.main.plain_size(self._block_shape, geo.dtype))
+                            if engine.layerwise and self.codecs.main.spec.compressor in LANDING_COMPRESSORS else None)
+        self._landings = LandingPool(max_idle=max(2, engine.parallel))
         # the sticky-sessions baseline: KV kept in this pod's memory instead of Redis
         self.memory = MemoryKV(settings.memory_kv_bytes) if settings.memory_kv_bytes else None
         if self.memory is not None:
@@ -177,11 +188,12 @@ class Pipeline:
         concurrently); the session's partial block extends a full hit.
 
         A reader thread reads the blocks in pipelined chunks (`chunk_plan`), back to back on a blocking client
-        (it moves large values with far less CPU than the event loop: BENCHMARKS.md, section 1), so the wire
-        never waits for the CPU; a `Rehydration` thread verifies and dequantizes each chunk as it arrives,
-        straight into one preallocated context. The hit is known when the last chunk is
-        verified; what is not dequantized by then is handed to the engine through the view's `ready` gate
-        (a layer-by-layer engine dequantizes it on its own thread as its forward step reaches those layers).
+        (it moves large values with far less CPU than the event loop: BENCHMARKS.md, section 1). For a
+        layer-by-layer engine the frames land in one pooled buffer and the reader verifies each chunk itself; the
+        forward step dequantizes a layer of every block at a time from there (service.rehydrate, section 13).
+        For any other engine a `Rehydration` thread verifies and dequantizes each chunk as it arrives, straight
+        into one preallocated context. The hit is known when the last chunk is verified; what is not dequantized
+        by then is handed to the engine through the view's `ready` gate.
         """
         if self.memory is not None:
             return self._account(await self._memory_view(tenant_salt, prompt_ids), prompt_ids), session
@@ -205,18 +217,23 @@ class Pipeline:
 
         out = self._context_for(prompt_ids)  # a hit fills at most `usable` tokens; views are handed on
         decode_seconds = self.metrics.codec_seconds.labels("decode")
-        rehydration = Rehydration(out, b, self._open_block, layerwise=self.engine.layerwise,
-                                  on_decoded=decode_seconds.observe)
+        stage, slots = self.landing_for(len(hashes))
+        rehydration = Rehydration(out, b, self.open_block, layerwise=self.engine.layerwise,
+                                  on_decoded=decode_seconds.observe, landing=stage)
         verified: asyncio.Future[tuple[int, int]] = loop.create_future()
         first: asyncio.Future[Result[list[bytes]] | None] = loop.create_future()
         stop = threading.Event()
         # the reader goes first: the first chunk is on the wire before anything else is computed
+        def on_verified(n: int, nbytes: int) -> None:
+            loop.call_soon_threadsafe(_settle, verified, (n, nbytes))
+
+        # frames that land are only verified during the fetch: the reader does it between chunks, on its own thread
         reader = loop.run_in_executor(
-            self._readers, self._read_blocks, chunks, rehydration, stop, time.monotonic() + (deadline - loop.time()),
+            self._readers, self._read_blocks, chunks, slots, rehydration, stop,
+            time.monotonic() + (deadline - loop.time()),
             lambda result: loop.call_soon_threadsafe(_settle, first, result),
-            lambda: loop.call_soon_threadsafe(last_chunk_sent))
-        worker = loop.run_in_executor(self._decoder, rehydration.run,
-                                      lambda n, nbytes: loop.call_soon_threadsafe(_settle, verified, (n, nbytes)))
+            lambda: loop.call_soon_threadsafe(last_chunk_sent), on_verified if slots is not None else None)
+        worker = reader if slots is not None else loop.run_in_executor(self._decoder, rehydration.run, on_verified)
         if not chunks:
             last_chunk_sent()
         fetch_session = self.store.get_session(*session_key) if session_key else self._none()
@@ -246,7 +263,8 @@ class Pipeline:
                 view = await asyncio.to_thread(self._with_session, out, hit_blocks, fetched, session, prompt_ids,
                                                usable, tail)
             if view.kv is not None:
-                view.buffer, view.ready, view.rehydrating = out, rehydration.gate, worker
+                view.buffer, view.ready, view.landing = out, rehydration.gate, stage
+                view.rehydrating = worker  # with a landing, the reader: it may still be receiving into it
                 given = True
         finally:
             stop.set()
@@ -254,36 +272,64 @@ class Pipeline:
             if tail_task is not None:
                 tail_task.cancel()  # a no-op once done
             rehydration.end()  # a second end after the first is never read: harmless
-            if not given:  # back to the pool once the thread is done with it
+            if not given:  # back to the pool once both threads are done with them
                 worker.add_done_callback(lambda _: self._contexts.give(out))
+                if stage is not None:
+                    reader.add_done_callback(lambda _: self._landings.give(stage))
         view.salt = tenant_salt
         return self._account(view, prompt_ids), session
 
     def _read_blocks(
-        self, chunks: list[list[BlockHash]], rehydration: Rehydration, stop: threading.Event, deadline: float,
-        on_first: Callable[[Result[list[bytes]] | None], None], on_last: Callable[[], None],
+        self, chunks: list[list[BlockHash]], slots: list[memoryview] | None, rehydration: Rehydration,
+        stop: threading.Event, deadline: float, on_first: Callable[[Result[list[bytes | memoryview]] | None], None],
+        on_last: Callable[[], None], on_verified: Callable[[int, int], None] | None = None,
     ) -> None:
         """On a reader thread: each chunk in one blocking round trip, fed to the rehydration as it arrives, until a
-        chunk comes back short, a frame is bad, the lookup gives up, or `deadline` (time.monotonic) passes."""
+        chunk comes back short, a frame is bad, the lookup gives up, or `deadline` (time.monotonic) passes. With
+        `slots` (one per block), frames are received into them; with `on_verified`, this thread verifies each chunk
+        itself and then runs the rehydration's end (`Rehydration.take`)."""
         assert self.store is not None
-        head: Result[list[bytes]] | None = None
+        head: Result[list[bytes | memoryview]] | None = None
+        start = 0
         try:
             for index, chunk in enumerate(chunks):
                 if stop.is_set() or rehydration.stopped.is_set() or time.monotonic() >= deadline:
                     break
                 if index == len(chunks) - 1:
                     on_last()
-                result = self.store.fetch_blocking(self.model_key, chunk)
+                into = slots[start:start + len(chunk)] if slots is not None else None
+                start += len(chunk)
+                result = self.store.fetch_blocking(self.model_key, chunk, into)
                 if index == 0:
                     head = result
                     on_first(head)
-                rehydration.feed(result.value)
+                if on_verified is not None:
+                    rehydration.take(result.value)
+                else:
+                    rehydration.feed(result.value)
                 if len(result.value) < len(chunk):
                     break
         finally:
             if head is None:
                 on_first(None)
             rehydration.end()
+            if on_verified is not None:
+                rehydration.run(on_verified)
+
+    def landing_for(self, blocks: int) -> tuple[torch.Tensor | None, list[memoryview] | None]:
+        """A pooled buffer the lookup's frames are received into, and each block's slot in it (64-byte aligned, at
+        one stride after block 0, whose codec may differ); (None, None) when this pod's frames are compressed (their
+        lengths vary) or the engine dequantizes whole frames anyway."""
+        if not blocks or self._slot_sizes is None:
+            return None, None
+        sizes = [self._slot_sizes[0 if i == 0 else 1] for i in range(blocks)]
+        offsets, end = [], 0
+        for size in sizes:
+            offsets.append(end)
+            end += -(-size // LANDING_ALIGN) * LANDING_ALIGN
+        stage = self._landings.take(end)
+        view = memoryview(stage.numpy())
+        return stage, [view[at:at + size] for at, size in zip(offsets, sizes, strict=True)]
 
     def _context_for(self, prompt_ids: list[int]) -> torch.Tensor:
         """A pooled [layers, 2, kv_heads, capacity, head_dim] buffer with room for the prompt and the longest reply,
@@ -315,7 +361,7 @@ class Pipeline:
         except TimeoutError:
             return None
 
-    def _open_block(self, frame: bytes, index: int) -> OpenFrame | None:
+    def open_block(self, frame: bytes | memoryview, index: int) -> OpenFrame | None:
         """Block `index`'s frame verified and decompressed, or None (counted) if it is not what this pod
         would have written."""
         codec = self.codecs.at(index)
@@ -444,13 +490,19 @@ class Pipeline:
                                     early, view.ready, keep_from)
         if view.buffer is not None:  # back to the pool once the inference and the rehydration threads are done
             buffer, view.buffer = view.buffer, None  # with it, even if this request is cancelled meanwhile
+            stage, view.landing = view.landing, None
             rehydrating = view.rehydrating
+
+            def give_all(_: object = None) -> None:
+                self._contexts.give(buffer)
+                if stage is not None:
+                    self._landings.give(stage)
 
             def give(_: object) -> None:
                 if rehydrating is not None and not rehydrating.done():
-                    rehydrating.add_done_callback(lambda _: self._contexts.give(buffer))
+                    rehydrating.add_done_callback(give_all)
                 else:
-                    self._contexts.give(buffer)
+                    give_all()
 
             work.add_done_callback(give)
         gen = await work

@@ -1,18 +1,24 @@
 """Rehydrating fetched blocks into one context, off the event loop, overlapped with the wire.
 
-The lookup feeds each chunk of frames to a `Rehydration` as it arrives. On its own thread (one core) it
-verifies every frame at once (header, shape, checksum, decompression: `Codec.open`) and dequantizes whole
-frames while the next chunk is still on the wire. When the last chunk is in, the count of good frames is
-published: the hit is known and generation can start. The frames not dequantized by then are handed to
-the `LayerGate`: an engine that runs layer by layer (transformers) dequantizes each layer group itself,
-on its own cores, when its forward step reaches it; any other engine gets them dequantized here first.
+Two ways, by engine:
 
-Measured on 2 cores with Redis on the same machine (BENCHMARKS.md, section 1): a second thread
-dequantizing beside the forward step slowed the forward step by about what it saved (both are memory
-bound), and layer groups smaller than the whole context only added calls; so the forward step's
-thread dequantizes the rest in one group (LAYER_STEPS = 1) before its first layer.
+- An engine that runs layer by layer (transformers) gets its frames received into one buffer, the lookup's
+  landing (`cachestore.landing`), and the lookup's reader only verifies each chunk (`Rehydration.take`: header,
+  shape, checksum) between reads. When the last chunk is verified the hit is known, and the frames are handed to
+  the `LayerGate` as runs (`FrameRun`): the forward step dequantizes one layer of every block in one call just
+  before that layer's attention, which then reads the layer while it is still in the caches. A frame that did
+  not land (compressed, or of another length) is dequantized whole before layer 0.
+- Any other engine (llama.cpp sets its whole state at once): the lookup feeds each chunk to a `Rehydration`
+  thread (one core), which verifies and dequantizes whole frames while the next chunk is on the wire, and
+  dequantizes what is left once the last one is in.
+
+Measured on 2 cores with Redis on the same machine (BENCHMARKS.md, sections 1, 12 and 13): every millisecond of
+CPU a hit adds costs about a millisecond of TTFT. Dequantizing frame by frame during the fetch slowed the fetch
+(both cores were already busy with redis-server and the reader) and wrote a context larger than the caches that
+the forward step then read back from memory; a layer of every block at a time from the landing costs the forward
+step 2-3 ms at 2048 tokens against 5-7 ms. Without a landing, layer groups smaller than the whole context only
+added calls (one per frame per group), so that path dequantizes the rest in one group (LAYER_STEPS = 1).
 """
-
 from __future__ import annotations
 
 import queue
@@ -22,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from cachestore.codec import OpenFrame
+from cachestore.codec import FrameRun, OpenFrame
 from cachestore.errors import CodecError
 
 GATE_TIMEOUT_S = 60.0  # dequantization is CPU work that always ends; this only turns a bug into an error
@@ -86,23 +92,38 @@ class Rehydration:
         self,
         out: torch.Tensor,  # [layers, 2, kv_heads, capacity, head_dim]
         block_tokens: int,
-        open_block: Callable[[bytes, int], OpenFrame | None],
+        open_block: Callable[[bytes | memoryview, int], OpenFrame | None],
         layerwise: bool,
         on_decoded: Callable[[float], None] = lambda seconds: None,
+        landing: torch.Tensor | None = None,  # 1-D uint8: the buffer the lookup's frames were received into
     ) -> None:
         self.out, self.block_tokens, self.layerwise = out, block_tokens, layerwise
+        self.landing = landing if layerwise else None  # only a layer-by-layer engine dequantizes from it
         self._open_block = open_block  # None for a frame to reject (it truncates the hit there)
         self._on_decoded = on_decoded  # the seconds spent dequantizing, once every layer is in place
-        self._queue: queue.SimpleQueue[list[bytes] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[list[bytes | memoryview] | None] = queue.SimpleQueue()
         self.gate = LayerGate(out.shape[0])
         self.stopped = threading.Event()  # set at the first bad frame: later chunks are not needed
+        self._opened: list[OpenFrame] = []
+        self._sizes: list[int] = []
+        self._landed: list[int] = []  # frames read in place from the landing: left for the forward step, by layer
+        self._done = 0  # frames before this one are dequantized, or in `_landed`
         self.decode_seconds = 0.0
 
-    def feed(self, frames: Sequence[bytes]) -> None:
+    def feed(self, frames: Sequence[bytes | memoryview]) -> None:
         self._queue.put(list(frames))
 
     def end(self) -> None:
         self._queue.put(None)
+
+    def take(self, frames: Sequence[bytes | memoryview]) -> None:
+        """`feed` on the calling thread: verify the frames now (a lookup whose frames land in its landing has nothing
+        to dequantize while it reads, and its reader verifies each chunk itself rather than wake a thread for it)."""
+        try:
+            self._take(list(frames))
+        except BaseException as exc:
+            self.gate.fail(exc)
+            raise
 
     def run(self, on_verified: Callable[[int, int], None]) -> None:
         """Until `end`: verify each chunk as it comes and dequantize whole frames while the queue is empty.
@@ -113,30 +134,42 @@ class Rehydration:
             self.gate.fail(exc)
             raise
 
+    def _take(self, item: list[bytes | memoryview]) -> None:
+        opened, sizes = self._opened, self._sizes
+        for frame in item:
+            if self.stopped.is_set():
+                break
+            block = self._open_block(frame, len(opened))
+            if block is None:
+                self.stopped.set()
+                break
+            opened.append(block)
+            sizes.append(len(frame))
+        while self._done < len(opened) and self._queue.empty():
+            done = self._done
+            if self._in_landing(opened[done]):
+                self._landed.append(done)
+            elif not self._whole(opened[done], done):
+                del opened[done:], sizes[done:]
+                self._landed = [i for i in self._landed if i < done]
+                self.stopped.set()
+                break
+            self._done += 1
+
     def _run(self, on_verified: Callable[[int, int], None]) -> None:
-        opened: list[OpenFrame] = []
-        sizes: list[int] = []
-        done = 0
         try:
             while (item := self._queue.get()) is not None:
-                for frame in item:
-                    if self.stopped.is_set():
-                        break
-                    block = self._open_block(frame, len(opened))
-                    if block is None:
-                        self.stopped.set()
-                        break
-                    opened.append(block)
-                    sizes.append(len(frame))
-                while done < len(opened) and self._queue.empty():
-                    if not self._whole(opened[done], done):
-                        del opened[done:], sizes[done:]
-                        self.stopped.set()
-                        break
-                    done += 1
+                self._take(item)
         finally:
-            on_verified(len(opened), sum(sizes))
+            on_verified(len(self._opened), sum(self._sizes))
+        opened, landed, done = self._opened, self._landed, self._done
         layers = self.gate.layers
+        if landed or done < len(opened):  # the forward step dequantizes them as it reaches each layer
+            runs, whole = self._runs(opened, landed + list(range(done, len(opened))))
+            if runs:
+                self.gate.hand_over(self._layers(runs, [(i, opened[i]) for i in whole]))
+                return
+            landed, done = [], min([done, *whole])
         if done == len(opened):
             self.gate.release(layers)
             self._on_decoded(self.decode_seconds)
@@ -145,6 +178,58 @@ class Rehydration:
         else:
             self._groups(opened[done:], done, layers)(0)
             self.gate.release(layers)
+
+    def _in_landing(self, frame: OpenFrame) -> bool:
+        """Whether `frame` was read in place from the landing and can be dequantized a layer at a time."""
+        if self.landing is None or not frame.borrowed or frame.header.layer_bits or not frame.splits_by_layer:
+            return False
+        at = frame.raw.data_ptr() - self.landing.data_ptr()
+        return 0 <= at < self.landing.numel()
+
+    def _runs(self, opened: list[OpenFrame], pending: list[int]) -> tuple[list[tuple[int, FrameRun]], list[int]]:
+        """The pending frames (block indices, ascending) as runs of consecutive blocks that dequantize layer by layer
+        from the landing (`FrameRun`), and the blocks that do not (dequantized whole, before the first layer)."""
+        runs: list[tuple[int, FrameRun]] = []
+        whole: list[int] = []
+        segment: list[int] = []
+
+        def close() -> None:
+            run = FrameRun.of(self.landing, [opened[i] for i in segment]) if self.landing is not None else None
+            if run is not None:
+                runs.append((segment[0], run))
+            else:
+                whole.extend(segment)
+
+        for i in pending:
+            if segment and (i != segment[-1] + 1 or not self._in_landing(opened[i])
+                            or not self._in_landing(opened[segment[-1]])):
+                close()
+                segment = []
+            segment.append(i)
+        if segment:
+            close()
+        return runs, whole
+
+    def _layers(self, runs: list[tuple[int, FrameRun]], whole: list[tuple[int, OpenFrame]]) -> Callable[[int], int]:
+        """`work(layer)`: that layer of every run into the context (the frames that are no run whole, first);
+        returns the next layer."""
+        layers, b = self.gate.layers, self.block_tokens
+        _, _, heads, _, dim = self.out.shape
+
+        def work(layer: int) -> int:
+            t0 = time.perf_counter()
+            if layer == 0:
+                for index, frame in whole:
+                    frame.decode_into(self.out[:, :, :, self._span(index)])
+            for first, run in runs:  # [frames, 2, heads, b, dim] over the context's layer
+                tokens = self.out[layer, :, :, first * b:(first + run.count) * b]
+                run.decode_layer_into(tokens.view(2, heads, run.count, b, dim).permute(2, 0, 1, 3, 4), layer)
+            self.decode_seconds += time.perf_counter() - t0
+            if layer + 1 == layers:
+                self._on_decoded(self.decode_seconds)
+            return layer + 1
+
+        return work
 
     def _span(self, index: int) -> slice:
         return slice(index * self.block_tokens, (index + 1) * self.block_tokens)

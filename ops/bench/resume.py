@@ -298,39 +298,55 @@ class ResumeBench:
             raw.close()
 
     async def profile(self, mode: str, prompt: list[int], kv: Any) -> dict[str, float]:
-        """Median ms of each phase of a hit, run one after another (the pod overlaps fetch and decode)."""
+        """Median ms of each phase of a hit, run one after another (the pod verifies between its reads): the reads
+        into the landing, verifying, handing the frames over, the cache, the forward step dequantizing a layer of
+        every block just before that layer's attention; and, for comparison, the same step over that context once
+        it is all in place (the floor's step)."""
         import torch  # noqa: PLC0415
 
-        from cachestore.codec import Codec  # noqa: PLC0415
         from service import hfcache  # noqa: PLC0415
+        from service.pipeline import chunk_plan  # noqa: PLC0415
+        from service.rehydrate import Rehydration  # noqa: PLC0415
 
         context, b = len(prompt) - 1, self.args.block_tokens
-        codec = Codec(mode)
-        phases: dict[str, list[float]] = {k: [] for k in ("fetch", "allocate", "decode_into", "cache_build", "forward")}
+        names = ("fetch", "verify", "hand_over", "cache_build", "forward_layerwise", "forward_in_memory")
+        phases: dict[str, list[float]] = {k: [] for k in names}
         async with self._pod("bench-profile", mode) as (pipeline, store):
             hashes, _ = await self._store_history(pipeline, store, prompt, kv)
             # one buffer for every run, as the pod's context pool: a fresh 94 MB tensor each time would time the
-            # page faults of its first touch (39 ms of "decode_into" and 7 ms of "cache_build" at 2048 tokens here)
+            # page faults of its first touch (39 ms of decoding and 7 ms of "cache_build" at 2048 tokens here)
             layers, _, heads, _, dim = kv.shape
             pooled = torch.empty((layers, 2, heads, context + b, dim), dtype=kv.dtype)
+            stage, slots = pipeline.landing_for(len(hashes))
             for rep in range(self.args.repeat + 1):
                 marks = [time.perf_counter()]
-                # as a pod's lookup reads them: on a reader thread, with the blocking client
-                got = (await asyncio.to_thread(store.fetch_blocking, pipeline.model_key, hashes)).value
+
+                def read() -> list[Any]:  # as a pod's lookup reads them: on a reader thread, in its chunks
+                    got: list[Any] = []
+                    for r in chunk_plan(len(hashes)):
+                        into = slots[r.start:r.stop] if slots is not None else None
+                        got += store.fetch_blocking(pipeline.model_key, hashes[r.start:r.stop], into).value
+                    return got
+
+                got = await asyncio.to_thread(read)
                 marks.append(time.perf_counter())
-                whole = pooled[:, :, :, :context]  # [L, 2, H, N, D], a view of a buffer with room to grow
+                rehydration = Rehydration(pooled, b, pipeline.open_block, layerwise=True, landing=stage)
+                rehydration.take(got)
                 marks.append(time.perf_counter())
-                for i, frame in enumerate(got):
-                    codec.decode_into(frame, whole[:, :, :, i * b:(i + 1) * b])
+                rehydration.end()
+                rehydration.run(lambda n, nbytes: None)
                 marks.append(time.perf_counter())
 
-                def step(whole: Any = whole, marks: list[float] = marks) -> None:  # on the compute thread
+                def step(marks: list[float] = marks, gate: Any = rehydration.gate) -> None:  # on the compute thread
+                    whole = pooled[:, :, :, :context]  # [L, 2, H, N, D], a view of a buffer with room to grow
                     with torch.inference_mode():
-                        cache = hfcache.cache_from_tensor(whole, self.loaded.model)
-                        marks.append(time.perf_counter())
-                        logits, _ = hfcache.forward(self.loaded.model, prompt[context:], cache)
-                        int(torch.argmax(logits[-1]))
-                    marks.append(time.perf_counter())
+                        for ready in (gate, None):
+                            cache = hfcache.cache_from_tensor(whole, self.loaded.model, ready=ready)
+                            if ready is not None:
+                                marks.append(time.perf_counter())
+                            logits, _ = hfcache.forward(self.loaded.model, prompt[context:], cache)
+                            int(torch.argmax(logits[-1]))
+                            marks.append(time.perf_counter())
 
                 self.compute(step)
                 if rep:

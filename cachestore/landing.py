@@ -1,0 +1,163 @@
+"""Pipelined reads whose large values land straight in the caller's buffer.
+
+redis-py with hiredis copies a value three times on its way to Python: from the socket into the
+connection's buffer, into hiredis's reader, and into a bytes object of its own. A hit at 2048 tokens
+reads 24 MB of int8 frames and then dequantizes each frame from wherever its bytes object happens to be.
+Here each value of the expected length is received with `recv_into` directly into its slot of one buffer
+(one copy, the kernel's), so a lookup's frames lie side by side at a fixed stride, and one layer of every
+block can be dequantized in a single call (`cachestore.codec.FrameRun`).
+
+Replies are parsed in RESP2 and RESP3 (redis-py 8 speaks RESP3 by default); push messages, which a connection
+without client tracking or subscriptions never receives, are refused and the connection dropped.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
+_BUFFER = 1 << 16  # headers and small replies are read through this; a landed value bypasses it
+
+
+class ProtocolError(RedisConnectionError):
+    """The server sent something that is not a RESP reply: the connection is dropped."""
+
+
+class ReplyReader:
+    """RESP replies off one socket; a bulk string of exactly `len(target)` bytes is received into `target`."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._buf = bytearray(_BUFFER)
+        self._view = memoryview(self._buf)
+        self._pos = self._end = 0
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not yet parsed."""
+        return self._end - self._pos
+
+    def _fill(self) -> None:
+        if self._pos == self._end:
+            self._pos = self._end = 0
+        elif self._end == len(self._buf):  # a header split at the buffer's end: move what is left to the front
+            left = self._end - self._pos
+            self._buf[:left] = self._buf[self._pos:self._end]
+            self._pos, self._end = 0, left
+        got = self._sock.recv_into(self._view[self._end:])
+        if not got:
+            raise RedisConnectionError("Redis closed the connection mid-reply")
+        self._end += got
+
+    def _line(self) -> bytes:
+        while True:
+            at = self._buf.find(b"\r\n", self._pos, self._end)
+            if at >= 0:
+                line = bytes(self._buf[self._pos:at])
+                self._pos = at + 2
+                return line
+            if self._end - self._pos >= len(self._buf) - 2:
+                raise ProtocolError("a RESP header longer than 64 KiB")
+            self._fill()
+
+    def _exactly(self, target: memoryview) -> None:
+        want = len(target)
+        have = min(want, self._end - self._pos)
+        target[:have] = self._view[self._pos:self._pos + have]
+        self._pos += have
+        while have < want:
+            got = self._sock.recv_into(target[have:], want - have)
+            if not got:
+                raise RedisConnectionError("Redis closed the connection mid-value")
+            have += got
+
+    def _crlf(self) -> None:
+        while self._end - self._pos < 2:
+            self._fill()
+        if self._buf[self._pos:self._pos + 2] != b"\r\n":
+            raise ProtocolError("a bulk string not followed by CRLF")
+        self._pos += 2
+
+    def reply(self, target: memoryview | None = None) -> Any:
+        """One reply: bytes, int, None, a list, a ResponseError (returned, not raised, as redis-py's
+        `raise_on_error=False`), or `target` itself when a bulk string of its length was received into it."""
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        try:
+            if kind == b"$":
+                size = int(rest)
+                if size < 0:
+                    return None
+                if target is not None and size == len(target):
+                    self._exactly(target)
+                    self._crlf()
+                    return target
+                value = bytearray(size)
+                self._exactly(memoryview(value))
+                self._crlf()
+                return bytes(value)
+            if kind == b":":
+                return int(rest)
+            if kind == b"+":
+                return rest
+            if kind == b"-":
+                return ResponseError(rest.decode("utf-8", "replace"))
+            if kind == b"*" or kind == b"~":  # an array; RESP3's set
+                count = int(rest)
+                return None if count < 0 else [self.reply() for _ in range(count)]
+            if kind == b"_":  # RESP3's null
+                return None
+            if kind == b"%":  # RESP3's map, as redis-py gives it
+                return {self.reply(): self.reply() for _ in range(int(rest))}
+            if kind == b"#":
+                return rest == b"t"
+            if kind == b",":
+                return float(rest)
+            if kind == b"(":
+                return int(rest)
+            if kind in (b"=", b"!"):  # verbatim string (its "txt:" prefix dropped); blob error
+                value = bytearray(int(rest))
+                self._exactly(memoryview(value))
+                self._crlf()
+                return bytes(value[4:]) if kind == b"=" else ResponseError(value.decode("utf-8", "replace"))
+            if kind == b"|":  # attributes of the reply that follows: not needed
+                for _ in range(2 * int(rest)):
+                    self.reply()
+                return self.reply(target)
+        except ValueError as exc:
+            raise ProtocolError(f"a malformed RESP header {line[:40]!r}") from exc
+        raise ProtocolError(f"an unexpected RESP reply type {line[:40]!r}")
+
+
+def landable(client: Any) -> bool:
+    """Whether `client` (a blocking redis-py client) can read into buffers: a single server or a Sentinel-managed
+    master (a Cluster client routes each key itself and keeps its pools per node)."""
+    pool = getattr(client, "connection_pool", None)
+    return pool is not None and hasattr(pool, "get_connection")
+
+
+def pipelined_into(client: Any, commands: Sequence[tuple[Any, ...]], targets: Sequence[memoryview | None]) -> list[Any]:
+    """Send `commands` in one round trip on one of `client`'s connections and read their replies; reply `i`
+    (i < len(targets)) lands in `targets[i]` when it is a bulk string of that length. On any failure the
+    connection is dropped (its state is unknown) and the error raised."""
+    pool = client.connection_pool
+    conn = pool.get_connection()
+    try:
+        conn.send_packed_command(conn.pack_commands(commands))
+        sock = conn._sock  # noqa: SLF001 - redis-py's socket, connected by send_packed_command; plain or TLS
+        if sock is None:
+            raise RedisConnectionError("the connection closed before its replies were read")
+        reader = ReplyReader(sock)
+        replies = [reader.reply(targets[i] if i < len(targets) else None) for i in range(len(commands))]
+        if reader.buffered:
+            raise ProtocolError("bytes after the last reply")
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
+    return replies

@@ -1,0 +1,200 @@
+"""Values received straight into the caller's buffer (cachestore.landing), against a real redis-server, and the
+frames of a lookup dequantized a layer of every block at a time from there (FrameRun, Rehydration)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import redis
+import torch
+
+from cachestore import landing
+from cachestore.codec import Codec, FrameRun
+from cachestore.hashing import BlockHash
+from cachestore.settings import StoreSettings
+from cachestore.store import BlockStore
+from ops.redisproc import RedisProcess
+from service.rehydrate import Rehydration
+
+MODES = ["exact", "fp16", "int8", "int4+none", "int2+none", "int4+none/rot", "fp8+none"]
+
+
+class Trickle:
+    """A socket that hands out what it holds `step` bytes at a time: every header and value split mid-way."""
+
+    def __init__(self, data: bytes, step: int) -> None:
+        self.data, self.step, self.at = data, step, 0
+
+    def recv_into(self, buf: memoryview, nbytes: int = 0) -> int:
+        n = min(self.step, len(buf), nbytes or len(buf), len(self.data) - self.at)
+        buf[:n] = self.data[self.at:self.at + n]
+        self.at += n
+        return n
+
+
+REPLIES = (b"$5\r\nhello\r\n$-1\r\n_\r\n:42\r\n+OK\r\n-WRONGTYPE no\r\n*2\r\n:1\r\n$2\r\nab\r\n%1\r\n+k\r\n:7\r\n"
+           b"#t\r\n,1.5\r\n(12345678901234567890\r\n=8\r\ntxt:four\r\n!5\r\noops!\r\n~1\r\n:3\r\n|1\r\n+a\r\n:0\r\n"
+           b"$3\r\nxyz\r\n*-1\r\n")
+
+
+@pytest.mark.parametrize("step", [1, 3, 7, 1 << 16])
+def test_every_reply_type_parses_however_the_bytes_arrive(step: int) -> None:
+    buf = bytearray(3)
+    reader = landing.ReplyReader(Trickle(REPLIES, step))  # type: ignore[arg-type]
+    got = [reader.reply(memoryview(buf) if i == 0 else None) for i in range(16)]
+    assert got[0] == b"hello"  # 5 bytes do not fit a 3-byte target: a bytes object of their own
+    assert got[1:5] == [None, None, 42, b"OK"]
+    assert isinstance(got[5], redis.ResponseError) and str(got[5]) == "WRONGTYPE no"
+    assert got[6:13] == [[1, b"ab"], {b"k": 7}, True, 1.5, 12345678901234567890, b"four", got[12]]
+    assert isinstance(got[12], redis.ResponseError) and str(got[12]) == "oops!"
+    assert got[13] == [3]
+    target = memoryview(buf)
+    reader2 = landing.ReplyReader(Trickle(b"|1\r\n+a\r\n:0\r\n$3\r\nxyz\r\n", step))  # type: ignore[arg-type]
+    assert reader2.reply(target) is target and bytes(buf) == b"xyz"  # after its attributes, into the target
+    assert got[14] == b"xyz" and got[15] is None
+    assert reader.buffered == 0
+
+
+@pytest.mark.parametrize("bad", [b"$5\r\nhello!!", b"?what\r\n", b"$x\r\n", b"$5\r\nhel"])
+def test_a_malformed_or_cut_reply_raises(bad: bytes) -> None:
+    reader = landing.ReplyReader(Trickle(bad, 2))  # type: ignore[arg-type]
+    with pytest.raises(redis.ConnectionError):
+        reader.reply()
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_values_of_the_slot_length_land_in_the_buffer(redis_server: RedisProcess, protocol: int) -> None:
+    client = redis.Redis.from_url(redis_server.url, protocol=protocol)
+    try:
+        big, small = os.urandom(3_000_000), os.urandom(1000)  # far larger than the reader's own buffer
+        client.set("big", big)
+        client.set("small", small)
+        buf = bytearray(3_000_000 + 2000)
+        view = memoryview(buf)
+        slots = [view[:3_000_000], view[3_000_000:3_001_000], view[3_001_000:3_001_500]]
+        replies = landing.pipelined_into(
+            client, [("GETEX", "big", "PX", 60_000), ("GET", "small"), ("GET", "small"), ("GET", "absent"),
+                     ("EVAL", "return {1, 'two'}", 0), ("INCR", "big")], slots)
+        assert replies[0] is slots[0] and replies[1] is slots[1]  # landed: the slots themselves
+        assert bytes(buf[:3_000_000]) == big and bytes(buf[3_000_000:3_001_000]) == small
+        assert replies[2] == small and bytes(buf[3_001_000:3_001_500]) == bytes(500)  # 1000 bytes, a 500 slot
+        assert replies[3] is None and replies[4] == [1, b"two"]
+        assert isinstance(replies[5], redis.ResponseError)
+        assert client.pttl("big") > 0 and client.get("small") == small  # the connection is clean afterwards
+    finally:
+        client.close()
+
+
+def test_a_server_gone_mid_reply_raises_and_the_pool_recovers(redis_server: RedisProcess) -> None:
+    client = redis.Redis.from_url(redis_server.url, socket_timeout=5)
+    try:
+        client.set("v", b"x" * 100)
+        with pytest.raises(redis.ConnectionError):  # the connection closes before its replies
+            landing.pipelined_into(client, [("CLIENT", "KILL", "SKIPME", "no"), ("GET", "v")], [])
+        assert client.get("v") == b"x" * 100
+    finally:
+        client.close()
+
+
+def _store(url: str, ns: str, local: int = 0) -> BlockStore:
+    return BlockStore(StoreSettings.from_url(url, namespace=ns, index_shards=2, local_tier_bytes=local))
+
+
+async def test_fetch_blocking_receives_frames_into_their_slots(redis_server: RedisProcess) -> None:
+    """Frames of their slot's length land in it; any other length comes back as bytes; the hit ends at the first
+    missing block; what a lookup reads goes on counting as before; the local tier keeps copies, not the slots."""
+    writer, store = _store(redis_server.url, "land"), _store(redis_server.url, "land", local=1 << 20)
+    try:
+        hashes = [BlockHash(bytes([i]) * 16) for i in range(5)]
+        frames = [os.urandom(4000) for _ in range(4)] + [os.urandom(3000)]
+        assert await writer.put_blocks("abcdef0123456789", hashes, frames) == 5
+        buf = bytearray(5 * 4096)
+        slots = [memoryview(buf)[i * 4096:i * 4096 + 4000] for i in range(5)]
+        got = (await asyncio.to_thread(store.fetch_blocking, "abcdef0123456789", hashes, slots)).value
+        assert [type(g) for g in got] == [memoryview] * 4 + [bytes]
+        assert all(g is s for g, s in zip(got[:4], slots[:4], strict=True)) and [bytes(g) for g in got] == frames
+        assert store.stats().bytes_read == 19_000 and store.stats().local_hits == 0
+        buf[:] = bytes(len(buf))  # the slots are reused: the local tier holds its own copies
+        again = (await asyncio.to_thread(store.fetch_blocking, "abcdef0123456789", hashes[:3], slots)).value
+        assert [bytes(g) for g in again] == frames[:3] and again[0] is slots[0]  # from the local tier, into the slot
+        assert store.stats().local_hits == 3
+        await writer.client.delete(writer.keys.block("abcdef0123456789", hashes[2])[1])
+        hole = (await asyncio.to_thread(writer.fetch_blocking, "abcdef0123456789", hashes, slots)).value
+        assert [bytes(g) for g in hole] == frames[:2]
+        assert writer.stats().bytes_read == 8000 and writer.stats().partial_hits == 1
+    finally:
+        await writer.clear_namespace()
+        await writer.close()
+        await store.close()
+
+
+def _landed(codec: Codec, kvs: list[torch.Tensor], stride: int) -> tuple[torch.Tensor, list[memoryview]]:
+    frames = [codec.encode(kv) for kv in kvs]
+    buf = torch.zeros(len(frames) * stride, dtype=torch.uint8)
+    view = memoryview(buf.numpy())
+    slots = []
+    for i, frame in enumerate(frames):
+        view[i * stride:i * stride + len(frame)] = frame
+        slots.append(view[i * stride:i * stride + len(frame)])
+    return buf, slots
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_layer_of_every_landed_frame_at_once_equals_the_frames_decoded_one_by_one(mode: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    codec = Codec(mode)
+    kvs = [torch.randn(4, 2, 3, 16, 64, generator=gen) for _ in range(5)]  # [L, 2, H, T, D] each
+    buf, slots = _landed(codec, kvs, -(-codec.plain_size((4, 2, 3, 16, 64), torch.float32) // 64) * 64)
+    run = FrameRun.of(buf, [codec.open(s) for s in slots])
+    assert run is not None and run.count == 5
+    want = torch.cat([codec.decode(bytes(s)).float() for s in slots], dim=3)  # [L, 2, H, 5 * 16, D]
+    context = torch.full((4, 2, 3, 5 * 16 + 9, 64), float("nan"))
+    for layer in (2, 0, 3, 1):  # any order: each call writes its layer only
+        out = context[layer, :, :, :80].view(2, 3, 5, 16, 64).permute(2, 0, 1, 3, 4)  # [frames, 2, H, T, D]
+        assert run.decode_layer_into(out, layer) is out
+        assert torch.equal(context[layer, :, :, :80], want[layer])
+    assert torch.equal(context[:, :, :, :80], want) and context[:, :, :, 80:].isnan().all()
+
+
+def test_frames_that_are_no_run() -> None:
+    gen = torch.Generator().manual_seed(4)
+    kvs = [torch.randn(4, 2, 3, 16, 64, generator=gen) for _ in range(3)]
+    codec = Codec("int8")
+    buf, slots = _landed(codec, kvs, 26_624)
+    opened = [codec.open(s) for s in slots]
+    assert FrameRun.of(buf, opened) is not None
+    assert FrameRun.of(buf, [opened[0], opened[2], opened[1]]) is None  # not at one stride
+    assert FrameRun.of(buf, [codec.open(bytes(s)) for s in slots]) is None  # not read in place from the buffer
+    assert FrameRun.of(torch.zeros(10, dtype=torch.uint8), opened) is None  # in place, but elsewhere
+    other = Codec("fp16")
+    buf2, slots2 = _landed(other, kvs[:1], 50_000)
+    assert FrameRun.of(buf, [opened[0], other.open(slots2[0])]) is None  # two kinds
+    mixed = Codec("int4+none/k8=0.1")  # layers kept at int8: codes of two kinds per frame
+    buf3, slots3 = _landed(mixed, kvs, 20_480)
+    assert FrameRun.of(buf3, [mixed.open(s) for s in slots3]) is None
+
+
+def test_a_rehydration_leaves_landed_frames_for_the_forward_step_a_layer_at_a_time() -> None:
+    """Landed frames are only verified while the lookup reads; each layer of all of them is dequantized when the
+    forward step reaches it; a frame that did not land (bytes) is dequantized whole, before layer 0."""
+    gen = torch.Generator().manual_seed(5)
+    codec = Codec("int8")
+    kvs = [torch.randn(4, 2, 3, 16, 64, generator=gen) for _ in range(6)]
+    buf, slots = _landed(codec, kvs, 26_624)
+    want = torch.cat([codec.decode(bytes(s)).float() for s in slots], dim=3)
+    out = torch.full((4, 2, 3, 6 * 16 + 16, 64), float("nan"))
+    rehydration = Rehydration(out, 16, lambda frame, i: codec.open(frame), layerwise=True, landing=buf)
+    rehydration.feed(slots[:2])
+    rehydration.feed([bytes(slots[2])] + slots[3:])  # block 2 came as bytes (a frame of another length would)
+    rehydration.end()
+    verified: list[tuple[int, int]] = []
+    rehydration.run(lambda n, nbytes: verified.append((n, nbytes)))
+    assert verified == [(6, sum(map(len, slots)))]
+    assert out[:, :, :, :96].isnan().all()  # nothing dequantized yet: it waits for the forward step
+    rehydration.gate.wait(0)
+    assert torch.equal(out[0, :, :, :96], want[0]) and torch.equal(out[:, :, :, 32:48], want[:, :, :, 32:48])
+    assert out[1:, :, :, :32].isnan().all() and out[1:, :, :, 48:96].isnan().all()
+    rehydration.gate.wait_all()
+    assert torch.equal(out[:, :, :, :96], want)
