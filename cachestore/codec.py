@@ -463,6 +463,11 @@ class OpenFrame:
         return parts if self.device.type == "cpu" else [part.to(self.device) for part in parts]
 
     @property
+    def kind(self) -> tuple[object, ...]:
+        """Every field of the header but its checksum: frames of one kind share their layout (`FrameRun`)."""
+        return _kind(self.header)
+
+    @property
     def splits_by_layer(self) -> bool:
         """Whether `decode_into` takes a part of the layers (packed codes of odd shapes do not)."""
         h = self.header

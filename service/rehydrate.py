@@ -200,9 +200,9 @@ class Rehydration:
             else:
                 whole.extend(segment)
 
-        for i in pending:
+        for i in pending:  # block 0 may have a codec of its own (blockcodec): a run of its own
             if segment and (i != segment[-1] + 1 or not self._in_landing(opened[i])
-                            or not self._in_landing(opened[segment[-1]])):
+                            or not self._in_landing(opened[segment[-1]]) or opened[i].kind != opened[segment[-1]].kind):
                 close()
                 segment = []
             segment.append(i)

@@ -198,3 +198,27 @@ def test_a_rehydration_leaves_landed_frames_for_the_forward_step_a_layer_at_a_ti
     assert out[1:, :, :, :32].isnan().all() and out[1:, :, :, 48:96].isnan().all()
     rehydration.gate.wait_all()
     assert torch.equal(out[:, :, :, :96], want)
+
+
+def test_block_zero_of_another_codec_is_a_run_of_its_own() -> None:
+    """Under int4 block 0 keeps int8 (blockcodec): its frame is a run of its own and the int4 frames another, so
+    every block is still dequantized a layer at a time."""
+    gen = torch.Generator().manual_seed(6)
+    sink, main = Codec("int8"), Codec("int4+none")
+    kvs = [torch.randn(4, 2, 3, 16, 64, generator=gen) for _ in range(4)]
+    frames = [sink.encode(kvs[0])] + [main.encode(kv) for kv in kvs[1:]]
+    buf = torch.zeros(4 * 26_624, dtype=torch.uint8)
+    view = memoryview(buf.numpy())
+    slots = [view[0:len(frames[0])]] + [view[26_624 * i:26_624 * i + len(f)] for i, f in enumerate(frames) if i]
+    for slot, frame in zip(slots, frames, strict=True):
+        slot[:] = frame
+    want = torch.cat([Codec().decode(f).float() for f in frames], dim=3)
+    out = torch.full((4, 2, 3, 4 * 16, 64), float("nan"))
+    rehydration = Rehydration(out, 16, lambda frame, i: Codec().open(frame), layerwise=True, landing=buf)
+    rehydration.take(slots)
+    rehydration.end()
+    rehydration.run(lambda n, nbytes: None)
+    rehydration.gate.wait(1)
+    assert torch.equal(out[:2], want[:2]) and out[2:].isnan().all()  # block 0 too: by layer, not whole
+    rehydration.gate.wait_all()
+    assert torch.equal(out, want)
