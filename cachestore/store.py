@@ -6,7 +6,7 @@ import asyncio
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -169,6 +169,82 @@ class BlockStore:
         return self._end_fetch(keyed, found,
                                self._guarded_blocking(lambda: self._fetch_blocking(keyed, len(frames), into)))
 
+    def fetch_chunks_blocking(
+        self, model: str, chunks: Sequence[Sequence[BlockHash]], into: Sequence[Sequence[memoryview]],
+    ) -> Iterator[Result[list[bytes | memoryview]]]:
+        """`fetch_blocking` of each chunk in turn (with its buffers), as a generator: once a chunk's replies are in,
+        the next chunk is requested before this one's result is yielded, so its bytes come in while the caller
+        verifies this one. The next chunk is asked for only when this one was whole; a chunk that fails ends it.
+        Close it (it is a generator) to stop early: a request still unanswered drops its connection."""
+        client = self._blocking_client()
+        if not self._landable or not self._breaker.allow():  # one round trip at a time (or a miss: breaker open)
+            for chunk, slots in zip(chunks, into, strict=True):
+                result = self.fetch_blocking(model, chunk, slots)
+                yield result
+                if len(result.value) < len(chunk):
+                    return
+            return
+        if not chunks:
+            self._breaker.release()
+            return
+        exchange: landing.Exchange | None = None
+        failed: Exception | None = None
+        try:
+            plans = [self._plan_fetch(client, model, chunks[0], into[0])]
+            exchange = landing.Exchange(client)
+            if plans[0][2] is not None:
+                exchange.send(plans[0][2][0])
+            for index in range(len(chunks)):
+                keyed, found, request = plans[index]
+                remote: list[Any] = []
+                if request is not None:
+                    remote = self._fetched(keyed, len(found), exchange.receive(len(request[0]), request[1]))
+                if index + 1 < len(chunks) and len(found) + len(remote) == len(keyed):
+                    plans.append(self._plan_fetch(client, model, chunks[index + 1], into[index + 1]))
+                    try:  # a failed request fails the next chunk: this one's frames still count
+                        if plans[-1][2] is not None:
+                            exchange.send(plans[-1][2][0])
+                    except Exception as exc:  # noqa: BLE001
+                        failed = exc
+                yield self._end_fetch(keyed, found, remote)
+                if failed is not None or len(found) + len(remote) < len(keyed):
+                    break
+        except Exception as exc:  # noqa: BLE001 - any Redis trouble is a miss, as in fetch_blocking
+            failed = exc
+        except BaseException:  # GeneratorExit (closed early) included: not Redis's doing
+            self._breaker.release()
+            raise
+        finally:
+            if exchange is not None:
+                exchange.close()
+        if failed is None:
+            self._breaker.record_success()
+            return
+        self._failure(failed)
+        keyed, found, _ = plans[-1]  # the chunk whose request or replies failed
+        yield self._end_fetch(keyed, found, FAILED)
+
+    def _blocking_client(self) -> Any:
+        with self._blocking_lock:
+            if self._blocking is None:
+                self._blocking = make_client(self.settings, asynchronous=False)
+                self._landable = landing.landable(self._blocking)
+            return self._blocking
+
+    def _plan_fetch(
+        self, client: Any, model: str, hashes: Sequence[BlockHash], into: Sequence[memoryview],
+    ) -> tuple[list[tuple[int, str]], list[bytes | memoryview], tuple[list[tuple[Any, ...]], list[Any]] | None]:
+        """A chunk's keys, its frames held locally (in their buffers), and the commands and reply buffers of the
+        round trip it needs (None when it is all held locally)."""
+        keyed, frames = self._begin_fetch(model, hashes)
+        found = [_land(frame, target) for frame, target in zip(frames, into, strict=False)]
+        if len(frames) == len(keyed):
+            return keyed, found, None
+        pipe = client.pipeline(transaction=False)
+        self._queue_fetch(pipe, keyed, len(frames))
+        targets: list[memoryview | None] = [None] * len(frames) + list(into[len(frames):len(keyed)])
+        return keyed, found, ([a for a, _ in pipe.command_stack], targets)
+
     def _begin_fetch(self, model: str, hashes: Sequence[BlockHash]) -> tuple[list[tuple[int, str]], list[bytes]]:
         """The keys of `hashes`, and the frames of their longest prefix the local tier holds."""
         check_model(model)
@@ -210,11 +286,7 @@ class BlockStore:
     def _fetch_blocking(
         self, keyed: list[tuple[int, str]], start: int, into: Sequence[memoryview] | None = None,
     ) -> list[bytes | memoryview]:
-        with self._blocking_lock:
-            if self._blocking is None:
-                self._blocking = make_client(self.settings, asynchronous=False)
-                self._landable = landing.landable(self._blocking)
-            client = self._blocking
+        client = self._blocking_client()
         pipe = client.pipeline(transaction=False)
         self._queue_fetch(pipe, keyed, start)
         if into is None or not self._landable:

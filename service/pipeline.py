@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -290,25 +291,33 @@ class Pipeline:
         itself and then runs the rehydration's end (`Rehydration.take`)."""
         assert self.store is not None
         head: Result[list[bytes | memoryview]] | None = None
-        start = 0
+        results: Iterator[Result[list[bytes | memoryview]]]
+        if slots is not None:  # the next chunk is requested before this one is verified: it comes in meanwhile
+            cuts = [sum(map(len, chunks[:i])) for i in range(len(chunks) + 1)]
+            results = self.store.fetch_chunks_blocking(self.model_key, chunks,
+                                                       [slots[a:b] for a, b in zip(cuts, cuts[1:], strict=False)])
+        else:
+            results = (self.store.fetch_blocking(self.model_key, chunk) for chunk in chunks)
         try:
-            for index, chunk in enumerate(chunks):
-                if stop.is_set() or rehydration.stopped.is_set() or time.monotonic() >= deadline:
-                    break
-                if index == len(chunks) - 1:
-                    on_last()
-                into = slots[start:start + len(chunk)] if slots is not None else None
-                start += len(chunk)
-                result = self.store.fetch_blocking(self.model_key, chunk, into)
-                if index == 0:
-                    head = result
-                    on_first(head)
-                if on_verified is not None:
-                    rehydration.take(result.value)
-                else:
-                    rehydration.feed(result.value)
-                if len(result.value) < len(chunk):
-                    break
+            with contextlib.closing(results):
+                if stop.is_set() or time.monotonic() >= deadline:
+                    return
+                if len(chunks) <= 1 + (slots is not None):
+                    on_last()  # the last chunk is (about to be) requested: the prompt's tail goes along
+                for index, result in enumerate(results):
+                    if index == 0:
+                        head = result
+                        on_first(head)
+                    if on_verified is not None:
+                        rehydration.take(result.value)
+                    else:
+                        rehydration.feed(result.value)
+                    if len(result.value) < len(chunks[index]) or index + 1 == len(chunks):
+                        break
+                    if stop.is_set() or rehydration.stopped.is_set() or time.monotonic() >= deadline:
+                        break
+                    if index + 2 + (slots is not None) == len(chunks):
+                        on_last()
         finally:
             if head is None:
                 on_first(None)

@@ -13,7 +13,7 @@ def test_bench_store_small_run_reports_both_ratios(tmp_path: Path) -> None:
     assert main(["bench", "store", "--block-sizes", "256K", "--reps", "3", "--tokens", "512",
                  "--json", str(out)]) == 0
     rows = {r["op"]: r for r in json.loads(out.read_text())}
-    assert set(rows) == {"get", "get_reader", "put", "put_nobudget"}
+    assert set(rows) == {"get", "get_reader", "get_landing", "put", "put_nobudget"}
     get = rows["get"]
     assert get["reps"] == 3 and get["context_bytes"] == 512 * 23040
     assert get["kvstash_mb_s"] > 0 and get["raw_mb_s"] > 0
@@ -23,3 +23,6 @@ def test_bench_store_small_run_reports_both_ratios(tmp_path: Path) -> None:
     reader = rows["get_reader"]  # the pod's lookups read on a thread with a blocking client: measured the same way
     assert reader["reps"] == 3 and reader["context_bytes"] == get["context_bytes"] and reader["kvstash_mb_s"] > 0
     assert 0 < reader["paired_ratio"] < 100
+    landing = rows["get_landing"]  # a transformers pod's lookup: frames received into one buffer, the same bytes
+    assert landing["reps"] == 3 and landing["context_bytes"] == get["context_bytes"] and landing["kvstash_mb_s"] > 0
+    assert 0 < landing["paired_ratio"] < 100

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from typing import Any
 
 import pytest
 import redis
@@ -13,6 +14,7 @@ import torch
 from cachestore import landing
 from cachestore.codec import Codec, FrameRun
 from cachestore.hashing import BlockHash
+from cachestore.outcome import Outcome
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
 from ops.redisproc import RedisProcess
@@ -222,3 +224,86 @@ def test_block_zero_of_another_codec_is_a_run_of_its_own() -> None:
     assert torch.equal(out[:2], want[:2]) and out[2:].isnan().all()  # block 0 too: by layer, not whole
     rehydration.gate.wait_all()
     assert torch.equal(out, want)
+
+
+async def test_chunks_are_requested_one_ahead_and_answer_as_fetch_blocking(redis_server: RedisProcess) -> None:
+    """fetch_chunks_blocking yields what fetch_blocking gives chunk by chunk (frames in their slots, local frames
+    copied in, the hit ending at a hole); closed early it drops the connection of the request left unanswered."""
+    store = _store(redis_server.url, "ahead", local=1 << 20)
+    try:
+        hashes = [BlockHash(bytes([i]) * 16) for i in range(7)]
+        frames = [os.urandom(3000) for _ in range(7)]
+        assert await _store(redis_server.url, "ahead").put_blocks("abcdef0123456789", hashes, frames) == 7
+        buf = bytearray(7 * 4096)
+        slots = [memoryview(buf)[i * 4096:i * 4096 + 3000] for i in range(7)]
+        chunks, into = [hashes[0:3], hashes[3:6], hashes[6:7]], [slots[0:3], slots[3:6], slots[6:7]]
+
+        def fetch_all() -> list[list[object]]:
+            return [r.value for r in store.fetch_chunks_blocking("abcdef0123456789", chunks, into)]
+
+        got = await asyncio.to_thread(fetch_all)
+        assert [[bytes(f) for f in c] for c in got] == [frames[0:3], frames[3:6], frames[6:7]]
+        assert all(f is s for c, sl in zip(got, into, strict=True) for f, s in zip(c, sl, strict=True))
+        stats = store.stats()
+        assert (stats.lookups, stats.hits, stats.round_trips, stats.errors) == (3, 3, 3, 0)
+        buf[:] = bytes(len(buf))
+        again = await asyncio.to_thread(fetch_all)  # all from the local tier now: no round trip, into the slots
+        assert [[bytes(f) for f in c] for c in again] == [frames[0:3], frames[3:6], frames[6:7]]
+        assert store.stats().round_trips == 3 and store.stats().local_hits == 7
+
+        cold = _store(redis_server.url, "ahead")
+        try:
+            await cold.client.delete(cold.keys.block("abcdef0123456789", hashes[4])[1])
+
+            def with_hole() -> list[list[object]]:
+                return [r.value for r in cold.fetch_chunks_blocking("abcdef0123456789", chunks, into)]
+
+            hole = await asyncio.to_thread(with_hole)  # the second chunk ends at block 4: no third chunk
+            assert [[bytes(f) for f in c] for c in hole] == [frames[0:3], frames[3:4]]
+            assert cold.stats().round_trips == 2 and cold.stats().partial_hits == 1
+
+            def first_only() -> int:
+                results = cold.fetch_chunks_blocking("abcdef0123456789", chunks, into)
+                first = next(results)  # the second chunk is already asked for
+                results.close()
+                return len(first.value)
+
+            clients = int((await cold.client.info("clients"))["connected_clients"])
+            assert await asyncio.to_thread(first_only) == 3
+            assert int((await cold.client.info("clients"))["connected_clients"]) == clients - 1  # dropped
+            assert [bytes(f) for f in (await asyncio.to_thread(with_hole))[0]] == frames[0:3]  # a new one
+        finally:
+            await cold.close()
+    finally:
+        await store.clear_namespace()
+        await store.close()
+
+
+async def test_a_server_killed_between_chunks_is_a_miss_for_the_breaker(redis_server: RedisProcess) -> None:
+    """The second chunk (12 MB, more than a socket's receive buffer holds) was asked for, then Redis dies: the first
+    chunk counts, the second is UNAVAILABLE and the breaker hears of it."""
+    store = BlockStore(StoreSettings.from_url(redis_server.url, namespace="gone", op_timeout_s=0.5,
+                                              connect_timeout_s=0.3, breaker_failures=1, breaker_reset_s=30))
+    try:
+        size = 4 << 20
+        hashes = [BlockHash(bytes([i]) * 16) for i in range(5)]
+        frames = [os.urandom(size) for _ in range(5)]
+        assert await store.put_blocks("abcdef0123456789", hashes, frames) == 5
+        buf = bytearray(5 * size)
+        slots = [memoryview(buf)[i * size:(i + 1) * size] for i in range(5)]
+
+        def killed_after_first() -> list[Any]:
+            results = store.fetch_chunks_blocking("abcdef0123456789", [hashes[:2], hashes[2:]], [slots[:2], slots[2:]])
+            first = next(results)
+            redis_server.kill()
+            return [first, *results]
+
+        first, second = await asyncio.to_thread(killed_after_first)
+        assert [bytes(f) for f in first.value] == frames[:2] and first.value[0] is slots[0]
+        assert second.outcome is Outcome.UNAVAILABLE and store.breaker_state == "open"
+        assert store.stats().errors == 1
+        gone = await asyncio.to_thread(
+            lambda: list(store.fetch_chunks_blocking("abcdef0123456789", [hashes[:2]], [slots[:2]])))
+        assert [r.outcome for r in gone] == [Outcome.UNAVAILABLE] and store.stats().skipped_open == 1
+    finally:
+        await store.close()
