@@ -172,4 +172,5 @@ def plot_bars(path: Path | str, labels: Sequence[str], groups: dict[str, Sequenc
     ax.set_title(title)
     ax.set_ylabel(ylabel)
     ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncols=min(4, len(groups)))  # below: bars fill the top
     _save(fig, path)

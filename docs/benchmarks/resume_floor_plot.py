@@ -1,0 +1,35 @@
+"""Each hit's ratio to its floor (p50 / p50) before a wave's change and after it, alternating runs:
+resume-waveN-{before,after}-run{1,2,...}.json -> resume-waveN.png. Targets: 1.15 (fp16, int8), 1.25 (int4).
+Wave 6 (section 12): before 15fd1ae, after 4d78c65. Wave 7 (section 13): before 6dab61d, after 53dd95a.
+
+Run: PYTHONPATH=. .venv/bin/python docs/benchmarks/resume_floor_plot.py 7
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ops.bench.common import plot_bars
+
+HERE = Path(__file__).parent
+
+
+def ratios(path: Path) -> dict[str, float]:
+    rows = json.loads(path.read_text())["rows"]
+    return {f"{r['method'].removeprefix('kvstash-')}\n{r['context']}": r["ratio_to_floor"] for r in rows
+            if r["method"].startswith("kvstash-") and r["ratio_to_floor"] is not None}
+
+
+def main(wave: str) -> None:
+    runs = {f"{side} run {path.stem.rsplit('run', 1)[1]}": ratios(path)
+            for side in ("before", "after") for path in sorted(HERE.glob(f"resume-wave{wave}-{side}-run*.json"))}
+    labels = list(next(iter(runs.values())))
+    plot_bars(HERE / f"resume-wave{wave}.png", labels, {k: [v[lab] for lab in labels] for k, v in runs.items()},
+              title=f"hf hit / floor (p50), wave {wave}; targets 1.15 (fp16, int8) and 1.25 (int4)",
+              ylabel="hit / floor")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "6")
