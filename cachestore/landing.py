@@ -21,6 +21,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 _BUFFER = 1 << 16  # headers and small replies are read through this; a landed value bypasses it
+MAX_BULK = 512 << 20  # Redis's own proto-max-bulk-len: a longer length is no Redis reply (bytes are untrusted)
+MAX_DEPTH = 8  # nested aggregates; the commands read here nest at most 2 deep
 
 
 class ProtocolError(RedisConnectionError):
@@ -82,12 +84,16 @@ class ReplyReader:
             raise ProtocolError("a bulk string not followed by CRLF")
         self._pos += 2
 
-    def reply(self, target: memoryview | None = None) -> Any:
+    def reply(self, target: memoryview | None = None, depth: int = 0) -> Any:
         """One reply: bytes, int, None, a list, a ResponseError (returned, not raised, as redis-py's
         `raise_on_error=False`), or `target` itself when a bulk string of its length was received into it."""
+        if depth > MAX_DEPTH:
+            raise ProtocolError(f"a reply nested more than {MAX_DEPTH} deep")
         line = self._line()
         kind, rest = line[:1], line[1:]
         try:
+            if kind in (b"$", b"=", b"!") and int(rest) > MAX_BULK:
+                raise ProtocolError(f"a bulk string of {int(rest)} bytes, over {MAX_BULK}")
             if kind == b"$":
                 size = int(rest)
                 if size < 0:
@@ -108,11 +114,11 @@ class ReplyReader:
                 return ResponseError(rest.decode("utf-8", "replace"))
             if kind == b"*" or kind == b"~":  # an array; RESP3's set
                 count = int(rest)
-                return None if count < 0 else [self.reply() for _ in range(count)]
+                return None if count < 0 else [self.reply(None, depth + 1) for _ in range(count)]
             if kind == b"_":  # RESP3's null
                 return None
             if kind == b"%":  # RESP3's map, as redis-py gives it
-                return {self.reply(): self.reply() for _ in range(int(rest))}
+                return {self.reply(None, depth + 1): self.reply(None, depth + 1) for _ in range(int(rest))}
             if kind == b"#":
                 return rest == b"t"
             if kind == b",":
@@ -126,8 +132,8 @@ class ReplyReader:
                 return bytes(value[4:]) if kind == b"=" else ResponseError(value.decode("utf-8", "replace"))
             if kind == b"|":  # attributes of the reply that follows: not needed
                 for _ in range(2 * int(rest)):
-                    self.reply()
-                return self.reply(target)
+                    self.reply(None, depth + 1)
+                return self.reply(target, depth)
         except ValueError as exc:
             raise ProtocolError(f"a malformed RESP header {line[:40]!r}") from exc
         raise ProtocolError(f"an unexpected RESP reply type {line[:40]!r}")

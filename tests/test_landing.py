@@ -59,7 +59,8 @@ def test_every_reply_type_parses_however_the_bytes_arrive(step: int) -> None:
     assert reader.buffered == 0
 
 
-@pytest.mark.parametrize("bad", [b"$5\r\nhello!!", b"?what\r\n", b"$x\r\n", b"$5\r\nhel"])
+@pytest.mark.parametrize("bad", [b"$5\r\nhello!!", b"?what\r\n", b"$x\r\n", b"$5\r\nhel", b"$99999999999\r\n",
+                                 b"*1\r\n" * 12 + b":1\r\n"])
 def test_a_malformed_or_cut_reply_raises(bad: bytes) -> None:
     reader = landing.ReplyReader(Trickle(bad, 2))  # type: ignore[arg-type]
     with pytest.raises(redis.ConnectionError):
