@@ -133,11 +133,12 @@ class Pipeline:
                                      max_idle=max(2, engine.parallel))
         # [layers, 2, kv_heads, block_tokens, head_dim]
         self._block_shape = (geo.num_layers, 2, geo.kv_heads, settings.block_tokens, geo.head_dim)
-        # frames stored plainly (int8, fp16 and exact under lz4 or none) are received into one buffer and dequantized
-        # from there a layer at a time (cachestore.landing, service.rehydrate); block 0 may have its own codec
+        # frames stored plainly (int8, fp16 and exact under lz4 or none) are received into one buffer (one copy on the
+        # wire, cachestore.landing), and a layer-by-layer engine dequantizes them from there a layer at a time
+        # (service.rehydrate); block 0 may have its own codec
         self._slot_sizes = ((self.codecs.sink.plain_size(self._block_shape, geo.dtype),
                              self.codecs.main.plain_size(self._block_shape, geo.dtype))
-                            if engine.layerwise and self.codecs.main.spec.compressor in LANDING_COMPRESSORS else None)
+                            if self.codecs.main.spec.compressor in LANDING_COMPRESSORS else None)
         self._landings = LandingPool(max_idle=max(2, engine.parallel))
         # the sticky-sessions baseline: KV kept in this pod's memory instead of Redis
         self.memory = MemoryKV(settings.memory_kv_bytes) if settings.memory_kv_bytes else None
@@ -192,9 +193,9 @@ class Pipeline:
         (it moves large values with far less CPU than the event loop: BENCHMARKS.md, section 1). For a
         layer-by-layer engine the frames land in one pooled buffer and the reader verifies each chunk itself; the
         forward step dequantizes a layer of every block at a time from there (service.rehydrate, section 13).
-        For any other engine a `Rehydration` thread verifies and dequantizes each chunk as it arrives, straight
-        into one preallocated context. The hit is known when the last chunk is verified; what is not dequantized
-        by then is handed to the engine through the view's `ready` gate.
+        For any other engine they land likewise, and a `Rehydration` thread verifies and dequantizes each chunk
+        as it arrives, straight into one preallocated context. The hit is known when the last chunk is verified;
+        what is not dequantized by then is handed to the engine through the view's `ready` gate.
         """
         if self.memory is not None:
             return self._account(await self._memory_view(tenant_salt, prompt_ids), prompt_ids), session
@@ -219,6 +220,7 @@ class Pipeline:
         out = self._context_for(prompt_ids)  # a hit fills at most `usable` tokens; views are handed on
         decode_seconds = self.metrics.codec_seconds.labels("decode")
         stage, slots = self.landing_for(len(hashes))
+        inline = slots is not None and self.engine.layerwise  # nothing to dequantize while the frames come in
         rehydration = Rehydration(out, b, self.open_block, layerwise=self.engine.layerwise,
                                   on_decoded=decode_seconds.observe, landing=stage)
         verified: asyncio.Future[tuple[int, int]] = loop.create_future()
@@ -233,8 +235,8 @@ class Pipeline:
             self._readers, self._read_blocks, chunks, slots, rehydration, stop,
             time.monotonic() + (deadline - loop.time()),
             lambda result: loop.call_soon_threadsafe(_settle, first, result),
-            lambda: loop.call_soon_threadsafe(last_chunk_sent), on_verified if slots is not None else None)
-        worker = reader if slots is not None else loop.run_in_executor(self._decoder, rehydration.run, on_verified)
+            lambda: loop.call_soon_threadsafe(last_chunk_sent), on_verified if inline else None)
+        worker = reader if inline else loop.run_in_executor(self._decoder, rehydration.run, on_verified)
         if not chunks:
             last_chunk_sent()
         fetch_session = self.store.get_session(*session_key) if session_key else self._none()
@@ -328,7 +330,7 @@ class Pipeline:
     def landing_for(self, blocks: int) -> tuple[torch.Tensor | None, list[memoryview] | None]:
         """A pooled buffer the lookup's frames are received into, and each block's slot in it (64-byte aligned, at
         one stride after block 0, whose codec may differ); (None, None) when this pod's frames are compressed (their
-        lengths vary) or the engine dequantizes whole frames anyway."""
+        lengths vary)."""
         if not blocks or self._slot_sizes is None:
             return None, None
         sizes = [self._slot_sizes[0 if i == 0 else 1] for i in range(blocks)]

@@ -8,9 +8,9 @@ Two ways, by engine:
   the `LayerGate` as runs (`FrameRun`): the forward step dequantizes one layer of every block in one call just
   before that layer's attention, which then reads the layer while it is still in the caches. A frame that did
   not land (compressed, or of another length) is dequantized whole before layer 0.
-- Any other engine (llama.cpp sets its whole state at once): the lookup feeds each chunk to a `Rehydration`
-  thread (one core), which verifies and dequantizes whole frames while the next chunk is on the wire, and
-  dequantizes what is left once the last one is in.
+- Any other engine (llama.cpp sets its whole state at once): the frames land likewise (one copy on the wire), and
+  the lookup feeds each chunk to a `Rehydration` thread (one core), which verifies and dequantizes whole frames
+  while the next chunk is on the wire, and dequantizes what is left once the last one is in.
 
 Measured on 2 cores with Redis on the same machine (BENCHMARKS.md, sections 1, 12 and 13): every millisecond of
 CPU a hit adds costs about a millisecond of TTFT. Dequantizing frame by frame during the fetch slowed the fetch

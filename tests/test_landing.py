@@ -308,3 +308,20 @@ async def test_a_server_killed_between_chunks_is_a_miss_for_the_breaker(redis_se
         assert [r.outcome for r in gone] == [Outcome.UNAVAILABLE] and store.stats().skipped_open == 1
     finally:
         await store.close()
+
+
+def test_an_engine_that_takes_its_state_whole_gets_landed_frames_dequantized_during_the_fetch() -> None:
+    """llama.cpp's frames land too (one copy on the wire), but its rehydration thread dequantizes them whole as they
+    come: by the time the hit is known every layer is in place, nothing is handed over."""
+    gen = torch.Generator().manual_seed(7)
+    codec = Codec("int8")
+    kvs = [torch.randn(4, 2, 3, 16, 64, generator=gen) for _ in range(3)]
+    buf, slots = _landed(codec, kvs, 26_624)
+    want = torch.cat([codec.decode(bytes(s)).float() for s in slots], dim=3)
+    out = torch.full((4, 2, 3, 48, 64), float("nan"))
+    rehydration = Rehydration(out, 16, lambda frame, i: codec.open(frame), layerwise=False, landing=buf)
+    rehydration.feed(slots)
+    rehydration.end()
+    rehydration.run(lambda n, nbytes: None)
+    assert torch.equal(out, want)  # before anyone waits on the gate
+    rehydration.gate.wait_all()
