@@ -160,14 +160,11 @@ class BlockStore:
         With `into` (a writable buffer per hash), a frame of exactly its buffer's length is received straight into
         it and returned as that memoryview (`cachestore.landing`); a frame held locally is copied there; any other
         comes back as bytes."""
-        keyed, frames = self._begin_fetch(model, hashes)
-        found: list[bytes | memoryview] = list(frames)
-        if into is not None:
-            found = [_land(frame, target) for frame, target in zip(frames, into, strict=False)]
-        if len(frames) == len(keyed):
+        keyed, found = self._begin_landing(model, hashes, into)
+        if len(found) == len(keyed):
             return self._end_fetch(keyed, found, [])
         return self._end_fetch(keyed, found,
-                               self._guarded_blocking(lambda: self._fetch_blocking(keyed, len(frames), into)))
+                               self._guarded_blocking(lambda: self._fetch_blocking(keyed, len(found), into)))
 
     def fetch_chunks_blocking(
         self, model: str, chunks: Sequence[Sequence[BlockHash]], into: Sequence[Sequence[memoryview]],
@@ -236,14 +233,33 @@ class BlockStore:
     ) -> tuple[list[tuple[int, str]], list[bytes | memoryview], tuple[list[tuple[Any, ...]], list[Any]] | None]:
         """A chunk's keys, its frames held locally (in their buffers), and the commands and reply buffers of the
         round trip it needs (None when it is all held locally)."""
-        keyed, frames = self._begin_fetch(model, hashes)
-        found = [_land(frame, target) for frame, target in zip(frames, into, strict=False)]
-        if len(frames) == len(keyed):
+        keyed, found = self._begin_landing(model, hashes, into)
+        if len(found) == len(keyed):
             return keyed, found, None
+        return keyed, found, self._landing_request(self._fetch_pipeline(client, keyed, len(found)), keyed,
+                                                   len(found), into)
+
+    def _begin_landing(
+        self, model: str, hashes: Sequence[BlockHash], into: Sequence[memoryview] | None,
+    ) -> tuple[list[tuple[int, str]], list[bytes | memoryview]]:
+        """`_begin_fetch`, the local frames copied into their buffers when `into` gives them (as if they had landed)."""
+        keyed, frames = self._begin_fetch(model, hashes)
+        if into is None:
+            return keyed, list(frames)
+        return keyed, [_land(frame, target) for frame, target in zip(frames, into, strict=False)]
+
+    def _fetch_pipeline(self, client: Any, keyed: list[tuple[int, str]], start: int) -> Any:
         pipe = client.pipeline(transaction=False)
-        self._queue_fetch(pipe, keyed, len(frames))
-        targets: list[memoryview | None] = [None] * len(frames) + list(into[len(frames):len(keyed)])
-        return keyed, found, ([a for a, _ in pipe.command_stack], targets)
+        self._queue_fetch(pipe, keyed, start)
+        return pipe
+
+    @staticmethod
+    def _landing_request(
+        pipe: Any, keyed: list[tuple[int, str]], start: int, into: Sequence[memoryview],
+    ) -> tuple[list[tuple[Any, ...]], list[memoryview | None]]:
+        """The queued commands and a buffer per reply: none for the PEXPIREs of locally held frames (they come
+        first), then the GETEXs' buffers."""
+        return [a for a, _ in pipe.command_stack], [None] * start + list(into[start:len(keyed)])
 
     def _begin_fetch(self, model: str, hashes: Sequence[BlockHash]) -> tuple[list[tuple[int, str]], list[bytes]]:
         """The keys of `hashes`, and the frames of their longest prefix the local tier holds."""
@@ -279,21 +295,18 @@ class BlockStore:
         return Result(Outcome.UNAVAILABLE if failed else Outcome.ABSENT, frames)
 
     async def _fetch(self, keyed: list[tuple[int, str]], start: int) -> list[bytes]:
-        pipe = self._client.pipeline(transaction=False)
-        self._queue_fetch(pipe, keyed, start)
+        pipe = self._fetch_pipeline(self._client, keyed, start)
         return self._fetched(keyed, start, await pipe.execute(raise_on_error=False))
 
     def _fetch_blocking(
         self, keyed: list[tuple[int, str]], start: int, into: Sequence[memoryview] | None = None,
     ) -> list[bytes | memoryview]:
         client = self._blocking_client()
-        pipe = client.pipeline(transaction=False)
-        self._queue_fetch(pipe, keyed, start)
+        pipe = self._fetch_pipeline(client, keyed, start)
         if into is None or not self._landable:
             return self._fetched(keyed, start, pipe.execute(raise_on_error=False))
-        # the replies of the PEXPIREs of locally held frames come first: no buffer for them
-        targets: list[memoryview | None] = [None] * start + list(into[start:len(keyed)])
-        return self._fetched(keyed, start, landing.pipelined_into(client, [a for a, _ in pipe.command_stack], targets))
+        commands, targets = self._landing_request(pipe, keyed, start, into)
+        return self._fetched(keyed, start, landing.pipelined_into(client, commands, targets))
 
     def _queue_fetch(self, pipe: Any, keyed: list[tuple[int, str]], start: int) -> None:
         """One round trip: slide the TTL of what is held locally, GETEX the rest, touch their LRU index."""

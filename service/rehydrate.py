@@ -169,7 +169,7 @@ class Rehydration:
             if runs:
                 self.gate.hand_over(self._layers(runs, [(i, opened[i]) for i in whole]))
                 return
-            landed, done = [], min([done, *whole])
+            done = min([done, *whole])  # no run after all: the old path, from the first frame not in place
         if done == len(opened):
             self.gate.release(layers)
             self._on_decoded(self.decode_seconds)
@@ -191,23 +191,20 @@ class Rehydration:
         from the landing (`FrameRun`), and the blocks that do not (dequantized whole, before the first layer)."""
         runs: list[tuple[int, FrameRun]] = []
         whole: list[int] = []
-        segment: list[int] = []
-
-        def close() -> None:
+        segments: list[list[int]] = []
+        key: tuple[object, ...] = ()
+        for i in pending:  # block 0 may have a codec of its own (blockcodec): a run of its own
+            frame_key = (self._in_landing(opened[i]), opened[i].kind)
+            if not segments or i != segments[-1][-1] + 1 or frame_key != key:
+                segments.append([])
+                key = frame_key
+            segments[-1].append(i)
+        for segment in segments:
             run = FrameRun.of(self.landing, [opened[i] for i in segment]) if self.landing is not None else None
             if run is not None:
                 runs.append((segment[0], run))
             else:
                 whole.extend(segment)
-
-        for i in pending:  # block 0 may have a codec of its own (blockcodec): a run of its own
-            if segment and (i != segment[-1] + 1 or not self._in_landing(opened[i])
-                            or not self._in_landing(opened[segment[-1]]) or opened[i].kind != opened[segment[-1]].kind):
-                close()
-                segment = []
-            segment.append(i)
-        if segment:
-            close()
         return runs, whole
 
     def _layers(self, runs: list[tuple[int, FrameRun]], whole: list[tuple[int, OpenFrame]]) -> Callable[[int], int]:
