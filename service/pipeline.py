@@ -276,7 +276,7 @@ class Pipeline:
                 tail_task.cancel()  # a no-op once done
             rehydration.end()  # a second end after the first is never read: harmless
             if not given:  # back to the pool once both threads are done with them
-                worker.add_done_callback(lambda _: self._contexts.give(out))
+                worker.add_done_callback(lambda _: self._give_context(out))
                 if stage is not None:
                     reader.add_done_callback(lambda _: self._landings.give(stage))
         view.salt = tenant_salt
@@ -343,10 +343,18 @@ class Pipeline:
         return stage, [view[at:at + size] for at, size in zip(offsets, sizes, strict=True)]
 
     def _context_for(self, prompt_ids: list[int]) -> torch.Tensor:
-        """A pooled [layers, 2, kv_heads, capacity, head_dim] buffer with room for the prompt and the longest reply,
-        so generation appends in place (hfcache.GrowingLayer); pages never written are never touched."""
+        """Where a hit is dequantized: the engine's own context when it lends one (llama.cpp: a sequence state, set
+        as it is), else a pooled [layers, 2, kv_heads, capacity, head_dim] buffer with room for the prompt and the
+        longest reply, so generation appends in place (hfcache.GrowingLayer); pages never written are never touched."""
+        lent = self.engine.context_for(len(prompt_ids) - 1)  # a hit fills at most the prompt but its last token
+        if lent is not None:
+            return lent
         return self._contexts.take(min(len(prompt_ids) + self.settings.max_tokens_limit,
                                        self.geometry.max_context + 1))
+
+    def _give_context(self, buffer: torch.Tensor) -> None:
+        if not self.engine.give_context(buffer):
+            self._contexts.give(buffer)
 
     def _session_partial(self, session: SessionRecord | None, hit_blocks: int) -> bool:
         """Whether the session's partial block continues this hit (then it extends the hit)."""
@@ -505,7 +513,7 @@ class Pipeline:
             rehydrating = view.rehydrating
 
             def give_all(_: object = None) -> None:
-                self._contexts.give(buffer)
+                self._give_context(buffer)
                 if stage is not None:
                     self._landings.give(stage)
 

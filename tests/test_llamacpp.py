@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import struct
 import threading
@@ -13,10 +14,16 @@ import torch
 
 from cachestore.codec import Codec
 from cachestore.errors import ConfigError
+from cachestore.store import BlockStore
+from ops.redisproc import RedisProcess
+from service.app import store_settings
 from service.engines import GenParams
 from service.engines.ggufpath import smollm2_gguf
 from service.engines.llamacpp import LlamaCppEngine
 from service.engines.llamastate import GGML_TYPE_F16, MAGIC, StateGeometry, assemble_state, parse_state
+from service.metrics import PodMetrics
+from service.pipeline import Pipeline
+from service.settings import PodSettings
 
 GREEDY = GenParams(max_tokens=24)
 QUESTIONS = ["What is photosynthesis?", "Why is the sky blue?", "Name three prime numbers.",
@@ -104,6 +111,72 @@ def test_a_hit_returns_only_the_kv_its_write_back_needs(engine: LlamaCppEngine) 
         assert hit.token_ids == full.token_ids and hit.kv_from == start, keep
         assert hit.kv.shape[3] == len(hit.seq_ids) - start
         assert torch.equal(hit.kv, full.kv[:, :, :, start:]), keep
+
+
+def test_a_hit_dequantized_into_a_lent_state_is_token_identical(engine: LlamaCppEngine) -> None:
+    """context_for lends a view of a pooled sequence state; a hit written into it is set as it is (no assembly), and
+    the cells past the hit, never written (NaN here), are dropped after the state is set: the reply and the KV are
+    those of a full prefill, whether the hit fills the state or 20 cells fewer."""
+    prompt = _prompt(engine, QUESTIONS[2])
+    full = engine.generate(prompt, None, GREEDY)
+    for planned, cached in ((len(prompt) - 1, len(prompt) - 1), (len(prompt) - 1, len(prompt) - 21)):
+        lent = engine.context_for(planned)
+        assert lent is not None and lent.shape == (30, 2, 3, planned, 64) and lent.dtype == torch.float16
+        lent.fill_(float("nan"))
+        lent[:, :, :, :cached] = full.kv[:, :, :, :cached]
+        hit = engine.generate(prompt, lent[:, :, :, :cached], GREEDY)
+        assert engine.give_context(lent) and not engine.give_context(lent)
+        assert hit.cached_tokens == cached and hit.token_ids == full.token_ids, (planned, cached)
+        assert torch.equal(hit.kv[:, :, :, :len(prompt)], full.kv[:, :, :, :len(prompt)])
+    assert engine.context_for(0) is None and not engine.give_context(full.kv)
+
+
+def test_a_lent_state_mostly_unfilled_is_assembled_instead(engine: LlamaCppEngine) -> None:
+    """A hit of under half the lent state's cells is copied into a state of its own size (setting the whole lent one
+    would copy more than twice the hit); the lent buffer is left as it was."""
+    prompt = _prompt(engine, QUESTIONS[3])
+    full = engine.generate(prompt, None, GREEDY)
+    lent = engine.context_for(len(prompt) - 1)
+    assert lent is not None
+    lent.fill_(float("nan"))
+    lent[:, :, :, :8] = full.kv[:, :, :, :8]
+    hit = engine.generate(prompt, lent[:, :, :, :8], GREEDY)
+    assert hit.cached_tokens == 8 and hit.token_ids == full.token_ids
+    assert torch.isnan(lent[:, :, :, 8:]).all()
+    assert engine.give_context(lent)
+
+
+async def test_a_pods_hit_lands_in_a_lent_state_and_the_state_goes_back(
+    engine: LlamaCppEngine, redis_server: RedisProcess
+) -> None:
+    """Through the pod's pipeline: the blocks of a hit are dequantized into a state the engine lent (the view the
+    lookup hands on is that state's), the reply equals a full prefill's, and the state is back in the engine's
+    pool once the request is done."""
+    b = 16
+    settings = PodSettings(redis_url=redis_server.url, namespace="lent", codec="fp16", block_tokens=b,
+                           local_tier_bytes=0)
+    store = BlockStore(store_settings(settings))
+    pipe = Pipeline(settings, engine, store, Codec("fp16"), PodMetrics(), None)
+    try:
+        prompt = _prompt(engine, " ".join(QUESTIONS))
+        full = engine.generate(prompt, None, GREEDY)
+        hashes = pipe.hashes(b"lent", prompt[:-1])
+        frames = [Codec("fp16").encode(full.kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
+        assert await store.put_blocks(pipe.model_key, hashes, frames) == len(hashes) >= 3
+        view, _ = await pipe.lookup(b"lent", prompt)
+        assert view.cached_tokens == len(hashes) * b < len(prompt) - 1
+        assert view.kv is not None and engine.is_lent(view.kv)  # the hit is in a state already
+        gen = await pipe.generate(prompt, view, GREEDY)
+        assert gen.cached_tokens == len(hashes) * b and gen.token_ids == full.token_ids
+        for _ in range(100):  # handed back from the request's done callbacks
+            if not engine.contexts_lent:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.contexts_lent == 0
+    finally:
+        await store.clear_namespace()
+        await store.close()
+        pipe.close()
 
 
 def test_concurrent_requests_decode_together_with_the_same_replies(engine: LlamaCppEngine) -> None:

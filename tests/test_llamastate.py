@@ -131,3 +131,29 @@ def test_a_reused_dirty_buffer_holds_the_same_state_as_a_fresh_one(v_trans: bool
     assert torch.equal(parse_state(bytes(dirty[:size]), geo), kv)
     with pytest.raises(StateLayoutError, match="needs"):
         assemble_state(kv, geo, into=bytearray(size - 1))
+
+
+@pytest.mark.parametrize(("positions", "n_stream"), [([0, 1, 2, 3], 1), ([0], 2), (list(range(9)), 3)])
+def test_a_state_view_filled_with_kv_is_the_golden_state(positions: list[int], n_stream: int) -> None:
+    """state_view writes every byte but K and V into a dirty buffer; its view, filled, makes the golden state
+    (seq_id 7, the empty streams after): the same bytes assemble_state writes."""
+    blob, want = _golden(False, positions)
+    if n_stream > 1:  # the context's other streams follow, with no cells
+        blob = blob[:8] + struct.pack("<I", n_stream) + blob[12:] + bytes(4 * (n_stream - 1))
+    geo = StateGeometry(2, 2, 3, False, n_stream)
+    dirty = bytearray(b"\xab" * (len(blob) + 64))
+    made = llamastate.state_view(len(positions), geo, seq_id=7, into=dirty)
+    assert made is not None
+    buf, kv = made
+    assert buf is dirty and kv.shape == want.shape and kv.dtype == torch.float16
+    assert kv.stride() == llamastate.state_view_strides(len(positions), geo)
+    kv.copy_(want)
+    assert bytes(buf[:len(blob)]) == blob == bytes(assemble_state(want, geo, seq_id=7))
+    assert torch.equal(parse_state(blob, geo), want)
+
+
+def test_no_state_view_where_v_is_transposed_or_the_buffer_is_short() -> None:
+    assert llamastate.state_view(4, StateGeometry(2, 2, 3, True)) is None
+    geo = StateGeometry(2, 2, 3, False)
+    with pytest.raises(StateLayoutError, match="needs"):
+        llamastate.state_view(4, geo, into=bytearray(llamastate.state_size(4, geo) - 1))

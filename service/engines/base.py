@@ -100,5 +100,15 @@ class Engine(Protocol):
         waits for each layer as it reaches it, any other engine for all of them before reading any."""
         ...
 
+    def context_for(self, tokens: int) -> torch.Tensor | None:
+        """A [layers, 2, kv_heads, tokens, head_dim] tensor of the engine's dtype that a hit of up to `tokens` tokens
+        may be dequantized into, where the engine reads it (llama.cpp: inside a sequence state); None: the pipeline
+        uses its own. Handed back with `give_context`."""
+        ...
+
+    def give_context(self, kv: torch.Tensor) -> bool:
+        """Take back a tensor `context_for` returned; False for any other."""
+        ...
+
     def close(self) -> None:
         ...

@@ -58,5 +58,11 @@ class HfEngine:
     ) -> Generation:
         return self.runner.generate(prompt_ids, cached_kv, params, on_text, on_prefill, kv_ready, keep_from)
 
+    def context_for(self, tokens: int) -> torch.Tensor | None:
+        return None  # the pipeline's pooled context, which generation grows in
+
+    def give_context(self, kv: torch.Tensor) -> bool:
+        return False
+
     def close(self) -> None:
         pass

@@ -110,6 +110,8 @@ class _Request:
     scores: list[torch.Tensor] | None = None  # score(): the logits of every fed prompt token, no sampling
     restore_failed: bool = False
     state_size: int = 0
+    lent: bool = False  # `state` is a context lent to the pipeline (`context_for`): it comes back from there
+    planned: int = 0  # cells `state` holds: those from `cached` on are dropped once it is set
 
 
 class _Vocab:
@@ -204,6 +206,8 @@ class LlamaCppEngine:
         self._inbox: queue.Queue[_Request] = queue.Queue()
         self._free = list(range(parallel))
         self._state_buffers = _state_buffers(keep=parallel)
+        self._lent: dict[int, tuple[bytearray, int]] = {}  # context_for's views by address: (state, cells)
+        self._lent_lock = threading.Lock()
         self._active: list[_Request] = []
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvstash-llamacpp", daemon=True)
@@ -311,22 +315,30 @@ class LlamaCppEngine:
             raise ValueError(f"the prompt has {len(prompt)} tokens; the context is {limit}")
         if any(not 0 <= t < self.n_vocab for t in prompt):
             raise ValueError(f"token ids must lie in [0, {self.n_vocab})")
-        cached, state, size = 0, None, 0
+        cached, state, size, planned = 0, None, 0, 0
+        lent: tuple[bytearray, int] | None = None
         if cached_kv is not None and cached_kv.shape[3] > 0:
             if cached_kv.shape[3] > len(prompt):
                 raise ValueError(f"cached kv covers {cached_kv.shape[3]} tokens, the prompt has {len(prompt)}")
             cached = min(int(cached_kv.shape[3]), len(prompt) - 1)  # the last prompt token is always fed
             if kv_ready is not None:
                 kv_ready.wait_all()  # the state is set whole: every layer first
-            size = llamastate.state_size(cached, self.state_geometry)
-            try:
-                state = llamastate.assemble_state(cached_kv[:, :, :, :cached], self.state_geometry,
-                                                  into=self._state_buffers.take(size))
-            except llamastate.StateLayoutError as exc:
-                raise ValueError(str(exc)) from None
+            lent = self._lent_state(cached_kv, cached)
+            if lent is not None:  # the hit was dequantized into a state: set as it is
+                state, planned = lent
+            else:
+                planned = cached
+                try:
+                    state = llamastate.assemble_state(cached_kv[:, :, :, :cached], self.state_geometry,
+                                                      into=self._state_buffers.take(
+                                                          llamastate.state_size(cached, self.state_geometry)))
+                except llamastate.StateLayoutError as exc:
+                    raise ValueError(str(exc)) from None
+            size = llamastate.state_size(planned, self.state_geometry)
         req = _Request(prompt, state, cached, params, on_text, TextStream(self.vocab, params.stop, on_text),
                        make_generator(params), min(params.max_tokens, limit - len(prompt)), on_prefill)
         req.state_size = size
+        req.lent, req.planned = lent is not None, planned
         if self._closed.is_set():
             raise StreamClosedError("the engine is closed")
         self._inbox.put(req)
@@ -346,6 +358,52 @@ class LlamaCppEngine:
             total_s=time.perf_counter() - req.started, seq_ids=seq_ids, kv=kv,
             reply_ids=reply_ids(req.generated, req.ended_by_token, req.cut_by_stop), kv_from=kv_from,
         )
+
+    def context_for(self, tokens: int) -> torch.Tensor | None:
+        """A float16 [layers, 2, kv_heads, tokens, head_dim] view of the K and V of a pooled sequence state of
+        `tokens` cells (`llamastate.state_view`): a hit dequantized into it is set as it is, none assembled (9.5 ms
+        at 2048 SmolLM2 tokens, a copy of the whole KV). None where V is stored transposed. Back with
+        `give_context` once nothing reads or writes it."""
+        geo = self.state_geometry
+        if tokens <= 0 or geo.v_trans:
+            return None
+        made = llamastate.state_view(tokens, geo, into=self._state_buffers.take(llamastate.state_size(tokens, geo)))
+        assert made is not None
+        buf, kv = made
+        with self._lent_lock:
+            self._lent[kv.data_ptr()] = (buf, tokens)
+        return kv
+
+    def give_context(self, kv: torch.Tensor) -> bool:
+        """Take back a view `context_for` lent; False for any other tensor."""
+        with self._lent_lock:
+            lent = self._lent.pop(kv.data_ptr(), None)
+        if lent is None:
+            return False
+        self._state_buffers.give(lent[0])
+        return True
+
+    def is_lent(self, kv: torch.Tensor) -> bool:
+        """Whether `kv` starts where a context `context_for` lent starts, and that context has not come back."""
+        with self._lent_lock:
+            return kv.data_ptr() in self._lent
+
+    @property
+    def contexts_lent(self) -> int:
+        """Contexts lent and not yet given back."""
+        with self._lent_lock:
+            return len(self._lent)
+
+    def _lent_state(self, cached_kv: torch.Tensor, cached: int) -> tuple[bytearray, int] | None:
+        """The state `cached_kv` is a view of (`context_for`, the first `cached` of its cells or more) and how many
+        cells it holds; None when it is no such view, or when setting it whole would copy more than twice the
+        cells wanted (the cells past `cached` are set, then dropped: see `_admit`)."""
+        with self._lent_lock:
+            lent = self._lent.get(cached_kv.data_ptr())
+        if lent is None or 2 * cached < lent[1]:
+            return None
+        expected = llamastate.state_view_strides(lent[1], self.state_geometry)
+        return lent if tuple(cached_kv.stride()) == expected else None
 
     def score(self, cached_kv: torch.Tensor, ids: list[int]) -> torch.Tensor:
         """Logits [len(ids), vocab] of `ids` fed after the KV of cached_kv.shape[3] tokens (the quality
@@ -403,12 +461,15 @@ class LlamaCppEngine:
                 buf = (ctypes.c_uint8 * req.state_size).from_buffer(req.state)
                 read = self._lib.llama_state_seq_set_data(self._ctx, buf, req.state_size, req.seq)
                 del buf  # the bytearray cannot go back to the pool while ctypes holds a view of it
-                self._state_buffers.give(req.state)
+                if not req.lent:  # a lent state goes back from the pipeline (give_context)
+                    self._state_buffers.give(req.state)
                 if read != req.state_size:  # a refused restore is a miss, never a wrong answer
                     self._lib.llama_memory_seq_rm(self._mem, req.seq, -1, -1)
                     self.restore_failures += 1
-                    req.restore_failed, req.cached = True, 0
                     log.warning("llama.cpp refused a cached prefix of %d tokens; prefilling it", req.cached)
+                    req.restore_failed, req.cached = True, 0
+                elif req.planned > req.cached:  # a lent state of more cells than the hit: only these were filled
+                    self._lib.llama_memory_seq_rm(self._mem, req.seq, req.cached, -1)
                 req.state = None
             req.fed = req.cached
             self._active.append(req)

@@ -330,6 +330,12 @@ class LlamaServerEngine:
                     self._erase(s.id)
                     s.tokens = []
 
+    def context_for(self, tokens: int) -> torch.Tensor | None:
+        return None  # the pipeline's pooled context, written into a slot file (slotfile.py)
+
+    def give_context(self, kv: torch.Tensor) -> bool:
+        return False
+
     def close(self) -> None:
         self._http.close()
         if self.process is not None:

@@ -199,19 +199,10 @@ def state_size(tokens: int, geo: StateGeometry) -> int:
     return 12 + 4 * geo.n_stream + _CELL.size * tokens + 8 + 2 * geo.num_layers * per_layer
 
 
-def assemble_state(kv: torch.Tensor, geo: StateGeometry, seq_id: int = 0, into: bytearray | None = None) -> bytearray:
-    """The sequence state holding `kv` [layers, 2, kv_heads, tokens, head_dim] at positions 0..tokens-1: the
-    first state_size(tokens) bytes of `into` (any earlier content is overwritten; a fresh 47 MB bytearray
-    costs ~17 ms of zeroing and page faults at 2048 tokens), else of a new bytearray of exactly that size."""
-    L, H, D, E = geo.num_layers, geo.kv_heads, geo.head_dim, geo.row_elements
-    if kv.dim() != 5 or tuple(kv.shape[:3]) != (L, 2, H) or kv.shape[4] != D:
-        raise StateLayoutError(f"kv {tuple(kv.shape)} does not fit [{L}, 2, {H}, tokens, {D}]")
-    n = int(kv.shape[3])
-    src = kv.detach().cpu().numpy() if kv.dtype == torch.float16 else kv.detach().cpu().float().numpy()
-    size = state_size(n, geo)
-    if into is not None and len(into) < size:
-        raise StateLayoutError(f"a state of {n} tokens needs {size} bytes, the buffer has {len(into)}")
-    buf = into if into is not None else bytearray(size)
+def _write_layout(buf: bytearray, n: int, geo: StateGeometry, seq_id: int) -> list[tuple[int, int]]:
+    """Everything of a state of `n` cells but its K and V (magic, cells, each layer's header, the empty streams) into
+    buf's first state_size(n) bytes; returns each layer's (K offset, V offset) of its data."""
+    L, E = geo.num_layers, geo.row_elements
     view = memoryview(buf)
     struct.pack_into("<IiI", buf, 0, MAGIC, seq_id, geo.n_stream)
     struct.pack_into("<I", buf, 12, n)  # the first stream holds the cells (the context puts them in its own)
@@ -223,25 +214,72 @@ def assemble_state(kv: torch.Tensor, geo: StateGeometry, seq_id: int = 0, into: 
     pos += _CELL.size * n
     struct.pack_into("<II", buf, pos, int(geo.v_trans), L)
     pos += 8
-    for layer in range(L):
+    k_at = []
+    for _ in range(L):
         struct.pack_into("<iQ", buf, pos, GGML_TYPE_F16, 2 * E)
-        pos += 12
-        rows = np.frombuffer(view, dtype=np.float16, count=n * E, offset=pos).reshape(n, H, D)
-        np.copyto(rows.transpose(1, 0, 2), src[layer, 0], casting="same_kind")  # [H, n, D]
-        pos += 2 * E * n
-    for layer in range(L):
+        k_at.append(pos + 12)
+        pos += 12 + 2 * E * n
+    v_at = []
+    for _ in range(L):
         if geo.v_trans:
             struct.pack_into("<iII", buf, pos, GGML_TYPE_F16, 2, E)
-            pos += 12
-            chans = np.frombuffer(view, dtype=np.float16, count=n * E, offset=pos).reshape(H, D, n)
-            np.copyto(chans.transpose(0, 2, 1), src[layer, 1], casting="same_kind")
         else:
             struct.pack_into("<iQ", buf, pos, GGML_TYPE_F16, 2 * E)
-            pos += 12
-            rows = np.frombuffer(view, dtype=np.float16, count=n * E, offset=pos).reshape(n, H, D)
-            np.copyto(rows.transpose(1, 0, 2), src[layer, 1], casting="same_kind")
-        pos += 2 * E * n
+        v_at.append(pos + 12)
+        pos += 12 + 2 * E * n
     view[pos:pos + 4 * (geo.n_stream - 1)] = bytes(4 * (geo.n_stream - 1))  # the other streams: cell_count 0
     pos += 4 * (geo.n_stream - 1)
-    assert pos == size
+    assert pos == state_size(n, geo)
+    return list(zip(k_at, v_at, strict=True))
+
+
+def _buffer(n: int, geo: StateGeometry, into: bytearray | None) -> bytearray:
+    size = state_size(n, geo)
+    if into is not None and len(into) < size:
+        raise StateLayoutError(f"a state of {n} tokens needs {size} bytes, the buffer has {len(into)}")
+    return into if into is not None else bytearray(size)
+
+
+def assemble_state(kv: torch.Tensor, geo: StateGeometry, seq_id: int = 0, into: bytearray | None = None) -> bytearray:
+    """The sequence state holding `kv` [layers, 2, kv_heads, tokens, head_dim] at positions 0..tokens-1: the
+    first state_size(tokens) bytes of `into` (any earlier content is overwritten; a fresh 47 MB bytearray
+    costs ~17 ms of zeroing and page faults at 2048 tokens), else of a new bytearray of exactly that size."""
+    L, H, D, E = geo.num_layers, geo.kv_heads, geo.head_dim, geo.row_elements
+    if kv.dim() != 5 or tuple(kv.shape[:3]) != (L, 2, H) or kv.shape[4] != D:
+        raise StateLayoutError(f"kv {tuple(kv.shape)} does not fit [{L}, 2, {H}, tokens, {D}]")
+    n = int(kv.shape[3])
+    src = kv.detach().cpu().numpy() if kv.dtype == torch.float16 else kv.detach().cpu().float().numpy()
+    buf = _buffer(n, geo, into)
+    view = memoryview(buf)
+    for layer, (k_at, v_at) in enumerate(_write_layout(buf, n, geo, seq_id)):
+        rows = np.frombuffer(view, dtype=np.float16, count=n * E, offset=k_at).reshape(n, H, D)
+        np.copyto(rows.transpose(1, 0, 2), src[layer, 0], casting="same_kind")  # [H, n, D]
+        if geo.v_trans:
+            chans = np.frombuffer(view, dtype=np.float16, count=n * E, offset=v_at).reshape(H, D, n)
+            np.copyto(chans.transpose(0, 2, 1), src[layer, 1], casting="same_kind")
+        else:
+            rows = np.frombuffer(view, dtype=np.float16, count=n * E, offset=v_at).reshape(n, H, D)
+            np.copyto(rows.transpose(1, 0, 2), src[layer, 1], casting="same_kind")
     return buf
+
+
+def state_view(n: int, geo: StateGeometry, seq_id: int = 0,
+               into: bytearray | None = None) -> tuple[bytearray, torch.Tensor] | None:
+    """A sequence state of `n` cells whose K and V are left to fill: the buffer (its first state_size(n) bytes, the
+    rest written as `assemble_state` writes it) and a float16 [layers, 2, kv_heads, n, head_dim] view of its K and V.
+    A hit dequantized into the view is a state as it is: none is assembled (a copy of the whole KV, 9.5 ms at 2048
+    SmolLM2 tokens). None when V is stored transposed: no single view has both layouts."""
+    if geo.v_trans:
+        return None
+    buf = _buffer(n, geo, into)
+    k0 = _write_layout(buf, n, geo, seq_id)[0][0]
+    flat = torch.frombuffer(buf, dtype=torch.float16, count=state_size(n, geo) // 2)
+    kv = flat.as_strided((geo.num_layers, 2, geo.kv_heads, n, geo.head_dim), state_view_strides(n, geo), k0 // 2)
+    return buf, kv
+
+
+def state_view_strides(n: int, geo: StateGeometry) -> tuple[int, int, int, int, int]:
+    """The strides (fp16 elements) of `state_view`'s [layers, 2, kv_heads, n, head_dim]: each layer's K rows and V
+    rows follow a 12-byte header; all K come first, then all V."""
+    layer = 6 + geo.row_elements * n
+    return layer, geo.num_layers * layer, geo.head_dim, geo.row_elements, 1
