@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import io
+import itertools
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -57,7 +58,8 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--burst", type=int, default=0, metavar="N",
                    help=f"also N sessions of {BURST_CONTEXT} tokens arriving together on one pod: p50/p99 TTFT of "
                         "their hits (first mode) and of recomputing them")
-    p.add_argument("--profile", action="store_true", help="break the int8 hit at 2048 tokens into its phases")
+    p.add_argument("--profile", action="store_true",
+                   help="break each measured hit (every context and mode; hf) into its phases")
     p.add_argument("--redis-url", help="use this Redis (default: a private redis-server)")
     p.add_argument("--json", type=Path, help="write rows and targets as JSON here")
     p.add_argument("--plot", type=Path, help="draw TTFT vs context length for every method (PNG)")
@@ -301,7 +303,8 @@ class ResumeBench:
         """Median ms of each phase of a hit, run one after another (the pod verifies between its reads): the reads
         into the landing, verifying, handing the frames over, the cache, the forward step dequantizing a layer of
         every block just before that layer's attention; and, for comparison, the same step over that context once
-        it is all in place (the floor's step)."""
+        it is all in place (the floor's step), and the floor's raw GETs of the same frames."""
+        import redis  # noqa: PLC0415
         import torch  # noqa: PLC0415
 
         from service import hfcache  # noqa: PLC0415
@@ -309,10 +312,12 @@ class ResumeBench:
         from service.rehydrate import Rehydration  # noqa: PLC0415
 
         context, b = len(prompt) - 1, self.args.block_tokens
-        names = ("fetch", "verify", "hand_over", "cache_build", "forward_layerwise", "forward_in_memory")
+        names = ("fetch", "verify", "hand_over", "cache_build", "forward_layerwise", "forward_in_memory", "raw_get")
         phases: dict[str, list[float]] = {k: [] for k in names}
+        raw = redis.Redis.from_url(self.url)
         async with self._pod("bench-profile", mode) as (pipeline, store):
             hashes, _ = await self._store_history(pipeline, store, prompt, kv)
+            keys = [store.keys.block(pipeline.model_key, h)[1] for h in hashes]
             # one buffer for every run, as the pod's context pool: a fresh 94 MB tensor each time would time the
             # page faults of its first touch (39 ms of decoding and 7 ms of "cache_build" at 2048 tokens here)
             layers, _, heads, _, dim = kv.shape
@@ -349,9 +354,13 @@ class ResumeBench:
                             marks.append(time.perf_counter())
 
                 self.compute(step)
+                start = time.perf_counter()
+                _raw_get(raw, keys)
                 if rep:
-                    for name, t0, t1 in zip(phases, marks, marks[1:], strict=False):
+                    phases["raw_get"].append(time.perf_counter() - start)
+                    for name, (t0, t1) in zip(names[:-1], itertools.pairwise(marks), strict=True):
                         phases[name].append(t1 - t0)
+        raw.close()
         return {name: percentile(v, 0.5) * 1000 for name, v in phases.items()}
 
 
@@ -432,8 +441,9 @@ async def _measure(args: argparse.Namespace, url: str) -> tuple[list[dict[str, A
             print(f"context {context}: slot-file-tmpfs p50 {rows[-1]['ttft_ms_p50']:.1f} ms", flush=True)
         if not args.no_naive and bench.loaded is not None:
             rows.append(bench.compute(bench.naive, prompt, kv))
-        if args.profile and context == TARGET_CONTEXT and bench.loaded is not None:
-            profile = await bench.profile(TARGET_MODE, prompt, kv)
+        if args.profile and bench.loaded is not None:
+            for mode in modes:
+                profile[f"{mode}@{context}"] = await bench.profile(mode, prompt, kv)
     if args.burst:
         length = min(BURST_CONTEXT, (max_context - 2) // args.block_tokens * args.block_tokens)
         step = max(1, len(ids) // (args.burst + 1))  # a different history per session
@@ -465,9 +475,8 @@ def run(args: argparse.Namespace) -> int:
     print_table(rows, [("context", "context", "d"), ("method", "method", ""), ("ttft_ms_p50", "p50 ms", ".1f"),
                        ("ttft_ms_p90", "p90 ms", ".1f"), ("bytes", "bytes", ",d"),
                        ("speedup_vs_recompute", "speedup", ".1f"), ("ratio_to_floor", "vs floor", ".2f")])
-    if profile:
-        print("int8 hit at 2048 tokens, median ms per phase: "
-              + ", ".join(f"{k} {v:.1f}" for k, v in profile.items()))
+    for name, phases in profile.items():
+        print(f"{name} hit, median ms per phase: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
     targets = _targets(rows, args.engine)
     for name, t in targets.items():
         print(f"target {name}: {t['value']:.2f} (target {t['target']}) {'met' if t['met'] else 'MISSED'}")
