@@ -1,0 +1,92 @@
+"""Native dequantization where the CPU and the tensors allow it (cachestore/_kernels.c); else the caller uses torch.
+
+A hit's int8 KV is converted and scaled in one pass straight into its context, on as many threads as torch uses.
+torch reaches fp16 (llama.cpp's sequence state) only through an fp32 temporary: on a 2-core VM, 22 ms against 8 ms
+for the 47 MB state of a 2048-token SmolLM2 hit (BENCHMARKS.md, section 14). For fp32 (transformers) torch needs
+two passes, but on threads already running: the kernel starts its own, and pays for them only on large layers
+(one layer of K at 8128 tokens: 0.77 ms on two threads against 0.52; at 2048, torch's 0.09 against 0.13 on one).
+int4 takes torch five passes (widen, shift, mask, convert, scale and offset): there the kernel wins even on one
+thread (a forward step's dequantization at 2048 tokens: 19.8 ms against 31; at 8128, on two: 75 against 117).
+The values are bit-identical to torch's (tests/test_kernels.py). KVSTASH_NATIVE_KERNELS=0 turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+
+_kernels: ModuleType | None
+try:
+    import cachestore._kernels as _kernels
+except ImportError:  # built without its compiler, or not built: torch does the work
+    _kernels = None
+
+LEVEL = _kernels.level if _kernels is not None else 0  # 2: AVX-512F, 1: AVX2 + F16C, 0: none
+ENABLED = bool(LEVEL) and os.environ.get("KVSTASH_NATIVE_KERNELS", "1") != "0"
+_OUT = (torch.float32, torch.float16)
+# values from which the kernel, splitting its work over torch's thread count (each thread starts anew: ~40 us here),
+# beats torch's two passes on its warm threads: a SmolLM2 layer of 8128 tokens is 1.6 M values a half (K or V)
+PARALLEL_MIN = 1 << 20
+
+
+def int8_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> bool:
+    """out [A, B, T, D] (fp32 or fp16, any outer strides, rows contiguous) = int8 codes [A, B, T, D] times fp16
+    scales broadcast to that shape (one per row or one per column), in one pass; False (nothing written) where no
+    kernel applies: then the caller uses torch."""
+    if not ENABLED or out.dtype not in _OUT or codes.dtype != torch.int8 or scale.dtype != torch.float16:
+        return False
+    threads = torch.get_num_threads()
+    if out.dtype == torch.float32 and threads > 1 and out.numel() < PARALLEL_MIN:
+        return False  # torch's two passes, on its warm threads, are faster than the kernel on one
+    if out.dim() != 4 or codes.shape != out.shape or out.shape[3] % 16 or out.device.type != "cpu":
+        return False
+    if out.stride(3) != 1 or codes.stride(3) != 1 or codes.device.type != "cpu" or scale.device.type != "cpu":
+        return False
+    try:
+        scales = scale.expand(out.shape)
+    except RuntimeError:
+        return False
+    if scales.stride(3) not in (0, 1):
+        return False
+    assert _kernels is not None
+    a, b, t, d = out.shape
+    _kernels.int8(out.data_ptr(), out.dtype == torch.float16, codes.data_ptr(), scales.data_ptr(), (a, b, t, d),
+                  out.stride()[:3], codes.stride()[:3], scales.stride(), threads)
+    return True
+
+
+def int4_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> bool:
+    """out [A, B, C, E, F] (fp32 or fp16, any outer strides, rows contiguous) = the int4 codes of `packed` (uint8,
+    contiguous, two codes a byte, low nibble first, in out's C order) times fp16 `scale` plus fp16 `zero`, both
+    broadcast to out's shape alike; False (nothing written) where no kernel applies."""
+    if not ENABLED or out.dtype not in _OUT or packed.dtype != torch.uint8 or not packed.is_contiguous():
+        return False
+    if scale.dtype != torch.float16 or zero.dtype != torch.float16 or out.dim() != 5 or out.shape[4] % 16:
+        return False
+    if out.stride(4) != 1 or 2 * packed.numel() < out.numel() or "cpu" != out.device.type:
+        return False
+    threads = torch.get_num_threads()  # on one thread below PARALLEL_MIN, and still faster than torch's passes
+    try:
+        scales, zeros = scale.expand(out.shape), zero.expand(out.shape)
+    except RuntimeError:
+        return False
+    if scales.stride() != zeros.stride() or scales.stride(4) not in (0, 1) or packed.device.type != "cpu":
+        return False
+    a, b, c, e, f = out.shape
+    assert _kernels is not None
+    _kernels.int4(out.data_ptr(), out.dtype == torch.float16, packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(),
+                  (a, b, c, e, f), out.stride()[:4], (b * c * e * f, c * e * f, e * f, f), scales.stride(), threads)
+    return True
+
+
+def use_level(level: int) -> int:
+    """Run the kernel's code path `level` (at most the CPU's; 0: none, torch does the work) and return the level in
+    use: tests cover the AVX2 path on AVX-512 CPUs with it."""
+    global ENABLED
+    if _kernels is None:
+        return 0
+    used = int(_kernels.use(level))
+    ENABLED = bool(used) and os.environ.get("KVSTASH_NATIVE_KERNELS", "1") != "0"
+    return used

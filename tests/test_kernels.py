@@ -1,0 +1,209 @@
+"""The native int8 kernel (cachestore/_kernels.c) writes exactly what torch writes, wherever it is used."""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from cachestore import kernels
+from cachestore.codec import Codec
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+needs_kernel = pytest.mark.skipif(not kernels.ENABLED, reason="no native kernel on this CPU or build")
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """The kernel writes fp32 only where torch runs on one thread (as in a llama.cpp pod)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_kernel_is_built_where_the_cpu_has_it() -> None:
+    """`make setup` compiles it: an x86-64 machine with AVX2 and F16C (every CI machine here) must have it, or the
+    build silently fell back to torch."""
+    flags = _cpu_flags()
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "f16c"} <= flags:
+        pytest.skip("not an x86-64 CPU with AVX2 and F16C")
+    assert kernels.LEVEL == (2 if "avx512f" in flags else 1)
+
+
+def _torch_reference(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    ref = torch.empty_like(out)
+    if out.dtype == torch.float16:
+        ref.copy_(q.float().mul_(scale.float()))
+    else:
+        ref.copy_(q).mul_(scale.float())
+    return ref
+
+
+def _scales(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """fp16 scales over their whole range: subnormal, tiny, ordinary, large enough to overflow fp16 products."""
+    pick = torch.randint(0, 4, shape, generator=gen)
+    magnitude = torch.tensor([6e-8, 1e-4, 0.02, 600.0])[pick]
+    return (magnitude * (0.5 + torch.rand(shape, generator=gen))).half()
+
+
+@pytest.fixture(params=[1, 2], ids=["avx2", "avx512"])
+def level(request: pytest.FixtureRequest) -> Iterator[int]:
+    """Each of the kernel's code paths this CPU can run."""
+    if not kernels.ENABLED or request.param > kernels.LEVEL:
+        pytest.skip(f"this CPU or build has no level {request.param} kernel")
+    try:
+        yield kernels.use_level(request.param)
+    finally:
+        kernels.use_level(kernels.LEVEL)
+
+
+@pytest.mark.usefixtures("one_thread", "level")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("per", ["row", "column"])
+@pytest.mark.parametrize("dim", [16, 64, 128])
+def test_int8_into_strided_views_is_bit_identical_to_torch(dtype: torch.dtype, per: str, dim: int) -> None:
+    """Codes read at a frame's stride out of a larger buffer, written into a permuted view of a larger context
+    (as FrameRun and llama.cpp's state view do); scales per token (values) or per channel (keys)."""
+    gen = torch.Generator().manual_seed(dim)
+    n, heads, tokens = 3, 2, 5
+    buffer = torch.randint(-127, 128, (n * 4000,), dtype=torch.int8, generator=gen)
+    q = buffer.as_strided((n, heads, tokens, dim), (4000, tokens * dim, dim, 1), 64)
+    scale = _scales((n, heads, tokens, 1) if per == "row" else (n, heads, 1, dim), gen)
+    context = torch.full((heads, n * tokens + 4, dim), float("nan"), dtype=dtype)
+    out = context[:, :n * tokens].view(heads, n, tokens, dim).permute(1, 0, 2, 3)
+    want = _torch_reference(out, q, scale)
+    assert kernels.int8_into(out, q, scale)
+    assert out.view(torch.int16 if dtype == torch.float16 else torch.int32).equal(
+        want.view(torch.int16 if dtype == torch.float16 else torch.int32))  # bit for bit, infinities included
+    assert torch.isnan(context[:, n * tokens:]).all()  # nothing written past the view
+
+
+@needs_kernel
+def test_what_the_kernel_does_not_take_is_left_to_torch(one_thread: None) -> None:
+    q = torch.zeros((1, 1, 2, 24), dtype=torch.int8)
+    out = torch.full((1, 1, 2, 24), 7.0)
+    assert not kernels.int8_into(out, q, torch.ones((1, 1, 2, 1), dtype=torch.float16))  # rows of 24: not 16s
+    q16, out16 = torch.zeros((1, 1, 2, 16), dtype=torch.int8), torch.full((1, 1, 2, 16), 7.0)
+    assert not kernels.int8_into(out16, q16, torch.ones((1, 1, 2, 1)))  # fp32 scales
+    assert not kernels.int8_into(out16.double(), q16, torch.ones((1, 1, 2, 1), dtype=torch.float16))
+    ones = torch.ones((1, 1, 2, 1), dtype=torch.float16)
+    assert not kernels.int8_into(torch.empty((1, 1, 2, 32))[..., ::2], q16, ones)  # rows not contiguous
+    assert not kernels.int8_into(out16, q16, torch.ones((1, 1, 3, 1), dtype=torch.float16))  # not broadcastable
+    assert (out == 7).all() and (out16 == 7).all()
+    torch.set_num_threads(2)
+    assert not kernels.int8_into(out16, q16, ones)  # fp32 on two threads, a small call: torch's is faster
+    assert kernels.int8_into(out16.half(), q16, ones)  # fp16: the kernel's always
+
+
+@pytest.mark.usefixtures("level")
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_large_call_split_over_threads_is_bit_identical(threads: int) -> None:
+    """fp32 outputs of PARALLEL_MIN values and more are split over torch's thread count, in parts that end
+    mid-row-block (3 threads): every row written once, as torch writes it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(threads)
+        shape = (5, 3, kernels.PARALLEL_MIN // (5 * 3 * 64) + 7, 64)
+        q = torch.randint(-127, 128, shape, dtype=torch.int8, generator=gen)
+        scale = _scales((*shape[:3], 1), gen)
+        context = torch.full((shape[1], shape[0] * shape[2] + 1, 64), float("nan"))
+        out = context[:, :-1].view(shape[1], shape[0], shape[2], 64).permute(1, 0, 2, 3)
+        want = _torch_reference(out, q, scale)
+        assert kernels.int8_into(out, q, scale)
+        assert out.view(torch.int32).equal(want.view(torch.int32))
+        assert torch.isnan(context[:, -1]).all()
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_int8_frames_decode_the_same_with_and_without_the_kernel(dtype: torch.dtype,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    kv = torch.randn(3, 2, 2, 16, 64, generator=torch.Generator().manual_seed(3)) * 4
+    frame = Codec("int8").encode(kv)
+    native = Codec("int8").decode_into(frame, torch.empty(kv.shape, dtype=dtype))
+    calls: list[int] = []
+    real = kernels.int8_into
+    monkeypatch.setattr(kernels, "int8_into", lambda *a: calls.append(1) or real(*a))
+    assert torch.equal(Codec("int8").decode_into(frame, torch.empty(kv.shape, dtype=dtype)), native)
+    assert calls  # the codec went through the kernel
+    monkeypatch.setattr(kernels, "ENABLED", False)
+    assert torch.equal(Codec("int8").decode_into(frame, torch.empty(kv.shape, dtype=dtype)), native)
+
+
+def _int4_reference(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """What torch writes: the codes converted, scaled and offset in fp32, then rounded to out's dtype."""
+    ref = torch.empty_like(out)
+    ref.copy_(codes.float().mul_(scale.float()).add_(zero.float()))
+    return ref
+
+
+@pytest.mark.usefixtures("one_thread", "level")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("half", ["keys", "values"])
+@pytest.mark.parametrize("width", [16, 64])
+def test_int4_into_is_bit_identical_to_torch(dtype: torch.dtype, half: str, width: int) -> None:
+    """Keys: [L, H, groups, group, D], a scale and offset per group and channel; values: [L, H, T, groups, group],
+    one per token and group. Written into a permuted view of a larger context, as FrameRun does."""
+    gen = torch.Generator().manual_seed(width)
+    shape = (3, 2, 4, 2, width) if half == "keys" else (3, 2, 8, 2, width)
+    codes = torch.randint(0, 16, shape, dtype=torch.uint8, generator=gen)
+    packed = (codes.view(-1, 2)[:, 0] | (codes.view(-1, 2)[:, 1] << 4)).contiguous()
+    per = (*shape[:3], 1, width) if half == "keys" else (*shape[:4], 1)
+    scale, zero = _scales(per, gen), -_scales(per, gen)
+    context = torch.full((shape[1], shape[0] * shape[2] + 3, *shape[3:]), float("nan"), dtype=dtype)
+    out = context[:, :shape[0] * shape[2]].view(shape[1], shape[0], *shape[2:]).permute(1, 0, 2, 3, 4)
+    want = _int4_reference(out, codes, scale, zero)
+    assert kernels.int4_into(out, packed, scale, zero)
+    bits = torch.int16 if dtype == torch.float16 else torch.int32
+    assert out.contiguous().view(bits).equal(want.view(bits))
+    assert torch.isnan(context[:, shape[0] * shape[2]:]).all()
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("spec", ["int4", "int4/g32", "int4/rotv", "int4/g16"])
+def test_int4_frames_decode_the_same_with_and_without_the_kernel(dtype: torch.dtype, spec: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the codec (rotated halves and padded groups stay torch's): the kernel changes no value."""
+    kv = torch.randn(3, 2, 2, 48, 64, generator=torch.Generator().manual_seed(5)) * 3
+    frame = Codec(spec).encode(kv)
+    native = Codec(spec).decode_into(frame, torch.empty(kv.shape, dtype=dtype))
+    monkeypatch.setattr(kernels, "ENABLED", False)
+    assert torch.equal(Codec(spec).decode_into(frame, torch.empty(kv.shape, dtype=dtype)), native)
+
+
+@pytest.mark.usefixtures("level")
+def test_a_large_int4_call_split_over_threads_is_bit_identical() -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gen = torch.Generator().manual_seed(11)
+        shape = (7, 3, kernels.PARALLEL_MIN // (7 * 3 * 64 * 64) + 1, 64, 64)
+        codes = torch.randint(0, 16, shape, dtype=torch.uint8, generator=gen)
+        packed = (codes.view(-1, 2)[:, 0] | (codes.view(-1, 2)[:, 1] << 4)).contiguous()
+        per = (*shape[:3], 1, 64)
+        scale, zero = _scales(per, gen), _scales(per, gen)
+        out = torch.full(shape, float("nan"))
+        assert kernels.int4_into(out, packed, scale, zero)
+        assert out.view(torch.int32).equal(_int4_reference(out, codes, scale, zero).view(torch.int32))
+    finally:
+        torch.set_num_threads(before)
