@@ -10,7 +10,6 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -37,16 +36,12 @@ typedef struct {
     long sf;         /* their inner stride: 0 (one per row) or 1 (one per column) */
 } Shape4;
 
-/* Rows [first, stop) of the n[0] x n[1] x n[2] outer rows, in order. */
-#define FOR_ROWS(g, first, stop)                                                                                  \
-    long a = (first) / ((g)->n[1] * (g)->n[2]), b = (first) / (g)->n[2] % (g)->n[1], t = (first) % (g)->n[2];    \
-    for (long r = (first); r < (stop); r++, t = t + 1 < (g)->n[2] ? t + 1 : 0,                                    \
-              b = t ? b : (b + 1 < (g)->n[1] ? b + 1 : 0), a = (t || b) ? a : a + 1)
-
 #ifdef KV_X86
 __attribute__((target("avx512f"))) static void int8_avx512(char *out, int half, const int8_t *q, const uint16_t *s,
-                                                            const Shape *g, long first, long stop) {
-    FOR_ROWS(g, first, stop) {
+                                                            const Shape *g) {
+    for (long a = 0; a < g->n[0]; a++)
+    for (long b = 0; b < g->n[1]; b++)
+    for (long t = 0; t < g->n[2]; t++) {
         long o = a * g->os[0] + b * g->os[1] + t * g->os[2];
         const int8_t *qr = q + a * g->qs[0] + b * g->qs[1] + t * g->qs[2];
         const uint16_t *sr = s + a * g->ss[0] + b * g->ss[1] + t * g->ss[2];
@@ -65,8 +60,10 @@ __attribute__((target("avx512f"))) static void int8_avx512(char *out, int half, 
 }
 
 __attribute__((target("avx2,f16c"))) static void int8_avx2(char *out, int half, const int8_t *q, const uint16_t *s,
-                                                           const Shape *g, long first, long stop) {
-    FOR_ROWS(g, first, stop) {
+                                                           const Shape *g) {
+    for (long a = 0; a < g->n[0]; a++)
+    for (long b = 0; b < g->n[1]; b++)
+    for (long t = 0; t < g->n[2]; t++) {
         long o = a * g->os[0] + b * g->os[1] + t * g->os[2];
         const int8_t *qr = q + a * g->qs[0] + b * g->qs[1] + t * g->qs[2];
         const uint16_t *sr = s + a * g->ss[0] + b * g->ss[1] + t * g->ss[2];
@@ -86,66 +83,64 @@ __attribute__((target("avx2,f16c"))) static void int8_avx2(char *out, int half, 
 
 /* One row of 16 int4 codes from 8 bytes: byte i holds code 2i (low nibble) and 2i + 1 (high). */
 __attribute__((target("avx512f"))) static void int4_avx512(char *out, int half, const uint8_t *codes,
-                                                            const uint16_t *s, const uint16_t *z, const Shape4 *g,
-                                                            long first, long stop) {
+                                                            const uint16_t *s, const uint16_t *z,
+                                                            const Shape4 *g) {
     const __m128i low = _mm_set1_epi8(0x0F);
-    for (long plane = first; plane < stop; plane++) {
-        long a = plane / g->n[1], b = plane % g->n[1];
-        for (long c = 0; c < g->n[2]; c++)
-            for (long e = 0; e < g->n[3]; e++) {
-                long o = a * g->os[0] + b * g->os[1] + c * g->os[2] + e * g->os[3];
-                const uint8_t *cr = codes + (a * g->cs[0] + b * g->cs[1] + c * g->cs[2] + e * g->cs[3]) / 2;
-                long at = a * g->ss[0] + b * g->ss[1] + c * g->ss[2] + e * g->ss[3];
-                __m512 srow = _mm512_cvtph_ps(_mm256_set1_epi16((short)s[at]));
-                __m512 zrow = _mm512_cvtph_ps(_mm256_set1_epi16((short)z[at]));
-                for (long d = 0; d < g->f; d += 16) {
-                    __m128i bytes = _mm_loadl_epi64((const __m128i *)(cr + d / 2));
-                    __m128i pairs = _mm_unpacklo_epi8(_mm_and_si128(bytes, low),
-                                                      _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
-                    __m512 scale = g->sf ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + at + d))) : srow;
-                    __m512 zero = g->sf ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(z + at + d))) : zrow;
-                    __m512 x = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(pairs)), scale),
-                                             zero);
-                    if (half)
-                        _mm256_storeu_si256((__m256i *)((uint16_t *)out + o + d),
-                                            _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-                    else
-                        _mm512_storeu_ps((float *)out + o + d, x);
-                }
-            }
+    for (long a = 0; a < g->n[0]; a++)
+    for (long b = 0; b < g->n[1]; b++)
+    for (long c = 0; c < g->n[2]; c++)
+    for (long e = 0; e < g->n[3]; e++) {
+        long o = a * g->os[0] + b * g->os[1] + c * g->os[2] + e * g->os[3];
+        const uint8_t *cr = codes + (a * g->cs[0] + b * g->cs[1] + c * g->cs[2] + e * g->cs[3]) / 2;
+        long at = a * g->ss[0] + b * g->ss[1] + c * g->ss[2] + e * g->ss[3];
+        __m512 srow = _mm512_cvtph_ps(_mm256_set1_epi16((short)s[at]));
+        __m512 zrow = _mm512_cvtph_ps(_mm256_set1_epi16((short)z[at]));
+        for (long d = 0; d < g->f; d += 16) {
+            __m128i bytes = _mm_loadl_epi64((const __m128i *)(cr + d / 2));
+            __m128i pairs = _mm_unpacklo_epi8(_mm_and_si128(bytes, low),
+                                              _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+            __m512 scale = g->sf ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + at + d))) : srow;
+            __m512 zero = g->sf ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(z + at + d))) : zrow;
+            __m512 x = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(pairs)), scale),
+                                     zero);
+            if (half)
+                _mm256_storeu_si256((__m256i *)((uint16_t *)out + o + d),
+                                    _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            else
+                _mm512_storeu_ps((float *)out + o + d, x);
+        }
     }
 }
 
 __attribute__((target("avx2,f16c"))) static void int4_avx2(char *out, int half, const uint8_t *codes,
-                                                           const uint16_t *s, const uint16_t *z, const Shape4 *g,
-                                                           long first, long stop) {
+                                                           const uint16_t *s, const uint16_t *z,
+                                                           const Shape4 *g) {
     const __m128i low = _mm_set1_epi8(0x0F);
-    for (long plane = first; plane < stop; plane++) {
-        long a = plane / g->n[1], b = plane % g->n[1];
-        for (long c = 0; c < g->n[2]; c++)
-            for (long e = 0; e < g->n[3]; e++) {
-                long o = a * g->os[0] + b * g->os[1] + c * g->os[2] + e * g->os[3];
-                const uint8_t *cr = codes + (a * g->cs[0] + b * g->cs[1] + c * g->cs[2] + e * g->cs[3]) / 2;
-                long at = a * g->ss[0] + b * g->ss[1] + c * g->ss[2] + e * g->ss[3];
-                __m256 srow = _mm256_cvtph_ps(_mm_set1_epi16((short)s[at]));
-                __m256 zrow = _mm256_cvtph_ps(_mm_set1_epi16((short)z[at]));
-                for (long d = 0; d < g->f; d += 8) {
-                    int32_t four;
-                    memcpy(&four, cr + d / 2, 4);
-                    __m128i bytes = _mm_cvtsi32_si128(four);
-                    __m128i pairs = _mm_unpacklo_epi8(_mm_and_si128(bytes, low),
-                                                      _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
-                    __m256 scale = g->sf ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + at + d))) : srow;
-                    __m256 zero = g->sf ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(z + at + d))) : zrow;
-                    __m256 x = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(pairs)), scale),
-                                             zero);
-                    if (half)
-                        _mm_storeu_si128((__m128i *)((uint16_t *)out + o + d),
-                                         _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-                    else
-                        _mm256_storeu_ps((float *)out + o + d, x);
-                }
-            }
+    for (long a = 0; a < g->n[0]; a++)
+    for (long b = 0; b < g->n[1]; b++)
+    for (long c = 0; c < g->n[2]; c++)
+    for (long e = 0; e < g->n[3]; e++) {
+        long o = a * g->os[0] + b * g->os[1] + c * g->os[2] + e * g->os[3];
+        const uint8_t *cr = codes + (a * g->cs[0] + b * g->cs[1] + c * g->cs[2] + e * g->cs[3]) / 2;
+        long at = a * g->ss[0] + b * g->ss[1] + c * g->ss[2] + e * g->ss[3];
+        __m256 srow = _mm256_cvtph_ps(_mm_set1_epi16((short)s[at]));
+        __m256 zrow = _mm256_cvtph_ps(_mm_set1_epi16((short)z[at]));
+        for (long d = 0; d < g->f; d += 8) {
+            int32_t four;
+            memcpy(&four, cr + d / 2, 4);
+            __m128i bytes = _mm_cvtsi32_si128(four);
+            __m128i pairs = _mm_unpacklo_epi8(_mm_and_si128(bytes, low),
+                                              _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+            __m256 scale = g->sf ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + at + d))) : srow;
+            __m256 zero = g->sf ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(z + at + d))) : zrow;
+            __m256 x = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(pairs)), scale),
+                                     zero);
+            if (half)
+                _mm_storeu_si128((__m128i *)((uint16_t *)out + o + d),
+                                 _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            else
+                _mm256_storeu_ps((float *)out + o + d, x);
+        }
     }
 }
 #endif
@@ -153,90 +148,17 @@ __attribute__((target("avx2,f16c"))) static void int4_avx2(char *out, int half, 
 static int detected = 0; /* 2: AVX-512F, 1: AVX2 + F16C, 0: none (the caller uses torch) */
 static int level = 0;    /* the one in use: `detected`, or less (`use`, for tests) */
 
-typedef struct {
-    char *out;
-    int half;
-    const void *codes;
-    const uint16_t *scale, *zero;
-    Shape g;    /* int8 */
-    Shape4 g4;  /* int4 */
-} Job;
-
-typedef struct {
-    void (*work)(const Job *, long, long);
-    const Job *job;
-    long first, stop;
-} Part;
-
-static void int8_work(const Job *j, long first, long stop) {
-#ifdef KV_X86
-    if (level == 2)
-        int8_avx512(j->out, j->half, j->codes, j->scale, &j->g, first, stop);
-    else
-        int8_avx2(j->out, j->half, j->codes, j->scale, &j->g, first, stop);
-#else
-    (void)j, (void)first, (void)stop;
-#endif
-}
-
-static void int4_work(const Job *j, long first, long stop) {
-#ifdef KV_X86
-    if (level == 2)
-        int4_avx512(j->out, j->half, j->codes, j->scale, j->zero, &j->g4, first, stop);
-    else
-        int4_avx2(j->out, j->half, j->codes, j->scale, j->zero, &j->g4, first, stop);
-#else
-    (void)j, (void)first, (void)stop;
-#endif
-}
-
-static void *run_part(void *arg) {
-    const Part *p = (const Part *)arg;
-    p->work(p->job, p->first, p->stop);
-    return NULL;
-}
-
-#define MAX_THREADS 16
-#define MIN_PART (1L << 19) /* values a thread takes at least: starting one costs ~40 us on a VM */
-
-/* `units` units of `per_unit` values each, over up to `threads` threads (the caller's included), without the GIL. */
-static void run_parallel(void (*work)(const Job *, long, long), const Job *job, long units, long per_unit,
-                         int threads) {
-    long most = units * per_unit / MIN_PART;
-    int n = threads < 1 ? 1 : (threads > MAX_THREADS ? MAX_THREADS : threads);
-    if (n > most)
-        n = most < 1 ? 1 : (int)most;
-    if (n > units)
-        n = units < 1 ? 1 : (int)units;
-    Part parts[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    Py_BEGIN_ALLOW_THREADS
-    for (int i = 0; i < n; i++) {
-        Part part = {work, job, units * i / n, units * (i + 1) / n};
-        parts[i] = part;
-    }
-    for (int i = 1; i < n; i++) /* the caller runs part 0; a thread that cannot start runs inline below */
-        started[i] = pthread_create(&ids[i], NULL, run_part, &parts[i]) == 0;
-    run_part(&parts[0]);
-    for (int i = 1; i < n; i++) {
-        if (started[i])
-            pthread_join(ids[i], NULL);
-        else
-            run_part(&parts[i]);
-    }
-    Py_END_ALLOW_THREADS
-}
-
+/* The kernels run on the calling thread, without the GIL. Threads of their own were measured and dropped: beside
+ * torch's OpenMP workers, which spin for a while after each of the forward step's parallel regions, a second kernel
+ * thread made an hf hit of 8128 tokens slower (int8: 1.29 -> 1.65 of the floor), though alone it was faster. */
 static PyObject *int8(PyObject *self, PyObject *args) {
     unsigned long long out, q, s;
-    int half, threads;
-    Job j = {0};
-    Shape *g = &j.g;
+    int half;
+    Shape shape, *g = &shape;
     (void)self;
-    if (!PyArg_ParseTuple(args, "KpKK(llll)(lll)(lll)(llll)i", &out, &half, &q, &s, &g->n[0], &g->n[1], &g->n[2],
+    if (!PyArg_ParseTuple(args, "KpKK(llll)(lll)(lll)(llll)", &out, &half, &q, &s, &g->n[0], &g->n[1], &g->n[2],
                           &g->d, &g->os[0], &g->os[1], &g->os[2], &g->qs[0], &g->qs[1], &g->qs[2], &g->ss[0],
-                          &g->ss[1], &g->ss[2], &g->sd, &threads))
+                          &g->ss[1], &g->ss[2], &g->sd))
         return NULL;
     if (!level) {
         PyErr_SetString(PyExc_RuntimeError, "no native kernel on this CPU");
@@ -246,22 +168,25 @@ static PyObject *int8(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "unsupported shape");
         return NULL;
     }
-    j.out = (char *)(uintptr_t)out, j.half = half, j.codes = (const void *)(uintptr_t)q;
-    j.scale = (const uint16_t *)(uintptr_t)s;
-    run_parallel(int8_work, &j, g->n[0] * g->n[1] * g->n[2], g->d, threads);
+#ifdef KV_X86
+    Py_BEGIN_ALLOW_THREADS
+    if (level == 2)
+        int8_avx512((char *)(uintptr_t)out, half, (const int8_t *)(uintptr_t)q, (const uint16_t *)(uintptr_t)s, g);
+    else
+        int8_avx2((char *)(uintptr_t)out, half, (const int8_t *)(uintptr_t)q, (const uint16_t *)(uintptr_t)s, g);
+    Py_END_ALLOW_THREADS
+#endif
     Py_RETURN_NONE;
 }
 
 static PyObject *int4(PyObject *self, PyObject *args) {
     unsigned long long out, codes, s, z;
-    int half, threads;
-    Job j = {0};
-    Shape4 *g = &j.g4;
+    int half;
+    Shape4 shape, *g = &shape;
     (void)self;
-    if (!PyArg_ParseTuple(args, "KpKKK(lllll)(llll)(llll)(lllll)i", &out, &half, &codes, &s, &z, &g->n[0], &g->n[1],
+    if (!PyArg_ParseTuple(args, "KpKKK(lllll)(llll)(llll)(lllll)", &out, &half, &codes, &s, &z, &g->n[0], &g->n[1],
                           &g->n[2], &g->n[3], &g->f, &g->os[0], &g->os[1], &g->os[2], &g->os[3], &g->cs[0],
-                          &g->cs[1], &g->cs[2], &g->cs[3], &g->ss[0], &g->ss[1], &g->ss[2], &g->ss[3], &g->sf,
-                          &threads))
+                          &g->cs[1], &g->cs[2], &g->cs[3], &g->ss[0], &g->ss[1], &g->ss[2], &g->ss[3], &g->sf))
         return NULL;
     if (!level) {
         PyErr_SetString(PyExc_RuntimeError, "no native kernel on this CPU");
@@ -274,9 +199,16 @@ static PyObject *int4(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "unsupported shape");
         return NULL;
     }
-    j.out = (char *)(uintptr_t)out, j.half = half, j.codes = (const void *)(uintptr_t)codes;
-    j.scale = (const uint16_t *)(uintptr_t)s, j.zero = (const uint16_t *)(uintptr_t)z;
-    run_parallel(int4_work, &j, g->n[0] * g->n[1], g->n[2] * g->n[3] * g->f, threads);
+#ifdef KV_X86
+    Py_BEGIN_ALLOW_THREADS
+    if (level == 2)
+        int4_avx512((char *)(uintptr_t)out, half, (const uint8_t *)(uintptr_t)codes, (const uint16_t *)(uintptr_t)s,
+                    (const uint16_t *)(uintptr_t)z, g);
+    else
+        int4_avx2((char *)(uintptr_t)out, half, (const uint8_t *)(uintptr_t)codes, (const uint16_t *)(uintptr_t)s,
+                  (const uint16_t *)(uintptr_t)z, g);
+    Py_END_ALLOW_THREADS
+#endif
     Py_RETURN_NONE;
 }
 
@@ -292,12 +224,12 @@ static PyObject *use(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"use", use, METH_VARARGS, "use(level) -> the level in use: at most the CPU's (tests run the AVX2 path with it)"},
     {"int8", int8, METH_VARARGS,
-     "int8(out, half, codes, scales, (A, B, T, D), out_strides[3], code_strides[3], scale_strides[4], threads): "
-     "out = codes * scales (fp32 out, or fp16 when half) on up to `threads` threads; addresses and strides in "
-     "elements, as kernels.py checks them"},
+     "int8(out, half, codes, scales, (A, B, T, D), out_strides[3], code_strides[3], scale_strides[4]): "
+     "out = codes * scales (fp32 out, or fp16 when half); addresses and strides in elements, as kernels.py checks "
+     "them"},
     {"int4", int4, METH_VARARGS,
-     "int4(out, half, packed, scales, offsets, (A, B, C, E, F), out_strides[4], code_strides[4], scale_strides[5], "
-     "threads): out = codes * scales + offsets; code strides in codes (two a byte), the rest in elements"},
+     "int4(out, half, packed, scales, offsets, (A, B, C, E, F), out_strides[4], code_strides[4], scale_strides[5]): "
+     "out = codes * scales + offsets; code strides in codes (two a byte), the rest in elements"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,12 +1,12 @@
 """Native dequantization where the CPU and the tensors allow it (cachestore/_kernels.c); else the caller uses torch.
 
-A hit's int8 KV is converted and scaled in one pass straight into its context, on as many threads as torch uses.
-torch reaches fp16 (llama.cpp's sequence state) only through an fp32 temporary: on a 2-core VM, 22 ms against 8 ms
-for the 47 MB state of a 2048-token SmolLM2 hit (BENCHMARKS.md, section 14). For fp32 (transformers) torch needs
-two passes, but on threads already running: the kernel starts its own, and pays for them only on large layers
-(one layer of K at 8128 tokens: 0.77 ms on two threads against 0.52; at 2048, torch's 0.09 against 0.13 on one).
-int4 takes torch five passes (widen, shift, mask, convert, scale and offset): there the kernel wins even on one
-thread (a forward step's dequantization at 2048 tokens: 19.8 ms against 31; at 8128, on two: 75 against 117).
+A hit's int8 and int4 KV is converted, scaled (and offset) in one pass straight into its context, on the calling
+thread. torch reaches fp16 (llama.cpp's sequence state) only through an fp32 temporary: on a 2-core VM, 22 ms
+against 8 ms for the 47 MB state of a 2048-token SmolLM2 hit (BENCHMARKS.md, section 14). int4 takes torch five
+passes (widen, shift, mask, convert, scale and offset): the kernel's one, on one thread, is faster than those on
+two (a forward step's dequantization at 2048 tokens: 19 against 30 ms; at 8128, 62 against 117). int8 into fp32
+is torch's two passes, on all its threads, as fast as the kernel on one: there the kernel runs only where torch
+has one thread. Threads of the kernel's own lost to torch's spinning OpenMP workers in a real forward step.
 The values are bit-identical to torch's (tests/test_kernels.py). KVSTASH_NATIVE_KERNELS=0 turns the kernels off.
 """
 
@@ -26,9 +26,6 @@ except ImportError:  # built without its compiler, or not built: torch does the 
 LEVEL = _kernels.level if _kernels is not None else 0  # 2: AVX-512F, 1: AVX2 + F16C, 0: none
 ENABLED = bool(LEVEL) and os.environ.get("KVSTASH_NATIVE_KERNELS", "1") != "0"
 _OUT = (torch.float32, torch.float16)
-# values from which the kernel, splitting its work over torch's thread count (each thread starts anew: ~40 us here),
-# beats torch's two passes on its warm threads: a SmolLM2 layer of 8128 tokens is 1.6 M values a half (K or V)
-PARALLEL_MIN = 1 << 20
 
 
 def int8_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> bool:
@@ -37,9 +34,8 @@ def int8_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> bo
     kernel applies: then the caller uses torch."""
     if not ENABLED or out.dtype not in _OUT or codes.dtype != torch.int8 or scale.dtype != torch.float16:
         return False
-    threads = torch.get_num_threads()
-    if out.dtype == torch.float32 and threads > 1 and out.numel() < PARALLEL_MIN:
-        return False  # torch's two passes, on its warm threads, are faster than the kernel on one
+    if out.dtype == torch.float32 and torch.get_num_threads() > 1:
+        return False  # torch's two passes on all its threads are as fast (BENCHMARKS.md, section 14)
     if out.dim() != 4 or codes.shape != out.shape or out.shape[3] % 16 or out.device.type != "cpu":
         return False
     if out.stride(3) != 1 or codes.stride(3) != 1 or codes.device.type != "cpu" or scale.device.type != "cpu":
@@ -53,7 +49,7 @@ def int8_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> bo
     assert _kernels is not None
     a, b, t, d = out.shape
     _kernels.int8(out.data_ptr(), out.dtype == torch.float16, codes.data_ptr(), scales.data_ptr(), (a, b, t, d),
-                  out.stride()[:3], codes.stride()[:3], scales.stride(), threads)
+                  out.stride()[:3], codes.stride()[:3], scales.stride())
     return True
 
 
@@ -67,7 +63,6 @@ def int4_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
         return False
     if out.stride(4) != 1 or 2 * packed.numel() < out.numel() or "cpu" != out.device.type:
         return False
-    threads = torch.get_num_threads()  # on one thread below PARALLEL_MIN, and still faster than torch's passes
     try:
         scales, zeros = scale.expand(out.shape), zero.expand(out.shape)
     except RuntimeError:
@@ -77,7 +72,7 @@ def int4_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
     a, b, c, e, f = out.shape
     assert _kernels is not None
     _kernels.int4(out.data_ptr(), out.dtype == torch.float16, packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(),
-                  (a, b, c, e, f), out.stride()[:4], (b * c * e * f, c * e * f, e * f, f), scales.stride(), threads)
+                  (a, b, c, e, f), out.stride()[:4], (b * c * e * f, c * e * f, e * f, f), scales.stride())
     return True
 
 

@@ -106,47 +106,8 @@ def test_what_the_kernel_does_not_take_is_left_to_torch(one_thread: None) -> Non
     assert not kernels.int8_into(out16, q16, torch.ones((1, 1, 3, 1), dtype=torch.float16))  # not broadcastable
     assert (out == 7).all() and (out16 == 7).all()
     torch.set_num_threads(2)
-    assert not kernels.int8_into(out16, q16, ones)  # fp32 on two threads, a small call: torch's is faster
+    assert not kernels.int8_into(out16, q16, ones)  # int8 into fp32 where torch has two threads: torch's
     assert kernels.int8_into(out16.half(), q16, ones)  # fp16: the kernel's always
-
-
-@pytest.mark.usefixtures("level")
-@pytest.mark.parametrize("threads", [2, 3])
-def test_a_large_call_split_over_threads_is_bit_identical(threads: int) -> None:
-    """fp32 outputs of PARALLEL_MIN values and more are split over torch's thread count, in parts that end
-    mid-row-block (3 threads): every row written once, as torch writes it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        gen = torch.Generator().manual_seed(threads)
-        shape = (5, 3, kernels.PARALLEL_MIN // (5 * 3 * 64) + 7, 64)
-        q = torch.randint(-127, 128, shape, dtype=torch.int8, generator=gen)
-        scale = _scales((*shape[:3], 1), gen)
-        context = torch.full((shape[1], shape[0] * shape[2] + 1, 64), float("nan"))
-        out = context[:, :-1].view(shape[1], shape[0], shape[2], 64).permute(1, 0, 2, 3)
-        want = _torch_reference(out, q, scale)
-        assert kernels.int8_into(out, q, scale)
-        assert out.view(torch.int32).equal(want.view(torch.int32))
-        assert torch.isnan(context[:, -1]).all()
-    finally:
-        torch.set_num_threads(before)
-
-
-@needs_kernel
-@pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_int8_frames_decode_the_same_with_and_without_the_kernel(dtype: torch.dtype,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    kv = torch.randn(3, 2, 2, 16, 64, generator=torch.Generator().manual_seed(3)) * 4
-    frame = Codec("int8").encode(kv)
-    native = Codec("int8").decode_into(frame, torch.empty(kv.shape, dtype=dtype))
-    calls: list[int] = []
-    real = kernels.int8_into
-    monkeypatch.setattr(kernels, "int8_into", lambda *a: calls.append(1) or real(*a))
-    assert torch.equal(Codec("int8").decode_into(frame, torch.empty(kv.shape, dtype=dtype)), native)
-    assert calls  # the codec went through the kernel
-    monkeypatch.setattr(kernels, "ENABLED", False)
-    assert torch.equal(Codec("int8").decode_into(frame, torch.empty(kv.shape, dtype=dtype)), native)
 
 
 def _int4_reference(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -189,21 +150,3 @@ def test_int4_frames_decode_the_same_with_and_without_the_kernel(dtype: torch.dt
     native = Codec(spec).decode_into(frame, torch.empty(kv.shape, dtype=dtype))
     monkeypatch.setattr(kernels, "ENABLED", False)
     assert torch.equal(Codec(spec).decode_into(frame, torch.empty(kv.shape, dtype=dtype)), native)
-
-
-@pytest.mark.usefixtures("level")
-def test_a_large_int4_call_split_over_threads_is_bit_identical() -> None:
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        gen = torch.Generator().manual_seed(11)
-        shape = (7, 3, kernels.PARALLEL_MIN // (7 * 3 * 64 * 64) + 1, 64, 64)
-        codes = torch.randint(0, 16, shape, dtype=torch.uint8, generator=gen)
-        packed = (codes.view(-1, 2)[:, 0] | (codes.view(-1, 2)[:, 1] << 4)).contiguous()
-        per = (*shape[:3], 1, 64)
-        scale, zero = _scales(per, gen), _scales(per, gen)
-        out = torch.full(shape, float("nan"))
-        assert kernels.int4_into(out, packed, scale, zero)
-        assert out.view(torch.int32).equal(_int4_reference(out, codes, scale, zero).view(torch.int32))
-    finally:
-        torch.set_num_threads(before)
