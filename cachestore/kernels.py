@@ -13,9 +13,12 @@ The values are bit-identical to torch's (tests/test_kernels.py). KVSTASH_NATIVE_
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from types import ModuleType
 
 import torch
+
+from cachestore.errors import ConfigError
 
 _kernels: ModuleType | None
 try:
@@ -24,7 +27,19 @@ except ImportError:  # built without its compiler, or not built: torch does the 
     _kernels = None
 
 LEVEL = _kernels.level if _kernels is not None else 0  # 2: AVX-512F, 1: AVX2 + F16C, 0: none
-ENABLED = bool(LEVEL) and os.environ.get("KVSTASH_NATIVE_KERNELS", "1") != "0"
+ENV = "KVSTASH_NATIVE_KERNELS"
+ENABLED = bool(LEVEL) and os.environ.get(ENV, "1").strip() != "0"  # configure() checks the setting strictly
+
+
+def configure(environ: Mapping[str, str] | None = None) -> bool:
+    """Apply KVSTASH_NATIVE_KERNELS ("1", the default when unset or empty, or "0"; anything else is a ConfigError) and return whether the
+    kernels are used. The command line calls it before a command that runs a model."""
+    global ENABLED
+    value = (os.environ if environ is None else environ).get(ENV, "").strip() or "1"  # unset or empty: the default
+    if value not in ("0", "1"):
+        raise ConfigError(f"{ENV} must be 0 (torch alone) or 1, got {value!r}")
+    ENABLED = bool(LEVEL) and value == "1"
+    return ENABLED
 _OUT = (torch.float32, torch.float16)
 
 
@@ -83,5 +98,5 @@ def use_level(level: int) -> int:
     if _kernels is None:
         return 0
     used = int(_kernels.use(level))
-    ENABLED = bool(used) and os.environ.get("KVSTASH_NATIVE_KERNELS", "1") != "0"
+    ENABLED = bool(used) and os.environ.get(ENV, "1").strip() != "0"
     return used

@@ -51,9 +51,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command in MODEL_COMMANDS:
+            from cachestore import kernels  # noqa: PLC0415
             from service import malloc, settings  # noqa: PLC0415
 
             malloc.tune(settings.malloc_arenas())  # before any thread allocates
+            kernels.configure()
         return int(args.func(args) or 0)
     except KvstashError as exc:
         print(f"kvstash: error: {exc}", file=sys.stderr)

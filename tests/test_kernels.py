@@ -11,6 +11,7 @@ import torch
 
 from cachestore import kernels
 from cachestore.codec import Codec
+from cachestore.errors import ConfigError
 
 
 def _cpu_flags() -> set[str]:
@@ -150,3 +151,14 @@ def test_int4_frames_decode_the_same_with_and_without_the_kernel(dtype: torch.dt
     native = Codec(spec).decode_into(frame, torch.empty(kv.shape, dtype=dtype))
     monkeypatch.setattr(kernels, "ENABLED", False)
     assert torch.equal(Codec(spec).decode_into(frame, torch.empty(kv.shape, dtype=dtype)), native)
+
+
+def test_the_setting_is_0_or_1_and_anything_else_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "ENABLED", kernels.ENABLED)  # restored after the test
+    assert kernels.configure({"KVSTASH_NATIVE_KERNELS": "0"}) is False and not kernels.ENABLED
+    assert kernels.configure({}) is bool(kernels.LEVEL) and kernels.ENABLED is bool(kernels.LEVEL)
+    assert kernels.configure({"KVSTASH_NATIVE_KERNELS": ""}) is bool(kernels.LEVEL)  # empty: unset, as elsewhere
+    for bad in ("off", "2", "yes"):
+        with pytest.raises(ConfigError, match="KVSTASH_NATIVE_KERNELS must be 0 .* or 1, got"):
+            kernels.configure({"KVSTASH_NATIVE_KERNELS": bad})
+
