@@ -1,6 +1,8 @@
 """Each hit's ratio to its floor (p50 / p50) before a wave's change and after it, alternating runs:
 resume-waveN-{before,after}-run{1,2,...}.json -> resume-waveN.png. Targets: 1.15 (fp16, int8), 1.25 (int4).
 Wave 6 (section 12): before 15fd1ae, after 4d78c65. Wave 7 (section 13): before 6dab61d, after 53dd95a.
+Wave 8 (section 14): the native kernels off and on (KVSTASH_NATIVE_KERNELS), at 048fe55; "8" is hf,
+"8-llamacpp" llama.cpp in the pod.
 
 Run: PYTHONPATH=. .venv/bin/python docs/benchmarks/resume_floor_plot.py 7
 """
@@ -26,8 +28,10 @@ def main(wave: str) -> None:
     runs = {f"{side} run {path.stem.rsplit('run', 1)[1]}": ratios(path)
             for side in ("before", "after") for path in sorted(HERE.glob(f"resume-wave{wave}-{side}-run*.json"))}
     labels = list(next(iter(runs.values())))
+    first = next(HERE.glob(f"resume-wave{wave}-before-run*.json"))
+    engine = json.loads(first.read_text()).get("engine", "hf")
     plot_bars(HERE / f"resume-wave{wave}.png", labels, {k: [v[lab] for lab in labels] for k, v in runs.items()},
-              title=f"hf hit / floor (p50), wave {wave}; targets 1.15 (fp16, int8) and 1.25 (int4)",
+              title=f"{engine} hit / floor (p50), wave {wave.split('-')[0]}; targets 1.15 (fp16, int8) and 1.25 (int4)",
               ylabel="hit / floor")
 
 
