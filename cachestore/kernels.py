@@ -32,8 +32,8 @@ ENABLED = bool(LEVEL) and os.environ.get(ENV, "1").strip() != "0"  # configure()
 
 
 def configure(environ: Mapping[str, str] | None = None) -> bool:
-    """Apply KVSTASH_NATIVE_KERNELS ("1", the default when unset or empty, or "0"; anything else is a ConfigError) and return whether the
-    kernels are used. The command line calls it before a command that runs a model."""
+    """Apply KVSTASH_NATIVE_KERNELS ("1", the default when unset or empty, or "0"; anything else is a ConfigError)
+    and return whether the kernels are used. The command line calls it before a command that runs a model."""
     global ENABLED
     value = (os.environ if environ is None else environ).get(ENV, "").strip() or "1"  # unset or empty: the default
     if value not in ("0", "1"):
