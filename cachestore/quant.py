@@ -427,17 +427,20 @@ def dequantize_mixed(mode: str, parts: list[torch.Tensor], dims: Dims, group: in
     halves = ((hi.keys, sk, zk, pk, kbytes, (h, nk, gk, d), 2, variant.rot_keys, sk8, qk8),
               (hi.values, sv, zv, pv, vbytes, (h, t, nv, gv), 3, variant.rot_values, sv8, qv8))
     for half, (hi_layers, scale, zero, packed, nbytes, shape, dim, rot, scale8, q8) in enumerate(halves):
-        runs = _runs(first, first + out.shape[0], hi_layers)
-        lo = [(rank, stop - start) for start, stop, at_int8, rank in runs if not at_int8]
-        if lo:  # the codes of every int4/int2 layer wanted, unpacked at once: [their count, *shape]
-            r0, r1 = lo[0][0], lo[-1][0] + lo[-1][1]
-            q = unpack(packed[r0 * nbytes:r1 * nbytes], bits, (r1 - r0) * nbytes * (8 // bits))
-            q = q.view(r1 - r0, -1)[:, :math.prod(shape)].reshape(r1 - r0, *shape)  # a copy only if codes end mid-byte
-        for start, stop, at_int8, rank in runs:
+        native = bits == 4 and not rot and 2 * nbytes == math.prod(shape)  # a run's codes lie whole, in C order
+        pending = []  # the int4/int2 runs torch dequantizes
+        for start, stop, at_int8, rank in _runs(first, first + out.shape[0], hi_layers):
             target, n = out[start - first:stop - first, half], stop - start
             if at_int8:
                 _int8_into(target, q8[rank:rank + n], scale8[rank:rank + n])
-            else:
+            elif not (native and _int4_into(target, packed[rank * nbytes:(rank + n) * nbytes], scale[rank:rank + n],
+                                             zero[rank:rank + n], (n, *shape), dim)):
+                pending.append((target, n, rank))
+        if pending:  # their codes unpacked at once: [their count, *shape]
+            r0, r1 = pending[0][2], pending[-1][2] + pending[-1][1]
+            q = unpack(packed[r0 * nbytes:r1 * nbytes], bits, (r1 - r0) * nbytes * (8 // bits))
+            q = q.view(r1 - r0, -1)[:, :math.prod(shape)].reshape(r1 - r0, *shape)  # a copy only if codes end mid-byte
+            for target, n, rank in pending:
                 _affine_into(target, q[rank - r0:rank - r0 + n], scale[rank:rank + n], zero[rank:rank + n], dim, rot)
     return out
 
