@@ -323,18 +323,15 @@ class LlamaCppEngine:
             cached = min(int(cached_kv.shape[3]), len(prompt) - 1)  # the last prompt token is always fed
             if kv_ready is not None:
                 kv_ready.wait_all()  # the state is set whole: every layer first
-            lent = self._lent_state(cached_kv, cached)
-            if lent is not None:  # the hit was dequantized into a state: set as it is
-                state, planned = lent
-            else:
-                planned = cached
+            lent = self._lent_state(cached_kv, cached)  # the hit was dequantized into a state: set as it is
+            state, planned = lent if lent is not None else (None, cached)
+            size = llamastate.state_size(planned, self.state_geometry)
+            if state is None:
                 try:
                     state = llamastate.assemble_state(cached_kv[:, :, :, :cached], self.state_geometry,
-                                                      into=self._state_buffers.take(
-                                                          llamastate.state_size(cached, self.state_geometry)))
+                                                      into=self._state_buffers.take(size))
                 except llamastate.StateLayoutError as exc:
                     raise ValueError(str(exc)) from None
-            size = llamastate.state_size(planned, self.state_geometry)
         req = _Request(prompt, state, cached, params, on_text, TextStream(self.vocab, params.stop, on_text),
                        make_generator(params), min(params.max_tokens, limit - len(prompt)), on_prefill)
         req.state_size = size
