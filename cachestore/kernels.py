@@ -28,19 +28,21 @@ except ImportError:  # built without its compiler, or not built: torch does the 
 
 LEVEL = _kernels.level if _kernels is not None else 0  # 2: AVX-512F, 1: AVX2 + F16C, 0: none
 ENV = "KVSTASH_NATIVE_KERNELS"
-ENABLED = bool(LEVEL) and os.environ.get(ENV, "1").strip() != "0"  # configure() checks the setting strictly
+_wanted = os.environ.get(ENV, "").strip() != "0"  # the setting; configure() checks it strictly
+ENABLED = bool(LEVEL) and _wanted  # the setting, on a CPU and build with a kernel
+_OUT = (torch.float32, torch.float16)
 
 
 def configure(environ: Mapping[str, str] | None = None) -> bool:
     """Apply KVSTASH_NATIVE_KERNELS ("1", the default when unset or empty, or "0"; anything else is a ConfigError)
     and return whether the kernels are used. The command line calls it before a command that runs a model."""
-    global ENABLED
+    global ENABLED, _wanted
     value = (os.environ if environ is None else environ).get(ENV, "").strip() or "1"  # unset or empty: the default
     if value not in ("0", "1"):
         raise ConfigError(f"{ENV} must be 0 (torch alone) or 1, got {value!r}")
-    ENABLED = bool(LEVEL) and value == "1"
+    _wanted = value == "1"
+    ENABLED = bool(LEVEL) and _wanted
     return ENABLED
-_OUT = (torch.float32, torch.float16)
 
 
 def int8_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> bool:
@@ -76,7 +78,7 @@ def int4_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
         return False
     if scale.dtype != torch.float16 or zero.dtype != torch.float16 or out.dim() != 5 or out.shape[4] % 16:
         return False
-    if out.stride(4) != 1 or 2 * packed.numel() < out.numel() or "cpu" != out.device.type:
+    if out.stride(4) != 1 or 2 * packed.numel() < out.numel() or out.device.type != "cpu":
         return False
     try:
         scales, zeros = scale.expand(out.shape), zero.expand(out.shape)
@@ -84,8 +86,8 @@ def int4_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
         return False
     if scales.stride() != zeros.stride() or scales.stride(4) not in (0, 1) or packed.device.type != "cpu":
         return False
-    a, b, c, e, f = out.shape
     assert _kernels is not None
+    a, b, c, e, f = out.shape
     _kernels.int4(out.data_ptr(), out.dtype == torch.float16, packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(),
                   (a, b, c, e, f), out.stride()[:4], (b * c * e * f, c * e * f, e * f, f), scales.stride())
     return True
@@ -98,5 +100,5 @@ def use_level(level: int) -> int:
     if _kernels is None:
         return 0
     used = int(_kernels.use(level))
-    ENABLED = bool(used) and os.environ.get(ENV, "1").strip() != "0"
+    ENABLED = bool(used) and _wanted
     return used

@@ -163,4 +163,5 @@ def test_the_setting_is_0_or_1_and_anything_else_is_a_clear_error(monkeypatch: p
     for bad in ("off", "2", "yes"):
         with pytest.raises(ConfigError, match="KVSTASH_NATIVE_KERNELS must be 0 .* or 1, got"):
             kernels.configure({"KVSTASH_NATIVE_KERNELS": bad})
+    kernels.configure()  # this process's own setting again
 
