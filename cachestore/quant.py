@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -396,10 +397,16 @@ def _int4_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zer
     if shape[dim] * shape[dim + 1] != out.shape[dim]:
         return False
     try:
-        grouped = out.view(*out.shape[:dim], shape[dim], shape[dim + 1], *out.shape[dim + 1:])
+        grouped = _grouped(out, shape, dim)
     except RuntimeError:
         return False
     return kernels.int4_into(grouped, packed, scale, zero)
+
+
+def _grouped(out: torch.Tensor, shape: Sequence[int], dim: int) -> torch.Tensor:
+    """out [L, H, T, D] viewed as codes of `shape` group it: dim `dim` split into shape[dim] groups of
+    shape[dim + 1] (keys: T, dim 2; values: D, dim 3)."""
+    return out.view(*out.shape[:dim], shape[dim], shape[dim + 1], *out.shape[dim + 1:])
 
 
 def _int8_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
@@ -472,7 +479,7 @@ def _affine_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: 
     padded = q.shape[dim] * q.shape[dim + 1] != size
     scale32, zero32 = scale.float(), zero.float()  # q * scale is exact in fp32 (<= 15 bits)
     if not padded and not rot and out.dtype == torch.float32:
-        grouped = out.view(*out.shape[:dim], *q.shape[dim:dim + 2], *out.shape[dim + 1:])
+        grouped = _grouped(out, q.shape, dim)
         # scaled and offset in one pass over out (addcmul), not two: a third less of the layer's traffic
         torch.addcmul(zero32, grouped.copy_(q), scale32, out=grouped)
         return
