@@ -314,53 +314,52 @@ class ResumeBench:
         context, b = len(prompt) - 1, self.args.block_tokens
         names = ("fetch", "verify", "hand_over", "cache_build", "forward_layerwise", "forward_in_memory", "raw_get")
         phases: dict[str, list[float]] = {k: [] for k in names}
-        raw = redis.Redis.from_url(self.url)
-        async with self._pod("bench-profile", mode) as (pipeline, store):
-            hashes, _ = await self._store_history(pipeline, store, prompt, kv)
-            keys = [store.keys.block(pipeline.model_key, h)[1] for h in hashes]
-            # one buffer for every run, as the pod's context pool: a fresh 94 MB tensor each time would time the
-            # page faults of its first touch (39 ms of decoding and 7 ms of "cache_build" at 2048 tokens here)
-            layers, _, heads, _, dim = kv.shape
-            pooled = torch.empty((layers, 2, heads, context + b, dim), dtype=kv.dtype)
-            stage, slots = pipeline.landing_for(len(hashes))
-            for rep in range(self.args.repeat + 1):
-                marks = [time.perf_counter()]
+        with contextlib.closing(redis.Redis.from_url(self.url)) as raw:
+            async with self._pod("bench-profile", mode) as (pipeline, store):
+                hashes, _ = await self._store_history(pipeline, store, prompt, kv)
+                keys = [store.keys.block(pipeline.model_key, h)[1] for h in hashes]
+                # one buffer for every run, as the pod's context pool: a fresh 94 MB tensor each time would time the
+                # page faults of its first touch (39 ms of decoding and 7 ms of "cache_build" at 2048 tokens here)
+                layers, _, heads, _, dim = kv.shape
+                pooled = torch.empty((layers, 2, heads, context + b, dim), dtype=kv.dtype)
+                stage, slots = pipeline.landing_for(len(hashes))
+                for rep in range(self.args.repeat + 1):
+                    marks = [time.perf_counter()]
 
-                def read() -> list[Any]:  # as a pod's lookup reads them: on a reader thread, in its chunks
-                    got: list[Any] = []
-                    for r in chunk_plan(len(hashes)):
-                        into = slots[r.start:r.stop] if slots is not None else None
-                        got += store.fetch_blocking(pipeline.model_key, hashes[r.start:r.stop], into).value
-                    return got
+                    def read() -> list[Any]:  # as a pod's lookup reads them: on a reader thread, in its chunks
+                        got: list[Any] = []
+                        for r in chunk_plan(len(hashes)):
+                            into = slots[r.start:r.stop] if slots is not None else None
+                            got += store.fetch_blocking(pipeline.model_key, hashes[r.start:r.stop], into).value
+                        return got
 
-                got = await asyncio.to_thread(read)
-                marks.append(time.perf_counter())
-                rehydration = Rehydration(pooled, b, pipeline.open_block, layerwise=True, landing=stage)
-                rehydration.take(got)
-                marks.append(time.perf_counter())
-                rehydration.end()
-                rehydration.run(lambda n, nbytes: None)
-                marks.append(time.perf_counter())
+                    got = await asyncio.to_thread(read)
+                    marks.append(time.perf_counter())
+                    rehydration = Rehydration(pooled, b, pipeline.open_block, layerwise=True, landing=stage)
+                    rehydration.take(got)
+                    marks.append(time.perf_counter())
+                    rehydration.end()
+                    rehydration.run(lambda n, nbytes: None)
+                    marks.append(time.perf_counter())
 
-                def step(marks: list[float] = marks, gate: Any = rehydration.gate) -> None:  # on the compute thread
-                    whole = pooled[:, :, :, :context]  # [L, 2, H, N, D], a view of a buffer with room to grow
-                    with torch.inference_mode():
-                        for ready in (gate, None):
-                            cache = hfcache.cache_from_tensor(whole, self.loaded.model, ready=ready)
-                            if ready is not None:
+                    def step(marks: list[float] = marks, gate: Any = rehydration.gate) -> None:  # on the compute thread
+                        whole = pooled[:, :, :, :context]  # [L, 2, H, N, D], a view of a buffer with room to grow
+                        with torch.inference_mode():
+                            for ready in (gate, None):
+                                cache = hfcache.cache_from_tensor(whole, self.loaded.model, ready=ready)
+                                if ready is not None:
+                                    marks.append(time.perf_counter())
+                                logits, _ = hfcache.forward(self.loaded.model, prompt[context:], cache)
+                                int(torch.argmax(logits[-1]))
                                 marks.append(time.perf_counter())
-                            logits, _ = hfcache.forward(self.loaded.model, prompt[context:], cache)
-                            int(torch.argmax(logits[-1]))
-                            marks.append(time.perf_counter())
 
-                self.compute(step)
-                start = time.perf_counter()
-                _raw_get(raw, keys)
-                if rep:
-                    phases["raw_get"].append(time.perf_counter() - start)
-                    for name, (t0, t1) in zip(names[:-1], itertools.pairwise(marks), strict=True):
-                        phases[name].append(t1 - t0)
-        raw.close()
+                    self.compute(step)
+                    start = time.perf_counter()
+                    _raw_get(raw, keys)
+                    if rep:
+                        phases["raw_get"].append(time.perf_counter() - start)
+                        for name, (t0, t1) in zip(names[:-1], itertools.pairwise(marks), strict=True):
+                            phases[name].append(t1 - t0)
         return {name: percentile(v, 0.5) * 1000 for name, v in phases.items()}
 
 
