@@ -37,18 +37,40 @@ def empty_cache(model: PreTrainedModel) -> Cache:
     return DynamicCache(config=model.config)
 
 
+class Scratch:
+    """One layer's worth of KV [2, kv_heads, tokens, head_dim], shared by a cache's layers in turn (the forward
+    step runs them one after another): the first step over a context still being rehydrated reads each layer's
+    cached tokens from here, dequantized just before its attention, while they are in the CPU's caches."""
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+
+    def take(self, like: torch.Tensor, tokens: int) -> torch.Tensor:
+        """[2, kv_heads, >= tokens, head_dim] of `like`'s [.., kv_heads, .., head_dim], dtype and device."""
+        if self._buf is None or self._buf.shape[2] < tokens:
+            self._buf = like.new_empty((2, like.shape[1], tokens, like.shape[3]))
+        return self._buf
+
+
 class GrowingLayer(DynamicLayer):
     """A DynamicLayer over a buffer with room to grow: appending a token writes it in place.
 
     DynamicLayer.update torch.cat's the whole context for every new token: at 2048 tokens that is a
     94 MB copy before the first logit (about a third of a hit's forward step on a CPU). The pod
     decodes the cached blocks into a buffer with spare capacity, so the context is never copied.
+
+    With `ready` and a `scratch`, the first forward step reads this layer's cached tokens from the scratch, where
+    the rehydration dequantizes them just before the attention (`LayerGate.fill`), and the context buffer gets
+    them at the second step: writing a context larger than the CPU's caches costs a memory-bound machine more
+    than the step that reads it (BENCHMARKS.md, section 15), and a one-token reply never writes it at all.
     """
 
     def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int,
-                 ready: LayerGate | None = None, index: int = 0) -> None:
+                 ready: LayerGate | None = None, index: int = 0, scratch: Scratch | None = None) -> None:
         super().__init__()
         self._ready, self._index = ready, index  # the cached tokens of this layer may still be on their way
+        self._scratch = scratch if ready is not None else None
+        self.cached_tokens = length  # the tokens `ready` puts in place
         self.device = key_buffer.device
         self.is_initialized = True
         self._key_buf, self._value_buf, self._length = key_buffer, value_buffer, length  # [1, H, cap, D]
@@ -57,18 +79,37 @@ class GrowingLayer(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._scratch is not None:  # the first step: the cached tokens from the scratch, if the gate can fill it
+            scratch, self._scratch = self._scratch, None
+            start = self._length
+            buf = scratch.take(key_states, start + key_states.shape[-2])
+            assert self._ready is not None
+            if self._ready.fill(self._index, buf[:, :, :start]):
+                self._append(key_states, value_states)
+                buf[0, :, start:self._length] = key_states[0]
+                buf[1, :, start:self._length] = value_states[0]
+                return buf[0, :, :self._length].unsqueeze(0), buf[1, :, :self._length].unsqueeze(0)
+        self.settle()
+        self._append(key_states, value_states)
+        return self.keys, self.values
+
+    def settle(self) -> None:
+        """Put the cached tokens in the context buffer, if they are not yet (blocks until they can be)."""
+        self._scratch = None
         if self._ready is not None:  # the forward step reached this layer: its cached tokens must be in place
             self._ready.wait(self._index)
             self._ready = None
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         end = self._length + key_states.shape[-2]
         if end > self._key_buf.shape[-2]:  # out of room: move to a buffer twice as large, once
+            self.settle()  # the cached tokens move along
             self._key_buf = self._grow(self._key_buf, end)
             self._value_buf = self._grow(self._value_buf, end)
         self._key_buf[:, :, self._length:end] = key_states
         self._value_buf[:, :, self._length:end] = value_states
         self._length = end
         self.keys, self.values = self._key_buf[:, :, :end], self._value_buf[:, :, :end]
-        return self.keys, self.values
 
     def _grow(self, buf: torch.Tensor, needed: int) -> torch.Tensor:
         bigger = buf.new_empty((*buf.shape[:2], max(needed, 2 * buf.shape[2]), buf.shape[3]))
@@ -76,6 +117,7 @@ class GrowingLayer(DynamicLayer):
         return bigger
 
     def crop(self, tokens_to_remove: int) -> None:
+        self.settle()
         super().crop(tokens_to_remove)
         self._length = self.keys.shape[-2]
 
@@ -110,6 +152,7 @@ def cache_from_tensor(kv: torch.Tensor, model: PreTrainedModel, ready: LayerGate
         return empty_cache(model)
     capacity = _spare_capacity(kv) if kv.device == model.device and kv.dtype == model.dtype else 0
     cache = DynamicCache(config=model.config)
+    scratch = Scratch()
     if ready is not None and (not capacity or any(type(layer) is not DynamicLayer for layer in cache.layers)):
         ready.wait_all()  # the context is copied or handed over whole: all of it first
         ready = None
@@ -122,7 +165,7 @@ def cache_from_tensor(kv: torch.Tensor, model: PreTrainedModel, ready: LayerGate
         elif capacity:
             size, stride = (1, heads, capacity, dim), (kv.stride(1), kv.stride(2), dim, 1)
             cache.layers[i] = GrowingLayer(key.as_strided(size, stride), value.as_strided(size, stride), tokens,
-                                           ready, i)
+                                           ready, i, scratch)
         else:
             # Adopt the tensors as they are: DynamicLayer.update would torch.cat them onto an
             # empty tensor, a full copy of the context that the next forward copies again anyway.
@@ -146,6 +189,8 @@ def tensor_from_cache(cache: Cache, start: int = 0, end: int | None = None) -> t
     _, heads, _, dim = first.shape
     out = torch.empty((len(layers), 2, heads, end - start, dim), dtype=first.dtype, device="cpu")
     for i, layer in enumerate(layers):
+        if isinstance(layer, GrowingLayer) and start < layer.cached_tokens:
+            layer.settle()  # the cached tokens were read from the scratch so far: into the context first
         out[i, 0].copy_(layer.keys[0, :, start:end])
         out[i, 1].copy_(layer.values[0, :, start:end])
     return out

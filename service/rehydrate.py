@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from cachestore import kernels
 from cachestore.codec import FrameRun, OpenFrame
 from cachestore.errors import CodecError
 
@@ -43,6 +44,7 @@ class LayerGate:
         self._ready = 0
         self._error: BaseException | None = None
         self._work: Callable[[int], int] | None = None
+        self._fill: Callable[[int, torch.Tensor], bool] | None = None
         self._cond = threading.Condition()
 
     def release(self, layers_done: int) -> None:
@@ -55,12 +57,34 @@ class LayerGate:
             self._error = exc
             self._cond.notify_all()
 
-    def hand_over(self, work: Callable[[int], int]) -> None:
+    def hand_over(self, work: Callable[[int], int], fill: Callable[[int, torch.Tensor], bool] | None = None) -> None:
         """The producer stops here: `work(first)` puts the layer group starting at `first` in place and returns
-        where the group ends; whoever waits for a layer not in place yet runs it, on its own thread."""
+        where the group ends; whoever waits for a layer not in place yet runs it, on its own thread. `fill(layer,
+        dest)`, where given, puts one layer's cached tokens in `dest` instead of the context (False: it cannot)."""
         with self._cond:
-            self._work = work
+            self._work, self._fill = work, fill
             self._cond.notify_all()
+
+    def fill(self, layer: int, dest: torch.Tensor) -> bool:
+        """Put layer `layer`'s cached tokens in `dest` [2, kv_heads, tokens, head_dim] and leave the context's own
+        layer as it is (a later `wait` still puts it in place). False when the layer is in place already, or the
+        handed-over work cannot fill: then the caller reads the context after `wait`. Raises if the rehydration
+        failed."""
+        if self._ready > layer:
+            return False
+        with self._cond:
+            while self._ready <= layer and self._work is None and self._error is None:
+                if not self._cond.wait(GATE_TIMEOUT_S):
+                    raise RuntimeError(f"layer {layer} of the cached context was not ready in {GATE_TIMEOUT_S} s")
+            if self._error is not None:
+                raise RuntimeError("the cached context could not be rehydrated") from self._error
+            if self._ready > layer or self._fill is None:
+                return False
+            try:
+                return self._fill(layer, dest)
+            except Exception as exc:
+                self._error = exc
+                raise RuntimeError("the cached context could not be rehydrated") from exc
 
     def wait(self, layer: int) -> None:
         """Return once layer `layer` is in place (doing the handed-over work up to it, if any); raises if the
@@ -167,7 +191,7 @@ class Rehydration:
         if landed or done < len(opened):  # the forward step dequantizes them as it reaches each layer
             runs, whole = self._runs(opened, landed + list(range(done, len(opened))))
             if runs:
-                self.gate.hand_over(self._layers(runs, [(i, opened[i]) for i in whole]))
+                self.gate.hand_over(*self._layers(runs, [(i, opened[i]) for i in whole]))
                 return
             done = min([done, *whole])  # no run after all: the old path, from the first frame not in place
         if done == len(opened):
@@ -207,26 +231,55 @@ class Rehydration:
                 whole.extend(segment)
         return runs, whole
 
-    def _layers(self, runs: list[tuple[int, FrameRun]], whole: list[tuple[int, OpenFrame]]) -> Callable[[int], int]:
+    def _layers(self, runs: list[tuple[int, FrameRun]], whole: list[tuple[int, OpenFrame]]
+                ) -> tuple[Callable[[int], int], Callable[[int, torch.Tensor], bool]]:
         """`work(layer)`: that layer of every run into the context (the frames that are no run whole, first);
-        returns the next layer."""
+        returns the next layer. `fill(layer, dest)`: the same layer's cached tokens into `dest` [2, kv_heads,
+        tokens, head_dim] (the runs from the landing, every other token copied from the context), not the context."""
         layers, b = self.gate.layers, self.block_tokens
         _, _, heads, _, dim = self.out.shape
+        spans = [(first * b, (first + run.count) * b) for first, run in runs]
+        pending_whole = list(whole)  # decoded into the context once, by whichever of work and fill comes first
+        reported = False
+
+        def runs_into(dest: torch.Tensor, layer: int) -> None:  # dest [2, H, tokens, D]
+            if pending_whole:
+                for index, frame in pending_whole:
+                    frame.decode_into(self.out[:, :, :, self._span(index)])
+                pending_whole.clear()
+            for (start, stop), (_, run) in zip(spans, runs, strict=True):  # [frames, 2, heads, b, dim]
+                run.decode_layer_into(dest[:, :, start:stop].view(2, heads, run.count, b, dim).permute(2, 0, 1, 3, 4),
+                                      layer)
+
+        def timed(layer: int, seconds: float) -> None:
+            nonlocal reported
+            self.decode_seconds += seconds
+            if layer + 1 == layers and not reported:  # the hit's dequantization, once: by the first pass to end
+                reported = True
+                self._on_decoded(self.decode_seconds)
 
         def work(layer: int) -> int:
             t0 = time.perf_counter()
-            if layer == 0:
-                for index, frame in whole:
-                    frame.decode_into(self.out[:, :, :, self._span(index)])
-            for first, run in runs:  # [frames, 2, heads, b, dim] over the context's layer
-                tokens = self.out[layer, :, :, first * b:(first + run.count) * b]
-                run.decode_layer_into(tokens.view(2, heads, run.count, b, dim).permute(2, 0, 1, 3, 4), layer)
-            self.decode_seconds += time.perf_counter() - t0
-            if layer + 1 == layers:
-                self._on_decoded(self.decode_seconds)
+            runs_into(self.out[layer], layer)
+            timed(layer, time.perf_counter() - t0)
             return layer + 1
 
-        return work
+        def fill(layer: int, dest: torch.Tensor) -> bool:
+            tokens = dest.shape[2]
+            if spans[-1][1] > tokens:
+                return False  # a cache shorter than the hit: the context's own layer is read
+            t0 = time.perf_counter()
+            with kernels.cached_output():  # one layer, read by the attention straight after: it stays cached
+                runs_into(dest, layer)
+            at = 0
+            for start, stop in [*spans, (tokens, tokens)]:  # tokens no run holds: as the context holds them
+                if start > at:
+                    dest[:, :, at:start] = self.out[layer, :, :, at:start]
+                at = stop
+            timed(layer, time.perf_counter() - t0)
+            return True
+
+        return work, fill
 
     def _span(self, index: int) -> slice:
         return slice(index * self.block_tokens, (index + 1) * self.block_tokens)

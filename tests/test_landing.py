@@ -325,3 +325,38 @@ def test_an_engine_that_takes_its_state_whole_gets_landed_frames_dequantized_dur
     rehydration.run(lambda n, nbytes: None)
     assert torch.equal(out, want)  # before anyone waits on the gate
     rehydration.gate.wait_all()
+
+
+def test_fill_puts_a_layer_in_another_buffer_and_leaves_the_context() -> None:
+    """`LayerGate.fill` (the hf engine's first step reads it): one layer's cached tokens into a buffer of the
+    caller's, the landed runs from the landing and every other token (a frame that came as bytes, a prompt tail
+    decoded into the context) as the context holds it; the context's run tokens stay unwritten until `wait`."""
+    gen = torch.Generator().manual_seed(7)
+    codec = Codec("int8")
+    kvs = [torch.randn(4, 2, 3, 16, 64, generator=gen) for _ in range(6)]
+    buf, slots = _landed(codec, kvs, 26_624)
+    want = torch.cat([codec.decode(bytes(s)).float() for s in slots], dim=3)
+    out = torch.full((4, 2, 3, 6 * 16 + 16, 64), float("nan"))
+    tail = torch.randn(4, 2, 3, 5, 64, generator=gen)
+    out[:, :, :, 96:101] = tail  # a tail the lookup decoded into the context itself
+    decoded: list[float] = []
+    rehydration = Rehydration(out, 16, lambda frame, i: codec.open(frame), layerwise=True, landing=buf,
+                              on_decoded=decoded.append)
+    rehydration.take([*slots[:2], bytes(slots[2]), *slots[3:]])  # block 2 came as bytes: no run
+    rehydration.end()
+    rehydration.run(lambda n, nbytes: None)
+    gate = rehydration.gate
+    assert not gate.fill(0, torch.empty(2, 3, 90, 64))  # shorter than the runs: the context is read instead
+    for layer in (0, 1, 2, 3):
+        dest = torch.full((2, 3, 101, 64), float("nan"))
+        assert gate.fill(layer, dest)
+        assert torch.equal(dest[:, :, :96], want[layer]) and torch.equal(dest[:, :, 96:], tail[layer])
+    assert len(decoded) == 1  # the hit's dequantization is reported once, by the first pass over every layer
+    assert torch.equal(out[:, :, :, 32:48], want[:, :, :, 32:48])  # the frame that is no run: whole, into the context
+    assert out[:, :, :, :32].isnan().all() and out[:, :, :, 48:96].isnan().all()  # the runs: not written yet
+    gate.wait(1)
+    assert torch.equal(out[:2, :, :, :96], want[:2]) and out[2:, :, :, :32].isnan().all()
+    assert not gate.fill(1, torch.empty(2, 3, 101, 64))  # in place: the context is read
+    gate.wait_all()
+    assert torch.equal(out[:, :, :, :96], want) and torch.equal(out[:, :, :, 96:101], tail)
+    assert len(decoded) == 1

@@ -181,3 +181,43 @@ def test_an_unexpected_failure_reaches_the_waiter_at_once() -> None:
     with pytest.raises(RuntimeError, match="could not be rehydrated"):
         rehydration.gate.wait_all()
     assert time.monotonic() - start < 1.0
+
+
+@pytest.mark.parametrize("max_tokens", [1, 5])
+def test_the_first_step_reads_cached_layers_from_a_scratch(tiny_model: object, max_tokens: int) -> None:
+    """A hit whose frames landed: the first forward step reads each layer's cached tokens from a scratch the gate
+    fills just before the layer's attention, and the context buffer gets them only at the second step. The reply
+    is the one of a full prefill either way; a one-token reply never writes the cached part of the context."""
+    from cachestore.codec import FrameRun  # noqa: PLC0415
+
+    engine = HfEngine(tiny_model)  # type: ignore[arg-type]
+    geo, b = engine.geometry, 16
+    prompt = list(range(60, 60 + 3 * b + 1))
+    full = engine.generate(prompt, None, GenParams(max_tokens=max_tokens))
+    assert full.kv is not None
+    codec = Codec("exact")  # bit-exact: the reply must be the prefill's
+    frames = [codec.encode(full.kv[:, :, :, i * b:(i + 1) * b]) for i in range(3)]
+    stride = -(-len(frames[0]) // 64) * 64
+    landing = torch.zeros(3 * stride, dtype=torch.uint8)
+    view = memoryview(landing.numpy())
+    slots = [view[i * stride:i * stride + len(f)] for i, f in enumerate(frames)]
+    for slot, frame in zip(slots, frames, strict=True):
+        slot[:] = frame
+    assert FrameRun.of(landing, [codec.open(s) for s in slots]) is not None
+    context = torch.full((geo.num_layers, 2, geo.kv_heads, 3 * b + 16, geo.head_dim), float("nan"), dtype=geo.dtype)
+    rehydration = Rehydration(context, b, lambda frame, i: codec.open(frame), layerwise=True, landing=landing)
+    rehydration.take(slots)
+    rehydration.end()
+    rehydration.run(lambda n, nbytes: None)
+    gen = engine.generate(prompt, context[:, :, :, :3 * b], GenParams(max_tokens=max_tokens),
+                          kv_ready=rehydration.gate, keep_from=3 * b)
+    assert gen.cached_tokens == 3 * b and gen.token_ids == full.token_ids
+    assert gen.kv is not None and torch.allclose(gen.kv, full.kv[:, :, :, 3 * b:], atol=1e-5)
+    if max_tokens == 1:
+        assert context[:, :, :, :3 * b].isnan().all()
+    else:
+        assert torch.equal(context[:, :, :, :3 * b], full.kv[:, :, :, :3 * b])
+    again = engine.generate(prompt, context[:, :, :, :3 * b], GenParams(max_tokens=max_tokens),
+                            kv_ready=rehydration.gate)
+    assert again.token_ids == full.token_ids and again.kv is not None
+    assert torch.allclose(again.kv, full.kv, atol=1e-5)  # the write-back's whole range too: the cached part settled
