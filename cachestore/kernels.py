@@ -4,20 +4,16 @@ A hit's int8 and int4 KV is converted, scaled (and offset) in one pass straight 
 thread. torch reaches fp16 (llama.cpp's sequence state) only through an fp32 temporary: on a 2-core VM, 22 ms
 against 8 ms for the 47 MB state of a 2048-token SmolLM2 hit (BENCHMARKS.md, section 14). int4 takes torch five
 passes (widen, shift, mask, convert, scale and offset): the kernel's one, on one thread, is faster than those on
-two (a forward step's dequantization at 2048 tokens: 19 against 30 ms; at 8128, 62 against 117). int8 into a
-large fp32 context is torch's two passes, on all its threads, as fast as the kernel on one: there the kernel runs
-only where torch has one thread, or inside `cached_output()` (a destination that stays in the CPU's caches, the hf
-engine's first-step scratch: there torch's passes and their temporary cost 3-4 times the kernel's). Threads of
-the kernel's own lost to torch's spinning OpenMP workers in a real forward step.
+two (a forward step's dequantization at 2048 tokens: 19 against 30 ms; at 8128, 62 against 117). int8 into fp32
+is torch's two passes, on all its threads, as fast as the kernel on one: there the kernel runs only where torch
+has one thread. Threads of the kernel's own lost to torch's spinning OpenMP workers in a real forward step.
 The values are bit-identical to torch's (tests/test_kernels.py). KVSTASH_NATIVE_KERNELS=0 turns the kernels off.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from types import ModuleType
 
 import torch
@@ -35,7 +31,6 @@ ENV = "KVSTASH_NATIVE_KERNELS"
 _wanted = os.environ.get(ENV, "").strip() != "0"  # the setting; configure() checks it strictly
 ENABLED = bool(LEVEL) and _wanted  # the setting, on a CPU and build with a kernel
 _OUT = (torch.float32, torch.float16)
-_local = threading.local()  # .cached: this thread's int8 -> fp32 output stays in the CPU's caches
 
 
 def configure(environ: Mapping[str, str] | None = None) -> bool:
@@ -56,7 +51,7 @@ def int8_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> bo
     kernel applies: then the caller uses torch."""
     if not ENABLED or out.dtype not in _OUT or codes.dtype != torch.int8 or scale.dtype != torch.float16:
         return False
-    if out.dtype == torch.float32 and torch.get_num_threads() > 1 and not getattr(_local, "cached", False):
+    if out.dtype == torch.float32 and torch.get_num_threads() > 1:
         return False  # torch's two passes on all its threads are as fast (BENCHMARKS.md, section 14)
     if out.dim() != 4 or codes.shape != out.shape or out.shape[3] % 16 or out.device.type != "cpu":
         return False
@@ -73,19 +68,6 @@ def int8_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> bo
     _kernels.int8(out.data_ptr(), out.dtype == torch.float16, codes.data_ptr(), scales.data_ptr(), (a, b, t, d),
                   out.stride()[:3], codes.stride()[:3], scales.stride())
     return True
-
-
-@contextlib.contextmanager
-def cached_output() -> Iterator[None]:
-    """On this thread, int8 into fp32 takes the kernel whatever torch's threads: for destinations small enough to
-    stay in the CPU's caches, which torch's two passes (a temporary, then the scale) lose to one pass on one core
-    (a first forward step over 2048 SmolLM2 tokens: +25 against +7 ms; at 8128, +67 against +15; section 15)."""
-    before = getattr(_local, "cached", False)
-    _local.cached = True
-    try:
-        yield
-    finally:
-        _local.cached = before
 
 
 def int4_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> bool:

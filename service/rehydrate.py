@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from cachestore import kernels
 from cachestore.codec import FrameRun, OpenFrame
 from cachestore.errors import CodecError
 
@@ -269,8 +268,7 @@ class Rehydration:
             if spans[-1][1] > tokens:
                 return False  # a cache shorter than the hit: the context's own layer is read
             t0 = time.perf_counter()
-            with kernels.cached_output():  # one layer, read by the attention straight after: it stays cached
-                runs_into(dest, layer)
+            runs_into(dest, layer)
             at = 0
             for start, stop in [*spans, (tokens, tokens)]:  # tokens no run holds: as the context holds them
                 if start > at:
