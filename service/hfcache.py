@@ -70,7 +70,6 @@ class GrowingLayer(DynamicLayer):
         super().__init__()
         self._ready, self._index = ready, index  # the cached tokens of this layer may still be on their way
         self._scratch = scratch if ready is not None else None
-        self.cached_tokens = length  # the tokens `ready` puts in place
         self.device = key_buffer.device
         self.is_initialized = True
         self._key_buf, self._value_buf, self._length = key_buffer, value_buffer, length  # [1, H, cap, D]
@@ -92,6 +91,12 @@ class GrowingLayer(DynamicLayer):
         self.settle()
         self._append(key_states, value_states)
         return self.keys, self.values
+
+    def settle_from(self, start: int) -> None:
+        """`settle` if the context may still lack a cached token from `start` on (the first step read them from the
+        scratch): a write-back of a prompt's tail, which the context holds already, writes no layer."""
+        if self._ready is not None and (self._scratch is not None or start < self._ready.fills_until):
+            self.settle()
 
     def settle(self) -> None:
         """Put the cached tokens in the context buffer, if they are not yet (blocks until they can be)."""
@@ -189,8 +194,8 @@ def tensor_from_cache(cache: Cache, start: int = 0, end: int | None = None) -> t
     _, heads, _, dim = first.shape
     out = torch.empty((len(layers), 2, heads, end - start, dim), dtype=first.dtype, device="cpu")
     for i, layer in enumerate(layers):
-        if isinstance(layer, GrowingLayer) and start < layer.cached_tokens:
-            layer.settle()  # the cached tokens were read from the scratch so far: into the context first
+        if isinstance(layer, GrowingLayer):
+            layer.settle_from(start)  # cached tokens read from the scratch so far: into the context first
         out[i, 0].copy_(layer.keys[0, :, start:end])
         out[i, 1].copy_(layer.values[0, :, start:end])
     return out

@@ -44,6 +44,7 @@ class LayerGate:
         self._error: BaseException | None = None
         self._work: Callable[[int], int] | None = None
         self._fill: Callable[[int, torch.Tensor], bool] | None = None
+        self.fills_until = 0  # with `fill`: the context may lack tokens below this until each layer is waited for
         self._cond = threading.Condition()
 
     def release(self, layers_done: int) -> None:
@@ -56,12 +57,15 @@ class LayerGate:
             self._error = exc
             self._cond.notify_all()
 
-    def hand_over(self, work: Callable[[int], int], fill: Callable[[int, torch.Tensor], bool] | None = None) -> None:
+    def hand_over(self, work: Callable[[int], int], fill: Callable[[int, torch.Tensor], bool] | None = None,
+                  until: int = 0) -> None:
         """The producer stops here: `work(first)` puts the layer group starting at `first` in place and returns
         where the group ends; whoever waits for a layer not in place yet runs it, on its own thread. `fill(layer,
-        dest)`, where given, puts one layer's cached tokens in `dest` instead of the context (False: it cannot)."""
+        dest)`, where given, puts one layer's cached tokens in `dest` instead of the context (False: it cannot);
+        `work` writes no token from `until` on (the rest of the context is in place already)."""
         with self._cond:
             self._work, self._fill = work, fill
+            self.fills_until = until if fill is not None else 0
             self._cond.notify_all()
 
     def fill(self, layer: int, dest: torch.Tensor) -> bool:
@@ -190,7 +194,9 @@ class Rehydration:
         if landed or done < len(opened):  # the forward step dequantizes them as it reaches each layer
             runs, whole = self._runs(opened, landed + list(range(done, len(opened))))
             if runs:
-                self.gate.hand_over(*self._layers(runs, [(i, opened[i]) for i in whole]))
+                work, fill = self._layers(runs, [(i, opened[i]) for i in whole])
+                ends = [(first + run.count) * self.block_tokens for first, run in runs]
+                self.gate.hand_over(work, fill, max(ends + [(i + 1) * self.block_tokens for i in whole]))
                 return
             done = min([done, *whole])  # no run after all: the old path, from the first frame not in place
         if done == len(opened):

@@ -185,14 +185,16 @@ def test_an_unexpected_failure_reaches_the_waiter_at_once() -> None:
 
 @pytest.mark.parametrize("max_tokens", [1, 5])
 def test_the_first_step_reads_cached_layers_from_a_scratch(tiny_model: object, max_tokens: int) -> None:
-    """A hit whose frames landed: the first forward step reads each layer's cached tokens from a scratch the gate
-    fills just before the layer's attention, and the context buffer gets them only at the second step. The reply
-    is the one of a full prefill either way; a one-token reply never writes the cached part of the context."""
+    """A hit whose frames landed, and a prompt tail decoded into the context (a session's partial block): the first
+    forward step reads each layer's cached tokens from a scratch the gate fills just before the layer's attention,
+    and the context buffer gets the landed ones only at the second step. The reply is the one of a full prefill
+    either way; a one-token reply, whose write-back starts at the tail, never writes them at all."""
     from cachestore.codec import FrameRun  # noqa: PLC0415
 
     engine = HfEngine(tiny_model)  # type: ignore[arg-type]
-    geo, b = engine.geometry, 16
-    prompt = list(range(60, 60 + 3 * b + 1))
+    geo, b, tail = engine.geometry, 16, 5
+    cached = 3 * b + tail
+    prompt = list(range(60, 60 + cached + 1))
     full = engine.generate(prompt, None, GenParams(max_tokens=max_tokens))
     assert full.kv is not None
     codec = Codec("exact")  # bit-exact: the reply must be the prefill's
@@ -204,20 +206,21 @@ def test_the_first_step_reads_cached_layers_from_a_scratch(tiny_model: object, m
     for slot, frame in zip(slots, frames, strict=True):
         slot[:] = frame
     assert FrameRun.of(landing, [codec.open(s) for s in slots]) is not None
-    context = torch.full((geo.num_layers, 2, geo.kv_heads, 3 * b + 16, geo.head_dim), float("nan"), dtype=geo.dtype)
+    context = torch.full((geo.num_layers, 2, geo.kv_heads, cached + 16, geo.head_dim), float("nan"), dtype=geo.dtype)
+    context[:, :, :, 3 * b:cached] = full.kv[:, :, :, 3 * b:cached]  # the tail, as the lookup decodes it
     rehydration = Rehydration(context, b, lambda frame, i: codec.open(frame), layerwise=True, landing=landing)
     rehydration.take(slots)
     rehydration.end()
     rehydration.run(lambda n, nbytes: None)
-    gen = engine.generate(prompt, context[:, :, :, :3 * b], GenParams(max_tokens=max_tokens),
-                          kv_ready=rehydration.gate, keep_from=3 * b)
-    assert gen.cached_tokens == 3 * b and gen.token_ids == full.token_ids
+    gen = engine.generate(prompt, context[:, :, :, :cached], GenParams(max_tokens=max_tokens),
+                          kv_ready=rehydration.gate, keep_from=3 * b)  # the pipeline's: from the first block not read
+    assert gen.cached_tokens == cached and gen.token_ids == full.token_ids
     assert gen.kv is not None and torch.allclose(gen.kv, full.kv[:, :, :, 3 * b:], atol=1e-5)
     if max_tokens == 1:
         assert context[:, :, :, :3 * b].isnan().all()
     else:
         assert torch.equal(context[:, :, :, :3 * b], full.kv[:, :, :, :3 * b])
-    again = engine.generate(prompt, context[:, :, :, :3 * b], GenParams(max_tokens=max_tokens),
+    again = engine.generate(prompt, context[:, :, :, :cached], GenParams(max_tokens=max_tokens),
                             kv_ready=rehydration.gate)
     assert again.token_ids == full.token_ids and again.kv is not None
     assert torch.allclose(again.kv, full.kv, atol=1e-5)  # the write-back's whole range too: the cached part settled
