@@ -6,8 +6,10 @@ Two ways, by engine:
   landing (`cachestore.landing`), and the lookup's reader only verifies each chunk (`Rehydration.take`: header,
   shape, checksum) between reads. When the last chunk is verified the hit is known, and the frames are handed to
   the `LayerGate` as runs (`FrameRun`): the forward step dequantizes one layer of every block in one call just
-  before that layer's attention, which then reads the layer while it is still in the caches. A frame that did
-  not land (compressed, or of another length) is dequantized whole before layer 0.
+  before that layer's attention, which then reads the layer while it is still in the caches. The first step has
+  it dequantized into a one-layer scratch (`LayerGate.fill`) and the context written only at the second: writing
+  a context larger than the caches cost more than the floor's whole read of it (BENCHMARKS.md, section 15). A
+  frame that did not land (compressed, or of another length) is dequantized whole before layer 0.
 - Any other engine (llama.cpp sets its whole state at once): the frames land likewise (one copy on the wire), and
   the lookup feeds each chunk to a `Rehydration` thread (one core), which verifies and dequantizes whole frames
   while the next chunk is on the wire, and dequantizes what is left once the last one is in.
