@@ -179,15 +179,20 @@ def test_frames_that_are_no_run() -> None:
     assert FrameRun.of(buf3, [mixed.open(s) for s in slots3]) is None
 
 
+def _six_landed(seed: int) -> tuple[torch.Generator, Codec, torch.Tensor, list[memoryview], torch.Tensor, torch.Tensor]:
+    """Six int8 blocks of 16 tokens landed in one buffer: (generator, codec, buffer, slots, what they decode to, a NaN
+    context with room for 16 more tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    codec = Codec("int8")
+    buf, slots = _landed(codec, [torch.randn(4, 2, 3, 16, 64, generator=gen) for _ in range(6)], 26_624)
+    want = torch.cat([codec.decode(bytes(s)).float() for s in slots], dim=3)
+    return gen, codec, buf, slots, want, torch.full((4, 2, 3, 6 * 16 + 16, 64), float("nan"))
+
+
 def test_a_rehydration_leaves_landed_frames_for_the_forward_step_a_layer_at_a_time() -> None:
     """Landed frames are only verified while the lookup reads; each layer of all of them is dequantized when the
     forward step reaches it; a frame that did not land (bytes) is dequantized whole, before layer 0."""
-    gen = torch.Generator().manual_seed(5)
-    codec = Codec("int8")
-    kvs = [torch.randn(4, 2, 3, 16, 64, generator=gen) for _ in range(6)]
-    buf, slots = _landed(codec, kvs, 26_624)
-    want = torch.cat([codec.decode(bytes(s)).float() for s in slots], dim=3)
-    out = torch.full((4, 2, 3, 6 * 16 + 16, 64), float("nan"))
+    _, codec, buf, slots, want, out = _six_landed(5)
     rehydration = Rehydration(out, 16, lambda frame, i: codec.open(frame), layerwise=True, landing=buf)
     rehydration.feed(slots[:2])
     rehydration.feed([bytes(slots[2])] + slots[3:])  # block 2 came as bytes (a frame of another length would)
@@ -331,12 +336,7 @@ def test_fill_puts_a_layer_in_another_buffer_and_leaves_the_context() -> None:
     """`LayerGate.fill` (the hf engine's first step reads it): one layer's cached tokens into a buffer of the
     caller's, the landed runs from the landing and every other token (a frame that came as bytes, a prompt tail
     decoded into the context) as the context holds it; the context's run tokens stay unwritten until `wait`."""
-    gen = torch.Generator().manual_seed(7)
-    codec = Codec("int8")
-    kvs = [torch.randn(4, 2, 3, 16, 64, generator=gen) for _ in range(6)]
-    buf, slots = _landed(codec, kvs, 26_624)
-    want = torch.cat([codec.decode(bytes(s)).float() for s in slots], dim=3)
-    out = torch.full((4, 2, 3, 6 * 16 + 16, 64), float("nan"))
+    gen, codec, buf, slots, want, out = _six_landed(7)
     tail = torch.randn(4, 2, 3, 5, 64, generator=gen)
     out[:, :, :, 96:101] = tail  # a tail the lookup decoded into the context itself
     decoded: list[float] = []
