@@ -37,48 +37,68 @@ typedef struct {
 } Shape4;
 
 #ifdef KV_X86
+/* The rows of a Shape, for both instruction sets: the row (__VA_ARGS__) sees `o`, its first output element, `qr`,
+ * its codes, and `sr`, its scales. */
+#define INT8_ROWS(g, q, s, ...)                                                                        \
+    for (long a = 0; a < (g)->n[0]; a++)                                                               \
+    for (long b = 0; b < (g)->n[1]; b++)                                                               \
+    for (long t = 0; t < (g)->n[2]; t++) {                                                             \
+        long o = a * (g)->os[0] + b * (g)->os[1] + t * (g)->os[2];                                     \
+        const int8_t *qr = (q) + a * (g)->qs[0] + b * (g)->qs[1] + t * (g)->qs[2];                     \
+        const uint16_t *sr = (s) + a * (g)->ss[0] + b * (g)->ss[1] + t * (g)->ss[2];                   \
+        __VA_ARGS__                                                                                    \
+    }
+
+/* The rows of a Shape4, for both instruction sets: the row (__VA_ARGS__) sees `o`, its first output element, `cr`,
+ * its packed codes, and `at`, its first scale and offset. */
+#define INT4_ROWS(g, codes, ...)                                                                       \
+    for (long a = 0; a < (g)->n[0]; a++)                                                               \
+    for (long b = 0; b < (g)->n[1]; b++)                                                               \
+    for (long c = 0; c < (g)->n[2]; c++)                                                               \
+    for (long e = 0; e < (g)->n[3]; e++) {                                                             \
+        long o = a * (g)->os[0] + b * (g)->os[1] + c * (g)->os[2] + e * (g)->os[3];                    \
+        const uint8_t *cr = (codes) + (a * (g)->cs[0] + b * (g)->cs[1] + c * (g)->cs[2] + e * (g)->cs[3]) / 2;\
+        long at = a * (g)->ss[0] + b * (g)->ss[1] + c * (g)->ss[2] + e * (g)->ss[3];                   \
+        __VA_ARGS__                                                                                    \
+    }
+
+/* 16 (AVX-512) or 8 (AVX2) values to out[o], as fp16 (rounded to nearest even) when `half`, else fp32. */
+__attribute__((target("avx512f"))) static inline void store16(char *out, int half, long o, __m512 x) {
+    if (half)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)out + o),
+                            _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    else
+        _mm512_storeu_ps((float *)out + o, x);
+}
+
+__attribute__((target("avx2,f16c"))) static inline void store8(char *out, int half, long o, __m256 x) {
+    if (half)
+        _mm_storeu_si128((__m128i *)((uint16_t *)out + o),
+                         _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    else
+        _mm256_storeu_ps((float *)out + o, x);
+}
+
 __attribute__((target("avx512f"))) static void int8_avx512(char *out, int half, const int8_t *q, const uint16_t *s,
                                                             const Shape *g) {
-    for (long a = 0; a < g->n[0]; a++)
-    for (long b = 0; b < g->n[1]; b++)
-    for (long t = 0; t < g->n[2]; t++) {
-        long o = a * g->os[0] + b * g->os[1] + t * g->os[2];
-        const int8_t *qr = q + a * g->qs[0] + b * g->qs[1] + t * g->qs[2];
-        const uint16_t *sr = s + a * g->ss[0] + b * g->ss[1] + t * g->ss[2];
+    INT8_ROWS(g, q, s,
         __m512 row = _mm512_cvtph_ps(_mm256_set1_epi16((short)sr[0]));
         for (long d = 0; d < g->d; d += 16) {
             __m512 scale = g->sd ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sr + d))) : row;
             __m512i codes = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qr + d)));
-            __m512 x = _mm512_mul_ps(_mm512_cvtepi32_ps(codes), scale);
-            if (half)
-                _mm256_storeu_si256((__m256i *)((uint16_t *)out + o + d),
-                                    _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            else
-                _mm512_storeu_ps((float *)out + o + d, x);
-        }
-    }
+            store16(out, half, o + d, _mm512_mul_ps(_mm512_cvtepi32_ps(codes), scale));
+        })
 }
 
 __attribute__((target("avx2,f16c"))) static void int8_avx2(char *out, int half, const int8_t *q, const uint16_t *s,
                                                            const Shape *g) {
-    for (long a = 0; a < g->n[0]; a++)
-    for (long b = 0; b < g->n[1]; b++)
-    for (long t = 0; t < g->n[2]; t++) {
-        long o = a * g->os[0] + b * g->os[1] + t * g->os[2];
-        const int8_t *qr = q + a * g->qs[0] + b * g->qs[1] + t * g->qs[2];
-        const uint16_t *sr = s + a * g->ss[0] + b * g->ss[1] + t * g->ss[2];
+    INT8_ROWS(g, q, s,
         __m256 row = _mm256_cvtph_ps(_mm_set1_epi16((short)sr[0]));
         for (long d = 0; d < g->d; d += 8) {
             __m256 scale = g->sd ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sr + d))) : row;
             __m256i codes = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qr + d)));
-            __m256 x = _mm256_mul_ps(_mm256_cvtepi32_ps(codes), scale);
-            if (half)
-                _mm_storeu_si128((__m128i *)((uint16_t *)out + o + d),
-                                 _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            else
-                _mm256_storeu_ps((float *)out + o + d, x);
-        }
-    }
+            store8(out, half, o + d, _mm256_mul_ps(_mm256_cvtepi32_ps(codes), scale));
+        })
 }
 
 /* One row of 16 int4 codes from 8 bytes: byte i holds code 2i (low nibble) and 2i + 1 (high). */
@@ -86,13 +106,7 @@ __attribute__((target("avx512f"))) static void int4_avx512(char *out, int half, 
                                                             const uint16_t *s, const uint16_t *z,
                                                             const Shape4 *g) {
     const __m128i low = _mm_set1_epi8(0x0F);
-    for (long a = 0; a < g->n[0]; a++)
-    for (long b = 0; b < g->n[1]; b++)
-    for (long c = 0; c < g->n[2]; c++)
-    for (long e = 0; e < g->n[3]; e++) {
-        long o = a * g->os[0] + b * g->os[1] + c * g->os[2] + e * g->os[3];
-        const uint8_t *cr = codes + (a * g->cs[0] + b * g->cs[1] + c * g->cs[2] + e * g->cs[3]) / 2;
-        long at = a * g->ss[0] + b * g->ss[1] + c * g->ss[2] + e * g->ss[3];
+    INT4_ROWS(g, codes,
         __m512 srow = _mm512_cvtph_ps(_mm256_set1_epi16((short)s[at]));
         __m512 zrow = _mm512_cvtph_ps(_mm256_set1_epi16((short)z[at]));
         for (long d = 0; d < g->f; d += 16) {
@@ -101,28 +115,16 @@ __attribute__((target("avx512f"))) static void int4_avx512(char *out, int half, 
                                               _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
             __m512 scale = g->sf ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + at + d))) : srow;
             __m512 zero = g->sf ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(z + at + d))) : zrow;
-            __m512 x = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(pairs)), scale),
-                                     zero);
-            if (half)
-                _mm256_storeu_si256((__m256i *)((uint16_t *)out + o + d),
-                                    _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            else
-                _mm512_storeu_ps((float *)out + o + d, x);
-        }
-    }
+            store16(out, half, o + d,
+                    _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(pairs)), scale), zero));
+        })
 }
 
 __attribute__((target("avx2,f16c"))) static void int4_avx2(char *out, int half, const uint8_t *codes,
                                                            const uint16_t *s, const uint16_t *z,
                                                            const Shape4 *g) {
     const __m128i low = _mm_set1_epi8(0x0F);
-    for (long a = 0; a < g->n[0]; a++)
-    for (long b = 0; b < g->n[1]; b++)
-    for (long c = 0; c < g->n[2]; c++)
-    for (long e = 0; e < g->n[3]; e++) {
-        long o = a * g->os[0] + b * g->os[1] + c * g->os[2] + e * g->os[3];
-        const uint8_t *cr = codes + (a * g->cs[0] + b * g->cs[1] + c * g->cs[2] + e * g->cs[3]) / 2;
-        long at = a * g->ss[0] + b * g->ss[1] + c * g->ss[2] + e * g->ss[3];
+    INT4_ROWS(g, codes,
         __m256 srow = _mm256_cvtph_ps(_mm_set1_epi16((short)s[at]));
         __m256 zrow = _mm256_cvtph_ps(_mm_set1_epi16((short)z[at]));
         for (long d = 0; d < g->f; d += 8) {
@@ -133,15 +135,9 @@ __attribute__((target("avx2,f16c"))) static void int4_avx2(char *out, int half, 
                                               _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
             __m256 scale = g->sf ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + at + d))) : srow;
             __m256 zero = g->sf ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(z + at + d))) : zrow;
-            __m256 x = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(pairs)), scale),
-                                     zero);
-            if (half)
-                _mm_storeu_si128((__m128i *)((uint16_t *)out + o + d),
-                                 _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            else
-                _mm256_storeu_ps((float *)out + o + d, x);
-        }
-    }
+            store8(out, half, o + d,
+                   _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(pairs)), scale), zero));
+        })
 }
 #endif
 
