@@ -69,7 +69,7 @@ class GrowingLayer(DynamicLayer):
                  ready: LayerGate | None = None, index: int = 0, scratch: Scratch | None = None) -> None:
         super().__init__()
         self._ready, self._index = ready, index  # the cached tokens of this layer may still be on their way
-        self._scratch = scratch if ready is not None else None
+        self._scratch = scratch if ready is not None else None  # set only for the first step
         self.device = key_buffer.device
         self.is_initialized = True
         self._key_buf, self._value_buf, self._length = key_buffer, value_buffer, length  # [1, H, cap, D]
@@ -157,10 +157,10 @@ def cache_from_tensor(kv: torch.Tensor, model: PreTrainedModel, ready: LayerGate
         return empty_cache(model)
     capacity = _spare_capacity(kv) if kv.device == model.device and kv.dtype == model.dtype else 0
     cache = DynamicCache(config=model.config)
-    scratch = Scratch()
     if ready is not None and (not capacity or any(type(layer) is not DynamicLayer for layer in cache.layers)):
         ready.wait_all()  # the context is copied or handed over whole: all of it first
         ready = None
+    scratch = Scratch() if ready is not None else None  # the first step's, for every layer in turn
     kv = kv.to(device=model.device, dtype=model.dtype)
     _, _, heads, tokens, dim = kv.shape
     for i, layer in enumerate(cache.layers):

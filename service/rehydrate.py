@@ -27,12 +27,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
 from cachestore.codec import FrameRun, OpenFrame
 from cachestore.errors import CodecError
 
+T = TypeVar("T")
 GATE_TIMEOUT_S = 60.0  # dequantization is CPU work that always ends; this only turns a bug into an error
 LAYER_STEPS = 1  # groups the handed-over layers are dequantized in (more: each starts earlier, costs more calls)
 
@@ -78,18 +80,9 @@ class LayerGate:
         if self._ready > layer:
             return False
         with self._cond:
-            while self._ready <= layer and self._work is None and self._error is None:
-                if not self._cond.wait(GATE_TIMEOUT_S):
-                    raise RuntimeError(f"layer {layer} of the cached context was not ready in {GATE_TIMEOUT_S} s")
-            if self._error is not None:
-                raise RuntimeError("the cached context could not be rehydrated") from self._error
-            if self._ready > layer or self._fill is None:
+            if not self._handed(layer) or self._fill is None:
                 return False
-            try:
-                return self._fill(layer, dest)
-            except Exception as exc:
-                self._error = exc
-                raise RuntimeError("the cached context could not be rehydrated") from exc
+            return self._call(self._fill, layer, dest)
 
     def wait(self, layer: int) -> None:
         """Return once layer `layer` is in place (doing the handed-over work up to it, if any); raises if the
@@ -97,18 +90,30 @@ class LayerGate:
         if self._ready > layer:
             return
         with self._cond:  # one consumer at a time runs handed-over work
-            while self._ready <= layer:
-                if self._error is not None:
-                    raise RuntimeError("the cached context could not be rehydrated") from self._error
-                if self._work is not None:
-                    try:
-                        self._ready = self._work(self._ready)
-                    except Exception as exc:
-                        self._error = exc  # every later waiter fails too
-                        raise RuntimeError("the cached context could not be rehydrated") from exc
-                    continue
-                if not self._cond.wait(GATE_TIMEOUT_S):
-                    raise RuntimeError(f"layer {layer} of the cached context was not ready in {GATE_TIMEOUT_S} s")
+            while self._handed(layer):
+                assert self._work is not None  # as _handed found it
+                self._ready = self._call(self._work, self._ready)
+
+    def _handed(self, layer: int) -> bool:
+        """(The lock held.) Block until layer `layer` is in place (False) or work is handed over to put it there
+        (True); raises if the rehydration failed, or after GATE_TIMEOUT_S of neither."""
+        while True:
+            if self._error is not None:
+                raise RuntimeError("the cached context could not be rehydrated") from self._error
+            if self._ready > layer:
+                return False
+            if self._work is not None:
+                return True
+            if not self._cond.wait(GATE_TIMEOUT_S):
+                raise RuntimeError(f"layer {layer} of the cached context was not ready in {GATE_TIMEOUT_S} s")
+
+    def _call(self, fn: Callable[..., T], *args: object) -> T:
+        """(The lock held.) Handed-over work, on the caller's thread; its failure fails every later waiter too."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self._error = exc
+            raise RuntimeError("the cached context could not be rehydrated") from exc
 
     def wait_all(self) -> None:
         self.wait(self.layers - 1)
@@ -196,9 +201,7 @@ class Rehydration:
         if landed or done < len(opened):  # the forward step dequantizes them as it reaches each layer
             runs, whole = self._runs(opened, landed + list(range(done, len(opened))))
             if runs:
-                work, fill = self._layers(runs, [(i, opened[i]) for i in whole])
-                ends = [(first + run.count) * self.block_tokens for first, run in runs]
-                self.gate.hand_over(work, fill, max(ends + [(i + 1) * self.block_tokens for i in whole]))
+                self.gate.hand_over(*self._layers(runs, [(i, opened[i]) for i in whole]))
                 return
             done = min([done, *whole])  # no run after all: the old path, from the first frame not in place
         if done == len(opened):
@@ -239,13 +242,15 @@ class Rehydration:
         return runs, whole
 
     def _layers(self, runs: list[tuple[int, FrameRun]], whole: list[tuple[int, OpenFrame]]
-                ) -> tuple[Callable[[int], int], Callable[[int, torch.Tensor], bool]]:
+                ) -> tuple[Callable[[int], int], Callable[[int, torch.Tensor], bool], int]:
         """`work(layer)`: that layer of every run into the context (the frames that are no run whole, first);
         returns the next layer. `fill(layer, dest)`: the same layer's cached tokens into `dest` [2, kv_heads,
-        tokens, head_dim] (the runs from the landing, every other token copied from the context), not the context."""
+        tokens, head_dim] (the runs from the landing, every other token copied from the context), not the context.
+        And the token where what they write ends (the gate's `fills_until`)."""
         layers, b = self.gate.layers, self.block_tokens
         _, _, heads, _, dim = self.out.shape
         spans = [(first * b, (first + run.count) * b) for first, run in runs]
+        until = max([stop for _, stop in spans] + [(index + 1) * b for index, _ in whole])
         pending_whole = list(whole)  # decoded into the context once, by whichever of work and fill comes first
         reported = False
 
@@ -285,7 +290,7 @@ class Rehydration:
             timed(layer, time.perf_counter() - t0)
             return True
 
-        return work, fill
+        return work, fill, until
 
     def _span(self, index: int) -> slice:
         return slice(index * self.block_tokens, (index + 1) * self.block_tokens)

@@ -87,6 +87,24 @@ def test_gate_releases_waiters_in_layer_order_and_reports_failure() -> None:
         failing.wait(1)
 
 
+def test_handed_over_work_that_fails_fails_every_later_waiter_without_running_again() -> None:
+    """A bug in the handed-over work (the forward step's thread runs it) fails that layer's wait and every wait
+    or fill after it, with the same cause: the work is not retried over a half-written context."""
+    gate = LayerGate(3)
+    calls: list[int] = []
+
+    def work(layer: int) -> int:
+        calls.append(layer)
+        raise ValueError("a bug")
+
+    gate.hand_over(work, lambda layer, dest: True)
+    for attempt in (lambda: gate.wait(0), lambda: gate.wait(2), lambda: gate.fill(1, torch.empty(0))):
+        with pytest.raises(RuntimeError, match="could not be rehydrated") as caught:
+            attempt()
+        assert isinstance(caught.value.__cause__, ValueError)
+    assert calls == [0]
+
+
 def test_rehydration_truncates_at_a_bad_frame_and_hands_layers_over_in_order() -> None:
     layers, b = 6, 4
     kv = torch.randn(layers, 2, 2, 6 * b, 8, generator=torch.Generator().manual_seed(3))
