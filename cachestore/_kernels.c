@@ -139,9 +139,217 @@ __attribute__((target("avx2,f16c"))) static void int4_avx2(char *out, int half, 
                    _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(pairs)), scale), zero));
         })
 }
+
+/* Attention over KV still in its codes (cachestore/attend.py): a hit's first forward step reads the landed frames
+ * where they lie instead of a dequantized copy. For each frame `a` and kv head `h`, its `m` queries (the query heads
+ * that share the kv head, times the new tokens) against the frame's rows: scores, q . k, and weighted values,
+ * out += sum p v. Codes are int8 (times a scale), int4 (times a scale, plus an offset), or fp16 / fp32 values. Each
+ * element of k and v is the very value cachestore.quant dequantizes to, used in a register and never stored; the
+ * sums are fp32, in another order than torch's. Keys are scaled per column, one scale a group of `group` rows;
+ * values per row, one scale a group of `group` columns. */
+typedef struct {
+    long n[3];    /* frames, kv heads, rows (tokens) a frame */
+    long d;       /* row length (head dim): a multiple of 16, up to 256 */
+    long m;       /* queries per kv head */
+    long group;   /* keys: the rows a scale covers; values: the columns (a multiple of 16) */
+    long cs[3];   /* code strides (frame, head, row), in codes (int4: even); rows contiguous */
+    long ss[3];   /* scale and offset strides (frame, head, key group or value row); key scales contiguous */
+    long qs[2];   /* query (scores) or output (values) strides (head, query); rows contiguous */
+    long ps[3];   /* scores or weights strides (head, query, frame); a frame's rows contiguous */
+} Attend;
+
+#define QUERIES 4 /* queries a pass over a frame's rows, each with its accumulators in registers */
+
+/* Each instruction set's vector of L floats (vec16: AVX-512, vec8: AVX2) and the operations the passes use on it:
+ * codesL(codes, i, bits), L codes from code index i on as floats (int8; int4, two a byte, low nibble first; fp16;
+ * fp32); halfL(p), L fp16 values; half1xL(x), one fp16 value in every lane; sumL(x), the sum of its lanes. */
+typedef __m512 vec16;
+typedef __m256 vec8;
+#define AVX512 __attribute__((target("avx512f"), always_inline)) static inline
+#define AVX2 __attribute__((target("avx2,f16c,fma"), always_inline)) static inline
+
+AVX512 vec16 codes16(const void *codes, long i, int bits) {
+    if (bits == 32)
+        return _mm512_loadu_ps((const float *)codes + i);
+    if (bits == 16)
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)codes + i)));
+    if (bits == 8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)codes + i))));
+    const __m128i low = _mm_set1_epi8(0x0F);
+    __m128i bytes = _mm_loadl_epi64((const __m128i *)((const uint8_t *)codes + i / 2));
+    __m128i pairs = _mm_unpacklo_epi8(_mm_and_si128(bytes, low), _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(pairs));
+}
+AVX512 vec16 half16(const uint16_t *x) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)x)); }
+AVX512 vec16 half1x16(uint16_t x) { return _mm512_cvtph_ps(_mm256_set1_epi16((short)x)); }
+AVX512 float sum16(vec16 x) { return _mm512_reduce_add_ps(x); }
+AVX512 vec16 zero16(void) { return _mm512_setzero_ps(); }
+AVX512 vec16 set16(float x) { return _mm512_set1_ps(x); }
+AVX512 vec16 load16(const float *p) { return _mm512_loadu_ps(p); }
+AVX512 void keep16(float *p, vec16 x) { _mm512_storeu_ps(p, _mm512_add_ps(_mm512_loadu_ps(p), x)); }
+AVX512 vec16 mul16(vec16 x, vec16 y) { return _mm512_mul_ps(x, y); }
+AVX512 vec16 add16(vec16 x, vec16 y) { return _mm512_add_ps(x, y); }
+AVX512 vec16 fma16(vec16 x, vec16 y, vec16 z) { return _mm512_fmadd_ps(x, y, z); }
+
+AVX2 vec8 codes8(const void *codes, long i, int bits) {
+    if (bits == 32)
+        return _mm256_loadu_ps((const float *)codes + i);
+    if (bits == 16)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)codes + i)));
+    if (bits == 8)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)codes + i))));
+    const __m128i low = _mm_set1_epi8(0x0F);
+    int32_t four;
+    memcpy(&four, (const uint8_t *)codes + i / 2, 4);
+    __m128i bytes = _mm_cvtsi32_si128(four);
+    __m128i pairs = _mm_unpacklo_epi8(_mm_and_si128(bytes, low), _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(pairs));
+}
+AVX2 vec8 half8(const uint16_t *x) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)x)); }
+AVX2 vec8 half1x8(uint16_t x) { return _mm256_cvtph_ps(_mm_set1_epi16((short)x)); }
+AVX2 float sum8(vec8 x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+AVX2 vec8 zero8(void) { return _mm256_setzero_ps(); }
+AVX2 vec8 set8(float x) { return _mm256_set1_ps(x); }
+AVX2 vec8 load8(const float *p) { return _mm256_loadu_ps(p); }
+AVX2 void keep8(float *p, vec8 x) { _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), x)); }
+AVX2 vec8 mul8(vec8 x, vec8 y) { return _mm256_mul_ps(x, y); }
+AVX2 vec8 add8(vec8 x, vec8 y) { return _mm256_add_ps(x, y); }
+AVX2 vec8 fma8(vec8 x, vec8 y, vec8 z) { return _mm256_fmadd_ps(x, y, z); }
+
+/* The (frame, head, query group) passes: the pass (__VA_ARGS__) sees `at`, the code index of the frame's first row
+ * for head h, `sf`, the index of its first scale, and `qn`, how many of the queries m0 .. m0 + QUERIES - 1 are real;
+ * it runs `body(qn, ...)` with qn a constant, so the accumulators of each query stay in registers. */
+#define ATTEND_PASSES(g, body, ...)                                                                    \
+    for (long a = 0; a < (g)->n[0]; a++)                                                               \
+    for (long h = 0; h < (g)->n[1]; h++)                                                               \
+    for (long m0 = 0; m0 < (g)->m; m0 += QUERIES) {                                                    \
+        long at = a * (g)->cs[0] + h * (g)->cs[1], sf = a * (g)->ss[0] + h * (g)->ss[1];               \
+        switch ((g)->m - m0 < QUERIES ? (g)->m - m0 : QUERIES) {                                       \
+        case 1: body(1, __VA_ARGS__); break;                                                           \
+        case 2: body(2, __VA_ARGS__); break;                                                           \
+        case 3: body(3, __VA_ARGS__); break;                                                           \
+        default: body(4, __VA_ARGS__); break;                                                          \
+        }                                                                                              \
+    }
+
+/* The passes of one instruction set (its vectors of L floats, ISA its inline attribute; values take K vectors of
+ * columns at a time): scoresL and valuesL, for `bits` a constant where they are inlined. */
+#define ATTEND_KERNELS(L, ISA, K)                                                                      \
+ISA void score_rows##L(int qn, float *p, const float *q, long h, long m0, const void *codes, long at,  \
+                       const uint16_t *s, const uint16_t *z, long sf, const Attend *g, long a, int bits) {    \
+    const float *qj[QUERIES];                                                                          \
+    for (int j = 0; j < qn; j++)                                                                       \
+        qj[j] = q + h * g->qs[0] + (m0 + j) * g->qs[1];                                                \
+    float *pa = p + h * g->ps[0] + m0 * g->ps[1] + a * g->ps[2];                                       \
+    for (long t0 = 0; t0 < g->n[2]; t0 += g->group) {                                                  \
+        long t1 = t0 + g->group < g->n[2] ? t0 + g->group : g->n[2], row = at + t0 * g->cs[2];         \
+        long sr = sf + t0 / g->group * g->ss[2];                                                       \
+        for (long t = t0; t < t1; t++, row += g->cs[2]) {                                              \
+            vec##L acc[QUERIES];                                                                       \
+            for (int j = 0; j < qn; j++)                                                               \
+                acc[j] = zero##L();                                                                    \
+            for (long d = 0; d < g->d; d += L) {                                                       \
+                vec##L k = codes##L(codes, row + d, bits);                                             \
+                if (bits <= 8)                                                                         \
+                    k = mul##L(k, half##L(s + sr + d));                                                \
+                if (bits == 4)                                                                         \
+                    k = add##L(k, half##L(z + sr + d));                                                \
+                for (int j = 0; j < qn; j++)                                                           \
+                    acc[j] = fma##L(load##L(qj[j] + d), k, acc[j]);                                    \
+            }                                                                                          \
+            for (int j = 0; j < qn; j++)                                                               \
+                pa[j * g->ps[1] + t] = sum##L(acc[j]);                                                 \
+        }                                                                                              \
+    }                                                                                                  \
+}                                                                                                      \
+ISA void scores##L(float *p, const float *q, const void *codes, const uint16_t *s, const uint16_t *z,  \
+                   const Attend *g, int bits) {                                                        \
+    ATTEND_PASSES(g, score_rows##L, p, q, h, m0, codes, at, s, z, sf, g, a, bits)                      \
+}                                                                                                      \
+/* Columns d0 .. d0 + k L - 1 of a values pass (k a constant where inlined). */                        \
+ISA void value_columns##L(float *o, const float *p, long h, long m0, int qn, const void *codes, long row, \
+                          const uint16_t *s, const uint16_t *z, long sr, const Attend *g, long a, long d0,   \
+                          int k, int bits) {                                                           \
+    const float *pj[QUERIES];                                                                          \
+    for (int j = 0; j < qn; j++)                                                                       \
+        pj[j] = p + h * g->ps[0] + (m0 + j) * g->ps[1] + a * g->ps[2];                                 \
+    vec##L acc[QUERIES][K];                                                                            \
+    long c[K];                                                                                         \
+    for (int i = 0; i < k; i++)                                                                        \
+        c[i] = (d0 + L * i) / g->group;                                                                \
+    for (int j = 0; j < qn; j++)                                                                       \
+        for (int i = 0; i < k; i++)                                                                    \
+            acc[j][i] = zero##L();                                                                     \
+    for (long t = 0; t < g->n[2]; t++, row += g->cs[2], sr += g->ss[2]) {                              \
+        vec##L v[K];                                                                                   \
+        for (int i = 0; i < k; i++) {                                                                  \
+            v[i] = codes##L(codes, row + d0 + L * i, bits);                                            \
+            if (bits <= 8)                                                                             \
+                v[i] = mul##L(v[i], half1x##L(s[sr + c[i]]));                                          \
+            if (bits == 4)                                                                             \
+                v[i] = add##L(v[i], half1x##L(z[sr + c[i]]));                                          \
+        }                                                                                              \
+        for (int j = 0; j < qn; j++) {                                                                 \
+            vec##L w = set##L(pj[j][t]);                                                               \
+            for (int i = 0; i < k; i++)                                                                \
+                acc[j][i] = fma##L(w, v[i], acc[j][i]);                                                \
+        }                                                                                              \
+    }                                                                                                  \
+    for (int j = 0; j < qn; j++)                                                                       \
+        for (int i = 0; i < k; i++)                                                                    \
+            keep##L(o + h * g->qs[0] + (m0 + j) * g->qs[1] + d0 + L * i, acc[j][i]);                   \
+}                                                                                                      \
+ISA void value_rows##L(int qn, float *o, const float *p, long h, long m0, const void *codes, long at,   \
+                       const uint16_t *s, const uint16_t *z, long sf, const Attend *g, long a, int bits) {    \
+    long d0 = 0;                                                                                       \
+    for (; d0 + K * L <= g->d; d0 += K * L)                                                            \
+        value_columns##L(o, p, h, m0, qn, codes, at, s, z, sf, g, a, d0, K, bits);                     \
+    for (; d0 < g->d; d0 += L)                                                                         \
+        value_columns##L(o, p, h, m0, qn, codes, at, s, z, sf, g, a, d0, 1, bits);                     \
+}                                                                                                      \
+ISA void values##L(float *o, const float *p, const void *codes, const uint16_t *s, const uint16_t *z,  \
+                   const Attend *g, int bits) {                                                        \
+    ATTEND_PASSES(g, value_rows##L, o, p, h, m0, codes, at, s, z, sf, g, a, bits)                      \
+}
+
+ATTEND_KERNELS(16, AVX512, 4)
+ATTEND_KERNELS(8, AVX2, 2)
+
+/* The entry points: each instruction set, each code width, scores and values (`bits` a constant in each). */
+typedef void Pass(float *, const float *, const void *, const uint16_t *, const uint16_t *, const Attend *);
+#define ATTEND_ENTRY(name, body, isa, bits)                                                            \
+    __attribute__((target(isa))) static void name(float *o, const float *x, const void *c,          \
+                                                     const uint16_t *s, const uint16_t *z, const Attend *g) { \
+        body(o, x, c, s, z, g, bits);                                                                  \
+    }
+ATTEND_ENTRY(scores8_avx512, scores16, "avx512f", 8)
+ATTEND_ENTRY(scores4_avx512, scores16, "avx512f", 4)
+ATTEND_ENTRY(scores16_avx512, scores16, "avx512f", 16)
+ATTEND_ENTRY(scores32_avx512, scores16, "avx512f", 32)
+ATTEND_ENTRY(values8_avx512, values16, "avx512f", 8)
+ATTEND_ENTRY(values4_avx512, values16, "avx512f", 4)
+ATTEND_ENTRY(values16_avx512, values16, "avx512f", 16)
+ATTEND_ENTRY(values32_avx512, values16, "avx512f", 32)
+ATTEND_ENTRY(scores8_avx2, scores8, "avx2,f16c,fma", 8)
+ATTEND_ENTRY(scores4_avx2, scores8, "avx2,f16c,fma", 4)
+ATTEND_ENTRY(scores16_avx2, scores8, "avx2,f16c,fma", 16)
+ATTEND_ENTRY(scores32_avx2, scores8, "avx2,f16c,fma", 32)
+ATTEND_ENTRY(values8_avx2, values8, "avx2,f16c,fma", 8)
+ATTEND_ENTRY(values4_avx2, values8, "avx2,f16c,fma", 4)
+ATTEND_ENTRY(values16_avx2, values8, "avx2,f16c,fma", 16)
+ATTEND_ENTRY(values32_avx2, values8, "avx2,f16c,fma", 32)
+static Pass *const passes[2][2][4] = { /* [level - 1][values][int8, int4, fp16, fp32] */
+    {{scores8_avx2, scores4_avx2, scores16_avx2, scores32_avx2}, {values8_avx2, values4_avx2, values16_avx2, values32_avx2}},
+    {{scores8_avx512, scores4_avx512, scores16_avx512, scores32_avx512},
+     {values8_avx512, values4_avx512, values16_avx512, values32_avx512}},
+};
 #endif
 
-static int detected = 0; /* 2: AVX-512F, 1: AVX2 + F16C, 0: none (the caller uses torch) */
+static int detected = 0; /* 2: AVX-512F, 1: AVX2 + F16C + FMA, 0: none (the caller uses torch) */
 static int level = 0;    /* the one in use: `detected`, or less (`use`, for tests) */
 
 /* The kernels run on the calling thread, without the GIL. Threads of their own were measured and dropped: beside
@@ -208,6 +416,39 @@ static PyObject *int4(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* attend(out, in, codes, scales, offsets, bits, values, (A, H, T, D, M, group), code_strides, scale_strides,
+ * row_strides, score_strides): scores (values false: out the scores, in the queries) or weighted values (out the
+ * output, accumulated; in the weights) over int8 (bits 8; offsets unused) or int4 (bits 4) codes. */
+static PyObject *attend(PyObject *self, PyObject *args) {
+    unsigned long long out, in, codes, s, z;
+    int bits, values;
+    Attend shape, *g = &shape;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KKKKKip(llllll)(lll)(lll)(ll)(lll)", &out, &in, &codes, &s, &z, &bits, &values,
+                          &g->n[0], &g->n[1], &g->n[2], &g->d, &g->m, &g->group, &g->cs[0], &g->cs[1], &g->cs[2],
+                          &g->ss[0], &g->ss[1], &g->ss[2], &g->qs[0], &g->qs[1], &g->ps[0], &g->ps[1], &g->ps[2]))
+        return NULL;
+    if (!level) {
+        PyErr_SetString(PyExc_RuntimeError, "no native kernel on this CPU");
+        return NULL;
+    }
+    int odd = bits == 4 && (g->cs[0] % 2 || g->cs[1] % 2 || g->cs[2] % 2);
+    int kind = bits == 8 ? 0 : bits == 4 ? 1 : bits == 16 ? 2 : bits == 32 ? 3 : -1;
+    if (kind < 0 || odd || g->d % 16 || g->d <= 0 || g->d > 256 || g->m < 0 || g->n[0] < 0 ||
+        g->n[1] < 0 || g->n[2] < 0 || g->group <= 0 || (values && g->group % 16)) {
+        PyErr_SetString(PyExc_ValueError, "unsupported shape");
+        return NULL;
+    }
+#ifdef KV_X86
+    Pass *pass = passes[level - 1][values][kind];
+    Py_BEGIN_ALLOW_THREADS
+    pass((float *)(uintptr_t)out, (const float *)(uintptr_t)in, (const void *)(uintptr_t)codes,
+         (const uint16_t *)(uintptr_t)s, (const uint16_t *)(uintptr_t)z, g);
+    Py_END_ALLOW_THREADS
+#endif
+    Py_RETURN_NONE;
+}
+
 static PyObject *use(PyObject *self, PyObject *args) {
     int wanted;
     (void)self;
@@ -226,6 +467,10 @@ static PyMethodDef methods[] = {
     {"int4", int4, METH_VARARGS,
      "int4(out, half, packed, scales, offsets, (A, B, C, E, F), out_strides[4], code_strides[4], scale_strides[5]): "
      "out = codes * scales + offsets; code strides in codes (two a byte), the rest in elements"},
+    {"attend", attend, METH_VARARGS,
+     "attend(out, in, codes, scales, offsets, bits, values, (A, H, T, D, M, group), code_strides[3], "
+     "scale_strides[3], row_strides[2], score_strides[3]): scores[h, m, a, t] = queries[h, m] . k[a, h, t], or "
+     "out[h, m] += sum over a, t of weights[h, m, a, t] * v[a, h, t], over int8 or int4 codes (kernels.py)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -236,7 +481,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f"))
         detected = 2;
-    else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
+    else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma"))
         detected = 1;
 #endif
     level = detected;

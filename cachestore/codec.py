@@ -554,9 +554,19 @@ class FrameRun:
         """Layer `layer` of every frame into `out` [frames, 2, kv_heads, tokens, head_dim] (a strided view of a
         context is fine; frame k's tokens at out[k]); returns `out`."""
         h, n = self.header, self.count
-        sections, _, _ = _plan(h)
+        variant = Variant(rot_keys=bool(h.transform & ROT_KEYS), rot_values=bool(h.transform & ROT_VALUES))
+        parts = [part if part.dtype != torch.uint8 else part.reshape(-1) for part in self.layer_parts(layer)]
+        return dequantize(h.mode, parts, Dims(n, h.kv_heads, h.tokens, h.head_dim), h.group_size, _DTYPES[h.dtype],
+                          out, variant)
+
+    def layer_parts(self, layer: int) -> list[torch.Tensor]:
+        """Layer `layer`'s payload sections of every frame, as strided views of the buffer, frames first (the
+        shapes of `cachestore.quant.layout` less its layers; packed codes [frames, a layer's bytes]): int8's are key
+        scales [frames, kv_heads, 1, head_dim], value scales [frames, kv_heads, tokens, 1], then the key and the
+        value codes [frames, kv_heads, tokens, head_dim]."""
+        n = self.count
         parts = []
-        for (dtype, shape), start in zip(sections, self._starts, strict=True):
+        for (dtype, shape), start in zip(_plan(self.header)[0], self._starts, strict=True):
             typed, step = self._typed[dtype], self._stride // dtype.itemsize
             if len(shape) > 1:  # layers first: frame k's layer is one contiguous block, `step` after frame k-1's
                 inner = shape[1:]
@@ -567,11 +577,9 @@ class FrameRun:
                     acc *= size
                 parts.append(typed.as_strided((n, *inner), (step, *strides), start + layer * acc))
             else:  # packed codes, layer-major, each layer's on whole bytes (splits_by_layer)
-                per = shape[0] // h.layers
-                parts.append(typed.as_strided((n, per), (step, 1), start + layer * per).reshape(-1))
-        variant = Variant(rot_keys=bool(h.transform & ROT_KEYS), rot_values=bool(h.transform & ROT_VALUES))
-        return dequantize(h.mode, parts, Dims(n, h.kv_heads, h.tokens, h.head_dim), h.group_size, _DTYPES[h.dtype],
-                          out, variant)
+                per = shape[0] // self.header.layers
+                parts.append(typed.as_strided((n, per), (step, 1), start + layer * per))
+        return parts
 
 
 def _kind(h: FrameHeader) -> tuple[object, ...]:

@@ -93,6 +93,86 @@ def int4_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
     return True
 
 
+def attention_scores(out: torch.Tensor, queries: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None = None,
+                     zero: torch.Tensor | None = None, group: int = 1) -> bool:
+    """out [H, M, A, T] (fp32, rows contiguous) = queries [H, M, D] (fp32) dotted with one layer of A frames' keys,
+    read where they lie in one pass (cachestore.attend): fp16 or fp32 [A, H, T, D]; int8 codes [A, H, T, D] times
+    fp16 `scale` [A, H, 1, D]; or int4 codes, uint8 [A, H * ceil(T / group) * group * D / 2] (two a byte, low nibble
+    first, [H, rows, D] order, the last group's rows padded), times fp16 `scale` plus fp16 `zero`, both [A, H,
+    ceil(T / group), D] (one per column, a scale for `group` rows). False (nothing written) where no kernel
+    applies."""
+    if out.dim() != 4 or queries.dim() != 3 or tuple(out.shape[:2]) != tuple(queries.shape[:2]):
+        return False
+    a, t = out.shape[2], out.shape[3]
+    h, _, d = queries.shape
+    rows = max(group, 1) if codes.dtype == torch.uint8 else t
+    groups = -(-t // rows)
+    if scale is not None and (tuple(scale.shape) != (a, h, groups, d) or scale.stride(3) != 1):
+        return False
+    return _attend(out, queries, codes, scale, zero, rows, groups * rows, False)
+
+
+def attention_values(out: torch.Tensor, weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None = None,
+                     zero: torch.Tensor | None = None, group: int = 0) -> bool:
+    """out [H, M, D] (fp32, rows contiguous) += the sum over a and t of weights [H, M, A, T] (fp32) times one layer
+    of A frames' values, read where they lie in one pass (cachestore.attend): fp16 or fp32 [A, H, T, D]; int8 codes
+    [A, H, T, D] times fp16 `scale` [A, H, T, 1]; or int4 codes, uint8 [A, H * T * D / 2] (two a byte, low nibble
+    first, [H, T, D] order), times fp16 `scale` plus fp16 `zero`, both [A, H, T, D / group] (one per row, a scale
+    for `group` columns, a multiple of 16). False (nothing written) where no kernel applies."""
+    if out.dim() != 3 or weights.dim() != 4 or tuple(out.shape[:2]) != tuple(weights.shape[:2]):
+        return False
+    a, t = weights.shape[2], weights.shape[3]
+    h, _, d = out.shape
+    columns = max(group, 1) if codes.dtype == torch.uint8 else d
+    if d % columns or (scale is not None and (tuple(scale.shape) != (a, h, t, d // columns)
+                                              or (d // columns > 1 and scale.stride(3) != 1))):
+        return False
+    return _attend(out, weights, codes, scale, zero, columns, t, True)
+
+
+_BITS = {torch.int8: 8, torch.uint8: 4, torch.float16: 16, torch.float32: 32}
+
+
+def _attend(out: torch.Tensor, rows: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None,
+            zero: torch.Tensor | None, group: int, head_rows: int, values: bool) -> bool:
+    """The checks the attention kernels share, then the call: `out` and `rows` are the scores and the queries, or
+    the output and the weights (`values`); fp16, fp32 or int8 codes [A, H, T, D] (int8 with a scale), or int4 ones
+    packed [A, H * head_rows * D / 2] (a head's T rows, then padding to `head_rows`; with a scale and an offset); D a
+    multiple of 16 up to 256."""
+    scores, queries = (rows, out) if values else (out, rows)
+    h, m, d = queries.shape
+    a, t = scores.shape[2], scores.shape[3]
+    bits = _BITS.get(codes.dtype)
+    if not ENABLED or bits is None or out.dtype != torch.float32 or rows.dtype != torch.float32:
+        return False
+    if d % 16 or not 0 < d <= 256 or queries.stride(2) != 1 or scores.stride(3) != 1:
+        return False
+    if (scale is None) != (bits > 8) or (zero is None) != (bits != 4):
+        return False
+    strides: tuple[int, ...]
+    if bits == 4:
+        if tuple(codes.shape) != (a, h * head_rows * d // 2) or codes.stride(1) != 1 or head_rows < t:
+            return False
+        strides = (2 * codes.stride(0), head_rows * d, d)
+    elif tuple(codes.shape) != (a, h, t, d) or codes.stride(3) != 1:
+        return False
+    else:
+        strides = codes.stride()[:3]
+    scaled = [x for x in (scale, zero) if x is not None]
+    if any(x.dtype != torch.float16 or x.stride() != scaled[0].stride() or x.shape != scaled[0].shape
+           for x in scaled):
+        return False
+    if any(x.device.type != "cpu" for x in (out, rows, codes, *scaled)):
+        return False
+    assert _kernels is not None
+    s = scaled[0] if scaled else codes
+    z = scaled[-1] if scaled else codes
+    _kernels.attend(out.data_ptr(), rows.data_ptr(), codes.data_ptr(), s.data_ptr(), z.data_ptr(), bits, values,
+                    (a, h, t, d, m, group), strides, s.stride()[:3] if scaled else (0, 0, 0), queries.stride()[:2],
+                    scores.stride()[:3])
+    return True
+
+
 def use_level(level: int) -> int:
     """Run the kernel's code path `level` (at most the CPU's; 0: none, torch does the work) and return the level in
     use: tests cover the AVX2 path on AVX-512 CPUs with it."""

@@ -107,6 +107,19 @@ def tiny_model():  # type: ignore[no-untyped-def]
     return load_model("tiny-random")
 
 
+@pytest.fixture(params=[1, 2], ids=["avx2", "avx512"])
+def level(request: pytest.FixtureRequest) -> Iterator[int]:
+    """Each of the native kernels' code paths this CPU can run (cachestore/_kernels.c)."""
+    from cachestore import kernels  # noqa: PLC0415
+
+    if not kernels.ENABLED or request.param > kernels.LEVEL:
+        pytest.skip(f"this CPU or build has no level {request.param} kernel")
+    try:
+        yield kernels.use_level(request.param)
+    finally:
+        kernels.use_level(kernels.LEVEL)
+
+
 @pytest.fixture
 def figures(request: pytest.FixtureRequest) -> Iterator[dict[str, object]]:
     """Figures a reliability scenario reports; KVSTASH_FIGURES=path appends them as JSON lines (RELIABILITY.md)."""

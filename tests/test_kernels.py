@@ -62,17 +62,6 @@ def _scales(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     return (magnitude * (0.5 + torch.rand(shape, generator=gen))).half()
 
 
-@pytest.fixture(params=[1, 2], ids=["avx2", "avx512"])
-def level(request: pytest.FixtureRequest) -> Iterator[int]:
-    """Each of the kernel's code paths this CPU can run."""
-    if not kernels.ENABLED or request.param > kernels.LEVEL:
-        pytest.skip(f"this CPU or build has no level {request.param} kernel")
-    try:
-        yield kernels.use_level(request.param)
-    finally:
-        kernels.use_level(kernels.LEVEL)
-
-
 @pytest.mark.usefixtures("one_thread", "level")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("per", ["row", "column"])
