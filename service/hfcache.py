@@ -9,17 +9,25 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import threading
 from collections.abc import Sequence
+from typing import Any
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # as in service.models, whichever is imported first
 
 import torch  # noqa: E402
 from transformers import DynamicCache, PreTrainedModel  # noqa: E402
 from transformers.cache_utils import Cache, DynamicLayer  # noqa: E402
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask  # noqa: E402
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
 from service.rehydrate import LayerGate  # noqa: E402
 
 KV_DIMS = 5  # [layers, 2, kv_heads, tokens, head_dim]
+ATTENTION = "kvstash"  # the attention `route_attention` gives a model: sdpa, but over a hit's landed int8 codes
+ATTEND_MAX_NEW = 4  # new tokens up to which the first step attends over the codes (more: dequantized to a scratch)
+_pending = threading.local()  # `layer`: (index, gate, keys) from GrowingLayer.update to the attention that follows
 
 
 def cache_arg(model: PreTrainedModel) -> str:
@@ -35,6 +43,35 @@ def _cache_arg_of(model_type: type) -> str:
 
 def empty_cache(model: PreTrainedModel) -> Cache:
     return DynamicCache(config=model.config)
+
+
+def route_attention(model: PreTrainedModel) -> None:
+    """Run `model`'s attention through this module where it runs sdpa: the same sdpa, but for the first forward step
+    over a hit whose int8 frames landed (`LayerGate.attend`), which reads each layer's cached tokens from their
+    codes instead of a dequantized copy (`cachestore.attend`). Masks are sdpa's."""
+    if model.config._attn_implementation not in ("sdpa", ATTENTION):  # noqa: SLF001 - transformers' own name for it
+        return
+    ALL_ATTENTION_FUNCTIONS.register(ATTENTION, _attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
+    model.set_attn_implementation(ATTENTION)
+
+
+def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+               **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface: sdpa, unless GrowingLayer.update just handed this very layer's context
+    (`key`) over to be attended from its landed codes."""
+    pending = getattr(_pending, "layer", None)
+    if pending is not None and pending[2] is key:
+        _pending.layer = None
+        index, gate, _ = pending
+        scale = module.head_dim ** -0.5 if scaling is None else scaling  # type: ignore[operator]
+        out = gate.attend(index, query[0], key[0], value[0], attention_mask, scale)
+        if out is not None:  # [q_heads, n, D] -> sdpa's [1, n, q_heads, D]
+            return out.to(query.dtype).transpose(0, 1).unsqueeze(0).contiguous(), None
+        gate.wait(index)  # attended over the context instead, once it is in place
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
 
 
 class Scratch:
@@ -62,14 +99,18 @@ class GrowingLayer(DynamicLayer):
     With `ready` and a `scratch`, the first forward step reads this layer's cached tokens from the scratch, where
     the rehydration dequantizes them just before the attention (`LayerGate.fill`), and the context buffer gets
     them at the second step: writing a context larger than the CPU's caches costs a memory-bound machine more
-    than the step that reads it (BENCHMARKS.md, section 15), and a one-token reply never writes it at all.
+    than the step that reads it (BENCHMARKS.md, section 15), and a one-token reply never writes it at all. With
+    `attends` (the model's attention is this module's) and int8 frames, the first step's attention reads them
+    where they landed instead (`LayerGate.attend`): nothing is dequantized into memory at all.
     """
 
     def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int,
-                 ready: LayerGate | None = None, index: int = 0, scratch: Scratch | None = None) -> None:
+                 ready: LayerGate | None = None, index: int = 0, scratch: Scratch | None = None,
+                 attends: bool = False) -> None:
         super().__init__()
         self._ready, self._index = ready, index  # the cached tokens of this layer may still be on their way
         self._scratch = scratch if ready is not None else None  # set only for the first step
+        self._attends = attends
         self.device = key_buffer.device
         self.is_initialized = True
         self._key_buf, self._value_buf, self._length = key_buffer, value_buffer, length  # [1, H, cap, D]
@@ -81,8 +122,13 @@ class GrowingLayer(DynamicLayer):
         if self._scratch is not None:  # the first step: the cached tokens from the scratch, if the gate can fill it
             scratch, self._scratch = self._scratch, None
             start = self._length
-            buf = scratch.take(key_states, start + key_states.shape[-2])
             assert self._ready is not None
+            if (self._attends and key_states.shape[0] == 1 and key_states.shape[-2] <= ATTEND_MAX_NEW
+                    and self._ready.attending(self._index)):
+                self._append(key_states, value_states)
+                _pending.layer = (self._index, self._ready, self.keys)  # for `_attention`, which comes next
+                return self.keys, self.values
+            buf = scratch.take(key_states, start + key_states.shape[-2])
             if self._ready.fill(self._index, buf[:, :, :start]):
                 self._append(key_states, value_states)
                 buf[0, :, start:self._length] = key_states[0]
@@ -161,6 +207,7 @@ def cache_from_tensor(kv: torch.Tensor, model: PreTrainedModel, ready: LayerGate
         ready.wait_all()  # the context is copied or handed over whole: all of it first
         ready = None
     scratch = Scratch() if ready is not None else None  # the first step's, for every layer in turn
+    attends = model.config._attn_implementation == ATTENTION  # noqa: SLF001 - route_attention set it
     kv = kv.to(device=model.device, dtype=model.dtype)
     _, _, heads, tokens, dim = kv.shape
     for i, layer in enumerate(cache.layers):
@@ -170,7 +217,7 @@ def cache_from_tensor(kv: torch.Tensor, model: PreTrainedModel, ready: LayerGate
         elif capacity:
             size, stride = (1, heads, capacity, dim), (kv.stride(1), kv.stride(2), dim, 1)
             cache.layers[i] = GrowingLayer(key.as_strided(size, stride), value.as_strided(size, stride), tokens,
-                                           ready, i, scratch)
+                                           ready, i, scratch, attends)
         else:
             # Adopt the tensors as they are: DynamicLayer.update would torch.cat them onto an
             # empty tensor, a full copy of the context that the next forward copies again anyway.

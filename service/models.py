@@ -32,6 +32,7 @@ from transformers import (
 from cachestore.errors import ConfigError, KvstashError
 from cachestore.hashing import ModelFingerprint
 from service.engines.ggufpath import smollm2_gguf
+from service.hfcache import route_attention
 
 SMOLLM2 = "smollm2"
 TINY_RANDOM = "tiny-random"
@@ -287,6 +288,7 @@ def load_model(
     if getattr(model.config, "is_encoder_decoder", False):
         raise ConfigError(f"{path} is an encoder-decoder model; kvstash serves decoder-only LMs")
     model.to(dev).eval()
+    route_attention(model)  # sdpa, but a hit's first step attends over its landed int8 codes
     heads = int(config.num_attention_heads)
     return LoadedModel(
         name=served,

@@ -6,10 +6,12 @@ Two ways, by engine:
   landing (`cachestore.landing`), and the lookup's reader only verifies each chunk (`Rehydration.take`: header,
   shape, checksum) between reads. When the last chunk is verified the hit is known, and the frames are handed to
   the `LayerGate` as runs (`FrameRun`): the forward step dequantizes one layer of every block in one call just
-  before that layer's attention, which then reads the layer while it is still in the caches. The first step has
-  it dequantized into a one-layer scratch (`LayerGate.fill`) and the context written only at the second: writing
-  a context larger than the caches cost more than the floor's whole read of it (BENCHMARKS.md, section 15). A
-  frame that did not land (compressed, or of another length) is dequantized whole before layer 0.
+  before that layer's attention, which then reads the layer while it is still in the caches. The first step's
+  attention reads each layer's runs in their codes where a kernel can (`LayerGate.attend`, `cachestore.attend`;
+  up to a few new tokens), else has them dequantized into a one-layer scratch (`LayerGate.fill`); the context is
+  written only at the second step: writing a context larger than the caches cost more than the floor's whole read
+  of it (BENCHMARKS.md, sections 15 and 16). A frame that did not land (compressed, or of another length) is
+  dequantized whole before layer 0.
 - Any other engine (llama.cpp sets its whole state at once): the frames land likewise (one copy on the wire), and
   the lookup feeds each chunk to a `Rehydration` thread (one core), which verifies and dequantizes whole frames
   while the next chunk is on the wire, and dequantizes what is left once the last one is in.
@@ -31,6 +33,7 @@ from typing import TypeVar
 
 import torch
 
+from cachestore import attend as in_codes
 from cachestore.codec import FrameRun, OpenFrame
 from cachestore.errors import CodecError
 
@@ -48,6 +51,7 @@ class LayerGate:
         self._error: BaseException | None = None
         self._work: Callable[[int], int] | None = None
         self._fill: Callable[[int, torch.Tensor], bool] | None = None
+        self._attend: Callable[..., torch.Tensor | None] | None = None
         self.fills_until = 0  # with `fill`: the context may lack tokens below this until each layer is waited for
         self._cond = threading.Condition()
 
@@ -62,13 +66,15 @@ class LayerGate:
             self._cond.notify_all()
 
     def hand_over(self, work: Callable[[int], int], fill: Callable[[int, torch.Tensor], bool] | None = None,
-                  until: int = 0) -> None:
+                  until: int = 0, attend: Callable[..., torch.Tensor | None] | None = None) -> None:
         """The producer stops here: `work(first)` puts the layer group starting at `first` in place and returns
         where the group ends; whoever waits for a layer not in place yet runs it, on its own thread. `fill(layer,
         dest)`, where given, puts one layer's cached tokens in `dest` instead of the context (False: it cannot);
-        `work` writes no token from `until` on (the rest of the context is in place already)."""
+        `work` writes no token from `until` on (the rest of the context is in place already). `attend(layer, query,
+        keys, values, mask, scaling)`, where given, is `cachestore.attend.int8_attention` over the layer's landed
+        codes, the context's `keys` and `values` read only outside them."""
         with self._cond:
-            self._work, self._fill = work, fill
+            self._work, self._fill, self._attend = work, fill, attend
             self.fills_until = until if fill is not None else 0
             self._cond.notify_all()
 
@@ -83,6 +89,24 @@ class LayerGate:
             if not self._handed(layer) or self._fill is None:
                 return False
             return self._call(self._fill, layer, dest)
+
+    def attending(self, layer: int) -> bool:
+        """Whether `attend` can serve layer `layer`'s attention from the landed codes (the layer is not in place,
+        and the handed-over work attends); raises if the rehydration failed."""
+        if self._ready > layer:
+            return False
+        with self._cond:
+            return self._handed(layer) and self._attend is not None
+
+    def attend(self, layer: int, *args: object) -> torch.Tensor | None:
+        """Layer `layer`'s attention over its landed codes (`hand_over`'s `attend`), the context left as it is;
+        None where it cannot (then `wait`, and attend over the context). Raises if the rehydration failed."""
+        if self._ready > layer:
+            return None
+        with self._cond:
+            if not self._handed(layer) or self._attend is None:
+                return None
+            return self._call(self._attend, layer, *args)
 
     def wait(self, layer: int) -> None:
         """Return once layer `layer` is in place (doing the handed-over work up to it, if any); raises if the
@@ -242,11 +266,14 @@ class Rehydration:
         return runs, whole
 
     def _layers(self, runs: list[tuple[int, FrameRun]], whole: list[tuple[int, OpenFrame]]
-                ) -> tuple[Callable[[int], int], Callable[[int, torch.Tensor], bool], int]:
+                ) -> tuple[Callable[[int], int], Callable[[int, torch.Tensor], bool], int,
+                           Callable[..., torch.Tensor | None] | None]:
         """`work(layer)`: that layer of every run into the context (the frames that are no run whole, first);
         returns the next layer. `fill(layer, dest)`: the same layer's cached tokens into `dest` [2, kv_heads,
         tokens, head_dim] (the runs from the landing, every other token copied from the context), not the context.
-        And the token where what they write ends (the gate's `fills_until`)."""
+        The token where what they write ends (the gate's `fills_until`). And where a kernel reads every run's kind
+        (`cachestore.attend.supports`), `attend(layer, query, keys, values, mask, scaling)`: that layer's attention
+        over the runs' codes and the context's other tokens, which writes nothing but the whole frames."""
         layers, b = self.gate.layers, self.block_tokens
         _, _, heads, _, dim = self.out.shape
         spans = [(first * b, (first + run.count) * b) for first, run in runs]
@@ -254,11 +281,13 @@ class Rehydration:
         pending_whole = list(whole)  # decoded into the context once, by whichever of work and fill comes first
         reported = False
 
+        def whole_into_context() -> None:
+            for index, frame in pending_whole:
+                frame.decode_into(self.out[:, :, :, self._span(index)])
+            pending_whole.clear()
+
         def runs_into(dest: torch.Tensor, layer: int) -> None:  # dest [2, H, tokens, D]
-            if pending_whole:
-                for index, frame in pending_whole:
-                    frame.decode_into(self.out[:, :, :, self._span(index)])
-                pending_whole.clear()
+            whole_into_context()
             for (start, stop), (_, run) in zip(spans, runs, strict=True):  # [frames, 2, heads, b, dim]
                 run.decode_layer_into(dest[:, :, start:stop].view(2, heads, run.count, b, dim).permute(2, 0, 1, 3, 4),
                                       layer)
@@ -290,7 +319,20 @@ class Rehydration:
             timed(layer, time.perf_counter() - t0)
             return True
 
-        return work, fill, until
+        def attend(layer: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   mask: torch.Tensor | None, scaling: float) -> torch.Tensor | None:
+            if spans[-1][1] > keys.shape[1] - query.shape[1]:
+                return None  # a cache shorter than the hit: the context's own layer is read
+            t0 = time.perf_counter()
+            whole_into_context()
+            landed = [in_codes.landed(run.header, run.count, start, run.layer_parts(layer))
+                      for (start, _), (_, run) in zip(spans, runs, strict=True)]
+            out = in_codes.attention(query, landed, keys, values, mask, scaling)
+            timed(layer, time.perf_counter() - t0)
+            return out
+
+        attends = all(in_codes.supports(run.header) for _, run in runs)
+        return work, fill, until, attend if attends else None
 
     def _span(self, index: int) -> slice:
         return slice(index * self.block_tokens, (index + 1) * self.block_tokens)

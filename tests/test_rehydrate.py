@@ -8,10 +8,14 @@ import time
 import pytest
 import torch
 
+from cachestore import attend as in_codes
+from cachestore import kernels
 from cachestore.codec import Codec
 from cachestore.errors import CodecError
 from service.engines import GenParams
+from service.engines.generation import Generation
 from service.engines.hf import HfEngine
+from service.hfcache import ATTEND_MAX_NEW
 from service.pipeline import chunk_plan
 from service.rehydrate import LayerGate, Rehydration
 
@@ -201,21 +205,19 @@ def test_an_unexpected_failure_reaches_the_waiter_at_once() -> None:
     assert time.monotonic() - start < 1.0
 
 
-@pytest.mark.parametrize("max_tokens", [1, 5])
-def test_the_first_step_reads_cached_layers_from_a_scratch(tiny_model: object, max_tokens: int) -> None:
-    """A hit whose frames landed, and a prompt tail decoded into the context (a session's partial block): the first
-    forward step reads each layer's cached tokens from a scratch the gate fills just before the layer's attention,
-    and the context buffer gets the landed ones only at the second step. The reply is the one of a full prefill
-    either way; a one-token reply, whose write-back starts at the tail, never writes them at all."""
+def _landed_hit(engine: HfEngine, spec: str, new: int, max_tokens: int) -> tuple[list[int], Generation, torch.Tensor,
+                                                                            Rehydration, int]:
+    """A hit of three blocks of 16 tokens whose frames (codec `spec`) landed, and a prompt tail of 5 decoded into the
+    context (a session's partial block), before `new` new tokens: (prompt, the full prefill's generation, the context
+    with NaN where the frames go, the rehydration handed over to the forward step, the cached tokens)."""
     from cachestore.codec import FrameRun  # noqa: PLC0415
 
-    engine = HfEngine(tiny_model)  # type: ignore[arg-type]
     geo, b, tail = engine.geometry, 16, 5
     cached = 3 * b + tail
-    prompt = list(range(60, 60 + cached + 1))
+    prompt = list(range(60, 60 + cached + new))
     full = engine.generate(prompt, None, GenParams(max_tokens=max_tokens))
     assert full.kv is not None
-    codec = Codec("exact")  # bit-exact: the reply must be the prefill's
+    codec = Codec(spec)
     frames = [codec.encode(full.kv[:, :, :, i * b:(i + 1) * b]) for i in range(3)]
     stride = -(-len(frames[0]) // 64) * 64
     landing = torch.zeros(3 * stride, dtype=torch.uint8)
@@ -230,6 +232,20 @@ def test_the_first_step_reads_cached_layers_from_a_scratch(tiny_model: object, m
     rehydration.take(slots)
     rehydration.end()
     rehydration.run(lambda n, nbytes: None)
+    return prompt, full, context, rehydration, cached
+
+
+@pytest.mark.parametrize("max_tokens", [1, 5])
+def test_the_first_step_reads_cached_layers_from_a_scratch(tiny_model: object, max_tokens: int,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hit whose frames landed, and a prompt tail decoded into the context (a session's partial block): the first
+    forward step reads each layer's cached tokens from a scratch the gate fills just before the layer's attention,
+    and the context buffer gets the landed ones only at the second step. The reply is the one of a full prefill
+    either way; a one-token reply, whose write-back starts at the tail, never writes them at all."""
+    monkeypatch.setattr(kernels, "ENABLED", False)  # no kernel: no attention over the codes, the scratch instead
+    engine = HfEngine(tiny_model)  # type: ignore[arg-type]
+    b = 16
+    prompt, full, context, rehydration, cached = _landed_hit(engine, "exact", 1, max_tokens)  # bit-exact frames
     gen = engine.generate(prompt, context[:, :, :, :cached], GenParams(max_tokens=max_tokens),
                           kv_ready=rehydration.gate, keep_from=3 * b)  # the pipeline's: from the first block not read
     assert gen.cached_tokens == cached and gen.token_ids == full.token_ids
@@ -242,3 +258,35 @@ def test_the_first_step_reads_cached_layers_from_a_scratch(tiny_model: object, m
                             kv_ready=rehydration.gate)
     assert again.token_ids == full.token_ids and again.kv is not None
     assert torch.allclose(again.kv, full.kv, atol=1e-5)  # the write-back's whole range too: the cached part settled
+
+
+@pytest.mark.skipif(not kernels.ENABLED, reason="no native kernel on this CPU or build")
+@pytest.mark.parametrize("spec", ["int8", "int4", "fp16", "exact"])
+@pytest.mark.parametrize("new", [1, 3, ATTEND_MAX_NEW + 2])
+def test_the_first_step_attends_over_the_landed_codes(tiny_model: object, spec: str, new: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a kernel and up to ATTEND_MAX_NEW new tokens, the first step's attention reads each layer's cached tokens
+    from the frames where they landed (cachestore.attend), the tail and the new tokens from the context: nothing is
+    dequantized, and the reply and its KV are the scratch path's (to float rounding). More new tokens: the scratch."""
+    engine = HfEngine(tiny_model)  # type: ignore[arg-type]
+    layers, b = engine.geometry.num_layers, 16
+    attended: list[int] = []
+    real = in_codes.attention
+
+    def counted(*args: object) -> torch.Tensor | None:
+        out = real(*args)  # type: ignore[arg-type]
+        attended.append(out is not None)
+        return out
+
+    monkeypatch.setattr(in_codes, "attention", counted)
+    prompt, _, context, rehydration, cached = _landed_hit(engine, spec, new, 1)
+    gen = engine.generate(prompt, context[:, :, :, :cached], GenParams(max_tokens=3), kv_ready=rehydration.gate)
+    assert attended == ([True] * layers if new <= ATTEND_MAX_NEW else [])
+    assert not context[:, :, :, :3 * b].isnan().any()  # the second step put them in place
+
+    monkeypatch.setattr(kernels, "ENABLED", False)
+    prompt, _, context, rehydration, cached = _landed_hit(engine, spec, new, 1)
+    scratch = engine.generate(prompt, context[:, :, :, :cached], GenParams(max_tokens=3), kv_ready=rehydration.gate)
+    assert len(attended) == (layers if new <= ATTEND_MAX_NEW else 0)  # no kernel: not attended over the codes
+    assert gen.token_ids == scratch.token_ids and gen.kv is not None and scratch.kv is not None
+    assert torch.allclose(gen.kv, scratch.kv, atol=1e-5)
