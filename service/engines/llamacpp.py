@@ -105,7 +105,8 @@ class _Request:
     finish: str = "length"
     ended_by_token: bool = False
     cut_by_stop: bool = False
-    blob: bytearray | None = None  # the finished sequence's state, parsed by the caller
+    blob: memoryview | None = None  # the finished sequence's state, parsed by the caller: a pooled buffer's start
+    blob_buffer: bytearray | None = None  # that buffer, given back once parsed
     error: BaseException | None = None
     scores: list[torch.Tensor] | None = None  # score(): the logits of every fed prompt token, no sampling
     restore_failed: bool = False
@@ -206,6 +207,7 @@ class LlamaCppEngine:
         self._inbox: queue.Queue[_Request] = queue.Queue()
         self._free = list(range(parallel))
         self._state_buffers = _state_buffers(keep=parallel)
+        self._snapshots = _state_buffers(keep=parallel)  # finished sequences' states, read back for the write-back
         self._lent: dict[int, tuple[bytearray, int]] = {}  # context_for's views by address: (state, cells)
         self._lent_lock = threading.Lock()
         self._active: list[_Request] = []
@@ -342,13 +344,16 @@ class LlamaCppEngine:
         req.done.wait()
         if req.error is not None:
             raise req.error
-        assert req.blob is not None
+        assert req.blob is not None and req.blob_buffer is not None
         seq_ids = prompt + req.generated[:-1]
         kv_from = min(max(0, keep_from), len(seq_ids))
-        try:  # [L, 2, H, tokens - kv_from, D] float16
+        try:  # [L, 2, H, tokens - kv_from, D] float16, copied out of the snapshot
             kv = llamastate.parse_state(req.blob, self.state_geometry, start=kv_from, cells=len(seq_ids))
         except llamastate.CellCountError as exc:
             raise RuntimeError(f"llama.cpp's state of a sequence of {len(seq_ids)} tokens {exc}") from None
+        finally:
+            self._snapshots.give(req.blob_buffer)
+            req.blob = req.blob_buffer = None
         return Generation(
             text=req.stream.text, token_ids=req.generated, finish_reason=req.finish, prompt_tokens=len(prompt),
             cached_tokens=0 if req.restore_failed else cached, ttft_s=req.ttft,
@@ -542,16 +547,24 @@ class LlamaCppEngine:
         except Exception as exc:  # noqa: BLE001 - the client hung up (its callback raised): free the sequence now
             self._end(req, exc)
             return
-        req.blob = self._get_state(req.seq)
+        size = self._state_size(req.seq)
+        req.blob_buffer = self._snapshots.take(size)  # pooled: a fresh 47 MB one costs page faults, freeing it unmaps
+        req.blob = memoryview(req.blob_buffer)[:size]
+        self._get_state(req.seq, req.blob_buffer, size)
         self._end(req, None)
 
-    def _get_state(self, seq: int) -> bytearray:
-        size = int(self._lib.llama_state_seq_get_size(self._ctx, seq))
-        blob = bytearray(size)
-        written = self._lib.llama_state_seq_get_data(self._ctx, (ctypes.c_uint8 * size).from_buffer(blob), size, seq)
+    def _state_size(self, seq: int) -> int:
+        return int(self._lib.llama_state_seq_get_size(self._ctx, seq))
+
+    def _get_state(self, seq: int, into: bytearray | None = None, size: int = 0) -> bytearray:
+        """Sequence `seq`'s state: the first `size` bytes of `into`, or a new bytearray of its own size."""
+        if into is None:
+            size = self._state_size(seq)
+            into = bytearray(size)
+        written = self._lib.llama_state_seq_get_data(self._ctx, (ctypes.c_uint8 * size).from_buffer(into), size, seq)
         if written != size:
             raise RuntimeError(f"llama.cpp wrote {written} of {size} state bytes")
-        return blob
+        return into
 
     def _end(self, req: _Request, error: BaseException | None) -> None:
         self._lib.llama_memory_seq_rm(self._mem, req.seq, -1, -1)
