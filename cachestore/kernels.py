@@ -7,7 +7,10 @@ passes (widen, shift, mask, convert, scale and offset): the kernel's one, on one
 two (a forward step's dequantization at 2048 tokens: 19 against 30 ms; at 8128, 62 against 117). int8 into fp32
 is torch's two passes, on all its threads, as fast as the kernel on one: there the kernel runs only where torch
 has one thread. Threads of the kernel's own lost to torch's spinning OpenMP workers in a real forward step.
-The values are bit-identical to torch's (tests/test_kernels.py). KVSTASH_NATIVE_KERNELS=0 turns the kernels off.
+The values are bit-identical to torch's (tests/test_kernels.py). The attention passes (`attention_scores`,
+`attention_values`) read a landed hit's codes in place for the first forward step (cachestore.attend), dequantizing
+each element in a register; their sums are fp32 in another order than torch's (tests/test_attend.py).
+KVSTASH_NATIVE_KERNELS=0 turns the kernels off.
 """
 
 from __future__ import annotations
