@@ -207,7 +207,9 @@ def cache_from_tensor(kv: torch.Tensor, model: PreTrainedModel, ready: LayerGate
         ready.wait_all()  # the context is copied or handed over whole: all of it first
         ready = None
     scratch = Scratch() if ready is not None else None  # the first step's, for every layer in turn
-    attends = model.config._attn_implementation == ATTENTION  # noqa: SLF001 - route_attention set it
+    # route_attention set it; the kernels read fp32 queries on the CPU (else the scratch serves the first step)
+    attends = (model.config._attn_implementation == ATTENTION  # noqa: SLF001
+               and model.device.type == "cpu" and model.dtype == torch.float32)
     kv = kv.to(device=model.device, dtype=model.dtype)
     _, _, heads, tokens, dim = kv.shape
     for i, layer in enumerate(cache.layers):

@@ -290,3 +290,22 @@ def test_the_first_step_attends_over_the_landed_codes(tiny_model: object, spec: 
     assert len(attended) == (layers if new <= ATTEND_MAX_NEW else 0)  # no kernel: not attended over the codes
     assert gen.token_ids == scratch.token_ids and gen.kv is not None and scratch.kv is not None
     assert torch.allclose(gen.kv, scratch.kv, atol=1e-5)
+
+
+@pytest.mark.skipif(not kernels.ENABLED, reason="no native kernel on this CPU or build")
+def test_a_model_in_bf16_reads_the_first_step_from_the_scratch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attention kernels take fp32 queries: a pod running its model in another dtype keeps the scratch, and its
+    reply is the one it gives with no kernel at all."""
+    from service.models import load_model  # noqa: PLC0415
+
+    engine = HfEngine(load_model("tiny-random", dtype=torch.bfloat16))
+    attended: list[object] = []
+    real = in_codes.attention
+    monkeypatch.setattr(in_codes, "attention", lambda *args: attended.append(args) or real(*args))
+    prompt, _, context, rehydration, cached = _landed_hit(engine, "int8", 1, 1)
+    gen = engine.generate(prompt, context[:, :, :, :cached], GenParams(max_tokens=3), kv_ready=rehydration.gate)
+    assert attended == []
+    monkeypatch.setattr(kernels, "ENABLED", False)
+    prompt, _, context, rehydration, cached = _landed_hit(engine, "int8", 1, 1)
+    scratch = engine.generate(prompt, context[:, :, :, :cached], GenParams(max_tokens=3), kv_ready=rehydration.gate)
+    assert gen.token_ids == scratch.token_ids and torch.equal(gen.kv, scratch.kv)
