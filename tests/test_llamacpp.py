@@ -7,7 +7,7 @@ import ctypes
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -129,9 +129,19 @@ def test_finished_states_are_read_back_into_pooled_buffers(engine: LlamaCppEngin
     monkeypatch.setattr(pool, "_make", counted)
     short = engine.generate(_prompt(engine, QUESTIONS[0]), None, GREEDY)
     engine.generate(_prompt(engine, " ".join(QUESTIONS * 3)), None, GREEDY)
-    again = engine.generate(_prompt(engine, QUESTIONS[0]), None, GREEDY)
-    assert len(made) <= 1 and pool.idle == 1  # one buffer (4 MB rounds hold these states) for all three
+    hooked: list[Callable[[int, int], torch.Tensor]] = []
+    early: list[torch.Tensor] = []
+
+    def on_prefill(get_kv: Callable[[int, int], torch.Tensor]) -> None:  # an early write's, after the first token
+        hooked.append(get_kv)
+        early.append(get_kv(0, 16))
+
+    again = engine.generate(_prompt(engine, QUESTIONS[0]), None, GREEDY, on_prefill=on_prefill)
+    assert len(made) <= 1 and pool.idle == 1  # one buffer (4 MB rounds hold these states) for all of them
     assert again.token_ids == short.token_ids and torch.equal(again.kv, short.kv)
+    assert torch.equal(early[0], short.kv[:, :, :, :16])  # the prefill's snapshot, read during the hook
+    with pytest.raises(ValueError, match="released"):
+        hooked[0](0, 16)  # and not after it: its buffer went back to the pool
 
 
 def test_a_hit_dequantized_into_a_lent_state_is_token_identical(engine: LlamaCppEngine) -> None:

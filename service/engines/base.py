@@ -18,7 +18,8 @@ from cachestore.hashing import ModelFingerprint
 from service.engines.generation import Generation, GenParams
 from service.rehydrate import LayerGate
 
-# on_prefill(get_kv): get_kv(start, end) -> [layers, 2, kv_heads, end - start, head_dim], a CPU copy
+# on_prefill(get_kv): get_kv(start, end) -> [layers, 2, kv_heads, end - start, head_dim], a CPU copy; called
+# during the hook (llama.cpp's reads a pooled snapshot of the sequence, reused once the hook returns)
 PrefillHook = Callable[[Callable[[int, int], torch.Tensor]], None]
 
 ENGINES = ("hf", "llamacpp", "llama-server")

@@ -252,7 +252,8 @@ class LlamaCppEngine:
         """Decode two tokens in sequence 0 and read its state back: the running llama.cpp must write the
         layout llamastate reads, or the pod refuses to start (one line), never corrupting a cache."""
         self._decode_tokens([(self._bos, 0, 0, False), (self._bos, 1, 0, True)])
-        blob = self._get_state(0)
+        size = self._state_size(0)
+        blob = self._get_state(0, bytearray(size), size)
         self._lib.llama_memory_seq_rm(self._mem, 0, -1, -1)
         try:
             facts = llamastate.read_facts(blob)
@@ -534,8 +535,13 @@ class LlamaCppEngine:
             req.ttft = time.perf_counter() - req.started
         req.generated.append(token)
         if req.on_prefill is not None and len(req.generated) == 1:  # the prompt's KV, for early block writes
-            blob, geo = self._get_state(req.seq), self.state_geometry
-            req.on_prefill(lambda start, end: llamastate.parse_state(blob, geo, start, end))
+            buffer, blob = self._snapshot(req.seq)
+            geo = self.state_geometry
+            try:
+                req.on_prefill(lambda start, end: llamastate.parse_state(blob, geo, start, end))
+            finally:
+                blob.release()  # the buffer goes back to the pool: a get_kv kept past the hook raises
+                self._snapshots.give(buffer)
         try:
             if self._lib.llama_vocab_is_eog(self._vocab_p, token):
                 req.finish, req.ended_by_token = "stop", True
@@ -547,20 +553,22 @@ class LlamaCppEngine:
         except Exception as exc:  # noqa: BLE001 - the client hung up (its callback raised): free the sequence now
             self._end(req, exc)
             return
-        size = self._state_size(req.seq)
-        req.blob_buffer = self._snapshots.take(size)  # pooled: a fresh 47 MB one costs page faults, freeing it unmaps
-        req.blob = memoryview(req.blob_buffer)[:size]
-        self._get_state(req.seq, req.blob_buffer, size)
+        req.blob_buffer, req.blob = self._snapshot(req.seq)
         self._end(req, None)
+
+    def _snapshot(self, seq: int) -> tuple[bytearray, memoryview]:
+        """Sequence `seq`'s state in a pooled buffer (`_snapshots`: at 2048 tokens a fresh 47 MB one costs ~20 ms of
+        page faults on this thread, and freeing it unmaps it again): the buffer, to give back once the state is
+        parsed, and a view of the state in it."""
+        size = self._state_size(seq)
+        buffer = self._snapshots.take(size)
+        return buffer, memoryview(self._get_state(seq, buffer, size))[:size]
 
     def _state_size(self, seq: int) -> int:
         return int(self._lib.llama_state_seq_get_size(self._ctx, seq))
 
-    def _get_state(self, seq: int, into: bytearray | None = None, size: int = 0) -> bytearray:
-        """Sequence `seq`'s state: the first `size` bytes of `into`, or a new bytearray of its own size."""
-        if into is None:
-            size = self._state_size(seq)
-            into = bytearray(size)
+    def _get_state(self, seq: int, into: bytearray, size: int) -> bytearray:
+        """Sequence `seq`'s state (`size` bytes, `_state_size`) into the start of `into`; returns `into`."""
         written = self._lib.llama_state_seq_get_data(self._ctx, (ctypes.c_uint8 * size).from_buffer(into), size, seq)
         if written != size:
             raise RuntimeError(f"llama.cpp wrote {written} of {size} state bytes")
