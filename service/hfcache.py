@@ -25,7 +25,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 from service.rehydrate import LayerGate  # noqa: E402
 
 KV_DIMS = 5  # [layers, 2, kv_heads, tokens, head_dim]
-ATTENTION = "kvstash"  # the attention `route_attention` gives a model: sdpa, but over a hit's landed int8 codes
+ATTENTION = "kvstash"  # the attention `route_attention` gives a model: sdpa, but over a hit's landed codes
 ATTEND_MAX_NEW = 4  # new tokens up to which the first step attends over the codes (more: dequantized to a scratch)
 _pending = threading.local()  # `layer`: (index, gate, keys) from GrowingLayer.update to the attention that follows
 
@@ -47,7 +47,7 @@ def empty_cache(model: PreTrainedModel) -> Cache:
 
 def route_attention(model: PreTrainedModel) -> None:
     """Run `model`'s attention through this module where it runs sdpa: the same sdpa, but for the first forward step
-    over a hit whose int8 frames landed (`LayerGate.attend`), which reads each layer's cached tokens from their
+    over a hit whose frames landed (`LayerGate.attend`), which reads each layer's cached tokens from their
     codes instead of a dequantized copy (`cachestore.attend`). Masks are sdpa's."""
     if model.config._attn_implementation not in ("sdpa", ATTENTION):  # noqa: SLF001 - transformers' own name for it
         return
@@ -100,8 +100,9 @@ class GrowingLayer(DynamicLayer):
     the rehydration dequantizes them just before the attention (`LayerGate.fill`), and the context buffer gets
     them at the second step: writing a context larger than the CPU's caches costs a memory-bound machine more
     than the step that reads it (BENCHMARKS.md, section 15), and a one-token reply never writes it at all. With
-    `attends` (the model's attention is this module's) and int8 frames, the first step's attention reads them
-    where they landed instead (`LayerGate.attend`): nothing is dequantized into memory at all.
+    `attends` (the model's attention is this module's) and frames a kernel reads (int8, int4, fp16, exact), the
+    first step's attention reads them where they landed instead (`LayerGate.attend`): nothing is dequantized into
+    memory at all.
     """
 
     def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int,

@@ -288,7 +288,7 @@ def load_model(
     if getattr(model.config, "is_encoder_decoder", False):
         raise ConfigError(f"{path} is an encoder-decoder model; kvstash serves decoder-only LMs")
     model.to(dev).eval()
-    route_attention(model)  # sdpa, but a hit's first step attends over its landed int8 codes
+    route_attention(model)  # sdpa, but a hit's first step attends over its landed codes
     heads = int(config.num_attention_heads)
     return LoadedModel(
         name=served,

@@ -71,7 +71,7 @@ class LayerGate:
         where the group ends; whoever waits for a layer not in place yet runs it, on its own thread. `fill(layer,
         dest)`, where given, puts one layer's cached tokens in `dest` instead of the context (False: it cannot);
         `work` writes no token from `until` on (the rest of the context is in place already). `attend(layer, query,
-        keys, values, mask, scaling)`, where given, is `cachestore.attend.int8_attention` over the layer's landed
+        keys, values, mask, scaling)`, where given, is `cachestore.attend.attention` over the layer's landed
         codes, the context's `keys` and `values` read only outside them."""
         with self._cond:
             self._work, self._fill, self._attend = work, fill, attend
