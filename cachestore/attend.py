@@ -50,7 +50,7 @@ class Landed:
 
 def supports(header: FrameHeader) -> bool:
     """Whether frames of this kind can be attended over in their codes (on this CPU, under this setting)."""
-    if not kernels.ENABLED or header.mode not in MODES or header.transform or header.layer_bits:
+    if not kernels.ENABLED or header.mode not in MODES or header.transform or header.layer_bits or header.rows:
         return False
     if header.mode == "exact" and header.dtype not in ("float32", "float16"):
         return False

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from cachestore.codec import Codec, CodecSpec
+from cachestore.frame import FLOAT_MODES
 
 SINK_BLOCK_MODES = frozenset({"int4", "int2"})
 SINK_MODE = "int8"
@@ -29,8 +30,12 @@ class BlockCodecs:
     sink: Codec  # the codec of block 0 (and of a partial block that starts at token 0)
 
     @classmethod
-    def for_spec(cls, spec: CodecSpec | str | Codec) -> BlockCodecs:
+    def for_spec(cls, spec: CodecSpec | str | Codec, rows: bool = False) -> BlockCodecs:
+        """With `rows`, exact and fp16 frames hold token rows (`CodecSpec.rows`: an engine that takes llama.cpp
+        sequence states receives them where the state holds them); other modes are unchanged."""
         main = spec if isinstance(spec, Codec) else Codec(spec)
+        if rows and main.spec.mode in FLOAT_MODES and not main.spec.rows:
+            main = Codec(replace(main.spec, rows=True))
         if main.spec.mode not in SINK_BLOCK_MODES:
             return cls(main, main)
         return cls(main, Codec(replace(main.spec, mode=SINK_MODE, group_size=CodecSpec().group_size)))

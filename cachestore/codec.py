@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
@@ -39,6 +39,7 @@ from cachestore.compress import compress, compress_bound, decompress, shuffle, u
 from cachestore.errors import CodecError, ConfigError
 from cachestore.frame import (
     COMPRESSORS,
+    FLAG_ROWS,
     FLAG_SHUFFLE,
     FLOAT_MODES,
     GROUPED_MODES,
@@ -54,6 +55,7 @@ from cachestore.frame import (
     ROT_VALUES,
     FrameHeader,
     checksum,
+    checksum_pieces,
     pack_header,
     parse_header,
 )
@@ -72,8 +74,8 @@ from cachestore.quant import (
     quantize,
 )
 
-__all__ = ["DEFAULT_MAX_ELEMENTS", "Codec", "CodecSpec", "FrameHeader", "FrameRun", "OpenFrame", "read_header",
-           "verify_frame"]
+__all__ = ["DEFAULT_MAX_ELEMENTS", "Codec", "CodecSpec", "FrameHeader", "FrameRun", "OpenFrame", "PlacedFrame",
+           "read_header", "verify_frame", "verify_placed"]
 
 T = TypeVar("T")
 DEFAULT_MAX_ELEMENTS = 1 << 28  # 512 MiB of fp16 KV; far above any block
@@ -109,10 +111,13 @@ class CodecSpec:
     group_size: int = DEFAULT_GROUP  # int4/int2 group size
     variant: Variant | None = None  # int4/int2 options; None: DEFAULT_VARIANTS of the mode
     hi: HiLayers = NO_HI  # int4/int2: layers whose keys / values are kept at int8
+    rows: bool = False  # exact/fp16: payloads as token rows (FLAG_ROWS), the layout of a llama.cpp state's K and V
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"unknown codec mode {self.mode!r}; one of {', '.join(MODES)}")
+        if self.rows and self.mode not in FLOAT_MODES:
+            raise ConfigError(f"token rows (/rows) apply to {' and '.join(FLOAT_MODES)} only, not {self.mode}")
         if self.compressor not in COMPRESSORS:
             raise ConfigError(f"unknown compressor {self.compressor!r}; one of "
                               f"{', '.join(COMPRESSORS)}")
@@ -135,8 +140,8 @@ class CodecSpec:
     @classmethod
     def parse(cls, text: str) -> CodecSpec:
         """Parse "MODE[+COMPRESSOR[:LEVEL]][/gGROUP][/OPTION...][/k8=L.L...][/v8=L.L...]", e.g. "int8",
-        "int4+zstd:3/g32", "int2/g32/rotv/clip", "int4+zstd/k8=0.1" (options: rot, rotk, rotv, clip,
-        plain; k8/v8: layers whose keys/values stay int8; int4/int2 only)."""
+        "int4+zstd:3/g32", "int2/g32/rotv/clip", "int4+zstd/k8=0.1", "fp16+none/rows" (options: rot, rotk,
+        rotv, clip, plain; k8/v8: layers whose keys/values stay int8; int4/int2 only. rows: exact/fp16 only)."""
         match = _SPEC.fullmatch(text.strip().lower()) if isinstance(text, str) else None
         if match is None:
             raise ConfigError(f"bad codec spec {text!r}; expected MODE[+COMPRESSOR[:LEVEL]][/gN][/OPTION]"
@@ -149,8 +154,10 @@ class CodecSpec:
         level = int(match["level"]) if match["level"] is not None else 3
         group = int(match["group"]) if match["group"] is not None else DEFAULT_GROUP
         hi = HiLayers(*(_parse_layers(text, mode, match[name]) for name in ("k8", "v8")))
+        options = [o for o in match["options"].split("/") if o]
+        rows = options[-1:] == ["rows"]
         return cls(mode=mode, compressor=comp, level=level, group_size=group,
-                   variant=_parse_options(text, mode, match["options"]), hi=hi)
+                   variant=_parse_options(text, mode, options[:-1] if rows else options), hi=hi, rows=rows)
 
     def name(self) -> str:
         """Canonical text of this spec; parse(name()) == self. Part of model fingerprints."""
@@ -162,7 +169,7 @@ class CodecSpec:
             for name, layers in zip(("k8", "v8"), self.hi, strict=True):
                 if layers:
                     text += f"/{name}=" + ".".join(map(str, layers))
-        return text
+        return text + ("/rows" if self.rows else "")
 
     def check_layers(self, num_layers: int) -> None:
         """ConfigError unless every /k8= and /v8= layer exists in a model of `num_layers` layers (they are one
@@ -193,9 +200,8 @@ class CodecSpec:
         return self.mode == "exact"
 
 
-def _parse_options(text: str, mode: str, options: str) -> Variant | None:
+def _parse_options(text: str, mode: str, names: list[str]) -> Variant | None:
     """The Variant named by "/rot/clip"-style options, or None (the mode's default) if none."""
-    names = [o for o in options.split("/") if o]
     if not names:
         return None
     if mode not in GROUPED_MODES:
@@ -310,6 +316,21 @@ def verify_frame(frame: bytes | bytearray | memoryview, *,
     return header
 
 
+def verify_placed(header_bytes: memoryview, payload: Sequence[memoryview], *, digest: int | None = None,
+                  max_elements: int = DEFAULT_MAX_ELEMENTS) -> FrameHeader:
+    """`verify_frame` of a frame received apart (`cachestore.landing.Scatter`): its header, and its payload in
+    pieces, in order. Only an uncompressed token-rows frame (FLAG_ROWS) is whole where its rows were received.
+    `digest`: its checksum already computed over those very bytes as they arrived (`frame.checksum_pieces`)."""
+    header = read_header(header_bytes, max_elements=max_elements)
+    stored = sum(len(piece) for piece in payload)
+    if not header.rows or header.compressor != "none" or not header.payload_len == header.raw_len == stored:
+        raise CodecError(f"not an uncompressed token-rows frame of {stored} payload bytes ({header.mode}, "
+                         f"{header.compressor}, {header.payload_len} bytes)")
+    if (checksum_pieces(header_bytes[:HEADER_SIZE], payload) if digest is None else digest) != header.checksum:
+        raise CodecError("checksum mismatch: the frame is corrupt")
+    return header
+
+
 class Codec:
     """Encodes KV tensors with one spec; decodes frames of any spec."""
 
@@ -330,6 +351,8 @@ class Codec:
         raw = torch.zeros(raw_len, dtype=torch.uint8)
         for (sec_dtype, shape), part, start in zip(sections, parts, offsets, strict=True):
             assert part.dtype == sec_dtype and tuple(part.shape) == shape, (part.shape, shape)
+            if spec.rows:  # [layers, 2, tokens, kv_heads, head_dim]: each layer's K and V as token rows
+                part = part.transpose(2, 3)
             raw[start:start + part.numel() * part.element_size()] = (
                 part.contiguous().view(-1).view(torch.uint8))  # copies device -> cpu if needed
         comp, shuffled = spec.compressor, spec.mode in FLOAT_MODES and spec.compressor == "zstd"
@@ -344,8 +367,8 @@ class Codec:
         table = spec.layer_table(dims.layers)
         version = 3 if table else 2 if spec.transform else 1
         stored = table + payload
-        header = FrameHeader(version, spec.mode, comp, _DTYPE_NAMES[dtype],
-                             FLAG_SHUFFLE if shuffled else 0, group, dims.layers, dims.heads,
+        flags = (FLAG_SHUFFLE if shuffled else 0) | (FLAG_ROWS if spec.rows else 0)
+        header = FrameHeader(version, spec.mode, comp, _DTYPE_NAMES[dtype], flags, group, dims.layers, dims.heads,
                              dims.tokens, dims.head_dim, raw_len, len(stored), 0, spec.transform, table)
         digest = checksum(pack_header(header), stored)
         return pack_header(replace(header, checksum=digest)) + stored
@@ -458,8 +481,10 @@ class OpenFrame:
         """The payload sections of quant.layout (layers first), views of `raw` (copies on another device); made on
         first use: a frame dequantized from its lookup's landing (`FrameRun`) never needs them."""
         sections, offsets, _ = _plan(self.header)
-        parts = [self.raw[start:start + _nbytes(sec_dtype, shape)].view(sec_dtype).view(shape)
-                 for (sec_dtype, shape), start in zip(sections, offsets, strict=True)]
+        parts = []
+        for (sec_dtype, shape), start in zip(sections, offsets, strict=True):
+            part = self.raw[start:start + _nbytes(sec_dtype, shape)].view(sec_dtype)
+            parts.append(part.view(_stored(shape)).transpose(2, 3) if self.header.rows else part.view(shape))
         return parts if self.device.type == "cpu" else [part.to(self.device) for part in parts]
 
     @property
@@ -487,7 +512,7 @@ class OpenFrame:
         if out is not None and (list(out.shape) != shape or not out.dtype.is_floating_point):
             raise CodecError(f"frame holds {shape}, the output is {list(out.shape)} {out.dtype}")
         variant = Variant(rot_keys=bool(h.transform & ROT_KEYS), rot_values=bool(h.transform & ROT_VALUES))
-        if out is None and self.borrowed and h.mode in FLOAT_MODES:  # else the result would alias the frame
+        if out is None and (self.borrowed or h.rows) and h.mode in FLOAT_MODES:  # else it would alias the frame
             out = torch.empty(shape, dtype=_DTYPES[h.dtype], device=self.parts[0].device)
         if h.layer_bits:
             if out is None:
@@ -501,6 +526,29 @@ class OpenFrame:
         else:
             parts = self.parts
         return dequantize(h.mode, parts, dims, h.group_size, _DTYPES[h.dtype], out, variant)
+
+
+@dataclass(frozen=True)
+class PlacedFrame(OpenFrame):
+    """A token-rows frame verified where its rows were received (`verify_placed`): they already lie in the context a
+    hit is set from (a llama.cpp sequence state), so it dequantizes into nothing. Its layer 0's first K row lies at
+    address `at`, each next layer's `layer_stride` bytes on; an output anywhere else is refused."""
+
+    at: int = 0
+    layer_stride: int = 0
+
+    @property
+    def splits_by_layer(self) -> bool:
+        return True
+
+    def decode_into(self, out: torch.Tensor | None = None, layers: slice | None = None) -> torch.Tensor:
+        first, stop, _ = (layers or slice(None)).indices(self.header.layers)
+        h = self.header
+        shape = [max(0, stop - first), 2, h.kv_heads, h.tokens, h.head_dim]
+        if (out is None or list(out.shape) != shape or out.dtype != _DTYPES[h.dtype] or not shape[0]
+                or out.data_ptr() != self.at + first * self.layer_stride):
+            raise CodecError("a placed frame's rows lie where they were received; this output is elsewhere")
+        return out
 
 
 class FrameRun:
@@ -529,7 +577,8 @@ class FrameRun:
         first = frames[0]
         h = first.header
         kind = _kind(h)
-        if h.layer_bits or not first.splits_by_layer or any(not f.borrowed or _kind(f.header) != kind for f in frames):
+        if (h.layer_bits or h.rows or not first.splits_by_layer
+                or any(not f.borrowed or _kind(f.header) != kind for f in frames)):
             return None
         base, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
         origins = [f.raw.data_ptr() for f in frames]
@@ -580,6 +629,12 @@ class FrameRun:
                 per = shape[0] // self.header.layers
                 parts.append(typed.as_strided((n, per), (step, 1), start + layer * per))
         return parts
+
+
+def _stored(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A float section's shape as a FLAG_ROWS payload stores it: [layers, 2, tokens, kv_heads, head_dim]."""
+    layers, two, heads, tokens, dim = shape
+    return (layers, two, tokens, heads, dim)
 
 
 def _kind(h: FrameHeader) -> tuple[object, ...]:

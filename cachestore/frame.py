@@ -8,7 +8,10 @@ A frame is a fixed 52-byte little-endian header followed by the payload:
          5    1 mode             MODES code
          6    1 compressor       COMPRESSORS code
          7    1 dtype            DTYPES code (the tensor's dtype before encoding)
-         8    1 flags            FLAG_SHUFFLE (bit 0); other bits must be zero
+         8    1 flags            FLAG_SHUFFLE (bit 0), FLAG_ROWS (bit 1, exact and fp16 only: the
+                                 payload holds [layers, 2, tokens, kv_heads, head_dim], each
+                                 layer's keys and values as token rows, the order of a llama.cpp
+                                 sequence state's K and V); other bits must be zero
          9    1 transform        version 1: zero. Version 2 (int4/int2 only, non-zero):
                                  ROT_KEYS (bit 0) / ROT_VALUES (bit 1): keys / values were
                                  rotated along head_dim before quantizing; other bits zero.
@@ -31,11 +34,13 @@ Version 2 only gives meaning to byte 9. A writer emits version 1 whenever that b
 so frames of every codec that existed before version 2 stay byte-identical, and a reader
 older than version 2 refuses the new frames cleanly by their version instead of misreading them.
 Version 3 does the same for the layer table: only frames that keep some layers at int8 carry it.
+FLAG_ROWS needs no version of its own: a reader from before it refuses such a frame, cleanly, for its unknown flag.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import xxhash
@@ -56,7 +61,8 @@ GROUPED_MODES = ("int4", "int2")
 FLOAT_MODES = ("exact", "fp16")  # payloads made of 2- or 4-byte floats: byte shuffle may apply
 
 FLAG_SHUFFLE = 1
-_KNOWN_FLAGS = FLAG_SHUFFLE
+FLAG_ROWS = 2
+_KNOWN_FLAGS = FLAG_SHUFFLE | FLAG_ROWS
 ROT_KEYS, ROT_VALUES, LAYER_TABLE = 1, 2, 4
 _KNOWN_TRANSFORMS = ROT_KEYS | ROT_VALUES | LAYER_TABLE
 HI_BITS = 8  # the precision a layer table may raise a layer's keys or values to
@@ -104,6 +110,11 @@ class FrameHeader:
         return bool(self.flags & FLAG_SHUFFLE)
 
     @property
+    def rows(self) -> bool:
+        """The payload holds [layers, 2, tokens, kv_heads, head_dim] (FLAG_ROWS), not [layers, 2, kv_heads, ...]."""
+        return bool(self.flags & FLAG_ROWS)
+
+    @property
     def frame_len(self) -> int:
         return HEADER_SIZE + self.payload_len
 
@@ -140,6 +151,33 @@ def checksum(header_bytes: bytes | memoryview, payload: bytes | memoryview) -> i
     return digest.intdigest()
 
 
+class RunningChecksum:
+    """`checksum` of a frame fed in pieces as they arrive: its header first (all of it, in one piece), then its stored
+    payload. `fed` counts the bytes fed, the header's whole."""
+
+    __slots__ = ("_digest", "fed")
+
+    def __init__(self) -> None:
+        self._digest = xxhash.xxh3_64()
+        self.fed = 0
+
+    def __call__(self, piece: bytes | memoryview) -> None:
+        self._digest.update(piece if self.fed else piece[:_CHECKED])
+        self.fed += len(piece)
+
+    def value(self) -> int:
+        return self._digest.intdigest()
+
+
+def checksum_pieces(header_bytes: bytes | memoryview, payload: Iterable[bytes | memoryview]) -> int:
+    """`checksum` of a stored payload that lies in pieces (received apart: `cachestore.landing.Scatter`), in order."""
+    running = RunningChecksum()
+    running(header_bytes[:HEADER_SIZE])
+    for piece in payload:
+        running(piece)
+    return running.value()
+
+
 def parse_header(buf: bytes | memoryview, *, max_elements: int) -> FrameHeader:
     """Parse and validate the header at the start of `buf` (fields only, not the payload)."""
     if len(buf) < HEADER_SIZE:
@@ -168,6 +206,8 @@ def parse_header(buf: bytes | memoryview, *, max_elements: int) -> FrameHeader:
         raise CodecError(f"inconsistent frame: transform {transform:#x} in version {version}")
     if flags & FLAG_SHUFFLE and mode_name not in FLOAT_MODES:
         raise CodecError(f"inconsistent frame: byte shuffle flag on mode {mode_name}")
+    if flags & FLAG_ROWS and mode_name not in FLOAT_MODES:
+        raise CodecError(f"inconsistent frame: token rows flag on mode {mode_name}")
     if mode_name in GROUPED_MODES:
         if not MIN_GROUP <= group <= MAX_GROUP:
             raise CodecError(f"group size {group} outside {MIN_GROUP}..{MAX_GROUP}")

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from cachestore.codec import DEFAULT_VARIANTS, Codec, CodecSpec, read_header, verify_frame
+from cachestore.codec import DEFAULT_VARIANTS, Codec, CodecSpec, read_header, verify_frame, verify_placed
 from cachestore.errors import CodecError, ConfigError
 from cachestore.quant import PLAIN, Variant, rotate
 
@@ -223,7 +223,8 @@ def test_spec_parse_and_name_round_trip() -> None:
 @pytest.mark.parametrize("text", ["", "int3", "int8+gzip", "int8+lz4:3", "int8/g32",
                                   "int4/g2", "int4/g4096", "int4+zstd:99", "int4+zstd:x",
                                   "int4 zstd", "int8/rot", "int4/spin", "int4/clip/clip",
-                                  "int4/plain/clip", "int4/g32/", "exact/plain"])
+                                  "int4/plain/clip", "int4/g32/", "exact/plain", "int8/rows", "int4/rows",
+                                  "fp16/rows/rows", "fp16/plain/rows"])
 def test_spec_parse_rejects(text: str) -> None:
     with pytest.raises(ConfigError):
         CodecSpec.parse(text)
@@ -247,3 +248,78 @@ def test_decoded_tensors_never_alias_the_frame() -> None:
         out.fill_(7.0)
         assert bytes(frame) == before, spec
         assert not torch.equal(Codec().decode(frame), out), spec
+
+
+@pytest.mark.parametrize("spec", ["fp16+none/rows", "fp16+lz4/rows", "fp16+zstd:1/rows", "exact+none/rows",
+                                  "exact+zstd:3/rows"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_token_row_frames_hold_each_layers_rows_and_decode_as_any_frame(spec: str, dtype: torch.dtype) -> None:
+    """/rows lays the payload out as [layers, 2, tokens, kv_heads, head_dim] (FLAG_ROWS), the order of a llama.cpp
+    state's K and V rows; it decodes to the same tensor as the head-major frame, whole or a few layers at a time."""
+    kv = _kv((3, 2, 2, 5, 8), dtype)
+    frame = Codec(spec).encode(kv)
+    header = read_header(frame)
+    assert header.rows and CodecSpec.parse(spec).name().endswith("/rows")
+    plain = Codec(spec.removesuffix("/rows")).encode(kv)
+    assert not read_header(plain).rows
+    assert torch.equal(Codec().decode(frame), Codec().decode(plain))
+    if header.compressor == "none":  # the payload itself is the token rows
+        rows = kv.to(torch.float16 if spec.startswith("fp16") else dtype).transpose(2, 3).contiguous()
+        assert frame[len(frame) - header.payload_len:] == rows.view(torch.uint8).numpy().tobytes()
+    out = torch.zeros(2, 2, 2, 5, 8, dtype=torch.float32)
+    Codec().open(frame).decode_into(out, slice(1, 3))
+    assert torch.equal(out, Codec().decode(plain)[1:3].float())
+
+
+def test_only_float_modes_carry_token_rows() -> None:
+    frame = bytearray(Codec("int8+none").encode(_kv((1, 2, 1, 4, 8), torch.float16)))
+    frame[8] |= 2  # FLAG_ROWS on an int8 frame
+    with pytest.raises(CodecError, match="token rows flag on mode int8"):
+        read_header(bytes(frame))
+    with pytest.raises(ConfigError, match="exact and fp16 only"):
+        CodecSpec("int8", rows=True)
+
+
+def test_a_frame_received_in_pieces_verifies_over_them() -> None:
+    """verify_placed checks a token-rows frame whose header and payload lie apart, by the checksum of the pieces in
+    order (or one computed as they came in: RunningChecksum); anything else, or a flipped bit, is refused."""
+    from cachestore.frame import HEADER_SIZE, RunningChecksum, checksum  # noqa: PLC0415
+
+    frame = Codec("fp16+none/rows").encode(_kv((2, 2, 2, 4, 8), torch.float16))
+    head, payload = memoryview(frame)[:HEADER_SIZE], memoryview(frame)[HEADER_SIZE:]
+    pieces = [payload[:100], payload[100:101], payload[101:]]
+    assert verify_placed(head, pieces).rows
+    running = RunningChecksum()
+    for piece in (head, *pieces):
+        running(piece)
+    assert running.fed == len(frame) and running.value() == checksum(head, payload) == read_header(frame).checksum
+    assert verify_placed(head, pieces, digest=running.value()).tokens == 4
+    with pytest.raises(CodecError, match="checksum"):
+        verify_placed(head, pieces, digest=running.value() ^ 1)
+    bad = bytearray(frame)
+    bad[-1] ^= 1
+    with pytest.raises(CodecError, match="checksum"):
+        verify_placed(memoryview(bad)[:HEADER_SIZE], [memoryview(bad)[HEADER_SIZE:]])
+    with pytest.raises(CodecError, match="token-rows"):
+        verify_placed(head, pieces[:2])  # a payload short of the header's length
+    plain = Codec("fp16+none").encode(_kv((2, 2, 2, 4, 8), torch.float16))
+    with pytest.raises(CodecError, match="token-rows"):
+        verify_placed(memoryview(plain)[:HEADER_SIZE], [memoryview(plain)[HEADER_SIZE:]])
+
+
+def test_a_placed_frame_dequantizes_into_nothing_and_only_where_it_lies() -> None:
+    """A PlacedFrame's rows already lie in the context: decoding it writes nothing, into its own place only."""
+    from cachestore.codec import PlacedFrame  # noqa: PLC0415
+
+    header = read_header(Codec("fp16+none/rows").encode(_kv((3, 2, 2, 4, 8), torch.float16)))
+    context = torch.full((3, 2, 2, 12, 8), 5.0, dtype=torch.float16)
+    span = context[:, :, :, 4:8]
+    placed = PlacedFrame(header, torch.empty(0, dtype=torch.uint8), at=span.data_ptr(),
+                         layer_stride=context.stride(0) * 2)
+    assert placed.decode_into(span) is span and placed.decode_into(span[1:], slice(1, 3)) is not None
+    assert bool((context == 5.0).all()) and placed.splits_by_layer
+    for elsewhere, layers in ((context[:, :, :, 0:4], None), (span[1:], slice(0, 2)), (span.float(), None)):
+        with pytest.raises(CodecError, match="elsewhere"):
+            placed.decode_into(elsewhere, layers)
+    with pytest.raises(CodecError, match="elsewhere"):
+        placed.decode_into()
