@@ -14,7 +14,7 @@ without client tracking or subscriptions never receives, are refused and the con
 from __future__ import annotations
 
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -29,8 +29,44 @@ class ProtocolError(RedisConnectionError):
     """The server sent something that is not a RESP reply: the connection is dropped."""
 
 
+class Scatter:
+    """Where one value goes when its bytes belong in several places: `pieces`, in order. A frame of token rows
+    (`CodecSpec.rows`) is received with its header in a buffer of its own and each layer's K and V rows straight
+    where a llama.cpp sequence state holds them, so a hit needs no copy after the wire."""
+
+    __slots__ = ("filled", "nbytes", "pieces")
+
+    def __init__(self, pieces: Sequence[memoryview], filled: Callable[[memoryview], None] | None = None) -> None:
+        """`filled(piece)`, if given, is called with each piece as soon as it holds its bytes, in order (while the
+        piece is still in the cache: checksumming a frame as it arrives costs half what it does afterwards)."""
+        self.pieces = [p if p.format == "B" and p.ndim == 1 else p.cast("B") for p in pieces]
+        self.nbytes = sum(len(p) for p in self.pieces)
+        self.filled = filled
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def fill(self, data: bytes | memoryview) -> None:
+        """Write `data` (exactly `len(self)` bytes) across the pieces."""
+        if len(data) != self.nbytes:
+            raise ValueError(f"{len(data)} bytes for a scatter of {self.nbytes}")
+        view, at = memoryview(data).cast("B"), 0
+        for piece in self.pieces:
+            piece[:] = view[at:at + len(piece)]
+            at += len(piece)
+            if self.filled is not None:
+                self.filled(piece)
+
+    def tobytes(self) -> bytes:
+        return b"".join(self.pieces)
+
+
+Target = memoryview | Scatter  # where a reply of its length is received
+
+
 class ReplyReader:
-    """RESP replies off one socket; a bulk string of exactly `len(target)` bytes is received into `target`."""
+    """RESP replies off one socket; a bulk string of exactly `len(target)` bytes is received into `target` (a buffer,
+    or a `Scatter` of them)."""
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
@@ -66,7 +102,13 @@ class ReplyReader:
                 raise ProtocolError("a RESP header longer than 64 KiB")
             self._fill()
 
-    def _exactly(self, target: memoryview) -> None:
+    def _exactly(self, target: memoryview | Scatter) -> None:
+        if isinstance(target, Scatter):
+            for piece in target.pieces:  # one receive per piece at least: 60 a SmolLM2 frame, 24 KiB each
+                self._exactly(piece)
+                if target.filled is not None:
+                    target.filled(piece)
+            return
         want = len(target)
         have = min(want, self._end - self._pos)
         target[:have] = self._view[self._pos:self._pos + have]
@@ -84,7 +126,7 @@ class ReplyReader:
             raise ProtocolError("a bulk string not followed by CRLF")
         self._pos += 2
 
-    def reply(self, target: memoryview | None = None, depth: int = 0) -> Any:
+    def reply(self, target: Target | None = None, depth: int = 0) -> Any:
         """One reply: bytes, int, None, a list, a ResponseError (returned, not raised, as redis-py's
         `raise_on_error=False`), or `target` itself when a bulk string of its length was received into it."""
         if depth > MAX_DEPTH:
@@ -172,7 +214,7 @@ class Exchange:
             raise
         self._unread += len(commands)
 
-    def receive(self, count: int, targets: Sequence[memoryview | None] = ()) -> list[Any]:
+    def receive(self, count: int, targets: Sequence[Target | None] = ()) -> list[Any]:
         """The next `count` replies; reply `i` (i < len(targets)) lands in `targets[i]` when it is a bulk string of
         that length (and is then `targets[i]` itself)."""
         if self._reader is None or count > self._unread:
@@ -199,7 +241,7 @@ class Exchange:
         self.close()
 
 
-def pipelined_into(client: Any, commands: Sequence[tuple[Any, ...]], targets: Sequence[memoryview | None]) -> list[Any]:
+def pipelined_into(client: Any, commands: Sequence[tuple[Any, ...]], targets: Sequence[Target | None]) -> list[Any]:
     """Send `commands` in one round trip on one of `client`'s connections and read their replies; reply `i`
     (i < len(targets)) lands in `targets[i]` when it is a bulk string of that length. On any failure the
     connection is dropped (its state is unknown) and the error raised."""

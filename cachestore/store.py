@@ -17,6 +17,7 @@ from cachestore.breaker import CircuitBreaker
 from cachestore.errors import StoreError, ValueTooLarge
 from cachestore.hashing import BlockHash
 from cachestore.keys import KeySpace, check_model
+from cachestore.landing import Scatter, Target
 from cachestore.localtier import LocalTier
 from cachestore.outcome import Outcome, Result
 from cachestore.redisclient import make_client
@@ -25,7 +26,7 @@ from cachestore.settings import StoreSettings
 from cachestore.stats import Counters, StoreStats, Usage
 
 T = TypeVar("T")
-F = TypeVar("F", bytes, bytes | memoryview)
+F = TypeVar("F", bytes, bytes | memoryview | Scatter)
 
 
 class _Failed:
@@ -35,11 +36,14 @@ class _Failed:
 FAILED = _Failed()
 
 
-def _land(frame: bytes, target: memoryview) -> bytes | memoryview:
+def _land(frame: bytes, target: Target) -> bytes | Target:
     """A frame from the local tier, in its lookup buffer when it fits (as if it had landed there)."""
     if len(frame) != len(target):
         return frame
-    target[:] = frame
+    if isinstance(target, Scatter):
+        target.fill(frame)
+    else:
+        target[:] = frame
     return target
 
 
@@ -152,8 +156,8 @@ class BlockStore:
         return self._end_fetch(keyed, frames, remote)
 
     def fetch_blocking(
-        self, model: str, hashes: Sequence[BlockHash], into: Sequence[memoryview] | None = None,
-    ) -> Result[list[bytes | memoryview]]:
+        self, model: str, hashes: Sequence[BlockHash], into: Sequence[Target] | None = None,
+    ) -> Result[list[bytes | Target]]:
         """`fetch` for a thread beside the event loop (a lookup's reader): the same commands in one round trip,
         on a blocking client of the same Redis, under the same breaker and counters. Safe on any thread.
 
@@ -167,8 +171,8 @@ class BlockStore:
                                self._guarded_blocking(lambda: self._fetch_blocking(keyed, len(found), into)))
 
     def fetch_chunks_blocking(
-        self, model: str, chunks: Sequence[Sequence[BlockHash]], into: Sequence[Sequence[memoryview]],
-    ) -> Iterator[Result[list[bytes | memoryview]]]:
+        self, model: str, chunks: Sequence[Sequence[BlockHash]], into: Sequence[Sequence[Target]],
+    ) -> Iterator[Result[list[bytes | Target]]]:
         """`fetch_blocking` of each chunk in turn (with its buffers), as a generator: once a chunk's replies are in,
         the next chunk is requested before this one's result is yielded, so its bytes come in while the caller
         verifies this one. The next chunk is asked for only when this one was whole; a chunk that fails ends it.
@@ -229,8 +233,8 @@ class BlockStore:
             return self._blocking
 
     def _plan_fetch(
-        self, client: Any, model: str, hashes: Sequence[BlockHash], into: Sequence[memoryview],
-    ) -> tuple[list[tuple[int, str]], list[bytes | memoryview], tuple[list[tuple[Any, ...]], list[Any]] | None]:
+        self, client: Any, model: str, hashes: Sequence[BlockHash], into: Sequence[Target],
+    ) -> tuple[list[tuple[int, str]], list[bytes | Target], tuple[list[tuple[Any, ...]], list[Any]] | None]:
         """A chunk's keys, its frames held locally (in their buffers), and the commands and reply buffers of the
         round trip it needs (None when it is all held locally)."""
         keyed, found = self._begin_landing(model, hashes, into)
@@ -240,8 +244,8 @@ class BlockStore:
                                                    len(found), into)
 
     def _begin_landing(
-        self, model: str, hashes: Sequence[BlockHash], into: Sequence[memoryview] | None,
-    ) -> tuple[list[tuple[int, str]], list[bytes | memoryview]]:
+        self, model: str, hashes: Sequence[BlockHash], into: Sequence[Target] | None,
+    ) -> tuple[list[tuple[int, str]], list[bytes | Target]]:
         """`_begin_fetch`, the local frames copied into their buffers when `into` gives them (as if they had landed)."""
         keyed, frames = self._begin_fetch(model, hashes)
         if into is None:
@@ -255,8 +259,8 @@ class BlockStore:
 
     @staticmethod
     def _landing_request(
-        pipe: Any, keyed: list[tuple[int, str]], start: int, into: Sequence[memoryview],
-    ) -> tuple[list[tuple[Any, ...]], list[memoryview | None]]:
+        pipe: Any, keyed: list[tuple[int, str]], start: int, into: Sequence[Target],
+    ) -> tuple[list[tuple[Any, ...]], list[Target | None]]:
         """The queued commands and a buffer per reply: none for the PEXPIREs of locally held frames (they come
         first), then the GETEXs' buffers."""
         return [a for a, _ in pipe.command_stack], [None] * start + list(into[start:len(keyed)])
@@ -299,8 +303,8 @@ class BlockStore:
         return self._fetched(keyed, start, await pipe.execute(raise_on_error=False))
 
     def _fetch_blocking(
-        self, keyed: list[tuple[int, str]], start: int, into: Sequence[memoryview] | None = None,
-    ) -> list[bytes | memoryview]:
+        self, keyed: list[tuple[int, str]], start: int, into: Sequence[Target] | None = None,
+    ) -> list[bytes | Target]:
         client = self._blocking_client()
         pipe = self._fetch_pipeline(client, keyed, start)
         if into is None or not self._landable:
@@ -325,13 +329,13 @@ class BlockStore:
     def _fetched(self, keyed: list[tuple[int, str]], start: int, results: list[Any]) -> list[Any]:
         found: list[Any] = []
         for (_, key), value in zip(keyed[start:], results[start:start + len(keyed) - start], strict=True):
-            if not isinstance(value, bytes | memoryview) or not value:
+            if not isinstance(value, bytes | memoryview | Scatter) or not value:
                 if isinstance(value, Exception):
                     self._counters.add("errors")
                 break
             found.append(value)
             if self._local is not None:  # a landed frame's buffer is reused later: the local tier keeps a copy
-                self._local.put(key, value if isinstance(value, bytes) else bytes(value))
+                self._local.put(key, value if isinstance(value, bytes) else value.tobytes())
         stale = [r for r in results[len(keyed):] if isinstance(r, int)]
         self._counters.add("stale_removed", sum(1 for s in stale if s > 0))
         return found

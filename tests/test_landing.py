@@ -90,6 +90,55 @@ def test_values_of_the_slot_length_land_in_the_buffer(redis_server: RedisProcess
         client.close()
 
 
+@pytest.mark.parametrize("step", [1, 5, 1 << 16])
+def test_a_scatter_receives_a_value_across_its_pieces_in_order(step: int) -> None:
+    """A bulk string of a Scatter's length lands across its pieces, each handed to `filled` once it is whole, in
+    order, however the bytes arrive; one of another length comes back as bytes and fills nothing."""
+    value = bytes(range(7)) * 5  # 35 bytes
+    data = b"$35\r\n" + value + b"\r\n$4\r\nabcd\r\n"
+    buf = bytearray(40)
+    view = memoryview(buf)
+    seen: list[bytes] = []
+    scatter = landing.Scatter([view[30:33], view[0:20], view[25:30], view[20:25], view[33:35]],
+                              lambda piece: seen.append(bytes(piece)))
+    other = landing.Scatter([view[35:40]], lambda piece: seen.append(b"no"))
+    reader = landing.ReplyReader(Trickle(data, step))  # type: ignore[arg-type]
+    assert reader.reply(scatter) is scatter and reader.reply(other) == b"abcd"
+    assert seen == [value[:3], value[3:23], value[23:28], value[28:33], value[33:]]
+    assert bytes(buf[30:33]) == value[:3] and bytes(buf[0:20]) == value[3:23] and scatter.tobytes() == value
+    assert bytes(buf[35:40]) == bytes(5)
+    filled: list[bytes] = []
+    again = landing.Scatter([memoryview(bytearray(2)), memoryview(bytearray(3))], lambda p: filled.append(bytes(p)))
+    again.fill(b"hello")
+    assert filled == [b"he", b"llo"] and again.tobytes() == b"hello"
+    with pytest.raises(ValueError, match="4 bytes"):
+        again.fill(b"four")
+
+
+async def test_fetch_blocking_receives_frames_across_scatters(redis_server: RedisProcess) -> None:
+    """Through the store (and its local tier): a frame of a Scatter's length comes back as that Scatter, its bytes
+    across the pieces; from the local tier it is copied across them the same way."""
+    writer, store = _store(redis_server.url, "scatter"), _store(redis_server.url, "scatter", local=1 << 20)
+    try:
+        hashes = [BlockHash(bytes([i]) * 16) for i in range(3)]
+        frames = [os.urandom(4000) for _ in range(3)]
+        assert await writer.put_blocks("abcdef0123456789", hashes, frames) == 3
+        for _ in range(2):  # from Redis, then from the local tier
+            buf = bytearray(3 * 4000)
+            view = memoryview(buf)
+            targets = [landing.Scatter([view[i * 4000 + 1000:(i + 1) * 4000], view[i * 4000:i * 4000 + 1000]])
+                       for i in range(3)]
+            got = (await asyncio.to_thread(store.fetch_blocking, "abcdef0123456789", hashes, targets)).value
+            assert all(g is t for g, t in zip(got, targets, strict=True))
+            assert [g.tobytes() for g in got] == frames  # type: ignore[union-attr]
+            assert bytes(buf[1000:4000]) == frames[0][:3000] and bytes(buf[:1000]) == frames[0][3000:]
+        assert store.stats().local_hits == 3
+    finally:
+        await writer.clear_namespace()
+        await writer.close()
+        await store.close()
+
+
 def test_a_server_gone_mid_reply_raises_and_the_pool_recovers(redis_server: RedisProcess) -> None:
     client = redis.Redis.from_url(redis_server.url, socket_timeout=5)
     try:
