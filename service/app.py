@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from cachestore.codec import Codec
+from cachestore.blockcodec import BlockCodecs
 from cachestore.errors import KvstashError
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
@@ -96,7 +96,7 @@ class RouteMetrics(BaseHTTPMiddleware):
 def build_state(settings: PodSettings, engine: Engine) -> PodState:
     """Wire engine, store, codec, writer and pipeline (no I/O; the store connects lazily)."""
     state = PodState(settings=settings, metrics=PodMetrics(lambda: _store_stats(state)))
-    codec = Codec(settings.codec)
+    codec = BlockCodecs.for_spec(settings.codec, rows=engine.row_frames)  # the writer's and the pipeline's
     state.engine = engine
     if settings.cache_enabled:
         state.store = BlockStore(store_settings(settings))

@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import torch
 
 from cachestore.blockcodec import BlockCodecs
-from cachestore.codec import Codec, OpenFrame
+from cachestore.codec import Codec, OpenFrame, PlacedFrame, read_header, verify_placed
 from cachestore.errors import CodecError
+from cachestore.frame import HEADER_SIZE, RunningChecksum
 from cachestore.hashing import BlockHash, chain_hashes, root_hash
+from cachestore.landing import Scatter, Target
 from cachestore.outcome import Result
 from cachestore.sessions import SessionRecord
 from cachestore.store import BlockStore
@@ -43,6 +46,39 @@ LANDING_ALIGN = 64  # each frame's slot in a lookup's landing starts on a cache 
 # compressors under which frames are mostly stored plainly (lz4 gains nothing on quantized KV), so their length is
 # known before they are read: they land in place (a frame of another length is read and decoded as before)
 LANDING_COMPRESSORS = frozenset({"none", "lz4"})
+
+
+_NO_BYTES = torch.empty(0, dtype=torch.uint8)
+
+
+class _Made(Sequence[Target]):
+    """`make(i)` for i in [start, stop), made when read; a slice is another such sequence."""
+
+    def __init__(self, make: Callable[[int], Target], start: int, stop: int) -> None:
+        self._make, self._start, self._stop = make, start, stop
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    @overload
+    def __getitem__(self, index: int) -> Target: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> _Made: ...
+
+    def __getitem__(self, index: int | slice) -> Target | _Made:
+        if isinstance(index, slice):
+            first, stop, step = index.indices(len(self))
+            if step != 1:
+                raise ValueError("a step")
+            return _Made(self._make, self._start + first, self._start + max(first, stop))
+        if not -len(self) <= index < len(self):
+            raise IndexError(index)
+        return self._make(self._start + index % len(self))
+
+
+def _address(view: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 @dataclass
@@ -111,7 +147,9 @@ class Pipeline:
         self.engine = engine
         self.geometry = geo = engine.geometry
         self.store = store if settings.cache_enabled else None
-        self.codecs = codec if isinstance(codec, BlockCodecs) else BlockCodecs.for_spec(codec)
+        # an engine that takes sequence states gets exact and fp16 frames as token rows: a hit is received in place
+        self.codecs = (codec if isinstance(codec, BlockCodecs)
+                       else BlockCodecs.for_spec(codec, rows=getattr(engine, "row_frames", False)))
         self.codecs.main.spec.check_layers(geo.num_layers)  # refuse to start rather than drop every write
         self.metrics = metrics
         self.writer = writer
@@ -219,8 +257,10 @@ class Pipeline:
 
         out = self._context_for(prompt_ids)  # a hit fills at most `usable` tokens; views are handed on
         decode_seconds = self.metrics.codec_seconds.labels("decode")
-        stage, slots = self.landing_for(len(hashes))
-        inline = slots is not None and self.engine.layerwise  # nothing to dequantize while the frames come in
+        stage, slots = self.landing_for(len(hashes), out)
+        # nothing to dequantize while the frames come in: a layer-by-layer engine reads them from the landing, and
+        # token rows received into the engine's state are in place already
+        inline = slots is not None and (self.engine.layerwise or stage is None)
         rehydration = Rehydration(out, b, self.open_block, layerwise=self.engine.layerwise,
                                   on_decoded=decode_seconds.observe, landing=stage)
         verified: asyncio.Future[tuple[int, int]] = loop.create_future()
@@ -283,8 +323,8 @@ class Pipeline:
         return self._account(view, prompt_ids), session
 
     def _read_blocks(
-        self, chunks: list[list[BlockHash]], slots: list[memoryview] | None, rehydration: Rehydration,
-        stop: threading.Event, deadline: float, on_first: Callable[[Result[list[bytes | memoryview]] | None], None],
+        self, chunks: list[list[BlockHash]], slots: Sequence[Target] | None, rehydration: Rehydration,
+        stop: threading.Event, deadline: float, on_first: Callable[[Result[list[bytes | Target]] | None], None],
         on_last: Callable[[], None], on_verified: Callable[[int, int], None] | None = None,
     ) -> None:
         """On a reader thread: each chunk in one blocking round trip, fed to the rehydration as it arrives, until a
@@ -292,8 +332,8 @@ class Pipeline:
         `slots` (one per block), frames are received into them; with `on_verified`, this thread verifies each chunk
         itself and then runs the rehydration's end (`Rehydration.take`)."""
         assert self.store is not None
-        head: Result[list[bytes | memoryview]] | None = None
-        results: Iterator[Result[list[bytes | memoryview]]]
+        head: Result[list[bytes | Target]] | None = None
+        results: Iterator[Result[list[bytes | Target]]]
         if slots is not None:  # the next chunk is requested before this one is verified: it comes in meanwhile
             cuts = [sum(map(len, chunks[:i])) for i in range(len(chunks) + 1)]
             results = self.store.fetch_chunks_blocking(self.model_key, chunks,
@@ -327,12 +367,17 @@ class Pipeline:
             if on_verified is not None:
                 rehydration.run(on_verified)
 
-    def landing_for(self, blocks: int) -> tuple[torch.Tensor | None, list[memoryview] | None]:
+    def landing_for(self, blocks: int, out: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor | None, Sequence[Target] | None]:
         """A pooled buffer the lookup's frames are received into, and each block's slot in it (64-byte aligned, at
         one stride after block 0, whose codec may differ); (None, None) when this pod's frames are compressed (their
-        lengths vary)."""
+        lengths vary). Token-row frames for a context the engine lent (`out`, a llama.cpp sequence state) land in it
+        instead: (None, a `Scatter` per block, its header apart and its rows where the state holds them)."""
         if not blocks or self._slot_sizes is None:
             return None, None
+        placed = self._rows_into(out, blocks) if out is not None else None
+        if placed is not None:
+            return None, placed
         sizes = [self._slot_sizes[0 if i == 0 else 1] for i in range(blocks)]
         offsets, end = [], 0
         for size in sizes:
@@ -341,6 +386,25 @@ class Pipeline:
         stage = self._landings.take(end)
         view = memoryview(stage.numpy())
         return stage, [view[at:at + size] for at, size in zip(offsets, sizes, strict=True)]
+
+    def _rows_into(self, out: torch.Tensor, blocks: int) -> Sequence[Target] | None:
+        """Each block's `Scatter` into the context `out` an engine lent, when this pod writes uncompressed-length
+        token rows of its element type (`CodecSpec.rows`); else None. Each is made when the reader asks for its chunk
+        (~17 µs a block: 2 ms before the first request at 8128 tokens)."""
+        rows_of = getattr(self.engine, "context_rows", None)
+        codec, b = self.codecs.main, self.block_tokens
+        if (rows_of is None or not codec.spec.rows or self.codecs.sink is not codec or out.dtype != self.geometry.dtype
+                or rows_of(out, (blocks - 1) * b, b) is None):
+            return None
+        headers = memoryview(bytearray(HEADER_SIZE * blocks))
+
+        def scatter(i: int) -> Target:
+            rows = rows_of(out, i * b, b)
+            assert rows is not None
+            return Scatter([headers[i * HEADER_SIZE:(i + 1) * HEADER_SIZE], *rows], RunningChecksum())
+
+        targets = _Made(scatter, 0, blocks)
+        return targets if len(targets[0]) == self._slot_sizes[1] else None  # type: ignore[index]
 
     def _context_for(self, prompt_ids: list[int]) -> torch.Tensor:
         """Where a hit is dequantized: the engine's own context when it lends one (llama.cpp: a sequence state, set
@@ -380,10 +444,12 @@ class Pipeline:
         except TimeoutError:
             return None
 
-    def open_block(self, frame: bytes | memoryview, index: int) -> OpenFrame | None:
+    def open_block(self, frame: bytes | Target, index: int) -> OpenFrame | None:
         """Block `index`'s frame verified and decompressed, or None (counted) if it is not what this pod
-        would have written."""
+        would have written. A frame received as a `Scatter` (`landing_for`) is verified where its rows lie."""
         codec = self.codecs.at(index)
+        if isinstance(frame, Scatter):
+            return self._open_placed(frame, index)
         problem = frame_problem(frame, codec.spec, self._block_shape, self.geometry.dtype)
         if problem is not None:
             return self._reject(problem)
@@ -391,6 +457,24 @@ class Pipeline:
             return codec.open(frame, max_elements=math.prod(self._block_shape))
         except CodecError as exc:
             return self._reject(Rejection("corrupt", str(exc)))
+
+    def _open_placed(self, frame: Scatter, index: int) -> OpenFrame | None:
+        """A frame received into a lent context's rows, verified there; one of the same length in another layout
+        (a pod that wrote head-major fp16) is gathered out of them and opened as bytes."""
+        head, rows = frame.pieces[0], frame.pieces[1:]
+        problem = frame_problem(head, self.codecs.at(index).spec, self._block_shape, self.geometry.dtype)
+        if problem is not None:
+            return self._reject(problem)
+        if not read_header(head).rows:
+            return self.open_block(frame.tobytes(), index)
+        try:
+            running = frame.filled  # the checksum of the bytes as they came in, unless some did not come that way
+            digest = running.value() if isinstance(running, RunningChecksum) and running.fed == len(frame) else None
+            header = verify_placed(head, rows, digest=digest, max_elements=math.prod(self._block_shape))
+        except CodecError as exc:
+            return self._reject(Rejection("corrupt", str(exc)))
+        at = [_address(piece) for piece in rows[:3:2]]  # layer 0's K rows, and layer 1's
+        return PlacedFrame(header, _NO_BYTES, at=at[0], layer_stride=at[-1] - at[0])
 
     async def _memory_view(self, tenant_salt: bytes, prompt_ids: list[int]) -> CacheView:
         """The longest prefix this pod itself computed, copied into a pooled buffer: the engine appends into the

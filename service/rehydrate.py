@@ -36,6 +36,7 @@ import torch
 from cachestore import attend as in_codes
 from cachestore.codec import FrameRun, OpenFrame
 from cachestore.errors import CodecError
+from cachestore.landing import Target
 
 T = TypeVar("T")
 GATE_TIMEOUT_S = 60.0  # dequantization is CPU work that always ends; this only turns a bug into an error
@@ -150,7 +151,7 @@ class Rehydration:
         self,
         out: torch.Tensor,  # [layers, 2, kv_heads, capacity, head_dim]
         block_tokens: int,
-        open_block: Callable[[bytes | memoryview, int], OpenFrame | None],
+        open_block: Callable[[bytes | Target, int], OpenFrame | None],
         layerwise: bool,
         on_decoded: Callable[[float], None] = lambda seconds: None,
         landing: torch.Tensor | None = None,  # 1-D uint8: the buffer the lookup's frames were received into
@@ -159,7 +160,7 @@ class Rehydration:
         self.landing = landing if layerwise else None  # only a layer-by-layer engine dequantizes from it
         self._open_block = open_block  # None for a frame to reject (it truncates the hit there)
         self._on_decoded = on_decoded  # the seconds spent dequantizing, once every layer is in place
-        self._queue: queue.SimpleQueue[list[bytes | memoryview] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[list[bytes | Target] | None] = queue.SimpleQueue()
         self.gate = LayerGate(out.shape[0])
         self.stopped = threading.Event()  # set at the first bad frame: later chunks are not needed
         self._opened: list[OpenFrame] = []
@@ -168,13 +169,13 @@ class Rehydration:
         self._done = 0  # frames before this one are dequantized, or in `_landed`
         self.decode_seconds = 0.0
 
-    def feed(self, frames: Sequence[bytes | memoryview]) -> None:
+    def feed(self, frames: Sequence[bytes | Target]) -> None:
         self._queue.put(list(frames))
 
     def end(self) -> None:
         self._queue.put(None)
 
-    def take(self, frames: Sequence[bytes | memoryview]) -> None:
+    def take(self, frames: Sequence[bytes | Target]) -> None:
         """`feed` on the calling thread: verify the frames now (a lookup whose frames land in its landing has nothing
         to dequantize while it reads, and its reader verifies each chunk itself rather than wake a thread for it)."""
         try:
@@ -192,7 +193,7 @@ class Rehydration:
             self.gate.fail(exc)
             raise
 
-    def _take(self, item: list[bytes | memoryview]) -> None:
+    def _take(self, item: list[bytes | Target]) -> None:
         opened, sizes = self._opened, self._sizes
         for frame in item:
             if self.stopped.is_set():

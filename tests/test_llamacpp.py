@@ -182,7 +182,8 @@ async def test_a_pods_hit_lands_in_a_lent_state_and_the_state_goes_back(
 ) -> None:
     """Through the pod's pipeline: the blocks of a hit are dequantized into a state the engine lent (the view the
     lookup hands on is that state's), the reply equals a full prefill's, and the state is back in the engine's
-    pool once the request is done."""
+    pool once the request is done. These frames are head-major fp16 of the very length of the pod's token-row
+    frames: received into the state's rows, each is gathered back out and decoded as bytes."""
     b = 16
     settings = PodSettings(redis_url=redis_server.url, namespace="lent", codec="fp16", block_tokens=b,
                            local_tier_bytes=0)
@@ -208,6 +209,69 @@ async def test_a_pods_hit_lands_in_a_lent_state_and_the_state_goes_back(
         await store.clear_namespace()
         await store.close()
         pipe.close()
+
+
+async def test_token_row_frames_are_received_into_the_lent_state_itself(
+    engine: LlamaCppEngine, redis_server: RedisProcess
+) -> None:
+    """A pod on llama.cpp writes exact and fp16 frames as token rows, and a hit's frames are received straight into
+    the rows of the state the engine lent (nothing lands anywhere else, nothing is dequantized): the reply equals a
+    full prefill's. A frame corrupted in Redis ends the hit before it, and the reply is still the prefill's."""
+    from cachestore.codec import read_header  # noqa: PLC0415
+    from cachestore.landing import Scatter  # noqa: PLC0415
+
+    b = 16
+    prompt = _prompt(engine, " ".join(QUESTIONS))
+    full = engine.generate(prompt, None, GREEDY)
+    for codec in ("fp16", "exact"):
+        settings = PodSettings(redis_url=redis_server.url, namespace=f"rows-{codec}", codec=codec, block_tokens=b,
+                               local_tier_bytes=0)
+        store = BlockStore(store_settings(settings))
+        pipe = Pipeline(settings, engine, store, codec, PodMetrics(), None)
+        try:
+            assert pipe.codecs.main.spec.rows
+            hashes = pipe.hashes(b"rows", prompt[:-1])
+            frames = [pipe.codecs.at(i).encode(full.kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
+            assert all(read_header(f).rows for f in frames)
+            assert await store.put_blocks(pipe.model_key, hashes, frames) == len(hashes) >= 3
+            out = engine.context_for(len(prompt) - 1)
+            assert out is not None
+            stage, targets = pipe.landing_for(len(hashes), out)
+            assert stage is None and targets is not None
+            state = engine.context_rows(out, 0, len(prompt) - 1)
+            assert state is not None
+            first_k = ctypes.addressof(ctypes.c_char.from_buffer(state[0]))
+            block_1 = targets[1]
+            assert isinstance(block_1, Scatter) and len(block_1) == len(frames[1])
+            # block 1's layer 0 K rows lie right after block 0's, in the state itself
+            assert ctypes.addressof(ctypes.c_char.from_buffer(block_1.pieces[1])) == first_k + b * len(state[0]) // (
+                len(prompt) - 1)
+            assert engine.give_context(out)
+
+            view, _ = await pipe.lookup(b"rows", prompt)
+            assert view.cached_tokens == len(hashes) * b and view.landing is None
+            assert view.kv is not None and engine.is_lent(view.kv)
+            assert torch.equal(view.kv, full.kv[:, :, :, :len(hashes) * b])
+            gen = await pipe.generate(prompt, view, GREEDY)
+            assert gen.cached_tokens == len(hashes) * b and gen.token_ids == full.token_ids
+
+            key = store.keys.block(pipe.model_key, hashes[2])[1]
+            bad = bytearray(frames[2])
+            bad[-100] ^= 0x40
+            await store._client.set(key, bytes(bad))  # noqa: SLF001 - a value corrupted in Redis
+            view, _ = await pipe.lookup(b"rows", prompt)
+            assert view.cached_tokens == 2 * b
+            gen = await pipe.generate(prompt, view, GREEDY)
+            assert gen.cached_tokens == 2 * b and gen.token_ids == full.token_ids
+        finally:
+            await store.clear_namespace()
+            await store.close()
+            pipe.close()
+    for _ in range(100):
+        if not engine.contexts_lent:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.contexts_lent == 0
 
 
 def test_concurrent_requests_decode_together_with_the_same_replies(engine: LlamaCppEngine) -> None:

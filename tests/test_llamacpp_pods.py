@@ -8,7 +8,9 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 
+from cachestore.codec import read_header
 from ops.chatclient import stream_chat
 from ops.pods import PodProcess
 from ops.redisproc import RedisProcess
@@ -23,17 +25,22 @@ QUESTIONS = ["What is photosynthesis?", "Where in the cell does it happen?", "Wh
 
 
 @pytest.fixture(scope="module")
-def pods() -> Iterator[dict[str, PodProcess]]:
+def redis_url() -> Iterator[str]:
     redis = RedisProcess().start()
     try:
-        with running({
-            "a": PodProcess("llama-a", redis.url, "smollm2", ARGS),
-            "b": PodProcess("llama-b", redis.url, "smollm2", ARGS),
-            "plain": PodProcess("llama-plain", redis.url, "smollm2", ARGS, no_cache=True),
-        }) as procs:
-            yield procs
+        yield redis.url
     finally:
         redis.cleanup()
+
+
+@pytest.fixture(scope="module")
+def pods(redis_url: str) -> Iterator[dict[str, PodProcess]]:
+    with running({
+        "a": PodProcess("llama-a", redis_url, "smollm2", ARGS),
+        "b": PodProcess("llama-b", redis_url, "smollm2", ARGS),
+        "plain": PodProcess("llama-plain", redis_url, "smollm2", ARGS, no_cache=True),
+    }) as procs:
+        yield procs
 
 
 def _chat(url: str, messages: list[dict[str, str]], **extra: Any) -> httpx.Response:
@@ -49,10 +56,11 @@ def test_ready_reports_the_engine(pods: dict[str, PodProcess]) -> None:
 
 
 def test_turns_alternate_llama_pods_with_hits_and_exact_replies(
-    pods: dict[str, PodProcess], figures: dict[str, object]
+    pods: dict[str, PodProcess], redis_url: str, figures: dict[str, object]
 ) -> None:
     """Every turn after the first hits on the other pod, and its reply is exactly that of one llama.cpp that kept
-    the conversation in memory and reused the same number of tokens: the KV crossed Redis bit for bit.
+    the conversation in memory and reused the same number of tokens: the KV crossed Redis bit for bit, as token
+    rows (the pods write them so, and a hit is received into the rows of a sequence state).
 
     Against a pod that prefilled everything the reply may differ on a near-tie: llama.cpp's logits depend on how
     tokens were batched (a reply's tokens were decoded one at a time, a no-cache pod prefills them together).
@@ -90,6 +98,12 @@ def test_turns_alternate_llama_pods_with_hits_and_exact_replies(
     finally:
         reference.close()
     figures["turns_differing_from_no_cache"] = differs
+    client = redis.Redis.from_url(redis_url)
+    try:
+        frames = [client.get(key) for key in client.scan_iter("*:blk:*")]
+    finally:
+        client.close()
+    assert frames and all(read_header(f).rows and read_header(f).mode == "exact" for f in frames)
 
 
 def test_streamed_reply_equals_the_whole_one(pods: dict[str, PodProcess]) -> None:

@@ -157,3 +157,33 @@ def test_no_state_view_where_v_is_transposed_or_the_buffer_is_short() -> None:
     geo = StateGeometry(2, 2, 3, False)
     with pytest.raises(StateLayoutError, match="needs"):
         llamastate.state_view(4, geo, into=bytearray(llamastate.state_size(4, geo) - 1))
+
+
+@pytest.mark.parametrize(("n", "start", "count", "n_stream"), [(9, 0, 9, 1), (9, 3, 4, 2), (5, 4, 1, 1)])
+def test_row_pieces_are_where_a_token_rows_payload_goes(n: int, start: int, count: int, n_stream: int) -> None:
+    """The pieces of cells [start, start + count) of a state, written in order with a token-rows frame's payload
+    ([layers, 2, tokens, kv_heads, head_dim]), make the state of that KV: the bytes assemble_state writes."""
+    geo = StateGeometry(3, 2, 4, False, n_stream)
+    kv = torch.randn(3, 2, 2, n, 4).half()
+    made = llamastate.state_view(n, geo, into=bytearray(llamastate.state_size(n, geo)))
+    assert made is not None
+    buf, view = made
+    view.copy_(kv)
+    view[:, :, :, start:start + count] = 0
+    payload = kv[:, :, :, start:start + count].transpose(2, 3).contiguous().view(torch.uint8).numpy().tobytes()
+    pieces = llamastate.row_pieces(buf, n, geo, start, count)
+    assert len(pieces) == 2 * 3 and all(len(p) == count * 2 * 2 * 4 for p in pieces)
+    at = 0
+    for piece in pieces:
+        piece[:] = payload[at:at + len(piece)]
+        at += len(piece)
+    assert at == len(payload) and bytes(buf) == bytes(assemble_state(kv, geo))
+
+
+def test_no_row_pieces_where_v_is_transposed_or_past_the_cells() -> None:
+    geo = StateGeometry(2, 2, 3, False)
+    buf = bytearray(llamastate.state_size(4, geo))
+    with pytest.raises(StateLayoutError, match="transposed"):
+        llamastate.row_pieces(buf, 4, StateGeometry(2, 2, 3, True), 0, 4)
+    with pytest.raises(StateLayoutError, match="cells"):
+        llamastate.row_pieces(buf, 4, geo, 2, 3)

@@ -64,6 +64,7 @@ class Engine(Protocol):
     parallel: int
     layerwise: bool  # runs the cached context layer by layer: `generate` waits on `kv_ready` per layer
     runs_torch: bool  # `generate` runs torch on the calling thread: the pod calls it on its compute thread
+    row_frames: bool  # exact and fp16 frames as token rows (`CodecSpec.rows`): the order its lent contexts hold
 
     def fingerprint(self, block_tokens: int, codec_name: str) -> ModelFingerprint:
         """Names the engine, its version, the weights and every setting that changes the KV bits."""

@@ -21,6 +21,7 @@ class HfEngine:
     parallel = 1  # one forward at a time: the model is not batched across requests
     layerwise = True  # a cached layer is waited for when the forward step reaches it (hfcache.GrowingLayer)
     runs_torch = True  # the forward step runs on the calling thread
+    row_frames = False
 
     def __init__(self, loaded: LoadedModel) -> None:
         self.loaded = loaded

@@ -202,6 +202,8 @@ class LlamaCppEngine:
         self._bos = int(lib.llama_vocab_bos(self._vocab_p))
         self._batch = lib.llama_batch_init(N_BATCH, 0, parallel)
         self.state_geometry = self._probe_layout()
+        # exact and fp16 frames as token rows, the order the state holds K and V in: a hit lands in the state itself
+        self.row_frames = not self.state_geometry.v_trans
         self._digest = file_digest(path)
         self.restore_failures = 0
         self._inbox: queue.Queue[_Request] = queue.Queue()
@@ -376,6 +378,15 @@ class LlamaCppEngine:
         with self._lent_lock:
             self._lent[kv.data_ptr()] = (buf, tokens)
         return kv
+
+    def context_rows(self, kv: torch.Tensor, start: int, count: int) -> list[memoryview] | None:
+        """Where cells [start, start + count) of a context `context_for` lent hold their K and V rows (per layer its
+        K, then its V: a token-rows frame's payload, received there); None for any other tensor."""
+        with self._lent_lock:
+            lent = self._lent.get(kv.data_ptr())
+        if lent is None or start + count > lent[1]:
+            return None
+        return llamastate.row_pieces(lent[0], lent[1], self.state_geometry, start, count)
 
     def give_context(self, kv: torch.Tensor) -> bool:
         """Take back a view `context_for` lent; False for any other tensor."""

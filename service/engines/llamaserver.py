@@ -94,6 +94,7 @@ class LlamaServerEngine:
     kind = "llama-server"
     layerwise = False  # the KV goes to llama-server as one slot file
     runs_torch = False  # llama-server computes in its own process
+    row_frames = False  # its slot files are written from KV tensors
 
     def __init__(
         self, upstream: str, slot_dir: Path, model: str, *, reuse_slots: bool = True,

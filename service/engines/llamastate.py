@@ -278,6 +278,22 @@ def state_view(n: int, geo: StateGeometry, seq_id: int = 0,
     return buf, kv
 
 
+def row_pieces(buf: bytearray, n: int, geo: StateGeometry, start: int, count: int) -> list[memoryview]:
+    """Where cells [start, start + count) of a state of `n` cells (`state_view`'s layout) hold their K and V: per
+    layer its K rows, then its V rows, each a writable view of `buf` (the payload order of a token-rows frame,
+    `CodecSpec.rows`). V stored transposed has no such rows: StateLayoutError."""
+    if geo.v_trans:
+        raise StateLayoutError("V is stored transposed: its cells are no rows")
+    if not 0 <= start <= start + count <= n:
+        raise StateLayoutError(f"cells [{start}, {start + count}) of a state of {n}")
+    row, view = 2 * geo.row_elements, memoryview(buf)
+    layer = 12 + row * n  # a layer's header and its rows
+    k0 = 16 + _CELL.size * n + 8 + 12  # the first stream's cells, v_trans and n_layer, layer 0's K header
+    v0 = k0 + geo.num_layers * layer
+    return [view[at + start * row:at + (start + count) * row]
+            for i in range(geo.num_layers) for at in (k0 + i * layer, v0 + i * layer)]
+
+
 def state_view_strides(n: int, geo: StateGeometry) -> tuple[int, int, int, int, int]:
     """The strides (fp16 elements) of `state_view`'s [layers, 2, kv_heads, n, head_dim]: each layer's K rows and V
     rows follow a 12-byte header; all K come first, then all V."""
