@@ -232,7 +232,9 @@ class Pipeline:
         layer-by-layer engine the frames land in one pooled buffer and the reader verifies each chunk itself; the
         forward step dequantizes a layer of every block at a time from there (service.rehydrate, section 13).
         For any other engine they land likewise, and a `Rehydration` thread verifies and dequantizes each chunk
-        as it arrives, straight into one preallocated context. The hit is known when the last chunk is verified;
+        as it arrives, straight into one preallocated context. Token-row frames for llama.cpp are received into
+        the rows of the sequence state it lent, checksummed as they arrive, and the reader verifies each chunk:
+        nothing is left to dequantize (`landing_for`). The hit is known when the last chunk is verified;
         what is not dequantized by then is handed to the engine through the view's `ready` gate.
         """
         if self.memory is not None:

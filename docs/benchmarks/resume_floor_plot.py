@@ -4,7 +4,8 @@ Wave 6 (section 12): before 15fd1ae, after 4d78c65. Wave 7 (section 13): before 
 Wave 8 (section 14): the native kernels off and on (KVSTASH_NATIVE_KERNELS), at 048fe55; "8" is hf,
 "8-llamacpp" llama.cpp in the pod. Wave 9 (section 15): before d816347, after the first step's scratch (runs 1-2
 at 7d2b39b, 3-4 at fa1432f; the same hit path). Wave 10 (section 16): before deef57c, after the first step's
-attention over the landed codes (c48f3fb).
+attention over the landed codes (c48f3fb). Wave 11 (section 17): llama.cpp in the pod, before 7589bc0, after its
+hits' token rows are received into the sequence state (9c342ad); "11-llamacpp" fp16 and int8, "11-exact" exact.
 
 Run: PYTHONPATH=. .venv/bin/python docs/benchmarks/resume_floor_plot.py 7
 """
