@@ -158,7 +158,8 @@ def _chain(args: argparse.Namespace, tenant: str) -> transfer.Chain:
     engine = load_engine(pod.engine, pod.model, device=pod.device, parallel=1)
     try:
         # the name the pods put in their fingerprint: the block-codec policy (sink block included)
-        fingerprint = engine.fingerprint(pod.block_tokens, BlockCodecs.for_spec(Codec(pod.codec)).name())
+        codecs = BlockCodecs.for_spec(Codec(pod.codec), rows=engine.row_frames)  # a llama.cpp pod's /rows too
+        fingerprint = engine.fingerprint(pod.block_tokens, codecs.name())
     finally:
         engine.close()
     return transfer.Chain.of(fingerprint, pod.tenant_salt(tenant))

@@ -40,15 +40,22 @@ MAX_SEQ_CONTEXT = 8192  # tokens per sequence at most (the model's training cont
 N_BATCH = 512  # tokens per llama_decode call
 
 
+_LOG_CALLBACK: list[object] = []  # installed once per process and never freed: llama.cpp keeps calling it
+
+
 def _quiet_logs() -> object:
+    """llama.cpp's logging dropped, for the whole process. The callback outlives every engine: with one per engine,
+    an engine collected after another was loaded left llama.cpp calling freed code (a crash at the next log line)."""
     import llama_cpp  # noqa: PLC0415
 
-    @llama_cpp.llama_log_callback  # type: ignore[misc]
-    def _drop(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-        return None
+    if not _LOG_CALLBACK:
+        @llama_cpp.llama_log_callback  # type: ignore[misc]
+        def _drop(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+            return None
 
-    llama_cpp.llama_log_set(_drop, ctypes.c_void_p(0))
-    return _drop  # keep a reference: llama.cpp calls it later
+        llama_cpp.llama_log_set(_drop, ctypes.c_void_p(0))
+        _LOG_CALLBACK.append(_drop)
+    return _LOG_CALLBACK[0]
 
 
 def resolve_gguf(model: str) -> Path:
