@@ -70,7 +70,7 @@ class _Made(Sequence[Target]):
         if isinstance(index, slice):
             first, stop, step = index.indices(len(self))
             if step != 1:
-                raise ValueError("a step")
+                raise ValueError("slices of a _Made take no step")
             return _Made(self._make, self._start + first, self._start + max(first, stop))
         if not -len(self) <= index < len(self):
             raise IndexError(index)
