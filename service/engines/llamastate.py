@@ -193,10 +193,19 @@ def _place(dst: np.ndarray, src: np.ndarray, order: np.ndarray | slice) -> None:
         np.take(src, order, axis=1, out=dst)
 
 
+def _layer_bytes(tokens: int, geo: StateGeometry) -> int:
+    """Bytes of one layer's K (or V) in a state of `tokens` cells: a 12-byte header (both V layouts), then the cells."""
+    return 12 + 2 * geo.row_elements * tokens
+
+
+def _first_k(tokens: int) -> int:
+    """Where layer 0's K cells start in a state of `tokens` cells (in the first stream: `_write_layout`)."""
+    return 16 + _CELL.size * tokens + 8 + 12
+
+
 def state_size(tokens: int, geo: StateGeometry) -> int:
-    """Bytes of the state of `tokens` cells (both V layouts take 12 header bytes a layer)."""
-    per_layer = 12 + 2 * geo.row_elements * tokens
-    return 12 + 4 * geo.n_stream + _CELL.size * tokens + 8 + 2 * geo.num_layers * per_layer
+    """Bytes of the state of `tokens` cells."""
+    return 12 + 4 * geo.n_stream + _CELL.size * tokens + 8 + 2 * geo.num_layers * _layer_bytes(tokens, geo)
 
 
 def _write_layout(buf: bytearray, n: int, geo: StateGeometry, seq_id: int) -> list[tuple[int, int]]:
@@ -218,7 +227,7 @@ def _write_layout(buf: bytearray, n: int, geo: StateGeometry, seq_id: int) -> li
     for _ in range(L):
         struct.pack_into("<iQ", buf, pos, GGML_TYPE_F16, 2 * E)
         k_at.append(pos + 12)
-        pos += 12 + 2 * E * n
+        pos += _layer_bytes(n, geo)
     v_at = []
     for _ in range(L):
         if geo.v_trans:
@@ -226,10 +235,10 @@ def _write_layout(buf: bytearray, n: int, geo: StateGeometry, seq_id: int) -> li
         else:
             struct.pack_into("<iQ", buf, pos, GGML_TYPE_F16, 2 * E)
         v_at.append(pos + 12)
-        pos += 12 + 2 * E * n
+        pos += _layer_bytes(n, geo)
     view[pos:pos + 4 * (geo.n_stream - 1)] = bytes(4 * (geo.n_stream - 1))  # the other streams: cell_count 0
     pos += 4 * (geo.n_stream - 1)
-    assert pos == state_size(n, geo)
+    assert pos == state_size(n, geo) and k_at[0] == _first_k(n)
     return list(zip(k_at, v_at, strict=True))
 
 
@@ -287,8 +296,7 @@ def row_pieces(buf: bytearray, n: int, geo: StateGeometry, start: int, count: in
     if not 0 <= start <= start + count <= n:
         raise StateLayoutError(f"cells [{start}, {start + count}) of a state of {n}")
     row, view = 2 * geo.row_elements, memoryview(buf)
-    layer = 12 + row * n  # a layer's header and its rows
-    k0 = 16 + _CELL.size * n + 8 + 12  # the first stream's cells, v_trans and n_layer, layer 0's K header
+    layer, k0 = _layer_bytes(n, geo), _first_k(n)
     v0 = k0 + geo.num_layers * layer
     return [view[at + start * row:at + (start + count) * row]
             for i in range(geo.num_layers) for at in (k0 + i * layer, v0 + i * layer)]
@@ -297,5 +305,5 @@ def row_pieces(buf: bytearray, n: int, geo: StateGeometry, start: int, count: in
 def state_view_strides(n: int, geo: StateGeometry) -> tuple[int, int, int, int, int]:
     """The strides (fp16 elements) of `state_view`'s [layers, 2, kv_heads, n, head_dim]: each layer's K rows and V
     rows follow a 12-byte header; all K come first, then all V."""
-    layer = 6 + geo.row_elements * n
+    layer = _layer_bytes(n, geo) // 2
     return layer, geo.num_layers * layer, geo.head_dim, geo.row_elements, 1
