@@ -17,6 +17,9 @@ Modes and their loss (see DESIGN.md, "Codec"):
            the keys / values of those layers at int8 (int8's bound there; frame format 3):
            a per-layer bit allocation calibrated on one text (BENCHMARKS.md, section 2).
     fp8    e4m3 with a per-channel fp16 scale; relative error <= 2**-4.
+    q8     llama.cpp's q8_0, always as token rows: per token and head, 32 channels share an fp16
+           scale (max |x| / 127); error <= half a step. The bytes of a llama.cpp KV cache of type
+           q8_0, which a llamacpp pod stores and restores exactly (service.engines.llamastate).
 
 Storage policy (measured with `kvstash bench codec` on SmolLM2 KV): byte shuffle is used
 for exact/fp16 payloads under zstd only (fp16 KV: zstd ratio 1.09 -> 1.18; lz4 gains
@@ -53,6 +56,7 @@ from cachestore.frame import (
     MODES,
     ROT_KEYS,
     ROT_VALUES,
+    ROWS_MODES,
     FrameHeader,
     checksum,
     checksum_pieces,
@@ -105,19 +109,22 @@ class CodecSpec:
     """What a codec does. Fields a mode ignores are normalised to their defaults, so specs
     that encode identically compare (and name) identically."""
 
-    mode: str = "int8"  # "exact" | "fp16" | "int8" | "int4" | "int2" | "fp8"
+    mode: str = "int8"  # "exact" | "fp16" | "int8" | "int4" | "int2" | "fp8" | "q8"
     compressor: str = "lz4"  # "zstd" | "lz4" | "none"
     level: int = 3  # zstd level, 1..22
     group_size: int = DEFAULT_GROUP  # int4/int2 group size
     variant: Variant | None = None  # int4/int2 options; None: DEFAULT_VARIANTS of the mode
     hi: HiLayers = NO_HI  # int4/int2: layers whose keys / values are kept at int8
-    rows: bool = False  # exact/fp16: payloads as token rows (FLAG_ROWS), the layout of a llama.cpp state's K and V
+    rows: bool = False  # exact/fp16: payloads as token rows (FLAG_ROWS), the layout of a llama.cpp state's K and V;
+    # q8: always
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"unknown codec mode {self.mode!r}; one of {', '.join(MODES)}")
-        if self.rows and self.mode not in FLOAT_MODES:
-            raise ConfigError(f"token rows (/rows) apply to {' and '.join(FLOAT_MODES)} only, not {self.mode}")
+        if self.rows and self.mode not in ROWS_MODES:
+            raise ConfigError(f"token rows (/rows) apply to {', '.join(ROWS_MODES)} only, not {self.mode}")
+        if self.mode == "q8":
+            object.__setattr__(self, "rows", True)
         if self.compressor not in COMPRESSORS:
             raise ConfigError(f"unknown compressor {self.compressor!r}; one of "
                               f"{', '.join(COMPRESSORS)}")
@@ -141,7 +148,8 @@ class CodecSpec:
     def parse(cls, text: str) -> CodecSpec:
         """Parse "MODE[+COMPRESSOR[:LEVEL]][/gGROUP][/OPTION...][/k8=L.L...][/v8=L.L...]", e.g. "int8",
         "int4+zstd:3/g32", "int2/g32/rotv/clip", "int4+zstd/k8=0.1", "fp16+none/rows" (options: rot, rotk,
-        rotv, clip, plain; k8/v8: layers whose keys/values stay int8; int4/int2 only. rows: exact/fp16 only)."""
+        rotv, clip, plain; k8/v8: layers whose keys/values stay int8; int4/int2 only. rows: exact/fp16; q8 is
+        always token rows)."""
         match = _SPEC.fullmatch(text.strip().lower()) if isinstance(text, str) else None
         if match is None:
             raise ConfigError(f"bad codec spec {text!r}; expected MODE[+COMPRESSOR[:LEVEL]][/gN][/OPTION]"
@@ -169,7 +177,7 @@ class CodecSpec:
             for name, layers in zip(("k8", "v8"), self.hi, strict=True):
                 if layers:
                     text += f"/{name}=" + ".".join(map(str, layers))
-        return text + ("/rows" if self.rows else "")
+        return text + ("/rows" if self.rows and self.mode in FLOAT_MODES else "")
 
     def check_layers(self, num_layers: int) -> None:
         """ConfigError unless every /k8= and /v8= layer exists in a model of `num_layers` layers (they are one
@@ -351,7 +359,7 @@ class Codec:
         raw = torch.zeros(raw_len, dtype=torch.uint8)
         for (sec_dtype, shape), part, start in zip(sections, parts, offsets, strict=True):
             assert part.dtype == sec_dtype and tuple(part.shape) == shape, (part.shape, shape)
-            if spec.rows:  # [layers, 2, tokens, kv_heads, head_dim]: each layer's K and V as token rows
+            if spec.rows and spec.mode in FLOAT_MODES:  # [layers, 2, tokens, kv_heads, head_dim]: K and V as token rows
                 part = part.transpose(2, 3)
             raw[start:start + part.numel() * part.element_size()] = (
                 part.contiguous().view(-1).view(torch.uint8))  # copies device -> cpu if needed
@@ -484,7 +492,8 @@ class OpenFrame:
         parts = []
         for (sec_dtype, shape), start in zip(sections, offsets, strict=True):
             part = self.raw[start:start + _nbytes(sec_dtype, shape)].view(sec_dtype)
-            parts.append(part.view(_stored(shape)).transpose(2, 3) if self.header.rows else part.view(shape))
+            rows = self.header.rows and len(shape) == 5  # q8's one flat section is rows already
+            parts.append(part.view(_stored(shape)).transpose(2, 3) if rows else part.view(shape))
         return parts if self.device.type == "cpu" else [part.to(self.device) for part in parts]
 
     @property
@@ -532,7 +541,9 @@ class OpenFrame:
 class PlacedFrame(OpenFrame):
     """A token-rows frame verified where its rows were received (`verify_placed`): they already lie in the context a
     hit is set from (a llama.cpp sequence state), so it dequantizes into nothing. Its layer 0's first K row lies at
-    address `at`, each next layer's `layer_stride` bytes on; an output anywhere else is refused."""
+    address `at`, each next layer's `layer_stride` bytes on; an output anywhere else is refused. `at` 0: the rows lie
+    apart from every tensor (a q8_0 state, set beside the tensor lent with it), and any output of its shape and dtype
+    is left as it is."""
 
     at: int = 0
     layer_stride: int = 0
@@ -546,7 +557,7 @@ class PlacedFrame(OpenFrame):
         h = self.header
         shape = [max(0, stop - first), 2, h.kv_heads, h.tokens, h.head_dim]
         if (out is None or list(out.shape) != shape or out.dtype != _DTYPES[h.dtype] or not shape[0]
-                or out.data_ptr() != self.at + first * self.layer_stride):
+                or (self.at and out.data_ptr() != self.at + first * self.layer_stride)):
             raise CodecError("a placed frame's rows lie where they were received; this output is elsewhere")
         return out
 

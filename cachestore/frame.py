@@ -8,10 +8,11 @@ A frame is a fixed 52-byte little-endian header followed by the payload:
          5    1 mode             MODES code
          6    1 compressor       COMPRESSORS code
          7    1 dtype            DTYPES code (the tensor's dtype before encoding)
-         8    1 flags            FLAG_SHUFFLE (bit 0), FLAG_ROWS (bit 1, exact and fp16 only: the
-                                 payload holds [layers, 2, tokens, kv_heads, head_dim], each
-                                 layer's keys and values as token rows, the order of a llama.cpp
-                                 sequence state's K and V); other bits must be zero
+         8    1 flags            FLAG_SHUFFLE (bit 0), FLAG_ROWS (bit 1, exact and fp16, always
+                                 with q8: the payload holds [layers, 2, tokens, kv_heads, head_dim],
+                                 each layer's keys and values as token rows, the order of a llama.cpp
+                                 sequence state's K and V; q8's rows are llama.cpp's q8_0 blocks);
+                                 other bits must be zero
          9    1 transform        version 1: zero. Version 2 (int4/int2 only, non-zero):
                                  ROT_KEYS (bit 0) / ROT_VALUES (bit 1): keys / values were
                                  rotated along head_dim before quantizing; other bits zero.
@@ -34,7 +35,8 @@ Version 2 only gives meaning to byte 9. A writer emits version 1 whenever that b
 so frames of every codec that existed before version 2 stay byte-identical, and a reader
 older than version 2 refuses the new frames cleanly by their version instead of misreading them.
 Version 3 does the same for the layer table: only frames that keep some layers at int8 carry it.
-FLAG_ROWS needs no version of its own: a reader from before it refuses such a frame, cleanly, for its unknown flag.
+FLAG_ROWS needs no version of its own: a reader from before it refuses such a frame, cleanly, for its unknown flag;
+one from before q8 refuses q8 frames for their unknown mode code.
 """
 
 from __future__ import annotations
@@ -54,11 +56,12 @@ HEADER = struct.Struct("<4sBBBBBBHIIIIQQQ")
 HEADER_SIZE = HEADER.size  # 52
 _CHECKED = HEADER_SIZE - 8  # the checksum covers the header up to the checksum itself
 
-MODES = {"exact": 1, "fp16": 2, "int8": 3, "int4": 4, "int2": 5, "fp8": 6}
+MODES = {"exact": 1, "fp16": 2, "int8": 3, "int4": 4, "int2": 5, "fp8": 6, "q8": 7}
 COMPRESSORS = {"none": 0, "lz4": 1, "zstd": 2}
 DTYPES = {"float32": 1, "float16": 2, "bfloat16": 3}
 GROUPED_MODES = ("int4", "int2")
 FLOAT_MODES = ("exact", "fp16")  # payloads made of 2- or 4-byte floats: byte shuffle may apply
+ROWS_MODES = (*FLOAT_MODES, "q8")  # payloads that may be token rows (FLAG_ROWS); q8's always are
 
 FLAG_SHUFFLE = 1
 FLAG_ROWS = 2
@@ -206,8 +209,10 @@ def parse_header(buf: bytes | memoryview, *, max_elements: int) -> FrameHeader:
         raise CodecError(f"inconsistent frame: transform {transform:#x} in version {version}")
     if flags & FLAG_SHUFFLE and mode_name not in FLOAT_MODES:
         raise CodecError(f"inconsistent frame: byte shuffle flag on mode {mode_name}")
-    if flags & FLAG_ROWS and mode_name not in FLOAT_MODES:
+    if flags & FLAG_ROWS and mode_name not in ROWS_MODES:
         raise CodecError(f"inconsistent frame: token rows flag on mode {mode_name}")
+    if mode_name == "q8" and not flags & FLAG_ROWS:
+        raise CodecError("inconsistent frame: a q8 frame without the token rows flag")
     if mode_name in GROUPED_MODES:
         if not MIN_GROUP <= group <= MAX_GROUP:
             raise CodecError(f"group size {group} outside {MIN_GROUP}..{MAX_GROUP}")

@@ -36,6 +36,9 @@ FP8 = getattr(torch, "float8_e4m3fn", None)
 FP8_MAX = 448.0
 
 Section = tuple[torch.dtype, tuple[int, ...]]
+# q8: llama.cpp's q8_0, the layout of its KV cache at --cache-type-k/v q8_0: per token and head, each 32 channels an
+# fp16 scale then 32 int8 codes
+Q8_BLOCK, Q8_BYTES = 32, 34
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
@@ -104,6 +107,10 @@ def layout(mode: str, dims: Dims, group: int, dtype: torch.dtype, hi_counts: tup
         if FP8 is None:
             raise CodecError("fp8 mode needs torch.float8_e4m3fn, which this torch lacks")
         return [(F16, (n_layers, 2, h, 1, d)), (FP8, (n_layers, 2, h, t, d))]
+    if mode == "q8":  # token rows, layers first: [layers, 2, tokens, kv_heads, head_dim / 32 blocks of Q8_BYTES]
+        if d % Q8_BLOCK:
+            raise CodecError(f"q8 quantizes blocks of {Q8_BLOCK} channels of one head: head_dim {d} is no multiple")
+        return [(torch.uint8, (n_layers * 2 * t * h * (d // Q8_BLOCK) * Q8_BYTES,))]
     if mode in BITS:
         gk, nk, gv, nv = groups(dims, group)
         per_byte = 8 // BITS[mode]
@@ -288,6 +295,8 @@ def quantize(mode: str, kv: torch.Tensor, group: int, variant: Variant = PLAIN,
             raise CodecError("fp8 mode needs torch.float8_e4m3fn, which this torch lacks")
         scale = _outward(x.abs().amax(dim=3, keepdim=True) / FP8_MAX, up=True)  # [L,2,H,1,D]
         return [scale, (x / _safe(scale)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)]
+    if mode == "q8":  # [L, 2, T, H, D] rows, quantized in blocks of 32 channels: one flat section
+        return [q8_rows(x.transpose(2, 3)).reshape(-1)]
     k, v = x[:, 0], x[:, 1]  # [L, H, T, D]
     if mode == "int8":
         sk, qk = _int8(k, 2)
@@ -372,6 +381,9 @@ def dequantize(mode: str, parts: list[torch.Tensor], dims: Dims, group: int,
     if mode == "fp8":
         scale, q = parts
         return torch.mul(q.to(compute), scale.to(compute), out=out)
+    if mode == "q8":
+        q8_rows_into(out.transpose(2, 3), parts[0].view(n_layers, 2, t, h, d // Q8_BLOCK * Q8_BYTES))
+        return out
     if mode == "int8":
         sk, sv, qk, qv = parts
         _int8_into(out[:, 0], qk, sk)
@@ -386,6 +398,31 @@ def dequantize(mode: str, parts: list[torch.Tensor], dims: Dims, group: int,
         if not (bits == 4 and not rot and _int4_into(out[:, half], packed, scale, zero, shape, dim)):
             q = unpack(packed, bits, math.prod(shape)).view(shape)
             _affine_into(out[:, half], q, scale, zero, dim, rot)
+    return out
+
+
+def q8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] (D a multiple of 32, any float dtype) -> uint8 [..., D / 32 * 34]: llama.cpp's q8_0 blocks, each 32
+    consecutive channels as an fp16 scale d = max|x| / 127 and 32 int8 codes round(x / d). Values that are q8_0 codes
+    times their fp16 scale, held exactly (in fp32: a q8_0 cache parsed by `service.engines.llamastate`), come back as
+    the very same bytes."""
+    blocks = x.float().unflatten(-1, (-1, Q8_BLOCK))  # [..., D / 32, 32]
+    scale = (blocks.abs().amax(-1, keepdim=True) / 127).to(F16)  # [..., D / 32, 1]
+    wide = scale.float()
+    codes = torch.where(wide > 0, blocks / wide, 0.0).round_().clamp_(-127, 127).to(torch.int8)
+    out = torch.empty((*blocks.shape[:-1], Q8_BYTES), dtype=torch.uint8, device=x.device)
+    out[..., :2] = scale.view(torch.uint8)
+    out[..., 2:] = codes.view(torch.uint8)
+    return out.flatten(-2)
+
+
+def q8_rows_into(out: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """out [..., D] (any float dtype, a strided view whose channels are contiguous is fine) = the q8_0 rows `rows`
+    (uint8 [..., D / 32 * 34], `q8_rows`) dequantized: each code times its block's fp16 scale, exact in fp32."""
+    blocks = rows.unflatten(-1, (-1, Q8_BYTES))  # [..., D / 32, 34]
+    scale = blocks[..., :2].contiguous().view(F16).float()  # [..., D / 32, 1]
+    codes = blocks[..., 2:].view(torch.int8)
+    out.unflatten(-1, (-1, Q8_BLOCK)).copy_(codes.float().mul_(scale))
     return out
 
 

@@ -42,7 +42,8 @@ def add_pod_options(p: argparse.ArgumentParser, no_cache_help: str = "neither re
     """The flags of every pod-like command (`serve`, `sidecar`): Redis, cache, admission, logging."""
     p.add_argument("--redis-url", help="redis://, rediss://, unix:// URL (cluster: add ?cluster=1)")
     p.add_argument("--namespace", help="prefix of every Redis key (default kvstash)")
-    p.add_argument("--codec", help="exact (default, lossless), fp16, int8, int4, int2, fp8; +zstd/+lz4/+none")
+    p.add_argument("--codec", help="exact (default, lossless), fp16, int8, int4, int2, fp8, q8 (llamacpp: a q8_0 KV "
+                   "cache, stored exactly); +zstd/+lz4/+none")
     p.add_argument("--block-tokens", type=int, help="tokens per cached block (default 64)")
     p.add_argument("--budget-bytes", type=int, help="byte budget of the namespace in Redis")
     p.add_argument("--block-ttl-s", type=int, help="TTL of cached blocks in seconds")
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     threads.one_core()
     engine = threads.compute_executor(settings.threads).submit(
         load_engine, settings.engine, settings.model, device=settings.device, parallel=settings.parallel,
-        threads=settings.threads).result()
+        threads=settings.threads, codec=settings.codec).result()
     try:
         CodecSpec.parse(settings.codec).check_layers(engine.geometry.num_layers)
         uvicorn.run(create_app(settings, engine), host=settings.host, port=settings.port,

@@ -299,6 +299,10 @@ class Pipeline:
                 stop.set()
             rehydration.end()
             hit_blocks, fetched = await verified
+            if slots is not None and stage is None:  # token rows received into the engine's state
+                mark = getattr(self.engine, "mark_placed", None)
+                if mark is not None:
+                    mark(out, hit_blocks * b)
             tail = await self._tail(tail_task, hit_blocks, len(hashes), hashes, tenant_salt, usable, session,
                                     deadline)  # a prefetched tail of another parent is cancelled below
             self.metrics.redis_seconds.labels("lookup").observe(time.perf_counter() - t0)
@@ -467,7 +471,10 @@ class Pipeline:
         problem = frame_problem(head, self.codecs.at(index).spec, self._block_shape, self.geometry.dtype)
         if problem is not None:
             return self._reject(problem)
+        apart = getattr(self.engine, "rows_apart", False)  # rows in a state beside the lent tensor (q8_0)
         if not read_header(head).rows:
+            if apart:  # decoded into the tensor it would be missing from the state: never a wrong answer
+                return self._reject(Rejection("codec", "a frame of another layout than the state's rows"))
             return self.open_block(frame.tobytes(), index)
         try:
             running = frame.filled  # the checksum of the bytes as they came in, unless some did not come that way
@@ -475,6 +482,8 @@ class Pipeline:
             header = verify_placed(head, rows, digest=digest, max_elements=math.prod(self._block_shape))
         except CodecError as exc:
             return self._reject(Rejection("corrupt", str(exc)))
+        if apart:  # its place is the state alone: the tensor's tokens for it stay unwritten (`mark_placed`)
+            return PlacedFrame(header, _NO_BYTES)
         at = [_address(piece) for piece in rows[:3:2]]  # layer 0's K rows, and layer 1's
         return PlacedFrame(header, _NO_BYTES, at=at[0], layer_stride=at[-1] - at[0])
 

@@ -271,13 +271,47 @@ def test_token_row_frames_hold_each_layers_rows_and_decode_as_any_frame(spec: st
     assert torch.equal(out, Codec().decode(plain)[1:3].float())
 
 
-def test_only_float_modes_carry_token_rows() -> None:
+def test_only_float_modes_and_q8_carry_token_rows() -> None:
     frame = bytearray(Codec("int8+none").encode(_kv((1, 2, 1, 4, 8), torch.float16)))
     frame[8] |= 2  # FLAG_ROWS on an int8 frame
     with pytest.raises(CodecError, match="token rows flag on mode int8"):
         read_header(bytes(frame))
-    with pytest.raises(ConfigError, match="exact and fp16 only"):
+    with pytest.raises(ConfigError, match="exact, fp16, q8 only"):
         CodecSpec("int8", rows=True)
+    q8 = bytearray(Codec("q8+none").encode(_kv((1, 2, 1, 4, 32), torch.float16)))
+    q8[8] &= ~2  # a q8 frame is token rows or nothing
+    with pytest.raises(CodecError, match="q8 frame without the token rows flag"):
+        read_header(bytes(q8))
+
+
+def test_q8_is_llama_cpps_q8_0_and_reencodes_its_own_values_byte_for_byte() -> None:
+    """q8: token rows of llama.cpp's q8_0 blocks (per token and head, 32 channels: an fp16 scale max|x|/127, then 32
+    int8 codes). Error within half a step; its decoded values (exact in fp32) encode to the very same frame, which is
+    what lets a llama.cpp pod with a q8_0 cache store and restore it unchanged. Layers decode apart, and into views."""
+    spec = CodecSpec.parse("q8")
+    assert spec.rows and spec.name() == "q8+lz4" and CodecSpec.parse("q8/rows") == spec
+    kv = _kv((3, 2, 2, 5, 64), torch.float32)
+    codec = Codec("q8+none")
+    frame = codec.encode(kv)
+    header = read_header(frame)
+    assert (header.mode, header.rows, header.dtype) == ("q8", True, "float32")
+    assert len(frame) == codec.plain_size((3, 2, 2, 5, 64), torch.float32) == 52 + 3 * 2 * 5 * 2 * 2 * 34
+    # the first block: token 0, head 0, channels 0..31 of layer 0's K
+    payload = memoryview(frame)[52:]
+    block = kv[0, 0, 0, 0, :32]
+    scale = torch.frombuffer(bytearray(payload[:2]), dtype=torch.float16)
+    codes = torch.frombuffer(bytearray(payload[2:34]), dtype=torch.int8)
+    assert scale.item() == (block.abs().max() / 127).half().item()
+    assert torch.equal(codes, (block / scale.float()).round().to(torch.int8))
+    decoded = codec.decode(frame)
+    step = kv.abs().unflatten(-1, (2, 32)).amax(-1, keepdim=True) / 127
+    assert ((decoded - kv).abs().unflatten(-1, (2, 32)) <= step * 0.5 + 1e-6).all()
+    assert codec.encode(decoded) == frame
+    out = torch.full((3, 2, 2, 9, 64), float("nan"))
+    Codec().open(frame).decode_into(out[1:3, :, :, 2:7], slice(1, 3))
+    assert torch.equal(out[1:3, :, :, 2:7], decoded[1:3]) and out[:, :, :, :2].isnan().all()
+    with pytest.raises(CodecError, match="head_dim 24 is no multiple"):
+        codec.encode(_kv((1, 2, 1, 4, 24), torch.float32))
 
 
 def test_a_frame_received_in_pieces_verifies_over_them() -> None:

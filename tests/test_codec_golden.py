@@ -76,7 +76,7 @@ def test_decoding_the_golden_frame_gives_the_golden_tensor(name: str) -> None:
 
 def test_golden_frames_cover_every_mode_and_compressor() -> None:
     headers = [read_header(frame_path(name).read_bytes()) for name in NAMES]
-    assert {h.mode for h in headers} == {"exact", "fp16", "int8", "int4", "int2", "fp8"}
+    assert {h.mode for h in headers} == {"exact", "fp16", "int8", "int4", "int2", "fp8", "q8"}
     assert {h.version for h in headers} == {1, 2, 3}
     assert {h.transform for h in headers} == {0, 1, 2, 3, 4}
     assert {h.compressor for h in headers} == {"none", "lz4", "zstd"}

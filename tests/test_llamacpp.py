@@ -20,7 +20,15 @@ from service.app import store_settings
 from service.engines import GenParams
 from service.engines.ggufpath import smollm2_gguf
 from service.engines.llamacpp import LlamaCppEngine
-from service.engines.llamastate import GGML_TYPE_F16, MAGIC, StateGeometry, assemble_state, parse_state
+from service.engines.llamastate import (
+    GGML_TYPE_F16,
+    GGML_TYPE_Q8_0,
+    MAGIC,
+    StateGeometry,
+    assemble_state,
+    parse_state,
+    read_facts,
+)
 from service.metrics import PodMetrics
 from service.pipeline import Pipeline
 from service.settings import PodSettings
@@ -43,8 +51,18 @@ def _prompt(engine: LlamaCppEngine, question: str) -> list[int]:
     return engine.chat_ids([{"role": "user", "content": question}])
 
 
-def _raw_state(tokens: list[int]) -> tuple[bytes, int]:
-    """llama.cpp's own state of one sequence, through llama-cpp-python's C API and nothing of kvstash's."""
+@pytest.fixture(scope="module")
+def q8_engine() -> Iterator[LlamaCppEngine]:
+    eng = LlamaCppEngine.load("smollm2", parallel=2, threads=2, kv_type="q8_0")
+    try:
+        yield eng
+    finally:
+        eng.close()
+
+
+def _raw_state(tokens: list[int], q8: bool = False) -> tuple[bytes, int]:
+    """llama.cpp's own state of one sequence, through llama-cpp-python's C API and nothing of kvstash's (with `q8`,
+    of a q8_0 K and V cache, with the flash attention it needs)."""
     import llama_cpp  # noqa: PLC0415
 
     mparams = llama_cpp.llama_model_default_params()
@@ -52,6 +70,9 @@ def _raw_state(tokens: list[int]) -> tuple[bytes, int]:
     model = llama_cpp.llama_model_load_from_file(str(smollm2_gguf()).encode(), mparams)
     params = llama_cpp.llama_context_default_params()
     params.n_ctx, params.n_batch, params.n_threads, params.n_threads_batch = 512, 512, 2, 2
+    if q8:
+        params.type_k = params.type_v = GGML_TYPE_Q8_0
+        params.flash_attn_type = 1
     ctx = llama_cpp.llama_init_from_model(model, params)
     try:
         arr = (llama_cpp.llama_token * len(tokens))(*tokens)
@@ -255,19 +276,30 @@ async def test_token_row_frames_are_received_into_the_lent_state_itself(
             gen = await pipe.generate(prompt, view, GREEDY)
             assert gen.cached_tokens == len(hashes) * b and gen.token_ids == full.token_ids
 
-            key = store.keys.block(pipe.model_key, hashes[2])[1]
-            bad = bytearray(frames[2])
-            bad[-100] ^= 0x40
-            await store._client.set(key, bytes(bad))  # noqa: SLF001 - a value corrupted in Redis
-            view, _ = await pipe.lookup(b"rows", prompt)
-            assert view.cached_tokens == 2 * b
-            gen = await pipe.generate(prompt, view, GREEDY)
-            assert gen.cached_tokens == 2 * b and gen.token_ids == full.token_ids
+            await _corrupt_block_2_then_hit(store, pipe, hashes, frames, prompt, full.token_ids)
         finally:
             await store.clear_namespace()
             await store.close()
             pipe.close()
-    for _ in range(100):
+    await _all_contexts_back(engine)
+
+
+async def _corrupt_block_2_then_hit(store: BlockStore, pipe: Pipeline, hashes: list[object], frames: list[bytes],
+                                    prompt: list[int], expected: list[int]) -> None:
+    """Block 2's frame corrupted in Redis: the hit ends before it, and the reply is still `expected`."""
+    b = pipe.block_tokens
+    key = store.keys.block(pipe.model_key, hashes[2])[1]  # type: ignore[arg-type]
+    bad = bytearray(frames[2])
+    bad[-100] ^= 0x40
+    await store._client.set(key, bytes(bad))  # noqa: SLF001 - a value corrupted in Redis
+    view, _ = await pipe.lookup(b"rows", prompt)
+    assert view.cached_tokens == 2 * b
+    gen = await pipe.generate(prompt, view, GREEDY)
+    assert gen.cached_tokens == 2 * b and gen.token_ids == expected
+
+
+async def _all_contexts_back(engine: LlamaCppEngine) -> None:
+    for _ in range(100):  # handed back from the requests' done callbacks
         if not engine.contexts_lent:
             break
         await asyncio.sleep(0.01)
@@ -414,3 +446,90 @@ def test_admin_commands_name_a_llama_pods_blocks_as_the_pod_does(engine: LlamaCp
             assert ("/rows" in pipe.codecs.name()) == (codec != "int8")
         finally:
             pipe.close()
+
+
+def test_a_q8_0_cache_round_trips_through_q8_frames_byte_for_byte(q8_engine: LlamaCppEngine) -> None:
+    """llama.cpp's own state of a q8_0 cache (made without kvstash) parses into float32, goes through q8 frames block
+    by block and back, and assembles into the very bytes llama.cpp wrote: q8 frames are that cache, unchanged."""
+    tokens = _prompt(q8_engine, " ".join(QUESTIONS))[:96]
+    blob, size = _raw_state(tokens, q8=True)
+    facts = read_facts(blob)
+    assert facts is not None and facts.kv_type == GGML_TYPE_Q8_0 and not facts.v_trans
+    g = q8_engine.geometry
+    geo = StateGeometry(g.num_layers, g.kv_heads, g.head_dim, v_trans=False, n_stream=facts.n_stream,
+                        kv_type=GGML_TYPE_Q8_0)
+    kv = parse_state(blob, geo)
+    assert kv.dtype == torch.float32 and kv.shape[3] == len(tokens)
+    codec = Codec("q8")
+    blocks = [codec.decode(codec.encode(kv[:, :, :, i:i + 32])) for i in range(0, len(tokens), 32)]
+    rebuilt = assemble_state(torch.cat(blocks, dim=3), geo)
+    assert len(rebuilt) == size and bytes(rebuilt) == blob
+    with pytest.raises(Exception, match="type 8"):  # an f16 reader refuses it, never misreads it
+        parse_state(blob, StateGeometry(g.num_layers, g.kv_heads, g.head_dim, False, facts.n_stream))
+
+
+def test_the_q8_0_engine_names_its_cache_in_its_fingerprint(engine: LlamaCppEngine, q8_engine: LlamaCppEngine) -> None:
+    assert q8_engine.geometry.dtype == torch.float32 and q8_engine.rows_apart and not engine.rows_apart
+    assert engine.fingerprint(16, "q8+lz4").short() != q8_engine.fingerprint(16, "q8+lz4").short()
+    with pytest.raises(ConfigError, match="q4_0"):
+        LlamaCppEngine.load("smollm2", parallel=1, kv_type="q4_0")
+
+
+async def test_q8_frames_are_received_into_a_q8_0_state_and_the_reply_is_unchanged(
+    q8_engine: LlamaCppEngine, redis_server: RedisProcess
+) -> None:
+    """A pod with codec q8 runs llama.cpp with a q8_0 cache and writes its bytes as frames; a hit receives them into
+    the rows of a q8_0 state the engine lent, beside a float32 tensor that only the cells after them pass through
+    (a tail, a session's partial block). The reply equals a full prefill's on the same cache, token for token, even
+    with the tensor's cells garbage: the hit never went through it. A corrupt frame ends the hit before it."""
+    from cachestore.landing import Scatter  # noqa: PLC0415
+
+    engine, b = q8_engine, 16
+    prompt = _prompt(engine, " ".join(QUESTIONS))
+    full = engine.generate(prompt, None, GREEDY)
+    settings = PodSettings(redis_url=redis_server.url, namespace="rows-q8", codec="q8", block_tokens=b,
+                           local_tier_bytes=0)
+    store = BlockStore(store_settings(settings))
+    pipe = Pipeline(settings, engine, store, "q8", PodMetrics(), None)
+    try:
+        hashes = pipe.hashes(b"rows", prompt[:-1])
+        frames = [pipe.codecs.at(i).encode(full.kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
+        assert await store.put_blocks(pipe.model_key, hashes, frames) == len(hashes) >= 3
+        out = engine.context_for(len(prompt) - 1)
+        assert out is not None and out.dtype == torch.float32
+        stage, targets = pipe.landing_for(len(hashes), out)
+        assert stage is None and targets is not None and isinstance(targets[1], Scatter)
+        assert len(targets[1]) == len(frames[1])
+        assert engine.give_context(out)
+
+        view, _ = await pipe.lookup(b"rows", prompt)
+        assert view.cached_tokens == len(hashes) * b and view.landing is None
+        assert view.kv is not None and engine.is_lent(view.kv)
+        view.kv.fill_(float("nan"))  # the rows are in the state: nothing of the hit is read from here
+        gen = await pipe.generate(prompt, view, GREEDY)
+        assert gen.cached_tokens == len(hashes) * b and gen.token_ids == full.token_ids
+
+        # the cells after the rows come from the tensor: half the hit received, the other half written there
+        half = len(hashes) // 2
+        out = engine.context_for(len(prompt) - 1)
+        assert out is not None
+        for i in range(half):
+            rows, payload = engine.context_rows(out, i * b, b), memoryview(frames[i])[52:]
+            assert rows is not None
+            at = 0
+            for piece in rows:
+                piece[:] = payload[at:at + len(piece)]
+                at += len(piece)
+        engine.mark_placed(out, half * b)
+        out[:, :, :, :half * b] = float("nan")
+        out[:, :, :, half * b:len(hashes) * b] = full.kv[:, :, :, half * b:len(hashes) * b]
+        gen = engine.generate(prompt, out[:, :, :, :len(hashes) * b], GREEDY)
+        assert gen.cached_tokens == len(hashes) * b and gen.token_ids == full.token_ids
+        assert engine.give_context(out)
+
+        await _corrupt_block_2_then_hit(store, pipe, hashes, frames, prompt, full.token_ids)
+    finally:
+        await store.clear_namespace()
+        await store.close()
+        pipe.close()
+    await _all_contexts_back(engine)

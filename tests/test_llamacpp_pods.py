@@ -1,5 +1,6 @@
 """llama.cpp pods as real processes: a conversation alternating between two pods hits on every turn after the
-first and replies as a pod that prefilled everything; sessions resume on the other pod."""
+first and replies as a pod that prefilled everything; sessions resume on the other pod. Twice: with the lossless
+codec over llama.cpp's f16 cache, and with q8 over its q8_0 cache (frames that are the cache's own bytes)."""
 
 from __future__ import annotations
 
@@ -14,18 +15,23 @@ from cachestore.codec import read_header
 from ops.chatclient import stream_chat
 from ops.pods import PodProcess
 from ops.redisproc import RedisProcess
-from service.engines import GenParams
+from service.engines import GenParams, kv_cache_type
 from service.engines.llamacpp import LlamaCppEngine
 from tests.conftest import running, settle
 
-ARGS = ("--engine", "llamacpp", "--codec", "exact", "--block-tokens", "16", "--parallel", "2", "--threads", "1")
+ARGS = ("--engine", "llamacpp", "--block-tokens", "16", "--parallel", "2", "--threads", "1")
 SYSTEM = {"role": "system", "content": "You are a concise science tutor. Answer in two or three sentences."}
 QUESTIONS = ["What is photosynthesis?", "Where in the cell does it happen?", "What gas does it release?",
              "Why does that matter for animals?"]
 
 
+@pytest.fixture(scope="module", params=["exact", "q8"])
+def codec(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
+def redis_url(codec: str) -> Iterator[str]:
     redis = RedisProcess().start()
     try:
         yield redis.url
@@ -34,11 +40,12 @@ def redis_url() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def pods(redis_url: str) -> Iterator[dict[str, PodProcess]]:
+def pods(redis_url: str, codec: str) -> Iterator[dict[str, PodProcess]]:
+    args = (*ARGS, "--codec", codec)
     with running({
-        "a": PodProcess("llama-a", redis_url, "smollm2", ARGS),
-        "b": PodProcess("llama-b", redis_url, "smollm2", ARGS),
-        "plain": PodProcess("llama-plain", redis_url, "smollm2", ARGS, no_cache=True),
+        "a": PodProcess("llama-a", redis_url, "smollm2", args),
+        "b": PodProcess("llama-b", redis_url, "smollm2", args),
+        "plain": PodProcess("llama-plain", redis_url, "smollm2", args, no_cache=True),
     }) as procs:
         yield procs
 
@@ -56,16 +63,17 @@ def test_ready_reports_the_engine(pods: dict[str, PodProcess]) -> None:
 
 
 def test_turns_alternate_llama_pods_with_hits_and_exact_replies(
-    pods: dict[str, PodProcess], redis_url: str, figures: dict[str, object]
+    pods: dict[str, PodProcess], redis_url: str, codec: str, figures: dict[str, object]
 ) -> None:
     """Every turn after the first hits on the other pod, and its reply is exactly that of one llama.cpp that kept
     the conversation in memory and reused the same number of tokens: the KV crossed Redis bit for bit, as token
-    rows (the pods write them so, and a hit is received into the rows of a sequence state).
+    rows (the pods write them so, and a hit is received into the rows of a sequence state). With q8 the pods run a
+    q8_0 cache, as the reference does, and the frames are that cache's bytes: no more lossy than the cache itself.
 
     Against a pod that prefilled everything the reply may differ on a near-tie: llama.cpp's logits depend on how
     tokens were batched (a reply's tokens were decoded one at a time, a no-cache pod prefills them together).
     Such turns are counted and reported, never asserted away."""
-    reference = LlamaCppEngine.load("smollm2", parallel=1, threads=1)
+    reference = LlamaCppEngine.load("smollm2", parallel=1, threads=1, kv_type=kv_cache_type(codec))
     messages = [SYSTEM]
     previous_prompt, previous_kv, differs = 0, None, []
     try:
@@ -97,13 +105,13 @@ def test_turns_alternate_llama_pods_with_hits_and_exact_replies(
             settle(pod.url)
     finally:
         reference.close()
-    figures["turns_differing_from_no_cache"] = differs
+    figures[f"turns_differing_from_no_cache_{codec}"] = differs
     client = redis.Redis.from_url(redis_url)
     try:
         frames = [client.get(key) for key in client.scan_iter("*:blk:*")]
     finally:
         client.close()
-    assert frames and all(read_header(f).rows and read_header(f).mode == "exact" for f in frames)
+    assert frames and all(read_header(f).rows and read_header(f).mode == codec for f in frames)
 
 
 def test_streamed_reply_equals_the_whole_one(pods: dict[str, PodProcess]) -> None:

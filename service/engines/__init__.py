@@ -5,11 +5,21 @@ from __future__ import annotations
 from service.engines.base import ENGINES, Engine, KvGeometry
 from service.engines.generation import Generation, GenParams
 
-__all__ = ["ENGINES", "Engine", "GenParams", "Generation", "KvGeometry", "load_engine"]
+__all__ = ["ENGINES", "Engine", "GenParams", "Generation", "KvGeometry", "kv_cache_type", "load_engine"]
 
 
-def load_engine(kind: str, model: str, *, device: str = "cpu", parallel: int = 4, threads: int = 0) -> Engine:
-    """Load `model` under engine `kind`; imports only the runtime that is asked for."""
+def kv_cache_type(codec: str) -> str:
+    """The llamacpp engine's KV cache type for a pod's codec: q8_0 for q8 (its frames are that cache's bytes, stored
+    and restored exactly), else f16."""
+    from cachestore.codec import CodecSpec  # noqa: PLC0415
+
+    return "q8_0" if codec and CodecSpec.parse(codec).mode == "q8" else "f16"
+
+
+def load_engine(kind: str, model: str, *, device: str = "cpu", parallel: int = 4, threads: int = 0,
+                codec: str = "") -> Engine:
+    """Load `model` under engine `kind`, for a pod of codec `codec` (a llamacpp engine's cache type follows it:
+    `kv_cache_type`); imports only the runtime that is asked for."""
     from cachestore.errors import ConfigError  # noqa: PLC0415
 
     if kind == "hf":
@@ -19,7 +29,7 @@ def load_engine(kind: str, model: str, *, device: str = "cpu", parallel: int = 4
     if kind == "llamacpp":
         from service.engines.llamacpp import LlamaCppEngine  # noqa: PLC0415
 
-        return LlamaCppEngine.load(model, parallel=parallel, threads=threads)
+        return LlamaCppEngine.load(model, parallel=parallel, threads=threads, kv_type=kv_cache_type(codec))
     if kind == "llama-server":  # spawns its own llama-server; `kvstash sidecar` also fronts a running one
         from service.engines.llamaserver import LlamaServerEngine  # noqa: PLC0415
 

@@ -78,6 +78,17 @@ def file_digest(path: Path) -> str:
     return "b2:" + h.hexdigest()
 
 
+@dataclass
+class _Lent:
+    """A context `context_for` lent: the pooled state buffer, its cells, and (beside a q8_0 state) the float32 tensor
+    lent with it and how many leading cells were received into the state as rows."""
+
+    state: bytearray
+    cells: int
+    tensor: torch.Tensor | None = None
+    placed: int = 0
+
+
 class StreamClosedError(Exception):
     """The request was abandoned (its client went away, or the engine closed)."""
 
@@ -159,7 +170,7 @@ class LlamaCppEngine:
     layerwise = False  # a sequence's state is set whole
     runs_torch = False  # llama.cpp computes on its own scheduler thread
 
-    def __init__(self, path: Path, *, name: str, parallel: int = 4, threads: int = 0) -> None:
+    def __init__(self, path: Path, *, name: str, parallel: int = 4, threads: int = 0, kv_type: str = "f16") -> None:
         # llama.cpp runs its own OpenMP team on the scheduler thread: torch work on the thread that loads (and
         # probes) the engine keeps to one core, or libgomp, with more threads than cores, parks its workers
         # between regions and every decode step pays the wake-ups (service.threads)
@@ -171,6 +182,9 @@ class LlamaCppEngine:
         if llama_cpp.__version__ != PINNED_VERSION:
             raise ConfigError(f"llama-cpp-python {llama_cpp.__version__} is installed; kvstash reads the KV "
                               f"layout of {PINNED_VERSION} only (run `make setup`)")
+        if kv_type not in llamastate.KV_TYPES:
+            raise ConfigError(f"llama.cpp KV cache type {kv_type!r}: kvstash reads {', '.join(llamastate.KV_TYPES)}")
+        self.kv_type = kv_type
         self._lib = lib = llama_cpp
         self._log_cb = _quiet_logs()
         lib.llama_backend_init()
@@ -191,7 +205,9 @@ class LlamaCppEngine:
         cparams.n_seq_max = parallel
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.kv_unified = False  # a stream per sequence: attention never scans other sequences' cells
-        cparams.type_k = cparams.type_v = llamastate.GGML_TYPE_F16
+        cparams.type_k = cparams.type_v = llamastate.KV_TYPES[kv_type]
+        if kv_type != "f16":
+            cparams.flash_attn_type = 1  # a quantized V cache needs flash attention (V then kept as rows)
         self._ctx = lib.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             raise ConfigError(f"llama.cpp could not create a context of {per_seq} x {parallel} tokens")
@@ -202,7 +218,9 @@ class LlamaCppEngine:
         layers = int(lib.llama_model_n_layer(self._model))
         heads, kv_heads = int(lib.llama_model_n_head(self._model)), int(lib.llama_model_n_head_kv(self._model))
         head_dim = self._meta_int("attention.key_length") or int(lib.llama_model_n_embd(self._model)) // heads
-        self.geometry = KvGeometry(layers, kv_heads, head_dim, torch.float16, per_seq)
+        # a q8_0 cache is parsed into float32, which holds its values exactly (llamastate)
+        self.geometry = KvGeometry(layers, kv_heads, head_dim,
+                                   torch.float16 if kv_type == "f16" else torch.float32, per_seq)
         template = lib.llama_model_chat_template(self._model, None)
         self._template = template.decode("utf-8") if template else None
         self._add_bos = bool(lib.llama_vocab_get_add_bos(self._vocab_p))
@@ -211,13 +229,16 @@ class LlamaCppEngine:
         self.state_geometry = self._probe_layout()
         # exact and fp16 frames as token rows, the order the state holds K and V in: a hit lands in the state itself
         self.row_frames = not self.state_geometry.v_trans
+        # a q8_0 state has no float view: a context lent is a float32 tensor beside the state, and rows received into
+        # the state (q8 frames) never pass through the tensor (`context_for`)
+        self.rows_apart = kv_type != "f16"
         self._digest = file_digest(path)
         self.restore_failures = 0
         self._inbox: queue.Queue[_Request] = queue.Queue()
         self._free = list(range(parallel))
         self._state_buffers = _state_buffers(keep=parallel)
         self._snapshots = _state_buffers(keep=parallel)  # finished sequences' states, read back for the write-back
-        self._lent: dict[int, tuple[bytearray, int]] = {}  # context_for's views by address: (state, cells)
+        self._lent: dict[int, _Lent] = {}  # context_for's contexts by address
         self._lent_lock = threading.Lock()
         self._active: list[_Request] = []
         self._closed = threading.Event()
@@ -225,9 +246,10 @@ class LlamaCppEngine:
         self._thread.start()
 
     @classmethod
-    def load(cls, model: str, *, parallel: int = 4, threads: int = 0) -> LlamaCppEngine:
+    def load(cls, model: str, *, parallel: int = 4, threads: int = 0, kv_type: str = "f16") -> LlamaCppEngine:
         path = resolve_gguf(model)
-        return cls(path, name=model if model == "smollm2" else path.stem, parallel=parallel, threads=threads)
+        return cls(path, name=model if model == "smollm2" else path.stem, parallel=parallel, threads=threads,
+                   kv_type=kv_type)
 
     # -- model facts -----------------------------------------------------------------------------
     def _meta(self, key: str) -> str | None:
@@ -269,7 +291,10 @@ class LlamaCppEngine:
             if facts is None:
                 raise llamastate.StateLayoutError("the state of a decoded sequence holds no cells")
             g = self.geometry
-            geo = llamastate.StateGeometry(g.num_layers, g.kv_heads, g.head_dim, facts.v_trans, facts.n_stream)
+            geo = llamastate.StateGeometry(g.num_layers, g.kv_heads, g.head_dim, facts.v_trans, facts.n_stream,
+                                           facts.kv_type)
+            if facts.kv_type != llamastate.KV_TYPES[self.kv_type]:
+                raise llamastate.StateLayoutError(f"K of ggml type {facts.kv_type}, not the {self.kv_type} asked for")
             if facts.num_layers != g.num_layers or facts.row_elements != g.kv_heads * g.head_dim:
                 raise llamastate.StateLayoutError(f"state of {facts.num_layers} layers x {facts.row_elements}, "
                                                   f"model {g.num_layers} x {g.kv_heads * g.head_dim}")
@@ -283,6 +308,8 @@ class LlamaCppEngine:
 
     def fingerprint(self, block_tokens: int, codec_name: str) -> ModelFingerprint:
         engine_id = f"llamacpp-{PINNED_VERSION}/state-v{llamastate.LAYOUT_VERSION}"
+        if self.kv_type != "f16":  # another cache computes other K and V (and flash attention other logits)
+            engine_id += f"/kv-{self.kv_type}"
         return gguf_fingerprint(engine_id, self._digest, self._template or "", self._add_bos, self.geometry,
                                 block_tokens, codec_name)
 
@@ -379,21 +406,36 @@ class LlamaCppEngine:
         geo = self.state_geometry
         if tokens <= 0 or geo.v_trans:
             return None
-        made = llamastate.state_view(tokens, geo, into=self._state_buffers.take(llamastate.state_size(tokens, geo)))
-        assert made is not None
-        buf, kv = made
+        buf = self._state_buffers.take(llamastate.state_size(tokens, geo))
+        if self.rows_apart:  # a float32 tensor beside the state: only what is written into it is ever touched
+            llamastate.lay_out(buf, tokens, geo)
+            g = self.geometry
+            kv = torch.empty((g.num_layers, 2, g.kv_heads, tokens, g.head_dim), dtype=g.dtype)
+        else:
+            made = llamastate.state_view(tokens, geo, into=buf)
+            assert made is not None
+            kv = made[1]
         with self._lent_lock:
-            self._lent[kv.data_ptr()] = (buf, tokens)
+            self._lent[kv.data_ptr()] = _Lent(buf, tokens, kv if self.rows_apart else None)
         return kv
+
+    def mark_placed(self, kv: torch.Tensor, tokens: int) -> None:
+        """Cells [0, tokens) of the context `context_for` lent were received into its state as rows (`context_rows`)
+        and verified; where rows lie apart from the tensor (a q8_0 cache), the cells after them are taken from the
+        tensor when the context is set."""
+        with self._lent_lock:
+            lent = self._lent.get(kv.data_ptr())
+            if lent is not None:
+                lent.placed = max(0, min(tokens, lent.cells))
 
     def context_rows(self, kv: torch.Tensor, start: int, count: int) -> list[memoryview] | None:
         """Where cells [start, start + count) of a context `context_for` lent hold their K and V rows (per layer its
         K, then its V: a token-rows frame's payload, received there); None for any other tensor."""
         with self._lent_lock:
             lent = self._lent.get(kv.data_ptr())
-        if lent is None or start + count > lent[1]:
+        if lent is None or start + count > lent.cells:
             return None
-        return llamastate.row_pieces(lent[0], lent[1], self.state_geometry, start, count)
+        return llamastate.row_pieces(lent.state, lent.cells, self.state_geometry, start, count)
 
     def give_context(self, kv: torch.Tensor) -> bool:
         """Take back a view `context_for` lent; False for any other tensor."""
@@ -401,7 +443,7 @@ class LlamaCppEngine:
             lent = self._lent.pop(kv.data_ptr(), None)
         if lent is None:
             return False
-        self._state_buffers.give(lent[0])
+        self._state_buffers.give(lent.state)
         return True
 
     def is_lent(self, kv: torch.Tensor) -> bool:
@@ -418,13 +460,22 @@ class LlamaCppEngine:
     def _lent_state(self, cached_kv: torch.Tensor, cached: int) -> tuple[bytearray, int] | None:
         """The state `cached_kv` is a view of (`context_for`, the first `cached` of its cells or more) and how many
         cells it holds; None when it is no such view, or when setting it whole would copy more than twice the
-        cells wanted (the cells past `cached` are set, then dropped: see `_admit`)."""
+        cells wanted (the cells past `cached` are set, then dropped: see `_admit`). A tensor lent beside a q8_0
+        state: the cells not received into the state as rows (`mark_placed`) are quantized into it from the tensor
+        first, however many they are."""
         with self._lent_lock:
             lent = self._lent.get(cached_kv.data_ptr())
-        if lent is None or 2 * cached < lent[1]:
+        if lent is None:
             return None
-        expected = llamastate.state_view_strides(lent[1], self.state_geometry)
-        return lent if tuple(cached_kv.stride()) == expected else None
+        if lent.tensor is not None:
+            if cached > lent.placed:
+                llamastate.write_rows(lent.state, lent.cells, self.state_geometry, lent.placed,
+                                      lent.tensor[:, :, :, lent.placed:cached])
+            return lent.state, lent.cells
+        if 2 * cached < lent.cells:
+            return None
+        expected = llamastate.state_view_strides(lent.cells, self.state_geometry)
+        return (lent.state, lent.cells) if tuple(cached_kv.stride()) == expected else None
 
     def score(self, cached_kv: torch.Tensor, ids: list[int]) -> torch.Tensor:
         """Logits [len(ids), vocab] of `ids` fed after the KV of cached_kv.shape[3] tokens (the quality

@@ -17,23 +17,30 @@
 |                        | then n_embd_v_gqa rows of cell_count elements             |                |
 | (the next streams)     | u32 cell_count = 0 each                                   |                |
 
-Only F16 K and V (llama.cpp's default) are read and written. Any other layout is a `StateLayoutError`:
-a llama.cpp upgrade that changes this must fail the golden test, never silently corrupt a cache.
-Parsing copies the tensors exactly once (into the output; only the positions asked for); so does assembling.
+K and V of type F16 (llama.cpp's default) or Q8_0 (`--cache-type-k/v q8_0`, which needs flash attention, so V is
+never transposed) are read and written; a row of Q8_0 is kv_heads * head_dim / 32 blocks of an fp16 scale and 32 int8
+codes (`cachestore.quant.q8_rows`). Any other layout is a `StateLayoutError`: a llama.cpp upgrade that changes this
+must fail the golden test, never silently corrupt a cache. Parsing copies the tensors exactly once (into the output;
+only the positions asked for); so does assembling. Q8_0 is parsed into float32, which holds each code times its scale
+exactly, so assembling the parsed tensor writes back the very bytes llama.cpp wrote.
 """
 
 from __future__ import annotations
 
 import struct
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from cachestore.errors import KvstashError
+from cachestore.quant import Q8_BLOCK, Q8_BYTES, q8_rows, q8_rows_into
 
 MAGIC = 0xAF143CD8
 GGML_TYPE_F16 = 1
+GGML_TYPE_Q8_0 = 8
+KV_TYPES = {"f16": GGML_TYPE_F16, "q8_0": GGML_TYPE_Q8_0}  # the cache types kvstash reads, by llama.cpp's names
 # Bump when the layout above changes: it is part of the llama.cpp engine's fingerprint.
 LAYOUT_VERSION = 1
 _CELL = struct.Struct("<iIi")  # pos, n_seq_id, seq_id (one sequence per cell)
@@ -56,10 +63,31 @@ class StateGeometry:
     head_dim: int
     v_trans: bool
     n_stream: int = 1
+    kv_type: int = GGML_TYPE_F16  # of K and V alike
+
+    def __post_init__(self) -> None:
+        if self.kv_type not in KV_TYPES.values():
+            raise StateLayoutError(f"K and V of ggml type {self.kv_type}; kvstash reads F16 (1) and Q8_0 (8)")
+        if self.kv_type == GGML_TYPE_Q8_0 and (self.v_trans or self.head_dim % Q8_BLOCK):
+            raise StateLayoutError(f"a Q8_0 cache keeps V as rows (flash attention) and blocks of {Q8_BLOCK} "
+                                   f"channels within a head; this one has v_trans={int(self.v_trans)}, head_dim "
+                                   f"{self.head_dim}")
 
     @property
     def row_elements(self) -> int:
         return self.kv_heads * self.head_dim
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one cell's K (or V) row."""
+        if self.kv_type == GGML_TYPE_Q8_0:
+            return self.row_elements // Q8_BLOCK * Q8_BYTES
+        return 2 * self.row_elements
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What `parse_state` returns: float16 of an F16 cache, float32 (exact) of a Q8_0 one."""
+        return torch.float32 if self.kv_type == GGML_TYPE_Q8_0 else torch.float16
 
 
 class _Reader:
@@ -93,6 +121,7 @@ class StateFacts:
     v_trans: bool
     num_layers: int
     row_elements: int  # kv_heads * head_dim of layer 0's K
+    kv_type: int = GGML_TYPE_F16  # of layer 0's K
 
 
 def read_facts(blob: bytes | bytearray | memoryview) -> StateFacts | None:
@@ -109,15 +138,18 @@ def read_facts(blob: bytes | bytearray | memoryview) -> StateFacts | None:
             r.take(cells * _CELL.size)
             v_trans, n_layer = r.unpack("<II")
             k_type, k_row = r.unpack("<iQ")
-            if k_type != GGML_TYPE_F16 or k_row % 2:
-                raise StateLayoutError(f"K cache of ggml type {k_type}; kvstash reads F16 (type 1) only")
-            return StateFacts(n_stream, bool(v_trans), n_layer, k_row // 2)
+            if k_type == GGML_TYPE_F16 and k_row % 2 == 0:
+                return StateFacts(n_stream, bool(v_trans), n_layer, k_row // 2, k_type)
+            if k_type == GGML_TYPE_Q8_0 and k_row % Q8_BYTES == 0:
+                return StateFacts(n_stream, bool(v_trans), n_layer, k_row // Q8_BYTES * Q8_BLOCK, k_type)
+            raise StateLayoutError(f"K cache of ggml type {k_type}, {k_row} bytes a row; kvstash reads F16 (type 1) "
+                                   f"and Q8_0 (type 8)")
     return None
 
 
 def parse_state(blob: bytes | bytearray | memoryview, geo: StateGeometry, start: int = 0,
                 end: int | None = None, cells: int | None = None) -> torch.Tensor:
-    """KV of one sequence as float16 [layers, 2, kv_heads, tokens, head_dim], tokens ordered by position; with
+    """KV of one sequence as `geo.dtype` [layers, 2, kv_heads, tokens, head_dim], tokens ordered by position; with
     `start`/`end`, only positions [start, end) (clipped to the sequence), the only ones copied. The whole state is
     validated either way, and with `cells` it must hold exactly that many tokens (whatever range is copied).
 
@@ -136,10 +168,10 @@ def parse_state(blob: bytes | bytearray | memoryview, geo: StateGeometry, start:
         n_cells, streams_left = r.u32(), streams_left - 1
     if cells is not None and n_cells != cells:
         raise CellCountError(f"holds KV of {n_cells}")
-    L, H, D, E = geo.num_layers, geo.kv_heads, geo.head_dim, geo.row_elements
+    L, H, D = geo.num_layers, geo.kv_heads, geo.head_dim
     stop = n_cells if end is None else min(max(end, 0), n_cells)
     first = min(max(start, 0), stop)
-    out = torch.empty((L, 2, H, stop - first, D), dtype=torch.float16)  # [layers, 2, kv_heads, tokens, head_dim]
+    out = torch.empty((L, 2, H, stop - first, D), dtype=geo.dtype)  # [layers, 2, kv_heads, tokens, head_dim]
     if n_cells == 0:
         return out
     meta = np.frombuffer(view, dtype=np.int32, count=3 * n_cells, offset=r.take(n_cells * _CELL.size))
@@ -156,12 +188,47 @@ def parse_state(blob: bytes | bytearray | memoryview, geo: StateGeometry, start:
     v_trans, n_layer = r.unpack("<II")
     if n_layer != L or bool(v_trans) != geo.v_trans:
         raise StateLayoutError(f"state of {n_layer} layers, v_trans={v_trans}; expected {L}, {int(geo.v_trans)}")
+    if geo.kv_type == GGML_TYPE_Q8_0:
+        _parse_q8(view, r, geo, n_cells, order, out)
+    else:
+        _parse_f16(view, r, geo, n_cells, order, out)
+    for _ in range(streams_left):
+        if r.u32():
+            raise StateLayoutError("a sequence with cells in two streams")
+    if r.pos != len(view):
+        raise StateLayoutError(f"{len(view) - r.pos} unexpected bytes after the sequence state")
+    return out
+
+
+def _row_header(r: _Reader, geo: StateGeometry, layer: int, half: str) -> None:
+    kind, row = r.unpack("<iQ")
+    if kind != geo.kv_type or row != geo.row_bytes:
+        raise StateLayoutError(f"layer {layer}: {half} of type {kind}, {row} bytes a row; expected type "
+                               f"{geo.kv_type}, {geo.row_bytes}")
+
+
+def _parse_q8(view: memoryview, r: _Reader, geo: StateGeometry, n_cells: int, order: np.ndarray | slice,
+              out: torch.Tensor) -> None:
+    """Every layer's K, then V, Q8_0 rows dequantized into out [layers, 2, kv_heads, tokens, head_dim] (float32)."""
+    picked = torch.from_numpy(order) if isinstance(order, np.ndarray) else order
+    for half, name in enumerate(("K", "V")):
+        for layer in range(geo.num_layers):
+            _row_header(r, geo, layer, name)
+            at = r.take(n_cells * geo.row_bytes)
+            with warnings.catch_warnings():  # read only: a read-only state (bytes) is fine
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                rows = torch.frombuffer(view, dtype=torch.uint8, count=n_cells * geo.row_bytes, offset=at)
+            rows = rows.view(n_cells, geo.kv_heads, geo.row_bytes // geo.kv_heads)[picked]  # [tokens, H, blocks]
+            q8_rows_into(out[layer, half].transpose(0, 1), rows)
+
+
+def _parse_f16(view: memoryview, r: _Reader, geo: StateGeometry, n_cells: int, order: np.ndarray | slice,
+               out: torch.Tensor) -> None:
+    L, H, D, E = geo.num_layers, geo.kv_heads, geo.head_dim, geo.row_elements
     out_np = out.numpy()
     for layer in range(L):
-        k_type, k_row = r.unpack("<iQ")
-        if k_type != GGML_TYPE_F16 or k_row != 2 * E:
-            raise StateLayoutError(f"layer {layer}: K of type {k_type}, {k_row} bytes a row; expected F16, {2 * E}")
-        rows = _f16(view, r.take(n_cells * k_row), n_cells * E).reshape(n_cells, H, D)
+        _row_header(r, geo, layer, "K")
+        rows = _f16(view, r.take(n_cells * 2 * E), n_cells * E).reshape(n_cells, H, D)
         _place(out_np[layer, 0], rows.transpose(1, 0, 2), order)  # [H, cells, D]
     for layer in range(L):
         if geo.v_trans:
@@ -172,17 +239,9 @@ def parse_state(blob: bytes | bytearray | memoryview, geo: StateGeometry, start:
             chans = _f16(view, r.take(E * n_cells * 2), E * n_cells).reshape(H, D, n_cells)
             _place(out_np[layer, 1], chans.transpose(0, 2, 1), order)  # [H, cells, D]
         else:
-            v_type, v_row = r.unpack("<iQ")
-            if v_type != GGML_TYPE_F16 or v_row != 2 * E:
-                raise StateLayoutError(f"layer {layer}: V of type {v_type}, {v_row} bytes a row; expected F16")
-            rows = _f16(view, r.take(n_cells * v_row), n_cells * E).reshape(n_cells, H, D)
+            _row_header(r, geo, layer, "V")
+            rows = _f16(view, r.take(n_cells * 2 * E), n_cells * E).reshape(n_cells, H, D)
             _place(out_np[layer, 1], rows.transpose(1, 0, 2), order)
-    for _ in range(streams_left):
-        if r.u32():
-            raise StateLayoutError("a sequence with cells in two streams")
-    if r.pos != len(view):
-        raise StateLayoutError(f"{len(view) - r.pos} unexpected bytes after the sequence state")
-    return out
 
 
 def _place(dst: np.ndarray, src: np.ndarray, order: np.ndarray | slice) -> None:
@@ -195,7 +254,7 @@ def _place(dst: np.ndarray, src: np.ndarray, order: np.ndarray | slice) -> None:
 
 def _layer_bytes(tokens: int, geo: StateGeometry) -> int:
     """Bytes of one layer's K (or V) in a state of `tokens` cells: a 12-byte header (both V layouts), then the cells."""
-    return 12 + 2 * geo.row_elements * tokens
+    return 12 + geo.row_bytes * tokens
 
 
 def _first_k(tokens: int) -> int:
@@ -212,6 +271,7 @@ def _write_layout(buf: bytearray, n: int, geo: StateGeometry, seq_id: int) -> li
     """Everything of a state of `n` cells but its K and V (magic, cells, each layer's header, the empty streams) into
     buf's first state_size(n) bytes; returns each layer's (K offset, V offset) of its data."""
     L, E = geo.num_layers, geo.row_elements
+    kind, row = geo.kv_type, geo.row_bytes
     view = memoryview(buf)
     struct.pack_into("<IiI", buf, 0, MAGIC, seq_id, geo.n_stream)
     struct.pack_into("<I", buf, 12, n)  # the first stream holds the cells (the context puts them in its own)
@@ -225,7 +285,7 @@ def _write_layout(buf: bytearray, n: int, geo: StateGeometry, seq_id: int) -> li
     pos += 8
     k_at = []
     for _ in range(L):
-        struct.pack_into("<iQ", buf, pos, GGML_TYPE_F16, 2 * E)
+        struct.pack_into("<iQ", buf, pos, kind, row)
         k_at.append(pos + 12)
         pos += _layer_bytes(n, geo)
     v_at = []
@@ -233,7 +293,7 @@ def _write_layout(buf: bytearray, n: int, geo: StateGeometry, seq_id: int) -> li
         if geo.v_trans:
             struct.pack_into("<iII", buf, pos, GGML_TYPE_F16, 2, E)
         else:
-            struct.pack_into("<iQ", buf, pos, GGML_TYPE_F16, 2 * E)
+            struct.pack_into("<iQ", buf, pos, kind, row)
         v_at.append(pos + 12)
         pos += _layer_bytes(n, geo)
     view[pos:pos + 4 * (geo.n_stream - 1)] = bytes(4 * (geo.n_stream - 1))  # the other streams: cell_count 0
@@ -257,8 +317,12 @@ def assemble_state(kv: torch.Tensor, geo: StateGeometry, seq_id: int = 0, into: 
     if kv.dim() != 5 or tuple(kv.shape[:3]) != (L, 2, H) or kv.shape[4] != D:
         raise StateLayoutError(f"kv {tuple(kv.shape)} does not fit [{L}, 2, {H}, tokens, {D}]")
     n = int(kv.shape[3])
-    src = kv.detach().cpu().numpy() if kv.dtype == torch.float16 else kv.detach().cpu().float().numpy()
     buf = _buffer(n, geo, into)
+    if geo.kv_type == GGML_TYPE_Q8_0:
+        _write_layout(buf, n, geo, seq_id)
+        write_rows(buf, n, geo, 0, kv)
+        return buf
+    src = kv.detach().cpu().numpy() if kv.dtype == torch.float16 else kv.detach().cpu().float().numpy()
     view = memoryview(buf)
     for layer, (k_at, v_at) in enumerate(_write_layout(buf, n, geo, seq_id)):
         rows = np.frombuffer(view, dtype=np.float16, count=n * E, offset=k_at).reshape(n, H, D)
@@ -277,14 +341,21 @@ def state_view(n: int, geo: StateGeometry, seq_id: int = 0,
     """A sequence state of `n` cells whose K and V are left to fill: the buffer (its first state_size(n) bytes, the
     rest written as `assemble_state` writes it) and a float16 [layers, 2, kv_heads, n, head_dim] view of its K and V.
     A hit dequantized into the view is a state as it is: none is assembled (a copy of the whole KV, 9.5 ms at 2048
-    SmolLM2 tokens). None when V is stored transposed: no single view has both layouts."""
-    if geo.v_trans:
+    SmolLM2 tokens). None when V is stored transposed (no single view has both layouts) or quantized (Q8_0)."""
+    if geo.v_trans or geo.kv_type != GGML_TYPE_F16:
         return None
     buf = _buffer(n, geo, into)
     k0 = _write_layout(buf, n, geo, seq_id)[0][0]
     flat = torch.frombuffer(buf, dtype=torch.float16, count=state_size(n, geo) // 2)
     kv = flat.as_strided((geo.num_layers, 2, geo.kv_heads, n, geo.head_dim), state_view_strides(n, geo), k0 // 2)
     return buf, kv
+
+
+def lay_out(buf: bytearray, n: int, geo: StateGeometry, seq_id: int = 0) -> bytearray:
+    """A state of `n` cells in `buf` whose K and V are left to fill (`row_pieces`, `write_rows`): everything else
+    written as `assemble_state` writes it."""
+    _write_layout(_buffer(n, geo, buf), n, geo, seq_id)
+    return buf
 
 
 def row_pieces(buf: bytearray, n: int, geo: StateGeometry, start: int, count: int) -> list[memoryview]:
@@ -295,7 +366,7 @@ def row_pieces(buf: bytearray, n: int, geo: StateGeometry, start: int, count: in
         raise StateLayoutError("V is stored transposed: its cells are no rows")
     if not 0 <= start <= start + count <= n:
         raise StateLayoutError(f"cells [{start}, {start + count}) of a state of {n}")
-    row, view = 2 * geo.row_elements, memoryview(buf)
+    row, view = geo.row_bytes, memoryview(buf)
     layer, k0 = _layer_bytes(n, geo), _first_k(n)
     v0 = k0 + geo.num_layers * layer
     return [view[at + start * row:at + (start + count) * row]
@@ -307,3 +378,21 @@ def state_view_strides(n: int, geo: StateGeometry) -> tuple[int, int, int, int, 
     rows follow a 12-byte header; all K come first, then all V."""
     layer = _layer_bytes(n, geo) // 2
     return layer, geo.num_layers * layer, geo.head_dim, geo.row_elements, 1
+
+
+def write_rows(buf: bytearray, n: int, geo: StateGeometry, start: int, kv: torch.Tensor) -> None:
+    """kv [layers, 2, kv_heads, count, head_dim] into cells [start, start + count) of the state of `n` cells in `buf`
+    (laid out already: `_write_layout`), quantized where the cache is Q8_0 (`q8_rows`, which reproduces the bytes of
+    a parsed state exactly)."""
+    count = int(kv.shape[3])
+    pieces = row_pieces(buf, n, geo, start, count)
+    for i, piece in enumerate(pieces):
+        layer, half = divmod(i, 2)
+        rows = kv[layer, half].transpose(0, 1)  # [count, H, D]
+        dest = torch.frombuffer(piece, dtype=torch.uint8) if count else None
+        if dest is None:
+            continue
+        if geo.kv_type == GGML_TYPE_Q8_0:
+            dest.copy_(q8_rows(rows).reshape(-1))
+        else:
+            dest.view(torch.float16).view(count, geo.kv_heads, geo.head_dim).copy_(rows)

@@ -3,8 +3,8 @@
 Format 1 frames (every case without /rot, /k8 or /v8) were written before format 2 and must stay
 byte-identical; format 2 added the rotated int4/int2 frames, format 3 those with int8 layers (/k8,
 /v8). The token-rows flag (/rows, format 1 or later) is read since wave 11; an older reader refuses it as an
-unknown flag. Write only new cases, deliberately (a changed format bumps FORMAT_VERSION and keeps reading,
-or cleanly refuses, the old files):
+unknown flag, and mode q8 (wave 12) by its unknown mode code. Write only new cases, deliberately (a changed format
+bumps FORMAT_VERSION and keeps reading, or cleanly refuses, the old files):
     .venv/bin/python -m tests.golden.cases --write NAME [NAME ...]
 """
 
@@ -38,6 +38,9 @@ CASES: dict[str, tuple[str, torch.dtype, tuple[int, int, int, int, int]]] = {
     # format 1 with FLAG_ROWS: payloads as token rows [layers, 2, tokens, kv_heads, head_dim] (a llama.cpp pod's)
     "fp16_fp16_none_rows": ("fp16+none/rows", torch.float16, (2, 2, 2, 3, 8)),
     "exact_fp32_lz4_rows": ("exact+lz4/rows", torch.float32, (1, 2, 2, 5, 4)),
+    # mode q8 (code 7, always FLAG_ROWS): llama.cpp's q8_0 blocks of 32 channels, an fp16 scale and 32 int8 codes
+    "q8_fp32_none": ("q8+none", torch.float32, (1, 2, 2, 3, 32)),
+    "q8_fp16_lz4": ("q8+lz4", torch.float16, (2, 2, 1, 4, 64)),
 }
 
 
