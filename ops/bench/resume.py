@@ -86,16 +86,23 @@ class ResumeBench:
         self.engine, self.url, self.args = engine, url, args
         self.loaded = getattr(engine, "loaded", None)  # the transformers model of the hf engine
         self._warm = False
+        self._beside: Any = None  # the one-core thread that calls an engine that does not run torch
         # llama-server keeps each slot's tokens: emptied before every timed run, so nothing is reused unasked
         self._fresh = getattr(engine, "forget", lambda: None)
 
-    @staticmethod
-    def compute(fn: Any, *args: Any) -> Any:
-        """Run `fn` on the process's compute thread, where a pod runs its model (service.threads): the recompute,
-        floor and naive methods get the cores exactly as the pod's hit path does."""
+    def compute(self, fn: Any, *args: Any) -> Any:
+        """Run `fn` where a pod calls its engine (service.threads): an engine that runs torch on the process's compute
+        thread, any other (llama.cpp, which computes on a thread of its own) on a thread that keeps torch to one core,
+        as a pod's request threads do. The recompute, floor and naive methods get the cores exactly as the pod's hit
+        path does: a q8_0 state assembled for the floor with torch on every core would leave libgomp's team spinning
+        beside the hit that follows it."""
         from service import threads  # noqa: PLC0415
 
-        return threads.compute_executor().submit(fn, *args).result()
+        if getattr(self.engine, "runs_torch", True):
+            return threads.compute_executor().submit(fn, *args).result()
+        if self._beside is None:
+            self._beside = threads.io_executor(1, "kvstash-bench")
+        return self._beside.submit(fn, *args).result()
     def recompute(self, prompt: list[int]) -> tuple[list[float], Any]:
         from service.runner import GenParams  # noqa: PLC0415
 
@@ -156,7 +163,9 @@ class ResumeBench:
                 nbytes = sum(len(f) for f in frames)
                 keys = [store.keys.block(pipeline.model_key, h)[1] for h in hashes]
                 decoded = (await pipeline.lookup(SALT, prompt))[0].complete()  # the floor's context, in memory
-                if self.loaded is None:
+                if getattr(self.engine, "rows_apart", False):  # the hit went into a q8_0 state, not this tensor:
+                    decoded = kv[:, :, :, :context]  # the frames' values exactly (q8 re-encodes them byte for byte)
+                elif self.loaded is None:
                     decoded = decoded.clone()
                 times: list[float] = []
                 floor: list[float] = []

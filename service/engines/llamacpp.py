@@ -5,6 +5,11 @@ one batch with the next token of each sequence that is generating and a chunk of
 sequence that is prefilling, runs one `llama_decode`, and samples each sequence's next token. A request
 that arrives while others generate joins the next step; a finished or abandoned one frees its sequence
 at once. Cached KV enters and leaves a sequence as llama.cpp sequence state (service.engines.llamastate).
+
+The KV cache is F16 (llama.cpp's default), or Q8_0 for a pod whose codec is q8 (`kv_type`, llama-server's
+`--cache-type-k/v q8_0`, with flash attention): q8 frames are that cache's own bytes, so a hit restores exactly what
+the sequence held. The cache costs half the memory and a hit half the bytes of fp16; llama.cpp's CPU prefill over a
+Q8_0 cache is slower (BENCHMARKS.md, section 18).
 """
 
 from __future__ import annotations
