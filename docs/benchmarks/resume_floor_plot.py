@@ -6,6 +6,9 @@ Wave 8 (section 14): the native kernels off and on (KVSTASH_NATIVE_KERNELS), at 
 at 7d2b39b, 3-4 at fa1432f; the same hit path). Wave 10 (section 16): before deef57c, after the first step's
 attention over the landed codes (c48f3fb). Wave 11 (section 17): llama.cpp in the pod, before 7589bc0, after its
 hits' token rows are received into the sequence state (9c342ad); "11-llamacpp" fp16 and int8, "11-exact" exact.
+Wave 12 (section 18): llama.cpp's q8_0 cache and codec q8, before 81cfa32, after a0b4fa1 and the
+bench's fixes for it (818666d); "12-llamacpp" the ratios
+of fp16 and int8 (q8 exists after only), "12-ms" every after run's hit and floor in ms, q8 included.
 
 Run: PYTHONPATH=. .venv/bin/python docs/benchmarks/resume_floor_plot.py 7
 """
@@ -27,6 +30,22 @@ def ratios(path: Path) -> dict[str, float]:
             if r["method"].startswith("kvstash-") and r["ratio_to_floor"] is not None}
 
 
+def milliseconds(wave: str) -> None:
+    """Each after run's hit and floor p50 (ms) for every codec and context, side by side."""
+    paths = sorted(HERE.glob(f"resume-wave{wave}-llamacpp-after-run*.json"))
+    runs = [json.loads(path.read_text())["rows"] for path in paths]
+    labels = [f"{r['method'].removeprefix('kvstash-')}\n{r['context']}" for r in runs[0]
+              if r["method"].startswith("kvstash-")]
+    groups = {}
+    for n, rows in enumerate(runs, 1):
+        p50 = {(r["method"], r["context"]): r["ttft_ms_p50"] for r in rows}
+        for kind in ("kvstash", "floor"):
+            groups[f"{'hit' if kind == 'kvstash' else 'floor'}, run {n}"] = [
+                p50[(f"{kind}-{lab.split(chr(10))[0]}", int(lab.split(chr(10))[1]))] for lab in labels]
+    plot_bars(HERE / f"resume-wave{wave}-ms.png", labels, groups, ylabel="TTFT p50, ms (log)", logy=True,
+              title=f"llama.cpp hit and floor, wave {wave}: q8 over a q8_0 cache, fp16 and int8 over f16")
+
+
 def main(wave: str) -> None:
     runs = {f"{side} run {path.stem.rsplit('run', 1)[1]}": ratios(path)
             for side in ("before", "after") for path in sorted(HERE.glob(f"resume-wave{wave}-{side}-run*.json"))}
@@ -39,4 +58,5 @@ def main(wave: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "6")
+    arg = sys.argv[1] if len(sys.argv) > 1 else "6"
+    milliseconds(arg.split("-")[0]) if arg.endswith("-ms") else main(arg)
