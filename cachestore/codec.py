@@ -67,6 +67,7 @@ from cachestore.quant import (
     BITS,
     NO_HI,
     PLAIN,
+    Q8_BLOCK,
     Dims,
     HiLayers,
     Section,
@@ -186,6 +187,14 @@ class CodecSpec:
         if beyond:
             raise ConfigError(f"codec {self.name()} keeps layer {max(beyond)} at int8, but the model has layers "
                               f"0-{num_layers - 1}: /k8= and /v8= name one model's layers")
+
+    def check_model(self, num_layers: int, head_dim: int) -> None:
+        """`check_layers`, and a q8 codec's blocks of 32 channels of one head: ConfigError unless head_dim is a
+        multiple (a pod that could not encode would drop every write)."""
+        self.check_layers(num_layers)
+        if self.mode == "q8" and head_dim % Q8_BLOCK:
+            raise ConfigError(f"codec q8 quantizes blocks of {Q8_BLOCK} channels of one head, but the model's head_dim "
+                              f"is {head_dim}")
 
     @property
     def transform(self) -> int:

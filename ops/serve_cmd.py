@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         load_engine, settings.engine, settings.model, device=settings.device, parallel=settings.parallel,
         threads=settings.threads, codec=settings.codec).result()
     try:
-        CodecSpec.parse(settings.codec).check_layers(engine.geometry.num_layers)
+        CodecSpec.parse(settings.codec).check_model(engine.geometry.num_layers, engine.geometry.head_dim)
         uvicorn.run(create_app(settings, engine), host=settings.host, port=settings.port,
                     log_level=args.log_level, timeout_graceful_shutdown=15)
     finally:

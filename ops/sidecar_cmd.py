@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvstash: warning: {warning}", file=sys.stderr)
     engine = start_engine(args)  # the port opens only after llama-server is up and probed
     try:
-        CodecSpec.parse(settings.codec).check_layers(engine.geometry.num_layers)
+        CodecSpec.parse(settings.codec).check_model(engine.geometry.num_layers, engine.geometry.head_dim)
         settings = settings.with_overrides(parallel=engine.parallel)
         uvicorn.run(sidecar_app(settings, engine), host=settings.host, port=settings.port, log_level=args.log_level,
                     timeout_graceful_shutdown=15)

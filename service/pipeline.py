@@ -150,7 +150,7 @@ class Pipeline:
         # an engine that takes sequence states gets exact and fp16 frames as token rows: a hit is received in place
         self.codecs = (codec if isinstance(codec, BlockCodecs)
                        else BlockCodecs.for_spec(codec, rows=getattr(engine, "row_frames", False)))
-        self.codecs.main.spec.check_layers(geo.num_layers)  # refuse to start rather than drop every write
+        self.codecs.main.spec.check_model(geo.num_layers, geo.head_dim)  # refuse to start rather than drop writes
         self.metrics = metrics
         self.writer = writer
         self.block_tokens = settings.block_tokens

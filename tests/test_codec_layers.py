@@ -185,3 +185,17 @@ def test_a_pod_refuses_int8_layers_its_model_lacks_in_one_line() -> None:
     assert done.stderr.strip().splitlines()[-1] == (
         "kvstash: error: codec int4+zstd:3/g64/plain/k8=18.20 keeps layer 20 at int8, but the model has layers "
         "0-1: /k8= and /v8= name one model's layers")
+
+
+def test_a_pod_refuses_q8_for_a_head_dim_it_cannot_quantize_in_one_line() -> None:
+    """q8 quantizes 32 channels of one head at a time: a model whose head_dim is no multiple (the tiny test model's
+    is 16) makes the pod exit at start-up with one line."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    CodecSpec.parse("q8").check_model(30, 64)
+    done = subprocess.run([sys.executable, "-m", "ops.cli", "serve", "--model", "tiny-random", "--codec", "q8",
+                           "--no-cache", "--port", "1"], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "kvstash: error: codec q8 quantizes blocks of 32 channels of one head, but the model's head_dim is 16")

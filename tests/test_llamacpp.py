@@ -430,20 +430,21 @@ def test_serve_refuses_a_model_it_cannot_serve_in_one_line(tmp_path: object) -> 
         "'/nonexistent/model.gguf' is neither"]
 
 
-def test_admin_commands_name_a_llama_pods_blocks_as_the_pod_does(engine: LlamaCppEngine) -> None:
+def test_admin_commands_name_a_llama_pods_blocks_as_the_pod_does(engine: LlamaCppEngine,
+                                                                 q8_engine: LlamaCppEngine) -> None:
     """`kvstash admin export` finds a session's blocks under the fingerprint the pod writes them with: for a
-    llama.cpp pod on fp16 or exact that names token rows (/rows), on int8 it does not."""
+    llama.cpp pod on fp16 or exact that names token rows (/rows), on int8 it does not; on q8, that of a q8_0 cache."""
     import argparse  # noqa: PLC0415
 
     from ops.admin_cmds import _chain  # noqa: PLC0415
 
-    for codec in ("fp16", "exact", "int8"):
+    for codec in ("fp16", "exact", "int8", "q8"):
         settings = PodSettings(codec=codec, block_tokens=16, local_tier_bytes=0)
-        pipe = Pipeline(settings, engine, None, codec, PodMetrics(), None)
+        pipe = Pipeline(settings, q8_engine if codec == "q8" else engine, None, codec, PodMetrics(), None)
         try:
             args = argparse.Namespace(engine="llamacpp", model="smollm2", codec=codec, block_tokens=16, device=None)
             assert _chain(args, "t").fingerprint == pipe.fingerprint
-            assert ("/rows" in pipe.codecs.name()) == (codec != "int8")
+            assert ("/rows" in pipe.codecs.name()) == (codec in ("fp16", "exact"))
         finally:
             pipe.close()
 

@@ -19,7 +19,8 @@ from service.hfcache import ATTEND_MAX_NEW
 from service.pipeline import chunk_plan
 from service.rehydrate import LayerGate, Rehydration
 
-MODES = ["exact", "fp16", "int8", "int4", "int2", "int4/rot", "int2+zstd", "int4/g32/clip", "fp8", "fp16+zstd"]
+MODES = ["exact", "fp16", "int8", "int4", "int2", "int4/rot", "int2+zstd", "int4/g32/clip", "fp8", "fp16+zstd",
+         "q8"]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -51,6 +52,25 @@ def test_packed_codes_that_end_mid_byte_decode_whole_only() -> None:
     rehydration.run(lambda n, nbytes: None)
     rehydration.gate.wait_all()  # the layer groups are handed over: the waiter runs them
     assert torch.equal(out, codec.decode(codec.encode(kv)).float())
+
+
+@pytest.mark.parametrize("spec", ["q8", "fp16/rows"])
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_token_row_frames_rehydrate_into_a_context_like_any_other(spec: str, layerwise: bool) -> None:
+    """Token-rows frames (an hf pod reading q8, or rows a llama.cpp pod wrote) are no landed run: each is decoded
+    whole, or by layer groups handed over to the forward step, into a head-major context."""
+    codec = Codec(spec)
+    kvs = [torch.randn(3, 2, 2, 8, 64, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    out = torch.full((3, 2, 2, 40, 64), float("nan"))
+    rehydration = Rehydration(out, 8, lambda frame, i: codec.open(frame), layerwise=layerwise)
+    frames = [codec.encode(kv) for kv in kvs]
+    rehydration.feed(frames[:2])
+    rehydration.feed(frames[2:])
+    rehydration.end()
+    rehydration.run(lambda n, nbytes: None)
+    rehydration.gate.wait_all()
+    want = torch.cat([codec.decode(f).float() for f in frames], dim=3)
+    assert torch.equal(out[:, :, :, :32], want) and out[:, :, :, 32:].isnan().all()
 
 
 def test_chunk_plan_ends_with_a_short_chunk_and_covers_every_block_once() -> None:

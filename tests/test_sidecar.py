@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from starlette.testclient import TestClient
 
 from cachestore.errors import ConfigError
@@ -58,6 +59,31 @@ def _conversation(engine: LlamaServerEngine) -> tuple[list[int], list[int], Any]
     second = engine.chat_ids([SYSTEM, {"role": "user", "content": QUESTIONS[0]},
                               {"role": "assistant", "content": gen.text}, {"role": "user", "content": QUESTIONS[1]}])
     return first, second, gen
+
+
+def test_a_llama_server_with_a_q8_0_cache_shares_it_exactly(engine: LlamaServerEngine) -> None:
+    """A llama-server run with `--cache-type-k/v q8_0` (and flash attention): the sidecar reads its slot files into
+    float32, which q8 frames hold exactly, and restores a cached turn from them, which llama-server reuses; its blocks
+    are named apart from an f16 server's."""
+    from cachestore.codec import Codec  # noqa: PLC0415
+
+    q8 = LlamaServerEngine.spawn("smollm2", parallel=1, threads=1, ctx_per_slot=2048,
+                                 extra_args=("--cache-type-k", "q8_0", "--cache-type-v", "q8_0", "-fa", "on"))
+    try:
+        assert q8.state_geometry.kv_type == 8 and q8.geometry.dtype == torch.float32
+        assert q8.fingerprint(64, "q8+lz4").short() != engine.fingerprint(64, "q8+lz4").short()
+        first, second, gen = _conversation(q8)
+        keep = len(first)
+        codec = Codec("q8")
+        kept = gen.kv[:, :, :, :keep]
+        assert torch.equal(codec.decode(codec.encode(kept)), kept)  # the cache's values exactly
+        q8.forget()
+        plain = q8.generate(second, None, GREEDY)
+        q8.forget()
+        hit = q8.generate(second, codec.decode(codec.encode(kept)), GREEDY)
+        assert hit.cached_tokens == keep and q8.stats.restores == 1 and hit.token_ids and plain.token_ids
+    finally:
+        q8.close()
 
 
 def test_a_slot_dir_llama_server_does_not_write_is_refused_at_start(engine: LlamaServerEngine, tmp_path: Path) -> None:

@@ -511,6 +511,9 @@ class LlamaCppEngine:
 
     # -- the scheduler thread --------------------------------------------------------------------
     def _run(self) -> None:
+        # llama.cpp's OpenMP team runs on this thread: torch here (sampling, a q8_0 state parsed for an early write)
+        # keeps to one core, or libgomp parks its workers between regions (service.threads)
+        torch_threads.one_core()
         while not self._closed.is_set():
             self._admit()
             if not self._active:

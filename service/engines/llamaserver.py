@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -204,7 +204,10 @@ class LlamaServerEngine:
             if facts.num_layers != g.num_layers or facts.row_elements != g.kv_heads * g.head_dim:
                 raise llamastate.StateLayoutError(f"state of {facts.num_layers} layers x {facts.row_elements}, "
                                                   f"model {g.num_layers} x {g.kv_heads * g.head_dim}")
-            geo = llamastate.StateGeometry(g.num_layers, g.kv_heads, g.head_dim, facts.v_trans, facts.n_stream)
+            geo = llamastate.StateGeometry(g.num_layers, g.kv_heads, g.head_dim, facts.v_trans, facts.n_stream,
+                                           facts.kv_type)
+            if facts.kv_type != llamastate.GGML_TYPE_F16:  # --cache-type-k/v q8_0: parsed into float32, exactly
+                self.geometry = replace(g, dtype=geo.dtype)
             saved = slotfile.parse(data, geo)
             if b"".join(bytes(p) for p in slotfile.assemble(saved.tokens, saved.kv, geo)) != data:
                 raise llamastate.StateLayoutError("a re-assembled slot file differs from llama-server's")
@@ -221,8 +224,12 @@ class LlamaServerEngine:
 
     # -- identity and text -----------------------------------------------------------------------
     def fingerprint(self, block_tokens: int, codec_name: str) -> ModelFingerprint:
-        return gguf_fingerprint(f"llama-server/state-v{llamastate.LAYOUT_VERSION}", self._digest, self._template,
-                                self._bos is not None, self.geometry, block_tokens, codec_name)
+        engine_id = f"llama-server/state-v{llamastate.LAYOUT_VERSION}"
+        kind = self.state_geometry.kv_type
+        if kind != llamastate.GGML_TYPE_F16:  # a server on another cache type computes other K and V
+            engine_id += "/kv-" + next(name for name, code in llamastate.KV_TYPES.items() if code == kind)
+        return gguf_fingerprint(engine_id, self._digest, self._template, self._bos is not None, self.geometry,
+                                block_tokens, codec_name)
 
     def chat_ids(self, messages: list[dict[str, str]], known: Mapping[int, list[int]] | None = None) -> list[int]:
         def render(marked: list[dict[str, str]]) -> str:

@@ -385,13 +385,12 @@ def write_rows(buf: bytearray, n: int, geo: StateGeometry, start: int, kv: torch
     (laid out already: `_write_layout`), quantized where the cache is Q8_0 (`q8_rows`, which reproduces the bytes of
     a parsed state exactly)."""
     count = int(kv.shape[3])
-    pieces = row_pieces(buf, n, geo, start, count)
-    for i, piece in enumerate(pieces):
+    if not count:
+        return
+    for i, piece in enumerate(row_pieces(buf, n, geo, start, count)):
         layer, half = divmod(i, 2)
         rows = kv[layer, half].transpose(0, 1)  # [count, H, D]
-        dest = torch.frombuffer(piece, dtype=torch.uint8) if count else None
-        if dest is None:
-            continue
+        dest = torch.frombuffer(piece, dtype=torch.uint8)
         if geo.kv_type == GGML_TYPE_Q8_0:
             dest.copy_(q8_rows(rows).reshape(-1))
         else:
