@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
 import torch
@@ -245,11 +246,7 @@ async def test_token_row_frames_are_received_into_the_lent_state_itself(
     prompt = _prompt(engine, " ".join(QUESTIONS))
     full = engine.generate(prompt, None, GREEDY)
     for codec in ("fp16", "exact"):
-        settings = PodSettings(redis_url=redis_server.url, namespace=f"rows-{codec}", codec=codec, block_tokens=b,
-                               local_tier_bytes=0)
-        store = BlockStore(store_settings(settings))
-        pipe = Pipeline(settings, engine, store, codec, PodMetrics(), None)
-        try:
+        async with _rows_pod(engine, redis_server, codec, b) as (store, pipe):
             assert pipe.codecs.main.spec.rows
             hashes = pipe.hashes(b"rows", prompt[:-1])
             frames = [pipe.codecs.at(i).encode(full.kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
@@ -277,10 +274,23 @@ async def test_token_row_frames_are_received_into_the_lent_state_itself(
             assert gen.cached_tokens == len(hashes) * b and gen.token_ids == full.token_ids
 
             await _corrupt_block_2_then_hit(store, pipe, hashes, frames, prompt, full.token_ids)
-        finally:
-            await store.clear_namespace()
-            await store.close()
-            pipe.close()
+
+
+@contextlib.asynccontextmanager
+async def _rows_pod(engine: LlamaCppEngine, redis_server: RedisProcess, codec: str,
+                    b: int) -> AsyncIterator[tuple[BlockStore, Pipeline]]:
+    """A pod's store and pipeline of codec `codec` on `engine`, no local tier; emptied after, and every context the
+    engine lent back in its pool."""
+    settings = PodSettings(redis_url=redis_server.url, namespace=f"rows-{codec}", codec=codec, block_tokens=b,
+                           local_tier_bytes=0)
+    store = BlockStore(store_settings(settings))
+    pipe = Pipeline(settings, engine, store, codec, PodMetrics(), None)
+    try:
+        yield store, pipe
+    finally:
+        await store.clear_namespace()
+        await store.close()
+        pipe.close()
     await _all_contexts_back(engine)
 
 
@@ -488,11 +498,7 @@ async def test_q8_frames_are_received_into_a_q8_0_state_and_the_reply_is_unchang
     engine, b = q8_engine, 16
     prompt = _prompt(engine, " ".join(QUESTIONS))
     full = engine.generate(prompt, None, GREEDY)
-    settings = PodSettings(redis_url=redis_server.url, namespace="rows-q8", codec="q8", block_tokens=b,
-                           local_tier_bytes=0)
-    store = BlockStore(store_settings(settings))
-    pipe = Pipeline(settings, engine, store, "q8", PodMetrics(), None)
-    try:
+    async with _rows_pod(engine, redis_server, "q8", b) as (store, pipe):
         hashes = pipe.hashes(b"rows", prompt[:-1])
         frames = [pipe.codecs.at(i).encode(full.kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
         assert await store.put_blocks(pipe.model_key, hashes, frames) == len(hashes) >= 3
@@ -529,8 +535,3 @@ async def test_q8_frames_are_received_into_a_q8_0_state_and_the_reply_is_unchang
         assert engine.give_context(out)
 
         await _corrupt_block_2_then_hit(store, pipe, hashes, frames, prompt, full.token_ids)
-    finally:
-        await store.clear_namespace()
-        await store.close()
-        pipe.close()
-    await _all_contexts_back(engine)

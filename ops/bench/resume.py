@@ -94,8 +94,7 @@ class ResumeBench:
         """Run `fn` where a pod calls its engine (service.threads): an engine that runs torch on the process's compute
         thread, any other (llama.cpp, which computes on a thread of its own) on a thread that keeps torch to one core,
         as a pod's request threads do. The recompute, floor and naive methods get the cores exactly as the pod's hit
-        path does: a q8_0 state assembled for the floor with torch on every core would leave libgomp's team spinning
-        beside the hit that follows it."""
+        path does (the floor of a q8 hit assembles a q8_0 state with torch, which a pod does on one core)."""
         from service import threads  # noqa: PLC0415
 
         if getattr(self.engine, "runs_torch", True):
@@ -397,7 +396,8 @@ def _finish(rows: list[dict[str, Any]]) -> None:
     by = {(r["context"], r["method"]): r for r in rows}
     for r in rows:
         burst = r["method"].split("-", 1)[0] if r["method"].startswith("burst") else None
-        rec = by.get((r["context"], f"{burst}-recompute" if burst else "recompute" + _cache_suffix(r["method"])))
+        rec = (by.get((r["context"], f"{burst}-recompute")) if burst else
+               by.get((r["context"], "recompute" + _cache_suffix(r["method"]))) or by.get((r["context"], "recompute")))
         if rec and r["ttft_ms_p50"] > 0:
             r["speedup_vs_recompute"] = rec["ttft_ms_p50"] / r["ttft_ms_p50"]
         if r["method"].startswith("kvstash-"):
@@ -434,7 +434,7 @@ async def _measure(args: argparse.Namespace, url: str) -> tuple[list[dict[str, A
     every = [m.strip() for m in args.modes.split(",") if m.strip()]
     groups: dict[str, list[str]] = {}  # the modes each engine runs (a llamacpp pod's cache type follows its codec)
     for mode in every:
-        groups.setdefault(_cache_suffix("kvstash-" + mode) if args.engine == "llamacpp" else "", []).append(mode)
+        groups.setdefault(_cache_suffix(f"kvstash-{mode}") if args.engine == "llamacpp" else "", []).append(mode)
     rows: list[dict[str, Any]] = []
     profile: dict[str, Any] = {}
     for suffix, modes in groups.items():
@@ -449,8 +449,14 @@ async def _measure(args: argparse.Namespace, url: str) -> tuple[list[dict[str, A
 
 
 def _cache_suffix(method: str) -> str:
-    """What a method's recompute is called after "recompute": "-q8_0" for q8 (the llamacpp engine's q8_0 cache)."""
-    return "-q8_0" if method.removeprefix("kvstash-").removeprefix("floor-").split("+")[0].split("/")[0] == "q8" else ""
+    """What a hit's or floor's recompute is called after "recompute" on the llamacpp engine: "-" and the KV cache type
+    its codec runs (`kv_cache_type`: "-q8_0" for q8), "" for an f16 cache and for every other method."""
+    from service.engines import kv_cache_type  # noqa: PLC0415
+
+    if not method.startswith(("kvstash-", "floor-")):
+        return ""
+    kind = kv_cache_type(method.split("-", 1)[1])
+    return "" if kind == "f16" else f"-{kind}"
 
 
 async def _measure_engine(args: argparse.Namespace, bench: ResumeBench, contexts: list[int], modes: list[str],

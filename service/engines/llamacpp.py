@@ -223,9 +223,9 @@ class LlamaCppEngine:
         layers = int(lib.llama_model_n_layer(self._model))
         heads, kv_heads = int(lib.llama_model_n_head(self._model)), int(lib.llama_model_n_head_kv(self._model))
         head_dim = self._meta_int("attention.key_length") or int(lib.llama_model_n_embd(self._model)) // heads
-        # a q8_0 cache is parsed into float32, which holds its values exactly (llamastate)
+        # a q8_0 cache is parsed into float32, which holds its values exactly
         self.geometry = KvGeometry(layers, kv_heads, head_dim,
-                                   torch.float16 if kv_type == "f16" else torch.float32, per_seq)
+                                   llamastate.parsed_dtype(llamastate.KV_TYPES[kv_type]), per_seq)
         template = lib.llama_model_chat_template(self._model, None)
         self._template = template.decode("utf-8") if template else None
         self._add_bos = bool(lib.llama_vocab_get_add_bos(self._vocab_p))
@@ -312,9 +312,8 @@ class LlamaCppEngine:
         return geo
 
     def fingerprint(self, block_tokens: int, codec_name: str) -> ModelFingerprint:
-        engine_id = f"llamacpp-{PINNED_VERSION}/state-v{llamastate.LAYOUT_VERSION}"
-        if self.kv_type != "f16":  # another cache computes other K and V (and flash attention other logits)
-            engine_id += f"/kv-{self.kv_type}"
+        engine_id = (f"llamacpp-{PINNED_VERSION}/state-v{llamastate.LAYOUT_VERSION}"
+                     + llamastate.cache_tag(self.state_geometry.kv_type))
         return gguf_fingerprint(engine_id, self._digest, self._template or "", self._add_bos, self.geometry,
                                 block_tokens, codec_name)
 
@@ -474,8 +473,8 @@ class LlamaCppEngine:
             return None
         if lent.tensor is not None:
             if cached > lent.placed:
-                llamastate.write_rows(lent.state, lent.cells, self.state_geometry, lent.placed,
-                                      lent.tensor[:, :, :, lent.placed:cached])
+                llamastate.write_q8_rows(lent.state, lent.cells, self.state_geometry, lent.placed,
+                                         lent.tensor[:, :, :, lent.placed:cached])
             return lent.state, lent.cells
         if 2 * cached < lent.cells:
             return None

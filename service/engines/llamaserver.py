@@ -224,10 +224,8 @@ class LlamaServerEngine:
 
     # -- identity and text -----------------------------------------------------------------------
     def fingerprint(self, block_tokens: int, codec_name: str) -> ModelFingerprint:
-        engine_id = f"llama-server/state-v{llamastate.LAYOUT_VERSION}"
-        kind = self.state_geometry.kv_type
-        if kind != llamastate.GGML_TYPE_F16:  # a server on another cache type computes other K and V
-            engine_id += "/kv-" + next(name for name, code in llamastate.KV_TYPES.items() if code == kind)
+        engine_id = f"llama-server/state-v{llamastate.LAYOUT_VERSION}" + llamastate.cache_tag(
+            self.state_geometry.kv_type)
         return gguf_fingerprint(engine_id, self._digest, self._template, self._bos is not None, self.geometry,
                                 block_tokens, codec_name)
 

@@ -41,6 +41,17 @@ MAGIC = 0xAF143CD8
 GGML_TYPE_F16 = 1
 GGML_TYPE_Q8_0 = 8
 KV_TYPES = {"f16": GGML_TYPE_F16, "q8_0": GGML_TYPE_Q8_0}  # the cache types kvstash reads, by llama.cpp's names
+
+
+def parsed_dtype(kv_type: int) -> torch.dtype:
+    """What `parse_state` returns of a cache of `kv_type`: float16 of F16, float32 of Q8_0 (its values exactly)."""
+    return torch.float32 if kv_type == GGML_TYPE_Q8_0 else torch.float16
+
+
+def cache_tag(kv_type: int) -> str:
+    """What an engine's fingerprint adds for a cache of `kv_type`: nothing for F16, "/kv-q8_0" for Q8_0 (another
+    cache computes other K and V, and flash attention other logits)."""
+    return "" if kv_type == GGML_TYPE_F16 else "/kv-" + next(n for n, code in KV_TYPES.items() if code == kv_type)
 # Bump when the layout above changes: it is part of the llama.cpp engine's fingerprint.
 LAYOUT_VERSION = 1
 _CELL = struct.Struct("<iIi")  # pos, n_seq_id, seq_id (one sequence per cell)
@@ -86,8 +97,8 @@ class StateGeometry:
 
     @property
     def dtype(self) -> torch.dtype:
-        """What `parse_state` returns: float16 of an F16 cache, float32 (exact) of a Q8_0 one."""
-        return torch.float32 if self.kv_type == GGML_TYPE_Q8_0 else torch.float16
+        """What `parse_state` returns (`parsed_dtype`)."""
+        return parsed_dtype(self.kv_type)
 
 
 class _Reader:
@@ -320,7 +331,7 @@ def assemble_state(kv: torch.Tensor, geo: StateGeometry, seq_id: int = 0, into: 
     buf = _buffer(n, geo, into)
     if geo.kv_type == GGML_TYPE_Q8_0:
         _write_layout(buf, n, geo, seq_id)
-        write_rows(buf, n, geo, 0, kv)
+        write_q8_rows(buf, n, geo, 0, kv)
         return buf
     src = kv.detach().cpu().numpy() if kv.dtype == torch.float16 else kv.detach().cpu().float().numpy()
     view = memoryview(buf)
@@ -352,7 +363,7 @@ def state_view(n: int, geo: StateGeometry, seq_id: int = 0,
 
 
 def lay_out(buf: bytearray, n: int, geo: StateGeometry, seq_id: int = 0) -> bytearray:
-    """A state of `n` cells in `buf` whose K and V are left to fill (`row_pieces`, `write_rows`): everything else
+    """A state of `n` cells in `buf` whose K and V are left to fill (`row_pieces`, `write_q8_rows`): everything else
     written as `assemble_state` writes it."""
     _write_layout(_buffer(n, geo, buf), n, geo, seq_id)
     return buf
@@ -380,18 +391,15 @@ def state_view_strides(n: int, geo: StateGeometry) -> tuple[int, int, int, int, 
     return layer, geo.num_layers * layer, geo.head_dim, geo.row_elements, 1
 
 
-def write_rows(buf: bytearray, n: int, geo: StateGeometry, start: int, kv: torch.Tensor) -> None:
-    """kv [layers, 2, kv_heads, count, head_dim] into cells [start, start + count) of the state of `n` cells in `buf`
-    (laid out already: `_write_layout`), quantized where the cache is Q8_0 (`q8_rows`, which reproduces the bytes of
-    a parsed state exactly)."""
+def write_q8_rows(buf: bytearray, n: int, geo: StateGeometry, start: int, kv: torch.Tensor) -> None:
+    """kv [layers, 2, kv_heads, count, head_dim] quantized into cells [start, start + count) of the Q8_0 state of `n`
+    cells in `buf` (laid out already: `lay_out`), by `q8_rows`, which reproduces the bytes of a parsed state exactly.
+    (An F16 state is written by `assemble_state`, or through `state_view`.)"""
+    if geo.kv_type != GGML_TYPE_Q8_0:
+        raise StateLayoutError(f"write_q8_rows writes Q8_0 rows, not ggml type {geo.kv_type}")
     count = int(kv.shape[3])
     if not count:
         return
     for i, piece in enumerate(row_pieces(buf, n, geo, start, count)):
         layer, half = divmod(i, 2)
-        rows = kv[layer, half].transpose(0, 1)  # [count, H, D]
-        dest = torch.frombuffer(piece, dtype=torch.uint8)
-        if geo.kv_type == GGML_TYPE_Q8_0:
-            dest.copy_(q8_rows(rows).reshape(-1))
-        else:
-            dest.view(torch.float16).view(count, geo.kv_heads, geo.head_dim).copy_(rows)
+        torch.frombuffer(piece, dtype=torch.uint8).copy_(q8_rows(kv[layer, half].transpose(0, 1)).reshape(-1))
