@@ -31,11 +31,11 @@ import torch
 from cachestore.errors import ConfigError
 from cachestore.hashing import ModelFingerprint
 from service import threads as torch_threads
-from service.contextpool import IdlePool
 from service.engines import llamastate
 from service.engines.base import KvGeometry, PrefillHook, gguf_fingerprint
 from service.engines.chat import chat_token_ids
 from service.engines.generation import Generation, GenParams, TextStream, make_generator, pick, reply_ids
+from service.engines.lending import LendsStates, StateLender, state_buffers
 from service.rehydrate import LayerGate
 
 log = logging.getLogger("kvstash.llamacpp")
@@ -83,28 +83,8 @@ def file_digest(path: Path) -> str:
     return "b2:" + h.hexdigest()
 
 
-@dataclass
-class _Lent:
-    """A context `context_for` lent: the pooled state buffer, its cells, and (beside a q8_0 state) the float32 tensor
-    lent with it and how many leading cells were received into the state as rows."""
-
-    state: bytearray
-    cells: int
-    tensor: torch.Tensor | None = None
-    placed: int = 0
-
-
 class StreamClosedError(Exception):
     """The request was abandoned (its client went away, or the engine closed)."""
-
-
-STATE_ROUND_BYTES = 4 << 20  # pooled state buffers are rounded up so that one also fits later, longer states
-
-
-def _state_buffers(keep: int) -> IdlePool[bytearray]:
-    """Sequence-state buffers kept between requests: a fresh 47 MB bytearray, a 2048-token state of SmolLM2,
-    costs ~17 ms of zeroing and page faults before a hit can be set."""
-    return IdlePool(len, lambda size: bytearray(-(-size // STATE_ROUND_BYTES) * STATE_ROUND_BYTES), keep)
 
 
 @dataclass
@@ -168,7 +148,7 @@ class _Vocab:
         return b"".join(self.piece(int(t), not skip_special_tokens) for t in ids).decode("utf-8", errors="replace")
 
 
-class LlamaCppEngine:
+class LlamaCppEngine(LendsStates):
     """A GGUF model served by llama.cpp with continuous batching over `parallel` sequences."""
 
     kind = "llamacpp"
@@ -234,17 +214,15 @@ class LlamaCppEngine:
         self.state_geometry = self._probe_layout()
         # exact and fp16 frames as token rows, the order the state holds K and V in: a hit lands in the state itself
         self.row_frames = not self.state_geometry.v_trans
-        # a q8_0 state has no float view: a context lent is a float32 tensor beside the state, and rows received into
-        # the state (q8 frames) never pass through the tensor (`context_for`)
-        self.rows_apart = kv_type != "f16"
         self._digest = file_digest(path)
         self.restore_failures = 0
         self._inbox: queue.Queue[_Request] = queue.Queue()
         self._free = list(range(parallel))
-        self._state_buffers = _state_buffers(keep=parallel)
-        self._snapshots = _state_buffers(keep=parallel)  # finished sequences' states, read back for the write-back
-        self._lent: dict[int, _Lent] = {}  # context_for's contexts by address
-        self._lent_lock = threading.Lock()
+        self._state_buffers = state_buffers(keep=parallel)
+        self._snapshots = state_buffers(keep=parallel)  # finished sequences' states, read back for the write-back
+        # contexts lent to the pipeline are these states (service.engines.lending): a q8_0 state has no float view, so
+        # a float32 tensor is lent beside it, and rows received into the state (q8 frames) never pass through it
+        self._lender = StateLender(self.state_geometry, self.geometry, self._state_buffers)
         self._active: list[_Request] = []
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvstash-llamacpp", daemon=True)
@@ -402,84 +380,15 @@ class LlamaCppEngine:
             reply_ids=reply_ids(req.generated, req.ended_by_token, req.cut_by_stop), kv_from=kv_from,
         )
 
-    def context_for(self, tokens: int) -> torch.Tensor | None:
-        """A float16 [layers, 2, kv_heads, tokens, head_dim] view of the K and V of a pooled sequence state of
-        `tokens` cells (`llamastate.state_view`): a hit dequantized into it is set as it is, none assembled (9.5 ms
-        at 2048 SmolLM2 tokens, a copy of the whole KV). None where V is stored transposed. Back with
-        `give_context` once nothing reads or writes it."""
-        geo = self.state_geometry
-        if tokens <= 0 or geo.v_trans:
-            return None
-        buf = self._state_buffers.take(llamastate.state_size(tokens, geo))
-        if self.rows_apart:  # a float32 tensor beside the state: only what is written into it is ever touched
-            llamastate.lay_out(buf, tokens, geo)
-            g = self.geometry
-            kv = torch.empty((g.num_layers, 2, g.kv_heads, tokens, g.head_dim), dtype=g.dtype)
-        else:
-            made = llamastate.state_view(tokens, geo, into=buf)
-            assert made is not None
-            kv = made[1]
-        with self._lent_lock:
-            self._lent[kv.data_ptr()] = _Lent(buf, tokens, kv if self.rows_apart else None)
-        return kv
-
-    def mark_placed(self, kv: torch.Tensor, tokens: int) -> None:
-        """Cells [0, tokens) of the context `context_for` lent were received into its state as rows (`context_rows`)
-        and verified; where rows lie apart from the tensor (a q8_0 cache), the cells after them are taken from the
-        tensor when the context is set."""
-        with self._lent_lock:
-            lent = self._lent.get(kv.data_ptr())
-            if lent is not None:
-                lent.placed = max(0, min(tokens, lent.cells))
-
-    def context_rows(self, kv: torch.Tensor, start: int, count: int) -> list[memoryview] | None:
-        """Where cells [start, start + count) of a context `context_for` lent hold their K and V rows (per layer its
-        K, then its V: a token-rows frame's payload, received there); None for any other tensor."""
-        with self._lent_lock:
-            lent = self._lent.get(kv.data_ptr())
-        if lent is None or start + count > lent.cells:
-            return None
-        return llamastate.row_pieces(lent.state, lent.cells, self.state_geometry, start, count)
-
-    def give_context(self, kv: torch.Tensor) -> bool:
-        """Take back a view `context_for` lent; False for any other tensor."""
-        with self._lent_lock:
-            lent = self._lent.pop(kv.data_ptr(), None)
-        if lent is None:
-            return False
-        self._state_buffers.give(lent.state)
-        return True
-
-    def is_lent(self, kv: torch.Tensor) -> bool:
-        """Whether `kv` starts where a context `context_for` lent starts, and that context has not come back."""
-        with self._lent_lock:
-            return kv.data_ptr() in self._lent
-
-    @property
-    def contexts_lent(self) -> int:
-        """Contexts lent and not yet given back."""
-        with self._lent_lock:
-            return len(self._lent)
-
     def _lent_state(self, cached_kv: torch.Tensor, cached: int) -> tuple[bytearray, int] | None:
-        """The state `cached_kv` is a view of (`context_for`, the first `cached` of its cells or more) and how many
-        cells it holds; None when it is no such view, or when setting it whole would copy more than twice the
-        cells wanted (the cells past `cached` are set, then dropped: see `_admit`). A tensor lent beside a q8_0
-        state: the cells not received into the state as rows (`mark_placed`) are quantized into it from the tensor
-        first, however many they are."""
-        with self._lent_lock:
-            lent = self._lent.get(cached_kv.data_ptr())
-        if lent is None:
+        """The state of the context lent `cached_kv` is (`StateLender.take`) and how many cells it holds; None when it
+        is no such context, or when setting an F16 state whole would copy more than twice the cells wanted (the cells
+        past `cached` are set, then dropped: see `_admit`). A q8_0 state is set whatever its cells: it holds the
+        rows."""
+        lent = self._lender.take(cached_kv, cached)
+        if lent is None or (lent.tensor is None and 2 * cached < lent.cells):
             return None
-        if lent.tensor is not None:
-            if cached > lent.placed:
-                llamastate.write_q8_rows(lent.state, lent.cells, self.state_geometry, lent.placed,
-                                         lent.tensor[:, :, :, lent.placed:cached])
-            return lent.state, lent.cells
-        if 2 * cached < lent.cells:
-            return None
-        expected = llamastate.state_view_strides(lent.cells, self.state_geometry)
-        return (lent.state, lent.cells) if tuple(cached_kv.stride()) == expected else None
+        return lent.state, lent.cells
 
     def score(self, cached_kv: torch.Tensor, ids: list[int]) -> torch.Tensor:
         """Logits [len(ids), vocab] of `ids` fed after the KV of cached_kv.shape[3] tokens (the quality

@@ -1,0 +1,169 @@
+"""Sequence states lent to the pipeline as contexts: a hit lands in the state a llama.cpp runtime is handed.
+
+Both llama.cpp engines take cached KV as llama.cpp sequence state: the in-process one sets it
+(`llama_state_seq_set_data`), the sidecar writes it into a slot file for llama-server to restore. A context
+lent from here is a pooled state buffer, laid out, whose K and V a hit fills where the state holds them:
+
+- F16: the tensor lent is a float16 view of the state's K and V (`llamastate.state_view`): whatever the
+  pipeline writes into it (frames dequantized, a tail) is the state.
+- Q8_0: no float view exists, so a float32 tensor is lent beside the state (`rows_apart`). q8 frames are
+  received into the state's rows (`rows`, then `mark_placed`), never through the tensor; cells past the
+  placed ones (a tail, a session's partial block) are quantized from the tensor into the state by `take`.
+
+Token-rows frames (`CodecSpec.rows`) are received straight into the state either way (`rows`).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from service.contextpool import IdlePool
+from service.engines import llamastate
+from service.engines.base import KvGeometry
+
+STATE_ROUND_BYTES = 4 << 20  # pooled state buffers are rounded up so that one also fits later, longer states
+
+
+def state_buffers(keep: int) -> IdlePool[bytearray]:
+    """Sequence-state buffers kept between requests: a fresh 47 MB bytearray, a 2048-token state of SmolLM2,
+    costs ~17 ms of zeroing and page faults before a hit can be set."""
+    return IdlePool(len, lambda size: bytearray(-(-size // STATE_ROUND_BYTES) * STATE_ROUND_BYTES), keep)
+
+
+@dataclass
+class Lent:
+    """A context lent: the pooled state buffer, its cells, and (beside a q8_0 state) the float32 tensor lent with it
+    and how many leading cells were received into the state as rows."""
+
+    state: bytearray
+    cells: int
+    tensor: torch.Tensor | None = None
+    placed: int = 0
+
+
+class StateLender:
+    """The contexts an engine lends, by the address of the tensor lent (thread-safe)."""
+
+    def __init__(self, state_geometry: llamastate.StateGeometry, geometry: KvGeometry,
+                 buffers: IdlePool[bytearray]) -> None:
+        self.state_geometry, self.geometry, self.buffers = state_geometry, geometry, buffers
+        # a q8_0 state has no float view: the tensor lent lies beside it, and rows received into the state (q8
+        # frames) never pass through the tensor
+        self.rows_apart = state_geometry.kv_type != llamastate.GGML_TYPE_F16
+        self._lent: dict[int, Lent] = {}
+        self._lock = threading.Lock()
+
+    def context_for(self, tokens: int) -> torch.Tensor | None:
+        """A [layers, 2, kv_heads, tokens, head_dim] context whose K and V become a state of `tokens` cells: a
+        float16 view of the state, or a float32 tensor beside a q8_0 one. None where V is stored transposed (no
+        rows to land in). Back with `give_context` once nothing reads or writes it."""
+        geo = self.state_geometry
+        if tokens <= 0 or geo.v_trans:
+            return None
+        buf = self.buffers.take(llamastate.state_size(tokens, geo))
+        if self.rows_apart:  # only what is written into the tensor is ever touched
+            llamastate.lay_out(buf, tokens, geo)
+            g = self.geometry
+            kv = torch.empty((g.num_layers, 2, g.kv_heads, tokens, g.head_dim), dtype=g.dtype)
+        else:
+            made = llamastate.state_view(tokens, geo, into=buf)
+            assert made is not None
+            kv = made[1]
+        with self._lock:
+            self._lent[kv.data_ptr()] = Lent(buf, tokens, kv if self.rows_apart else None)
+        return kv
+
+    def mark_placed(self, kv: torch.Tensor, tokens: int) -> None:
+        """Cells [0, tokens) of a context lent were received into its state as rows (`rows`) and verified; where rows
+        lie apart from the tensor (q8_0), the cells after them are taken from the tensor (`take`)."""
+        with self._lock:
+            lent = self._lent.get(kv.data_ptr())
+            if lent is not None:
+                lent.placed = max(0, min(tokens, lent.cells))
+
+    def rows(self, kv: torch.Tensor, start: int, count: int) -> list[memoryview] | None:
+        """Where cells [start, start + count) of a context lent hold their K and V rows (per layer its K, then its V:
+        a token-rows frame's payload, received there); None for any other tensor."""
+        with self._lock:
+            lent = self._lent.get(kv.data_ptr())
+        if lent is None or start + count > lent.cells:
+            return None
+        return llamastate.row_pieces(lent.state, lent.cells, self.state_geometry, start, count)
+
+    def give_back(self, kv: torch.Tensor) -> bool:
+        """Take back a context lent; False for any other tensor."""
+        with self._lock:
+            lent = self._lent.pop(kv.data_ptr(), None)
+        if lent is None:
+            return False
+        self.buffers.give(lent.state)
+        return True
+
+    def is_lent(self, kv: torch.Tensor) -> bool:
+        """Whether `kv` starts where a context lent starts, and that context has not come back."""
+        with self._lock:
+            return kv.data_ptr() in self._lent
+
+    @property
+    def lent(self) -> int:
+        """Contexts lent and not yet given back."""
+        with self._lock:
+            return len(self._lent)
+
+    def take(self, cached_kv: torch.Tensor, cached: int) -> Lent | None:
+        """The lent context `cached_kv` is (its first `cached` cells or more), with those cells in its state; None
+        when it is no context lent, or a view of one in another shape. Beside a q8_0 state, the cells not received
+        as rows (`mark_placed`) are quantized into the state from the tensor first. The context stays lent."""
+        with self._lock:
+            lent = self._lent.get(cached_kv.data_ptr())
+        if lent is None or cached > lent.cells:
+            return None
+        if lent.tensor is not None:
+            if cached > lent.placed:
+                llamastate.write_q8_rows(lent.state, lent.cells, self.state_geometry, lent.placed,
+                                         lent.tensor[:, :, :, lent.placed:cached])
+            return lent
+        expected = llamastate.state_view_strides(lent.cells, self.state_geometry)
+        return lent if tuple(cached_kv.stride()) == expected else None
+
+
+class LendsStates:
+    """An engine's side of lending (both llama.cpp engines): the context methods the pipeline calls, on `_lender`."""
+
+    _lender: StateLender
+
+    @property
+    def rows_apart(self) -> bool:
+        """Rows received into a lent state lie apart from the tensor lent with it (a q8_0 cache)."""
+        return self._lender.rows_apart
+
+    def context_for(self, tokens: int) -> torch.Tensor | None:
+        """A [layers, 2, kv_heads, tokens, head_dim] context whose K and V become a pooled sequence state of `tokens`
+        cells: a hit received or dequantized into it is handed to llama.cpp as it is, none assembled (a copy of the
+        whole KV, 9.5 ms at 2048 SmolLM2 tokens). None where V is stored transposed. Back with `give_context` once
+        nothing reads or writes it."""
+        return self._lender.context_for(tokens)
+
+    def mark_placed(self, kv: torch.Tensor, tokens: int) -> None:
+        """Cells [0, tokens) of a context lent were received into its state as rows (`context_rows`) and verified."""
+        self._lender.mark_placed(kv, tokens)
+
+    def context_rows(self, kv: torch.Tensor, start: int, count: int) -> list[memoryview] | None:
+        """Where cells [start, start + count) of a context lent hold their K and V rows; None for any other tensor."""
+        return self._lender.rows(kv, start, count)
+
+    def give_context(self, kv: torch.Tensor) -> bool:
+        """Take back a context `context_for` lent; False for any other tensor."""
+        return self._lender.give_back(kv)
+
+    def is_lent(self, kv: torch.Tensor) -> bool:
+        """Whether `kv` starts where a context `context_for` lent starts, and that context has not come back."""
+        return self._lender.is_lent(kv)
+
+    @property
+    def contexts_lent(self) -> int:
+        """Contexts lent and not yet given back."""
+        return self._lender.lent
