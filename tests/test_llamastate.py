@@ -187,3 +187,40 @@ def test_no_row_pieces_where_v_is_transposed_or_past_the_cells() -> None:
         llamastate.row_pieces(buf, 4, StateGeometry(2, 2, 3, True), 0, 4)
     with pytest.raises(StateLayoutError, match="cells"):
         llamastate.row_pieces(buf, 4, geo, 2, 3)
+
+
+@pytest.mark.parametrize("kv_type", [llamastate.GGML_TYPE_F16, llamastate.GGML_TYPE_Q8_0])
+@pytest.mark.parametrize(("n", "count", "n_stream"), [(9, 9, 1), (9, 4, 2), (5, 1, 1)])
+def test_the_first_cells_of_a_state_are_written_from_its_own_bytes(kv_type: int, n: int, count: int,
+                                                                   n_stream: int) -> None:
+    """A state laid out for n cells (a context lent for a hit) gives the state of its first `count` cells as pieces:
+    joined, the bytes assemble_state writes for their KV; its rows are the buffer's own, never copied."""
+    geo = StateGeometry(3, 2, 32, False, n_stream, kv_type)
+    kv = torch.randn(3, 2, 2, n, 32)
+    buf = bytearray(b"\xab" * (llamastate.state_size(n, geo) + 64))
+    if kv_type == llamastate.GGML_TYPE_F16:
+        made = llamastate.state_view(n, geo, seq_id=3, into=buf)
+        assert made is not None
+        made[1].copy_(kv)
+        kv = kv.half()
+    else:
+        llamastate.lay_out(buf, n, geo, seq_id=3)
+        llamastate.write_q8_rows(buf, n, geo, 0, kv)
+        kv = parse_state(bytes(assemble_state(kv, geo)), geo)  # the values a q8_0 state holds
+    pieces = llamastate.state_pieces(buf, n, geo, count)
+    assert b"".join(bytes(p) for p in pieces) == bytes(assemble_state(kv[:, :, :, :count], geo, seq_id=3))
+    layer_0_k = pieces[3]
+    assert isinstance(layer_0_k, memoryview) and len(layer_0_k) == 12 + count * geo.row_bytes
+    before = bytes(buf)
+    layer_0_k[12] ^= 0xFF  # a view of the buffer: the state itself changed
+    assert sum(x != y for x, y in zip(before, bytes(buf), strict=True)) == 1
+
+
+def test_no_first_cells_where_v_is_transposed_or_past_the_cells() -> None:
+    geo = StateGeometry(2, 2, 3, False)
+    buf = llamastate.lay_out(bytearray(llamastate.state_size(4, geo)), 4, geo)
+    with pytest.raises(StateLayoutError, match="transposed"):
+        llamastate.state_pieces(buf, 4, StateGeometry(2, 2, 3, True), 4)
+    for count in (0, 5):
+        with pytest.raises(StateLayoutError, match="first"):
+            llamastate.state_pieces(buf, 4, geo, count)

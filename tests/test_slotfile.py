@@ -55,6 +55,17 @@ def test_the_kv_of_the_later_tokens_is_read_alone(tmp_path: Path) -> None:
         assert torch.equal(saved.kv, _kv(4)[:, :, :, min(start, 4):]), start
 
 
+def test_a_slot_file_of_the_first_cells_of_a_lent_state_is_written_from_its_rows(tmp_path: Path) -> None:
+    """A hit landed in a state of 6 cells (a context lent) restores its first 4 as the very file `assemble` writes."""
+    made = llamastate.state_view(6, GEO, into=bytearray(llamastate.state_size(6, GEO)))
+    assert made is not None
+    state, view = made
+    view.copy_(torch.cat([_kv(4), torch.full((2, 2, 2, 2, 3), 9.0, dtype=torch.float16)], dim=3))
+    pieces = slotfile.from_state(TOKENS, state, 6, GEO)
+    assert slotfile.write_pieces(tmp_path / "s.bin", pieces) == len(_golden(TOKENS, _kv(4)))
+    assert (tmp_path / "s.bin").read_bytes() == _golden(TOKENS, _kv(4))
+
+
 def test_a_plain_token_list_of_older_servers_is_read() -> None:
     assert slotfile.parse(_golden(TOKENS, _kv(4), token_words=TOKENS), GEO).tokens == TOKENS
 

@@ -369,6 +369,26 @@ def lay_out(buf: bytearray, n: int, geo: StateGeometry, seq_id: int = 0) -> byte
     return buf
 
 
+def state_pieces(buf: bytearray, n: int, geo: StateGeometry, count: int) -> list[memoryview | bytes]:
+    """The state of the first `count` cells of a state of `n` cells in `buf` (laid out: `lay_out`, `state_view`), as
+    pieces to write one after another: byte for byte `assemble_state` of their K and V, with no copy of it (the cells'
+    metadata and each layer's header and rows are views of `buf`)."""
+    if geo.v_trans:
+        raise StateLayoutError("V is stored transposed: a state's first cells are no run of its bytes")
+    if not 0 < count <= n:
+        raise StateLayoutError(f"the first {count} cells of a state of {n}")
+    view, layer, row = memoryview(buf), _layer_bytes(n, geo), geo.row_bytes
+    head = bytes(view[:12]) + struct.pack("<I", count)
+    k0 = _first_k(n)
+    v0 = k0 + geo.num_layers * layer
+    cells_end = 16 + _CELL.size * count
+    pieces: list[memoryview | bytes] = [head, view[16:cells_end], bytes(view[16 + _CELL.size * n:k0 - 12])]
+    for first in (k0, v0):
+        pieces += [view[at - 12:at + count * row] for at in range(first, first + geo.num_layers * layer, layer)]
+    pieces.append(bytes(4 * (geo.n_stream - 1)))  # the other streams: cell_count 0
+    return pieces
+
+
 def row_pieces(buf: bytearray, n: int, geo: StateGeometry, start: int, count: int) -> list[memoryview]:
     """Where cells [start, start + count) of a state of `n` cells (`state_view`'s layout) hold their K and V: per
     layer its K rows, then its V rows, each a writable view of `buf` (the payload order of a token-rows frame,

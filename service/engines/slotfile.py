@@ -103,22 +103,40 @@ def read(path: Path, geo: llamastate.StateGeometry, start: int = 0) -> SlotFile:
     return parse(path.read_bytes(), geo, start)
 
 
+def _head(tokens: list[int]) -> list[memoryview | bytes]:
+    """A slot file's header and token words."""
+    n = len(tokens)
+    packed = np.empty(n + 4, dtype=np.int32)
+    packed[0], packed[1], packed[2], packed[3 + n] = TOKENS_MARKER, TOKENS_VERSION, n, 0
+    packed[3 : 3 + n] = tokens
+    return [_HEADER.pack(MAGIC, VERSION, n + 4), packed.tobytes()]
+
+
 def assemble(tokens: list[int], kv: torch.Tensor, geo: llamastate.StateGeometry) -> list[memoryview | bytes]:
     """The pieces of the slot file holding `kv` [layers, 2, kv_heads, len(tokens), head_dim] for `tokens`,
     byte for byte what llama-server itself saves; written one after another (no joined copy of the KV)."""
     if kv.shape[3] != len(tokens):
         raise SlotFileError(f"{len(tokens)} tokens but KV of {kv.shape[3]}")
-    n = len(tokens)
-    packed = np.empty(n + 4, dtype=np.int32)
-    packed[0], packed[1], packed[2], packed[3 + n] = TOKENS_MARKER, TOKENS_VERSION, n, 0
-    packed[3 : 3 + n] = tokens
     state = llamastate.assemble_state(kv, geo)
-    return [_HEADER.pack(MAGIC, VERSION, n + 4), packed.tobytes(), memoryview(state)[_STATE_PREFIX.size :]]
+    return [*_head(tokens), memoryview(state)[_STATE_PREFIX.size :]]
+
+
+def from_state(tokens: list[int], state: bytearray, cells: int,
+               geo: llamastate.StateGeometry) -> list[memoryview | bytes]:
+    """The pieces of the slot file of `tokens` whose KV are the first len(tokens) cells of the sequence state of
+    `cells` cells in `state` (a context lent: service.engines.lending), as `assemble` writes it, with no copy of the
+    KV: the state's own rows are written."""
+    pieces = llamastate.state_pieces(state, cells, geo, len(tokens))
+    return [*_head(tokens), pieces[0][_STATE_PREFIX.size :], *pieces[1:]]
 
 
 def write(path: Path, tokens: list[int], kv: torch.Tensor, geo: llamastate.StateGeometry) -> int:
     """Write the slot file for `tokens` and their `kv` to `path`; returns its size in bytes."""
-    pieces = assemble(tokens, kv, geo)
+    return write_pieces(path, assemble(tokens, kv, geo))
+
+
+def write_pieces(path: Path, pieces: list[memoryview | bytes]) -> int:
+    """Write a slot file's pieces (`assemble`, `from_state`) to `path`; returns its size in bytes."""
     with path.open("wb") as fh:
         for piece in pieces:
             fh.write(piece)
