@@ -49,9 +49,11 @@ def register(sub: Any) -> None:
     p.set_defaults(func=run, engine="llama-server", device=None)
 
 
-def start_engine(args: argparse.Namespace) -> Any:
-    """The llama-server engine: spawned here, or in front of --upstream (probed either way)."""
+def start_engine(args: argparse.Namespace, codec: str = "") -> Any:
+    """The llama-server engine: spawned here (with the KV cache type a pod of `codec` stores: `kv_cache_type`), or in
+    front of --upstream (probed either way)."""
     from cachestore.errors import ConfigError  # noqa: PLC0415
+    from service.engines import kv_cache_type  # noqa: PLC0415
     from service.engines.llamaserver import LlamaServerEngine  # noqa: PLC0415
 
     model = args.model or "smollm2"
@@ -59,12 +61,12 @@ def start_engine(args: argparse.Namespace) -> Any:
     extra = extra[1:] if extra[:1] == ["--"] else extra
     if args.spawn == bool(args.upstream):
         raise ConfigError("give either --upstream URL --slot-dir DIR (a running llama-server) or --spawn")
-    if args.spawn:
+    if args.spawn:  # a sidecar of codec q8 runs llama-server's q8_0 cache, whose bytes its frames are
         return LlamaServerEngine.spawn(
             model, Path(args.slot_dir) if args.slot_dir else None, parallel=args.parallel or 4,
             threads=args.threads or 0, ctx_per_slot=args.ctx_per_slot,
             binary=Path(args.llama_server) if args.llama_server else None, extra_args=extra,
-            reuse_slots=not args.no_cache,
+            reuse_slots=not args.no_cache, kv_type=kv_cache_type(codec),
         )
     if extra:
         raise ConfigError("arguments after -- go to a spawned llama-server; with --upstream, give them to yours")
@@ -132,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         warning = asyncio.run(check_connection(store_settings(settings)))
         if warning:
             print(f"kvstash: warning: {warning}", file=sys.stderr)
-    engine = start_engine(args)  # the port opens only after llama-server is up and probed
+    engine = start_engine(args, settings.codec)  # the port opens only after llama-server is up and probed
     try:
         CodecSpec.parse(settings.codec).check_model(engine.geometry.num_layers, engine.geometry.head_dim)
         settings = settings.with_overrides(parallel=engine.parallel)

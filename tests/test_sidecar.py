@@ -5,6 +5,7 @@ directory llama-server does not write) is a miss or a refusal to start, never a 
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import os
@@ -21,15 +22,19 @@ import torch
 from starlette.testclient import TestClient
 
 from cachestore.errors import ConfigError
+from cachestore.store import BlockStore
 from ops.chatclient import stream_chat
 from ops.llamaserver_build import binary_path
 from ops.redisproc import RedisProcess
 from ops.sidecar_cmd import sidecar_app
 from ops.sidecarproc import SidecarProcess
+from service.app import store_settings
 from service.engines import GenParams, slotfile
 from service.engines.llamacpp import resolve_gguf
 from service.engines.llamaserver import LlamaServerEngine
 from service.engines.llamaserverproc import LlamaServerProcess, wait_healthy
+from service.metrics import PodMetrics
+from service.pipeline import Pipeline
 from service.settings import PodSettings
 from tests.conftest import running, settle
 
@@ -61,14 +66,16 @@ def _conversation(engine: LlamaServerEngine) -> tuple[list[int], list[int], Any]
     return first, second, gen
 
 
-def test_a_llama_server_with_a_q8_0_cache_shares_it_exactly(engine: LlamaServerEngine) -> None:
+async def test_a_llama_server_with_a_q8_0_cache_shares_it_exactly(
+    engine: LlamaServerEngine, redis_server: RedisProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A llama-server run with `--cache-type-k/v q8_0` (and flash attention): the sidecar reads its slot files into
     float32, which q8 frames hold exactly, and restores a cached turn from them, which llama-server reuses; its blocks
-    are named apart from an f16 server's."""
+    are named apart from an f16 server's. A pod's hit of q8 frames is received into the rows of the slot file's state
+    (`_hit_lands_in_the_slot_state`)."""
     from cachestore.codec import Codec  # noqa: PLC0415
 
-    q8 = LlamaServerEngine.spawn("smollm2", parallel=1, threads=1, ctx_per_slot=2048,
-                                 extra_args=("--cache-type-k", "q8_0", "--cache-type-v", "q8_0", "-fa", "on"))
+    q8 = LlamaServerEngine.spawn("smollm2", parallel=1, threads=1, ctx_per_slot=2048, kv_type="q8_0")
     try:
         assert q8.state_geometry.kv_type == 8 and q8.geometry.dtype == torch.float32
         assert q8.fingerprint(64, "q8+lz4").short() != engine.fingerprint(64, "q8+lz4").short()
@@ -82,8 +89,71 @@ def test_a_llama_server_with_a_q8_0_cache_shares_it_exactly(engine: LlamaServerE
         q8.forget()
         hit = q8.generate(second, codec.decode(codec.encode(kept)), GREEDY)
         assert hit.cached_tokens == keep and q8.stats.restores == 1 and hit.token_ids and plain.token_ids
+        await _hit_lands_in_the_slot_state(q8, redis_server, "q8", monkeypatch)
     finally:
         q8.close()
+
+
+async def test_a_hit_lands_in_the_state_of_the_slot_file_it_is_restored_from(
+    engine: LlamaServerEngine, redis_server: RedisProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert engine.row_frames and not engine.rows_apart  # flash attention on: V rows, frames as token rows
+    for codec in ("exact", "int8"):
+        await _hit_lands_in_the_slot_state(engine, redis_server, codec, monkeypatch)
+
+
+async def _hit_lands_in_the_slot_state(engine: LlamaServerEngine, redis_server: RedisProcess, codec: str,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pod's hit lands in a context the sidecar lent: token rows (exact, q8) are received straight into the rows of
+    a sequence state, anything else (int8) is dequantized into a view of it, and the slot file llama-server restores is
+    written from that state, never assembled from a tensor. llama-server reuses every token, and the reply is the one
+    a slot file assembled from the same KV gives. Every context comes back."""
+    b = 16
+    engine.forget()
+    prompt = _conversation(engine)[1]
+    full = engine.generate(prompt, None, GREEDY)
+    settings = PodSettings(redis_url=redis_server.url, namespace=f"slot-{codec}", codec=codec, block_tokens=b,
+                           local_tier_bytes=0)
+    store = BlockStore(store_settings(settings))
+    pipe = Pipeline(settings, engine, store, codec, PodMetrics(), None)
+    try:
+        hashes = pipe.hashes(b"slot", prompt[:-1])
+        frames = [pipe.codecs.at(i).encode(full.kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
+        assert await store.put_blocks(pipe.model_key, hashes, frames) == len(hashes) >= 3
+        hit = len(hashes) * b
+        engine.forget()
+        expected = engine.generate(prompt, _decoded(pipe, frames), GREEDY)  # a slot file assembled from a tensor
+        assert expected.cached_tokens == hit
+        engine.forget()
+        view, _ = await pipe.lookup(b"slot", prompt)
+        assert view.cached_tokens == hit and view.kv is not None and engine.is_lent(view.kv)
+        assert (view.landing is None) == (codec != "int8")  # rows received in place; int8 lands, then dequantized
+        if engine.rows_apart:
+            view.kv.fill_(float("nan"))  # the rows are in the state: nothing of the hit is read from the tensor
+
+        def assembled(*_: object) -> None:
+            raise AssertionError("a lent context's slot file was assembled from a tensor")
+
+        restores = engine.stats.restores
+        with monkeypatch.context() as m:
+            m.setattr(slotfile, "assemble", assembled)
+            gen = await pipe.generate(prompt, view, GREEDY)
+        assert (gen.cached_tokens, engine.stats.restores) == (hit, restores + 1)
+        assert gen.token_ids == expected.token_ids
+    finally:
+        await store.clear_namespace()
+        await store.close()
+        pipe.close()
+    for _ in range(100):  # handed back from the request's done callbacks
+        if not engine.contexts_lent:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.contexts_lent == 0
+
+
+def _decoded(pipe: Pipeline, frames: list[bytes]) -> torch.Tensor:
+    """The KV a pod's frames hold, as a plain tensor (no context lent)."""
+    return torch.cat([pipe.codecs.at(i).decode(f) for i, f in enumerate(frames)], dim=3)
 
 
 def test_a_slot_dir_llama_server_does_not_write_is_refused_at_start(engine: LlamaServerEngine, tmp_path: Path) -> None:
@@ -176,7 +246,7 @@ def test_a_full_slot_directory_is_a_miss(engine: LlamaServerEngine, monkeypatch:
     def full(*args: object) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(slotfile, "write", full)
+    monkeypatch.setattr(slotfile, "write_pieces", full)  # every slot file is written there
     engine.forget()
     failures = engine.stats.restore_failures
     missed = engine.generate(second, gen.kv[:, :, :, : len(first)], GREEDY)

@@ -9,8 +9,8 @@ __all__ = ["ENGINES", "Engine", "GenParams", "Generation", "KvGeometry", "kv_cac
 
 
 def kv_cache_type(codec: str) -> str:
-    """The llamacpp engine's KV cache type for a pod's codec: q8_0 for q8 (its frames are that cache's bytes, stored
-    and restored exactly), else f16."""
+    """The KV cache type of the llama.cpp a pod runs for its codec (the llamacpp engine, a spawned llama-server): q8_0
+    for q8 (its frames are that cache's bytes, stored and restored exactly), else f16."""
     from cachestore.codec import CodecSpec  # noqa: PLC0415
 
     return "q8_0" if codec and CodecSpec.parse(codec).mode == "q8" else "f16"
@@ -18,8 +18,8 @@ def kv_cache_type(codec: str) -> str:
 
 def load_engine(kind: str, model: str, *, device: str = "cpu", parallel: int = 4, threads: int = 0,
                 codec: str = "") -> Engine:
-    """Load `model` under engine `kind`, for a pod of codec `codec` (a llamacpp engine's cache type follows it:
-    `kv_cache_type`); imports only the runtime that is asked for."""
+    """Load `model` under engine `kind`, for a pod of codec `codec` (a llama.cpp cache type follows it, the llamacpp
+    engine's and a spawned llama-server's: `kv_cache_type`); imports only the runtime that is asked for."""
     from cachestore.errors import ConfigError  # noqa: PLC0415
 
     if kind == "hf":
@@ -33,5 +33,5 @@ def load_engine(kind: str, model: str, *, device: str = "cpu", parallel: int = 4
     if kind == "llama-server":  # spawns its own llama-server; `kvstash sidecar` also fronts a running one
         from service.engines.llamaserver import LlamaServerEngine  # noqa: PLC0415
 
-        return LlamaServerEngine.spawn(model, parallel=parallel, threads=threads)
+        return LlamaServerEngine.spawn(model, parallel=parallel, threads=threads, kv_type=kv_cache_type(codec))
     raise ConfigError(f"engine {kind!r} is not one of {', '.join(ENGINES)}")

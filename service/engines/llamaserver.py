@@ -32,6 +32,7 @@ from service.engines import llamastate, slotfile
 from service.engines.base import KvGeometry, PrefillHook, gguf_fingerprint
 from service.engines.chat import chat_token_ids
 from service.engines.generation import Generation, GenParams, reply_ids
+from service.engines.lending import LendsStates, StateLender, state_buffers
 from service.engines.llamacpp import file_digest, resolve_gguf
 from service.engines.llamaserverproc import LlamaServerProcess
 from service.rehydrate import LayerGate
@@ -88,13 +89,12 @@ def gguf_geometry(path: Path, max_context: int) -> KvGeometry:
     return KvGeometry(int(layers), int(kv_heads), int(head_dim), torch.float16, max_context)
 
 
-class LlamaServerEngine:
+class LlamaServerEngine(LendsStates):
     """Generation forwarded to one llama-server, its slots filled from and saved to kvstash's cache."""
 
     kind = "llama-server"
     layerwise = False  # the KV goes to llama-server as one slot file
     runs_torch = False  # llama-server computes in its own process
-    row_frames = False  # its slot files are written from KV tensors
 
     def __init__(
         self, upstream: str, slot_dir: Path, model: str, *, reuse_slots: bool = True,
@@ -127,14 +127,25 @@ class LlamaServerEngine:
         self.stats = SidecarStats()
         self._restarts_seen = process.restarts if process else 0
         self.state_geometry = self._probe_layout()
+        # a hit lands in the sequence state of the slot file it is restored from (service.engines.lending): exact and
+        # fp16 frames as token rows, the order the state holds K and V in, and q8 frames (always rows) are received
+        # there as they are; nothing is dequantized into a tensor and assembled again
+        self.row_frames = not self.state_geometry.v_trans
+        self._lender = StateLender(self.state_geometry, self.geometry, state_buffers(keep=self.parallel))
 
     @classmethod
     def spawn(
         cls, model: str, slot_dir: Path | None = None, *, parallel: int = 4, threads: int = 0, ctx_per_slot: int = 8192,
-        binary: Path | None = None, extra_args: Sequence[str] = (), reuse_slots: bool = True,
+        binary: Path | None = None, extra_args: Sequence[str] = (), reuse_slots: bool = True, kv_type: str = "f16",
     ) -> LlamaServerEngine:
         """Start (and supervise) a llama-server of `parallel` slots, then the engine in front of it. Without
-        `slot_dir`, slots are saved in a fresh directory (in shared memory where there is one), removed on close."""
+        `slot_dir`, slots are saved in a fresh directory (in shared memory where there is one), removed on close.
+        `kv_type` "q8_0" runs its KV cache as q8_0 (`--cache-type-k/v q8_0 -fa on`, what a sidecar of codec q8 stores
+        as it is: `service.engines.kv_cache_type`), unless `extra_args` name a cache type of their own."""
+        if kv_type not in llamastate.KV_TYPES:
+            raise ConfigError(f"llama.cpp KV cache type {kv_type!r}: kvstash reads {', '.join(llamastate.KV_TYPES)}")
+        if kv_type != "f16" and not any(a.startswith("--cache-type") or a in ("-ctk", "-ctv") for a in extra_args):
+            extra_args = ("--cache-type-k", kv_type, "--cache-type-v", kv_type, "-fa", "on", *extra_args)
         owned = slot_dir is None
         if slot_dir is None:
             shm = Path("/dev/shm")
@@ -284,7 +295,10 @@ class LlamaServerEngine:
         path = self.slot_dir / name
         t0 = time.perf_counter()
         try:
-            slotfile.write(path, tokens, kv, self.state_geometry)
+            lent = self._lender.take(kv, len(tokens))  # a context lent: its state's own rows are the file's
+            geo = self.state_geometry
+            slotfile.write_pieces(path, slotfile.from_state(tokens, lent.state, lent.cells, geo) if lent is not None
+                                  else slotfile.assemble(tokens, kv, geo))
             answer = self._slot_action(slot.id, "restore", name)
             if int(answer.get("n_restored", -1)) != len(tokens):
                 raise UpstreamError(f"restored {answer.get('n_restored')} of {len(tokens)} tokens")
@@ -335,12 +349,6 @@ class LlamaServerEngine:
                 if not s.busy:
                     self._erase(s.id)
                     s.tokens = []
-
-    def context_for(self, tokens: int) -> torch.Tensor | None:
-        return None  # the pipeline's pooled context, written into a slot file (slotfile.py)
-
-    def give_context(self, kv: torch.Tensor) -> bool:
-        return False
 
     def close(self) -> None:
         self._http.close()
