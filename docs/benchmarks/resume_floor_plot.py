@@ -9,6 +9,8 @@ hits' token rows are received into the sequence state (9c342ad); "11-llamacpp" f
 Wave 12 (section 18): llama.cpp's q8_0 cache and codec q8, before 81cfa32, after a0b4fa1 and the
 bench's fixes for it (818666d); "12-llamacpp" the ratios
 of fp16 and int8 (q8 exists after only), "12-ms" every after run's hit and floor in ms, q8 included.
+Wave 13 (section 19): the sidecar beside llama-server, before fe4ea80, after its hits land in the slot file's state;
+"13-sidecar" every run's hit p50 in ms (its floor changed with it: a ratio before and after compares two floors).
 
 Run: PYTHONPATH=. .venv/bin/python docs/benchmarks/resume_floor_plot.py 7
 """
@@ -46,6 +48,21 @@ def milliseconds(wave: str) -> None:
               title=f"llama.cpp hit and floor, wave {wave}: q8 over a q8_0 cache, fp16 and int8 over f16")
 
 
+def hits(wave: str) -> None:
+    """Each run's hit p50 (ms) for every codec and context, before and after: resume-waveW-{before,after}-run*.json
+    (W = "13-sidecar") -> resume-waveW.png."""
+    runs = {f"{side} run {path.stem.rsplit('run', 1)[1]}": json.loads(path.read_text())["rows"]
+            for side in ("before", "after") for path in sorted(HERE.glob(f"resume-wave{wave}-{side}-run*.json"))}
+    labels = sorted({f"{r['method'].removeprefix('kvstash-')}\n{r['context']}" for rows in runs.values() for r in rows
+                     if r["method"].startswith("kvstash-")}, key=lambda lab: (int(lab.split()[-1]), lab))
+    groups = {}
+    for name, rows in runs.items():
+        p50 = {f"{r['method'].removeprefix('kvstash-')}\n{r['context']}": r["ttft_ms_p50"] for r in rows}
+        groups[name] = [p50.get(lab, float("nan")) for lab in labels]  # a run without that row: no bar
+    plot_bars(HERE / f"resume-wave{wave}.png", labels, groups, ylabel="hit TTFT p50, ms (log)", logy=True,
+              title=f"kvstash sidecar hit beside llama-server, wave {wave.split('-')[0]}: before / after")
+
+
 def main(wave: str) -> None:
     runs = {f"{side} run {path.stem.rsplit('run', 1)[1]}": ratios(path)
             for side in ("before", "after") for path in sorted(HERE.glob(f"resume-wave{wave}-{side}-run*.json"))}
@@ -59,4 +76,9 @@ def main(wave: str) -> None:
 
 if __name__ == "__main__":
     arg = sys.argv[1] if len(sys.argv) > 1 else "6"
-    milliseconds(arg.split("-")[0]) if arg.endswith("-ms") else main(arg)
+    if arg.endswith("-ms"):
+        milliseconds(arg.split("-")[0])
+    elif arg.endswith("-sidecar"):
+        hits(arg)
+    else:
+        main(arg)

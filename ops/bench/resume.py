@@ -161,10 +161,12 @@ class ResumeBench:
                 hashes, frames = await self._store_history(pipeline, store, prompt, kv)
                 nbytes = sum(len(f) for f in frames)
                 keys = [store.keys.block(pipeline.model_key, h)[1] for h in hashes]
-                decoded = (await pipeline.lookup(SALT, prompt))[0].complete()  # the floor's context, in memory
-                if getattr(self.engine, "rows_apart", False):  # the hit went into a q8_0 state, not this tensor:
-                    decoded = kv[:, :, :, :context]  # the frames' values exactly (q8 re-encodes them byte for byte)
-                elif self.loaded is None:
+                # the floor's KV, in memory: a context the engine lent stays lent to the floor as a hit left it (its
+                # state holds the hit's rows: set, or written as a slot file, as they are), anything else is copied
+                decoded = (await pipeline.lookup(SALT, prompt))[0].complete()
+                is_lent = getattr(self.engine, "is_lent", None)
+                lent = self.loaded is None and is_lent is not None and is_lent(decoded)
+                if self.loaded is None and not lent:
                     decoded = decoded.clone()
                 times: list[float] = []
                 floor: list[float] = []
@@ -182,6 +184,8 @@ class ResumeBench:
                     if rep:
                         times.append(elapsed)
                         floor.append(least)
+                if lent:
+                    self.engine.give_context(decoded)
             return _row(context, f"kvstash-{mode}", times, nbytes), _row(context, f"floor-{mode}", floor, nbytes)
         finally:
             raw.close()
@@ -432,9 +436,9 @@ async def _measure(args: argparse.Namespace, url: str) -> tuple[list[dict[str, A
     threads.one_core()  # this thread runs the event loop, as in a pod; models run on the compute thread
     contexts = [int(c) for c in args.contexts.split(",") if c.strip()] + ([LONG_CONTEXT] if args.long else [])
     every = [m.strip() for m in args.modes.split(",") if m.strip()]
-    groups: dict[str, list[str]] = {}  # the modes each engine runs (a llamacpp pod's cache type follows its codec)
+    groups: dict[str, list[str]] = {}  # the modes each engine runs (a llama.cpp pod's cache type follows its codec)
     for mode in every:
-        groups.setdefault(_cache_suffix(f"kvstash-{mode}") if args.engine == "llamacpp" else "", []).append(mode)
+        groups.setdefault(_cache_suffix(f"kvstash-{mode}") if args.engine != "hf" else "", []).append(mode)
     rows: list[dict[str, Any]] = []
     profile: dict[str, Any] = {}
     for suffix, modes in groups.items():
@@ -449,7 +453,7 @@ async def _measure(args: argparse.Namespace, url: str) -> tuple[list[dict[str, A
 
 
 def _cache_suffix(method: str) -> str:
-    """What a hit's or floor's recompute is called after "recompute" on the llamacpp engine: "-" and the KV cache type
+    """What a hit's or floor's recompute is called after "recompute" on a llama.cpp engine: "-" and the KV cache type
     its codec runs (`kv_cache_type`: "-q8_0" for q8), "" for an f16 cache and for every other method."""
     from service.engines import kv_cache_type  # noqa: PLC0415
 
