@@ -9,8 +9,8 @@ hits' token rows are received into the sequence state (9c342ad); "11-llamacpp" f
 Wave 12 (section 18): llama.cpp's q8_0 cache and codec q8, before 81cfa32, after a0b4fa1 and the
 bench's fixes for it (818666d); "12-llamacpp" the ratios
 of fp16 and int8 (q8 exists after only), "12-ms" every after run's hit and floor in ms, q8 included.
-Wave 13 (section 19): the sidecar beside llama-server, before fe4ea80, after 8ac8199 (its hits land in the slot file's state);
-"13-sidecar" every run's hit p50 in ms (its floor changed with it: a ratio before and after compares two floors).
+Wave 13 (section 19): the sidecar beside llama-server, before fe4ea80, after 8ac8199 (its hits land in the slot
+file's state); "13-sidecar" every run's hit p50 in ms (its floor changed with it: ratios compare two floors).
 
 Run: PYTHONPATH=. .venv/bin/python docs/benchmarks/resume_floor_plot.py 7
 """
