@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import struct
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -33,6 +32,7 @@ from service.engines.llamastate import (
 from service.metrics import PodMetrics
 from service.pipeline import Pipeline
 from service.settings import PodSettings
+from tests.lentpod import rows_pod
 
 GREEDY = GenParams(max_tokens=24)
 QUESTIONS = ["What is photosynthesis?", "Why is the sky blue?", "Name three prime numbers.",
@@ -246,7 +246,7 @@ async def test_token_row_frames_are_received_into_the_lent_state_itself(
     prompt = _prompt(engine, " ".join(QUESTIONS))
     full = engine.generate(prompt, None, GREEDY)
     for codec in ("fp16", "exact"):
-        async with _rows_pod(engine, redis_server, codec, b) as (store, pipe):
+        async with rows_pod(engine, redis_server, codec, b) as (store, pipe):
             assert pipe.codecs.main.spec.rows
             hashes = pipe.hashes(b"rows", prompt[:-1])
             frames = [pipe.codecs.at(i).encode(full.kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
@@ -276,24 +276,6 @@ async def test_token_row_frames_are_received_into_the_lent_state_itself(
             await _corrupt_block_2_then_hit(store, pipe, hashes, frames, prompt, full.token_ids)
 
 
-@contextlib.asynccontextmanager
-async def _rows_pod(engine: LlamaCppEngine, redis_server: RedisProcess, codec: str,
-                    b: int) -> AsyncIterator[tuple[BlockStore, Pipeline]]:
-    """A pod's store and pipeline of codec `codec` on `engine`, no local tier; emptied after, and every context the
-    engine lent back in its pool."""
-    settings = PodSettings(redis_url=redis_server.url, namespace=f"rows-{codec}", codec=codec, block_tokens=b,
-                           local_tier_bytes=0)
-    store = BlockStore(store_settings(settings))
-    pipe = Pipeline(settings, engine, store, codec, PodMetrics(), None)
-    try:
-        yield store, pipe
-    finally:
-        await store.clear_namespace()
-        await store.close()
-        pipe.close()
-    await _all_contexts_back(engine)
-
-
 async def _corrupt_block_2_then_hit(store: BlockStore, pipe: Pipeline, hashes: list[object], frames: list[bytes],
                                     prompt: list[int], expected: list[int]) -> None:
     """Block 2's frame corrupted in Redis: the hit ends before it, and the reply is still `expected`."""
@@ -306,14 +288,6 @@ async def _corrupt_block_2_then_hit(store: BlockStore, pipe: Pipeline, hashes: l
     assert view.cached_tokens == 2 * b
     gen = await pipe.generate(prompt, view, GREEDY)
     assert gen.cached_tokens == 2 * b and gen.token_ids == expected
-
-
-async def _all_contexts_back(engine: LlamaCppEngine) -> None:
-    for _ in range(100):  # handed back from the requests' done callbacks
-        if not engine.contexts_lent:
-            break
-        await asyncio.sleep(0.01)
-    assert engine.contexts_lent == 0
 
 
 def test_concurrent_requests_decode_together_with_the_same_replies(engine: LlamaCppEngine) -> None:
@@ -498,7 +472,7 @@ async def test_q8_frames_are_received_into_a_q8_0_state_and_the_reply_is_unchang
     engine, b = q8_engine, 16
     prompt = _prompt(engine, " ".join(QUESTIONS))
     full = engine.generate(prompt, None, GREEDY)
-    async with _rows_pod(engine, redis_server, "q8", b) as (store, pipe):
+    async with rows_pod(engine, redis_server, "q8", b) as (store, pipe):
         hashes = pipe.hashes(b"rows", prompt[:-1])
         frames = [pipe.codecs.at(i).encode(full.kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
         assert await store.put_blocks(pipe.model_key, hashes, frames) == len(hashes) >= 3

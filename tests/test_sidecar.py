@@ -5,7 +5,6 @@ directory llama-server does not write) is a miss or a refusal to start, never a 
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import json
 import os
@@ -22,21 +21,19 @@ import torch
 from starlette.testclient import TestClient
 
 from cachestore.errors import ConfigError
-from cachestore.store import BlockStore
 from ops.chatclient import stream_chat
 from ops.llamaserver_build import binary_path
 from ops.redisproc import RedisProcess
 from ops.sidecar_cmd import sidecar_app
 from ops.sidecarproc import SidecarProcess
-from service.app import store_settings
 from service.engines import GenParams, slotfile
 from service.engines.llamacpp import resolve_gguf
 from service.engines.llamaserver import LlamaServerEngine
 from service.engines.llamaserverproc import LlamaServerProcess, wait_healthy
-from service.metrics import PodMetrics
 from service.pipeline import Pipeline
 from service.settings import PodSettings
 from tests.conftest import running, settle
+from tests.lentpod import rows_pod
 
 ARGS = ("--codec", "exact", "--block-tokens", "16", "--ctx-per-slot", "4096")
 SYSTEM = {"role": "system", "content": "You are a concise science tutor. Answer in two or three sentences."}
@@ -112,11 +109,7 @@ async def _hit_lands_in_the_slot_state(engine: LlamaServerEngine, redis_server: 
     engine.forget()
     prompt = _conversation(engine)[1]
     full = engine.generate(prompt, None, GREEDY)
-    settings = PodSettings(redis_url=redis_server.url, namespace=f"slot-{codec}", codec=codec, block_tokens=b,
-                           local_tier_bytes=0)
-    store = BlockStore(store_settings(settings))
-    pipe = Pipeline(settings, engine, store, codec, PodMetrics(), None)
-    try:
+    async with rows_pod(engine, redis_server, codec, b) as (store, pipe):
         hashes = pipe.hashes(b"slot", prompt[:-1])
         frames = [pipe.codecs.at(i).encode(full.kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
         assert await store.put_blocks(pipe.model_key, hashes, frames) == len(hashes) >= 3
@@ -140,15 +133,6 @@ async def _hit_lands_in_the_slot_state(engine: LlamaServerEngine, redis_server: 
             gen = await pipe.generate(prompt, view, GREEDY)
         assert (gen.cached_tokens, engine.stats.restores) == (hit, restores + 1)
         assert gen.token_ids == expected.token_ids
-    finally:
-        await store.clear_namespace()
-        await store.close()
-        pipe.close()
-    for _ in range(100):  # handed back from the request's done callbacks
-        if not engine.contexts_lent:
-            break
-        await asyncio.sleep(0.01)
-    assert engine.contexts_lent == 0
 
 
 def _decoded(pipe: Pipeline, frames: list[bytes]) -> torch.Tensor:

@@ -167,8 +167,7 @@ class LlamaCppEngine(LendsStates):
         if llama_cpp.__version__ != PINNED_VERSION:
             raise ConfigError(f"llama-cpp-python {llama_cpp.__version__} is installed; kvstash reads the KV "
                               f"layout of {PINNED_VERSION} only (run `make setup`)")
-        if kv_type not in llamastate.KV_TYPES:
-            raise ConfigError(f"llama.cpp KV cache type {kv_type!r}: kvstash reads {', '.join(llamastate.KV_TYPES)}")
+        llamastate.check_kv_type(kv_type)
         self.kv_type = kv_type
         self._lib = lib = llama_cpp
         self._log_cb = _quiet_logs()

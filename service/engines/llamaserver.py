@@ -142,8 +142,7 @@ class LlamaServerEngine(LendsStates):
         `slot_dir`, slots are saved in a fresh directory (in shared memory where there is one), removed on close.
         `kv_type` "q8_0" runs its KV cache as q8_0 (`--cache-type-k/v q8_0 -fa on`, what a sidecar of codec q8 stores
         as it is: `service.engines.kv_cache_type`), unless `extra_args` name a cache type of their own."""
-        if kv_type not in llamastate.KV_TYPES:
-            raise ConfigError(f"llama.cpp KV cache type {kv_type!r}: kvstash reads {', '.join(llamastate.KV_TYPES)}")
+        llamastate.check_kv_type(kv_type)
         if kv_type != "f16" and not any(a.startswith("--cache-type") or a in ("-ctk", "-ctv") for a in extra_args):
             extra_args = ("--cache-type-k", kv_type, "--cache-type-v", kv_type, "-fa", "on", *extra_args)
         owned = slot_dir is None

@@ -34,13 +34,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cachestore.errors import KvstashError
+from cachestore.errors import ConfigError, KvstashError
 from cachestore.quant import Q8_BLOCK, Q8_BYTES, q8_rows, q8_rows_into
 
 MAGIC = 0xAF143CD8
 GGML_TYPE_F16 = 1
 GGML_TYPE_Q8_0 = 8
 KV_TYPES = {"f16": GGML_TYPE_F16, "q8_0": GGML_TYPE_Q8_0}  # the cache types kvstash reads, by llama.cpp's names
+
+
+def check_kv_type(name: str) -> None:
+    """ConfigError unless `name` is a cache type kvstash reads (`KV_TYPES`), for an engine that runs one."""
+    if name not in KV_TYPES:
+        raise ConfigError(f"llama.cpp KV cache type {name!r}: kvstash reads {', '.join(KV_TYPES)}")
 
 
 def parsed_dtype(kv_type: int) -> torch.dtype:

@@ -1,0 +1,41 @@
+"""A pod's store and pipeline on an engine that lends sequence states (both llama.cpp engines), for tests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from cachestore.store import BlockStore
+from ops.redisproc import RedisProcess
+from service.app import store_settings
+from service.engines.lending import LendsStates
+from service.metrics import PodMetrics
+from service.pipeline import Pipeline
+from service.settings import PodSettings
+
+
+@contextlib.asynccontextmanager
+async def rows_pod(engine: LendsStates, redis_server: RedisProcess, codec: str,
+                   b: int) -> AsyncIterator[tuple[BlockStore, Pipeline]]:
+    """A pod's store and pipeline of codec `codec` on `engine`, no local tier; emptied after, and every context the
+    engine lent back in its pool."""
+    settings = PodSettings(redis_url=redis_server.url, namespace=f"rows-{codec}", codec=codec, block_tokens=b,
+                           local_tier_bytes=0)
+    store = BlockStore(store_settings(settings))
+    pipe = Pipeline(settings, engine, store, codec, PodMetrics(), None)  # type: ignore[arg-type]
+    try:
+        yield store, pipe
+    finally:
+        await store.clear_namespace()
+        await store.close()
+        pipe.close()
+    await all_contexts_back(engine)
+
+
+async def all_contexts_back(engine: LendsStates) -> None:
+    for _ in range(100):  # handed back from the requests' done callbacks
+        if not engine.contexts_lent:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.contexts_lent == 0
