@@ -7,6 +7,8 @@ passes (widen, shift, mask, convert, scale and offset): the kernel's one, on one
 two (a forward step's dequantization at 2048 tokens: 19 against 30 ms; at 8128, 62 against 117). int8 into fp32
 is torch's two passes, on all its threads, as fast as the kernel on one: there the kernel runs only where torch
 has one thread. Threads of the kernel's own lost to torch's spinning OpenMP workers in a real forward step.
+Into fp16 token rows (a llama.cpp sequence state: each token's heads side by side), int8 is staged in L1 and
+streamed to memory past the cache, so the lines of the tens of MB a hit writes are not first read in (`token_rows`).
 The values are bit-identical to torch's (tests/test_kernels.py). The attention passes (`attention_scores`,
 `attention_values`) read a landed hit's codes in place for the first forward step (cachestore.attend), dequantizing
 each element in a register; their sums are fp32 in another order than torch's (tests/test_attend.py).
@@ -34,6 +36,7 @@ ENV = "KVSTASH_NATIVE_KERNELS"
 _wanted = os.environ.get(ENV, "").strip() != "0"  # the setting; configure() checks it strictly
 ENABLED = bool(LEVEL) and _wanted  # the setting, on a CPU and build with a kernel
 _OUT = (torch.float32, torch.float16)
+_STAGE_ELEMENTS = 8192  # the longest token row (fp16 elements) the streaming kernel takes: _kernels.c
 
 
 def configure(environ: Mapping[str, str] | None = None) -> bool:
@@ -68,9 +71,24 @@ def int8_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> bo
         return False
     assert _kernels is not None
     a, b, t, d = out.shape
+    if token_rows(out):  # a llama.cpp state's rows: streamed past the cache, the same values
+        _kernels.int8_rows(out.data_ptr(), out.stride(0), codes.data_ptr(), scales.data_ptr(), (a, b, t, d),
+                           codes.stride()[:3], scales.stride())
+        return True
     _kernels.int8(out.data_ptr(), out.dtype == torch.float16, codes.data_ptr(), scales.data_ptr(), (a, b, t, d),
                   out.stride()[:3], codes.stride()[:3], scales.stride())
     return True
+
+
+def token_rows(out: torch.Tensor) -> bool:
+    """Whether fp16 `out` [A, B, T, D] holds, for each a, its tokens one after another, each token's B rows of D side
+    by side (llama.cpp's sequence state: a layer's K or V, a token's heads together), as many as the kernel stages
+    at once (`STAGE_ELEMENTS` in _kernels.c). Those are tens of MB that nothing reads before llama.cpp copies them:
+    the kernel streams them to memory without reading each line in first (a 2048-token SmolLM2 hit's 47 MB with the
+    caches cold: 5.4 against 8.1 ms; BENCHMARKS.md, section 20)."""
+    _, b, t, d = out.shape
+    return (out.dtype == torch.float16 and b * d <= _STAGE_ELEMENTS and (b == 1 or out.stride(1) == d)
+            and (t == 1 or out.stride(2) == b * d))
 
 
 def int4_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> bool:

@@ -83,6 +83,32 @@ def test_int8_into_strided_views_is_bit_identical_to_torch(dtype: torch.dtype, p
     assert torch.isnan(context[:, n * tokens:]).all()  # nothing written past the view
 
 
+@pytest.mark.usefixtures("one_thread", "level")
+@pytest.mark.parametrize(("heads", "dim", "tokens"), [(1, 16, 7), (3, 64, 64), (2, 128, 5), (4, 64, 130), (1, 8208, 2)])
+@pytest.mark.parametrize("per", ["row", "column"])
+def test_int8_intotoken_rows_is_bit_identical_to_torch(heads: int, dim: int, tokens: int, per: str) -> None:
+    """llama.cpp's sequence state: for each layer, its tokens one after another, each token's heads side by side,
+    every layer at another byte offset (a 12-byte header before each). The kernel streams those rows past the cache
+    (`token_rows`; a token row longer than its staging buffer takes the ordinary path) and writes exactly torch's
+    values, and nothing around them."""
+    gen = torch.Generator().manual_seed(heads * dim + tokens)
+    layers, row = 3, heads * dim
+    layer = row * tokens + 6  # fp16 elements from one layer's first row to the next's: 12 bytes more
+    buffer = torch.full((7 + layers * layer + 5,), float("nan"), dtype=torch.float16)
+    shape, strides = (layers, heads, tokens, dim), (layer, dim, row, 1)
+    out = buffer.as_strided(shape, strides, 7)
+    assert kernels.token_rows(out) == (row <= 8192)
+    codes = torch.randint(-127, 128, (layers * (heads * tokens * dim + 32),), dtype=torch.int8, generator=gen)
+    q = codes.as_strided(shape, (heads * tokens * dim + 32, tokens * dim, dim, 1), 16)  # a frame's codes, apart
+    scale = _scales((layers, heads, tokens, 1) if per == "row" else (layers, heads, 1, dim), gen)
+    want = _torch_reference(out, q, scale)
+    assert kernels.int8_into(out, q, scale)
+    assert out.view(torch.int16).equal(want.view(torch.int16))  # bit for bit, infinities included
+    inside = torch.zeros(buffer.shape, dtype=torch.bool)
+    inside.as_strided(shape, strides, 7).fill_(True)
+    assert torch.isnan(buffer[~inside]).all()  # the headers between layers and the ends are left as they were
+
+
 @needs_kernel
 def test_what_the_kernel_does_not_take_is_left_to_torch(one_thread: None) -> None:
     q = torch.zeros((1, 1, 2, 24), dtype=torch.int8)
