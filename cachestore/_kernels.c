@@ -352,7 +352,7 @@ static Pass *const passes[2][2][4] = { /* [level - 1][values][int8, int4, fp16, 
 static int detected = 0; /* 2: AVX-512F, 1: AVX2 + F16C + FMA, 0: none (the caller uses torch) */
 static int level = 0;    /* the one in use: `detected`, or less (`use`, for tests) */
 
-#define STAGE_ELEMENTS 8192 /* 16 KiB of fp16: the longest token row this takes (kernels.py checks it) */
+#define STAGE_ELEMENTS 8192 /* 16 KiB of fp16: the longest token row this takes (`stage_elements`) */
 
 #ifdef KV_X86
 /* int8 into fp16 rows that lie one after another for each outer index (llama.cpp's sequence state: a layer's K or V,
@@ -570,7 +570,8 @@ PyMODINIT_FUNC PyInit__kernels(void) {
 #endif
     level = detected;
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddIntConstant(m, "level", detected) < 0) {
+    if (m != NULL && (PyModule_AddIntConstant(m, "level", detected) < 0 ||
+                      PyModule_AddIntConstant(m, "stage_elements", STAGE_ELEMENTS) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -1,5 +1,6 @@
 # The native module built from _kernels.c (see kernels.py, its only caller).
 level: int
+stage_elements: int
 
 def int8(out: int, half: bool, codes: int, scales: int, shape: tuple[int, int, int, int],
          out_strides: tuple[int, ...], code_strides: tuple[int, ...], scale_strides: tuple[int, ...]) -> None: ...

@@ -32,11 +32,11 @@ except ImportError:  # built without its compiler, or not built: torch does the 
     _kernels = None
 
 LEVEL = _kernels.level if _kernels is not None else 0  # 2: AVX-512F, 1: AVX2 + F16C, 0: none
+_STAGE_ELEMENTS = _kernels.stage_elements if _kernels is not None else 0  # the longest token row it streams
 ENV = "KVSTASH_NATIVE_KERNELS"
 _wanted = os.environ.get(ENV, "").strip() != "0"  # the setting; configure() checks it strictly
 ENABLED = bool(LEVEL) and _wanted  # the setting, on a CPU and build with a kernel
 _OUT = (torch.float32, torch.float16)
-_STAGE_ELEMENTS = 8192  # the longest token row (fp16 elements) the streaming kernel takes: _kernels.c
 
 
 def configure(environ: Mapping[str, str] | None = None) -> bool:
@@ -83,7 +83,7 @@ def int8_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> bo
 def token_rows(out: torch.Tensor) -> bool:
     """Whether fp16 `out` [A, B, T, D] holds, for each a, its tokens one after another, each token's B rows of D side
     by side (llama.cpp's sequence state: a layer's K or V, a token's heads together), as many as the kernel stages
-    at once (`STAGE_ELEMENTS` in _kernels.c). Those are tens of MB that nothing reads before llama.cpp copies them:
+    at once (`stage_elements`). Those are tens of MB that nothing reads before llama.cpp copies them:
     the kernel streams them to memory without reading each line in first (a 2048-token SmolLM2 hit's 47 MB with the
     caches cold: 5.4 against 8.1 ms; BENCHMARKS.md, section 20)."""
     _, b, t, d = out.shape
