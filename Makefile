@@ -11,7 +11,7 @@ setup: $(STAMP)
 	$(PY) -m ops.llamaserver_build  # llama-server for the sidecar's tests and demo (~30 min once; then skipped)
 
 # torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
-$(STAMP): pyproject.toml cachestore/_kernels.c
+$(STAMP): pyproject.toml cachestore/_kernels.c cachestore/_resp.c
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0

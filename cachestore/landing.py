@@ -9,16 +9,33 @@ block can be dequantized in a single call (`cachestore.codec.FrameRun`).
 
 Replies are parsed in RESP2 and RESP3 (redis-py 8 speaks RESP3 by default); push messages, which a connection
 without client tracking or subscriptions never receives, are refused and the connection dropped.
+
+Where the native module `cachestore._resp` is built and the socket is plain TCP or Unix (not TLS), a run of values
+expected in buffers is received by it, without the GIL: their headers parsed in C, each value read with readv
+straight into its buffer or across a Scatter's pieces. Python's parsing was 5-10 us a value, which at 256 KiB
+values held such a read to 0.85 of hiredis's (BENCHMARKS.md, section 21). Any other reply is left to the parser
+here.
 """
 
 from __future__ import annotations
 
+import os
 import socket
+import ssl
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+_resp: ModuleType | None
+try:
+    import cachestore._resp as _resp
+except ImportError:  # built without its compiler: every reply is parsed in Python
+    _resp = None
+NATIVE = _resp is not None  # whether runs of values in buffers can be received natively (plain sockets only)
 
 _BUFFER = 1 << 16  # headers and small replies are read through this; a landed value bypasses it
 MAX_BULK = 512 << 20  # Redis's own proto-max-bulk-len: a longer length is no Redis reply (bytes are untrusted)
@@ -64,15 +81,32 @@ class Scatter:
 Target = memoryview | Scatter  # where a reply of its length is received
 
 
+def _pieces(target: Target | None) -> tuple[memoryview, ...] | None:
+    """Where the native reader lands a value for `target`, or None where the Python parser must take it (a Scatter
+    that reports each piece as it fills, a view that is not bytes side by side)."""
+    if isinstance(target, memoryview):
+        return (target,) if target.ndim == 1 and target.itemsize == 1 and target.c_contiguous else None
+    if isinstance(target, Scatter) and target.filled is None:
+        return tuple(target.pieces) if all(p.c_contiguous for p in target.pieces) else None
+    return None
+
+
+_FAILED = {1: "Redis closed the connection mid-reply", 3: "a bulk string not followed by CRLF"}
+
+
 class ReplyReader:
     """RESP replies off one socket; a bulk string of exactly `len(target)` bytes is received into `target` (a buffer,
     or a `Scatter` of them)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, native: bool = True) -> None:
+        """`native`: receive runs of values expected in buffers with `cachestore._resp` where it is built and `sock`
+        is a plain socket (tests turn it off to compare)."""
         self._sock = sock
         self._buf = bytearray(_BUFFER)
         self._view = memoryview(self._buf)
         self._pos = self._end = 0
+        self.native = native and _resp is not None and isinstance(sock, socket.socket) and not isinstance(
+            sock, ssl.SSLSocket)
 
     @property
     def buffered(self) -> int:
@@ -125,6 +159,33 @@ class ReplyReader:
         if self._buf[self._pos:self._pos + 2] != b"\r\n":
             raise ProtocolError("a bulk string not followed by CRLF")
         self._pos += 2
+
+    def replies(self, count: int, targets: Sequence[Target | None] = ()) -> list[Any]:
+        """The next `count` replies; reply `i` (i < len(targets)) lands in `targets[i]` when it is a bulk string of
+        that length, as `reply`. Runs of them are received natively where this reader can."""
+        resp = _resp if self.native else None
+        if resp is None:
+            return [self.reply(targets[i] if i < len(targets) else None) for i in range(count)]
+        plans = [_pieces(t) for t in targets[:count]]
+        got: list[Any] = []
+        while len(got) < count:
+            at = len(got)
+            if at < len(plans) and plans[at] is not None:
+                timeout = self._sock.gettimeout()
+                at, self._pos, self._end, status, errno = resp.receive(
+                    self._sock.fileno(), -1.0 if timeout is None else timeout, self._buf, self._pos, self._end,
+                    plans, at, count)
+                got.extend(targets[len(got):at])
+                if status == 2:
+                    raise RedisTimeoutError("Timeout reading from Redis")
+                if status == 4:
+                    raise RedisConnectionError(f"reading from Redis: {os.strerror(errno)}")
+                if status:
+                    raise (ProtocolError if status == 3 else RedisConnectionError)(_FAILED[status])
+                if at == count:
+                    break
+            got.append(self.reply(targets[at] if at < len(targets) else None))  # any other reply
+        return got
 
     def reply(self, target: Target | None = None, depth: int = 0) -> Any:
         """One reply: bytes, int, None, a list, a ResponseError (returned, not raised, as redis-py's
@@ -220,7 +281,7 @@ class Exchange:
         if self._reader is None or count > self._unread:
             raise ValueError(f"{count} replies asked for, {self._unread} requested")
         try:
-            replies = [self._reader.reply(targets[i] if i < len(targets) else None) for i in range(count)]
+            replies = self._reader.replies(count, targets)
             self._unread -= count
             if not self._unread and self._reader.buffered:
                 raise ProtocolError("bytes after the last reply")

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
+import socket
+import threading
+import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -67,8 +72,24 @@ def test_a_malformed_or_cut_reply_raises(bad: bytes) -> None:
         reader.reply()
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("protocol", [2, 3])
-def test_values_of_the_slot_length_land_in_the_buffer(redis_server: RedisProcess, protocol: int) -> None:
+def test_values_of_the_slot_length_land_in_the_buffer(redis_server: RedisProcess, protocol: int, native: bool,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    runs: list[int] = []
+    if not native:
+        monkeypatch.setattr(landing, "_resp", None)  # every reply parsed in Python
+    elif not landing.NATIVE:
+        pytest.skip("cachestore._resp not built")
+    else:
+        import cachestore._resp as resp  # noqa: PLC0415
+
+        def counted(*args: Any) -> tuple[int, int, int, int, int]:
+            got = resp.receive(*args)
+            runs.append(got[0] - args[6])  # replies it received
+            return got
+
+        monkeypatch.setattr(landing, "_resp", SimpleNamespace(receive=counted))
     client = redis.Redis.from_url(redis_server.url, protocol=protocol)
     try:
         big, small = os.urandom(3_000_000), os.urandom(1000)  # far larger than the reader's own buffer
@@ -86,6 +107,7 @@ def test_values_of_the_slot_length_land_in_the_buffer(redis_server: RedisProcess
         assert replies[3] is None and replies[4] == [1, b"two"]
         assert isinstance(replies[5], redis.ResponseError)
         assert client.pttl("big") > 0 and client.get("small") == small  # the connection is clean afterwards
+        assert runs == ([2] if native else [])  # natively, in one run: the two of their slot's length
     finally:
         client.close()
 
@@ -409,3 +431,119 @@ def test_fill_puts_a_layer_in_another_buffer_and_leaves_the_context() -> None:
     gate.wait_all()
     assert torch.equal(out[:, :, :, :96], want) and torch.equal(out[:, :, :, 96:101], tail)
     assert len(decoded) == 1
+
+
+def _fed(data: bytes, step: int, hold: bool = False) -> tuple[socket.socket, threading.Thread]:
+    """One end of a socket pair, fed `data` from the other `step` bytes at a time by a thread; closed after it unless
+    `hold` (then kept open for a second, as a server that stalls)."""
+    ours, theirs = socket.socketpair()
+
+    def feed() -> None:
+        with theirs:
+            for at in range(0, len(data), step):
+                theirs.sendall(data[at:at + step])
+                time.sleep(0.0002)
+            if hold:
+                time.sleep(1.0)
+
+    thread = threading.Thread(target=feed, daemon=True)
+    thread.start()
+    return ours, thread
+
+
+def _stream(values: list[bytes]) -> bytes:
+    return b"".join(b"$%d\r\n%s\r\n" % (len(v), v) for v in values)
+
+
+def _targets(arena: bytearray, sizes: list[int]) -> list[landing.Target]:
+    """A slot of `arena` per size, 40 bytes apart; every third one (of more than 10 bytes) a Scatter of three pieces,
+    out of order, with a gap between them; the fifth a Scatter of 150 pieces a byte apart (more than one readv)."""
+    view, at, targets = memoryview(arena), 8, []
+    for i, n in enumerate(sizes):
+        if i == 4:
+            cuts = [n * j // 150 for j in range(151)]
+            pieces = [view[at + j + a:at + j + b] for j, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False))]
+            targets.append(landing.Scatter(pieces))
+            at += 150
+        elif i % 3 == 2 and n > 10:
+            third = n // 3
+            targets.append(landing.Scatter([view[at + 2 * third + 4:at + n + 4], view[at:at + third],
+                                            view[at + third:at + 2 * third]]))
+        else:
+            targets.append(view[at:at + n])
+        at += n + 40
+    return targets
+
+
+@pytest.mark.skipif(not landing.NATIVE, reason="cachestore._resp not built")
+@pytest.mark.parametrize("step", [1, 7, 4096, 1 << 20])
+def test_the_native_reader_lands_what_the_python_one_does_however_the_bytes_arrive(step: int) -> None:
+    """Runs of values in buffers and across Scatters, broken by replies of every other kind (a null, an error, a
+    value of another length, an array, an attribute before a value): the native reader gives what the Python parser
+    does, and writes the values where they belong and nothing else."""
+    rng = random.Random(step)
+    sizes = [3, 0, 70_000, 5, 200_000, 1, 65_534, 12] if step > 1 else [3, 0, 700, 5, 2000, 1, 300, 12]
+    values = [rng.randbytes(n) for n in sizes]
+    data = (_stream(values[:3]) + b"$-1\r\n-ERR gone\r\n" + _stream([b"other"]) + b"*2\r\n:1\r\n$2\r\nab\r\n"
+            + b"|1\r\n+a\r\n:0\r\n" + _stream(values[3:]) + REPLIES)
+    size = sum(sizes) + 64 * len(sizes) + 150
+    expected = bytearray(b"\xa5" * size)
+    for target, value in zip(_targets(expected, sizes), values, strict=True):
+        if isinstance(target, landing.Scatter):
+            target.fill(value)
+        else:
+            target[:] = value
+    results = []
+    for native in (True, False):
+        arena = bytearray(b"\xa5" * size)
+        targets = _targets(arena, sizes)
+        slots = targets[:3] + [memoryview(bytearray(4))] * 4 + targets[3:]  # 4: "other" (5 bytes) does not fit
+        sock, feeder = _fed(data, step)
+        reader = landing.ReplyReader(sock, native=native)
+        assert reader.native == native
+        try:
+            got = reader.replies(len(slots) + 16, slots)
+        finally:
+            feeder.join()
+            sock.close()
+        assert reader.buffered == 0
+        assert [i for i, g in enumerate(got) if any(g is t for t in targets)] == [0, 1, 2, 7, 8, 9, 10, 11]
+        assert arena == expected  # every value where it belongs, nothing written outside
+        assert got[3:7] == [None, got[4], b"other", [1, b"ab"]] and str(got[4]) == "ERR gone"
+        results.append([repr(g) for g in got[3:7] + got[12:]])
+    assert results[0] == results[1]
+    assert len(results[0]) == 20 and results[0][-2:] == ["b'xyz'", "None"]
+
+
+@pytest.mark.skipif(not landing.NATIVE, reason="cachestore._resp not built")
+@pytest.mark.parametrize(("data", "error"), [
+    (b"$5\r\nhello!!", landing.ProtocolError),  # no CRLF after the value
+    (b"$5\r\nhel", redis.ConnectionError),  # closed mid-value
+    (b"$5\r\n", redis.ConnectionError),  # closed before the value
+    (b"$", redis.ConnectionError),  # closed mid-header
+    (b"$99999999999\r\n", landing.ProtocolError),  # longer than Redis allows: the Python parser refuses it
+    (b"$5x\r\n", landing.ProtocolError),  # not a length: the Python parser refuses it
+    (b"$5" + b"9" * 40, redis.ConnectionError),  # a header with no end, then closed: the Python parser reads on
+])
+def test_the_native_reader_refuses_a_cut_or_malformed_value(data: bytes, error: type[Exception]) -> None:
+    sock, feeder = _fed(data, 3)
+    try:
+        with pytest.raises(error):
+            landing.ReplyReader(sock).replies(1, [memoryview(bytearray(5))])
+    finally:
+        feeder.join()
+        sock.close()
+
+
+@pytest.mark.skipif(not landing.NATIVE, reason="cachestore._resp not built")
+def test_the_native_reader_keeps_the_socket_timeout() -> None:
+    sock, feeder = _fed(b"$10\r\nhello", 100, hold=True)  # half a value, then nothing
+    sock.settimeout(0.2)
+    started = time.monotonic()
+    try:
+        with pytest.raises(redis.TimeoutError):
+            landing.ReplyReader(sock).replies(1, [memoryview(bytearray(10))])
+        assert 0.15 < time.monotonic() - started < 0.9
+    finally:
+        feeder.join()
+        sock.close()

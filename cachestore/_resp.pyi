@@ -1,0 +1,4 @@
+# The native module built from _resp.c (see landing.py, its only caller).
+
+def receive(fd: int, timeout: float, buffer: bytearray, pos: int, end: int,
+            plans: list[tuple[memoryview, ...] | None], first: int, stop: int) -> tuple[int, int, int, int, int]: ...
