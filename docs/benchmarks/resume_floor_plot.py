@@ -12,7 +12,8 @@ of fp16 and int8 (q8 exists after only), "12-ms" every after run's hit and floor
 Wave 13 (section 19): the sidecar beside llama-server, before fe4ea80, after 8ac8199 (its hits land in the slot
 file's state); "13-sidecar" every run's hit p50 in ms (its floor changed with it: ratios compare two floors).
 Wave 14 (section 20): int8 streamed into the llama.cpp state, before b91f278, after 7610d2a; "14-llamacpp" and
-"14-llama-server" (the sidecar) the ratios.
+"14-llama-server" (the sidecar) the ratios. Wave 15 (section 21): the native RESP reader, before c5cb5ae, after
+75451ea; "15-llamacpp" the ratios (an AMD Zen 5 VM).
 
 Run: PYTHONPATH=. .venv/bin/python docs/benchmarks/resume_floor_plot.py 7
 """
