@@ -21,8 +21,9 @@
 #define MAX_BULK (512LL << 20) /* Redis's proto-max-bulk-len, as landing.MAX_BULK */
 #define MAX_IOV 64             /* pieces per readv */
 #define LONGEST_HEADER 32      /* "$536870912\r\n" is 12: this many bytes without a CRLF is for Python to judge */
+#define REPORTED_READ (256 << 10) /* the most one read takes into pieces that are reported: they stay in L2 */
 
-enum { OK = 0, CLOSED = 1, TIMEOUT = 2, PROTOCOL = 3, OS_ERROR = 4 };
+enum { OK = 0, CLOSED = 1, TIMEOUT = 2, PROTOCOL = 3, OS_ERROR = 4, RAISED = 5 };
 
 typedef struct {
     int fd;
@@ -30,7 +31,27 @@ typedef struct {
     char *buf;         /* the reader's buffer: bytes [pos, end) received and not yet parsed */
     Py_ssize_t cap, pos, end;
     int err;           /* errno, for OS_ERROR */
+    PyThreadState *ts; /* this thread's state while the GIL is released */
 } Conn;
+
+/* A value's pieces: their buffers, the Python objects they came from, and what to call with each once it is
+ * whole (NULL: nothing), with the GIL, while its bytes are still in the cache. */
+typedef struct {
+    Py_buffer *views;
+    Py_ssize_t count;
+    PyObject *objects; /* a tuple */
+    PyObject *filled;
+} Pieces;
+
+static int report(Conn *c, const Pieces *p, Py_ssize_t k) {
+    if (p->filled == NULL)
+        return OK;
+    PyEval_RestoreThread(c->ts);
+    PyObject *r = PyObject_CallOneArg(p->filled, PyTuple_GET_ITEM(p->objects, k));
+    Py_XDECREF(r);
+    c->ts = PyEval_SaveThread(); /* an exception raised stays set for the caller */
+    return r == NULL ? RAISED : OK;
+}
 
 static int wait_readable(Conn *c) {
     struct pollfd p = {c->fd, POLLIN, 0};
@@ -122,11 +143,15 @@ static int bulk_header(Conn *c, long long *length, Py_ssize_t *after) {
     }
 }
 
-/* A value of exactly the pieces' total length, from pos, then its CRLF. */
-static int land(Conn *c, Py_buffer *pieces, Py_ssize_t count) {
-    Py_ssize_t k = 0, off = 0;
-    while (k < count && off == pieces[k].len) /* empty pieces */
-        k++;
+/* A value of exactly the pieces' total length, from pos, then its CRLF; each piece reported once it is whole. */
+static int land(Conn *c, const Pieces *p) {
+    const Py_buffer *pieces = p->views;
+    Py_ssize_t count = p->count, k = 0, off = 0;
+    int s;
+    while (k < count && off == pieces[k].len) { /* empty pieces */
+        if ((s = report(c, p, k++)) != OK)
+            return s;
+    }
     while (k < count && c->pos < c->end) { /* what came in with the header */
         Py_ssize_t n = pieces[k].len - off;
         if (n > c->end - c->pos)
@@ -135,24 +160,27 @@ static int land(Conn *c, Py_buffer *pieces, Py_ssize_t count) {
         c->pos += n;
         off += n;
         while (k < count && off == pieces[k].len) {
-            k++;
+            if ((s = report(c, p, k++)) != OK)
+                return s;
             off = 0;
         }
     }
     while (k < count) { /* the rest straight from the socket, into up to MAX_IOV pieces a read */
         struct iovec iov[MAX_IOV];
         int m = 0;
-        for (Py_ssize_t j = k; j < count && m < MAX_IOV; j++) {
+        Py_ssize_t room = p->filled != NULL ? REPORTED_READ : PY_SSIZE_T_MAX;
+        for (Py_ssize_t j = k; j < count && m < MAX_IOV && room > 0; j++) {
             Py_ssize_t start = j == k ? off : 0;
             if (pieces[j].len > start) {
+                Py_ssize_t n = pieces[j].len - start < room ? pieces[j].len - start : room;
                 iov[m].iov_base = (char *)pieces[j].buf + start;
-                iov[m].iov_len = (size_t)(pieces[j].len - start);
+                iov[m].iov_len = (size_t)n;
+                room -= n;
                 m++;
             }
         }
         Py_ssize_t got;
-        int s = read_into(c, iov, m, &got);
-        if (s != OK)
+        if ((s = read_into(c, iov, m, &got)) != OK)
             return s;
         while (got > 0) {
             Py_ssize_t n = pieces[k].len - off;
@@ -161,14 +189,14 @@ static int land(Conn *c, Py_buffer *pieces, Py_ssize_t count) {
             off += n;
             got -= n;
             while (k < count && off == pieces[k].len) {
-                k++;
+                if ((s = report(c, p, k++)) != OK)
+                    return s;
                 off = 0;
             }
         }
     }
     while (c->end - c->pos < 2) {
-        int s = fill(c);
-        if (s != OK)
+        if ((s = fill(c)) != OK)
             return s;
     }
     if (c->buf[c->pos] != '\r' || c->buf[c->pos + 1] != '\n')
@@ -177,10 +205,15 @@ static int land(Conn *c, Py_buffer *pieces, Py_ssize_t count) {
     return OK;
 }
 
-static void release(Py_buffer *views, Py_ssize_t count) {
+static void release(Py_buffer *views, Py_ssize_t count, Pieces *runs, Py_ssize_t replies) {
     for (Py_ssize_t i = 0; i < count; i++)
         PyBuffer_Release(&views[i]);
+    for (Py_ssize_t i = 0; i < replies; i++) {
+        Py_XDECREF(runs[i].objects);
+        Py_XDECREF(runs[i].filled);
+    }
     PyMem_Free(views);
+    PyMem_Free(runs);
 }
 
 static PyObject *receive(PyObject *self, PyObject *args) {
@@ -188,10 +221,10 @@ static PyObject *receive(PyObject *self, PyObject *args) {
     double timeout;
     Py_buffer buffer;
     Py_ssize_t pos, end, first, stop;
-    PyObject *plans;
+    PyObject *plans, *filled;
     (void)self;
-    if (!PyArg_ParseTuple(args, "idw*nnO!nn", &fd, &timeout, &buffer, &pos, &end, &PyList_Type, &plans, &first,
-                          &stop))
+    if (!PyArg_ParseTuple(args, "idw*nnO!O!nn", &fd, &timeout, &buffer, &pos, &end, &PyList_Type, &plans,
+                          &PyList_Type, &filled, &first, &stop))
         return NULL;
     if (stop > PyList_GET_SIZE(plans))
         stop = PyList_GET_SIZE(plans);
@@ -205,38 +238,41 @@ static PyObject *receive(PyObject *self, PyObject *args) {
     while (last < stop && PyTuple_Check(PyList_GET_ITEM(plans, last)))
         total += PyTuple_GET_SIZE(PyList_GET_ITEM(plans, last++));
     Py_buffer *views = PyMem_Calloc((size_t)(total ? total : 1), sizeof(Py_buffer));
-    Py_ssize_t *starts = PyMem_Calloc((size_t)(last - first + 1), sizeof(Py_ssize_t));
+    Pieces *runs = PyMem_Calloc((size_t)(last - first + 1), sizeof(Pieces));
     long long *lengths = PyMem_Calloc((size_t)(last - first + 1), sizeof(long long));
-    if (views == NULL || starts == NULL || lengths == NULL) {
+    if (views == NULL || runs == NULL || lengths == NULL) {
         PyMem_Free(views);
-        PyMem_Free(starts);
+        PyMem_Free(runs);
         PyMem_Free(lengths);
         PyBuffer_Release(&buffer);
         return PyErr_NoMemory();
     }
     Py_ssize_t held = 0;
     for (Py_ssize_t i = first; i < last; i++) {
+        Pieces *run = &runs[i - first];
         PyObject *pieces = PyList_GET_ITEM(plans, i);
-        starts[i - first] = held;
+        PyObject *report = i < PyList_GET_SIZE(filled) ? PyList_GET_ITEM(filled, i) : Py_None;
+        run->views = &views[held];
+        run->objects = Py_NewRef(pieces);
+        run->filled = report == Py_None ? NULL : Py_NewRef(report);
         for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(pieces); j++) {
             if (PyObject_GetBuffer(PyTuple_GET_ITEM(pieces, j), &views[held], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)
                 < 0) {
-                release(views, held);
-                PyMem_Free(starts);
+                release(views, held, runs, i - first + 1);
                 PyMem_Free(lengths);
                 PyBuffer_Release(&buffer);
                 return NULL;
             }
             lengths[i - first] += views[held++].len;
+            run->count++;
         }
     }
-    starts[last - first] = held;
 
     int wait_ms = timeout < 0 ? -1 : (timeout * 1000.0 >= INT_MAX ? INT_MAX : (int)(timeout * 1000.0 + 0.999));
-    Conn c = {fd, wait_ms, buffer.buf, buffer.len, pos, end, 0};
+    Conn c = {fd, wait_ms, buffer.buf, buffer.len, pos, end, 0, NULL};
     int status = OK;
     Py_ssize_t i = first;
-    Py_BEGIN_ALLOW_THREADS
+    c.ts = PyEval_SaveThread();
     for (; i < last; i++) {
         long long length = -1;
         Py_ssize_t after = c.pos;
@@ -244,24 +280,26 @@ static PyObject *receive(PyObject *self, PyObject *args) {
         if (status != OK || length != lengths[i - first])
             break; /* for Python: the reply starts at pos */
         c.pos = after;
-        status = land(&c, &views[starts[i - first]], starts[i - first + 1] - starts[i - first]);
+        status = land(&c, &runs[i - first]);
         if (status != OK)
             break;
     }
-    Py_END_ALLOW_THREADS
-    release(views, held);
-    PyMem_Free(starts);
+    PyEval_RestoreThread(c.ts);
+    release(views, held, runs, last - first);
     PyMem_Free(lengths);
     PyBuffer_Release(&buffer);
+    if (status == RAISED)
+        return NULL; /* what `filled` raised */
     return Py_BuildValue("nnnii", i, c.pos, c.end, status, c.err);
 }
 
 static PyMethodDef methods[] = {
     {"receive", receive, METH_VARARGS,
-     "receive(fd, timeout, buffer, pos, end, plans, first, stop) -> (next, pos, end, status, errno): replies first.. "
-     "of a run whose plans[i] are tuples of writable buffers, each a bulk string of their total length landed in "
-     "them in order; stops at the first other reply (left at pos, unread), at stop, or at a failure (status: "
-     "1 closed, 2 timed out, 3 no CRLF after a value, 4 errno). timeout in seconds, negative for none"},
+     "receive(fd, timeout, buffer, pos, end, plans, filled, first, stop) -> (next, pos, end, status, errno): "
+     "replies first.. of a run whose plans[i] are tuples of writable buffers, each a bulk string of their total "
+     "length landed in them in order, filled[i] (if any, and not None) called with each piece once it is whole; "
+     "stops at the first other reply (left at pos, unread), at stop, or at a failure (status: 1 closed, 2 timed "
+     "out, 3 no CRLF after a value, 4 errno; what filled raises is raised). timeout in seconds, negative for none"},
     {NULL, NULL, 0, NULL},
 };
 

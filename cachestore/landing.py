@@ -12,7 +12,8 @@ without client tracking or subscriptions never receives, are refused and the con
 
 Where the native module `cachestore._resp` is built and the socket is plain TCP or Unix (not TLS), a run of values
 expected in buffers is received by it, without the GIL: their headers parsed in C, each value read with readv
-straight into its buffer or across a Scatter's pieces. Python's parsing was 5-10 us a value, which at 256 KiB
+straight into its buffer or across a Scatter's pieces (each reported to `Scatter.filled`, with the GIL, as soon as it
+is whole). Python's parsing was 5-10 us a value, which at 256 KiB
 values held such a read to 0.85 of hiredis's (BENCHMARKS.md, section 21). Any other reply is left to the parser
 here.
 """
@@ -36,6 +37,10 @@ try:
 except ImportError:  # built without its compiler: every reply is parsed in Python
     _resp = None
 NATIVE = _resp is not None  # whether runs of values in buffers can be received natively (plain sockets only)
+# A Scatter that reports its pieces is received natively up to this size: llama.cpp's q8_0 rows (783 KB a block of
+# SmolLM2) came in 22-33% faster at 8128 tokens; its f16 rows (1.5 MB) 4-10% slower in three runs, within what two
+# runs of the same code differ by there, so they keep the Python parser (BENCHMARKS.md, section 21)
+NATIVE_REPORTED_BYTES = 1 << 20
 
 _BUFFER = 1 << 16  # headers and small replies are read through this; a landed value bypasses it
 MAX_BULK = 512 << 20  # Redis's own proto-max-bulk-len: a longer length is no Redis reply (bytes are untrusted)
@@ -82,14 +87,15 @@ Target = memoryview | Scatter  # where a reply of its length is received
 
 
 def _pieces(target: Target | None) -> tuple[memoryview, ...] | None:
-    """Where the native reader lands a value for `target`, or None where the Python parser must take it (a Scatter
-    that reports each piece as it fills, a view that is not bytes side by side)."""
+    """Where the native reader lands a value for `target`, or None where the Python parser must take it (a view
+    that is not bytes side by side)."""
     if isinstance(target, memoryview):
         return (target,) if target.ndim == 1 and target.itemsize == 1 and target.c_contiguous else None
-    if isinstance(target, Scatter) and target.filled is None:
+    if isinstance(target, Scatter):
+        if target.filled is not None and target.nbytes > NATIVE_REPORTED_BYTES:
+            return None
         return tuple(target.pieces) if all(p.c_contiguous for p in target.pieces) else None
     return None
-
 
 _FAILED = {1: "Redis closed the connection mid-reply", 3: "a bulk string not followed by CRLF"}
 
@@ -167,6 +173,7 @@ class ReplyReader:
         if resp is None:
             return [self.reply(targets[i] if i < len(targets) else None) for i in range(count)]
         plans = [_pieces(t) for t in targets[:count]]
+        filled = [t.filled if isinstance(t, Scatter) else None for t in targets[:count]]
         got: list[Any] = []
         while len(got) < count:
             at = len(got)
@@ -174,7 +181,7 @@ class ReplyReader:
                 timeout = self._sock.gettimeout()
                 at, self._pos, self._end, status, errno = resp.receive(
                     self._sock.fileno(), -1.0 if timeout is None else timeout, self._buf, self._pos, self._end,
-                    plans, at, count)
+                    plans, filled, at, count)
                 got.extend(targets[len(got):at])
                 if status == 2:
                     raise RedisTimeoutError("Timeout reading from Redis")
@@ -194,51 +201,56 @@ class ReplyReader:
             raise ProtocolError(f"a reply nested more than {MAX_DEPTH} deep")
         line = self._line()
         kind, rest = line[:1], line[1:]
-        try:
-            if kind in (b"$", b"=", b"!") and int(rest) > MAX_BULK:
-                raise ProtocolError(f"a bulk string of {int(rest)} bytes, over {MAX_BULK}")
-            if kind == b"$":
-                size = int(rest)
-                if size < 0:
-                    return None
-                if target is not None and size == len(target):
-                    self._exactly(target)
-                    self._crlf()
-                    return target
-                value = bytearray(size)
-                self._exactly(memoryview(value))
-                self._crlf()
-                return bytes(value)
-            if kind == b":":
+
+        def number() -> int:  # a callback's ValueError (Scatter.filled) is not a malformed header
+            try:
                 return int(rest)
-            if kind == b"+":
-                return rest
-            if kind == b"-":
-                return ResponseError(rest.decode("utf-8", "replace"))
-            if kind == b"*" or kind == b"~":  # an array; RESP3's set
-                count = int(rest)
-                return None if count < 0 else [self.reply(None, depth + 1) for _ in range(count)]
-            if kind == b"_":  # RESP3's null
+            except ValueError as exc:
+                raise ProtocolError(f"a malformed RESP header {line[:40]!r}") from exc
+
+        if kind in (b"$", b"=", b"!") and number() > MAX_BULK:
+            raise ProtocolError(f"a bulk string of {number()} bytes, over {MAX_BULK}")
+        if kind == b"$":
+            size = number()
+            if size < 0:
                 return None
-            if kind == b"%":  # RESP3's map, as redis-py gives it
-                return {self.reply(None, depth + 1): self.reply(None, depth + 1) for _ in range(int(rest))}
-            if kind == b"#":
-                return rest == b"t"
-            if kind == b",":
-                return float(rest)
-            if kind == b"(":
-                return int(rest)
-            if kind in (b"=", b"!"):  # verbatim string (its "txt:" prefix dropped); blob error
-                value = bytearray(int(rest))
-                self._exactly(memoryview(value))
+            if target is not None and size == len(target):
+                self._exactly(target)
                 self._crlf()
-                return bytes(value[4:]) if kind == b"=" else ResponseError(value.decode("utf-8", "replace"))
-            if kind == b"|":  # attributes of the reply that follows: not needed
-                for _ in range(2 * int(rest)):
-                    self.reply(None, depth + 1)
-                return self.reply(target, depth)
-        except ValueError as exc:
-            raise ProtocolError(f"a malformed RESP header {line[:40]!r}") from exc
+                return target
+            value = bytearray(size)
+            self._exactly(memoryview(value))
+            self._crlf()
+            return bytes(value)
+        if kind == b":" or kind == b"(":  # an integer; RESP3's big number
+            return number()
+        if kind == b"+":
+            return rest
+        if kind == b"-":
+            return ResponseError(rest.decode("utf-8", "replace"))
+        if kind == b"*" or kind == b"~":  # an array; RESP3's set
+            count = number()
+            return None if count < 0 else [self.reply(None, depth + 1) for _ in range(count)]
+        if kind == b"_":  # RESP3's null
+            return None
+        if kind == b"%":  # RESP3's map, as redis-py gives it
+            return {self.reply(None, depth + 1): self.reply(None, depth + 1) for _ in range(number())}
+        if kind == b"#":
+            return rest == b"t"
+        if kind == b",":
+            try:
+                return float(rest)
+            except ValueError as exc:
+                raise ProtocolError(f"a malformed RESP header {line[:40]!r}") from exc
+        if kind in (b"=", b"!"):  # verbatim string (its "txt:" prefix dropped); blob error
+            value = bytearray(number())
+            self._exactly(memoryview(value))
+            self._crlf()
+            return bytes(value[4:]) if kind == b"=" else ResponseError(value.decode("utf-8", "replace"))
+        if kind == b"|":  # attributes of the reply that follows: not needed
+            for _ in range(2 * number()):
+                self.reply(None, depth + 1)
+            return self.reply(target, depth)
         raise ProtocolError(f"an unexpected RESP reply type {line[:40]!r}")
 
 

@@ -86,7 +86,7 @@ def test_values_of_the_slot_length_land_in_the_buffer(redis_server: RedisProcess
 
         def counted(*args: Any) -> tuple[int, int, int, int, int]:
             got = resp.receive(*args)
-            runs.append(got[0] - args[6])  # replies it received
+            runs.append(got[0] - args[7])  # replies it received
             return got
 
         monkeypatch.setattr(landing, "_resp", SimpleNamespace(receive=counted))
@@ -455,9 +455,10 @@ def _stream(values: list[bytes]) -> bytes:
     return b"".join(b"$%d\r\n%s\r\n" % (len(v), v) for v in values)
 
 
-def _targets(arena: bytearray, sizes: list[int]) -> list[landing.Target]:
+def _targets(arena: bytearray, sizes: list[int], seen: list[bytes]) -> list[landing.Target]:
     """A slot of `arena` per size, 40 bytes apart; every third one (of more than 10 bytes) a Scatter of three pieces,
-    out of order, with a gap between them; the fifth a Scatter of 150 pieces a byte apart (more than one readv)."""
+    out of order, with a gap between them (the first of them reporting each piece to `seen`); the fifth a Scatter
+    of 150 pieces a byte apart (more than one readv)."""
     view, at, targets = memoryview(arena), 8, []
     for i, n in enumerate(sizes):
         if i == 4:
@@ -468,7 +469,8 @@ def _targets(arena: bytearray, sizes: list[int]) -> list[landing.Target]:
         elif i % 3 == 2 and n > 10:
             third = n // 3
             targets.append(landing.Scatter([view[at + 2 * third + 4:at + n + 4], view[at:at + third],
-                                            view[at + third:at + 2 * third]]))
+                                            view[at + third:at + 2 * third]],
+                                           (lambda piece: seen.append(bytes(piece))) if i == 2 else None))
         else:
             targets.append(view[at:at + n])
         at += n + 40
@@ -477,7 +479,8 @@ def _targets(arena: bytearray, sizes: list[int]) -> list[landing.Target]:
 
 @pytest.mark.skipif(not landing.NATIVE, reason="cachestore._resp not built")
 @pytest.mark.parametrize("step", [1, 7, 4096, 1 << 20])
-def test_the_native_reader_lands_what_the_python_one_does_however_the_bytes_arrive(step: int) -> None:
+def test_the_native_reader_lands_what_the_python_one_does_however_the_bytes_arrive(
+        step: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Runs of values in buffers and across Scatters, broken by replies of every other kind (a null, an error, a
     value of another length, an array, an attribute before a value): the native reader gives what the Python parser
     does, and writes the values where they belong and nothing else."""
@@ -488,15 +491,25 @@ def test_the_native_reader_lands_what_the_python_one_does_however_the_bytes_arri
             + b"|1\r\n+a\r\n:0\r\n" + _stream(values[3:]) + REPLIES)
     size = sum(sizes) + 64 * len(sizes) + 150
     expected = bytearray(b"\xa5" * size)
-    for target, value in zip(_targets(expected, sizes), values, strict=True):
+    for target, value in zip(_targets(expected, sizes, []), values, strict=True):
         if isinstance(target, landing.Scatter):
             target.fill(value)
         else:
             target[:] = value
+    import cachestore._resp as resp  # noqa: PLC0415
+
+    natively: list[int] = []
+
+    def counted(*args: Any) -> tuple[int, int, int, int, int]:
+        got = resp.receive(*args)
+        natively.extend(range(args[7], got[0]))  # the replies it received
+        return got
+
+    monkeypatch.setattr(landing, "_resp", SimpleNamespace(receive=counted))
     results = []
     for native in (True, False):
-        arena = bytearray(b"\xa5" * size)
-        targets = _targets(arena, sizes)
+        arena, seen = bytearray(b"\xa5" * size), []
+        targets = _targets(arena, sizes, seen)
         slots = targets[:3] + [memoryview(bytearray(4))] * 4 + targets[3:]  # 4: "other" (5 bytes) does not fit
         sock, feeder = _fed(data, step)
         reader = landing.ReplyReader(sock, native=native)
@@ -509,9 +522,13 @@ def test_the_native_reader_lands_what_the_python_one_does_however_the_bytes_arri
         assert reader.buffered == 0
         assert [i for i, g in enumerate(got) if any(g is t for t in targets)] == [0, 1, 2, 7, 8, 9, 10, 11]
         assert arena == expected  # every value where it belongs, nothing written outside
+        third = sizes[2] // 3  # each piece of the reporting Scatter reported once, whole, in order
+        assert seen == [values[2][:sizes[2] - 2 * third], values[2][sizes[2] - 2 * third:sizes[2] - third],
+                        values[2][sizes[2] - third:]]
         assert got[3:7] == [None, got[4], b"other", [1, b"ab"]] and str(got[4]) == "ERR gone"
         results.append([repr(g) for g in got[3:7] + got[12:]])
     assert results[0] == results[1]
+    assert natively == [0, 1, 2, 8, 9, 10, 11]  # every value in a buffer or Scatter but the one after an attribute
     assert len(results[0]) == 20 and results[0][-2:] == ["b'xyz'", "None"]
 
 
@@ -547,3 +564,38 @@ def test_the_native_reader_keeps_the_socket_timeout() -> None:
     finally:
         feeder.join()
         sock.close()
+
+
+@pytest.mark.skipif(not landing.NATIVE, reason="cachestore._resp not built")
+@pytest.mark.parametrize("native", [True, False])
+def test_what_a_scatter_reports_to_raises_out_of_the_reader(native: bool) -> None:
+    """`Scatter.filled` is called with the GIL from inside the native reader: what it raises comes out of
+    `replies`, after the pieces before it were reported, as from the Python parser."""
+    seen: list[bytes] = []
+
+    def filled(piece: memoryview) -> None:
+        seen.append(bytes(piece))
+        if len(seen) == 2:
+            raise ValueError("a bad piece")
+
+    sock, feeder = _fed(_stream([b"abcdefgh"]), 100)
+    try:
+        scatter = landing.Scatter([memoryview(bytearray(3)), memoryview(bytearray(3)), memoryview(bytearray(2))],
+                                  filled)
+        with pytest.raises(ValueError, match="a bad piece"):
+            landing.ReplyReader(sock, native=native).replies(1, [scatter])
+        assert seen == [b"abc", b"def"]
+    finally:
+        feeder.join()
+        sock.close()
+
+
+def test_a_large_scatter_that_reports_its_pieces_keeps_the_python_parser() -> None:
+    """Up to NATIVE_REPORTED_BYTES a reporting Scatter is landed natively (pieces reported from C); above it, the
+    Python parser takes it (section 21: f16 rows were no faster natively); a silent one is landed natively at any
+    size."""
+    big = [memoryview(bytearray(landing.NATIVE_REPORTED_BYTES // 2 + 1)) for _ in range(2)]
+    small = [memoryview(bytearray(1000)) for _ in range(2)]
+    assert landing._pieces(landing.Scatter(big, lambda piece: None)) is None  # noqa: SLF001
+    assert landing._pieces(landing.Scatter(big)) is not None  # noqa: SLF001
+    assert landing._pieces(landing.Scatter(small, lambda piece: None)) is not None  # noqa: SLF001
