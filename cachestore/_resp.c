@@ -39,6 +39,7 @@ typedef struct {
 typedef struct {
     Py_buffer *views;
     Py_ssize_t count;
+    long long nbytes;  /* the value's length: the pieces' total */
     PyObject *objects; /* a tuple */
     PyObject *filled;
 } Pieces;
@@ -239,11 +240,9 @@ static PyObject *receive(PyObject *self, PyObject *args) {
         total += PyTuple_GET_SIZE(PyList_GET_ITEM(plans, last++));
     Py_buffer *views = PyMem_Calloc((size_t)(total ? total : 1), sizeof(Py_buffer));
     Pieces *runs = PyMem_Calloc((size_t)(last - first + 1), sizeof(Pieces));
-    long long *lengths = PyMem_Calloc((size_t)(last - first + 1), sizeof(long long));
-    if (views == NULL || runs == NULL || lengths == NULL) {
+    if (views == NULL || runs == NULL) {
         PyMem_Free(views);
         PyMem_Free(runs);
-        PyMem_Free(lengths);
         PyBuffer_Release(&buffer);
         return PyErr_NoMemory();
     }
@@ -259,11 +258,10 @@ static PyObject *receive(PyObject *self, PyObject *args) {
             if (PyObject_GetBuffer(PyTuple_GET_ITEM(pieces, j), &views[held], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)
                 < 0) {
                 release(views, held, runs, i - first + 1);
-                PyMem_Free(lengths);
                 PyBuffer_Release(&buffer);
                 return NULL;
             }
-            lengths[i - first] += views[held++].len;
+            run->nbytes += views[held++].len;
             run->count++;
         }
     }
@@ -277,7 +275,7 @@ static PyObject *receive(PyObject *self, PyObject *args) {
         long long length = -1;
         Py_ssize_t after = c.pos;
         status = bulk_header(&c, &length, &after);
-        if (status != OK || length != lengths[i - first])
+        if (status != OK || length != runs[i - first].nbytes)
             break; /* for Python: the reply starts at pos */
         c.pos = after;
         status = land(&c, &runs[i - first]);
@@ -286,7 +284,6 @@ static PyObject *receive(PyObject *self, PyObject *args) {
     }
     PyEval_RestoreThread(c.ts);
     release(views, held, runs, last - first);
-    PyMem_Free(lengths);
     PyBuffer_Release(&buffer);
     if (status == RAISED)
         return NULL; /* what `filled` raised */

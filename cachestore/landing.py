@@ -13,9 +13,8 @@ without client tracking or subscriptions never receives, are refused and the con
 Where the native module `cachestore._resp` is built and the socket is plain TCP or Unix (not TLS), a run of values
 expected in buffers is received by it, without the GIL: their headers parsed in C, each value read with readv
 straight into its buffer or across a Scatter's pieces (each reported to `Scatter.filled`, with the GIL, as soon as it
-is whole). Python's parsing was 5-10 us a value, which at 256 KiB
-values held such a read to 0.85 of hiredis's (BENCHMARKS.md, section 21). Any other reply is left to the parser
-here.
+is whole). Any other reply is left to the parser here. It leaves the reading thread less CPU to spend and the GIL
+free; a llama.cpp q8 hit's rows, 61 pieces a block, come in 22-33% faster at 8128 tokens (BENCHMARKS.md, section 21).
 """
 
 from __future__ import annotations
@@ -97,7 +96,24 @@ def _pieces(target: Target | None) -> tuple[memoryview, ...] | None:
         return tuple(target.pieces) if all(p.c_contiguous for p in target.pieces) else None
     return None
 
-_FAILED = {1: "Redis closed the connection mid-reply", 3: "a bulk string not followed by CRLF"}
+
+def _failure(status: int, errno: int) -> Exception:
+    """What a failed native receive (`_resp.receive`'s status) raises, as the Python parser would."""
+    if status == 2:
+        return RedisTimeoutError("Timeout reading from Redis")
+    if status == 3:
+        return ProtocolError("a bulk string not followed by CRLF")
+    if status == 4:
+        return RedisConnectionError(f"reading from Redis: {os.strerror(errno)}")
+    return RedisConnectionError("Redis closed the connection mid-reply")
+
+
+def _integer(line: bytes) -> int:
+    """The integer after a RESP header's type byte; a ProtocolError where there is none."""
+    try:
+        return int(line[1:])
+    except ValueError as exc:
+        raise ProtocolError(f"a malformed RESP header {line[:40]!r}") from exc
 
 
 class ReplyReader:
@@ -183,12 +199,8 @@ class ReplyReader:
                     self._sock.fileno(), -1.0 if timeout is None else timeout, self._buf, self._pos, self._end,
                     plans, filled, at, count)
                 got.extend(targets[len(got):at])
-                if status == 2:
-                    raise RedisTimeoutError("Timeout reading from Redis")
-                if status == 4:
-                    raise RedisConnectionError(f"reading from Redis: {os.strerror(errno)}")
                 if status:
-                    raise (ProtocolError if status == 3 else RedisConnectionError)(_FAILED[status])
+                    raise _failure(status, errno)
                 if at == count:
                     break
             got.append(self.reply(targets[at] if at < len(targets) else None))  # any other reply
@@ -201,17 +213,12 @@ class ReplyReader:
             raise ProtocolError(f"a reply nested more than {MAX_DEPTH} deep")
         line = self._line()
         kind, rest = line[:1], line[1:]
-
-        def number() -> int:  # a callback's ValueError (Scatter.filled) is not a malformed header
-            try:
-                return int(rest)
-            except ValueError as exc:
-                raise ProtocolError(f"a malformed RESP header {line[:40]!r}") from exc
-
-        if kind in (b"$", b"=", b"!") and number() > MAX_BULK:
-            raise ProtocolError(f"a bulk string of {number()} bytes, over {MAX_BULK}")
+        # only the header's own numbers are parsed under ProtocolError: a callback's ValueError (Scatter.filled) is
+        # not a malformed header
+        size = _integer(line) if kind in (b"$", b"=", b"!") else 0
+        if size > MAX_BULK:
+            raise ProtocolError(f"a bulk string of {size} bytes, over {MAX_BULK}")
         if kind == b"$":
-            size = number()
             if size < 0:
                 return None
             if target is not None and size == len(target):
@@ -223,18 +230,18 @@ class ReplyReader:
             self._crlf()
             return bytes(value)
         if kind == b":" or kind == b"(":  # an integer; RESP3's big number
-            return number()
+            return _integer(line)
         if kind == b"+":
             return rest
         if kind == b"-":
             return ResponseError(rest.decode("utf-8", "replace"))
         if kind == b"*" or kind == b"~":  # an array; RESP3's set
-            count = number()
+            count = _integer(line)
             return None if count < 0 else [self.reply(None, depth + 1) for _ in range(count)]
         if kind == b"_":  # RESP3's null
             return None
         if kind == b"%":  # RESP3's map, as redis-py gives it
-            return {self.reply(None, depth + 1): self.reply(None, depth + 1) for _ in range(number())}
+            return {self.reply(None, depth + 1): self.reply(None, depth + 1) for _ in range(_integer(line))}
         if kind == b"#":
             return rest == b"t"
         if kind == b",":
@@ -243,12 +250,14 @@ class ReplyReader:
             except ValueError as exc:
                 raise ProtocolError(f"a malformed RESP header {line[:40]!r}") from exc
         if kind in (b"=", b"!"):  # verbatim string (its "txt:" prefix dropped); blob error
-            value = bytearray(number())
+            if size < 0:
+                raise ProtocolError(f"a malformed RESP header {line[:40]!r}")
+            value = bytearray(size)
             self._exactly(memoryview(value))
             self._crlf()
             return bytes(value[4:]) if kind == b"=" else ResponseError(value.decode("utf-8", "replace"))
         if kind == b"|":  # attributes of the reply that follows: not needed
-            for _ in range(2 * number()):
+            for _ in range(2 * _integer(line)):
                 self.reply(None, depth + 1)
             return self.reply(target, depth)
         raise ProtocolError(f"an unexpected RESP reply type {line[:40]!r}")
