@@ -155,7 +155,8 @@ def _chain(args: argparse.Namespace, tenant: str) -> transfer.Chain:
     pod = settings_from_env().with_overrides(
         engine=args.engine, model=args.model, codec=args.codec, block_tokens=args.block_tokens, device=args.device)
     print(f"loading model {pod.model} ({pod.engine}) for its fingerprint ...", file=sys.stderr)
-    engine = load_engine(pod.engine, pod.model, device=pod.device, parallel=1, codec=pod.codec)
+    engine = load_engine(pod.engine, pod.model, device=pod.device, parallel=1, codec=pod.codec,
+                         flash_attn=pod.flash_attn)  # llama.cpp's V layout decides a pod's /rows
     try:
         # the name the pods put in their fingerprint: the block-codec policy (sink block included)
         codecs = BlockCodecs.for_spec(Codec(pod.codec), rows=engine.row_frames)  # a llama.cpp pod's /rows too

@@ -28,6 +28,9 @@ def register(sub: Any) -> None:
     p.add_argument("--parallel", type=int, help="llamacpp: sequences decoded together (default 4)")
     p.add_argument("--threads", type=int,
                    help="CPU threads of the model: llama.cpp's, or torch's for hf (default: one per core)")
+    p.add_argument("--flash-attn", choices=["auto", "on", "off"],
+                   help="llamacpp: llama.cpp's flash attention (default auto: llama.cpp decides; off decodes a long "
+                        "context faster on some CPUs, BENCHMARKS.md section 22; a q8 cache needs it)")
     p.add_argument("--device", help="cpu (default) or cuda[:N]")
     p.add_argument("--memory-kv-bytes", type=int,
                    help="with --no-cache: keep the KV of recent sequences in this pod's memory, at most this many "
@@ -65,6 +68,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
                      "budget_bytes", "block_ttl_s", "session_ttl_s", "redis_timeout_s", "max_queue", "pod_name")
     }
     overrides["memory_kv_bytes"] = getattr(args, "memory_kv_bytes", None)  # `serve` only, not `sidecar`
+    overrides["flash_attn"] = getattr(args, "flash_attn", None)
     if args.no_cache:
         overrides["cache_enabled"] = False
     return settings_from_env().with_overrides(**overrides)
@@ -95,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     threads.one_core()
     engine = threads.compute_executor(settings.threads).submit(
         load_engine, settings.engine, settings.model, device=settings.device, parallel=settings.parallel,
-        threads=settings.threads, codec=settings.codec).result()
+        threads=settings.threads, codec=settings.codec, flash_attn=settings.flash_attn).result()
     try:
         CodecSpec.parse(settings.codec).check_model(engine.geometry.num_layers, engine.geometry.head_dim)
         uvicorn.run(create_app(settings, engine), host=settings.host, port=settings.port,

@@ -41,6 +41,8 @@ def register(sub: Any) -> None:
     up.add_argument("--threads", type=int, help="--spawn: llama-server threads (default: its own)")
     up.add_argument("--ctx-per-slot", type=int, default=8192, help="--spawn: context tokens per slot (default 8192)")
     up.add_argument("--llama-server", help="--spawn: the binary (default: the one `make setup` built)")
+    up.add_argument("--flash-attn", choices=["auto", "on", "off"],
+                    help="--spawn: llama-server's -fa (default auto; off decodes a long context faster on some CPUs)")
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to bind (default 8000)")
     add_pod_options(p, no_cache_help="neither read nor write the cache, and let llama-server reuse nothing "
@@ -49,9 +51,9 @@ def register(sub: Any) -> None:
     p.set_defaults(func=run, engine="llama-server", device=None)
 
 
-def start_engine(args: argparse.Namespace, codec: str = "") -> Any:
-    """The llama-server engine: spawned here (with the KV cache type a pod of `codec` stores: `kv_cache_type`), or in
-    front of --upstream (probed either way)."""
+def start_engine(args: argparse.Namespace, codec: str = "", flash_attn: str = "auto") -> Any:
+    """The llama-server engine: spawned here (with the KV cache type a pod of `codec` stores: `kv_cache_type`, and
+    `-fa flash_attn` unless auto or given after --), or in front of --upstream (probed either way)."""
     from cachestore.errors import ConfigError  # noqa: PLC0415
     from service.engines import kv_cache_type  # noqa: PLC0415
     from service.engines.llamaserver import LlamaServerEngine  # noqa: PLC0415
@@ -66,10 +68,11 @@ def start_engine(args: argparse.Namespace, codec: str = "") -> Any:
             model, Path(args.slot_dir) if args.slot_dir else None, parallel=args.parallel or 4,
             threads=args.threads or 0, ctx_per_slot=args.ctx_per_slot,
             binary=Path(args.llama_server) if args.llama_server else None, extra_args=extra,
-            reuse_slots=not args.no_cache, kv_type=kv_cache_type(codec),
+            reuse_slots=not args.no_cache, kv_type=kv_cache_type(codec), flash_attn=flash_attn,
         )
-    if extra:
-        raise ConfigError("arguments after -- go to a spawned llama-server; with --upstream, give them to yours")
+    if extra or flash_attn != "auto":
+        raise ConfigError("arguments after -- and KVSTASH_FLASH_ATTN go to a spawned llama-server; with --upstream, "
+                          "give them to yours")
     if not args.slot_dir:
         raise ConfigError("--upstream needs --slot-dir: the directory of llama-server's --slot-save-path")
     return LlamaServerEngine(args.upstream, Path(args.slot_dir), model, reuse_slots=not args.no_cache)
@@ -134,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
         warning = asyncio.run(check_connection(store_settings(settings)))
         if warning:
             print(f"kvstash: warning: {warning}", file=sys.stderr)
-    engine = start_engine(args, settings.codec)  # the port opens only after llama-server is up and probed
+    # the port opens only after llama-server is up and probed
+    engine = start_engine(args, settings.codec, settings.flash_attn)
     try:
         CodecSpec.parse(settings.codec).check_model(engine.geometry.num_layers, engine.geometry.head_dim)
         settings = settings.with_overrides(parallel=engine.parallel)

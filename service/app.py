@@ -129,7 +129,7 @@ def create_app(settings: PodSettings, engine: Engine | LoadedModel | None = None
         model = _as_engine(engine) if engine is not None else await asyncio.wrap_future(
             threads.compute_executor(settings.threads).submit(
                 load_engine, settings.engine, settings.model, device=settings.device, parallel=settings.parallel,
-                threads=settings.threads, codec=settings.codec))
+                threads=settings.threads, codec=settings.codec, flash_attn=settings.flash_attn))
         state = build_state(settings, model)
         app.state.pod = state
         if state.writer is not None:

@@ -28,6 +28,7 @@ class PodSettings:
     device: str = "cpu"
     parallel: int = 4  # sequences the llamacpp engine decodes together (hf: always 1)
     threads: int = 0  # CPU threads of the model (llama.cpp's, or torch's for hf); 0 = one per core
+    flash_attn: str = "auto"  # llama.cpp's flash attention: auto (llama.cpp decides), on or off (llama.cpp engines)
     redis_url: str = "redis://127.0.0.1:6379/0"
     namespace: str = "kvstash"
     cache_enabled: bool = True
@@ -60,6 +61,10 @@ class PodSettings:
             raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if not 1 <= self.parallel <= 64 or self.threads < 0:
             raise ConfigError("parallel must be in 1..64 and threads >= 0")
+        if self.flash_attn not in ("auto", "on", "off"):
+            raise ConfigError(f"flash_attn must be auto, on or off, got {self.flash_attn!r}")
+        if self.flash_attn != "auto" and self.engine == "hf":
+            raise ConfigError("flash_attn is a setting of the llama.cpp engines: the hf engine takes auto only")
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
         if self.block_tokens < 1 or self.block_tokens > 4096:
@@ -119,7 +124,7 @@ def parse_api_keys(text: str) -> dict[str, str]:
 
 _ENV_CASTS: dict[str, Any] = {
     "host": str, "port": int, "engine": str, "model": str, "device": str, "parallel": int, "threads": int,
-    "redis_url": str, "namespace": str,
+    "flash_attn": str, "redis_url": str, "namespace": str,
     "codec": str, "block_tokens": int, "block_ttl_s": int, "session_ttl_s": int,
     "budget_bytes": int, "max_value_bytes": int, "redis_timeout_s": float,
     "write_wait_s": float, "usage_sample_s": float,

@@ -31,7 +31,7 @@ from service.engines.llamastate import (
 )
 from service.metrics import PodMetrics
 from service.pipeline import Pipeline
-from service.settings import PodSettings
+from service.settings import PodSettings, settings_from_env
 from tests.lentpod import rows_pod
 
 GREEDY = GenParams(max_tokens=24)
@@ -509,3 +509,50 @@ async def test_q8_frames_are_received_into_a_q8_0_state_and_the_reply_is_unchang
         assert engine.give_context(out)
 
         await _corrupt_block_2_then_hit(store, pipe, hashes, frames, prompt, full.token_ids)
+
+
+async def test_flash_attention_off_stores_v_transposed_and_a_hit_replies_as_a_full_prefill(
+    redis_server: RedisProcess
+) -> None:
+    """`flash_attn="off"` is llama.cpp's context without flash attention: V is stored transposed, so the engine lends
+    no state and writes no token rows. A pod's exact hit then lands in a float context and is assembled into a state,
+    and replies as a full prefill of the same engine; a q8_0 cache refuses it (it needs flash attention)."""
+    with pytest.raises(ConfigError, match="flash attention"):
+        LlamaCppEngine.load("smollm2", parallel=1, threads=2, kv_type="q8_0", flash_attn="off")
+    with pytest.raises(ConfigError, match="auto, off, on|auto, on, off|one of"):
+        LlamaCppEngine.load("smollm2", parallel=1, threads=2, flash_attn="sometimes")
+    engine = LlamaCppEngine.load("smollm2", parallel=2, threads=2, flash_attn="off")
+    try:
+        assert engine.state_geometry.v_trans and not engine.row_frames
+        assert engine.context_for(64) is None
+        b = 16
+        prompt = _prompt(engine, " ".join(QUESTIONS))
+        full = engine.generate(prompt, None, GREEDY)
+        blob, _ = _raw_state(prompt[:40])  # llama.cpp's own default (flash attention on here): V as rows
+        assert not read_facts(blob).v_trans  # type: ignore[union-attr]
+        async with rows_pod(engine, redis_server, "exact", b) as (store, pipe):
+            assert not pipe.codecs.main.spec.rows
+            hashes = pipe.hashes(b"fa-off", prompt[:-1])
+            frames = [pipe.codecs.at(i).encode(full.kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
+            assert await store.put_blocks(pipe.model_key, hashes, frames) == len(hashes) >= 3
+            view, _ = await pipe.lookup(b"fa-off", prompt)
+            assert view.cached_tokens == len(hashes) * b and view.kv is not None and not engine.is_lent(view.kv)
+            gen = await pipe.generate(prompt, view, GREEDY)
+            assert gen.cached_tokens == len(hashes) * b and gen.token_ids == full.token_ids
+            start = gen.kv_from  # the KV handed back for the write-back: the hit's own tokens are not parsed out
+            assert torch.equal(gen.kv[:, :, :, :len(prompt) - start], full.kv[:, :, :, start:len(prompt)])
+    finally:
+        engine.close()
+
+
+def test_flash_attention_is_a_setting_of_the_llama_cpp_engines_only() -> None:
+    """KVSTASH_FLASH_ATTN / --flash-attn: auto (the default), on or off, for the llama.cpp engines; anything else, or
+    a non-auto setting for the hf engine, is a ConfigError naming it before any model loads."""
+    assert PodSettings().flash_attn == "auto"
+    pod = settings_from_env({"KVSTASH_ENGINE": "llamacpp", "KVSTASH_FLASH_ATTN": "off"})
+    assert (pod.engine, pod.flash_attn) == ("llamacpp", "off")
+    assert PodSettings(engine="llama-server", flash_attn="on").flash_attn == "on"
+    with pytest.raises(ConfigError, match="flash_attn must be auto, on or off"):
+        settings_from_env({"KVSTASH_ENGINE": "llamacpp", "KVSTASH_FLASH_ATTN": "1"})
+    with pytest.raises(ConfigError, match="hf engine"):
+        PodSettings(engine="hf", flash_attn="off")

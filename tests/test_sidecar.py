@@ -91,6 +91,22 @@ async def test_a_llama_server_with_a_q8_0_cache_shares_it_exactly(
         q8.close()
 
 
+def test_a_spawned_llama_server_runs_the_flash_attention_asked_for() -> None:
+    """`flash_attn="off"` spawns llama-server with `-fa off`: its slot files store V transposed, so the sidecar writes
+    no token rows, and a cached turn still restores; a q8_0 cache refuses it before anything is spawned."""
+    with pytest.raises(ConfigError, match="flash attention"):
+        LlamaServerEngine.spawn("smollm2", parallel=1, threads=1, ctx_per_slot=2048, kv_type="q8_0", flash_attn="off")
+    off = LlamaServerEngine.spawn("smollm2", parallel=1, threads=1, ctx_per_slot=2048, flash_attn="off")
+    try:
+        assert off.state_geometry.v_trans and not off.row_frames
+        first, second, gen = _conversation(off)
+        off.forget()
+        hit = off.generate(second, gen.kv[:, :, :, :len(first)], GREEDY)
+        assert hit.cached_tokens == len(first) and off.stats.restores == 1 and hit.token_ids
+    finally:
+        off.close()
+
+
 async def test_a_hit_lands_in_the_state_of_the_slot_file_it_is_restored_from(
     engine: LlamaServerEngine, redis_server: RedisProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:

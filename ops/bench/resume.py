@@ -49,6 +49,8 @@ def register(bench_subparsers: Any) -> None:
                         "llama-server (a spawned llama-server; adds slot-file-tmpfs, its own slot restore)")
     p.add_argument("--model", default="smollm2",
                    help="smollm2 (default); hf: tiny-random or a local HF directory; llamacpp: a .gguf file")
+    p.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"],
+                   help="llama.cpp's flash attention (llama.cpp engines; default auto)")
     p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)),
                    help="history lengths in tokens, multiples of --block-tokens (default %(default)s)")
     p.add_argument("--long", action="store_true", help=f"also {LONG_CONTEXT} tokens (the model's context)")
@@ -436,6 +438,12 @@ async def _measure(args: argparse.Namespace, url: str) -> tuple[list[dict[str, A
     threads.one_core()  # this thread runs the event loop, as in a pod; models run on the compute thread
     contexts = [int(c) for c in args.contexts.split(",") if c.strip()] + ([LONG_CONTEXT] if args.long else [])
     every = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if args.engine != "hf":  # before any engine is loaded: a q8_0 cache cannot run without flash attention
+        from service.engines import kv_cache_type  # noqa: PLC0415
+        from service.engines.llamacpp import check_flash_attn  # noqa: PLC0415
+
+        for mode in every:
+            check_flash_attn(args.flash_attn, kv_cache_type(mode))
     groups: dict[str, list[str]] = {}  # the modes each engine runs (a llama.cpp pod's cache type follows its codec)
     for mode in every:
         groups.setdefault(_cache_suffix(f"kvstash-{mode}") if args.engine != "hf" else "", []).append(mode)
@@ -443,7 +451,7 @@ async def _measure(args: argparse.Namespace, url: str) -> tuple[list[dict[str, A
     profile: dict[str, Any] = {}
     for suffix, modes in groups.items():
         engine = threads.compute_executor().submit(load_engine, args.engine, args.model, parallel=1,
-                                                   codec=modes[0]).result()
+                                                   codec=modes[0], flash_attn=args.flash_attn).result()
         try:
             await _measure_engine(args, ResumeBench(engine, url, args), contexts, modes, suffix, rows, profile,
                                   burst=args.burst if modes[0] == every[0] else 0)

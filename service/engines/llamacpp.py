@@ -10,6 +10,11 @@ The KV cache is F16 (llama.cpp's default), or Q8_0 for a pod whose codec is q8 (
 `--cache-type-k/v q8_0`, with flash attention): q8 frames are that cache's own bytes, so a hit restores exactly what
 the sequence held. The cache costs half the memory and a hit half the bytes of fp16; llama.cpp's CPU prefill over a
 Q8_0 cache is slower (BENCHMARKS.md, section 18).
+
+Flash attention is llama.cpp's choice (`flash_attn` "auto", llama-server's `-fa auto`) unless set: "on" or "off".
+On some CPUs llama.cpp's flash attention decodes much slower over a long context (an Intel Xeon VM, 2048 tokens:
+72 ms a token against 30 off; BENCHMARKS.md, section 22). Off, V is stored transposed: a hit's frames then go
+through a float context and an assembled state instead of landing in the state (`v_trans`).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ log = logging.getLogger("kvstash.llamacpp")
 PINNED_VERSION = "0.3.36"  # llama-cpp-python; the state layout in llamastate is read from this version
 MAX_SEQ_CONTEXT = 8192  # tokens per sequence at most (the model's training context if smaller)
 N_BATCH = 512  # tokens per llama_decode call
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # llama_context_params.flash_attn_type, by the setting's name
 
 
 _LOG_CALLBACK: list[object] = []  # installed once per process and never freed: llama.cpp keeps calling it
@@ -61,6 +67,15 @@ def _quiet_logs() -> object:
         llama_cpp.llama_log_set(_drop, ctypes.c_void_p(0))
         _LOG_CALLBACK.append(_drop)
     return _LOG_CALLBACK[0]
+
+
+def check_flash_attn(flash_attn: str, kv_type: str = "f16") -> None:
+    """A ConfigError unless `flash_attn` is one of FLASH_ATTN's names, and "off" is asked of an F16 cache only."""
+    if flash_attn not in FLASH_ATTN:
+        raise ConfigError(f"flash attention must be one of {', '.join(FLASH_ATTN)}, got {flash_attn!r}")
+    if flash_attn == "off" and kv_type != "f16":
+        raise ConfigError(f"a {kv_type} KV cache (codec q8) needs llama.cpp's flash attention: "
+                          "run it with flash attention auto or on")
 
 
 def resolve_gguf(model: str) -> Path:
@@ -155,7 +170,8 @@ class LlamaCppEngine(LendsStates):
     layerwise = False  # a sequence's state is set whole
     runs_torch = False  # llama.cpp computes on its own scheduler thread
 
-    def __init__(self, path: Path, *, name: str, parallel: int = 4, threads: int = 0, kv_type: str = "f16") -> None:
+    def __init__(self, path: Path, *, name: str, parallel: int = 4, threads: int = 0, kv_type: str = "f16",
+                 flash_attn: str = "auto") -> None:
         # llama.cpp runs its own OpenMP team on the scheduler thread: torch work on the thread that loads (and
         # probes) the engine keeps to one core, or libgomp, with more threads than cores, parks its workers
         # between regions and every decode step pays the wake-ups (service.threads)
@@ -168,7 +184,8 @@ class LlamaCppEngine(LendsStates):
             raise ConfigError(f"llama-cpp-python {llama_cpp.__version__} is installed; kvstash reads the KV "
                               f"layout of {PINNED_VERSION} only (run `make setup`)")
         llamastate.check_kv_type(kv_type)
-        self.kv_type = kv_type
+        check_flash_attn(flash_attn, kv_type)
+        self.kv_type, self.flash_attn = kv_type, flash_attn
         self._lib = lib = llama_cpp
         self._log_cb = _quiet_logs()
         lib.llama_backend_init()
@@ -190,8 +207,8 @@ class LlamaCppEngine(LendsStates):
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.kv_unified = False  # a stream per sequence: attention never scans other sequences' cells
         cparams.type_k = cparams.type_v = llamastate.KV_TYPES[kv_type]
-        if kv_type != "f16":
-            cparams.flash_attn_type = 1  # a quantized V cache needs flash attention (V then kept as rows)
+        # a quantized V cache needs flash attention (V then kept as rows)
+        cparams.flash_attn_type = FLASH_ATTN["on" if kv_type != "f16" else flash_attn]
         self._ctx = lib.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             raise ConfigError(f"llama.cpp could not create a context of {per_seq} x {parallel} tokens")
@@ -228,10 +245,11 @@ class LlamaCppEngine(LendsStates):
         self._thread.start()
 
     @classmethod
-    def load(cls, model: str, *, parallel: int = 4, threads: int = 0, kv_type: str = "f16") -> LlamaCppEngine:
+    def load(cls, model: str, *, parallel: int = 4, threads: int = 0, kv_type: str = "f16",
+             flash_attn: str = "auto") -> LlamaCppEngine:
         path = resolve_gguf(model)
         return cls(path, name=model if model == "smollm2" else path.stem, parallel=parallel, threads=threads,
-                   kv_type=kv_type)
+                   kv_type=kv_type, flash_attn=flash_attn)
 
     # -- model facts -----------------------------------------------------------------------------
     def _meta(self, key: str) -> str | None:

@@ -33,7 +33,7 @@ from service.engines.base import KvGeometry, PrefillHook, gguf_fingerprint
 from service.engines.chat import chat_token_ids
 from service.engines.generation import Generation, GenParams, reply_ids
 from service.engines.lending import LendsStates, StateLender, state_buffers
-from service.engines.llamacpp import file_digest, resolve_gguf
+from service.engines.llamacpp import check_flash_attn, file_digest, resolve_gguf
 from service.engines.llamaserverproc import LlamaServerProcess
 from service.rehydrate import LayerGate
 
@@ -137,14 +137,19 @@ class LlamaServerEngine(LendsStates):
     def spawn(
         cls, model: str, slot_dir: Path | None = None, *, parallel: int = 4, threads: int = 0, ctx_per_slot: int = 8192,
         binary: Path | None = None, extra_args: Sequence[str] = (), reuse_slots: bool = True, kv_type: str = "f16",
+        flash_attn: str = "auto",
     ) -> LlamaServerEngine:
         """Start (and supervise) a llama-server of `parallel` slots, then the engine in front of it. Without
         `slot_dir`, slots are saved in a fresh directory (in shared memory where there is one), removed on close.
         `kv_type` "q8_0" runs its KV cache as q8_0 (`--cache-type-k/v q8_0 -fa on`, what a sidecar of codec q8 stores
-        as it is: `service.engines.kv_cache_type`), unless `extra_args` name a cache type of their own."""
+        as it is: `service.engines.kv_cache_type`), unless `extra_args` name a cache type of their own. `flash_attn`
+        other than "auto" is passed as `-fa`, unless `extra_args` name it."""
         llamastate.check_kv_type(kv_type)
+        check_flash_attn(flash_attn, kv_type)
         if kv_type != "f16" and not any(a.startswith("--cache-type") or a in ("-ctk", "-ctv") for a in extra_args):
             extra_args = ("--cache-type-k", kv_type, "--cache-type-v", kv_type, "-fa", "on", *extra_args)
+        if flash_attn != "auto" and not any(a in ("-fa", "--flash-attn") for a in extra_args):
+            extra_args = ("-fa", flash_attn, *extra_args)
         owned = slot_dir is None
         if slot_dir is None:
             shm = Path("/dev/shm")
