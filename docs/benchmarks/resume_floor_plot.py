@@ -13,7 +13,8 @@ Wave 13 (section 19): the sidecar beside llama-server, before fe4ea80, after 8ac
 file's state); "13-sidecar" every run's hit p50 in ms (its floor changed with it: ratios compare two floors).
 Wave 14 (section 20): int8 streamed into the llama.cpp state, before b91f278, after 7610d2a; "14-llamacpp" and
 "14-llama-server" (the sidecar) the ratios. Wave 15 (section 21): the native RESP reader, before c5cb5ae, after
-75451ea; "15-llamacpp" the ratios (an AMD Zen 5 VM).
+75451ea; "15-llamacpp" the ratios (an AMD Zen 5 VM). Wave 16 (section 22): "16-fa" the llamacpp engine's hit and
+floor in ms with llama.cpp's flash attention auto (on; -llamacpp-run1) and off (-llamacpp-fa-off), an Intel VM.
 
 Run: PYTHONPATH=. .venv/bin/python docs/benchmarks/resume_floor_plot.py 7
 """
@@ -66,6 +67,23 @@ def hits(wave: str) -> None:
               title=f"kvstash sidecar hit beside llama-server, wave {wave.split('-')[0]}: before / after")
 
 
+def flash_attention(wave: str) -> None:
+    """The llamacpp hit and floor p50 (ms) for every codec and context both runs have, flash attention auto
+    (resume-waveW-llamacpp-run1.json) and off (-llamacpp-fa-off.json) -> resume-waveW-fa.png."""
+    runs = {side: {(r["method"], r["context"]): r["ttft_ms_p50"]
+                   for r in json.loads((HERE / f"resume-wave{wave}-llamacpp-{name}.json").read_text())["rows"]}
+            for side, name in (("auto", "run1"), ("off", "fa-off"))}
+    keys = sorted({k for k in runs["auto"] if k[0].startswith("kvstash-") and k in runs["off"]},
+                  key=lambda k: (k[1], k[0]))
+    labels = [f"{method.removeprefix('kvstash-')}\n{context}" for method, context in keys]
+    groups = {f"{kind}, FA {side}": [runs[side][(method.replace("kvstash", kind), context)]
+                                                  for method, context in keys]
+              for side in ("auto", "off") for kind in ("kvstash", "floor")}
+    groups = {name.replace("kvstash", "hit"): values for name, values in groups.items()}
+    plot_bars(HERE / f"resume-wave{wave}-fa.png", labels, groups, ylabel="TTFT p50, ms (log)", logy=True,
+              title=f"llama.cpp in the pod, wave {wave}: hit and floor, flash attention (FA) auto (on) and off")
+
+
 def main(wave: str) -> None:
     runs = {f"{side} run {path.stem.rsplit('run', 1)[1]}": ratios(path)
             for side in ("before", "after") for path in sorted(HERE.glob(f"resume-wave{wave}-{side}-run*.json"))}
@@ -79,7 +97,9 @@ def main(wave: str) -> None:
 
 if __name__ == "__main__":
     arg = sys.argv[1] if len(sys.argv) > 1 else "6"
-    if arg.endswith("-ms"):
+    if arg.endswith("-fa"):
+        flash_attention(arg.split("-")[0])
+    elif arg.endswith("-ms"):
         milliseconds(arg.split("-")[0])
     elif arg.endswith("-sidecar"):
         hits(arg)
