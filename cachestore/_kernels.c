@@ -530,6 +530,73 @@ static PyObject *attend(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+#ifdef KV_X86
+/* dst[c][r] = src[r][c] for an 8 x 8 block of 2-byte elements, in SSE2 registers (every x86-64 CPU has it). */
+static inline void block8(uint16_t *o, long dc, const uint16_t *i, long sr) {
+    __m128i a0 = _mm_loadu_si128((const __m128i *)(i + 0 * sr)), a1 = _mm_loadu_si128((const __m128i *)(i + 1 * sr));
+    __m128i a2 = _mm_loadu_si128((const __m128i *)(i + 2 * sr)), a3 = _mm_loadu_si128((const __m128i *)(i + 3 * sr));
+    __m128i a4 = _mm_loadu_si128((const __m128i *)(i + 4 * sr)), a5 = _mm_loadu_si128((const __m128i *)(i + 5 * sr));
+    __m128i a6 = _mm_loadu_si128((const __m128i *)(i + 6 * sr)), a7 = _mm_loadu_si128((const __m128i *)(i + 7 * sr));
+    __m128i b0 = _mm_unpacklo_epi16(a0, a1), b1 = _mm_unpackhi_epi16(a0, a1);
+    __m128i b2 = _mm_unpacklo_epi16(a2, a3), b3 = _mm_unpackhi_epi16(a2, a3);
+    __m128i b4 = _mm_unpacklo_epi16(a4, a5), b5 = _mm_unpackhi_epi16(a4, a5);
+    __m128i b6 = _mm_unpacklo_epi16(a6, a7), b7 = _mm_unpackhi_epi16(a6, a7);
+    __m128i c0 = _mm_unpacklo_epi32(b0, b2), c1 = _mm_unpackhi_epi32(b0, b2);
+    __m128i c2 = _mm_unpacklo_epi32(b1, b3), c3 = _mm_unpackhi_epi32(b1, b3);
+    __m128i c4 = _mm_unpacklo_epi32(b4, b6), c5 = _mm_unpackhi_epi32(b4, b6);
+    __m128i c6 = _mm_unpacklo_epi32(b5, b7), c7 = _mm_unpackhi_epi32(b5, b7);
+    _mm_storeu_si128((__m128i *)(o + 0 * dc), _mm_unpacklo_epi64(c0, c4));
+    _mm_storeu_si128((__m128i *)(o + 1 * dc), _mm_unpackhi_epi64(c0, c4));
+    _mm_storeu_si128((__m128i *)(o + 2 * dc), _mm_unpacklo_epi64(c1, c5));
+    _mm_storeu_si128((__m128i *)(o + 3 * dc), _mm_unpackhi_epi64(c1, c5));
+    _mm_storeu_si128((__m128i *)(o + 4 * dc), _mm_unpacklo_epi64(c2, c6));
+    _mm_storeu_si128((__m128i *)(o + 5 * dc), _mm_unpackhi_epi64(c2, c6));
+    _mm_storeu_si128((__m128i *)(o + 6 * dc), _mm_unpacklo_epi64(c3, c7));
+    _mm_storeu_si128((__m128i *)(o + 7 * dc), _mm_unpackhi_epi64(c3, c7));
+}
+#endif
+
+/* One matrix: dst[c][r] = src[r][c], r < R, c < C; 8 columns at a time over every row, so 8 rows of dst are written
+ * one after another (rows of dst a power of two apart, written a few elements each in turn, evict one another from
+ * L1 and the write buffers: 2x slower), from rows of src read again from L2 for each 8 columns. */
+static void matrix16(uint16_t *out, long dc, const uint16_t *in, long sr, long r_n, long c_n) {
+    long rb = 0, cb = 0;
+#ifdef KV_X86
+    rb = r_n / 8 * 8;
+    cb = c_n / 8 * 8;
+    for (long c = 0; c < cb; c += 8)
+        for (long r = 0; r < rb; r += 8)
+            block8(out + c * dc + r, dc, in + r * sr + c, sr);
+#endif
+    for (long c = 0; c < c_n; c++)  /* what no block covers: rows from rb on, and columns from cb on */
+        for (long r = c < cb ? rb : 0; r < r_n; r++)
+            out[c * dc + r] = in[r * sr + c];
+}
+
+/* transpose16(dst, src, (K, R, C), dst_strides (k, c), src_strides (k, r)): dst[k][c][r] = src[k][r][c] for 2-byte
+ * elements (fp16 bits, moved as they are), rows contiguous in both; strides in elements. A llama.cpp state without
+ * flash attention stores V transposed: each layer's [tokens, channels] is written as [channels, tokens]. In 8 x 8
+ * register blocks (SSE2), the rest element by element: the same bits on every CPU; numpy's strided copy of a
+ * 2048-token SmolLM2 V takes 2-3x as long. */
+static PyObject *transpose16(PyObject *self, PyObject *args) {
+    unsigned long long dst, src;
+    long k_n, r_n, c_n, dk, dc, sk, sr;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KK(lll)(ll)(ll)", &dst, &src, &k_n, &r_n, &c_n, &dk, &dc, &sk, &sr))
+        return NULL;
+    if (k_n < 0 || r_n < 0 || c_n < 0 || dc < r_n || sr < c_n) {
+        PyErr_SetString(PyExc_ValueError, "unsupported shape");
+        return NULL;
+    }
+    uint16_t *out = (uint16_t *)(uintptr_t)dst;
+    const uint16_t *in = (const uint16_t *)(uintptr_t)src;
+    Py_BEGIN_ALLOW_THREADS
+    for (long k = 0; k < k_n; k++)
+        matrix16(out + k * dk, dc, in + k * sk, sr, r_n, c_n);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *use(PyObject *self, PyObject *args) {
     int wanted;
     (void)self;
@@ -555,6 +622,9 @@ static PyMethodDef methods[] = {
      "attend(out, in, codes, scales, offsets, bits, values, (A, H, T, D, M, group), code_strides[3], "
      "scale_strides[3], row_strides[2], score_strides[3]): scores[h, m, a, t] = queries[h, m] . k[a, h, t], or "
      "out[h, m] += sum over a, t of weights[h, m, a, t] * v[a, h, t], over int8 or int4 codes (kernels.py)"},
+    {"transpose16", transpose16, METH_VARARGS,
+     "transpose16(dst, src, (K, R, C), dst_strides[2], src_strides[2]): dst[k][c][r] = src[k][r][c], 2-byte "
+     "elements, rows contiguous; strides in elements (kernels.py)"},
     {NULL, NULL, 0, NULL},
 };
 

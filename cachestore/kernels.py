@@ -91,6 +91,23 @@ def token_rows(out: torch.Tensor) -> bool:
             and (t == 1 or out.stride(2) == b * d))
 
 
+def transposed_into(out: torch.Tensor, src: torch.Tensor) -> bool:
+    """out [K, C, R] = src [K, R, C] transposed (out[k][c][r] = src[k][r][c]), both of one 2-byte dtype with rows
+    contiguous, the bits moved as they are; False (nothing written) where the kernel does not apply: then the caller
+    copies. llama.cpp's state without flash attention stores each layer's V this way: a 2048-token SmolLM2 V in 5 ms
+    against 14-16 for numpy's strided copy (BENCHMARKS.md, section 22). Plain C and SSE2: at any kernel level."""
+    if _kernels is None or not _wanted or out.dtype != src.dtype or out.element_size() != 2 or out.dim() != 3:
+        return False
+    k, c, r = out.shape
+    if tuple(src.shape) != (k, r, c) or out.device.type != "cpu" or src.device.type != "cpu":
+        return False
+    if (out.stride(2) != 1 and r > 1) or (src.stride(2) != 1 and c > 1) or out.stride(1) < r or src.stride(1) < c:
+        return False
+    _kernels.transpose16(out.data_ptr(), src.data_ptr(), (k, r, c), (out.stride(0), out.stride(1)),
+                         (src.stride(0), src.stride(1)))
+    return True
+
+
 def int4_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> bool:
     """out [A, B, C, E, F] (fp32 or fp16, any outer strides, rows contiguous) = the int4 codes of `packed` (uint8,
     contiguous, two codes a byte, low nibble first, in out's C order) times fp16 `scale` plus fp16 `zero`, both

@@ -180,3 +180,37 @@ def test_the_setting_is_0_or_1_and_anything_else_is_a_clear_error(monkeypatch: p
             kernels.configure({"KVSTASH_NATIVE_KERNELS": bad})
     kernels.configure()  # this process's own setting again
 
+
+
+built = pytest.mark.skipif(kernels._kernels is None, reason="the native module is not built")  # noqa: SLF001
+
+
+@built
+@pytest.mark.parametrize(("count", "rows", "cols"), [(3, 2048, 64), (2, 37, 64), (1, 64, 13), (4, 5, 3), (1, 8, 8),
+                                                     (2, 0, 16)])
+def test_transposed_into_moves_every_element_where_torch_would(count: int, rows: int, cols: int) -> None:
+    """out[k][c][r] = src[k][r][c], bits as they are (NaN and infinity included), for 8 x 8 blocks and the rows and
+    columns that no block covers; into and from strided views (a state's V, a context's [H, n, D]), nothing else
+    written."""
+    src_all = torch.randint(-32768, 32767, (count, rows + 3, cols + 5), dtype=torch.int16)
+    src_all[..., 0] = 0x7E01  # a NaN's bits
+    src = src_all[:, 1:rows + 1, 2:cols + 2].view(torch.float16)  # row stride cols + 5
+    out_all = torch.full((count, cols + 2, rows + 7), 0x1234, dtype=torch.int16)
+    out = out_all[:, 1:cols + 1, 3:rows + 3]  # row stride rows + 7
+    assert kernels.transposed_into(out.view(torch.float16), src)
+    assert torch.equal(out, src.view(torch.int16).transpose(1, 2))
+    out_all[:, 1:cols + 1, 3:rows + 3] = 0x1234
+    assert bool((out_all == 0x1234).all())  # nothing outside the view was written
+
+
+@built
+def test_transposed_into_declines_what_it_does_not_take(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another dtype or shape, rows not contiguous, or the kernels turned off: False and nothing written."""
+    src = torch.randn(2, 16, 8).half()
+    out = torch.zeros(2, 8, 16, dtype=torch.float16)
+    assert not kernels.transposed_into(out.float(), src.float())  # 4-byte elements
+    assert not kernels.transposed_into(out[:, :, :8], src)  # shapes that do not match
+    assert not kernels.transposed_into(torch.zeros(2, 16, 8, dtype=torch.float16).transpose(1, 2), src)  # strided rows
+    monkeypatch.setattr(kernels, "_wanted", False)  # KVSTASH_NATIVE_KERNELS=0
+    assert not kernels.transposed_into(out, src)
+    assert not out.any()

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cachestore import kernels
 from cachestore.errors import ConfigError, KvstashError
 from cachestore.quant import Q8_BLOCK, Q8_BYTES, q8_rows, q8_rows_into
 
@@ -346,7 +347,8 @@ def assemble_state(kv: torch.Tensor, geo: StateGeometry, seq_id: int = 0, into: 
         np.copyto(rows.transpose(1, 0, 2), src[layer, 0], casting="same_kind")  # [H, n, D]
         if geo.v_trans:
             chans = np.frombuffer(view, dtype=np.float16, count=n * E, offset=v_at).reshape(H, D, n)
-            np.copyto(chans.transpose(0, 2, 1), src[layer, 1], casting="same_kind")
+            if kv.dtype != torch.float16 or not kernels.transposed_into(torch.from_numpy(chans), kv[layer, 1]):
+                np.copyto(chans.transpose(0, 2, 1), src[layer, 1], casting="same_kind")
         else:
             rows = np.frombuffer(view, dtype=np.float16, count=n * E, offset=v_at).reshape(n, H, D)
             np.copyto(rows.transpose(1, 0, 2), src[layer, 1], casting="same_kind")
