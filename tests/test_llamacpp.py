@@ -514,9 +514,10 @@ async def test_q8_frames_are_received_into_a_q8_0_state_and_the_reply_is_unchang
 async def test_flash_attention_off_stores_v_transposed_and_a_hit_replies_as_a_full_prefill(
     redis_server: RedisProcess
 ) -> None:
-    """`flash_attn="off"` is llama.cpp's context without flash attention: V is stored transposed, so the engine lends
-    no state and writes no token rows. A pod's exact hit then lands in a float context and is assembled into a state,
-    and replies as a full prefill of the same engine; a q8_0 cache refuses it (it needs flash attention)."""
+    """`flash_attn="off"` is llama.cpp's context without flash attention: V is stored transposed, so no frame is
+    written as token rows. The engine still lends its state, V viewed as rows in its own region and put in place
+    before the state is set: a pod's exact and int8 hits land there, and the exact one replies as a full prefill of
+    the same engine (so does the state's own parse). A q8_0 cache refuses it (it needs flash attention)."""
     with pytest.raises(ConfigError, match="flash attention"):
         LlamaCppEngine.load("smollm2", parallel=1, threads=2, kv_type="q8_0", flash_attn="off")
     with pytest.raises(ConfigError, match="auto, off, on|auto, on, off|one of"):
@@ -524,23 +525,31 @@ async def test_flash_attention_off_stores_v_transposed_and_a_hit_replies_as_a_fu
     engine = LlamaCppEngine.load("smollm2", parallel=2, threads=2, flash_attn="off")
     try:
         assert engine.state_geometry.v_trans and not engine.row_frames
-        assert engine.context_for(64) is None
         b = 16
         prompt = _prompt(engine, " ".join(QUESTIONS))
         full = engine.generate(prompt, None, GREEDY)
         blob, _ = _raw_state(prompt[:40])  # llama.cpp's own default (flash attention on here): V as rows
         assert not read_facts(blob).v_trans  # type: ignore[union-attr]
-        async with rows_pod(engine, redis_server, "exact", b) as (store, pipe):
-            assert not pipe.codecs.main.spec.rows
-            hashes = pipe.hashes(b"fa-off", prompt[:-1])
-            frames = [pipe.codecs.at(i).encode(full.kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
-            assert await store.put_blocks(pipe.model_key, hashes, frames) == len(hashes) >= 3
-            view, _ = await pipe.lookup(b"fa-off", prompt)
-            assert view.cached_tokens == len(hashes) * b and view.kv is not None and not engine.is_lent(view.kv)
-            gen = await pipe.generate(prompt, view, GREEDY)
-            assert gen.cached_tokens == len(hashes) * b and gen.token_ids == full.token_ids
-            start = gen.kv_from  # the KV handed back for the write-back: the hit's own tokens are not parsed out
-            assert torch.equal(gen.kv[:, :, :, :len(prompt) - start], full.kv[:, :, :, start:len(prompt)])
+        for codec in ("exact", "int8"):
+            async with rows_pod(engine, redis_server, codec, b) as (store, pipe):
+                assert not pipe.codecs.main.spec.rows
+                hashes = pipe.hashes(b"fa-off", prompt[:-1])
+                frames = [pipe.codecs.at(i).encode(full.kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
+                assert await store.put_blocks(pipe.model_key, hashes, frames) == len(hashes) >= 3
+                view, _ = await pipe.lookup(b"fa-off", prompt)
+                hit = len(hashes) * b
+                assert view.cached_tokens == hit and view.kv is not None and engine.is_lent(view.kv)
+                decoded = torch.cat([pipe.codecs.at(i).decode(f) for i, f in enumerate(frames)], dim=3)
+                assert view.ready is not None
+                view.ready.wait_all()  # the frames left when the last chunk was verified: dequantized by now
+                assert torch.equal(view.kv[:, :, :, :hit], decoded)  # V viewed as rows until the state is set
+                gen = await pipe.generate(prompt, view, GREEDY)
+                assert gen.cached_tokens == hit and gen.token_ids
+                if codec == "exact":
+                    assert gen.token_ids == full.token_ids
+                    start = gen.kv_from  # the KV handed back for the write-back: the hit's tokens are not parsed out
+                    assert torch.equal(gen.kv[:, :, :, :len(prompt) - start], full.kv[:, :, :, start:len(prompt)])
+
     finally:
         engine.close()
 

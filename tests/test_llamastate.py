@@ -51,6 +51,25 @@ def test_golden_state_parses_and_reassembles_bit_identically(v_trans: bool) -> N
     assert llamastate.state_size(4, geo) == len(blob)
 
 
+@pytest.mark.parametrize("n", [4, 37])
+def test_a_state_lent_with_v_as_rows_is_assembled_once_v_is_put_in_place(n: int) -> None:
+    """V stored transposed (no flash attention): no view has both layouts, but one with each layer's V viewed as rows
+    in its own region, filled, then `transpose_v`, gives `assemble_state`'s very bytes (odd sizes: the kernel's
+    edges); anything but that layout is refused."""
+    geo = StateGeometry(2, 2, 3, True)
+    assert llamastate.state_view(n, geo) is None
+    want = torch.randn(2, 2, 2, n, 3).half()
+    made = llamastate.state_view(n, geo, seq_id=7, into=bytearray(llamastate.state_size(n, geo) + 64), v_as_rows=True)
+    assert made is not None
+    buf, view = made
+    view.copy_(want)
+    assert torch.equal(view, want)
+    llamastate.transpose_v(buf, n, geo)
+    assert bytes(buf[:llamastate.state_size(n, geo)]) == bytes(assemble_state(want, geo, seq_id=7))
+    with pytest.raises(StateLayoutError):
+        llamastate.transpose_v(buf, n, StateGeometry(2, 2, 3, False))
+
+
 def test_cells_out_of_order_are_sorted_by_position() -> None:
     blob, want = _golden(True, [2, 0, 3, 1])
     assert torch.equal(parse_state(blob, StateGeometry(2, 2, 3, True)), want)

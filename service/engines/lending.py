@@ -11,6 +11,10 @@ lent from here is a pooled state buffer, laid out, whose K and V a hit fills whe
   placed ones (a tail, a session's partial block) are quantized from the tensor into the state by `take`.
 
 Token-rows frames (`CodecSpec.rows`) are received straight into the state either way (`rows`).
+
+- F16 with V stored transposed (llama.cpp without flash attention), where the engine asks for it
+  (`transposed_v`): the tensor lent views each layer's V as rows, in the region where the state keeps it
+  transposed, and `settle` puts V in place before the state is set (`llamastate.transpose_v`).
 """
 
 from __future__ import annotations
@@ -42,14 +46,18 @@ class Lent:
     cells: int
     tensor: torch.Tensor | None = None
     placed: int = 0
+    v_rows: bool = False  # V still lies as rows where the state holds it transposed (`settle` puts it in place)
 
 
 class StateLender:
     """The contexts an engine lends, by the address of the tensor lent (thread-safe)."""
 
     def __init__(self, state_geometry: llamastate.StateGeometry, geometry: KvGeometry,
-                 buffers: IdlePool[bytearray]) -> None:
+                 buffers: IdlePool[bytearray], transposed_v: bool = False) -> None:
         self.state_geometry, self.geometry, self.buffers = state_geometry, geometry, buffers
+        # V stored transposed is lent as rows, and put in place by `settle`, only where the engine sets the state
+        # itself (llama.cpp in the pod); a slot file is written from the state's own bytes (the sidecar)
+        self.transposed_v = transposed_v and state_geometry.v_trans
         # a q8_0 state has no float view: the tensor lent lies beside it, and rows received into the state (q8
         # frames) never pass through the tensor
         self.rows_apart = state_geometry.kv_type != llamastate.GGML_TYPE_F16
@@ -59,9 +67,10 @@ class StateLender:
     def context_for(self, tokens: int) -> torch.Tensor | None:
         """A [layers, 2, kv_heads, tokens, head_dim] context whose K and V become a state of `tokens` cells: a
         float16 view of the state, or a float32 tensor beside a q8_0 one. None where V is stored transposed (no
-        rows to land in). Back with `give_context` once nothing reads or writes it."""
+        rows to land in), unless the engine asked for it (`transposed_v`). Back with `give_context` once nothing reads
+        or writes it."""
         geo = self.state_geometry
-        if tokens <= 0 or geo.v_trans:
+        if tokens <= 0 or (geo.v_trans and not self.transposed_v):
             return None
         buf = self.buffers.take(llamastate.state_size(tokens, geo))
         if self.rows_apart:  # only what is written into the tensor is ever touched
@@ -69,11 +78,11 @@ class StateLender:
             g = self.geometry
             kv = torch.empty((g.num_layers, 2, g.kv_heads, tokens, g.head_dim), dtype=g.dtype)
         else:
-            made = llamastate.state_view(tokens, geo, into=buf)
+            made = llamastate.state_view(tokens, geo, into=buf, v_as_rows=self.transposed_v)
             assert made is not None
             kv = made[1]
         with self._lock:
-            self._lent[kv.data_ptr()] = Lent(buf, tokens, kv if self.rows_apart else None)
+            self._lent[kv.data_ptr()] = Lent(buf, tokens, kv if self.rows_apart else None, v_rows=self.transposed_v)
         return kv
 
     def mark_placed(self, kv: torch.Tensor, tokens: int) -> None:
@@ -128,6 +137,13 @@ class StateLender:
             return lent
         expected = llamastate.state_view_strides(lent.cells, self.state_geometry)
         return lent if tuple(cached_kv.stride()) == expected else None
+
+    def settle(self, lent: Lent) -> None:
+        """A lent state about to be set as it is: V put in place where it was lent as rows (once: the tensor lent no
+        longer holds it as rows after this, and is read no more)."""
+        if lent.v_rows:
+            llamastate.transpose_v(lent.state, lent.cells, self.state_geometry)
+            lent.v_rows = False
 
 
 class LendsStates:

@@ -13,8 +13,8 @@ Q8_0 cache is slower (BENCHMARKS.md, section 18).
 
 Flash attention is llama.cpp's choice (`flash_attn` "auto", llama-server's `-fa auto`) unless set: "on" or "off".
 On some CPUs llama.cpp's flash attention decodes much slower over a long context (an Intel Xeon VM, 2048 tokens:
-72 ms a token against 30 off; BENCHMARKS.md, section 22). Off, V is stored transposed: a hit's frames then go
-through a float context and an assembled state instead of landing in the state (`v_trans`).
+72 ms a token against 30 off; BENCHMARKS.md, section 22). Off, V is stored transposed (`v_trans`): the state is
+lent with V viewed as rows in its own region, put in place before it is set, and no frame is written as token rows.
 """
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ class LlamaCppEngine(LendsStates):
         self._snapshots = state_buffers(keep=parallel)  # finished sequences' states, read back for the write-back
         # contexts lent to the pipeline are these states (service.engines.lending): a q8_0 state has no float view, so
         # a float32 tensor is lent beside it, and rows received into the state (q8 frames) never pass through it
-        self._lender = StateLender(self.state_geometry, self.geometry, self._state_buffers)
+        self._lender = StateLender(self.state_geometry, self.geometry, self._state_buffers, transposed_v=True)
         self._active: list[_Request] = []
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvstash-llamacpp", daemon=True)
@@ -405,6 +405,7 @@ class LlamaCppEngine(LendsStates):
         lent = self._lender.take(cached_kv, cached)
         if lent is None or (lent.tensor is None and 2 * cached < lent.cells):
             return None
+        self._lender.settle(lent)  # V stored transposed (no flash attention): put in place now
         return lent.state, lent.cells
 
     def score(self, cached_kv: torch.Tensor, ids: list[int]) -> torch.Tensor:

@@ -355,19 +355,39 @@ def assemble_state(kv: torch.Tensor, geo: StateGeometry, seq_id: int = 0, into: 
     return buf
 
 
-def state_view(n: int, geo: StateGeometry, seq_id: int = 0,
-               into: bytearray | None = None) -> tuple[bytearray, torch.Tensor] | None:
+def state_view(n: int, geo: StateGeometry, seq_id: int = 0, into: bytearray | None = None,
+               v_as_rows: bool = False) -> tuple[bytearray, torch.Tensor] | None:
     """A sequence state of `n` cells whose K and V are left to fill: the buffer (its first state_size(n) bytes, the
     rest written as `assemble_state` writes it) and a float16 [layers, 2, kv_heads, n, head_dim] view of its K and V.
     A hit dequantized into the view is a state as it is: none is assembled (a copy of the whole KV, 9.5 ms at 2048
-    SmolLM2 tokens). None when V is stored transposed (no single view has both layouts) or quantized (Q8_0)."""
-    if geo.v_trans or geo.kv_type != GGML_TYPE_F16:
+    SmolLM2 tokens). None when V is quantized (Q8_0), or stored transposed (no single view has both layouts) unless
+    `v_as_rows`: then each layer's V is viewed as rows where the state holds it transposed, and is the state's only
+    once `transpose_v` has put it in place (a region of the same size: one copy of V instead of K and V)."""
+    if (geo.v_trans and not v_as_rows) or geo.kv_type != GGML_TYPE_F16:
         return None
     buf = _buffer(n, geo, into)
     k0 = _write_layout(buf, n, geo, seq_id)[0][0]
     flat = torch.frombuffer(buf, dtype=torch.float16, count=state_size(n, geo) // 2)
     kv = flat.as_strided((geo.num_layers, 2, geo.kv_heads, n, geo.head_dim), state_view_strides(n, geo), k0 // 2)
     return buf, kv
+
+
+def transpose_v(buf: bytearray, n: int, geo: StateGeometry) -> None:
+    """Each layer's V of a state of `n` cells in `buf` (`state_view(..., v_as_rows=True)`), written there as rows
+    [n, channels], put in place as the state of a V stored transposed holds it: [channels, n] (through a one-layer
+    scratch, V's regions being the same size either way)."""
+    if not geo.v_trans or geo.kv_type != GGML_TYPE_F16:
+        raise StateLayoutError("only V stored transposed is put in place")
+    L, E = geo.num_layers, geo.row_elements
+    view = memoryview(buf)
+    layer = _layer_bytes(n, geo)
+    v0 = _first_k(n) + L * layer
+    scratch = torch.empty((1, n, E), dtype=torch.float16)
+    for at in range(v0, v0 + L * layer, layer):
+        region = torch.frombuffer(view, dtype=torch.float16, count=n * E, offset=at)
+        scratch.view(-1).copy_(region)
+        if not kernels.transposed_into(region.view(1, E, n), scratch):
+            region.view(E, n).copy_(scratch[0].t())
 
 
 def lay_out(buf: bytearray, n: int, geo: StateGeometry, seq_id: int = 0) -> bytearray:
