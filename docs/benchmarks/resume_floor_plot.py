@@ -14,7 +14,7 @@ file's state); "13-sidecar" every run's hit p50 in ms (its floor changed with it
 Wave 14 (section 20): int8 streamed into the llama.cpp state, before b91f278, after 7610d2a; "14-llamacpp" and
 "14-llama-server" (the sidecar) the ratios. Wave 15 (section 21): the native RESP reader, before c5cb5ae, after
 75451ea; "15-llamacpp" the ratios (an AMD Zen 5 VM). Wave 16 (section 22): "16-fa" the llamacpp engine's hit and
-floor in ms with llama.cpp's flash attention auto (on) and off, back to back at c1589b8 (-llamacpp-fa-{auto,off}-run2),
+floor in ms with llama.cpp's flash attention auto (on) and off, back to back at 9d3db79 (-llamacpp-fa-{auto,off}-run3),
 an Intel VM.
 
 Run: PYTHONPATH=. .venv/bin/python docs/benchmarks/resume_floor_plot.py 7
@@ -70,10 +70,10 @@ def hits(wave: str) -> None:
 
 def flash_attention(wave: str) -> None:
     """The llamacpp hit and floor p50 (ms) for every codec and context both runs have, flash attention auto
-    (resume-waveW-llamacpp-fa-auto-run2.json) and off (-fa-off-run2.json) -> resume-waveW-fa.png."""
+    (resume-waveW-llamacpp-fa-auto-run3.json) and off (-fa-off-run3.json) -> resume-waveW-fa.png."""
     runs = {side: {(r["method"], r["context"]): r["ttft_ms_p50"]
                    for r in json.loads((HERE / f"resume-wave{wave}-llamacpp-{name}.json").read_text())["rows"]}
-            for side, name in (("auto", "fa-auto-run2"), ("off", "fa-off-run2"))}
+            for side, name in (("auto", "fa-auto-run3"), ("off", "fa-off-run3"))}
     keys = sorted({k for k in runs["auto"] if k[0].startswith("kvstash-") and k in runs["off"]},
                   key=lambda k: (k[1], k[0]))
     labels = [f"{method.removeprefix('kvstash-')}\n{context}" for method, context in keys]
