@@ -61,10 +61,8 @@ class PodSettings:
             raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if not 1 <= self.parallel <= 64 or self.threads < 0:
             raise ConfigError("parallel must be in 1..64 and threads >= 0")
-        if self.flash_attn not in ("auto", "on", "off"):
+        if self.flash_attn not in ("auto", "on", "off"):  # the hf engine refuses any but auto when it loads
             raise ConfigError(f"flash_attn must be auto, on or off, got {self.flash_attn!r}")
-        if self.flash_attn != "auto" and self.engine == "hf":
-            raise ConfigError("flash_attn is a setting of the llama.cpp engines: the hf engine takes auto only")
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
         if self.block_tokens < 1 or self.block_tokens > 4096:

@@ -17,7 +17,7 @@ from cachestore.errors import ConfigError
 from cachestore.store import BlockStore
 from ops.redisproc import RedisProcess
 from service.app import store_settings
-from service.engines import GenParams
+from service.engines import GenParams, load_engine
 from service.engines.ggufpath import smollm2_gguf
 from service.engines.llamacpp import LlamaCppEngine
 from service.engines.llamastate import (
@@ -555,13 +555,16 @@ async def test_flash_attention_off_stores_v_transposed_and_a_hit_replies_as_a_fu
 
 
 def test_flash_attention_is_a_setting_of_the_llama_cpp_engines_only() -> None:
-    """KVSTASH_FLASH_ATTN / --flash-attn: auto (the default), on or off, for the llama.cpp engines; anything else, or
-    a non-auto setting for the hf engine, is a ConfigError naming it before any model loads."""
+    """KVSTASH_FLASH_ATTN / --flash-attn: auto (the default), on or off, for the llama.cpp engines; anything else is a
+    ConfigError naming it, and so is a non-auto setting for the hf engine, before its model loads. The environment's
+    setting stands beside an engine named on the command line (`kvstash serve --engine llamacpp`)."""
     assert PodSettings().flash_attn == "auto"
     pod = settings_from_env({"KVSTASH_ENGINE": "llamacpp", "KVSTASH_FLASH_ATTN": "off"})
+    assert (pod.engine, pod.flash_attn) == ("llamacpp", "off")
+    pod = settings_from_env({"KVSTASH_FLASH_ATTN": "off"}).with_overrides(engine="llamacpp")
     assert (pod.engine, pod.flash_attn) == ("llamacpp", "off")
     assert PodSettings(engine="llama-server", flash_attn="on").flash_attn == "on"
     with pytest.raises(ConfigError, match="flash_attn must be auto, on or off"):
         settings_from_env({"KVSTASH_ENGINE": "llamacpp", "KVSTASH_FLASH_ATTN": "1"})
-    with pytest.raises(ConfigError, match="hf engine"):
-        PodSettings(engine="hf", flash_attn="off")
+    with pytest.raises(ConfigError, match="llama.cpp engines"):
+        load_engine("hf", "tiny-random", flash_attn="off")
