@@ -12,7 +12,7 @@ from typing import Any
 from cachestore.errors import ConfigError
 from cachestore.keys import TENANT_PATTERN, TENANT_RE
 from cachestore.settings import StoreSettings, mask_url
-from service.engines.base import ENGINES
+from service.engines.base import ENGINES, check_flash_attn
 
 DEFAULT_TENANT = "default"
 
@@ -61,8 +61,7 @@ class PodSettings:
             raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if not 1 <= self.parallel <= 64 or self.threads < 0:
             raise ConfigError("parallel must be in 1..64 and threads >= 0")
-        if self.flash_attn not in ("auto", "on", "off"):  # the hf engine refuses any but auto when it loads
-            raise ConfigError(f"flash_attn must be auto, on or off, got {self.flash_attn!r}")
+        check_flash_attn(self.flash_attn)  # the codec's cache type, and the hf engine, are checked when it loads
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
         if self.block_tokens < 1 or self.block_tokens > 4096:

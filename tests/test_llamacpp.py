@@ -564,7 +564,7 @@ def test_flash_attention_is_a_setting_of_the_llama_cpp_engines_only() -> None:
     pod = settings_from_env({"KVSTASH_FLASH_ATTN": "off"}).with_overrides(engine="llamacpp")
     assert (pod.engine, pod.flash_attn) == ("llamacpp", "off")
     assert PodSettings(engine="llama-server", flash_attn="on").flash_attn == "on"
-    with pytest.raises(ConfigError, match="flash_attn must be auto, on or off"):
+    with pytest.raises(ConfigError, match="flash attention must be one of auto, off, on, got '1'"):
         settings_from_env({"KVSTASH_ENGINE": "llamacpp", "KVSTASH_FLASH_ATTN": "1"})
     with pytest.raises(ConfigError, match="llama.cpp engines"):
         load_engine("hf", "tiny-random", flash_attn="off")

@@ -440,7 +440,7 @@ async def _measure(args: argparse.Namespace, url: str) -> tuple[list[dict[str, A
     every = [m.strip() for m in args.modes.split(",") if m.strip()]
     if args.engine != "hf":  # before any engine is loaded: a q8_0 cache cannot run without flash attention
         from service.engines import kv_cache_type  # noqa: PLC0415
-        from service.engines.llamacpp import check_flash_attn  # noqa: PLC0415
+        from service.engines.base import check_flash_attn  # noqa: PLC0415
 
         for mode in every:
             check_flash_attn(args.flash_attn, kv_cache_type(mode))

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from cachestore.errors import ConfigError
 from cachestore.hashing import ModelFingerprint
 from service.engines.generation import Generation, GenParams
 from service.rehydrate import LayerGate
@@ -23,6 +24,17 @@ from service.rehydrate import LayerGate
 PrefillHook = Callable[[Callable[[int, int], torch.Tensor]], None]
 
 ENGINES = ("hf", "llamacpp", "llama-server")
+# llama.cpp's flash attention, by the setting's name (KVSTASH_FLASH_ATTN): llama_context_params.flash_attn_type
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+
+
+def check_flash_attn(flash_attn: str, kv_type: str = "f16") -> None:
+    """A ConfigError unless `flash_attn` is one of FLASH_ATTN's names, and "off" is asked of an F16 cache only."""
+    if flash_attn not in FLASH_ATTN:
+        raise ConfigError(f"flash attention must be one of {', '.join(FLASH_ATTN)}, got {flash_attn!r}")
+    if flash_attn == "off" and kv_type != "f16":
+        raise ConfigError(f"a {kv_type} KV cache (codec q8) needs llama.cpp's flash attention: "
+                          "run it with flash attention auto or on")
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from cachestore.errors import ConfigError
 from cachestore.hashing import ModelFingerprint
 from service import threads as torch_threads
 from service.engines import llamastate
-from service.engines.base import KvGeometry, PrefillHook, gguf_fingerprint
+from service.engines.base import FLASH_ATTN, KvGeometry, PrefillHook, check_flash_attn, gguf_fingerprint
 from service.engines.chat import chat_token_ids
 from service.engines.generation import Generation, GenParams, TextStream, make_generator, pick, reply_ids
 from service.engines.lending import LendsStates, StateLender, state_buffers
@@ -48,7 +48,6 @@ log = logging.getLogger("kvstash.llamacpp")
 PINNED_VERSION = "0.3.36"  # llama-cpp-python; the state layout in llamastate is read from this version
 MAX_SEQ_CONTEXT = 8192  # tokens per sequence at most (the model's training context if smaller)
 N_BATCH = 512  # tokens per llama_decode call
-FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # llama_context_params.flash_attn_type, by the setting's name
 
 
 _LOG_CALLBACK: list[object] = []  # installed once per process and never freed: llama.cpp keeps calling it
@@ -67,15 +66,6 @@ def _quiet_logs() -> object:
         llama_cpp.llama_log_set(_drop, ctypes.c_void_p(0))
         _LOG_CALLBACK.append(_drop)
     return _LOG_CALLBACK[0]
-
-
-def check_flash_attn(flash_attn: str, kv_type: str = "f16") -> None:
-    """A ConfigError unless `flash_attn` is one of FLASH_ATTN's names, and "off" is asked of an F16 cache only."""
-    if flash_attn not in FLASH_ATTN:
-        raise ConfigError(f"flash attention must be one of {', '.join(FLASH_ATTN)}, got {flash_attn!r}")
-    if flash_attn == "off" and kv_type != "f16":
-        raise ConfigError(f"a {kv_type} KV cache (codec q8) needs llama.cpp's flash attention: "
-                          "run it with flash attention auto or on")
 
 
 def resolve_gguf(model: str) -> Path:
@@ -185,7 +175,7 @@ class LlamaCppEngine(LendsStates):
                               f"layout of {PINNED_VERSION} only (run `make setup`)")
         llamastate.check_kv_type(kv_type)
         check_flash_attn(flash_attn, kv_type)
-        self.kv_type, self.flash_attn = kv_type, flash_attn
+        self.kv_type = kv_type
         self._lib = lib = llama_cpp
         self._log_cb = _quiet_logs()
         lib.llama_backend_init()

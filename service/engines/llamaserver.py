@@ -29,11 +29,11 @@ import torch
 from cachestore.errors import ConfigError
 from cachestore.hashing import ModelFingerprint
 from service.engines import llamastate, slotfile
-from service.engines.base import KvGeometry, PrefillHook, gguf_fingerprint
+from service.engines.base import KvGeometry, PrefillHook, check_flash_attn, gguf_fingerprint
 from service.engines.chat import chat_token_ids
 from service.engines.generation import Generation, GenParams, reply_ids
 from service.engines.lending import LendsStates, StateLender, state_buffers
-from service.engines.llamacpp import check_flash_attn, file_digest, resolve_gguf
+from service.engines.llamacpp import file_digest, resolve_gguf
 from service.engines.llamaserverproc import LlamaServerProcess
 from service.rehydrate import LayerGate
 

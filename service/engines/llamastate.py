@@ -347,7 +347,7 @@ def assemble_state(kv: torch.Tensor, geo: StateGeometry, seq_id: int = 0, into: 
         np.copyto(rows.transpose(1, 0, 2), src[layer, 0], casting="same_kind")  # [H, n, D]
         if geo.v_trans:
             chans = np.frombuffer(view, dtype=np.float16, count=n * E, offset=v_at).reshape(H, D, n)
-            if kv.dtype != torch.float16 or not kernels.transposed_into(torch.from_numpy(chans), kv[layer, 1]):
+            if not kernels.transposed_into(torch.from_numpy(chans), kv[layer, 1]):  # fp16 on the CPU only
                 np.copyto(chans.transpose(0, 2, 1), src[layer, 1], casting="same_kind")
         else:
             rows = np.frombuffer(view, dtype=np.float16, count=n * E, offset=v_at).reshape(n, H, D)
