@@ -356,37 +356,51 @@ static int level = 0;    /* the one in use: `detected`, or less (`use`, for test
 
 #ifdef KV_X86
 /* int8 into fp16 rows that lie one after another for each outer index (llama.cpp's sequence state: a layer's K or V,
- * each token's heads side by side), past the cache. Each run of tokens is dequantized by the kernels above into a
- * staging buffer that stays in L1, then streamed out with non-temporal stores: a hit's state is tens of MB that
- * nothing reads before llama.cpp copies it, and an ordinary store first reads each line it overwrites from memory
- * (2048 SmolLM2 tokens, 47 MB, caches cold: 8.1 ms with ordinary stores, 5.4 streamed). The bytes are the same. */
+ * each token's heads side by side), past the cache. A hit's state is tens of MB that nothing reads before llama.cpp
+ * copies it, and an ordinary store first reads each line it overwrites from memory (2048 SmolLM2 tokens, 47 MB,
+ * caches cold: 8.1 ms with ordinary stores, 5.4 streamed). A few tokens at a time (GROUP_BYTES) are dequantized
+ * into a staging buffer in L1 and their whole lines streamed out with non-temporal stores before the next few are
+ * computed: the write-combining buffers drain while the next group is computed. Staging 16 KiB at a time instead
+ * left the core idle while they drained: on an Intel Xeon VM 32 frames of a 2048-token hit took 6.1 ms warm and 8.2
+ * cold that way, against 5.0 and 6.7 (BENCHMARKS.md, section 23). The bytes are the same. */
 
-/* n bytes from src to dst: the lines wholly inside dst streamed, the partial lines at either end stored as usual. */
-__attribute__((target("avx512f"))) static void stream_avx512(char *dst, const char *src, long n) {
-    long i = (long)((64 - ((uintptr_t)dst & 63)) & 63);
-    if (i > n)
-        i = n;
-    memcpy(dst, src, (size_t)i);
-    for (; i + 64 <= n; i += 64)
-        _mm512_stream_si512((__m512i *)(dst + i), _mm512_loadu_si512((const void *)(src + i)));
-    memcpy(dst + i, src + i, (size_t)(n - i));
+#define GROUP_BYTES 768 /* ~ the lines a core's write-combining buffers hold: computed, then streamed out */
+
+/* The whole lines among the `*have` staged bytes, which belong at dst + *done on, streamed out (the partial line
+ * before dst's first whole line stored as usual); what is left of a line moved to the stage's front. */
+__attribute__((target("avx512f"))) static void drain_avx512(char *dst, long *done, char *stage, long *have) {
+    long at = (long)((64 - ((uintptr_t)(dst + *done) & 63)) & 63);
+    if (at > *have)
+        return; /* not up to a line's start yet: the next group gets there */
+    memcpy(dst + *done, stage, (size_t)at);
+    for (; at + 64 <= *have; at += 64)
+        _mm512_stream_si512((__m512i *)(dst + *done + at), _mm512_loadu_si512((const void *)(stage + at)));
+    *done += at;
+    memmove(stage, stage + at, (size_t)(*have - at));
+    *have -= at;
 }
 
-__attribute__((target("avx2"))) static void stream_avx2(char *dst, const char *src, long n) {
-    long i = (long)((32 - ((uintptr_t)dst & 31)) & 31);
-    if (i > n)
-        i = n;
-    memcpy(dst, src, (size_t)i);
-    for (; i + 32 <= n; i += 32)
-        _mm256_stream_si256((__m256i *)(dst + i), _mm256_loadu_si256((const __m256i *)(src + i)));
-    memcpy(dst + i, src + i, (size_t)(n - i));
+__attribute__((target("avx2"))) static void drain_avx2(char *dst, long *done, char *stage, long *have) {
+    long at = (long)((32 - ((uintptr_t)(dst + *done) & 31)) & 31);
+    if (at > *have)
+        return;
+    memcpy(dst + *done, stage, (size_t)at);
+    for (; at + 32 <= *have; at += 32)
+        _mm256_stream_si256((__m256i *)(dst + *done + at), _mm256_loadu_si256((const __m256i *)(stage + at)));
+    *done += at;
+    memmove(stage, stage + at, (size_t)(*have - at));
+    *have -= at;
 }
 
-/* Token t of outer index a goes to out + a * out_a + t * row, row = g->n[1] * g->d elements (g's os are not read). */
+/* Token t of outer index a goes to out + a * out_a + t * row, row = g->n[1] * g->d elements (g's os are not read):
+ * each outer index's tokens are one run of bytes, streamed out group by group, its last partial line stored as
+ * usual. */
 static void int8_rows_streamed(uint16_t *out, long out_a, const int8_t *q, const uint16_t *s, const Shape *g) {
-    _Alignas(64) uint16_t stage[STAGE_ELEMENTS];
-    long row = g->n[1] * g->d, per = STAGE_ELEMENTS / row;
-    for (long a = 0; a < g->n[0]; a++)
+    _Alignas(64) char stage[STAGE_ELEMENTS * 2 + 128]; /* a group (one row at least) and a partial line before it */
+    long row = g->n[1] * g->d, per = GROUP_BYTES / (2 * row) > 0 ? GROUP_BYTES / (2 * row) : 1;
+    for (long a = 0; a < g->n[0]; a++) {
+        char *dst = (char *)(out + a * out_a);
+        long done = 0, have = 0;
         for (long t0 = 0; t0 < g->n[2]; t0 += per) {
             Shape part = *g;
             part.n[0] = 1;
@@ -394,16 +408,18 @@ static void int8_rows_streamed(uint16_t *out, long out_a, const int8_t *q, const
             part.os[0] = 0, part.os[1] = g->d, part.os[2] = row;
             const int8_t *qa = q + a * g->qs[0] + t0 * g->qs[2];
             const uint16_t *sa = s + a * g->ss[0] + t0 * g->ss[2];
-            char *dst = (char *)(out + a * out_a + t0 * row);
             if (level == 2) {
-                int8_avx512((char *)stage, 1, qa, sa, &part);
-                stream_avx512(dst, (const char *)stage, part.n[2] * row * 2);
+                int8_avx512(stage + have, 1, qa, sa, &part);
+                have += part.n[2] * row * 2;
+                drain_avx512(dst, &done, stage, &have);
             } else {
-                int8_avx2((char *)stage, 1, qa, sa, &part);
-                stream_avx2(dst, (const char *)stage, part.n[2] * row * 2);
+                int8_avx2(stage + have, 1, qa, sa, &part);
+                have += part.n[2] * row * 2;
+                drain_avx2(dst, &done, stage, &have);
             }
         }
-    _mm_sfence(); /* the streamed lines reach memory before whoever reads them next (llama.cpp, another thread) */
+        memcpy(dst + done, stage, (size_t)have);
+    }
 }
 #endif
 
@@ -440,25 +456,28 @@ static PyObject *int8(PyObject *self, PyObject *args) {
 
 static PyObject *int8_rows(PyObject *self, PyObject *args) {
     unsigned long long out, q, s;
-    long out_a;
+    long out_l, out_a, n_l, q_l, s_l;
     Shape shape, *g = &shape;
     (void)self;
-    if (!PyArg_ParseTuple(args, "KlKK(llll)(lll)(llll)", &out, &out_a, &q, &s, &g->n[0], &g->n[1], &g->n[2], &g->d,
-                          &g->qs[0], &g->qs[1], &g->qs[2], &g->ss[0], &g->ss[1], &g->ss[2], &g->sd))
+    if (!PyArg_ParseTuple(args, "K(ll)KK(lllll)(llll)(lllll)", &out, &out_l, &out_a, &q, &s, &n_l, &g->n[0],
+                          &g->n[1], &g->n[2], &g->d, &q_l, &g->qs[0], &g->qs[1], &g->qs[2], &s_l, &g->ss[0],
+                          &g->ss[1], &g->ss[2], &g->sd))
         return NULL;
     if (!level) {
         PyErr_SetString(PyExc_RuntimeError, "no native kernel on this CPU");
         return NULL;
     }
-    if (g->d <= 0 || g->d % 16 || (g->sd != 0 && g->sd != 1) || g->n[0] < 0 || g->n[1] <= 0 || g->n[2] < 0 ||
-        g->n[1] * g->d > STAGE_ELEMENTS) {
+    if (g->d <= 0 || g->d % 16 || (g->sd != 0 && g->sd != 1) || n_l < 0 || g->n[0] < 0 || g->n[1] <= 0 ||
+        g->n[2] < 0 || g->n[1] * g->d > STAGE_ELEMENTS) {
         PyErr_SetString(PyExc_ValueError, "unsupported shape");
         return NULL;
     }
 #ifdef KV_X86
     Py_BEGIN_ALLOW_THREADS
-    int8_rows_streamed((uint16_t *)(uintptr_t)out, out_a, (const int8_t *)(uintptr_t)q,
-                       (const uint16_t *)(uintptr_t)s, g);
+    for (long l = 0; l < n_l; l++)
+        int8_rows_streamed((uint16_t *)(uintptr_t)out + l * out_l, out_a, (const int8_t *)(uintptr_t)q + l * q_l,
+                           (const uint16_t *)(uintptr_t)s + l * s_l, g);
+    _mm_sfence(); /* the streamed lines reach memory before whoever reads them next (llama.cpp, another thread) */
     Py_END_ALLOW_THREADS
 #endif
     Py_RETURN_NONE;
@@ -613,8 +632,9 @@ static PyMethodDef methods[] = {
      "out = codes * scales (fp32 out, or fp16 when half); addresses and strides in elements, as kernels.py checks "
      "them"},
     {"int8_rows", int8_rows, METH_VARARGS,
-     "int8_rows(out, out_a, codes, scales, (A, B, T, D), code_strides[3], scale_strides[4]): fp16 out = codes * "
-     "scales, where out + a * out_a holds token t's B x D elements at t * B * D; streamed past the cache"},
+     "int8_rows(out, (out_l, out_a), codes, scales, (L, A, B, T, D), code_strides[4], scale_strides[5]): fp16 "
+     "out = codes * scales, where out + l * out_l + a * out_a holds token t's B x D elements at t * B * D; streamed "
+     "past the cache"},
     {"int4", int4, METH_VARARGS,
      "int4(out, half, packed, scales, offsets, (A, B, C, E, F), out_strides[4], code_strides[4], scale_strides[5]): "
      "out = codes * scales + offsets; code strides in codes (two a byte), the rest in elements"},

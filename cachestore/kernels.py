@@ -52,29 +52,34 @@ def configure(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def int8_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> bool:
-    """out [A, B, T, D] (fp32 or fp16, any outer strides, rows contiguous) = int8 codes [A, B, T, D] times fp16
-    scales broadcast to that shape (one per row or one per column), in one pass; False (nothing written) where no
-    kernel applies: then the caller uses torch."""
+    """out [A, B, T, D] or [L, A, B, T, D] (fp32 or fp16, any outer strides, rows contiguous) = int8 codes of that
+    shape times fp16 scales broadcast to it (one per row or one per column), in one pass; False (nothing written) where
+    no kernel applies: then the caller uses torch. Five dimensions only into token rows (`token_rows` of each out[l]):
+    a run of frames, every layer of every frame in one call."""
     if not ENABLED or out.dtype not in _OUT or codes.dtype != torch.int8 or scale.dtype != torch.float16:
         return False
     if out.dtype == torch.float32 and torch.get_num_threads() > 1:
         return False  # torch's two passes on all its threads are as fast (BENCHMARKS.md, section 14)
-    if out.dim() != 4 or codes.shape != out.shape or out.shape[3] % 16 or out.device.type != "cpu":
+    if out.dim() not in (4, 5) or codes.shape != out.shape or out.shape[-1] % 16 or out.device.type != "cpu":
         return False
-    if out.stride(3) != 1 or codes.stride(3) != 1 or codes.device.type != "cpu" or scale.device.type != "cpu":
+    if out.stride(-1) != 1 or codes.stride(-1) != 1 or codes.device.type != "cpu" or scale.device.type != "cpu":
         return False
     try:
         scales = scale.expand(out.shape)
     except RuntimeError:
         return False
-    if scales.stride(3) not in (0, 1):
+    if scales.stride(-1) not in (0, 1):
         return False
     assert _kernels is not None
-    a, b, t, d = out.shape
-    if token_rows(out):  # a llama.cpp state's rows: streamed past the cache, the same values
-        _kernels.int8_rows(out.data_ptr(), out.stride(0), codes.data_ptr(), scales.data_ptr(), (a, b, t, d),
-                           codes.stride()[:3], scales.stride())
+    if out.dim() == 5 or token_rows(out):  # a llama.cpp state's rows: streamed past the cache, the same values
+        outer = out if out.dim() == 5 else out.unsqueeze(0)
+        if outer.dim() == 5 and not token_rows(outer[0]):
+            return False
+        q, sc = (codes, scales) if out.dim() == 5 else (codes.unsqueeze(0), scales.unsqueeze(0))
+        _kernels.int8_rows(outer.data_ptr(), (outer.stride(0), outer.stride(1)), q.data_ptr(), sc.data_ptr(),
+                           tuple(outer.shape), q.stride()[:4], sc.stride())
         return True
+    a, b, t, d = out.shape
     _kernels.int8(out.data_ptr(), out.dtype == torch.float16, codes.data_ptr(), scales.data_ptr(), (a, b, t, d),
                   out.stride()[:3], codes.stride()[:3], scales.stride())
     return True

@@ -109,6 +109,33 @@ def test_int8_intotoken_rows_is_bit_identical_to_torch(heads: int, dim: int, tok
     assert torch.isnan(buffer[~inside]).all()  # the headers between layers and the ends are left as they were
 
 
+@pytest.mark.usefixtures("one_thread", "level")
+@pytest.mark.parametrize(("heads", "dim", "tokens", "frames"), [(3, 64, 64, 4), (1, 16, 7, 3), (4, 64, 5, 2)])
+@pytest.mark.parametrize("per", ["row", "column"])
+def test_int8_into_a_run_of_frames_writes_every_layer_of_each_in_one_call(heads: int, dim: int, tokens: int,
+                                                                          frames: int, per: str) -> None:
+    """A run of landed frames into llama.cpp's state (`FrameRun.decode_into`): out [layers, frames, heads, tokens,
+    dim], each layer's frames one after another in its token rows (every layer at another byte offset), the codes
+    and scales of frame k at a frame's stride in the landing. One call writes torch's values and nothing around."""
+    gen = torch.Generator().manual_seed(heads * dim + tokens + frames)
+    layers, row = 3, heads * dim
+    layer = row * tokens * frames + 6  # fp16 elements from one layer's first row to the next's: 12 bytes more
+    buffer = torch.full((7 + layers * layer + 5,), float("nan"), dtype=torch.float16)
+    shape = (layers, frames, heads, tokens, dim)
+    strides = (layer, tokens * row, dim, row, 1)
+    out = buffer.as_strided(shape, strides, 7)
+    frame = layers * heads * tokens * dim + 96  # a frame's codes, then room for its header and the next's
+    landing = torch.randint(-127, 128, (frames * frame,), dtype=torch.int8, generator=gen)
+    q = landing.as_strided(shape, (heads * tokens * dim, frame, tokens * dim, dim, 1), 32)
+    scale = _scales((layers, frames, heads, tokens, 1) if per == "row" else (layers, frames, heads, 1, dim), gen)
+    want = _torch_reference(out, q, scale)
+    assert kernels.int8_into(out, q, scale)
+    assert out.view(torch.int16).equal(want.view(torch.int16))
+    inside = torch.zeros(buffer.shape, dtype=torch.bool)
+    inside.as_strided(shape, strides, 7).fill_(True)
+    assert torch.isnan(buffer[~inside]).all()
+
+
 @needs_kernel
 def test_what_the_kernel_does_not_take_is_left_to_torch(one_thread: None) -> None:
     q = torch.zeros((1, 1, 2, 24), dtype=torch.int8)
