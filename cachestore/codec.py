@@ -75,6 +75,7 @@ from cachestore.quant import (
     codes_split_by_layer,
     dequantize,
     dequantize_mixed,
+    int8_codes_into,
     layout,
     quantize,
 )
@@ -619,6 +620,31 @@ class FrameRun:
             starts.append(at // size)
         return cls(h, len(frames), stride, typed, starts)
 
+    @property
+    def decodes_whole(self) -> bool:
+        """Whether `decode_into` takes a call for all the keys and one for all the values (int8); any other kind takes
+        one a layer, more calls than its frames one by one (~60 us of Python each)."""
+        return self.header.mode == "int8" and not self.header.transform
+
+    def decode_into(self, out: torch.Tensor) -> torch.Tensor:
+        """Every layer of every frame into `out` [layers, 2, kv_heads, frames * tokens, head_dim] (a strided view of a
+        context is fine; frame k's tokens at out[:, :, :, k * tokens:(k + 1) * tokens]); returns `out`. int8 takes a
+        call for all the keys and one for all the values (into a llama.cpp sequence state's rows: one kernel pass
+        each), any other kind a call a layer. An output of another shape raises CodecError and is left untouched."""
+        h, n = self.header, self.count
+        shape = [h.layers, 2, h.kv_heads, n * h.tokens, h.head_dim]
+        if list(out.shape) != shape or not out.dtype.is_floating_point:
+            raise CodecError(f"a run of {n} frames holds {shape}, the output is {list(out.shape)} {out.dtype}")
+        framed = out.unflatten(3, (n, h.tokens)).permute(0, 3, 1, 2, 4, 5)  # [layers, frames, 2, heads, tokens, dim]
+        if self.decodes_whole:
+            sk, sv, qk, qv = self._parts(None)  # [layers, frames, ...] each
+            int8_codes_into(framed[:, :, 0], qk, sk)
+            int8_codes_into(framed[:, :, 1], qv, sv)
+            return out
+        for layer in range(h.layers):
+            self.decode_layer_into(framed[layer], layer)
+        return out
+
     def decode_layer_into(self, out: torch.Tensor, layer: int) -> torch.Tensor:
         """Layer `layer` of every frame into `out` [frames, 2, kv_heads, tokens, head_dim] (a strided view of a
         context is fine; frame k's tokens at out[k]); returns `out`."""
@@ -633,7 +659,12 @@ class FrameRun:
         shapes of `cachestore.quant.layout` less its layers; packed codes [frames, a layer's bytes]): int8's are key
         scales [frames, kv_heads, 1, head_dim], value scales [frames, kv_heads, tokens, 1], then the key and the
         value codes [frames, kv_heads, tokens, head_dim]."""
-        n = self.count
+        return self._parts(layer)
+
+    def _parts(self, layer: int | None) -> list[torch.Tensor]:
+        """`layer_parts`, or with `layer` None every layer's, layers first ([layers, frames, ...]; sections of
+        packed codes are not split by layer then: [frames, all their bytes])."""
+        n, layers = self.count, self.header.layers
         parts = []
         for (dtype, shape), start in zip(_plan(self.header)[0], self._starts, strict=True):
             typed, step = self._typed[dtype], self._stride // dtype.itemsize
@@ -644,10 +675,13 @@ class FrameRun:
                 for size in reversed(inner):
                     strides.insert(0, acc)
                     acc *= size
-                parts.append(typed.as_strided((n, *inner), (step, *strides), start + layer * acc))
+                if layer is None:
+                    parts.append(typed.as_strided((layers, n, *inner), (acc, step, *strides), start))
+                else:
+                    parts.append(typed.as_strided((n, *inner), (step, *strides), start + layer * acc))
             else:  # packed codes, layer-major, each layer's on whole bytes (splits_by_layer)
-                per = shape[0] // self.header.layers
-                parts.append(typed.as_strided((n, per), (step, 1), start + layer * per))
+                per = shape[0] // layers if layer is not None else shape[0]
+                parts.append(typed.as_strided((n, per), (step, 1), start + (layer or 0) * per))
         return parts
 
 

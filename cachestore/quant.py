@@ -386,8 +386,8 @@ def dequantize(mode: str, parts: list[torch.Tensor], dims: Dims, group: int,
         return out
     if mode == "int8":
         sk, sv, qk, qv = parts
-        _int8_into(out[:, 0], qk, sk)
-        _int8_into(out[:, 1], qv, sv)
+        int8_codes_into(out[:, 0], qk, sk)
+        int8_codes_into(out[:, 1], qv, sv)
         return out
     gk, nk, gv, nv = groups(dims, group)
     sk, zk, sv, zv, pk, pv = parts
@@ -446,8 +446,9 @@ def _grouped(out: torch.Tensor, shape: Sequence[int], dim: int) -> torch.Tensor:
     return out.view(*out.shape[:dim], shape[dim], shape[dim + 1], *out.shape[dim + 1:])
 
 
-def _int8_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
-    """out [L, H, T, D] (any float dtype, a strided view is fine) = int8 codes q times their fp16 scale."""
+def int8_codes_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """out [L, H, T, D] (any float dtype, a strided view is fine; or [L, frames, H, T, D], a run of frames) = int8 codes
+    q times their fp16 scale."""
     if kernels.int8_into(out, q, scale):  # one pass, where the CPU and the layout allow: the same values
         return
     if out.dtype != F16:  # int8 -> fp32 copy is vectorized: ~4x the fp16 route here
@@ -476,7 +477,7 @@ def dequantize_mixed(mode: str, parts: list[torch.Tensor], dims: Dims, group: in
         for start, stop, at_int8, rank in _runs(first, first + out.shape[0], hi_layers):
             target, n = out[start - first:stop - first, half], stop - start
             if at_int8:
-                _int8_into(target, q8[rank:rank + n], scale8[rank:rank + n])
+                int8_codes_into(target, q8[rank:rank + n], scale8[rank:rank + n])
             elif not (native and _int4_into(target, packed[rank * nbytes:(rank + n) * nbytes], scale[rank:rank + n],
                                              zero[rank:rank + n], (n, *shape), dim)):
                 pending.append((target, n, rank))
