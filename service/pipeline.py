@@ -264,7 +264,7 @@ class Pipeline:
         # token rows received into the engine's state are in place already
         inline = slots is not None and (self.engine.layerwise or stage is None)
         rehydration = Rehydration(out, b, self.open_block, layerwise=self.engine.layerwise,
-                                  on_decoded=decode_seconds.observe, landing=stage)
+                                  on_decoded=decode_seconds.observe, landing=stage, helper=self._decoder)
         verified: asyncio.Future[tuple[int, int]] = loop.create_future()
         first: asyncio.Future[Result[list[bytes]] | None] = loop.create_future()
         stop = threading.Event()

@@ -13,8 +13,12 @@ Two ways, by engine:
   of it (BENCHMARKS.md, sections 15 and 16). A frame that did not land (compressed, or of another length) is
   dequantized whole before layer 0.
 - Any other engine (llama.cpp sets its whole state at once): the frames land likewise (one copy on the wire), and
-  the lookup feeds each chunk to a `Rehydration` thread (one core), which verifies and dequantizes whole frames
-  while the next chunk is on the wire, and dequantizes what is left once the last one is in.
+  the lookup feeds each chunk to a `Rehydration` thread (one core), which verifies each chunk and dequantizes its
+  frames while the next chunk is on the wire, a few landed frames of one kind in one call (`FrameRun`), and
+  dequantizes what is left once the last one is in, shared with a second thread where it is given one (`helper`):
+  by then the reader and Redis are done and a core is free. On an Intel Xeon VM a frame at a time cost ~80 us of
+  Python per frame beside a ~200 us kernel, on the two cores the fetch already keeps busy (BENCHMARKS.md, section
+  23).
 
 Measured on 2 cores with Redis on the same machine (BENCHMARKS.md, sections 1, 12 and 13): every millisecond of
 CPU a hit adds costs about a millisecond of TTFT. Dequantizing frame by frame during the fetch slowed the fetch
@@ -29,6 +33,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent import futures
+from concurrent.futures import Executor
 from typing import TypeVar
 
 import torch
@@ -41,6 +47,7 @@ from cachestore.landing import Target
 T = TypeVar("T")
 GATE_TIMEOUT_S = 60.0  # dequantization is CPU work that always ends; this only turns a bug into an error
 LAYER_STEPS = 1  # groups the handed-over layers are dequantized in (more: each starts earlier, costs more calls)
+RUN_FRAMES = 4  # landed frames dequantized in one call by an engine that takes its state whole (a chunk is 8)
 
 
 class LayerGate:
@@ -155,9 +162,12 @@ class Rehydration:
         layerwise: bool,
         on_decoded: Callable[[float], None] = lambda seconds: None,
         landing: torch.Tensor | None = None,  # 1-D uint8: the buffer the lookup's frames were received into
+        helper: Executor | None = None,  # where a second thread shares what is left once the last chunk is in
     ) -> None:
         self.out, self.block_tokens, self.layerwise = out, block_tokens, layerwise
-        self.landing = landing if layerwise else None  # only a layer-by-layer engine dequantizes from it
+        self.landing = landing if layerwise else None  # a layer-by-layer engine leaves its frames there, by layer
+        self._runs_from = landing if not layerwise else None  # any other dequantizes runs of frames from it
+        self._helper = helper
         self._open_block = open_block  # None for a frame to reject (it truncates the hit there)
         self._on_decoded = on_decoded  # the seconds spent dequantizing, once every layer is in place
         self._queue: queue.SimpleQueue[list[bytes | Target] | None] = queue.SimpleQueue()
@@ -206,6 +216,12 @@ class Rehydration:
             sizes.append(len(frame))
         while self._done < len(opened) and self._queue.empty():
             done = self._done
+            stop = min(len(opened), done + RUN_FRAMES)
+            run = self._run_of(done, stop)
+            if run is not None:  # a few landed frames in one call
+                self.decode_seconds += self._into_context(done, stop, run)
+                self._done = stop
+                continue
             if self._in_landing(opened[done]):
                 self._landed.append(done)
             elif not self._whole(opened[done], done):
@@ -235,7 +251,7 @@ class Rehydration:
         elif self.layerwise:  # the forward step dequantizes each layer group when it reaches it, on its own cores
             self.gate.hand_over(self._groups(opened[done:], done, max(1, -(-layers // LAYER_STEPS))))
         else:
-            self._groups(opened[done:], done, layers)(0)
+            self._rest(done)
             self.gate.release(layers)
 
     def _in_landing(self, frame: OpenFrame) -> bool:
@@ -334,6 +350,62 @@ class Rehydration:
 
         attends = all(in_codes.supports(run.header) for _, run in runs)
         return work, fill, until, attend if attends else None
+
+    def _run_of(self, first: int, stop: int) -> FrameRun | None:
+        """Opened frames [first, stop) as one run of the landing (`FrameRun`: side by side, of one kind) of the
+        context's block shape that dequantizes in one call (`decodes_whole`); None where they form none (or are one
+        frame)."""
+        if self._runs_from is None or stop - first < 2:
+            return None
+        run = FrameRun.of(self._runs_from, self._opened[first:stop])
+        layers, _, heads, _, dim = self.out.shape
+        if run is None or not run.decodes_whole or (
+                run.header.layers, run.header.kv_heads, run.header.tokens, run.header.head_dim) != (
+                layers, heads, self.block_tokens, dim):
+            return None
+        return run
+
+    def _into_context(self, first: int, stop: int, run: FrameRun | None = None) -> float:
+        """Opened frames [first, stop) into the context, every layer: in one call where they form a run (`run`, else
+        `_run_of`), else one by one. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        run = run or self._run_of(first, stop)
+        if run is not None:
+            b = self.block_tokens
+            run.decode_into(self.out[:, :, :, first * b:stop * b])  # [L, 2, H, (stop - first) * b, D] view
+        else:
+            for k, frame in enumerate(self._opened[first:stop]):
+                frame.decode_into(self.out[:, :, :, self._span(first + k)])  # [L, 2, H, b, D] view
+        return time.perf_counter() - t0
+
+    def _rest(self, first: int) -> None:
+        """The opened frames from `first` on into the context, in pieces of RUN_FRAMES taken in turn by this thread
+        and, where there is more than one, a helper thread (`helper`). The helper's task is withdrawn if it has not
+        started by the time this thread is done: a pool whose threads all wait on helpers never deadlocks."""
+        n = len(self._opened)
+        pieces = iter([(i, min(n, i + RUN_FRAMES)) for i in range(first, n, RUN_FRAMES)])
+        lock = threading.Lock()
+
+        def take_pieces() -> float:
+            spent = 0.0
+            while True:
+                with lock:
+                    piece = next(pieces, None)
+                if piece is None:
+                    return spent
+                spent += self._into_context(*piece)
+
+        helped = self._helper.submit(take_pieces) if self._helper is not None and n - first > RUN_FRAMES else None
+        try:
+            spent = take_pieces()
+        except BaseException:
+            if helped is not None and not helped.cancel():
+                futures.wait([helped])  # it writes into the context no more once this raises
+            raise
+        if helped is not None and not helped.cancel():
+            spent += helped.result()
+        self.decode_seconds += spent
+        self._on_decoded(self.decode_seconds)
 
     def _span(self, index: int) -> slice:
         return slice(index * self.block_tokens, (index + 1) * self.block_tokens)

@@ -9,6 +9,7 @@ import random
 import socket
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 
 from cachestore import landing
 from cachestore.codec import Codec, FrameRun
+from cachestore.errors import CodecError
 from cachestore.hashing import BlockHash
 from cachestore.outcome import Outcome
 from cachestore.settings import StoreSettings
@@ -232,6 +234,35 @@ def test_a_layer_of_every_landed_frame_at_once_equals_the_frames_decoded_one_by_
     assert torch.equal(context[:, :, :, :80], want) and context[:, :, :, 80:].isnan().all()
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("into", ["fp32", "state"])
+def test_every_layer_of_a_run_at_once_equals_the_frames_decoded_one_by_one(mode: str, into: str) -> None:
+    """`FrameRun.decode_into`: the whole run into its tokens of a context (fp32, as hf's), or of a llama.cpp sequence
+    state's fp16 view (int8 takes one kernel call for all the keys and one for all the values there)."""
+    from service.engines import llamastate  # noqa: PLC0415
+
+    gen = torch.Generator().manual_seed(5)
+    codec = Codec(mode)
+    kvs = [torch.randn(4, 2, 3, 16, 64, generator=gen) for _ in range(5)]
+    buf, slots = _landed(codec, kvs, -(-codec.plain_size((4, 2, 3, 16, 64), torch.float32) // 64) * 64)
+    run = FrameRun.of(buf, [codec.open(s) for s in slots])
+    assert run is not None
+    if into == "state":
+        made = llamastate.state_view(5 * 16 + 9, llamastate.StateGeometry(4, 3, 64, False, 1, llamastate.GGML_TYPE_F16))
+        assert made is not None
+        context = made[1].fill_(float("nan"))  # [L, 2, H, 89, D] fp16, strided over the state's headers
+    else:
+        context = torch.full((4, 2, 3, 5 * 16 + 9, 64), float("nan"))
+    want = torch.cat([codec.decode(bytes(s)).to(context.dtype) for s in slots], dim=3)  # [L, 2, H, 80, D]
+    assert run.decode_into(context[:, :, :, 2:82]) is not None
+    assert torch.equal(context[:, :, :, 2:82], want)
+    assert context[:, :, :, :2].isnan().all() and context[:, :, :, 82:].isnan().all()
+    spare = torch.full((4, 2, 3, 79, 64), float("nan"))
+    with pytest.raises(CodecError):  # a view of another length: refused, nothing written
+        run.decode_into(spare)
+    assert spare.isnan().all()
+
+
 def test_frames_that_are_no_run() -> None:
     gen = torch.Generator().manual_seed(4)
     kvs = [torch.randn(4, 2, 3, 16, 64, generator=gen) for _ in range(3)]
@@ -401,6 +432,54 @@ def test_an_engine_that_takes_its_state_whole_gets_landed_frames_dequantized_dur
     rehydration.run(lambda n, nbytes: None)
     assert torch.equal(out, want)  # before anyone waits on the gate
     rehydration.gate.wait_all()
+
+
+class _Helper(ThreadPoolExecutor):
+    """A one-thread pool that counts what it is handed; `blocked` keeps its thread busy until set."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1)
+        self.handed: list[Future[Any]] = []
+        self.blocked = threading.Event()
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future[Any]:
+        future = super().submit(fn, *args, **kwargs)
+        self.handed.append(future)
+        return future
+
+
+@pytest.mark.parametrize("busy", [False, True])
+def test_what_is_left_after_the_fetch_is_shared_with_a_helper_that_is_never_waited_for(busy: bool) -> None:
+    """Frames still to dequantize once the last chunk is in are taken, a few at a time, by the rehydration's thread
+    and a helper. A helper pool whose threads are all busy is not waited for: its task is withdrawn and the
+    rehydration's thread does it all (a pool full of rehydrations waiting on helpers would never finish)."""
+    gen = torch.Generator().manual_seed(11)
+    codec = Codec("int8")
+    kvs = [torch.randn(4, 2, 3, 16, 64, generator=gen) for _ in range(9)]
+    buf, slots = _landed(codec, kvs, 26_624)
+    want = torch.cat([codec.decode(bytes(s)).float() for s in slots], dim=3)
+    out = torch.full((4, 2, 3, 9 * 16, 64), float("nan"))
+    helper = _Helper()
+    try:
+        if busy:
+            helper.submit(helper.blocked.wait)
+        decoded: list[float] = []
+        rehydration = Rehydration(out, 16, lambda frame, i: codec.open(frame), layerwise=False, landing=buf,
+                                  helper=helper, on_decoded=decoded.append)
+        for first in range(0, 9, 3):  # queued before the thread runs: nothing is dequantized until the last is in
+            rehydration.feed(slots[first:first + 3])
+        rehydration.end()
+        rehydration.run(lambda n, nbytes: None)
+        assert torch.equal(out, want)
+        assert len(decoded) == 1 and decoded[0] > 0
+        task = helper.handed[-1]
+        assert len(helper.handed) == 1 + busy  # asked once
+        assert task.done()  # never still writing into the context once the rehydration is over
+        if busy:
+            assert task.cancelled()  # withdrawn: it could not start
+    finally:
+        helper.blocked.set()
+        helper.shutdown()
 
 
 def test_fill_puts_a_layer_in_another_buffer_and_leaves_the_context() -> None:
