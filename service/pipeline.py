@@ -166,6 +166,7 @@ class Pipeline:
         self._decoder = threads.io_executor(2 * engine.parallel + 6, "kvstash-decode")
         self._readers = threads.io_executor(2 * engine.parallel + 6, "kvstash-read")
         self._admitted = 0
+        self._looking_up = 0  # lookups in flight (on the event loop): one alone gets a second thread for its tail
         self._roots: dict[str, BlockHash] = {}
         self._contexts = ContextPool(geo.num_layers, geo.kv_heads, geo.head_dim, geo.dtype,
                                      max_idle=max(2, engine.parallel))
@@ -263,8 +264,13 @@ class Pipeline:
         # nothing to dequantize while the frames come in: a layer-by-layer engine reads them from the landing, and
         # token rows received into the engine's state are in place already
         inline = slots is not None and (self.engine.layerwise or stage is None)
+        # what is left to dequantize once the last chunk is in is shared with a second thread only by a lookup that
+        # has the pod to itself: beside others' threads it would only take a core from them (nothing is awaited from
+        # here to the count below, so no other lookup starts in between)
+        alone = self._looking_up == 0
         rehydration = Rehydration(out, b, self.open_block, layerwise=self.engine.layerwise,
-                                  on_decoded=decode_seconds.observe, landing=stage, helper=self._decoder)
+                                  on_decoded=decode_seconds.observe, landing=stage,
+                                  helper=self._decoder if alone else None)
         verified: asyncio.Future[tuple[int, int]] = loop.create_future()
         first: asyncio.Future[Result[list[bytes]] | None] = loop.create_future()
         stop = threading.Event()
@@ -284,6 +290,7 @@ class Pipeline:
         fetch_session = self.store.get_session(*session_key) if session_key else self._none()
         given = False
         view = CacheView(None, 0, 0, "bypass")
+        self._looking_up += 1
         try:
             try:
                 head, fetched_session = await asyncio.wait_for(asyncio.gather(first, fetch_session),
@@ -316,6 +323,7 @@ class Pipeline:
                 view.rehydrating = worker  # with a landing, the reader: it may still be receiving into it
                 given = True
         finally:
+            self._looking_up -= 1
             stop.set()
             reader.add_done_callback(_log_failure)  # awaited above unless the lookup gave up first
             if tail_task is not None:
