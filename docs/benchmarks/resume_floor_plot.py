@@ -15,7 +15,11 @@ Wave 14 (section 20): int8 streamed into the llama.cpp state, before b91f278, af
 "14-llama-server" (the sidecar) the ratios. Wave 15 (section 21): the native RESP reader, before c5cb5ae, after
 75451ea; "15-llamacpp" the ratios (an AMD Zen 5 VM). Wave 16 (section 22): "16-fa" the llamacpp engine's hit and
 floor in ms with llama.cpp's flash attention auto (on) and off, back to back at 9d3db79 (-llamacpp-fa-{auto,off}-run3),
-an Intel VM.
+an Intel VM. Wave 17 (section 23): int8 into the llama.cpp state by runs of frames, four at a time, the tail shared
+with a second thread and a finer-grained streaming kernel, before e4b8cf7, after 918e634 (runs 0-2, pair 1) and
+69a876d (run 3, pairs 5-7: the same path for a lookup alone); "17-llamacpp" the ratios at 2048 and 8128 (--long),
+"17-llamacpp-2048" four pairs at 2048 alone (those taken while the host stole up to 37% of the VM's CPU are apart,
+-stolen-, and not drawn).
 
 Run: PYTHONPATH=. .venv/bin/python docs/benchmarks/resume_floor_plot.py 7
 """
