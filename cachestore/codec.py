@@ -623,7 +623,7 @@ class FrameRun:
     @property
     def decodes_whole(self) -> bool:
         """Whether `decode_into` takes a call for all the keys and one for all the values (int8); any other kind takes
-        one a layer, more calls than its frames one by one (~60 us of Python each)."""
+        one a layer, more calls than decoding its frames one by one."""
         return self.header.mode == "int8" and not self.header.transform
 
     def decode_into(self, out: torch.Tensor) -> torch.Tensor:

@@ -103,7 +103,17 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.turns <= len(QUESTIONS):
         print(f"kvstash demo: --turns must be between 1 and {len(QUESTIONS)}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # Ctrl-C (or SIGTERM) stops the demo and every process it started. A KeyboardInterrupt raised while Python runs a
+    # finalizer is printed and dropped ("Exception ignored in ..."), and the demo went on to finish with status 0 (seen
+    # once in CI): the signal is also remembered, and every turn starts by checking it.
+    interrupted: list[int] = []
+
+    def stop(signum: int, _frame: object) -> None:
+        interrupted.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
     rows: list[dict[str, Any]] = []
     with _cluster(args) as (_, pods, baseline, balancer), httpx.Client(timeout=300) as client:
         messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
@@ -114,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
              f"{'no-cache ms':>11} {'speedup':>7}  same reply")
         possible = 0  # tokens of this prompt some pod already computed: the last prompt and its reply
         for turn in range(1, args.turns + 1):
+            if interrupted:
+                raise KeyboardInterrupt
             messages.append({"role": "user", "content": QUESTIONS[turn - 1]})
             body = {"model": model, "messages": messages, "max_tokens": args.max_tokens, "temperature": 0,
                     "return_token_ids": True}
@@ -140,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
                  f"{'yes' if same else 'no'}")
             messages.append({"role": "assistant", "content": cached.text})
             possible = cached.prompt_tokens + cached.completion_tokens - 1  # the next turn is sent at once
+    if interrupted:  # it came while the processes were being stopped
+        raise KeyboardInterrupt
     later = [r for r in rows if r["turn"] > 1]
     speedup = (sum(r["ttft_ms_nocache"] for r in later) / max(1e-9, sum(r["ttft_ms"] for r in later))) if later else 0
     all_identical = all(r["identical"] for r in rows)
