@@ -72,10 +72,9 @@ def int8_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> bo
         return False
     assert _kernels is not None
     if out.dim() == 5 or token_rows(out):  # a llama.cpp state's rows: streamed past the cache, the same values
-        outer = out if out.dim() == 5 else out.unsqueeze(0)
-        if outer.dim() == 5 and not token_rows(outer[0]):
+        outer, q, sc = (out, codes, scales) if out.dim() == 5 else (t.unsqueeze(0) for t in (out, codes, scales))
+        if not token_rows(outer[0]):
             return False
-        q, sc = (codes, scales) if out.dim() == 5 else (codes.unsqueeze(0), scales.unsqueeze(0))
         _kernels.int8_rows(outer.data_ptr(), (outer.stride(0), outer.stride(1)), q.data_ptr(), sc.data_ptr(),
                            tuple(outer.shape), q.stride()[:4], sc.stride())
         return True

@@ -16,8 +16,8 @@ Two ways, by engine:
   the lookup feeds each chunk to a `Rehydration` thread (one core), which verifies each chunk and dequantizes its
   frames while the next chunk is on the wire, a few landed frames of one kind in one call (`FrameRun`), and
   dequantizes what is left once the last one is in, shared with a second thread where it is given one (`helper`):
-  by then the reader and Redis are done and a core is free. On an Intel Xeon VM a frame at a time cost ~80 us of
-  Python per frame beside a ~200 us kernel, on the two cores the fetch already keeps busy (BENCHMARKS.md, section
+  by then the reader and Redis are done and a core is free. On an Intel Xeon VM a frame at a time cost ~90 us of
+  Python per frame beside a ~230 us kernel, on the two cores the fetch already keeps busy (BENCHMARKS.md, section
   23).
 
 Measured on 2 cores with Redis on the same machine (BENCHMARKS.md, sections 1, 12 and 13): every millisecond of
