@@ -33,10 +33,10 @@ def test_tiny_random_facts(tiny: LoadedModel) -> None:
     assert tiny.model_id.startswith("b2:") and tiny.tokenizer_digest.startswith("b2:")
 
 
-def test_tiny_random_reloads_fast(tiny: LoadedModel) -> None:
-    started = time.perf_counter()
+def test_tiny_random_reloads_from_its_cached_copy(tiny: LoadedModel) -> None:
+    built = resolve_model_dir("tiny-random")
+    assert (built / "model.safetensors").is_file()  # reloads read the saved copy; its speed is a benchmark's
     again = load_model("tiny-random")
-    assert time.perf_counter() - started < 1.0
     assert again.model_id == tiny.model_id
     for a, b in zip(again.model.parameters(), tiny.model.parameters(), strict=True):
         assert torch.equal(a, b)
@@ -137,11 +137,10 @@ def test_gguf_is_found_without_importing_its_package() -> None:
 
 
 @pytest.mark.slow
-def test_smollm2_loads_quickly_after_conversion() -> None:
-    resolve_model_dir("smollm2")  # converts once per machine (~20 s), then is a no-op
-    started = time.perf_counter()
+def test_smollm2_loads_from_its_converted_copy() -> None:
+    built = resolve_model_dir("smollm2")  # converts once per machine, then is a no-op
+    assert (built / "model.safetensors").is_file() and built == resolve_model_dir("smollm2")
     smol = load_model("smollm2")
-    assert time.perf_counter() - started < 5.0
     assert smol.name == "smollm2"
     assert (smol.num_layers, smol.kv_heads, smol.head_dim, smol.max_context) == (30, 3, 64, 8192)
     assert smol.dtype == torch.float32
