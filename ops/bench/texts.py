@@ -1,4 +1,4 @@
-"""The texts `kvstash bench quality` and `bench layers` score, and which set each belongs to.
+"""The texts `kvstash bench quality` scores, and which set each belongs to.
 
 CALIBRATION texts are the only ones any codec parameter (a layer table such as `k8=`, a group size) may be
 chosen on; HELD_OUT texts are the ones claims are made on. Each is public domain and ships with kvstash
