@@ -68,7 +68,12 @@ def test_bench_quality_tiny_writes_rows_and_plot(tmp_path: Path) -> None:
     assert 0.45 < rows["exact"]["ratio_vs_fp16_ctx"] < 0.55
     size = {mode: r["bytes_per_token_ctx"] for mode, r in rows.items()}
     assert size["int2"] < size["int8"] < size["exact"]
-    assert len(report["windows"]) == 2 * 3 and set(report["targets"]) == {"int8", "int2", "greedy"}
+    assert len(report["windows"]) == 2 * 3 and set(report["targets"]) == {"sample.txt: int8", "sample.txt: int2",
+                                                                          "greedy"}
+    for r in rows.values():  # the paired interval over windows brackets the point figure
+        assert r["ppl_delta_lo"] <= r["ppl_delta_pct"] <= r["ppl_delta_hi"] and r["text"] == "sample.txt"
+        assert r["greedy_match_min"] <= r["greedy_match_p10"] <= r["greedy_match_median"] <= 3
+    assert rows["exact"]["ppl_delta_lo"] == rows["exact"]["ppl_delta_hi"] == 0
     assert png.read_bytes()[:8] == PNG_MAGIC
 
 

@@ -1,0 +1,73 @@
+"""Statistics of `kvstash bench quality` over windows: paired intervals and distributions.
+
+Every window is scored with the exact cache and with each codec on the same tokens, so a codec's effect is
+measured as a paired difference per window. The perplexity change of a text is
+exp(mean(nll_mode) - mean(nll_exact)) - 1, windows weighing equally; its interval is a t-interval on the
+per-window nll differences, mapped through the same exp (monotone, so the ends stay ends). A percentile
+bootstrap over windows is offered beside it for figures that are not means (greedy agreement's median).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+
+# two-sided 95% Student t quantiles by degrees of freedom; beyond 30 the normal's 1.96 is within 2%
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+        20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048,
+        29: 2.045, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980}
+
+
+def t95(df: int) -> float:
+    """The 97.5% quantile of Student's t with `df` degrees of freedom (table; between rows the next lower
+    row's, which is the larger, so the interval errs wide)."""
+    if df < 1:
+        raise ValueError("a t-interval needs at least two values")
+    return _T95[max(k for k in _T95 if k <= df)] if df <= 120 else 1.96
+
+
+def mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def t_interval(xs: Sequence[float]) -> tuple[float, float, float]:
+    """(mean, low, high): the 95% t-interval of the mean of `xs`."""
+    m = mean(xs)
+    if len(xs) < 2:
+        return m, m, m
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+    half = t95(len(xs) - 1) * sd / math.sqrt(len(xs))
+    return m, m - half, m + half
+
+
+def ppl_delta_interval(nll_mode: Sequence[float], nll_exact: Sequence[float]) -> tuple[float, float, float]:
+    """(delta %, low %, high %) of perplexity vs exact, paired over windows (same windows, same order)."""
+    if len(nll_mode) != len(nll_exact):
+        raise ValueError("paired windows differ in number")
+    m, lo, hi = t_interval([a - b for a, b in zip(nll_mode, nll_exact, strict=True)])
+    return tuple((math.exp(v) - 1) * 100 for v in (m, lo, hi))  # type: ignore[return-value]
+
+
+def quantile(xs: Sequence[float], q: float) -> float:
+    """Linear-interpolated quantile (numpy's default), q in [0, 1]."""
+    s = sorted(xs)
+    pos = q * (len(s) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def distribution(xs: Sequence[float]) -> dict[str, float]:
+    """min / p10 / median / mean / max of `xs`."""
+    return {"min": min(xs), "p10": quantile(xs, 0.1), "median": quantile(xs, 0.5), "mean": mean(xs),
+            "max": max(xs)}
+
+
+def bootstrap(xs: Sequence[float], stat: Callable[[Sequence[float]], float], *, reps: int = 2000,
+              seed: int = 0) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of stat(xs), resampling windows with replacement (seeded)."""
+    rng = random.Random(seed)
+    vals = sorted(stat([xs[rng.randrange(len(xs))] for _ in xs]) for _ in range(reps))
+    return quantile(vals, 0.025), quantile(vals, 0.975)

@@ -1,0 +1,66 @@
+"""The quality bench's window statistics on known inputs, and its texts load and are long enough."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from ops.bench import qstats, texts
+
+
+def test_t_interval_matches_hand_computation() -> None:
+    # mean 3, sample sd sqrt(2.5), n 5, t(4) 2.776: half width 2.776 * sqrt(2.5) / sqrt(5)
+    m, lo, hi = qstats.t_interval([1, 2, 3, 4, 5])
+    half = 2.776 * math.sqrt(2.5) / math.sqrt(5)
+    assert m == 3 and lo == pytest.approx(3 - half) and hi == pytest.approx(3 + half)
+    assert qstats.t_interval([7.0]) == (7.0, 7.0, 7.0)
+
+
+def test_t95_table_errs_wide_between_rows() -> None:
+    assert qstats.t95(23) == 2.069 and qstats.t95(35) == 2.042 and qstats.t95(500) == 1.96
+    with pytest.raises(ValueError):
+        qstats.t95(0)
+
+
+def test_ppl_delta_is_paired_and_maps_through_exp() -> None:
+    exact = [3.0, 3.5, 2.8, 3.1]
+    mode = [x + 0.01 for x in exact]  # the same shift in every window: no spread, whatever the windows
+    d, lo, hi = qstats.ppl_delta_interval(mode, exact)
+    assert d == pytest.approx((math.exp(0.01) - 1) * 100) and lo == pytest.approx(d) and hi == pytest.approx(d)
+    with pytest.raises(ValueError):
+        qstats.ppl_delta_interval([1.0], [1.0, 2.0])
+
+
+def test_quantiles_and_distribution_follow_numpy_linear() -> None:
+    xs = [32, 0, 10, 20, 30]
+    dist = qstats.distribution(xs)
+    assert dist == {"min": 0, "p10": 4.0, "median": 20, "mean": 18.4, "max": 32}
+
+
+def test_bootstrap_is_seeded_and_brackets_the_statistic() -> None:
+    xs = [float(i) for i in range(24)]
+    lo, hi = qstats.bootstrap(xs, qstats.mean, reps=500, seed=1)
+    assert (lo, hi) == qstats.bootstrap(xs, qstats.mean, reps=500, seed=1)
+    assert lo < qstats.mean(xs) < hi
+
+
+def test_sets_are_disjoint_and_every_text_loads() -> None:
+    cal = {t.name for t in texts.CALIBRATION}
+    held = {t.name for t in texts.HELD_OUT}
+    assert not cal & held
+    kinds = " ".join(t.kind for t in texts.HELD_OUT)
+    for kind in ("prose", "dialogue", "code", "non-English"):
+        assert kind in kinds
+    for t in texts.SETS["all"]:
+        assert len(texts.read(t)) > 5000, t.name  # over 768 tokens: a window fits with room to spread windows
+
+
+def test_resolve_names_sets_files_and_refuses_the_rest(tmp_path) -> None:  # noqa: ANN001
+    f = tmp_path / "mine.txt"
+    f.write_text("hello", encoding="utf-8")
+    got = texts.resolve(["held-out", "declaration", str(f)])
+    assert [t.name for t in got] == ["alice", "difflib.py", "froschkoenig", "declaration", "mine.txt"]
+    assert texts.read(got[-1]) == "hello"
+    with pytest.raises(SystemExit, match="no text 'nope'"):
+        texts.resolve(["nope"])
