@@ -87,8 +87,9 @@ class PodSettings:
             raise ConfigError("KVSTASH_FRAME_KEY_PREVIOUS needs KVSTASH_FRAME_KEY (the key pods write with)")
         if self.frame_key and self.frame_key == self.tenant_secret:
             raise ConfigError("the frame key must differ from the tenant secret")
-        if self.tenant_quota_bytes < 0:
-            raise ConfigError("tenant_quota_bytes must be >= 0")
+        if self.tenant_quota_bytes or self.tenant_quotas:  # parsed, not enforced yet: refused, never ignored
+            raise ConfigError("per-tenant quotas (KVSTASH_TENANT_QUOTA_BYTES, KVSTASH_TENANT_QUOTAS) are not "
+                              "enforced yet; unset them")
         for tenant, quota in self.tenant_quotas.items():
             if not TENANT_RE.match(tenant) or quota <= 0:
                 raise ConfigError(f"tenant quotas need a tenant matching {TENANT_PATTERN} and a positive size")
