@@ -10,6 +10,8 @@ Fields (plain, readable in redis-cli / RedisInsight):
     partial      the encoded KV frame of the tokens after the last full block (binary)
     version      decimal, +1 on every successful write
     created_at, updated_at   seconds since the epoch (decimal)
+    mac          with a frame key only: the 40-byte trailer of cachestore.signing over the key name and the
+                 fields above but version and created_at (FIELDS)
 """
 
 from __future__ import annotations
@@ -97,6 +99,11 @@ def to_fields(record: SessionRecord, now: float) -> list[Any]:
         "partial", bytes(record.partial),
         "updated_at", repr(float(now)),
     ]
+
+
+FIELDS = ("format", "tenant", "session_id", "model", "n_tokens", "token_ids", "messages", "partial", "updated_at")
+# the fields `to_fields` writes, in its order: what a frame key's `mac` field signs (version and created_at are the
+# script's)
 
 
 def _text(raw: dict[bytes, bytes], name: str) -> str:

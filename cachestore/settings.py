@@ -15,6 +15,7 @@ _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _BOOL_TRUE = {"1", "true", "yes", "on"}
 
 
+_SECRETS = ("frame_key", "frame_key_previous")  # never in a repr, never taken from a URL
 _QUERY_SECRET_RE = re.compile(r"([?&](?:password|pass|auth|sentinel_password)=)[^&#]*", re.IGNORECASE)
 
 
@@ -63,13 +64,18 @@ class StoreSettings:
     breaker_reset_s: float = 5.0
     local_tier_bytes: int = 0
     tls_ca_path: str | None = None
+    frame_key: str = field(default="", repr=False)  # signs every value written (cachestore.signing); "" = unsigned
+    frame_key_previous: str = field(default="", repr=False)  # also accepted when reading (a key rotation)
+    tenant_quota_bytes: int = 0  # bytes each tenant may hold (0: no quota but the namespace budget)
+    tenant_quotas: tuple[tuple[str, int], ...] = ()  # (tenant, bytes) overrides of tenant_quota_bytes
 
     def __post_init__(self) -> None:
         self._validate()
 
     def __repr__(self) -> str:
         shown = ", ".join(
-            f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.name != "url"
+            f"{f.name}={'***' if getattr(self, f.name) else ''!r}" if f.name in _SECRETS
+            else f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.name != "url"
         )
         return f"StoreSettings(url={mask_url(self.url)!r}, {shown})"
 
@@ -88,6 +94,14 @@ class StoreSettings:
     @property
     def is_sentinel(self) -> bool:
         return self.sentinel_master is not None or self.scheme.endswith("+sentinel")
+
+    @property
+    def signed(self) -> bool:
+        return bool(self.frame_key)
+
+    def quota_of(self, tenant: str) -> int:
+        """The bytes `tenant` may hold (0: no quota of its own)."""
+        return next((n for name, n in self.tenant_quotas if name == tenant), self.tenant_quota_bytes)
 
     @property
     def index_ttl_ms(self) -> int:
@@ -113,6 +127,10 @@ class StoreSettings:
             raise ConfigError("index_shards must be at most 1024")
         if self.max_value_bytes > self.budget_bytes:
             raise ConfigError("max_value_bytes must not exceed budget_bytes")
+        if self.frame_key_previous and not self.frame_key:
+            raise ConfigError("a previous frame key needs a current one (frame_key)")
+        if self.tenant_quota_bytes < 0 or any(n <= 0 for _, n in self.tenant_quotas):
+            raise ConfigError("tenant quotas must be positive (tenant_quota_bytes may be 0: none)")
         if self.is_cluster and self.is_sentinel:
             raise ConfigError("a store is either a Redis Cluster or behind Sentinel, not both")
 
@@ -130,6 +148,8 @@ class StoreSettings:
         kept: list[tuple[str, str]] = []
         from_query: dict[str, Any] = {}
         for key, value in parse_qsl(parts.query, keep_blank_values=True):
+            if key in _SECRETS or key == "tenant_quotas":
+                raise ConfigError(f"{key} is not taken from a Redis URL (it would show wherever the URL does)")
             if key in names and key != "url":
                 from_query[key] = value
             else:
@@ -150,6 +170,12 @@ class StoreSettings:
 
 def _cast(name: str, value: Any, cls: type[StoreSettings]) -> Any:
     default = next(f.default for f in fields(cls) if f.name == name)
+    if isinstance(default, tuple):  # tenant_quotas: (tenant, bytes) pairs, given as keyword only
+        return tuple((str(t), int(n)) for t, n in value)
+    if name in _SECRETS:  # keyword only, taken as given (never URL-unquoted)
+        if not isinstance(value, str):
+            raise ConfigError(f"store option {name} must be a string")
+        return value
     try:
         if isinstance(default, bool):
             return value if isinstance(value, bool) else str(value).lower() in _BOOL_TRUE

@@ -28,6 +28,7 @@ class StoreStats:
     skipped_open: int = 0  # calls not made because the breaker was open
     round_trips: int = 0  # pipelines / commands sent
     bad_records: int = 0  # session records or values that failed validation
+    rejected_mac: int = 0  # values read back not signed under their key by an accepted frame key (a miss)
     cas_conflicts: int = 0
     breaker_state: str = "closed"
     breaker_opened: int = 0

@@ -21,8 +21,9 @@ from cachestore.landing import Scatter, Target
 from cachestore.localtier import LocalTier
 from cachestore.outcome import Outcome, Result
 from cachestore.redisclient import make_client
-from cachestore.sessions import PUT_SESSION, SessionRecord, from_fields, to_fields
+from cachestore.sessions import FIELDS, PUT_SESSION, SessionRecord, from_fields, to_fields
 from cachestore.settings import StoreSettings
+from cachestore.signing import TRAILER_SIZE, Mac, Signer
 from cachestore.stats import Counters, StoreStats, Usage
 
 T = TypeVar("T")
@@ -47,6 +48,35 @@ def _land(frame: bytes, target: Target) -> bytes | Target:
     return target
 
 
+class _Sealed(Scatter):
+    """Where a signed value lands: its body in the caller's buffer (or `Scatter`) as if unsigned, its trailer in a
+    buffer of its own. Where the caller's Scatter reports its pieces, the current key's tag is fed them too (`mac`),
+    while they are still in the cache."""
+
+    __slots__ = ("mac", "target", "trailer")
+
+    def __init__(self, target: Target, mac: Mac) -> None:
+        self.target = target
+        self.trailer = memoryview(bytearray(TRAILER_SIZE))
+        inner = target.pieces if isinstance(target, Scatter) else [target]
+        reported = target.filled if isinstance(target, Scatter) else None
+        self.mac: Mac | None = None
+        filled: Callable[[memoryview], None] | None = None
+        if reported is not None:
+            self.mac, trailer = mac, self.trailer
+
+            def filled(piece: memoryview) -> None:
+                if piece is not trailer:
+                    mac(piece)
+                    reported(piece)
+
+        super().__init__([*inner, self.trailer], filled)
+
+    @property
+    def body(self) -> list[memoryview]:
+        return self.pieces[:-1]
+
+
 class BlockStore:
     """The Redis side of kvstash. Reads miss and writes drop on any Redis error; nothing raises.
 
@@ -55,8 +85,13 @@ class BlockStore:
     Admin calls (usage, reconcile, list_sessions, clear_namespace) raise StoreError instead.
     """
 
-    def __init__(self, settings: StoreSettings) -> None:
+    def __init__(self, settings: StoreSettings, on_rejected: Callable[[str, str], None] | None = None) -> None:
+        """`on_rejected(reason, detail)` is told of each value read back that is discarded ("mac": not signed under
+        its key name by an accepted frame key), beside the `rejected_mac` counter."""
         self.settings = settings
+        self.signer = Signer(settings.frame_key, settings.frame_key_previous) if settings.signed else None
+        self._overhead = TRAILER_SIZE if self.signer is not None else 0  # bytes a value's signature adds
+        self._on_rejected = on_rejected
         self.keys = KeySpace(settings.namespace, settings.index_shards)
         self._client = make_client(settings)
         self._blocking: Any = None  # the reader threads' blocking client, made on first use (fetch_blocking)
@@ -257,13 +292,18 @@ class BlockStore:
         self._queue_fetch(pipe, keyed, start)
         return pipe
 
-    @staticmethod
     def _landing_request(
-        pipe: Any, keyed: list[tuple[int, str]], start: int, into: Sequence[Target],
+        self, pipe: Any, keyed: list[tuple[int, str]], start: int, into: Sequence[Target],
     ) -> tuple[list[tuple[Any, ...]], list[Target | None]]:
         """The queued commands and a buffer per reply: none for the PEXPIREs of locally held frames (they come
-        first), then the GETEXs' buffers."""
-        return [a for a, _ in pipe.command_stack], [None] * start + list(into[start:len(keyed)])
+        first), then the GETEXs' buffers (with room for the trailer after each, under a frame key)."""
+        targets: list[Target | None] = [None] * start
+        if self.signer is None:
+            targets += into[start:len(keyed)]
+        else:
+            targets += [_Sealed(t, self.signer.running(key)) for t, (_, key) in zip(into[start:len(keyed)],
+                                                                                   keyed[start:], strict=False)]
+        return [a for a, _ in pipe.command_stack], targets
 
     def _begin_fetch(self, model: str, hashes: Sequence[BlockHash]) -> tuple[list[tuple[int, str]], list[bytes]]:
         """The keys of `hashes`, and the frames of their longest prefix the local tier holds."""
@@ -290,7 +330,7 @@ class BlockStore:
             return Result(Outcome.ABSENT, [])
         failed = isinstance(remote, _Failed)
         if not isinstance(remote, _Failed):
-            frames.extend(remote)
+            frames.extend(self._opened(keyed[len(frames):], remote))
         self._count_lookup(len(frames), len(keyed))
         self._counters.add("blocks_read", len(frames))
         self._counters.add("bytes_read", sum(len(f) for f in frames))
@@ -328,17 +368,51 @@ class BlockStore:
 
     def _fetched(self, keyed: list[tuple[int, str]], start: int, results: list[Any]) -> list[Any]:
         found: list[Any] = []
-        for (_, key), value in zip(keyed[start:], results[start:start + len(keyed) - start], strict=True):
+        for value in results[start:len(keyed)]:
             if not isinstance(value, bytes | memoryview | Scatter) or not value:
                 if isinstance(value, Exception):
                     self._counters.add("errors")
                 break
             found.append(value)
-            if self._local is not None:  # a landed frame's buffer is reused later: the local tier keeps a copy
-                self._local.put(key, value if isinstance(value, bytes) else value.tobytes())
         stale = [r for r in results[len(keyed):] if isinstance(r, int)]
         self._counters.add("stale_removed", sum(1 for s in stale if s > 0))
         return found
+
+    def _opened(self, keyed: Sequence[tuple[int, str]], values: list[Any]) -> list[Any]:
+        """The bodies of `values` (read under `keyed`) up to the first that is not signed under its key with an
+        accepted frame key (all of them when the store has none); each is kept by the local tier."""
+        found: list[Any] = []
+        for (_, key), value in zip(keyed, values, strict=False):
+            body = self._open_value(key, value)
+            if body is None:
+                break
+            found.append(body)
+            if self._local is not None:  # a landed frame's buffer is reused later: the local tier keeps a copy
+                self._local.put(key, body if isinstance(body, bytes) else body.tobytes())
+        return found
+
+    def _open_value(self, key: str, value: Any) -> Any:
+        """A value's body, as it would have been stored without a frame key (a landed one: the caller's target), or
+        None (counted) when its signature does not verify."""
+        if self.signer is None:
+            return value
+        if isinstance(value, _Sealed):
+            if self.signer.check(key, value.body, value.trailer, value.mac):
+                return value.target
+        elif isinstance(value, bytes | memoryview):
+            body = self.signer.open(key, value)
+            if body is not None:
+                return body
+        self._reject(key, "not signed under its key by an accepted frame key")
+        return None
+
+    def _reject(self, key: str, detail: str) -> None:
+        self._counters.add("rejected_mac")
+        if self._on_rejected is not None:
+            self._on_rejected("mac", f"{key}: {detail}")
+
+    def _seal(self, key: str, value: bytes) -> bytes:
+        return value if self.signer is None else self.signer.seal(key, value)
 
     def _count_lookup(self, found: int, wanted: int) -> None:
         if found == 0:
@@ -371,6 +445,10 @@ class BlockStore:
         if isinstance(values, _Failed):
             return [None] * len(keyed)
         found = [v if isinstance(v, bytes) and v else None for v in values]
+        if self.signer is not None:
+            opened = [self._open_value(key, v) if v is not None else None for (_, key), v in zip(keyed, found,
+                                                                                              strict=True)]
+            found = [bytes(v) if v is not None else None for v in opened]
         self._counters.add("bytes_read", sum(len(v) for v in found if v))
         return found
 
@@ -380,7 +458,7 @@ class BlockStore:
         if len(keyed) != len(values) or any(not v for v in values):
             raise StoreError("put_entries needs one non-empty value per key")
         for value in values:
-            if len(value) > self.settings.max_value_bytes:
+            if len(value) + self._overhead > self.settings.max_value_bytes:
                 raise ValueTooLarge(f"a value of {len(value)} bytes exceeds max_value_bytes")
         if not values:
             return 0
@@ -403,7 +481,7 @@ class BlockStore:
             raise StoreError("put_blocks needs one frame per hash")
         limit = self.settings.max_value_bytes
         for frame in frames:
-            if len(frame) > limit:
+            if len(frame) + self._overhead > limit:
                 raise ValueTooLarge(f"a block frame of {len(frame)} bytes exceeds max_value_bytes={limit}")
             if not frame:
                 raise StoreError("a block frame cannot be empty")
@@ -421,7 +499,7 @@ class BlockStore:
         return Result(Outcome.STORED, written)
 
     async def _write(self, keyed: list[tuple[int, str]], frames: Sequence[bytes], nx: bool = True) -> int:
-        items = list(zip(keyed, frames, strict=True))
+        items = [((shard, key), self._seal(key, frame)) for (shard, key), frame in zip(keyed, frames, strict=True)]
         if self.settings.budget_enabled:
             items = self._fit_budget(items)
             await self._make_room(sum(len(f) for _, f in items))
@@ -510,6 +588,11 @@ class BlockStore:
             return Result(Outcome.UNAVAILABLE, None)
         if not raw:
             return Result(Outcome.ABSENT, None)
+        if self.signer is not None:
+            named = {(k if isinstance(k, bytes) else str(k).encode()): v for k, v in raw.items()}
+            if not self.signer.open_fields(key, named, FIELDS):
+                self._reject(key, "a session record not signed under its key by an accepted frame key")
+                return Result(Outcome.ABSENT, None)
         record = from_fields(raw, tenant, session_id)
         if record is None:
             self._counters.add("bad_records")
@@ -532,6 +615,8 @@ class BlockStore:
         now = time.time()
         expected = "" if expected_version is None else str(int(expected_version))
         fields = to_fields(record, now)
+        if self.signer is not None:
+            fields += ["mac", self.signer.seal_fields(key, fields)]
 
         async def write() -> Any:
             self._counters.add("round_trips")

@@ -105,6 +105,9 @@ def cmd_delete(args: argparse.Namespace, settings: Any) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, settings: Any) -> int:
+    if settings.signed:  # verify reads frames as unsigned: --fix would delete every signed one
+        raise StoreError("verify does not read signed values yet (KVSTASH_FRAME_KEY is set); run it without a key "
+                         "only on an unsigned namespace")
     if args.fix:
         confirm(args, f"repair {_where(settings)} (deletes corrupt blocks and bad session records)?")
     report = call(settings, lambda s: repair.verify(

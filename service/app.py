@@ -49,7 +49,17 @@ def store_settings(settings: PodSettings) -> StoreSettings:
         # failure (and opens the breaker) instead of the call being cancelled, which records nothing
         op_timeout_s=settings.redis_timeout_s * 0.8,
         local_tier_bytes=settings.local_tier_bytes,
+        frame_key=settings.frame_key,
+        frame_key_previous=settings.frame_key_previous,
+        tenant_quota_bytes=settings.tenant_quota_bytes,
+        tenant_quotas=tuple(sorted(settings.tenant_quotas.items())),
     )
+
+
+def _rejected(counter: Any, reason: str, detail: str) -> None:
+    """A value the store discarded (its signature did not verify): a miss, logged and counted like the pipeline's."""
+    log.warning("discarding a cached value (%s): %s", reason, detail)
+    counter.labels(reason).inc()
 
 
 def _store_stats(state: PodState) -> dict[str, Any] | None:
@@ -99,7 +109,9 @@ def build_state(settings: PodSettings, engine: Engine) -> PodState:
     codec = BlockCodecs.for_spec(settings.codec, rows=engine.row_frames)  # the writer's and the pipeline's
     state.engine = engine
     if settings.cache_enabled:
-        state.store = BlockStore(store_settings(settings))
+        rejected = state.metrics.cache_rejected
+        state.store = BlockStore(store_settings(settings), on_rejected=lambda reason, detail: _rejected(
+            rejected, reason, detail))
         state.writer = BackgroundWriter(state.store, codec, state.metrics, settings.write_queue)
     state.pipeline = Pipeline(settings, engine, state.store, codec, state.metrics, state.writer)
     return state

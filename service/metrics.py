@@ -26,7 +26,7 @@ class _StoreCollector(Collector):
             return
         counters = CounterMetricFamily("kvstash_store_events", "Store events by kind", labels=["event"])
         for key in ("hits", "misses", "partial_hits", "evictions", "errors", "dropped_writes",
-                    "bytes_read", "bytes_written", "bad_records", "cas_conflicts", "timeouts"):
+                    "bytes_read", "bytes_written", "bad_records", "cas_conflicts", "timeouts", "rejected_mac"):
             if key in stats:
                 counters.add_metric([key], float(stats[key]))
         yield counters
@@ -60,7 +60,8 @@ class PodMetrics:
         self.writes_dropped = Counter("kvstash_writes_dropped", "Background writes dropped (queue full or failed)",
                                       ["reason"], registry=r)
         self.cache_rejected = Counter("kvstash_cache_rejected", "Cached values discarded as corrupt or not this "
-                                      "pod's (reason: corrupt, codec, model)", ["reason"], registry=r)
+                                      "pod's (reason: corrupt, codec, model; mac: not signed under its key "
+                                      "by an accepted frame key)", ["reason"], registry=r)
         self.tail_lookups = Counter("kvstash_tail_lookups", "Cached tails read back (used, mismatch: they did "
                                     "not continue the prompt)", ["result"], registry=r)
         self.reply_ids = Counter("kvstash_reply_ids", "Assistant messages tokenized as the ids a pod generated "

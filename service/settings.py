@@ -53,6 +53,10 @@ class PodSettings:
     default_max_tokens: int = 128
     api_keys: Mapping[str, str] = field(default_factory=dict, repr=False)  # key -> tenant
     tenant_secret: str = field(default="", repr=False)
+    frame_key: str = field(default="", repr=False)  # signs every value this pod writes (docs/security.md)
+    frame_key_previous: str = field(default="", repr=False)  # also accepted when reading: a key rotation
+    tenant_quota_bytes: int = 0  # bytes each tenant may hold in the namespace (0: only the namespace budget)
+    tenant_quotas: Mapping[str, int] = field(default_factory=dict)  # tenant -> bytes, over tenant_quota_bytes
     pod_name: str = ""
     cache_dir: str = ""  # where converted models live (KVSTASH_CACHE_DIR); "" = ~/.cache/kvstash/models
 
@@ -79,6 +83,16 @@ class PodSettings:
                               "disabled (--no-cache, KVSTASH_NO_CACHE=1)")
         if self.max_queue < 1 or self.write_queue < 1:
             raise ConfigError("max_queue and write_queue must be at least 1")
+        if self.frame_key_previous and not self.frame_key:
+            raise ConfigError("KVSTASH_FRAME_KEY_PREVIOUS needs KVSTASH_FRAME_KEY (the key pods write with)")
+        if self.frame_key and self.frame_key == self.tenant_secret:
+            raise ConfigError("the frame key must differ from the tenant secret")
+        if self.tenant_quota_bytes or self.tenant_quotas:  # parsed, not enforced yet: refused, never ignored
+            raise ConfigError("per-tenant quotas (KVSTASH_TENANT_QUOTA_BYTES, KVSTASH_TENANT_QUOTAS) are not "
+                              "enforced yet; unset them")
+        for tenant, quota in self.tenant_quotas.items():
+            if not TENANT_RE.match(tenant) or quota <= 0:
+                raise ConfigError(f"tenant quotas need a tenant matching {TENANT_PATTERN} and a positive size")
         for key, tenant in self.api_keys.items():
             if not key or not TENANT_RE.match(tenant):
                 raise ConfigError(f"api keys need a non-empty key and a tenant matching {TENANT_PATTERN}")
@@ -88,6 +102,8 @@ class PodSettings:
         shown["redis_url"] = mask_url(self.redis_url)
         shown["api_keys"] = f"<{len(self.api_keys)} keys>"
         shown["tenant_secret"] = "***" if self.tenant_secret else ""
+        shown["frame_key"] = "***" if self.frame_key else ""
+        shown["frame_key_previous"] = "***" if self.frame_key_previous else ""
         return "PodSettings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
 
     @property
@@ -106,6 +122,37 @@ class PodSettings:
 
     def with_overrides(self, **overrides: Any) -> PodSettings:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
+          "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40, "TIB": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """`1GiB`, `512M`, `4096`: bytes (binary units; a ValueError for anything else)."""
+    raw = text.strip().upper()
+    digits = raw.rstrip("KMGTIB")
+    unit = raw[len(digits):]
+    if unit not in _UNITS or not digits:
+        raise ValueError(f"not a size: {text!r}")
+    return int(float(digits) * _UNITS[unit])
+
+
+parse_size.__name__ = "size"  # in `_env_value`'s message: "must be a size"
+
+
+def parse_quotas(text: str) -> dict[str, int]:
+    """`tenantA=1GiB,tenantB=200MiB` -> {tenant: bytes}."""
+    quotas: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        tenant, sep, size = item.partition("=")
+        try:
+            quotas[tenant.strip()] = parse_size(size)
+        except ValueError:
+            sep = ""
+        if not sep or not tenant.strip():
+            raise ConfigError(f"KVSTASH_TENANT_QUOTAS must look like tenantA=1GiB,tenantB=200MiB, got {item!r}")
+    return quotas
 
 
 def parse_api_keys(text: str) -> dict[str, str]:
@@ -128,6 +175,7 @@ _ENV_CASTS: dict[str, Any] = {
     "local_tier_bytes": int, "memory_kv_bytes": int, "max_queue": int, "write_queue": int, "max_body_bytes": int,
     "body_timeout_s": float,
     "max_tokens_limit": int, "default_max_tokens": int, "tenant_secret": str, "pod_name": str, "cache_dir": str,
+    "frame_key": str, "frame_key_previous": str, "tenant_quota_bytes": parse_size,
 }
 
 
@@ -174,6 +222,8 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> PodSettings:
             values[name] = value
     if env.get("KVSTASH_NO_CACHE", "").lower() in {"1", "true", "yes"}:
         values["cache_enabled"] = False
+    if env.get("KVSTASH_TENANT_QUOTAS"):
+        values["tenant_quotas"] = parse_quotas(env["KVSTASH_TENANT_QUOTAS"])
     if env.get("KVSTASH_API_KEYS"):
         values["api_keys"] = parse_api_keys(env["KVSTASH_API_KEYS"])
     return PodSettings(**values)

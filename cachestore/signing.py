@@ -1,0 +1,165 @@
+"""Signed values: a keyed BLAKE3 MAC over a value's Redis key name and its bytes, in a trailer after them.
+
+With a frame key (`StoreSettings.frame_key`), every value the store writes ends in this 40-byte trailer:
+
+    offset (from the end)  size  field
+                      -40    32  tag      keyed BLAKE3 (32-byte output) of u32 LE len(name), name (UTF-8), body
+                       -8     4  key id   the first 4 bytes of a BLAKE3 derived from the signing key: which key signed
+                       -4     3  magic    b"KVM"
+                       -1     1  version  1
+
+`body` is the value as it would be stored without a key (a frame of `cachestore.frame`, a tail or reply-ids record
+of `cachestore.tails`), byte for byte, so the frame formats themselves do not change. A session record (a HASH) keeps
+the same trailer in its field `mac`, over its key name and its fields (`fields_message`).
+
+The tag covers the key name, so a value moved to another key (another block, conversation, tenant or model) fails,
+as does any value written by a party without the key, however well formed and checksummed. A reader knows the
+current key and, during a rotation, the previous one; the key id says which signed a value (ids of other keys are
+"signed by neither").
+
+A reader without this module refuses a signed value cleanly: a frame's stored length no longer matches its header's
+payload length (and a tail's or reply record's checksum no longer matches).
+"""
+
+from __future__ import annotations
+
+import hmac
+import struct
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import blake3
+
+TAG_BYTES = 32
+KEY_ID_BYTES = 4
+MAGIC = b"KVM"
+VERSION = 1
+TRAILER = struct.Struct(f"<{TAG_BYTES}s{KEY_ID_BYTES}s3sB")
+TRAILER_SIZE = TRAILER.size  # 40
+_KEY_CONTEXT = "kvstash 2026-12 frame mac key v1"
+_ID_CONTEXT = "kvstash 2026-12 frame key id v1"
+_NAME = struct.Struct("<I")
+Buffer = bytes | bytearray | memoryview
+
+
+def derive_key(secret: str) -> bytes:
+    """The 32-byte MAC key of a configured secret (any length, any text)."""
+    return blake3.blake3(secret.encode("utf-8"), derive_key_context=_KEY_CONTEXT).digest()
+
+
+def key_id(key: bytes) -> bytes:
+    return blake3.blake3(key, derive_key_context=_ID_CONTEXT).digest()[:KEY_ID_BYTES]
+
+
+class Mac:
+    """The tag of one value fed in pieces (its name first, then its body in order), as a running digest."""
+
+    __slots__ = ("_digest", "fed")
+
+    def __init__(self, key: bytes, name: str) -> None:
+        raw = name.encode("utf-8")
+        self._digest = blake3.blake3(_NAME.pack(len(raw)), key=key)
+        self._digest.update(raw)
+        self.fed = 0
+
+    def __call__(self, piece: Buffer) -> None:
+        self._digest.update(piece)
+        self.fed += len(piece)
+
+    def tag(self) -> bytes:
+        return self._digest.digest(TAG_BYTES)
+
+
+class Signer:
+    """Seals values under the current key; opens values sealed under the current or the previous key."""
+
+    def __init__(self, current: str, previous: str = "") -> None:
+        if not current:
+            raise ValueError("a signer needs a current key")
+        self.key = derive_key(current)
+        self.key_id = key_id(self.key)
+        self._keys = {self.key_id: self.key}
+        if previous:
+            old = derive_key(previous)
+            self._keys.setdefault(key_id(old), old)
+
+    def __repr__(self) -> str:
+        return f"Signer(key id {self.key_id.hex()}, {len(self._keys)} accepted)"
+
+    def tag(self, name: str, pieces: Iterable[Buffer], key: bytes | None = None) -> bytes:
+        mac = Mac(self.key if key is None else key, name)
+        for piece in pieces:
+            mac(piece)
+        return mac.tag()
+
+    def trailer(self, tag: bytes) -> bytes:
+        return TRAILER.pack(tag, self.key_id, MAGIC, VERSION)
+
+    def seal(self, name: str, body: Buffer) -> bytes:
+        """`body` with its trailer: what is stored under `name`."""
+        return bytes(body) + self.trailer(self.tag(name, (body,)))
+
+    def running(self, name: str) -> Mac:
+        """A running tag under the current key (what most values are sealed with), for pieces as they arrive."""
+        return Mac(self.key, name)
+
+    def key_of(self, trailer: Buffer) -> bytes | None:
+        """The accepted key a trailer names, or None (not a trailer, or signed by neither key)."""
+        if len(trailer) != TRAILER_SIZE:
+            return None
+        _, kid, magic, version = TRAILER.unpack(bytes(trailer))
+        if magic != MAGIC or version != VERSION:
+            return None
+        return self._keys.get(kid)
+
+    def check(self, name: str, pieces: Sequence[Buffer], trailer: Buffer, running: Mac | None = None) -> bool:
+        """Whether `trailer` signs `pieces` (the body, in order) under `name` with an accepted key. `running`: the
+        current key's tag already fed those very pieces as they arrived (it is used when the trailer names that key)."""
+        key = self.key_of(trailer)
+        if key is None:
+            return False
+        want = bytes(trailer[:TAG_BYTES])
+        if running is not None and key == self.key and running.fed == sum(len(p) for p in pieces):
+            return hmac.compare_digest(running.tag(), want)
+        return hmac.compare_digest(self.tag(name, pieces, key), want)
+
+    def open(self, name: str, value: Buffer) -> memoryview | None:
+        """The body of a value sealed under `name` with an accepted key, or None."""
+        view = memoryview(value).cast("B") if not isinstance(value, memoryview) or value.format != "B" else value
+        if len(view) < TRAILER_SIZE:
+            return None
+        body, trailer = view[:-TRAILER_SIZE], view[-TRAILER_SIZE:]
+        return body if self.check(name, (body,), trailer) else None
+
+    # -- session records: a HASH, its trailer in the field `mac` ----------------------------------
+
+    def seal_fields(self, name: str, pairs: Sequence[Any]) -> bytes:
+        """The `mac` field's value for a record's field/value pairs (flat, as `sessions.to_fields` gives them)."""
+        return self.trailer(self.tag(name, (fields_message(pairs),)))
+
+    def open_fields(self, name: str, raw: dict[bytes, bytes], names: Sequence[str]) -> bool:
+        """Whether a record read back (`raw`, HGETALL's map) carries a `mac` over its fields `names` under `name`."""
+        trailer = raw.get(b"mac")
+        if trailer is None or any(n.encode() not in raw for n in names):
+            return False
+        pairs: list[Any] = []
+        for n in names:
+            pairs += [n, raw[n.encode()]]
+        return self.check(name, (fields_message(pairs),), trailer)
+
+
+def fields_message(pairs: Sequence[Any]) -> bytes:
+    """The bytes a record's MAC covers: each field and value length-prefixed (u32 LE), in order."""
+    out = bytearray()
+    for item in pairs:
+        raw = item if isinstance(item, bytes | bytearray) else str(item).encode("utf-8")
+        out += _NAME.pack(len(raw)) + raw
+    return bytes(out)
+
+
+def signed_by(value: Buffer) -> bytes | None:
+    """The key id in a value's trailer, or None where the value ends in no trailer (for reports)."""
+    if len(value) < TRAILER_SIZE:
+        return None
+    _, kid, magic, version = TRAILER.unpack(bytes(memoryview(value)[-TRAILER_SIZE:]))
+    return kid if magic == MAGIC and version == VERSION else None
