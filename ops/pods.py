@@ -143,6 +143,8 @@ class NginxProcess:
             raise ProcessError("nginx is not installed")
         self.port = self.port or free_port()
         self.workdir = Path(tempfile.mkdtemp(prefix="kvstash-nginx-"))
+        # a master started as root runs its worker as nobody: it must reach the temp dirs the master makes here
+        self.workdir.chmod(0o755)
         conf = self.workdir / "nginx.conf"
         conf.write_text(render_nginx_conf(self.upstreams, self.port, self.workdir, self.hash_header))
         check = subprocess.run([binary, "-t", "-c", str(conf), "-p", str(self.workdir)], capture_output=True,

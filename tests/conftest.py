@@ -138,7 +138,8 @@ def figures(request: pytest.FixtureRequest) -> Iterator[dict[str, object]]:
 
 
 class _FakePod(BaseHTTPRequestHandler):
-    """Answers GET with its name (body and X-KV-Pod); /stream sends two SSE events a second apart."""
+    """Answers GET with its name (body and X-KV-Pod), POST with the length of the body it read; /stream sends two
+    SSE events a second apart."""
 
     protocol_version = "HTTP/1.1"
 
@@ -160,6 +161,17 @@ class _FakePod(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.send_header("X-KV-Pod", name)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+        """Reads the whole body and answers with its length in bytes."""
+        length = int(self.headers.get("Content-Length", "0"))
+        received = len(self.rfile.read(length))
+        body = str(received).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("X-KV-Pod", self.server.name)  # type: ignore[attr-defined]
         self.end_headers()
         self.wfile.write(body)
 
