@@ -603,13 +603,23 @@ class Pipeline:
         params: GenParams,
         on_text: Callable[[str], None] | None = None,
     ) -> Generation:
-        loop = asyncio.get_running_loop()
-        early = self._early_writer(loop, prompt_ids, view)
-        # the blocks this hit read are in Redis: the write-back needs the KV from the first block after them (the
-        # sticky baseline keeps the whole sequence in memory)
-        keep_from = 0 if self.memory is not None else view.hit_blocks * self.block_tokens
-        work = loop.run_in_executor(self._executor, self.engine.generate, prompt_ids, view.kv, params, on_text,
-                                    early, view.ready, keep_from)
+        early = self._early_writer(asyncio.get_running_loop(), prompt_ids, view)
+        gen = await self.in_engine(view, self.engine.generate, prompt_ids, view.kv, params, on_text, early, view.ready,
+                                   self.keep_from(view))
+        self.metrics.ttft.labels(view.status).observe(gen.ttft_s)
+        if self.memory is not None and view.salt is not None:
+            self._remember(view, gen)
+        return gen
+
+    def keep_from(self, view: CacheView) -> int:
+        """The first token whose KV a write-back after `view` needs: the blocks this hit read are in Redis (the
+        sticky baseline keeps the whole sequence in memory)."""
+        return 0 if self.memory is not None else view.hit_blocks * self.block_tokens
+
+    async def in_engine(self, view: CacheView, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the engine's threads (where it may read `view`'s KV), then `view`'s pooled buffers back to
+        their pools once it and the rehydration are done, even if the caller is cancelled meanwhile."""
+        work = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
         if view.buffer is not None:  # back to the pool once the inference and the rehydration threads are done
             buffer, view.buffer = view.buffer, None  # with it, even if this request is cancelled meanwhile
             stage, view.landing = view.landing, None
@@ -627,11 +637,7 @@ class Pipeline:
                     give_all()
 
             work.add_done_callback(give)
-        gen = await work
-        self.metrics.ttft.labels(view.status).observe(gen.ttft_s)
-        if self.memory is not None and view.salt is not None:
-            self._remember(view, gen)
-        return gen
+        return await work
 
     def _early_writer(
         self, loop: asyncio.AbstractEventLoop, prompt_ids: list[int], view: CacheView

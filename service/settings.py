@@ -53,6 +53,7 @@ class PodSettings:
     default_max_tokens: int = 128
     api_keys: Mapping[str, str] = field(default_factory=dict, repr=False)  # key -> tenant
     tenant_secret: str = field(default="", repr=False)
+    upstream_api_key: str = field(default="", repr=False)  # the sidecar's key to llama-server (its --api-key)
     pod_name: str = ""
     cache_dir: str = ""  # where converted models live (KVSTASH_CACHE_DIR); "" = ~/.cache/kvstash/models
 
@@ -88,6 +89,7 @@ class PodSettings:
         shown["redis_url"] = mask_url(self.redis_url)
         shown["api_keys"] = f"<{len(self.api_keys)} keys>"
         shown["tenant_secret"] = "***" if self.tenant_secret else ""
+        shown["upstream_api_key"] = "***" if self.upstream_api_key else ""
         return "PodSettings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
 
     @property
@@ -127,7 +129,8 @@ _ENV_CASTS: dict[str, Any] = {
     "write_wait_s": float, "usage_sample_s": float,
     "local_tier_bytes": int, "memory_kv_bytes": int, "max_queue": int, "write_queue": int, "max_body_bytes": int,
     "body_timeout_s": float,
-    "max_tokens_limit": int, "default_max_tokens": int, "tenant_secret": str, "pod_name": str, "cache_dir": str,
+    "max_tokens_limit": int, "default_max_tokens": int, "tenant_secret": str,
+    "upstream_api_key": str, "pod_name": str, "cache_dir": str,
 }
 
 
