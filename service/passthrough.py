@@ -39,6 +39,7 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy
 # kvstash's own routes: llama-server's of these names are not reachable through the sidecar
 OWN_ROUTES = ("/healthz", "/readyz", "/metrics", "/openapi.json", "/v1/sessions")
 UPSTREAM_TIMEOUT = httpx.Timeout(600.0, connect=5.0)
+BYPASS = {"X-KV-Cache": "bypass", "X-KV-Cached-Tokens": "0"}  # a completion the cache took no part in
 
 
 def unavailable(exc: Exception) -> ApiError:
@@ -169,7 +170,7 @@ class Passthrough:
         self.engine.stats.bypassed[why] = self.engine.stats.bypassed.get(why, 0) + 1
         upstream_request = self.client.build_request("POST", route, content=json.dumps(body).encode(),
                                                      headers={**headers, "content-type": "application/json"})
-        return await self._relay(upstream_request, {"X-KV-Cache": "bypass", "X-KV-Cached-Tokens": "0"})
+        return await self._relay(upstream_request, BYPASS)
 
     async def _tokens(self, body: dict[str, Any], how: inputs.Plan, headers: dict[str, str]) -> list[int] | Response:
         """The prompt's token ids as llama-server will process them, or llama-server's refusal as a response."""
@@ -180,7 +181,7 @@ class Passthrough:
                 rendered = await self.client.post("/apply-template", json=body, headers=auth)
                 if rendered.status_code != 200:
                     return Response(rendered.content, status_code=rendered.status_code,
-                                    headers=_reply_headers(rendered, {}))
+                                    headers=_reply_headers(rendered, BYPASS))
                 prompt = rendered.json().get("prompt")
             # what llama-server's completion does with a prompt: special tokens parsed, BOS added to a leading string
             tokenized = await self.client.post("/tokenize", json={"content": prompt, "add_special": True,
@@ -188,7 +189,8 @@ class Passthrough:
         except httpx.TransportError as exc:
             raise unavailable(exc) from None
         if tokenized.status_code != 200:
-            return Response(tokenized.content, status_code=tokenized.status_code, headers=_reply_headers(tokenized, {}))
+            return Response(tokenized.content, status_code=tokenized.status_code,
+                            headers=_reply_headers(tokenized, BYPASS))
         return [int(t) for t in tokenized.json().get("tokens", [])]
 
 
@@ -234,7 +236,8 @@ class _Call:
             gen = Generation(text="", token_ids=saved.tokens[len(prompt):], finish_reason="stop",
                              prompt_tokens=len(prompt), cached_tokens=reused, ttft_s=0.0, total_s=0.0,
                              seq_ids=saved.tokens, kv=saved.kv, reply_ids=None, kv_from=saved.kv_from)
-            await self.pipeline.settle(self.pipeline.write_back(self.salt, gen, self.view), self.view)
+            job = self.pipeline.write_back(self.salt, gen, self.view, prompt_tokens=len(prompt))
+            await self.pipeline.settle(job, self.view)
         finally:
             self.pipeline.release()
 

@@ -690,14 +690,24 @@ class Pipeline:
         view: CacheView,
         session: SessionRecord | None = None,
         expected_version: int | None = None,
+        prompt_tokens: int = 0,
     ) -> WriteJob | None:
         """Queue the sequence's new full blocks, its tail, the reply's ids (and the session) for the
-        background writer; never waits. Returns the job (await it with `settle`), None if not queued."""
+        background writer; never waits. Returns the job (await it with `settle`), None if not queued.
+        `prompt_tokens`: the sequence's first `prompt_tokens` were the prompt, whose own tail (the tokens after its
+        last full block) is written too, first: a next turn that re-renders the reply otherwise than its generated
+        ids then still reuses the whole prompt, as a llama-server that kept the conversation does."""
         if self.writer is None or self.store is None:
             return None
         b = self.block_tokens
         hashes = self.hashes(tenant_salt, gen.seq_ids)
         full = len(hashes)
+        ends = prompt_tokens // b
+        if ends < full and prompt_tokens % b and gen.kv_from <= ends * b and prompt_tokens <= len(gen.seq_ids):
+            parent = hashes[ends - 1] if ends else self.root(tenant_salt)
+            self.writer.submit(WriteJob(model=self.model_key, hashes=[], kv=gen.kv, first_block=ends, block_tokens=b,
+                                        kv_from=gen.kv_from, tail_key=self.store.keys.tail(self.model_key, parent),
+                                        tail_tokens=list(gen.seq_ids[ends * b:prompt_tokens]), tail_from=ends * b))
         tail_tokens = gen.seq_ids[full * b:]
         parent = hashes[-1] if full else self.root(tenant_salt)
         keys = self.store.keys
