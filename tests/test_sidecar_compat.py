@@ -42,8 +42,9 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength
                                            "country": {"type": "string", "maxLength": 12}},
           "required": ["city", "country"], "additionalProperties": False}
 CAPITAL = [SYSTEM, {"role": "user", "content": "Give the capital of France as JSON."}]
+PNG = "data:image/png;base64,iVBORw0KGgo="
 IMAGE = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
-                                      {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]
+                                      {"type": "image_url", "image_url": {"url": PNG}}]}]
 CHAT, TEXT, NATIVE = "/v1/chat/completions", "/v1/completions", "/completion"
 GREEDY = {"temperature": 0, "max_tokens": 16}
 
