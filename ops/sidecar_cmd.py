@@ -21,6 +21,9 @@ Two ways to run it:
   kvstash sidecar --spawn --model smollm2 --parallel 4 -- [llama-server arguments]
       starts llama-server itself (built by `make setup`) and restarts it if it dies.
 The port opens (and GET /healthz answers) once llama-server is up and has passed a save/restore probe.
+Every llama-server route passes through unchanged (docs/sidecar.md); completions share KV through Redis.
+A llama-server started with --api-key: set KVSTASH_UPSTREAM_API_KEY to that key (with --spawn, llama-server is
+started with it).
 """
 
 
@@ -51,7 +54,7 @@ def register(sub: Any) -> None:
     p.set_defaults(func=run, engine="llama-server", device=None)
 
 
-def start_engine(args: argparse.Namespace, codec: str = "", flash_attn: str = "auto") -> Any:
+def start_engine(args: argparse.Namespace, codec: str = "", flash_attn: str = "auto", api_key: str = "") -> Any:
     """The llama-server engine: spawned here (with the KV cache type a pod of `codec` stores: `kv_cache_type`, and
     `-fa flash_attn` unless auto or given after --), or in front of --upstream (probed either way)."""
     from cachestore.errors import ConfigError  # noqa: PLC0415
@@ -68,14 +71,15 @@ def start_engine(args: argparse.Namespace, codec: str = "", flash_attn: str = "a
             model, Path(args.slot_dir) if args.slot_dir else None, parallel=args.parallel or 4,
             threads=args.threads or 0, ctx_per_slot=args.ctx_per_slot,
             binary=Path(args.llama_server) if args.llama_server else None, extra_args=extra,
-            reuse_slots=not args.no_cache, kv_type=kv_cache_type(codec), flash_attn=flash_attn,
+            reuse_slots=not args.no_cache, kv_type=kv_cache_type(codec), flash_attn=flash_attn, api_key=api_key,
         )
     if extra or flash_attn != "auto":
         raise ConfigError("arguments after -- and KVSTASH_FLASH_ATTN go to a spawned llama-server; with --upstream, "
                           "give them to yours")
     if not args.slot_dir:
         raise ConfigError("--upstream needs --slot-dir: the directory of llama-server's --slot-save-path")
-    return LlamaServerEngine(args.upstream, Path(args.slot_dir), model, reuse_slots=not args.no_cache)
+    return LlamaServerEngine(args.upstream, Path(args.slot_dir), model, reuse_slots=not args.no_cache,
+                             api_key=api_key)
 
 
 class SidecarCollector:
@@ -96,23 +100,34 @@ class SidecarCollector:
         process = self._engine.process
         events.add_metric(["restarts"], float(process.restarts if process else 0))
         yield events
+        bypassed = CounterMetricFamily("kvstash_sidecar_bypassed", "Completions sent to llama-server past the cache, "
+                                       "by reason (media, prompts, global-lora, lora, length, ...)", labels=["reason"])
+        for reason, count in sorted(stats.bypassed.items()):
+            bypassed.add_metric([reason], float(count))
+        yield bypassed
         tokens = CounterMetricFamily("kvstash_sidecar_restored_tokens", "Tokens restored into llama-server slots")
         tokens.add_metric([], float(stats.restored_tokens))
         yield tokens
 
 
 def sidecar_app(settings: Any, engine: Any) -> Any:
-    """`kvstash serve`'s app around `engine`, with the sidecar's counters on its /metrics."""
+    """The pod's app around `engine`, llama-server's API passed through (service.passthrough), with the sidecar's
+    counters on its /metrics."""
     from service.app import create_app  # noqa: PLC0415
+    from service.passthrough import Passthrough  # noqa: PLC0415
 
-    app = create_app(settings, engine)
+    side = Passthrough(engine)
+    app = create_app(settings, engine, api_routes=side.routes())
     inner = app.router.lifespan_context
 
     @contextlib.asynccontextmanager
     async def lifespan(a: Any) -> AsyncIterator[None]:
         async with inner(a):
             a.state.pod.metrics.registry.register(SidecarCollector(engine))
-            yield
+            try:
+                yield
+            finally:
+                await side.aclose()
 
     app.router.lifespan_context = lifespan
     return app
@@ -138,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         if warning:
             print(f"kvstash: warning: {warning}", file=sys.stderr)
     # the port opens only after llama-server is up and probed
-    engine = start_engine(args, settings.codec, settings.flash_attn)
+    engine = start_engine(args, settings.codec, settings.flash_attn, settings.upstream_api_key)
     try:
         CodecSpec.parse(settings.codec).check_model(engine.geometry.num_layers, engine.geometry.head_dim)
         settings = settings.with_overrides(parallel=engine.parallel)

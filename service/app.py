@@ -15,7 +15,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from cachestore.blockcodec import BlockCodecs
 from cachestore.errors import KvstashError
@@ -128,8 +128,10 @@ def _as_engine(model: Engine | LoadedModel) -> Engine:
     return model
 
 
-def create_app(settings: PodSettings, engine: Engine | LoadedModel | None = None) -> Starlette:
-    """The app; `engine` lets tests and benchmarks share one loaded model between several apps."""
+def create_app(settings: PodSettings, engine: Engine | LoadedModel | None = None,
+               api_routes: list[BaseRoute] | None = None) -> Starlette:
+    """The app; `engine` lets tests and benchmarks share one loaded model between several apps. `api_routes` replace
+    kvstash's completions and model list (the sidecar passes llama-server's API through: service.passthrough)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -167,15 +169,17 @@ def create_app(settings: PodSettings, engine: Engine | LoadedModel | None = None
         Route("/readyz", health.readyz, methods=["GET"]),
         Route("/metrics", health.metrics, methods=["GET"]),
         Route("/openapi.json", openapi.openapi_json, methods=["GET"]),
-        Route("/v1/models", completions.list_models, methods=["GET"]),
-        Route("/v1/chat/completions", completions.chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions.completions, methods=["POST"]),
         Route("/v1/sessions", sessions_api.create_session, methods=["POST"]),
         Route("/v1/sessions", sessions_api.list_sessions, methods=["GET"]),
         Route("/v1/sessions/{session_id}", sessions_api.get_session, methods=["GET"]),
         Route("/v1/sessions/{session_id}", sessions_api.delete_session, methods=["DELETE"]),
         Route("/v1/sessions/{session_id}/messages", sessions_api.add_messages, methods=["POST"]),
         Route("/v1/sessions/{session_id}/fork", sessions_api.fork_session, methods=["POST"]),
+    ]
+    routes += api_routes if api_routes is not None else [
+        Route("/v1/models", completions.list_models, methods=["GET"]),
+        Route("/v1/chat/completions", completions.chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions.completions, methods=["POST"]),
     ]
     app = Starlette(
         routes=routes,

@@ -603,13 +603,23 @@ class Pipeline:
         params: GenParams,
         on_text: Callable[[str], None] | None = None,
     ) -> Generation:
-        loop = asyncio.get_running_loop()
-        early = self._early_writer(loop, prompt_ids, view)
-        # the blocks this hit read are in Redis: the write-back needs the KV from the first block after them (the
-        # sticky baseline keeps the whole sequence in memory)
-        keep_from = 0 if self.memory is not None else view.hit_blocks * self.block_tokens
-        work = loop.run_in_executor(self._executor, self.engine.generate, prompt_ids, view.kv, params, on_text,
-                                    early, view.ready, keep_from)
+        early = self._early_writer(asyncio.get_running_loop(), prompt_ids, view)
+        gen = await self.in_engine(view, self.engine.generate, prompt_ids, view.kv, params, on_text, early, view.ready,
+                                   self.keep_from(view))
+        self.metrics.ttft.labels(view.status).observe(gen.ttft_s)
+        if self.memory is not None and view.salt is not None:
+            self._remember(view, gen)
+        return gen
+
+    def keep_from(self, view: CacheView) -> int:
+        """The first token whose KV a write-back after `view` needs: the blocks this hit read are in Redis (the
+        sticky baseline keeps the whole sequence in memory)."""
+        return 0 if self.memory is not None else view.hit_blocks * self.block_tokens
+
+    async def in_engine(self, view: CacheView, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the engine's threads (where it may read `view`'s KV), then `view`'s pooled buffers back to
+        their pools once it and the rehydration are done, even if the caller is cancelled meanwhile."""
+        work = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
         if view.buffer is not None:  # back to the pool once the inference and the rehydration threads are done
             buffer, view.buffer = view.buffer, None  # with it, even if this request is cancelled meanwhile
             stage, view.landing = view.landing, None
@@ -627,11 +637,7 @@ class Pipeline:
                     give_all()
 
             work.add_done_callback(give)
-        gen = await work
-        self.metrics.ttft.labels(view.status).observe(gen.ttft_s)
-        if self.memory is not None and view.salt is not None:
-            self._remember(view, gen)
-        return gen
+        return await work
 
     def _early_writer(
         self, loop: asyncio.AbstractEventLoop, prompt_ids: list[int], view: CacheView
@@ -684,14 +690,24 @@ class Pipeline:
         view: CacheView,
         session: SessionRecord | None = None,
         expected_version: int | None = None,
+        prompt_tokens: int = 0,
     ) -> WriteJob | None:
         """Queue the sequence's new full blocks, its tail, the reply's ids (and the session) for the
-        background writer; never waits. Returns the job (await it with `settle`), None if not queued."""
+        background writer; never waits. Returns the job (await it with `settle`), None if not queued.
+        `prompt_tokens`: the sequence's first `prompt_tokens` were the prompt, whose own tail (the tokens after its
+        last full block) is written too, first: a next turn that re-renders the reply otherwise than its generated
+        ids then still reuses the whole prompt, as a llama-server that kept the conversation does."""
         if self.writer is None or self.store is None:
             return None
         b = self.block_tokens
         hashes = self.hashes(tenant_salt, gen.seq_ids)
         full = len(hashes)
+        ends = prompt_tokens // b
+        if ends < full and prompt_tokens % b and gen.kv_from <= ends * b and prompt_tokens <= len(gen.seq_ids):
+            parent = hashes[ends - 1] if ends else self.root(tenant_salt)
+            self.writer.submit(WriteJob(model=self.model_key, hashes=[], kv=gen.kv, first_block=ends, block_tokens=b,
+                                        kv_from=gen.kv_from, tail_key=self.store.keys.tail(self.model_key, parent),
+                                        tail_tokens=list(gen.seq_ids[ends * b:prompt_tokens]), tail_from=ends * b))
         tail_tokens = gen.seq_ids[full * b:]
         parent = hashes[-1] if full else self.root(tenant_salt)
         keys = self.store.keys

@@ -57,6 +57,7 @@ class PodSettings:
     frame_key_previous: str = field(default="", repr=False)  # also accepted when reading: a key rotation
     tenant_quota_bytes: int = 0  # bytes each tenant may hold in the namespace (0: only the namespace budget)
     tenant_quotas: Mapping[str, int] = field(default_factory=dict)  # tenant -> bytes, over tenant_quota_bytes
+    upstream_api_key: str = field(default="", repr=False)  # the sidecar's key to llama-server (its --api-key)
     pod_name: str = ""
     cache_dir: str = ""  # where converted models live (KVSTASH_CACHE_DIR); "" = ~/.cache/kvstash/models
 
@@ -104,6 +105,7 @@ class PodSettings:
         shown["tenant_secret"] = "***" if self.tenant_secret else ""
         shown["frame_key"] = "***" if self.frame_key else ""
         shown["frame_key_previous"] = "***" if self.frame_key_previous else ""
+        shown["upstream_api_key"] = "***" if self.upstream_api_key else ""
         return "PodSettings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
 
     @property
@@ -176,6 +178,7 @@ _ENV_CASTS: dict[str, Any] = {
     "body_timeout_s": float,
     "max_tokens_limit": int, "default_max_tokens": int, "tenant_secret": str, "pod_name": str, "cache_dir": str,
     "frame_key": str, "frame_key_previous": str, "tenant_quota_bytes": parse_size,
+    "upstream_api_key": str,
 }
 
 

@@ -66,6 +66,7 @@ class SidecarStats:
     save_failures: int = 0  # slot not saved or its file unreadable: nothing written back
     restore_s: float = 0.0
     save_s: float = 0.0
+    bypassed: dict[str, int] = field(default_factory=dict)  # requests sent past the cache, by reason
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -98,21 +99,32 @@ class LlamaServerEngine(LendsStates):
 
     def __init__(
         self, upstream: str, slot_dir: Path, model: str, *, reuse_slots: bool = True,
-        process: LlamaServerProcess | None = None,
+        process: LlamaServerProcess | None = None, api_key: str = "",
     ) -> None:
         self.url = upstream.rstrip("/")
+        # llama-server's --api-key: the sidecar's own calls (props, tokenize, slots) present it
+        self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.slot_dir = Path(slot_dir)
         self.process = process
         self.owns_slot_dir = False
         self.reuse_slots = reuse_slots  # False (--no-cache): every request prefills, as a baseline
         self.path = resolve_gguf(model)
         self.name = model if model == "smollm2" else self.path.stem
-        self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=5.0))
+        self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=5.0),
+                                  headers=self.auth)
         try:
             props = self._json("GET", "/props")
+            if props.get("role") == "router":
+                raise UpstreamError("it runs in router mode (several models); a sidecar fronts a llama-server of "
+                                    "one model: run one llama-server and one sidecar per model")
+            # adapters loaded with --lora: their scales are part of a request's KV (docs/sidecar.md, "Identity")
+            self.adapters = [(int(a.get("id", i)), str(a.get("path", ""))) for i, a in
+                             enumerate(self._json_list("GET", "/lora-adapters"))]
         except (httpx.HTTPError, UpstreamError) as exc:
             self._http.close()
-            raise ConfigError(f"llama-server at {self.url} does not answer /props: {exc}") from None
+            hint = " (started with --api-key? give the sidecar --upstream-api-key)" if "401" in str(exc) else ""
+            raise ConfigError(f"llama-server at {self.url}: {exc}{hint}") from None
+        self.multimodal = bool(props.get("modalities", {}).get("vision") or props.get("modalities", {}).get("audio"))
         self.parallel = int(props.get("total_slots") or 1)
         n_ctx = int(props.get("default_generation_settings", {}).get("n_ctx") or 0)
         self.geometry = gguf_geometry(self.path, n_ctx)
@@ -137,13 +149,14 @@ class LlamaServerEngine(LendsStates):
     def spawn(
         cls, model: str, slot_dir: Path | None = None, *, parallel: int = 4, threads: int = 0, ctx_per_slot: int = 8192,
         binary: Path | None = None, extra_args: Sequence[str] = (), reuse_slots: bool = True, kv_type: str = "f16",
-        flash_attn: str = "auto",
+        flash_attn: str = "auto", api_key: str = "",
     ) -> LlamaServerEngine:
         """Start (and supervise) a llama-server of `parallel` slots, then the engine in front of it. Without
         `slot_dir`, slots are saved in a fresh directory (in shared memory where there is one), removed on close.
         `kv_type` "q8_0" runs its KV cache as q8_0 (`--cache-type-k/v q8_0 -fa on`, what a sidecar of codec q8 stores
         as it is: `service.engines.kv_cache_type`), unless `extra_args` name a cache type of their own. `flash_attn`
-        other than "auto" is passed as `-fa`, unless `extra_args` name it."""
+        other than "auto" is passed as `-fa`, unless `extra_args` name it. `api_key`: llama-server is started with
+        it (`--api-key-file`), and the engine presents it."""
         llamastate.check_kv_type(kv_type)
         check_flash_attn(flash_attn, kv_type)
         if kv_type != "f16" and not any(a.startswith("--cache-type") or a in ("-ctk", "-ctv") for a in extra_args):
@@ -156,10 +169,10 @@ class LlamaServerEngine(LendsStates):
             slot_dir = Path(tempfile.mkdtemp(prefix="kvstash-slots-", dir=shm if shm.is_dir() else None))
         slot_dir.mkdir(parents=True, exist_ok=True)
         proc = LlamaServerProcess(resolve_gguf(model), slot_dir, parallel=parallel, ctx_per_slot=ctx_per_slot,
-                                  threads=threads, binary=binary, extra_args=extra_args)
+                                  threads=threads, binary=binary, extra_args=extra_args, api_key=api_key)
         proc.start()
         try:
-            engine = cls(proc.url, slot_dir, model, reuse_slots=reuse_slots, process=proc)
+            engine = cls(proc.url, slot_dir, model, reuse_slots=reuse_slots, process=proc, api_key=api_key)
         except BaseException:
             proc.stop()
             if owned:
@@ -194,6 +207,13 @@ class LlamaServerEngine(LendsStates):
             raise UpstreamError(f"llama-server {method} {path}: HTTP {r.status_code} {r.text[:200]}")
         out: dict[str, Any] = r.json()
         return out
+
+    def _json_list(self, method: str, path: str) -> list[dict[str, Any]]:
+        r = self._http.request(method, path)
+        if r.status_code != 200:
+            raise UpstreamError(f"llama-server {method} {path}: HTTP {r.status_code} {r.text[:200]}")
+        out = r.json()
+        return [a for a in out if isinstance(a, dict)] if isinstance(out, list) else []
 
     def _tokenize(self, text: str, *, special: bool, add_special: bool = False) -> list[int]:
         body = {"content": text, "add_special": add_special, "parse_special": special}
@@ -260,8 +280,11 @@ class LlamaServerEngine(LendsStates):
         return str(self._json("POST", "/detokenize", {"tokens": [int(i) for i in ids]})["content"])
 
     # -- slots -----------------------------------------------------------------------------------
-    def _acquire(self, prompt: list[int]) -> _Slot:
-        """The free slot sharing the longest prefix with `prompt` (least recently used on a tie)."""
+    def _acquire(self, prompt: list[int], count: int = 1) -> list[_Slot]:
+        """`count` free slots, all at once: first the one sharing the longest prefix with `prompt` (least recently
+        used on a tie), then the least recently used others (llama-server decodes a request's other choices of `n`
+        there)."""
+        count = max(1, min(count, len(self._slots)))
         with self._cond:
             if self.process is not None and self.process.restarts != self._restarts_seen:
                 self._restarts_seen = self.process.restarts  # a restarted llama-server holds nothing
@@ -269,10 +292,12 @@ class LlamaServerEngine(LendsStates):
                     s.tokens = []
             while True:
                 free = [s for s in self._slots if not s.busy]
-                if free:
+                if len(free) >= count:
                     best = max(free, key=lambda s: (common_prefix(s.tokens, prompt), -s.last_used))
-                    best.busy = True
-                    return best
+                    others = sorted((s for s in free if s is not best), key=lambda s: s.last_used)[: count - 1]
+                    for s in (best, *others):
+                        s.busy = True
+                    return [best, *others]
                 self._cond.wait()
 
     def _distrust_slots(self) -> None:
@@ -285,7 +310,7 @@ class LlamaServerEngine(LendsStates):
     def _release(self, slot: _Slot, tokens: list[int]) -> None:
         with self._cond:
             slot.tokens, slot.busy, slot.last_used = tokens, False, time.monotonic()
-            self._cond.notify()
+            self._cond.notify_all()
 
     def _erase(self, slot: int) -> None:
         try:
@@ -361,6 +386,52 @@ class LlamaServerEngine(LendsStates):
         if self.owns_slot_dir:
             shutil.rmtree(self.slot_dir, ignore_errors=True)
 
+    # -- a request's slot: lease, then finish -----------------------------------------------------------
+    def lease(self, prompt_ids: Sequence[int], cached_kv: torch.Tensor | None, kv_ready: LayerGate | None = None,
+              slots: int = 1) -> SlotLease:
+        """A slot for a request of `prompt_ids` (and `slots - 1` more held for its other choices), holding the
+        prompt's first tokens: what the slot kept of an earlier request, or `cached_kv` [layers, 2, kv_heads, cached,
+        head_dim] restored into it when that is longer. Blocks until enough slots are free; pass the lease to
+        `finish` (or `abandon`) exactly once."""
+        prompt = [int(i) for i in prompt_ids]
+        cached = min(int(cached_kv.shape[3]), len(prompt) - 1) if cached_kv is not None else 0
+        taken = self._acquire(prompt, slots)
+        slot = taken[0]
+        try:
+            have = common_prefix(slot.tokens, prompt) if self.reuse_slots else 0
+            if cached > have and cached_kv is not None:
+                if kv_ready is not None:
+                    kv_ready.wait_all()  # a slot file is written whole: every layer first
+                have = cached if self._restore(slot, prompt[:cached], cached_kv[:, :, :, :cached]) else 0
+        except BaseException:
+            for s in taken:
+                self._release(s, [])
+            raise
+        return SlotLease(slot.id, taken, prompt, min(have, len(prompt) - 1))
+
+    def finish(self, lease: SlotLease, reused: int, keep_from: int = 0, save: bool = True) -> slotfile.SlotFile | None:
+        """After the request: check with llama-server's `timings.cache_n` (`reused`) that it reused what the slot
+        held (a shortfall is counted and cost a prefill), save the slot and read its tokens and their KV from token
+        `keep_from` on (None when it could not be saved or does not begin with the prompt, or `save` is false), and give
+        the slots back."""
+        if reused < lease.expected:
+            self.stats.reuse_misses += 1
+            log.warning("slot %d: llama-server reused %d of %d expected tokens", lease.slot, reused, lease.expected)
+            self._distrust_slots()  # a restarted llama-server emptied every slot, not only this one
+        saved: slotfile.SlotFile | None = None
+        try:
+            saved = self._save(lease.slots[0], lease.prompt, keep_from) if save else None
+        finally:
+            self._release(lease.slots[0], saved.tokens if saved is not None else [])
+            for s in lease.slots[1:]:
+                self._release(s, [])  # llama-server empties the slots of a request's other choices
+        return saved
+
+    def abandon(self, lease: SlotLease) -> None:
+        """Give a lease's slots back when its request failed or was cancelled: what they hold is unknown."""
+        for s in lease.slots:
+            self._release(s, [])
+
     # -- generation ------------------------------------------------------------------------------
     def generate(
         self,
@@ -380,33 +451,18 @@ class LlamaServerEngine(LendsStates):
         if len(prompt) >= self.geometry.max_context:
             raise ValueError(f"the prompt has {len(prompt)} tokens; the context is {self.geometry.max_context}")
         started = time.perf_counter()
-        cached = min(int(cached_kv.shape[3]), len(prompt) - 1) if cached_kv is not None else 0
-        slot = self._acquire(prompt)
-        held: list[int] = []
-        saved: slotfile.SlotFile | None = None
+        lease = self.lease(prompt, cached_kv, kv_ready)
         try:
-            have = common_prefix(slot.tokens, prompt) if self.reuse_slots else 0
-            if cached > have and cached_kv is not None:
-                if kv_ready is not None:
-                    kv_ready.wait_all()  # a slot file is written whole: every layer first
-                have = cached if self._restore(slot, prompt[:cached], cached_kv[:, :, :, :cached]) else 0
-            expected = min(have, len(prompt) - 1)
-            reply = self._complete(slot.id, prompt, params, on_text, started)
-            reused = int(reply.timings.get("cache_n", 0))
-            if reused < expected:
-                self.stats.reuse_misses += 1
-                log.warning("slot %d: llama-server reused %d of %d expected tokens", slot.id, reused, expected)
-                self._distrust_slots()  # a restarted llama-server emptied every slot, not only this one
-            saved = self._save(slot, prompt, keep_from)
-            if saved is not None:
-                held = saved.tokens
-        finally:
-            self._release(slot, held)
+            reply = self._complete(lease.slot, prompt, params, on_text, started)
+        except BaseException:
+            self.abandon(lease)
+            raise
+        reused = int(reply.timings.get("cache_n", 0))
+        saved = self.finish(lease, reused, keep_from)
         kv_from = 0
         if saved is None:  # no KV to write back: an empty sequence writes nothing
             seq_ids: list[int] = []
-            kv = torch.empty((self.geometry.num_layers, 2, self.geometry.kv_heads, 0, self.geometry.head_dim),
-                             dtype=torch.float16)
+            kv = self.no_kv()
         else:
             seq_ids, kv, kv_from = saved.tokens, saved.kv, saved.kv_from
         return Generation(
@@ -415,6 +471,11 @@ class LlamaServerEngine(LendsStates):
             kv=kv, reply_ids=reply_ids(reply.tokens, reply.stop_type == "eos", reply.stop_type == "word"),
             kv_from=kv_from,
         )
+
+    def no_kv(self) -> torch.Tensor:
+        """The KV of an empty sequence [layers, 2, kv_heads, 0, head_dim]: what a request that saved nothing writes."""
+        g = self.geometry
+        return torch.empty((g.num_layers, 2, g.kv_heads, 0, g.head_dim), dtype=torch.float16)
 
     def _complete(
         self, slot: int, prompt: list[int], params: GenParams, on_text: Callable[[str], None] | None,
@@ -449,6 +510,16 @@ class LlamaServerEngine(LendsStates):
                     reply.stop_type = str(event.get("stop_type") or "")
                     reply.finish = "length" if reply.stop_type == "limit" else "stop"
         return reply
+
+
+@dataclass(frozen=True)
+class SlotLease:
+    """Slots held for one request: `slot` (= slots[0].id) serves it, holding `expected` tokens of `prompt`."""
+
+    slot: int
+    slots: list[_Slot]
+    prompt: list[int]
+    expected: int
 
 
 @dataclass

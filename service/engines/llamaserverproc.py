@@ -9,9 +9,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -64,6 +66,7 @@ class LlamaServerProcess:
     def __init__(
         self, model: Path, slot_dir: Path, *, parallel: int, ctx_per_slot: int, threads: int = 0,
         binary: Path | None = None, port: int = 0, extra_args: Sequence[str] = (), log_path: Path | None = None,
+        api_key: str = "",
     ) -> None:
         self.binary = binary or DEFAULT_BINARY
         if not self.binary.is_file():
@@ -80,6 +83,13 @@ class LlamaServerProcess:
             # report AMX but do not grant it (seen here: exit -11 while loading); the same as the in-pod engine
             "--no-repack", *extra_args,
         ]
+        # --api-key: from a private file (never on a command line others can read), kept for restarts
+        self._key_dir = tempfile.mkdtemp(prefix="kvstash-llama-key-") if api_key else None
+        if self._key_dir is not None:
+            key_file = Path(self._key_dir) / "api-key"
+            key_file.write_text(api_key + "\n")
+            key_file.chmod(0o600)
+            self.args += ["--api-key-file", str(key_file)]
         self.log_path = log_path or slot_dir / "llama-server.log"
         self.restarts = 0
         self._proc: subprocess.Popen[bytes] | None = None
@@ -127,3 +137,5 @@ class LlamaServerProcess:
                 proc.wait()
         if self._watcher is not None:
             self._watcher.join(timeout=5)
+        if self._key_dir is not None:
+            shutil.rmtree(self._key_dir, ignore_errors=True)
