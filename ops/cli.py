@@ -21,6 +21,7 @@ BENCHES = [
     "ops.bench.resume",
     "ops.bench.quality",
     "ops.bench.load",
+    "ops.bench.fleet",
 ]
 
 

@@ -199,7 +199,7 @@ def _scrape(urls: list[str]) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def _pods(
+def fleet_pods(
     args: argparse.Namespace, redis_url: str, kind: str, namespace: str, parallel: int
 ) -> Iterator[tuple[list[Any], Any]]:
     """The run's pods and nginx: kvstash pods (Redis) or cache-off pods behind a round robin, or pods keeping KV
@@ -237,7 +237,7 @@ def _pods(
             pod.cleanup()
 
 
-def _router(kind: str, pods: list[Any], balancer: Any) -> Router:
+def router_for(kind: str, pods: list[Any], balancer: Any) -> Router:
     if balancer is not None:
         return ViaBalancer(str(balancer.url), "nginx (hash $http_x_session_id consistent)" if kind == "sticky"
                            else "nginx (round robin)")
@@ -270,8 +270,8 @@ def _one_run(
     cache = kind == "kvstash"
     namespace = f"load-cache-p{parallel}" if cache else f"load-{kind}"
     label = RUN_LABELS[kind] + (f", parallel {parallel}" if args.engine != "hf" else "")
-    with _pods(args, redis_url, kind, namespace, parallel) as (pods, balancer):
-        router = _router(kind, pods, balancer)
+    with fleet_pods(args, redis_url, kind, namespace, parallel) as (pods, balancer):
+        router = router_for(kind, pods, balancer)
         print(f"[{label}] {len(pods)} pods ready; {router.name}; {args.sessions} sessions x {args.turns} turns"
               + (" (skewed)" if args.skew else ""), flush=True)
         rows, wall, restart = _drive(args, kind, pods, router)

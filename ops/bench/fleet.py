@@ -1,0 +1,271 @@
+"""`kvstash bench fleet`: many users' multi-round chats through the balancer, and the arrival rate each fleet keeps
+up with (its knee): kvstash (round robin, KV in Redis), no cache, and sticky sessions (nginx `hash $session
+consistent`, KV in each pod's memory), the same pods each time.
+
+The sweep runs the workload (ops/bench/fleetload.py) at each rate of `--rates` on each fleet. A fleet keeps up with
+a rate when every turn that arrived was answered, none failed, and TTFT p90 (from the arrival, so a queue counts)
+stays within 2x its value at the lowest rate; its knee is the highest rate it and every lower one kept up with.
+The bound on the gain comes from the same run's unloaded timings: one user's turns sent one at a time to the
+kvstash fleet, (prefill + decode) / (hit + decode). `--budget-ratios` replays the workload with the working set
+at each multiple of the byte budget (LRU under pressure); `--miss-overhead` runs a workload with no reuse with
+kvstash on and off. Pods get their share of the cores (threads = cores / pods).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+from typing import Any
+
+from ops.bench import fleetload
+from ops.bench.common import machine, plot_lines, print_table, write_json
+
+FLEETS = ("kvstash", "off", "sticky")
+MIN_BUDGET_MB = 8  # a budget holds at least one value of the largest size (cachestore max_value_bytes)
+LABELS = {"kvstash": "kvstash", "off": "no cache", "sticky": "sticky sessions"}
+COLUMNS = [("fleet", "fleet", ""), ("rate", "rate/s", ".3g"), ("arrivals", "n", "d"), ("ok", "ok", "d"),
+           ("failed", "failed", "d"), ("ttft_ms_p50", "TTFT p50", ".0f"), ("ttft_ms_p90", "p90", ".0f"),
+           ("ttft_ms_p99", "p99", ".0f"), ("itl_ms_p50", "ITL p50", ".1f"),
+           ("completion_tokens_per_s", "out tok/s", ".1f"), ("prompt_tokens_per_s", "in tok/s", ".0f"),
+           ("hit_rate", "hit", ".2f"), ("keeps_up", "keeps up", "")]
+
+
+def register(bench_subparsers: Any) -> None:
+    p = bench_subparsers.add_parser("fleet", help="N users' chats at swept arrival rates through the balancer: "
+                                    "the knee of kvstash, no cache and sticky sessions")
+    p.add_argument("--engine", default="llamacpp", choices=["hf", "llamacpp"], help="model runtime of the pods")
+    p.add_argument("--model", default="smollm2", help="model the pods serve (default smollm2)")
+    p.add_argument("--codec", default="int8", help="codec of the cached blocks (default int8)")
+    p.add_argument("--pods", type=int, default=2, help="pods behind the balancer (default 2)")
+    p.add_argument("--threads-per-pod", type=int, default=0, help="threads per pod (default: cores / pods, >= 1)")
+    p.add_argument("--parallel", type=int, default=4, help="llamacpp: sequences a pod decodes together")
+    p.add_argument("--redis-url", help="an existing Redis (default: a private redis-server on a free port)")
+    p.add_argument("--budget-mb", type=int, default=512, help="byte budget of the namespace, MiB (default 512)")
+    p.add_argument("--users", type=int, default=4, help="users chatting at once (default 4)")
+    p.add_argument("--system-tokens", type=int, default=300, help="system prompt, tokens (default ~300)")
+    p.add_argument("--history-tokens", type=int, default=1200, help="history before the first turn (default ~1200)")
+    p.add_argument("--query-tokens", type=int, default=30, help="question per turn, tokens (default ~30)")
+    p.add_argument("--max-tokens", type=int, default=32, help="reply tokens per turn (default 32)")
+    p.add_argument("--per-user-system", action="store_true", help="a system prompt per user (default: shared)")
+    p.add_argument("--rates", default="0.1,0.2,0.4,0.8", help="arrival rates to sweep, turns/s, comma-separated")
+    p.add_argument("--duration-s", type=float, default=60.0, help="arrivals per rate run last this long")
+    p.add_argument("--drain-s", type=float, default=60.0, help="after the last arrival, wait this long at most")
+    p.add_argument("--fleets", default=",".join(FLEETS), help=f"fleets to run, of {', '.join(FLEETS)}")
+    p.add_argument("--budget-ratios", default="",
+                   help="kvstash only: also replay the workload at the lowest rate with the working set at these "
+                        "multiples of the budget (e.g. 2,1,0.5,0.25)")
+    p.add_argument("--miss-overhead", action="store_true",
+                   help="also run a workload with no reuse at the lowest rate, kvstash on against off")
+    p.add_argument("--seed", type=int, default=35, help="seed of the arrival times")
+    p.add_argument("--json", type=Path, help="write the summary and every request as JSON here")
+    p.add_argument("--plot", type=Path, help="TTFT p90 against the arrival rate, a line per fleet (PNG); with "
+                   "--budget-ratios also <stem>-budget.png")
+    p.set_defaults(func=run)
+
+
+def _floats(text: str, name: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"{name} takes comma-separated numbers, not {text!r}") from None
+    if any(v <= 0 for v in values):
+        raise SystemExit(f"{name} takes positive numbers")
+    return values
+
+
+def _workload(args: argparse.Namespace, reuse: bool = True) -> fleetload.Workload:
+    return fleetload.Workload(args.users, args.system_tokens, args.history_tokens, args.query_tokens, args.max_tokens,
+                              shared_system=not args.per_user_system and reuse, reuse=reuse)
+
+
+def _pod_args(args: argparse.Namespace, budget_mb: int) -> argparse.Namespace:
+    """What ops/bench/load.py's fleet_pods reads, for this bench."""
+    return argparse.Namespace(threads_per_pod=args.threads_per_pod, pods=args.pods, codec=args.codec,
+                              sessions=max(args.users, 8) * 2, budget_mb=budget_mb, engine=args.engine,
+                              memory_kv_mb=budget_mb, model=args.model)
+
+
+class _Fleet:
+    """One fleet's pods behind nginx, started for a list of runs and stopped after them."""
+
+    def __init__(self, args: argparse.Namespace, redis_url: str, kind: str, namespace: str, budget_mb: int) -> None:
+        from ops.bench.load import fleet_pods  # noqa: PLC0415
+
+        self.kind, self.namespace = kind, namespace
+        self._cm = fleet_pods(_pod_args(args, budget_mb), redis_url, kind, namespace,
+                              args.parallel if args.engine == "llamacpp" else 1)
+
+    def __enter__(self) -> str:
+        pods, balancer = self._cm.__enter__()
+        if balancer is None:
+            self._cm.__exit__(None, None, None)
+            raise SystemExit("bench fleet runs through nginx: install it (apt-get install nginx-light)")
+        self.pod_urls = [p.url for p in pods]
+        return str(balancer.url)
+
+    def __exit__(self, *exc: object) -> None:
+        self._cm.__exit__(*exc)
+
+
+def _calibrate(args: argparse.Namespace, url: str) -> dict[str, Any]:
+    """One user's first turns sent one at a time to an idle kvstash fleet: a miss (prefill), then hits."""
+    import time  # noqa: PLC0415
+
+    wl = _workload(args)
+    user = fleetload.ChatUser(fleetload.Workload(1, wl.system_tokens, wl.history_tokens, wl.query_tokens,
+                                                 wl.max_tokens, shared_system=False), "calibrate", 0)
+    start = time.monotonic()
+    rows = [fleetload.send_turn(user, args.model_name, url, 0.0, time.monotonic(), start + 900, False, seq)
+            for seq in range(4)]
+    ok = [r for r in rows if r.get("status") == 200]
+    if len(ok) < 3:
+        raise SystemExit(f"calibration failed: {rows}")
+    prefill = ok[0]["service_ttft_ms"]
+    hits = [r["service_ttft_ms"] for r in ok[1:]]
+    decode = statistics.median(r["decode_ms"] for r in ok)
+    hit = statistics.median(hits)
+    return {"prefill_ms": prefill, "hit_ms": hit, "decode_ms": decode, "prompt_tokens": ok[0]["prompt_tokens"],
+            "bound": (prefill + decode) / (hit + decode), "turns": ok}
+
+
+def _keeps_up(runs: list[dict[str, Any]]) -> float:
+    """Mark each run's `keeps_up`; the knee: the highest rate that it and every lower rate kept up with (0 if none)."""
+    runs.sort(key=lambda r: r["rate"])
+    base = runs[0]["ttft_ms_p90"] if runs else 0.0
+    knee, ok_so_far = 0.0, True
+    for r in runs:
+        r["keeps_up"] = (r["ok"] == r["arrivals"] > 0 and r["failed"] == 0 and r["ttft_ms_p90"] <= 2 * base)
+        ok_so_far = ok_so_far and r["keeps_up"]
+        if ok_so_far:
+            knee = r["rate"]
+    return knee
+
+
+def _sweep(args: argparse.Namespace, redis_url: str, kind: str, rates: list[float],
+           requests: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    runs, calibration = [], None
+    with _Fleet(args, redis_url, kind, f"fleet-{kind}", args.budget_mb) as url:
+        if kind == "kvstash":
+            calibration = _calibrate(args, url)
+            print(f"[unloaded] prefill {calibration['prefill_ms']:.0f} ms, hit {calibration['hit_ms']:.0f} ms, "
+                  f"decode {calibration['decode_ms']:.0f} ms at {calibration['prompt_tokens']} tokens: bound "
+                  f"{calibration['bound']:.2f}x", flush=True)
+        for i, rate in enumerate(rates):
+            rows, _ = fleetload.drive(_workload(args), url, args.model_name, rate, args.duration_s,
+                                      tag=f"{kind}-{i}", seed=args.seed + i, sticky=kind == "sticky",
+                                      drain_s=args.drain_s)
+            run = {"fleet": LABELS[kind], "kind": kind, **fleetload.stats(rows, rate, args.duration_s)}
+            print(f"[{LABELS[kind]}] {rate:g}/s: {run['ok']}/{run['arrivals']} ok, {run['failed']} failed, "
+                  f"TTFT p90 {run['ttft_ms_p90']:.0f} ms, hit {run['hit_rate']:.2f}", flush=True)
+            runs.append(run)
+            requests += [{**r, "fleet": kind, "rate": rate} for r in rows]
+    return runs, calibration
+
+
+def _budget_pressure(args: argparse.Namespace, redis_url: str, rate: float, ratios: list[float],
+                     requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The workload at `rate` once with room for everything (its bytes are the working set), then with the budget
+    at working set / ratio for each ratio; each run on a fresh namespace."""
+    from cachestore.settings import StoreSettings  # noqa: PLC0415
+    from cachestore.syncstore import SyncBlockStore  # noqa: PLC0415
+
+    def one(label: str, budget_mb: int, n: int) -> dict[str, Any]:
+        namespace = f"fleet-budget-{n}"
+        with _Fleet(args, redis_url, "kvstash", namespace, budget_mb) as url:
+            rows, _ = fleetload.drive(_workload(args), url, args.model_name, rate, args.duration_s, tag="budget",
+                                      seed=args.seed, sticky=False, drain_s=args.drain_s)
+        settings = StoreSettings.from_url(redis_url, namespace=namespace, budget_bytes=budget_mb << 20)
+        with SyncBlockStore(settings) as store:
+            usage = store.usage()
+        requests.extend({**r, "fleet": "budget", "budget_mb": budget_mb} for r in rows)
+        run = {"fleet": label, "budget_mb": budget_mb, "bytes_held": usage.bytes_held,
+               **fleetload.stats(rows, rate, args.duration_s)}
+        print(f"[budget {label}] {budget_mb} MiB: hit {run['hit_rate']:.2f}, TTFT p50 {run['ttft_ms_p50']:.0f} ms",
+              flush=True)
+        return run
+
+    ample = one("no pressure", args.budget_mb, 0)
+    working_set = ample["bytes_held"]
+    ample["ratio"] = working_set / (args.budget_mb << 20)
+    runs = [ample]
+    for n, ratio in enumerate(ratios, 1):
+        budget_mb = max(MIN_BUDGET_MB, round(working_set / ratio / (1 << 20)))  # the ratio reported is the real one
+        run = one(f"working set {ratio:g}x budget", budget_mb, n)
+        run["ratio"] = working_set / (budget_mb << 20)
+        runs.append(run)
+    return runs
+
+
+def _miss_overhead(args: argparse.Namespace, redis_url: str, rate: float,
+                   requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    runs = []
+    for kind in ("kvstash", "off"):
+        with _Fleet(args, redis_url, kind, f"fleet-miss-{kind}", args.budget_mb) as url:
+            rows, _ = fleetload.drive(_workload(args, reuse=False), url, args.model_name, rate, args.duration_s,
+                                      tag=f"miss-{kind}", seed=args.seed, sticky=False, drain_s=args.drain_s)
+        requests += [{**r, "fleet": f"miss-{kind}", "rate": rate} for r in rows]
+        runs.append({"fleet": f"no reuse, {LABELS[kind]}", "kind": kind,
+                     **fleetload.stats(rows, rate, args.duration_s)})
+    on, off = runs
+    for key in ("ttft_ms_p50", "ttft_ms_p90", "completion_tokens_per_s"):
+        on[f"{key}_vs_off"] = on[key] / off[key] if off[key] else 0.0
+    return runs
+
+
+def run(args: argparse.Namespace) -> int:
+    from ops.bench import fleetreport  # noqa: PLC0415
+    from ops.redisproc import RedisProcess  # noqa: PLC0415
+
+    rates = sorted(_floats(args.rates, "--rates"))
+    ratios = _floats(args.budget_ratios, "--budget-ratios") if args.budget_ratios else []
+    fleets = [f.strip() for f in args.fleets.split(",") if f.strip()]
+    if not fleets or any(f not in FLEETS for f in fleets):
+        raise SystemExit(f"--fleets takes {', '.join(FLEETS)} (comma-separated)")
+    if args.users < 1 or args.pods < 1 or args.duration_s <= 0:
+        raise SystemExit("--users, --pods and --duration-s must be positive")
+    if args.redis_url and not args.redis_url.startswith(("redis://127.0.0.1", "redis://localhost")):
+        raise SystemExit("bench fleet sends traffic to 127.0.0.1 only: --redis-url must be a local Redis")
+    args.model_name = Path(args.model).stem if args.engine == "llamacpp" and args.model != "smollm2" else (
+        Path(args.model).name if "/" in args.model else args.model)
+    before = machine()
+    redis = None if args.redis_url else RedisProcess(extra_args=("--maxmemory", f"{2 * args.budget_mb + 256}mb",
+                                                                  "--maxmemory-policy", "allkeys-lru")).start()
+    redis_url = args.redis_url or redis.url  # type: ignore[union-attr]
+    requests: list[dict[str, Any]] = []
+    runs: list[dict[str, Any]] = []
+    knees: dict[str, float] = {}
+    calibration = None
+    budget: list[dict[str, Any]] = []
+    miss: list[dict[str, Any]] = []
+    try:
+        for kind in fleets:
+            fleet_runs, cal = _sweep(args, redis_url, kind, rates, requests)
+            knees[kind] = _keeps_up(fleet_runs)
+            runs += fleet_runs
+            calibration = calibration or cal
+        if ratios:
+            budget = _budget_pressure(args, redis_url, rates[0], ratios, requests)
+        if args.miss_overhead:
+            miss = _miss_overhead(args, redis_url, rates[0], requests)
+    finally:
+        if redis is not None:
+            redis.cleanup()
+    targets = fleetreport.targets(runs, knees, calibration)
+    print_table(runs, COLUMNS)
+    fleetreport.print_summary(knees, calibration, targets, budget, miss)
+    threads = args.threads_per_pod or max(1, (before["nproc"] or 1) // args.pods)
+    if args.json:
+        write_json(args.json, {"runs": runs, "knees": knees, "calibration": calibration, "targets": targets,
+                               "budget_pressure": budget, "miss_overhead": miss, "threads_per_pod": threads,
+                               "requests": requests, "machine_before": before, "machine_after": machine(),
+                               "args": {k: v for k, v in vars(args).items()
+                                        if k != "func" and not isinstance(v, Path)}})
+    if args.plot:
+        series = {LABELS[k]: ([r["rate"] for r in runs if r["kind"] == k],
+                              [r["ttft_ms_p90"] for r in runs if r["kind"] == k]) for k in fleets}
+        plot_lines(args.plot, series, title=f"TTFT p90 against arrival rate: {args.pods} {args.engine} pods, "
+                   f"{args.users} users", xlabel="turns arriving per second", ylabel="TTFT p90, ms", logy=True)
+        if budget:
+            fleetreport.plot_budget(args.plot.with_name(args.plot.stem + "-budget.png"), budget)
+    return 0

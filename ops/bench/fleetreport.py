@@ -1,0 +1,84 @@
+"""What `kvstash bench fleet` concludes from its runs: the targets of issue 35 (knee against the bound, TTFT p90 at
+the no-cache knee, no failures), the summary it prints, and the budget-pressure chart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ops.bench.common import print_table
+
+BUDGET_COLUMNS = [("fleet", "run", ""), ("budget_mb", "budget MiB", "d"), ("ratio", "working set / budget", ".2f"),
+                  ("hit_rate", "hit", ".2f"), ("ttft_ms_p50", "TTFT p50", ".0f"), ("ttft_ms_p90", "p90", ".0f"),
+                  ("failed", "failed", "d")]
+MISS_COLUMNS = [("fleet", "run", ""), ("ok", "ok", "d"), ("failed", "failed", "d"), ("ttft_ms_p50", "TTFT p50", ".0f"),
+                ("ttft_ms_p90", "p90", ".0f"), ("completion_tokens_per_s", "out tok/s", ".2f"),
+                ("hit_rate", "hit", ".2f")]
+
+
+def targets(runs: list[dict[str, Any]], knees: dict[str, float], calibration: dict[str, Any] | None) -> dict[str, Any]:
+    """kvstash's knee >= 0.8 x bound x the no-cache knee; kvstash's TTFT p90 at the no-cache knee >= 10x lower;
+    no failed requests in any fleet. A target whose fleets did not run is left out."""
+    out: dict[str, Any] = {"no_failed_requests": {"value": sum(r["failed"] for r in runs),
+                                                  "met": all(r["failed"] == 0 for r in runs)}}
+    if calibration is None or "kvstash" not in knees or "off" not in knees:
+        return out
+    need = 0.8 * calibration["bound"] * knees["off"]
+    out["knee_vs_bound"] = {"value": knees["kvstash"], "target": need, "bound": calibration["bound"],
+                            "off_knee": knees["off"], "met": knees["off"] > 0 and knees["kvstash"] >= need}
+    at = knees["off"]
+    kv = next((r for r in runs if r["kind"] == "kvstash" and r["rate"] == at), None)
+    off = next((r for r in runs if r["kind"] == "off" and r["rate"] == at), None)
+    if kv is not None and off is not None and kv["ttft_ms_p90"] > 0:
+        gain = off["ttft_ms_p90"] / kv["ttft_ms_p90"]
+        out["p90_gain_at_off_knee"] = {"value": gain, "target": 10.0, "rate": at, "met": gain >= 10.0}
+    return out
+
+
+def print_summary(knees: dict[str, float], calibration: dict[str, Any] | None, found: dict[str, Any],
+                  budget: list[dict[str, Any]], miss: list[dict[str, Any]]) -> None:
+    print("\nknee (highest rate kept up with, turns/s): "
+          + ", ".join(f"{k} {v:g}" for k, v in knees.items()))
+    if calibration is not None:
+        print(f"bound on the gain (unloaded, {calibration['prompt_tokens']} tokens): ({calibration['prefill_ms']:.0f}"
+              f" + {calibration['decode_ms']:.0f}) / ({calibration['hit_ms']:.0f} + {calibration['decode_ms']:.0f})"
+              f" = {calibration['bound']:.2f}x")
+    if budget:
+        print("\nbudget pressure (kvstash, LRU)")
+        print_table(budget, BUDGET_COLUMNS)
+    if miss:
+        print("\nmiss overhead (no reuse): kvstash on / off = "
+              f"TTFT p50 {miss[0].get('ttft_ms_p50_vs_off', 0):.3f}, "
+              f"tokens/s {miss[0].get('completion_tokens_per_s_vs_off', 0):.3f}")
+        print_table(miss, MISS_COLUMNS)
+    for name, t in found.items():
+        print(f"target {name}: {t['value']:.3g}" + (f" (need {t['target']:.3g})" if "target" in t else "")
+              + (" met" if t["met"] else " MISSED"))
+
+
+def plot_budget(path: Path, runs: list[dict[str, Any]]) -> None:
+    """Hit rate and TTFT p50 against working set / budget (two y axes)."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    points = sorted(runs, key=lambda r: r["ratio"])
+    xs = [r["ratio"] for r in points]
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+    ax.plot(xs, [r["hit_rate"] for r in points], marker="o", color="tab:blue", label="hit rate (cached / prompt)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("working set / byte budget")
+    ax.set_ylabel("hit rate", color="tab:blue")
+    ax.set_ylim(0, 1)
+    twin = ax.twinx()
+    twin.plot(xs, [r["ttft_ms_p50"] for r in points], marker="s", color="tab:red", label="TTFT p50")
+    twin.set_ylabel("TTFT p50, ms", color="tab:red")
+    ax.set_title("kvstash under budget pressure (LRU eviction)")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.legend(loc="upper right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    plt.close(fig)
+    print(f"wrote {path}")
