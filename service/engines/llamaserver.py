@@ -115,15 +115,16 @@ class LlamaServerEngine(LendsStates):
         try:
             props = self._json("GET", "/props")
             if props.get("role") == "router":
-                raise UpstreamError("it runs in router mode (several models); a sidecar fronts a llama-server of "
-                                    "one model: run one llama-server and one sidecar per model")
+                self._http.close()
+                raise ConfigError(f"llama-server at {self.url} runs in router mode (several models); a sidecar "
+                                  "fronts a llama-server of one model: run one llama-server and one sidecar per model")
             # adapters loaded with --lora: their scales are part of a request's KV (docs/sidecar.md, "Identity")
             self.adapters = [(int(a.get("id", i)), str(a.get("path", ""))) for i, a in
                              enumerate(self._json_list("GET", "/lora-adapters"))]
         except (httpx.HTTPError, UpstreamError) as exc:
             self._http.close()
             hint = " (started with --api-key? give the sidecar --upstream-api-key)" if "401" in str(exc) else ""
-            raise ConfigError(f"llama-server at {self.url}: {exc}{hint}") from None
+            raise ConfigError(f"llama-server at {self.url} does not answer /props: {exc}{hint}") from None
         self.multimodal = bool(props.get("modalities", {}).get("vision") or props.get("modalities", {}).get("audio"))
         self.parallel = int(props.get("total_slots") or 1)
         n_ctx = int(props.get("default_generation_settings", {}).get("n_ctx") or 0)
