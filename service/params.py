@@ -29,6 +29,7 @@ COMMON = ("model", "stream", "stream_options", "max_tokens", "temperature", "top
 CHAT = (*COMMON, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
         "parallel_tool_calls", "modalities", "store", "metadata", "service_tier")
 TEXT = (*COMMON, "prompt", "echo", "suffix", "best_of")
+IN_PROCESS = ("hf", "llamacpp")  # engines that honour every parameter parsed here (the sidecar: the basic ones)
 # accepted and without effect on the reply, by their definition
 NO_OPS = ("user", "safety_identifier", "prompt_cache_key")
 # refused whatever their value (but null): why, in the 400

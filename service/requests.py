@@ -264,6 +264,10 @@ def parse_completion(
     stream, include_usage = stream_flags(body)
     params = parse_params(body, max_tokens_limit, default_max_tokens, chat=chat)
     check_stream(params, stream)
+    tools = parse_tools(body) if chat else None
+    if stream and tools is not None:
+        raise bad_request("tools: tool calls are parsed out of a reply without stream only", param="tools",
+                          code="unsupported_parameter")
     return CompletionRequest(
         model=model,
         messages=messages,
@@ -274,7 +278,7 @@ def parse_completion(
         session_id=None if session is None else check_session_id(session),
         prompt_ids=prompt_ids,
         return_token_ids=parse_flag(body, "return_token_ids"),
-        tools=parse_tools(body) if chat else None,
+        tools=tools,
     )
 
 

@@ -146,8 +146,9 @@ class ModelRunner:
             decoded: dict[int, _Decoded] = {}
             # choice 0 last: the cache then holds its sequence, the one written back
             for choice in [*range(1, params.n), 0]:
-                if decoded:
-                    cache.crop(len(prompt))  # back to the prompt alone: every choice is sampled after it
+                extra = hfcache.cache_length(cache) - len(prompt)
+                if decoded and extra > 0:  # back to the prompt alone: every choice is sampled after it
+                    cache.crop(-extra)  # transformers 5: a negative count of tokens to drop
                 first = not decoded
 
                 def on_first(cache: object = cache, first: bool = first) -> None:
