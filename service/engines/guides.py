@@ -73,7 +73,10 @@ def gbnf(fmt: ResponseFormat) -> str:
     if fmt.schema is None:
         return str(llama_grammar.JSON_GBNF)
     try:
-        return str(llama_grammar.json_schema_to_gbnf(fmt.schema))
+        grammar = str(llama_grammar.json_schema_to_gbnf(fmt.schema))
+        # the pinned converter lets a string hold raw control characters (a newline), which JSON forbids: the rule
+        # llama.cpp's own converter writes
+        return grammar.replace('char ::= [^"\\\\]', 'char ::= [^"\\\\\\x7F\\x00-\\x1F]')
     except (ValueError, KeyError, TypeError, RecursionError, NotImplementedError) as exc:
         raise ParamError(f"response_format: llama.cpp cannot write a grammar for this schema: {exc}",
                          "response_format") from None
