@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from cachestore.sessions import SessionRecord
 from service.engines import Generation
+from service.engines.generation import ParamError
+from service.errors import bad_request
+from service.params import IN_PROCESS, check_engine
 from service.pipeline import CacheView
 from service.requests import parse_completion, read_json
 from service.respond import check_context, check_model, pod, ready_pipeline, run_admitted
@@ -24,8 +29,15 @@ async def _completion(request: Request, chat: bool) -> Response:
     )
     check_model(state, req.model)
     engine = pipeline.engine
+    check_engine(req.params, body, honours_all=engine.kind in IN_PROCESS)
+    tools = req.tools.tools if req.tools is not None else None
     if req.messages is not None:  # assistant messages some pod generated keep the very ids it generated
-        prompt_ids = engine.chat_ids(req.messages, await pipeline.known_replies(tenant.salt, req.messages))
+        known = await pipeline.known_replies(tenant.salt, req.messages)
+        try:
+            prompt_ids = (engine.chat_ids(req.messages, known) if tools is None and not _calls(req.messages)
+                          else engine.chat_ids(req.messages, known, tools))
+        except ParamError as exc:
+            raise bad_request(str(exc), param=exc.param) from None
     elif req.prompt_ids is not None:
         prompt_ids = list(req.prompt_ids)
     else:
@@ -52,7 +64,12 @@ async def _completion(request: Request, chat: bool) -> Response:
     return await run_admitted(
         state, chat=chat, model=req.model, prompt_ids=prompt_ids, params=req.params, stream=req.stream,
         include_usage=req.include_usage, lookup=lookup, after=after, token_ids=req.return_token_ids,
+        tools=req.tools,
     )
+
+
+def _calls(messages: list[dict[str, Any]]) -> bool:
+    return any(m.get("tool_calls") for m in messages)
 
 
 async def chat_completions(request: Request) -> Response:

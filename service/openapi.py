@@ -8,16 +8,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from cachestore.keys import SESSION_ID_PATTERN
-from service.requests import MAX_MESSAGES, MAX_STOP, ROLES
+from service.params import MAX_N, MAX_STOP, MAX_TOP_LOGPROBS
+from service.requests import MAX_MESSAGES, ROLES
 
 SESSION_ID = {"type": "string", "pattern": SESSION_ID_PATTERN, "minLength": 1, "maxLength": 128}
 _ROLE = {"type": "string", "enum": list(ROLES)}
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
 MESSAGE = {
-    "type": "object", "required": ["role", "content"],
-    "properties": {"role": _ROLE, "content": {"oneOf": [{"type": "string"},
-                                                        {"type": "array", "items": _TEXT_PART}]}},
+    "type": "object", "required": ["role"],
+    "properties": {"role": _ROLE, "content": {"oneOf": [{"type": "string"}, {"type": "null"},
+                                                        {"type": "array", "items": _TEXT_PART}]},
+                   "tool_calls": {"type": "array", "items": {"type": "object"}},
+                   "tool_call_id": {"type": "string"}, "name": {"type": "string"}},
 }
 _MESSAGES = {"type": "array", "items": {"$ref": "#/components/schemas/Message"}, "maxItems": MAX_MESSAGES}
 _SAMPLING: dict[str, Any] = {
@@ -25,7 +28,18 @@ _SAMPLING: dict[str, Any] = {
     "max_completion_tokens": {"type": "integer", "minimum": 1},
     "temperature": {"type": "number", "minimum": 0, "maximum": 2},
     "top_p": {"type": "number", "minimum": 0, "maximum": 1},
-    "n": {"type": "integer", "const": 1},
+    "n": {"type": "integer", "minimum": 1, "maximum": MAX_N},
+    "top_k": {"type": "integer", "minimum": -1},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "repetition_penalty": {"type": "number", "minimum": 0.01, "maximum": 10},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "logit_bias": {"type": "object", "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+    "logprobs": {"type": ["boolean", "integer"]},
+    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS},
+    "response_format": {"type": "object", "properties": {"type": {"enum": ["text", "json_object", "json_schema"]}}},
+    "tools": {"type": "array", "items": {"type": "object"}},
+    "tool_choice": {"oneOf": [{"enum": ["none", "auto"]}]},
     "seed": {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1},
     "stop": {"oneOf": [{"type": "string"}, {"type": "array", "maxItems": MAX_STOP,
                                              "items": {"type": "string", "minLength": 1}}]},

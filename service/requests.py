@@ -14,11 +14,12 @@ from starlette.requests import Request
 from cachestore.keys import SESSION_ID_PATTERN, SESSION_ID_RULE
 from service.engines import GenParams
 from service.errors import ApiError, bad_request
+from service.params import ToolSpec, check_keys, check_stream, parse_params, parse_tools
 
 SESSION_ID_RE = re.compile(SESSION_ID_PATTERN)
 ROLES = ("system", "user", "assistant", "tool", "developer")  # the one list (validation and OpenAPI)
 MAX_MESSAGES = 1024
-MAX_STOP = 4
+MAX_TOOL_CALLS = 64
 MAX_JSON_DEPTH = 32
 DRAIN_MAX_BYTES = 32 << 20  # of a body over the limit, read (and dropped) at most this much so the client sees 413
 
@@ -28,7 +29,7 @@ class CompletionRequest:
     """A validated chat or text completion request."""
 
     model: str
-    messages: list[dict[str, str]] | None  # chat: the conversation; text: None
+    messages: list[dict[str, Any]] | None  # chat: the conversation; text: None
     prompt: str | None
     params: GenParams
     stream: bool
@@ -36,6 +37,7 @@ class CompletionRequest:
     session_id: str | None
     prompt_ids: list[int] | None = None  # text completions: a prompt of token ids, as OpenAI's API takes
     return_token_ids: bool = False  # vLLM's extension: the body carries the prompt's and the reply's token ids
+    tools: ToolSpec | None = None  # chat: the tools offered (rendered, and the reply parsed for calls)
 
 
 MAX_PROMPT_IDS = 1 << 17
@@ -148,28 +150,6 @@ def check_session_id(value: Any, param: str = "session_id") -> str:
     return value
 
 
-def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise bad_request(f"{name} must be a number", param=name)
-    if not lo <= float(value) <= hi:
-        raise bad_request(f"{name} must be between {lo} and {hi}", param=name)
-    return float(value)
-
-
-def _int(body: dict[str, Any], name: str, default: int | None, lo: int, hi: int) -> int | None:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise bad_request(f"{name} must be an integer", param=name)
-    if not lo <= value <= hi:
-        raise bad_request(f"{name} must be between {lo} and {hi}", param=name)
-    return value
-
-
 def _text_content(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
@@ -183,49 +163,63 @@ def _text_content(content: Any, where: str) -> str:
     raise bad_request(f"{where}.content must be a string or a list of text parts", param=where)
 
 
-def parse_messages(value: Any, param: str = "messages", allow_empty: bool = False) -> list[dict[str, str]]:
+def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls`, in OpenAI's shape (arguments a string)."""
+    if not isinstance(value, list) or not value or len(value) > MAX_TOOL_CALLS:
+        raise bad_request(f"{where}.tool_calls must be an array of 1..{MAX_TOOL_CALLS} calls", param=where)
+    calls = []
+    for j, call in enumerate(value):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"]
+                and isinstance(fn.get("arguments", ""), str) and call.get("type", "function") == "function"):
+            raise bad_request(f"{where}.tool_calls[{j}] must be {{\"type\": \"function\", \"id\": ..., "
+                              "\"function\": {\"name\": ..., \"arguments\": \"<JSON text>\"}}", param=where)
+        call_id = call.get("id", "")
+        if not isinstance(call_id, str):
+            raise bad_request(f"{where}.tool_calls[{j}].id must be a string", param=where)
+        calls.append({"id": call_id, "type": "function",
+                      "function": {"name": fn["name"], "arguments": fn.get("arguments", "")}})
+    return calls
+
+
+def parse_message(msg: Any, where: str) -> dict[str, Any]:
+    """One message: role and text content; an assistant's `tool_calls` (content may then be null), a tool
+    result's `tool_call_id`, a `name`. Any other key is refused by name."""
+    if not isinstance(msg, dict):
+        raise bad_request(f"{where} must be an object", param=where)
+    role = msg.get("role")
+    if role not in ROLES:
+        raise bad_request(f"{where}.role must be one of {list(ROLES)}", param=where)
+    extra = set(msg) - {"role", "content", "name", "tool_calls", "tool_call_id", "refusal"}
+    if extra:
+        raise bad_request(f"{where}: unknown message field {sorted(extra)[0]!r}", param=where,
+                          code="unknown_parameter")
+    out: dict[str, Any] = {"role": role}
+    if role == "assistant" and msg.get("tool_calls") is not None:
+        out["tool_calls"] = _tool_calls(msg["tool_calls"], where)
+        out["content"] = None if msg.get("content") is None else _text_content(msg["content"], where)
+    else:
+        out["content"] = _text_content(msg.get("content"), where)
+    if msg.get("refusal") is not None and role != "assistant":
+        raise bad_request(f"{where}.refusal belongs to assistant messages", param=where)
+    if role == "tool":
+        call_id = msg.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise bad_request(f"{where}.tool_call_id is required for a tool message", param=where)
+        out["tool_call_id"] = call_id
+    if msg.get("name") is not None:
+        if not isinstance(msg["name"], str):
+            raise bad_request(f"{where}.name must be a string", param=where)
+        out["name"] = msg["name"]
+    return out
+
+
+def parse_messages(value: Any, param: str = "messages", allow_empty: bool = False) -> list[dict[str, Any]]:
     if not isinstance(value, list) or (not value and not allow_empty):
         raise bad_request(f"{param} must be a non-empty array of messages", param=param)
     if len(value) > MAX_MESSAGES:
         raise bad_request(f"{param} holds more than {MAX_MESSAGES} messages", param=param)
-    messages = []
-    for i, msg in enumerate(value):
-        where = f"{param}[{i}]"
-        if not isinstance(msg, dict):
-            raise bad_request(f"{where} must be an object", param=where)
-        role = msg.get("role")
-        if role not in ROLES:
-            raise bad_request(f"{where}.role must be one of {list(ROLES)}", param=where)
-        messages.append({"role": role, "content": _text_content(msg.get("content"), where)})
-    return messages
-
-
-def parse_params(body: dict[str, Any], max_tokens_limit: int, default_max_tokens: int) -> GenParams:
-    max_tokens = _int(body, "max_completion_tokens", None, 1, max_tokens_limit)
-    if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", default_max_tokens, 1, max_tokens_limit)
-    n = _int(body, "n", 1, 1, 1)
-    assert n == 1
-    stop = body.get("stop")
-    if stop is None:
-        stops: tuple[str, ...] = ()
-    elif isinstance(stop, str):
-        stops = (stop,) if stop else ()
-    elif isinstance(stop, list) and len(stop) <= MAX_STOP and all(isinstance(s, str) and s for s in stop):
-        stops = tuple(stop)
-    else:
-        raise bad_request(f"stop must be a string or an array of at most {MAX_STOP} non-empty strings", param="stop")
-    temperature = _number(body, "temperature", 0.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    if top_p == 0.0:  # only the most likely token survives: that is greedy decoding
-        temperature, top_p = 0.0, 1.0
-    return GenParams(
-        max_tokens=int(max_tokens or default_max_tokens),
-        temperature=temperature,
-        top_p=top_p,
-        seed=_int(body, "seed", None, -(2**63), 2**63 - 1),
-        stop=stops,
-    )
+    return [parse_message(msg, f"{param}[{i}]") for i, msg in enumerate(value)]
 
 
 def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -238,12 +232,17 @@ def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise bad_request("stream_options.include_usage must be a boolean", param="stream_options")
+    other = set(options) - {"include_usage", "include_obfuscation"}
+    if other or options.get("include_obfuscation"):
+        raise bad_request(f"stream_options: only include_usage is supported (got {sorted(other or options)})",
+                          param="stream_options", code="unsupported_parameter")
     return stream, include_usage
 
 
 def parse_completion(
     body: dict[str, Any], *, chat: bool, header_session: str | None, max_tokens_limit: int, default_max_tokens: int
 ) -> CompletionRequest:
+    check_keys(body, chat)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("model is required and must be a string", param="model")
@@ -263,16 +262,23 @@ def parse_completion(
         prompt = raw if isinstance(raw, str) else None
     session = body.get("session_id", header_session)
     stream, include_usage = stream_flags(body)
+    params = parse_params(body, max_tokens_limit, default_max_tokens, chat=chat)
+    check_stream(params, stream)
+    tools = parse_tools(body) if chat else None
+    if stream and tools is not None:
+        raise bad_request("tools: tool calls are parsed out of a reply without stream only", param="tools",
+                          code="unsupported_parameter")
     return CompletionRequest(
         model=model,
         messages=messages,
         prompt=prompt,
-        params=parse_params(body, max_tokens_limit, default_max_tokens),
+        params=params,
         stream=stream,
         include_usage=include_usage,
         session_id=None if session is None else check_session_id(session),
         prompt_ids=prompt_ids,
         return_token_ids=parse_flag(body, "return_token_ids"),
+        tools=tools,
     )
 
 

@@ -18,7 +18,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from service.engines import Generation, GenParams
+from service.engines.generation import Choice, ParamError, TokenLogprob
+from service.engines.tools import parse_calls
 from service.errors import ApiError, bad_request, error_body
+from service.params import ToolSpec
 from service.pipeline import CacheView, Pipeline
 from service.state import PodState
 
@@ -69,10 +72,11 @@ def cache_headers(view: CacheView) -> dict[str, str]:
 
 
 def usage(gen: Generation) -> dict[str, Any]:
+    completion = len(gen.token_ids) + sum(len(c.token_ids) for c in gen.choices)  # every choice's tokens
     return {
         "prompt_tokens": gen.prompt_tokens,
-        "completion_tokens": len(gen.token_ids),
-        "total_tokens": gen.prompt_tokens + len(gen.token_ids),
+        "completion_tokens": completion,
+        "total_tokens": gen.prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
     }
 
@@ -86,11 +90,54 @@ def _choice(chat: bool, text: str, finish_reason: str | None, delta: bool, first
     return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
 
 
+def _chat_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    if entries is None:
+        return None
+    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": list(e.token_bytes),
+                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(b)} for t, b, lp in e.top]}
+                        for e in entries], "refusal": None}
+
+
+def _text_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    if entries is None:
+        return None
+    offsets, at = [], 0
+    for e in entries:
+        offsets.append(at)
+        at += len(e.token)
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t: lp for t, _, lp in e.top} for e in entries], "text_offset": offsets}
+
+
+def choices(gen: Generation, chat: bool, tools: ToolSpec | None) -> list[dict[str, Any]]:
+    """Every choice of a finished generation in OpenAI's shape; with tools, `<tool_call>` blocks become
+    `tool_calls` (finish_reason "tool_calls")."""
+    every = [Choice(gen.text, gen.token_ids, gen.finish_reason, gen.logprobs), *gen.choices]
+    out = []
+    for index, c in enumerate(every):
+        if not chat:
+            out.append({"index": index, "text": c.text, "logprobs": _text_logprobs(c.logprobs),
+                        "finish_reason": c.finish_reason})
+            continue
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        finish = c.finish_reason
+        if tools is not None:
+            content, calls = parse_calls(c.text, tools.parallel)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                finish = "tool_calls"
+        out.append({"index": index, "message": message, "logprobs": _chat_logprobs(c.logprobs),
+                    "finish_reason": finish})
+    return out
+
+
 class Responder:
     """Runs one admitted generation and shapes it as a JSON reply or an SSE stream."""
 
-    def __init__(self, state: PodState, chat: bool, model: str, view: CacheView, token_ids: bool = False) -> None:
+    def __init__(self, state: PodState, chat: bool, model: str, view: CacheView, token_ids: bool = False,
+                 tools: ToolSpec | None = None) -> None:
         self.state = state
+        self.tools = tools
         self.token_ids = token_ids  # vLLM's `return_token_ids`: the prompt's and the reply's ids in the body
         self.chat = chat
         self.model = model
@@ -107,13 +154,16 @@ class Responder:
         pipeline = ready_pipeline(self.state)
         try:
             gen = await pipeline.generate(prompt_ids, self.view, params)
+        except ParamError as exc:  # a parameter the engine cannot honour as given
+            raise bad_request(str(exc), param=exc.param) from None
         except ValueError as exc:  # the runner refuses an input the parsers let through: the client's, not ours
             raise bad_request(str(exc), code="invalid_prompt") from None
         problem = await after(gen, self.view)
         if problem is not None:
             raise _as_api_error(problem)
-        body = self._envelope([self._with_ids(_choice(self.chat, gen.text, gen.finish_reason, delta=False), gen)],
-                              chunk=False)
+        shaped = choices(gen, self.chat, self.tools)
+        self._with_ids(shaped[0], gen)
+        body = self._envelope(shaped, chunk=False)
         body["usage"] = usage(gen)
         if self.token_ids:
             body["prompt_token_ids"] = prompt_ids
@@ -205,6 +255,7 @@ async def run_admitted(
     lookup: Callable[[], Awaitable[CacheView]],
     after: AfterGeneration,
     token_ids: bool = False,
+    tools: ToolSpec | None = None,
 ) -> Response:
     """Admission, lookup and generation for every completion route (sessions included)."""
     pipeline = ready_pipeline(state)
@@ -220,7 +271,7 @@ async def run_admitted(
     handed_over = False  # a stream releases its admission when it ends
     try:
         view = await lookup()
-        responder = Responder(state, chat, model, view, token_ids)
+        responder = Responder(state, chat, model, view, token_ids, tools)
         if stream:
             response = responder.stream(prompt_ids, params, include_usage, after, release)
             handed_over = True

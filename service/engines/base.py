@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -82,9 +82,11 @@ class Engine(Protocol):
         """Names the engine, its version, the weights and every setting that changes the KV bits."""
         ...
 
-    def chat_ids(self, messages: list[dict[str, str]], known: Mapping[int, list[int]] | None = None) -> list[int]:
+    def chat_ids(self, messages: list[dict[str, Any]], known: Mapping[int, list[int]] | None = None,
+                 tools: tuple[dict[str, Any], ...] | None = None) -> list[int]:
         """The chat's token ids ending with the assistant generation prompt; content is plain text, or the
-        ids in `known` (message index -> the ids a pod generated for that message's exact text)."""
+        ids in `known` (message index -> the ids a pod generated for that message's exact text). `tools` and
+        the messages' `tool_calls` are rendered as service.engines.tools says."""
         ...
 
     def text_ids(self, text: str) -> list[int]:

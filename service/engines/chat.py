@@ -11,8 +11,9 @@ from __future__ import annotations
 import re
 import secrets
 from collections.abc import Callable, Mapping
+from typing import Any
 
-Messages = list[dict[str, str]]
+Messages = list[dict[str, Any]]
 
 
 def chat_token_ids(
@@ -29,7 +30,9 @@ def chat_token_ids(
     as the very ids a pod generated for it. The marker carries a fresh nonce, so no content can forge one.
     """
     nonce = secrets.token_hex(8)
-    marked = [{**m, "content": f"\ue000{nonce}:{i}\ue001"} for i, m in enumerate(messages)]
+    # a null content (an assistant turn of tool calls) stays null: templates test it
+    marked = [{**m, "content": f"\ue000{nonce}:{i}\ue001"} if isinstance(m.get("content"), str) else m
+              for i, m in enumerate(messages)]
     rendered = render(marked)
     pattern = re.compile("\ue000" + nonce + r":(\d+)\ue001")
     ids: list[int] = []
@@ -40,9 +43,17 @@ def chat_token_ids(
         index = int(match.group(1))
         if known is not None and index in known:
             ids += known[index]
-        elif 0 <= index < len(messages) and messages[index].get("content"):
-            ids += content_ids(messages[index]["content"])
+        elif 0 <= index < len(messages) and isinstance(messages[index].get("content"), str):
+            if messages[index]["content"]:
+                ids += content_ids(messages[index]["content"])
         at = match.end()
     if at < len(rendered):
         ids += template_ids(rendered[at:])
     return ids
+
+
+def remap_known(known: Mapping[int, list[int]] | None, moved: Mapping[int, int]) -> dict[int, list[int]] | None:
+    """`known` (message index -> ids) for the messages as rendered: only those whose content is unchanged."""
+    if not known:
+        return None
+    return {moved[i]: ids for i, ids in known.items() if i in moved}

@@ -1,9 +1,10 @@
-"""What every engine shares about one generation: its parameters, its result, streamed text and sampling."""
+"""What every engine shares about one generation: its parameters, its result and streamed text (sampling:
+service.engines.sampling)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -12,15 +13,39 @@ import torch
 END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "</s>")
 
 
+class ParamError(ValueError):
+    """A request parameter the engine cannot honour as given: a 400 that names `param`."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """A reply constrained to JSON: any JSON object (`schema` None) or one that validates against `schema` (JSON)."""
+
+    schema: str | None = None
+
+
 @dataclass(frozen=True)
 class GenParams:
-    """Sampling settings of one request; temperature 0 means greedy."""
+    """Sampling settings of one request; temperature 0 means greedy. None of them changes the KV of a token."""
 
     max_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    n: int = 1  # choices, each sampled on its own after one prefill
+    top_k: int = 0  # 0: no limit
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # over the prompt and the reply (transformers' rule)
+    presence_penalty: float = 0.0  # over the reply's tokens (OpenAI's rule)
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # None: none; k: the chosen token's logprob and the k most likely
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    response_format: ResponseFormat | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -31,6 +56,28 @@ class GenParams:
             raise ValueError("top_p must lie in (0, 1]")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.n < 1 or self.top_k < 0 or not 0 <= self.min_p <= 1 or self.repetition_penalty <= 0:
+            raise ValueError("n >= 1, top_k >= 0, 0 <= min_p <= 1 and repetition_penalty > 0")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability under the model, and the most likely alternatives (sorted)."""
+
+    token: str
+    token_bytes: bytes
+    logprob: float
+    top: tuple[tuple[str, bytes, float], ...] = ()
+
+
+@dataclass
+class Choice:
+    """A further choice of an `n` > 1 request (the first is the Generation itself)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -48,6 +95,8 @@ class Generation:
     kv: torch.Tensor  # [layers, 2, kv_heads, len(seq_ids) - kv_from, head_dim] on CPU: seq_ids[kv_from:]'s KV
     reply_ids: list[int] | None = None  # ids that decode to exactly `text` (no end-of-turn token); None if cut
     kv_from: int = 0  # the first token `kv` holds (the caller said it needs none before: `keep_from`)
+    logprobs: list[TokenLogprob] | None = None  # one per generated token but an ending end-of-turn token
+    choices: list[Choice] = field(default_factory=list)  # choices 2..n (their KV is not written back)
 
 
 def reply_ids(generated: list[int], ended_by_token: bool, cut_by_stop: bool) -> list[int] | None:
@@ -115,34 +164,3 @@ class TextStream:
             self._emitted = upto
             if self._on_text is not None:
                 self._on_text(delta)
-
-
-def make_generator(params: GenParams, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """The request's random source: None when greedy, seeded when the request names a seed."""
-    if params.temperature == 0:
-        return None
-    generator = torch.Generator(device=device)
-    if params.seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(params.seed)
-    return generator
-
-
-def pick(logits: torch.Tensor, params: GenParams, generator: torch.Generator | None) -> int:
-    """The next token from last-position logits [vocab]: argmax, or a top-p sample."""
-    if params.temperature == 0 or generator is None:
-        return int(torch.argmax(logits))
-    scores = logits.float()
-    # shift first: the top score becomes exactly 0, so a tiny temperature gives -inf, never inf - inf = nan
-    # (and float32 has no 1e-300: a temperature that small would divide by zero)
-    probs = torch.softmax((scores - scores.max()) / max(params.temperature, 1e-30), dim=-1)
-    if params.top_p < 1:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # keep the smallest set whose mass reaches top_p (always at least the top token)
-        keep = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) < params.top_p
-        keep[0] = True  # even when top_p is below float32's smallest number
-        sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
-        choice = torch.multinomial(sorted_probs, 1, generator=generator)
-        return int(order[choice])
-    return int(torch.multinomial(probs, 1, generator=generator))

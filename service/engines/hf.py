@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -38,8 +39,9 @@ class HfEngine:
         # unchanged from before the seam, so blocks written by earlier hf pods still hit
         return self.loaded.fingerprint(block_tokens, codec_name)
 
-    def chat_ids(self, messages: list[dict[str, str]], known: Mapping[int, list[int]] | None = None) -> list[int]:
-        return self.runner.chat_ids(messages, known)
+    def chat_ids(self, messages: list[dict[str, Any]], known: Mapping[int, list[int]] | None = None,
+                 tools: tuple[dict[str, Any], ...] | None = None) -> list[int]:
+        return self.runner.chat_ids(messages, known, tools)
 
     def text_ids(self, text: str) -> list[int]:
         return self.runner.text_ids(text)

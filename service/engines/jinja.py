@@ -24,10 +24,12 @@ def _compiled(template: str) -> Any:
     return env.from_string(template)
 
 
-def render_chat(template: str, messages: list[dict[str, str]], *, bos: str = "", eos: str = "") -> str:
-    """The template's text for `messages`, ending with the assistant generation prompt."""
+def render_chat(template: str, messages: list[dict[str, Any]], *, bos: str = "", eos: str = "",
+                tools: list[dict[str, Any]] | None = None) -> str:
+    """The template's text for `messages` (and `tools`, as transformers hands them), ending with the assistant
+    generation prompt."""
     try:
         return str(_compiled(template).render(messages=messages, add_generation_prompt=True,
-                                              bos_token=bos, eos_token=eos))
+                                              bos_token=bos, eos_token=eos, tools=tools))
     except TemplateError as exc:
         raise ConfigError(f"the model's chat template failed: {exc}") from None

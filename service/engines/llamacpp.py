@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,9 +39,12 @@ from cachestore.hashing import ModelFingerprint
 from service import threads as torch_threads
 from service.engines import llamastate
 from service.engines.base import FLASH_ATTN, KvGeometry, PrefillHook, check_flash_attn, gguf_fingerprint
-from service.engines.chat import chat_token_ids
-from service.engines.generation import Generation, GenParams, TextStream, make_generator, pick, reply_ids
+from service.engines.chat import chat_token_ids, remap_known
+from service.engines.generation import Choice, Generation, GenParams, TextStream, reply_ids
+from service.engines.guides import GbnfGuide
 from service.engines.lending import LendsStates, StateLender, state_buffers
+from service.engines.sampling import Sampler
+from service.engines.tools import for_template
 from service.rehydrate import LayerGate
 
 log = logging.getLogger("kvstash.llamacpp")
@@ -101,9 +105,10 @@ class _Request:
     params: GenParams
     on_text: Callable[[str], None] | None
     stream: TextStream
-    generator: torch.Generator | None
+    sampler: Sampler | None  # None: score(), which samples nothing
     max_new: int
     on_prefill: PrefillHook | None = None
+    keeps_state: bool = True  # the finished sequence's state is read back (choice 0: the KV written back)
     started: float = field(default_factory=time.perf_counter)
     done: threading.Event = field(default_factory=threading.Event)
     seq: int = -1
@@ -214,6 +219,7 @@ class LlamaCppEngine(LendsStates):
                                    llamastate.parsed_dtype(llamastate.KV_TYPES[kv_type]), per_seq)
         template = lib.llama_model_chat_template(self._model, None)
         self._template = template.decode("utf-8") if template else None
+        self._special_texts: frozenset[str] | None = None
         self._add_bos = bool(lib.llama_vocab_get_add_bos(self._vocab_p))
         self._bos = int(lib.llama_vocab_bos(self._vocab_p))
         self._batch = lib.llama_batch_init(N_BATCH, 0, parallel)
@@ -303,18 +309,31 @@ class LlamaCppEngine(LendsStates):
                                 block_tokens, codec_name)
 
     # -- text ------------------------------------------------------------------------------------
-    def chat_ids(self, messages: list[dict[str, str]], known: Mapping[int, list[int]] | None = None) -> list[int]:
+    def chat_ids(self, messages: list[dict[str, Any]], known: Mapping[int, list[int]] | None = None,
+                 tools: tuple[dict[str, Any], ...] | None = None) -> list[int]:
         if self._template is None:
             raise ConfigError(f"{self.path.name} carries no chat template")
         from service.engines.jinja import render_chat  # noqa: PLC0415
 
-        def render(marked: list[dict[str, str]]) -> str:
-            return render_chat(self._template or "", marked, bos=self.vocab.decode([self._bos], False))
+        rendered, native, moved = for_template(messages, tools, self._template, self._specials())
 
-        ids = chat_token_ids(messages, render, lambda t: self.vocab.tokenize(t, special=True), self.text_ids, known)
+        def render(marked: list[dict[str, Any]]) -> str:
+            return render_chat(self._template or "", marked, bos=self.vocab.decode([self._bos], False), tools=native)
+
+        ids = chat_token_ids(rendered, render, lambda t: self.vocab.tokenize(t, special=True), self.text_ids,
+                             remap_known(known, moved))
         if self._add_bos and (not ids or ids[0] != self._bos):
             ids.insert(0, self._bos)
         return ids
+
+    def _specials(self) -> frozenset[str]:
+        """The text of every control token (read once: a tool may not spell one into the template's text)."""
+        if self._special_texts is None:
+            control = self._lib.LLAMA_TOKEN_ATTR_CONTROL | self._lib.LLAMA_TOKEN_ATTR_USER_DEFINED
+            self._special_texts = frozenset(
+                self.vocab.piece(t, True).decode("utf-8", errors="replace") for t in range(self.n_vocab)
+                if int(self._lib.llama_vocab_get_attr(self._vocab_p, t)) & control)
+        return self._special_texts
 
     def text_ids(self, text: str) -> list[int]:
         return self.vocab.tokenize(text, special=False)
@@ -360,16 +379,24 @@ class LlamaCppEngine(LendsStates):
                                                       into=self._state_buffers.take(size))
                 except llamastate.StateLayoutError as exc:
                     raise ValueError(str(exc)) from None
+        max_new = min(params.max_tokens, limit - len(prompt))
         req = _Request(prompt, state, cached, params, on_text, TextStream(self.vocab, params.stop, on_text),
-                       make_generator(params), min(params.max_tokens, limit - len(prompt)), on_prefill)
+                       self._sampler(params, prompt, 0), max_new, on_prefill)
         req.state_size = size
         req.lent, req.planned = lent is not None, planned
+        extra = [self._extra_choice(prompt, cached_kv, cached, lent is not None, params, i, max_new)
+                 for i in range(1, params.n)]  # each sampled on its own sequence, decoded alongside the first
         if self._closed.is_set():
             raise StreamClosedError("the engine is closed")
-        self._inbox.put(req)
-        req.done.wait()
-        if req.error is not None:
-            raise req.error
+        for each in (req, *extra):
+            self._inbox.put(each)
+        for each in (req, *extra):
+            each.done.wait()
+        error = next((each.error for each in (req, *extra) if each.error is not None), None)
+        if error is not None:
+            if req.blob_buffer is not None:
+                self._snapshots.give(req.blob_buffer)
+            raise error
         assert req.blob is not None and req.blob_buffer is not None
         seq_ids = prompt + req.generated[:-1]
         kv_from = min(max(0, keep_from), len(seq_ids))
@@ -385,7 +412,34 @@ class LlamaCppEngine(LendsStates):
             cached_tokens=0 if req.restore_failed else cached, ttft_s=req.ttft,
             total_s=time.perf_counter() - req.started, seq_ids=seq_ids, kv=kv,
             reply_ids=reply_ids(req.generated, req.ended_by_token, req.cut_by_stop), kv_from=kv_from,
+            logprobs=req.sampler.logprobs if req.sampler is not None else None,
+            choices=[Choice(e.stream.text, e.generated, e.finish, e.sampler.logprobs if e.sampler else None)
+                     for e in extra],
         )
+
+    def _sampler(self, params: GenParams, prompt: list[int], choice: int) -> Sampler:
+        guide = None
+        if params.response_format is not None:  # a ParamError (400) here, before anything is queued
+            guide = GbnfGuide(self._lib, self._vocab_p, params.response_format, self.n_vocab)
+        return Sampler(params, prompt, choice=choice, guide=guide, token_text=self.token_text)
+
+    def token_text(self, token: int) -> tuple[str, bytes]:
+        raw = self.vocab.piece(token, special=True)
+        return raw.decode("utf-8", errors="replace"), raw
+
+    def _extra_choice(self, prompt: list[int], cached_kv: torch.Tensor | None, cached: int, lent: bool,
+                      params: GenParams, choice: int, max_new: int) -> _Request:
+        """Choice `choice` (> 0) of an `n` request: the cached prefix set again from `cached_kv` (a context lent as
+        a state was set whole by choice 0: this one prefills the prompt), its state never read back."""
+        state, size = None, 0
+        if cached and cached_kv is not None and not lent:
+            size = llamastate.state_size(cached, self.state_geometry)
+            state = llamastate.assemble_state(cached_kv[:, :, :, :cached], self.state_geometry,
+                                              into=self._state_buffers.take(size))
+        req = _Request(prompt, state, cached if state is not None else 0, params, None,
+                       TextStream(self.vocab, params.stop, None), self._sampler(params, prompt, choice), max_new)
+        req.state_size, req.planned, req.keeps_state = size, cached if state is not None else 0, False
+        return req
 
     def _lent_state(self, cached_kv: torch.Tensor, cached: int) -> tuple[bytearray, int] | None:
         """The state of the context lent `cached_kv` is (`StateLender.take`) and how many cells it holds; None when it
@@ -405,6 +459,7 @@ class LlamaCppEngine(LendsStates):
         state = llamastate.assemble_state(cached_kv, self.state_geometry) if n else None
         prompt = [0] * n + [int(t) for t in ids]  # the cached tokens' ids are not read back
         req = _Request(prompt, state, n, GenParams(max_tokens=1), None, TextStream(self.vocab, (), None), None, 1)
+        req.keeps_state = False
         req.state_size = len(state) if state is not None else 0
         req.scores = []
         self._inbox.put(req)
@@ -523,7 +578,8 @@ class LlamaCppEngine(LendsStates):
         return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())
 
     def _sample(self, req: _Request, logits: torch.Tensor) -> None:
-        token = pick(logits, req.params, req.generator)
+        assert req.sampler is not None
+        token = req.sampler.next(logits)
         if not req.generated:
             req.ttft = time.perf_counter() - req.started
         req.generated.append(token)
@@ -538,15 +594,19 @@ class LlamaCppEngine(LendsStates):
         try:
             if self._lib.llama_vocab_is_eog(self._vocab_p, token):
                 req.finish, req.ended_by_token = "stop", True
+                req.sampler.drop_last_logprob()
             elif req.stream.push(token):
                 req.finish, req.cut_by_stop = "stop", True
+            elif req.sampler.done(token):
+                req.finish = "stop"
             elif len(req.generated) < req.max_new:
                 return
             req.stream.finish()
         except Exception as exc:  # noqa: BLE001 - the client hung up (its callback raised): free the sequence now
             self._end(req, exc)
             return
-        req.blob_buffer, req.blob = self._snapshot(req.seq)
+        if req.keeps_state:
+            req.blob_buffer, req.blob = self._snapshot(req.seq)
         self._end(req, None)
 
     def _snapshot(self, seq: int) -> tuple[bytearray, memoryview]:

@@ -1,0 +1,137 @@
+"""Every OpenAI parameter honoured or refused by name: the hf engine in-process against a real private Redis."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, Field
+from starlette.testclient import TestClient
+
+from ops.redisproc import RedisProcess
+from service.app import create_app
+from service.settings import PodSettings
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "ok", "n"],
+          "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+HISTORY = [{"role": "system", "content": "You are a helpful assistant. " * 8},
+           {"role": "user", "content": "Tell me about the printing press."}]
+
+
+class Reply(BaseModel):
+    name: str = Field(max_length=6)  # bounded: the random test model would fill an unbounded string
+    ok: bool
+    n: int = Field(ge=0, le=99)
+
+
+@pytest.fixture
+def client(redis_server: RedisProcess, tiny_model: Any) -> Iterator[TestClient]:
+    settings = PodSettings(model="tiny-random", redis_url=redis_server.url, codec="exact", block_tokens=16,
+                           pod_name="pod-params")
+    with TestClient(create_app(settings, engine=tiny_model), raise_server_exceptions=False) as c:
+        yield c
+
+
+def chat(client: TestClient, **extra: Any) -> Any:
+    body = {"model": "tiny-random", "messages": HISTORY, "max_tokens": 12, "temperature": 0, **extra}
+    return client.post("/v1/chat/completions", json=body)
+
+
+def test_json_schema_reply_validates(client: TestClient) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}
+    r = chat(client, response_format=fmt, max_tokens=64)
+    assert r.status_code == 200, r.text
+    Reply.model_validate_json(r.json()["choices"][0]["message"]["content"])
+    obj = chat(client, response_format={"type": "json_object"}, max_tokens=64, logit_bias={"92": 5})
+    assert obj.status_code == 200, obj.text
+
+
+def test_logprobs_shapes(client: TestClient) -> None:
+    r = chat(client, logprobs=True, top_logprobs=3)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert content and len(content) <= r.json()["usage"]["completion_tokens"]
+    for entry in content:
+        tops = [t["logprob"] for t in entry["top_logprobs"]]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+        assert entry["top_logprobs"][0]["token"] == entry["token"]  # greedy: the chosen token is the likeliest
+        assert entry["logprob"] == pytest.approx(tops[0])
+    text = client.post("/v1/completions", json={"model": "tiny-random", "prompt": "Once upon a time",
+                                                "max_tokens": 6, "logprobs": 2}).json()
+    lp = text["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"])
+    assert "".join(lp["tokens"]) == text["choices"][0]["text"]
+
+
+def test_n_top_k_and_penalties(client: TestClient) -> None:
+    greedy = chat(client).json()
+    two = chat(client, n=2, temperature=1.0, seed=7).json()
+    assert [c["index"] for c in two["choices"]] == [0, 1]
+    assert two["usage"]["completion_tokens"] >= 2
+    top1 = chat(client, temperature=1.0, top_k=1, seed=3).json()
+    assert top1["choices"][0]["message"] == greedy["choices"][0]["message"]
+    long = chat(client, max_tokens=64, return_token_ids=True).json()["choices"][0]
+    assert len(set(long["token_ids"])) < len(long["token_ids"])  # the greedy reply repeats a token: penalties bite
+    for penalty in ({"repetition_penalty": 3.0}, {"presence_penalty": 2.0}, {"frequency_penalty": 2.0}):
+        penalised = chat(client, max_tokens=64, **penalty).json()["choices"][0]["message"]["content"]
+        assert penalised != long["message"]["content"], penalty
+    assert chat(client, min_p=0.5, temperature=1.0, seed=1).status_code == 200
+
+
+def test_hit_with_parameters_replies_as_cold(client: TestClient) -> None:
+    extra = {"logprobs": True, "top_logprobs": 2, "repetition_penalty": 1.3}
+    cold = chat(client, **extra)
+    state = client.app.state.pod  # type: ignore[attr-defined]
+    for _ in range(200):
+        if state.writer.depth == 0:
+            break
+        time.sleep(0.02)
+    hit = chat(client, **extra)
+    assert hit.headers["x-kv-cache"] == "hit"
+    assert hit.json()["choices"] == cold.json()["choices"]
+
+
+def test_agent_history_is_rendered(client: TestClient, tiny_model: Any) -> None:
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    messages = [*HISTORY,
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city":"Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "RAINY-17C"}]
+    r = client.post("/v1/chat/completions", json={"model": "tiny-random", "messages": messages, "tools": tools,
+                                                   "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    state = client.app.state.pod  # type: ignore[attr-defined]
+    prompt = state.engine.decode(state.engine.chat_ids(messages, None, tuple(tools)))
+    assert "RAINY-17C" in prompt and '"city": "Oslo"' in prompt and "weather" in prompt
+
+
+@pytest.mark.parametrize(("param", "value"), [
+    ("audio", {"voice": "x"}), ("modalities", ["text", "audio"]), ("tool_choice", "required"),
+    ("store", True), ("reasoning_effort", "low"), ("functions", []), ("mirostat", 2),
+    ("stream_options", {"include_obfuscation": True}),
+])
+def test_refused_parameters_are_named(client: TestClient, param: str, value: Any) -> None:
+    r = chat(client, **{param: value})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_stream_refuses_what_it_does_not_carry(client: TestClient) -> None:
+    r = chat(client, stream=True, n=2)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    assert chat(client, user="someone").status_code == 200  # a known no-op
+
+
+def test_openai_parse_helper(client: TestClient) -> None:
+    openai = pytest.importorskip("openai")
+    api = openai.OpenAI(api_key="x", base_url="http://testserver/v1", http_client=client)  # TestClient is httpx's
+    done = api.chat.completions.parse(model="tiny-random", messages=HISTORY, response_format=Reply, max_tokens=64,
+                                      temperature=0)
+    assert isinstance(done.choices[0].message.parsed, Reply)
+    json.dumps(done.model_dump())
