@@ -1,4 +1,9 @@
-"""Generate docs/configuration.md from the settings and the CLI parsers: `python -m ops.gendocs [--check]`."""
+"""Generate the docs that come from code and data: `python -m ops.gendocs [--check]`.
+
+docs/configuration.md from the settings and the CLI parsers, docs/keys.md from cachestore/keys.py, and the
+results page, its charts and the README's hit table from docs/results/*.json (ops/resultspage.py). `--check`
+writes nothing and exits 1 naming every file that differs from what it would write.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,10 @@ import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
 
-PAGE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+from ops import resultspage
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "configuration.md"
 _ENV_ONLY = {"api_keys": "KVSTASH_API_KEYS", "cache_enabled": "KVSTASH_NO_CACHE"}
 
 
@@ -69,15 +77,36 @@ def render() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def outputs() -> dict[Path, str]:
+    """Every generated file: {path: the text it should hold}."""
+    out = {PAGE: render()}
+    out.update(resultspage.render())
+    out[resultspage.README] = resultspage.render_readme(resultspage.README.read_text())
+    return out
+
+
+def stale() -> list[Path]:
+    """Generated files that differ from what `outputs()` gives, and charts in docs/results/ nothing draws."""
+    out = outputs()
+    wrong = [p for p, text in out.items() if not p.exists() or p.read_text() != text]
+    return wrong + sorted(p for p in resultspage.RESULTS.glob("*.svg") if p not in out)
+
+
 def main(argv: list[str] | None = None) -> int:
     check = "--check" in (argv if argv is not None else sys.argv[1:])
-    text = render()
     if check:
-        if not PAGE.exists() or PAGE.read_text() != text:
-            print("docs/configuration.md is stale: run python -m ops.gendocs", file=sys.stderr)
-            return 1
-        return 0
-    PAGE.write_text(text)
+        wrong = stale()
+        for p in wrong:
+            print(f"{p.relative_to(ROOT)} is stale: run python -m ops.gendocs", file=sys.stderr)
+        return 1 if wrong else 0
+    out = outputs()
+    for p in resultspage.RESULTS.glob("*.svg"):
+        if p not in out:
+            p.unlink()
+    for p, text in out.items():
+        if not p.exists() or p.read_text() != text:
+            p.write_text(text)
+            print(f"wrote {p.relative_to(ROOT)}")
     return 0
 
 

@@ -12,7 +12,9 @@ def test_bench_store_small_run_reports_both_ratios(tmp_path: Path) -> None:
     out = tmp_path / "store.json"
     assert main(["bench", "store", "--block-sizes", "256K", "--reps", "3", "--tokens", "512",
                  "--json", str(out)]) == 0
-    rows = {r["op"]: r for r in json.loads(out.read_text())}
+    result = json.loads(out.read_text())
+    assert result["reps"] == 3 and result["tokens"] == 512 and result["machine"]["nproc"] >= 1
+    rows = {r["op"]: r for r in result["rows"]}
     assert set(rows) == {"get", "get_reader", "get_landing", "put", "put_nobudget"}
     get = rows["get"]
     assert get["reps"] == 3 and get["context_bytes"] == 512 * 23040

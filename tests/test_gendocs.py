@@ -1,11 +1,16 @@
-"""docs/configuration.md is generated from the settings and the parsers, and committed fresh."""
+"""The generated docs (configuration, keys, results page, README's hit table) are committed fresh."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from dataclasses import fields
+from pathlib import Path
+
+import pytest
 
 from cachestore.settings import StoreSettings
-from ops import gendocs
+from ops import gendocs, resultspage
 from service.settings import _ENV_CASTS, PodSettings
 
 
@@ -24,3 +29,52 @@ def test_configuration_page_lists_every_setting() -> None:
             assert f"| `{f.name}` |" in page
     for flag in ("--redis-url", "--codec", "--upstream", "--flash-attn", "--json"):
         assert f"`{flag}" in page
+
+
+def test_every_generated_file_is_fresh() -> None:
+    assert gendocs.stale() == [], "run python -m ops.gendocs"
+
+
+def test_results_page_shows_every_result_with_its_machine_and_date() -> None:
+    page = resultspage.PAGE.read_text()
+    for path in sorted(resultspage.RESULTS.glob("*.json")):
+        data = json.loads(path.read_text())
+        assert f"{{#{path.stem}}}" in page and f"results/{path.stem}.svg" in page
+        assert resultspage.machine_line(data) in page
+        machine = data.get("machine") or data["machine_before"]
+        assert machine["date"] in page
+
+
+def test_a_changed_result_makes_the_page_stale(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shutil.copytree(resultspage.RESULTS, tmp_path, dirs_exist_ok=True)
+    data = json.loads((tmp_path / "resume-llamacpp.json").read_text())
+    hit = next(r for r in data["rows"] if r["method"] == "kvstash-int8")
+    hit["ttft_ms_p50"] *= 2
+    (tmp_path / "resume-llamacpp.json").write_text(json.dumps(data))
+    monkeypatch.setattr(resultspage, "RESULTS", tmp_path)
+    pages = resultspage.render()
+    assert pages[resultspage.PAGE] != resultspage.PAGE.read_text()
+    committed_chart = (gendocs.ROOT / "docs" / "results" / "resume-llamacpp.svg").read_text()
+    assert pages[tmp_path / "resume-llamacpp.svg"] != committed_chart
+    assert f"{hit['ttft_ms_p50']:,.1f}" in pages[resultspage.PAGE]
+    readme = resultspage.render_readme(resultspage.README.read_text())
+    assert readme != resultspage.README.read_text()
+
+
+def test_a_result_no_section_renders_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "mystery.json").write_text("{}")
+    monkeypatch.setattr(resultspage, "RESULTS", tmp_path)
+    with pytest.raises(ValueError, match="mystery"):
+        resultspage.render()
+
+
+def test_fleet_results_render(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runs = [{"kind": kind, "rate": rate, "ok": 10, "failed": 0, "ttft_ms_p50": 100.0 * rate,
+             "ttft_ms_p90": 150.0 * rate, "completion_tokens_per_s": 20.0}
+            for kind in ("kvstash", "off") for rate in (0.5, 1.0)]
+    machine = {"nproc": 2, "cpu": "test CPU", "ram_gb": 1.0, "loadavg": [0.1, 0.1, 0.1], "date": "2026-12-02"}
+    (tmp_path / "fleet.json").write_text(json.dumps({"runs": runs, "knees": {"kvstash": 1.0, "off": 0.5},
+                                                     "machine_before": machine}))
+    monkeypatch.setattr(resultspage, "RESULTS", tmp_path)
+    page = resultspage.render()[resultspage.PAGE]
+    assert "| kvstash | 1 | 10 / 0 | 100.0 | 150.0 | 20.0 | 1/s |" in page and "test CPU" in page

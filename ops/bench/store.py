@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import time
@@ -33,7 +32,7 @@ import redis.asyncio as aioredis
 from cachestore.hashing import BlockHash
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
-from ops.bench.common import percentile
+from ops.bench.common import machine, percentile, write_json
 
 SMOLLM2_KV_BYTES_PER_TOKEN = 23_040  # fp16: 30 layers x 2 (K, V) x 3 kv heads x 64 dims x 2 bytes
 MODEL = "bench00000000000"
@@ -251,7 +250,5 @@ def run(args: argparse.Namespace) -> int:
             server.cleanup()
     print_table(rows)
     if args.json_path:
-        with open(args.json_path, "w") as fh:
-            json.dump(rows, fh, indent=2)
-        print(f"wrote {len(rows)} rows to {args.json_path}")
+        write_json(args.json_path, {"rows": rows, "machine": machine(), "reps": args.reps, "tokens": args.tokens})
     return 0
