@@ -15,7 +15,7 @@ Modes and their loss (see DESIGN.md, "Codec"):
            (MSE-chosen group ranges), /plain (none: the format 1 codec). A bare int4 is
            /plain, a bare int2 /rotv/clip (DEFAULT_VARIANTS). /k8=L.L... and /v8=L.L... keep
            the keys / values of those layers at int8 (int8's bound there; frame format 3):
-           a per-layer bit allocation calibrated on one text (BENCHMARKS.md, section 2).
+           a per-layer bit allocation calibrated on one text (ops/bench/layer_sensitivity.py).
     fp8    e4m3 with a per-channel fp16 scale; relative error <= 2**-4.
     q8     llama.cpp's q8_0, always as token rows: per token and head, 32 channels share an fp16
            scale (max |x| / 127); error <= half a step. The bytes of a llama.cpp KV cache of type
@@ -96,12 +96,11 @@ _SPEC = re.compile(r"(?P<mode>[a-z0-9]+)(?:\+(?P<comp>[a-z0-9]+)(?::(?P<level>-?
 # int4/int2 options as spec text; "rot" is "rotk" and "rotv" together.
 _OPTIONS = {"rot": Variant(True, True), "rotk": Variant(rot_keys=True),
             "rotv": Variant(rot_values=True), "clip": Variant(clip=True), "plain": PLAIN}
-# What a bare "int4" / "int2" means, chosen with `kvstash bench quality` on SmolLM2 (BENCHMARKS.md,
-# section 2). int2 needs clipping above all and rotated values: perplexity +7.7% / +13.2% -> -1.4% /
-# +1.7% on the two texts. int4 stays plain: /rot lowers its KL by a third and doubles its greedy
-# match, but its perplexity change was no better (within noise) and its second 64x64 matmul per
-# decode made it slower than the format-1 int4, which the decode-speed target forbids; /rotv was
-# a wash. Both stay available by name.
+# What a bare "int4" / "int2" means, chosen with `kvstash bench quality` on SmolLM2's calibration texts.
+# int2 needs clipping above all and rotated values: with both its perplexity change fell by about an order
+# of magnitude. int4 stays plain: /rot lowers its KL but not its perplexity change (within noise), and its
+# second 64x64 matmul per decode made it slower than the format-1 int4, which the decode-speed target
+# forbids; /rotv was a wash. Both stay available by name.
 DEFAULT_VARIANTS = {"int4": PLAIN,
                     "int2": Variant(rot_values=True, clip=True)}
 

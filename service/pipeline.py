@@ -229,9 +229,9 @@ class Pipeline:
         concurrently); the session's partial block extends a full hit.
 
         A reader thread reads the blocks in pipelined chunks (`chunk_plan`), back to back on a blocking client
-        (it moves large values with far less CPU than the event loop: BENCHMARKS.md, section 1). For a
+        (it moves large values with far less CPU than the event loop). For a
         layer-by-layer engine the frames land in one pooled buffer and the reader verifies each chunk itself; the
-        forward step dequantizes a layer of every block at a time from there (service.rehydrate, section 13).
+        forward step dequantizes a layer of every block at a time from there (service.rehydrate).
         For any other engine they land likewise, and a `Rehydration` thread verifies and dequantizes each chunk
         as it arrives, straight into one preallocated context. Token-row frames for llama.cpp are received into
         the rows of the sequence state it lent, checksummed as they arrive, and the reader verifies each chunk:

@@ -6,7 +6,7 @@ Then, for every layer and for its keys, its values, or both, put that layer's in
 the all-int4 KV and measure the mean KL(exact || mode) and the perplexity change of the scored tokens.
 The layers whose upgrade lowers the KL most are the ones worth keeping at int8.
 
-    .venv/bin/python docs/benchmarks/quality_layer_sensitivity.py ops/data/sample.txt > quality_layers.txt
+    .venv/bin/python -m ops.bench.layer_sensitivity ops/data/sample.txt > quality_layers.txt
 """
 
 from __future__ import annotations
