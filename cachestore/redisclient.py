@@ -152,7 +152,7 @@ async def check_connection(settings: StoreSettings, timeout_s: float = 5.0) -> s
         raise ConfigError(f"Redis at {where} refused the credentials: {exc}") from None
     except exceptions.NoPermissionError as exc:
         raise ConfigError(f"the Redis user of {where} may not use the keys {settings.namespace}:* or the "
-                          f"commands kvstash needs (see ops/KEYS.md): {exc}") from None
+                          f"commands kvstash needs (see docs/keys.md): {exc}") from None
     except (exceptions.ConnectionError, exceptions.TimeoutError, TimeoutError, OSError) as exc:
         chain = [exc, exc.__cause__, exc.__context__]
         tls_stalled = settings.scheme.startswith("rediss") and isinstance(exc, exceptions.TimeoutError | TimeoutError)

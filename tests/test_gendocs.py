@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
+from cachestore import keys
+from cachestore.hashing import HASH_BYTES, BlockHash
+from cachestore.keys import KeySpace
 from cachestore.settings import StoreSettings
 from ops import gendocs, resultspage
 from service.settings import _ENV_CASTS, PodSettings
@@ -78,3 +82,28 @@ def test_fleet_results_render(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(resultspage, "RESULTS", tmp_path)
     page = resultspage.render()[resultspage.PAGE]
     assert "| kvstash | 1 | 10 / 0 | 100.0 | 150.0 | 20.0 | 1/s |" in page and "test CPU" in page
+
+
+def _shape_regex(pattern: str) -> re.Pattern[str]:
+    parts = {"<ns>": "ns", "<model16>": "[0-9a-f]{16}", "<hash32hex>": f"[0-9a-f]{{{2 * HASH_BYTES}}}",
+             "sNN": r"s\d\d", "<tenant>": "[^:]+", "<session_id>": "[^:]+"}
+    regex = re.escape(pattern)
+    for name, part in parts.items():
+        regex = regex.replace(re.escape(name), part)
+    return re.compile(regex + "$")
+
+
+def test_key_table_names_exactly_the_keys_keyspace_builds() -> None:
+    space = KeySpace("ns", 16)
+    digest = BlockHash(bytes(range(HASH_BYTES)))
+    shard = space.shard(0)
+    built = [space.block("0123456789abcdef", digest)[1], space.tail("0123456789abcdef", digest)[1],
+             space.reply_ids("0123456789abcdef", digest)[1], shard.lru, shard.size, shard.bytes,
+             space.session("acme", "trip-42")]
+    shapes = [_shape_regex(k.pattern) for k in keys.KEY_SHAPES]
+    for key in built:
+        assert sum(1 for s in shapes if s.match(key)) == 1, key
+    for shape in shapes:
+        assert any(shape.match(key) for key in built), shape.pattern
+    page = gendocs.KEYS_PAGE.read_text()
+    assert all(f"`{k.pattern}`" in page for k in keys.KEY_SHAPES)
