@@ -32,15 +32,18 @@ def _default(f: object) -> str:
 
 def _settings_section() -> list[str]:
     from cachestore.settings import StoreSettings  # noqa: PLC0415
-    from service.settings import PodSettings  # noqa: PLC0415
+    from service.settings import SETTING_HELP, PodSettings  # noqa: PLC0415
 
     lines = ["## Pod settings (`service/settings.py`)", "",
              "Each reads `KVSTASH_<NAME>` from the environment; a `kvstash serve` flag of the same name wins.", "",
-             "| setting | environment variable | default |", "|---|---|---|"]
+             "| setting | environment variable | default | meaning |", "|---|---|---|---|"]
     for f in fields(PodSettings):
         env = _ENV_ONLY.get(f.name, f"KVSTASH_{f.name.upper()}")
-        lines.append(f"| `{f.name}` | `{env}` | `{_cell(_default(f))}` |")
-    lines += ["| (process) | `KVSTASH_MALLOC_ARENAS` | `1` |", "| (process) | `KVSTASH_NATIVE_KERNELS` | `1` |", "",
+        lines.append(f"| `{f.name}` | `{env}` | `{_cell(_default(f))}` | {_cell(SETTING_HELP[f.name])} |")
+    lines += ["| (process) | `KVSTASH_MALLOC_ARENAS` | `1` | glibc malloc arenas of a kvstash process (0: glibc's "
+              "defaults); memory kept mapped between hits |",
+              "| (process) | `KVSTASH_NATIVE_KERNELS` | `1` | 0 turns the native dequantization kernels off "
+              "(torch does the work) |", "",
               "## Store options (`cachestore/settings.py`)", "",
               "Given as query arguments of the Redis URL (`?namespace=x&budget_bytes=1000`).", "",
               "| option | default |", "|---|---|"]
@@ -56,7 +59,8 @@ def _parser_sections(parser: argparse.ArgumentParser, prefix: str) -> list[str]:
         lines += [f"## `{prefix}`", "", "| flag | default | meaning |", "|---|---|---|"]
         for a in flags:
             default = "" if a.default in (None, False, argparse.SUPPRESS) else f"`{_cell(a.default)}`"
-            lines.append(f"| `{', '.join(a.option_strings)}` | {default} | {_cell(a.help or '')} |")
+            text = a.help % dict(vars(a), prog=parser.prog) if a.help else ""  # as argparse expands it
+            lines.append(f"| `{', '.join(a.option_strings)}` | {default} | {_cell(text)} |")
         lines.append("")
     for sub in subs:
         for name, child in sub.choices.items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shutil
@@ -15,7 +16,8 @@ from cachestore.hashing import HASH_BYTES, BlockHash
 from cachestore.keys import KeySpace
 from cachestore.settings import StoreSettings
 from ops import gendocs, resultspage
-from service.settings import _ENV_CASTS, PodSettings
+from ops.cli import build_parser
+from service.settings import _ENV_CASTS, SETTING_HELP, PodSettings, describe
 
 
 def test_configuration_page_is_fresh() -> None:
@@ -107,3 +109,18 @@ def test_key_table_names_exactly_the_keys_keyspace_builds() -> None:
         assert any(shape.match(key) for key in built), shape.pattern
     page = gendocs.KEYS_PAGE.read_text()
     assert all(f"`{k.pattern}`" in page for k in keys.KEY_SHAPES)
+
+
+def test_every_setting_has_one_description_and_the_cli_shows_it() -> None:
+    names = {f.name for f in fields(PodSettings)}
+    assert set(SETTING_HELP) == names
+    parser = build_parser()
+    serve = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]  # noqa: SLF001
+    shown = 0
+    for action in serve._actions:  # noqa: SLF001
+        if action.dest in names:
+            assert action.help % {} == describe(action.dest)
+            shown += 1
+    assert shown >= 19  # every serve flag that sets a PodSettings field
+    help_text = serve.format_help()
+    assert "prefix of every Redis key (default kvstash)" in " ".join(help_text.split())
