@@ -1,8 +1,9 @@
 """Generate the docs that come from code and data: `python -m ops.gendocs [--check]`.
 
-docs/configuration.md from the settings and the CLI parsers, docs/keys.md from cachestore/keys.py, and the
-results page, its charts and the README's hit table from docs/results/*.json (ops/resultspage.py). `--check`
-writes nothing and exits 1 naming every file that differs from what it would write.
+docs/configuration.md from the settings and the CLI parsers, docs/keys.md from cachestore/keys.py, the route
+reference of docs/api.md from service/openapi.py (ops/apipage.py), and the results page, its charts and the
+README's hit table from docs/results/*.json (ops/resultspage.py). `--check` writes nothing and exits 1 naming
+every file that differs from what it would write.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
 
-from ops import resultspage
+from ops import apipage, resultspage
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "configuration.md"
@@ -118,6 +119,7 @@ def outputs() -> dict[Path, str]:
     out = {PAGE: render(), KEYS_PAGE: render_keys()}
     out.update(resultspage.render())
     out[resultspage.README] = resultspage.render_readme(resultspage.README.read_text())
+    out[apipage.PAGE] = apipage.render(apipage.PAGE.read_text())
     return out
 
 
