@@ -43,7 +43,7 @@ KEY_SHAPES = (
     KeyShape("<ns>:tail:<model16>:<hash32hex>:{<ns>:sNN}", "STRING",
              "the tokens after the last full block of a sequence a pod computed (prompt + reply) and their KV "
              "(`cachestore/tails.py`, magic `KVTL`), under the chain hash of the full blocks before them (the "
-             "chain root when there are none); used only when every one of its tokens equals the prompt's",
+             "chain root when there are none); a prompt reuses as many of its tokens as it continues",
              "as blocks; the newest tail of a prefix replaces the older"),
     KeyShape("<ns>:ids:<model16>:<hash32hex>:{<ns>:sNN}", "STRING",
              "the token ids a pod generated for one reply (magic `KVID`), under a digest of the tenant's chain root "
