@@ -124,3 +124,13 @@ def test_every_setting_has_one_description_and_the_cli_shows_it() -> None:
     assert shown >= 19  # every serve flag that sets a PodSettings field
     help_text = serve.format_help()
     assert "prefix of every Redis key (default kvstash)" in " ".join(help_text.split())
+
+
+def test_reliability_figures_render_as_recorded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "reliability.jsonl"
+    path.write_text(json.dumps({"test": "tests/test_x.py::test_y", "requests": 1200, "recover_s": 0.98,
+                                "statuses": ["miss", "hit"], "date": "2026-12-02", "nproc": 2}) + "\n")
+    monkeypatch.setattr(resultspage, "FIGURES", path)
+    table = "\n".join(resultspage.figures_table())
+    assert "1 scenarios of `tests/test_x.py`" in table and "2026-12-02 (2 cores)" in table
+    assert "| `test_x.py::test_y` | requests 1,200, recover_s 0.98, statuses [miss, hit] |" in table
