@@ -52,8 +52,10 @@ lint: setup
 demo: setup
 	$(VENV)/bin/kvstash demo
 
-# the documentation site (mkdocs.yml, docs/) into site/, strictly: a broken link or a missing page fails
+# the documentation site (mkdocs.yml, docs/) into site/, strictly: a broken link, a missing page or a generated
+# page that no longer matches its source (python -m ops.gendocs --check) fails
 docs: setup
+	$(PY) -m ops.gendocs --check
 	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 clean:
