@@ -1,10 +1,9 @@
 """Native dequantization where the CPU and the tensors allow it (cachestore/_kernels.c); else the caller uses torch.
 
 A hit's int8 and int4 KV is converted, scaled (and offset) in one pass straight into its context, on the calling
-thread. torch reaches fp16 (llama.cpp's sequence state) only through an fp32 temporary: on a 2-core VM, 22 ms
-against 8 ms for the 47 MB state of a 2048-token SmolLM2 hit. int4 takes torch five
-passes (widen, shift, mask, convert, scale and offset): the kernel's one, on one thread, is faster than those on
-two (a forward step's dequantization at 2048 tokens: 19 against 30 ms; at 8128, 62 against 117). int8 into fp32
+thread. torch reaches fp16 (llama.cpp's sequence state) only through an fp32 temporary, about three times the
+kernel's time. int4 takes torch five passes (widen, shift, mask, convert, scale and offset): the kernel's one,
+on one thread, is faster than those on two. int8 into fp32
 is torch's two passes, on all its threads, as fast as the kernel on one: there the kernel runs only where torch
 has one thread. Threads of the kernel's own lost to torch's spinning OpenMP workers in a real forward step.
 Into fp16 token rows (a llama.cpp sequence state: each token's heads side by side), int8 is staged in L1 and

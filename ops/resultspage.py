@@ -162,8 +162,8 @@ def _fleet(d: dict[str, Any]) -> tuple[Table, str]:
     table = ["| fleet | rate/s | ok / failed | TTFT p50 ms | p90 ms | reply tok/s | keeps up to (knee) |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for r in runs:
-        table.append(_row([r.get("fleet", r["kind"]), f"{r['rate']:g}", f"{r['ok']} / {r['failed']}", _ms(r["ttft_ms_p50"]),
-                           _ms(r["ttft_ms_p90"]), f"{r['completion_tokens_per_s']:.1f}",
+        table.append(_row([r.get("fleet", r["kind"]), f"{r['rate']:g}", f"{r['ok']} / {r['failed']}",
+                           _ms(r["ttft_ms_p50"]), _ms(r["ttft_ms_p90"]), f"{r['completion_tokens_per_s']:.1f}",
                            f"{d['knees'].get(r['kind'], 0):g}/s"]))
     rates = sorted({r["rate"] for r in runs})
     kinds = list(dict.fromkeys(r["kind"] for r in runs))

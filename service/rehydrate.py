@@ -23,7 +23,7 @@ Measured on 2 cores with Redis on the same machine: every millisecond of
 CPU a hit adds costs about a millisecond of TTFT. Dequantizing frame by frame during the fetch slowed the fetch
 (both cores were already busy with redis-server and the reader) and wrote a context larger than the caches that
 the forward step then read back from memory; a layer of every block at a time from the landing costs the forward
-step 2-3 ms at 2048 tokens against 5-7 ms. Without a landing, layer groups smaller than the whole context only
+step about half as much. Without a landing, layer groups smaller than the whole context only
 added calls (one per frame per group), so that path dequantizes the rest in one group (LAYER_STEPS = 1).
 """
 from __future__ import annotations
