@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
+from ops import resultspage
 from ops.cli import main
 
 
@@ -28,3 +31,15 @@ def test_bench_store_small_run_reports_both_ratios(tmp_path: Path) -> None:
     landing = rows["get_landing"]  # a transformers pod's lookup: frames received into one buffer, the same bytes
     assert landing["reps"] == 3 and landing["context_bytes"] == get["context_bytes"] and landing["kvstash_mb_s"] > 0
     assert 0 < landing["paired_ratio"] < 100
+
+
+def test_bench_store_json_is_what_the_results_page_renders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "store.json"  # as `kvstash bench store --json docs/results/store.json` publishes a run
+    assert main(["bench", "store", "--block-sizes", "256K,512K", "--reps", "2", "--tokens", "256",
+                 "--json", str(out)]) == 0
+    monkeypatch.setattr(resultspage, "RESULTS", tmp_path)
+    files = resultspage.render()
+    page = files[resultspage.PAGE]
+    assert "{#store}" in page and "| 256 KiB |" in page and "| 512 KiB |" in page
+    assert json.loads(out.read_text())["machine"]["date"] in page
+    assert files[tmp_path / "store.svg"].startswith("<svg")
