@@ -16,7 +16,7 @@ from cachestore.hashing import HASH_BYTES, BlockHash
 from cachestore.keys import KeySpace
 from cachestore.settings import StoreSettings
 from ops import gendocs, resultspage
-from ops.cli import build_parser
+from ops.cli import build_parser, main
 from service.settings import _ENV_CASTS, SETTING_HELP, PodSettings, describe
 
 
@@ -134,3 +134,20 @@ def test_reliability_figures_render_as_recorded(tmp_path: Path, monkeypatch: pyt
     table = "\n".join(resultspage.figures_table())
     assert "1 scenarios of `tests/test_x.py`" in table and "2026-12-02 (2 cores)" in table
     assert "| `test_x.py::test_y` | requests 1,200, recover_s 0.98, statuses [miss, hit] |" in table
+
+
+def test_what_the_benches_write_is_what_the_page_renders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # small real runs on the tiny model, written where a published run goes (docs/results/NAME.json)
+    assert main(["bench", "resume", "--model", "tiny-random", "--contexts", "64", "--modes", "int8", "--no-naive",
+                 "--repeat", "1", "--recompute-repeat", "1", "--json", str(tmp_path / "resume-hf.json")]) == 0
+    assert main(["bench", "quality", "--text", "ops/data/sample.txt", "--model", "tiny-random", "--modes",
+                 "exact,int8", "--prefix", "32", "--continuation", "16", "--windows", "2", "--greedy", "3",
+                 "--block-tokens", "8", "--size-tokens", "64", "--json", str(tmp_path / "quality.json")]) == 0
+    monkeypatch.setattr(resultspage, "RESULTS", tmp_path)
+    files = resultspage.render()
+    page = files[resultspage.PAGE]
+    assert "{#resume-hf}" in page and "| 64 | hit, `int8` |" in page
+    assert "{#quality}" in page and "| sample.txt | `int8" in page
+    for name in ("resume-hf", "quality"):
+        data = json.loads((tmp_path / f"{name}.json").read_text())
+        assert resultspage.machine_line(data) in page and files[tmp_path / f"{name}.svg"].startswith("<svg")
