@@ -40,7 +40,8 @@ def _settings_section() -> list[str]:
              "| setting | environment variable | default | meaning |", "|---|---|---|---|"]
     for f in fields(PodSettings):
         env = _ENV_ONLY.get(f.name, f"KVSTASH_{f.name.upper()}")
-        lines.append(f"| `{f.name}` | `{env}` | `{_cell(_default(f))}` | {_cell(SETTING_HELP[f.name])} |")
+        meaning = SETTING_HELP.get(f.name, "(no description yet)")
+        lines.append(f"| `{f.name}` | `{env}` | `{_cell(_default(f))}` | {_cell(meaning)} |")
     lines += ["| (process) | `KVSTASH_MALLOC_ARENAS` | `1` | glibc malloc arenas of a kvstash process (0: glibc's "
               "defaults); memory kept mapped between hits |",
               "| (process) | `KVSTASH_NATIVE_KERNELS` | `1` | 0 turns the native dequantization kernels off "

@@ -178,7 +178,7 @@ def describe(name: str) -> str:
     """A setting's meaning and its default, as `kvstash serve --help` and docs/configuration.md show them."""
     default = next(f.default for f in fields(PodSettings) if f.name == name)
     shown = "" if default in ("", None) or not isinstance(default, (str, int, float)) else f" (default {default})"
-    return SETTING_HELP[name] + shown
+    return SETTING_HELP.get(name, "(no description yet: add one to SETTING_HELP)") + shown
 
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,

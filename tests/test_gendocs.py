@@ -113,7 +113,7 @@ def test_key_table_names_exactly_the_keys_keyspace_builds() -> None:
 
 def test_every_setting_has_one_description_and_the_cli_shows_it() -> None:
     names = {f.name for f in fields(PodSettings)}
-    assert set(SETTING_HELP) == names
+    assert set(SETTING_HELP) == names, "describe each PodSettings field once, in service/settings.py's SETTING_HELP"
     parser = build_parser()
     serve = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]  # noqa: SLF001
     shown = 0
