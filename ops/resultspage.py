@@ -88,7 +88,7 @@ def _resume(d: dict[str, Any]) -> tuple[Table, str]:
                            mb, speedup, floor]))
     contexts = sorted({r["context"] for r in rows})
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    series = {_method(m).replace("`", ""): [next((r["ttft_ms_p50"] for r in rows
+    series = {_method(m).replace("`", "").split(" (")[0]: [next((r["ttft_ms_p50"] for r in rows
                                                  if r["context"] == c and r["method"] == m), None) for c in contexts]
               for m in methods}
     chart = svgchart.bars([f"{c:,} tokens" for c in contexts], series, title="Time to first token, p50",

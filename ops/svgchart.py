@@ -10,8 +10,8 @@ import math
 from collections.abc import Sequence
 from html import escape
 
-WIDTH, HEIGHT = 720, 400
-LEFT, RIGHT, TOP, BOTTOM = 70, 200, 40, 50  # margins; the legend sits in the right one
+WIDTH, HEIGHT = 780, 400
+LEFT, RIGHT, TOP, BOTTOM = 70, 250, 40, 50  # margins; the legend sits in the right one
 COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c")
 
 
