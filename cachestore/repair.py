@@ -10,7 +10,7 @@ from cachestore import budget
 from cachestore.codec import verify_frame
 from cachestore.errors import CodecError
 from cachestore.inspect import BlockKey, Progress, classify, parse_block_key, scan_batches, text
-from cachestore.keys import ENTRY_KINDS, KeySpace
+from cachestore.keys import ENTRY_KINDS, INDEX_KEYS, KeySpace
 from cachestore.sessions import from_fields
 from cachestore.settings import StoreSettings, index_ttl_ms
 from cachestore.tails import unpack_ids, unpack_tail
@@ -207,14 +207,14 @@ class _Verifier:
         shard = self.keys.shard(index)
         for i in range(0, len(unindexed), 256):
             chunk = unindexed[i:i + 256]
-            await self.client.eval(budget.ACCOUNT, 3 + len(chunk), *shard.all(), *chunk, budget.now_ms(),
-                                   self.index_ttl_ms, "adopt")
+            await self.client.eval(budget.ACCOUNT, INDEX_KEYS + len(chunk), *shard.all(), *chunk, budget.now_ms(),
+                                   self.index_ttl_ms, "adopt", "")
         gone = sorted(set(gone))
         if gone or recount:
             for i in range(0, max(len(gone), 1), 256):
                 chunk = gone[i:i + 256]
                 last = i + 256 >= len(gone)
-                await self.client.eval(budget.CHECK, 3 + len(chunk), *shard.all(), *chunk,
+                await self.client.eval(budget.CHECK, INDEX_KEYS + len(chunk), *shard.all(), *chunk,
                                        "1" if last else "0", self.index_ttl_ms)
 
 
@@ -256,7 +256,7 @@ async def purge_model(client: Any, keys: KeySpace, model: str, progress: Progres
                 by_shard[parsed.shard].append(key)
         blocks += sum(int(n) for n in await pipe.execute())
         for index, gone in by_shard.items():  # CHECK drops the entries of the blocks just unlinked
-            _, stale, _ = await client.eval(budget.CHECK, 3 + len(gone), *keys.shard(index).all(), *gone,
+            _, stale, _ = await client.eval(budget.CHECK, INDEX_KEYS + len(gone), *keys.shard(index).all(), *gone,
                                             "0", index_ttl_ms(block_ttl_ms))
             freed += int(stale)
     sessions = 0

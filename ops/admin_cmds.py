@@ -21,6 +21,7 @@ def _where(settings: Any) -> str:
 def cmd_stats(args: argparse.Namespace, settings: Any) -> int:
     stats = call(settings, lambda s: inspect.namespace_stats(s.client, s.keys, settings.budget_bytes,
                                                               progress(args)))
+    stats["tenant_quotas"] = {t: settings.quota_of(t) for t in stats["tenant_bytes"] if settings.quota_of(t)}
     if args.json:
         print_json(stats)
         return 0
@@ -43,6 +44,11 @@ def cmd_stats(args: argparse.Namespace, settings: Any) -> int:
         print(f"{model:<18} {row['blocks']:>8} {size(row['block_bytes']):>12} {row['sessions']:>9}")
     if stats["tenants"]:
         print("sessions by tenant: " + ", ".join(f"{t} {n}" for t, n in stats["tenants"].items()))
+    if stats["tenant_bytes"]:
+        print(f"{'tenant':<18} {'bytes held':>12} {'quota':>12}")
+        for tenant, held in stats["tenant_bytes"].items():
+            quota = settings.quota_of(tenant)
+            print(f"{tenant:<18} {size(held):>12} {size(quota) if quota else 'none':>12}")
     return 0
 
 
