@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -35,6 +35,7 @@ class _Failed:
 
 
 FAILED = _Failed()
+REJECTED_KEYS = 4096  # keys remembered as holding a rejected value, so that the next write replaces it
 
 
 def _land(frame: bytes, target: Target) -> bytes | Target:
@@ -92,6 +93,8 @@ class BlockStore:
         self.signer = Signer(settings.frame_key, settings.frame_key_previous) if settings.signed else None
         self._overhead = TRAILER_SIZE if self.signer is not None else 0  # bytes a value's signature adds
         self._on_rejected = on_rejected
+        self._rejected: OrderedDict[str, None] = OrderedDict()  # keys whose value was rejected: rewritten, not NX
+        self._rejected_lock = threading.Lock()
         self.keys = KeySpace(settings.namespace, settings.index_shards)
         self._client = make_client(settings)
         self._blocking: Any = None  # the reader threads' blocking client, made on first use (fetch_blocking)
@@ -407,6 +410,11 @@ class BlockStore:
         return None
 
     def _reject(self, key: str, detail: str) -> None:
+        with self._rejected_lock:  # the next write of this key replaces the value (a rotated-out key's, a forger's)
+            self._rejected[key] = None
+            self._rejected.move_to_end(key)
+            while len(self._rejected) > REJECTED_KEYS:
+                self._rejected.popitem(last=False)
         self._counters.add("rejected_mac")
         if self._on_rejected is not None:
             self._on_rejected("mac", f"{key}: {detail}")
@@ -515,8 +523,10 @@ class BlockStore:
             await self._make_room(sum(len(f) for _, f in items), tenant, quota)
         pipe = self._client.pipeline(transaction=False)
         by_shard: dict[int, list[str]] = defaultdict(list)
+        replacing = False  # from a rejected value on, the chain's blocks were unreadable: all are replaced
         for (shard, key), frame in items:
-            pipe.set(key, frame, px=self._block_ttl_ms, nx=nx)
+            replacing = replacing or self._replaces(key)
+            pipe.set(key, frame, px=self._block_ttl_ms, nx=nx and not replacing)
             by_shard[shard].append(key)
         if self.settings.budget_enabled:
             for shard, keys in by_shard.items():
@@ -532,6 +542,15 @@ class BlockStore:
                 self._counters.add("errors")
         self._counters.add("blocks_written", written)
         return written
+
+    def _replaces(self, key: str) -> bool:
+        """Whether a block write replaces what `key` holds: its value was rejected (signed by neither key, or
+        moved or altered), and so was the rest of its chain, never read after it. Otherwise a present block is left
+        as it is (the same KV, content-addressed)."""
+        if not self._rejected:
+            return False
+        with self._rejected_lock:
+            return self._rejected.pop(key, 0) is None
 
     def _fit_budget(self, items: list[Any], limit: int) -> list[Any]:
         """The longest prefix of the batch that fits in the whole budget or quota `limit` (normally all of it)."""
