@@ -13,7 +13,8 @@ def test_bench_store_small_run_reports_both_ratios(tmp_path: Path) -> None:
     assert main(["bench", "store", "--block-sizes", "256K", "--reps", "3", "--tokens", "512",
                  "--json", str(out)]) == 0
     rows = {r["op"]: r for r in json.loads(out.read_text())}
-    assert set(rows) == {"get", "get_reader", "get_landing", "put", "put_nobudget"}
+    assert set(rows) == {"get", "get_reader", "get_landing", "put", "put_nobudget", "mac_seal", "mac_open"}
+    assert rows["mac_seal"]["ms_per_gb"] > 0 and rows["mac_open"]["gb_s"] > 0
     get = rows["get"]
     assert get["reps"] == 3 and get["context_bytes"] == 512 * 23040
     assert get["kvstash_mb_s"] > 0 and get["raw_mb_s"] > 0
@@ -26,3 +27,11 @@ def test_bench_store_small_run_reports_both_ratios(tmp_path: Path) -> None:
     landing = rows["get_landing"]  # a transformers pod's lookup: frames received into one buffer, the same bytes
     assert landing["reps"] == 3 and landing["context_bytes"] == get["context_bytes"] and landing["kvstash_mb_s"] > 0
     assert 0 < landing["paired_ratio"] < 100
+
+
+def test_bench_store_signed_run(tmp_path: Path) -> None:
+    out = tmp_path / "signed.json"
+    assert main(["bench", "store", "--block-sizes", "256K", "--reps", "2", "--tokens", "256", "--frame-key", "fk",
+                 "--json", str(out)]) == 0
+    rows = {r["op"]: r for r in json.loads(out.read_text())}
+    assert rows["get_landing"]["kvstash_mb_s"] > 0 and rows["mac_open"]["ms_per_gb"] > 0
