@@ -259,3 +259,25 @@ def test_verify_on_a_signed_namespace(redis_server: RedisProcess, capsys: pytest
     assert not client.exists(blocks[0], blocks[2], blocks[3], "sig:sess:default:chat-1")
     rc, report, out = admin(capsys, url, "sig", "verify")
     assert rc == 0 and "signed by the current key: 1, by the previous key: 12" in report
+
+
+def test_stats_show_bytes_held_per_tenant(redis_server: RedisProcess, capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    async def write() -> int:
+        store = BlockStore(StoreSettings.from_url(redis_server.url, namespace="ten"))
+        try:
+            hashes = chain_hashes(list(range(16 * 3)), 16, root_hash(FP, b"acme"))
+            assert await store.put_blocks(FP.short(), hashes, [frame(seed=i) for i in range(3)], "acme") == 3
+            other = chain_hashes(list(range(16)), 16, root_hash(FP, b"beta"))
+            assert await store.put_blocks(FP.short(), other, [frame(seed=9)], "beta") == 1
+            return len(frame())
+        finally:
+            await store.close()
+
+    size = asyncio.run(write())
+    monkeypatch.setenv("KVSTASH_TENANT_QUOTAS", "acme=1MiB")
+    rc, stats, _ = admin(capsys, redis_server.url, "ten", "stats", "--json")
+    assert rc == 0 and stats["tenant_bytes"] == {"acme": 3 * size, "beta": size}
+    assert stats["tenant_quotas"] == {"acme": 1 << 20}
+    rc, out, _ = admin(capsys, redis_server.url, "ten", "stats")
+    assert rc == 0 and "acme" in out and "1.0 MiB" in out and "none" in out
