@@ -155,3 +155,32 @@ def test_key_rotation_through_pods(redis_server: RedisProcess, tiny_model: Any) 
             got = chat(pod, second_turn)
             assert got.headers["x-kv-cache"] == "miss" and reply_of(got) == reference_reply(plain, got)
             assert metric(pod, "kvstash_frames_rejected_total", 'reason="mac"') >= 1  # a block, a reply's ids
+
+
+def _complete(pod: Any, ids: list[int]) -> Any:
+    got = pod.post("/v1/completions", json={"model": "tiny-random", "prompt": ids, "max_tokens": 4,
+                                            "temperature": 0})
+    assert got.status_code == 200, got.text
+    return got.json()
+
+
+def test_a_replayed_older_value_is_used_only_where_it_is_right(redis_server: RedisProcess, tiny_model: Any) -> None:
+    """A MAC cannot tell a replayed older value of the same key (a tail this prefix held before) from the newest:
+    the pod uses it only as far as its tokens continue the prompt, so the reply is still a no-cache pod's."""
+    first = list(range(100, 140))  # 2 full 16-token blocks and a tail under the second block's hash
+    second = first[:36] + [7, 8, 9, 10]  # the same blocks, another tail under the same key
+    with pod_client(redis_server.url, tiny_model, frame_key="fk-1") as pod, \
+            pod_client(redis_server.url, tiny_model, cache_enabled=False) as plain:
+        r = redis_server.client()
+        _complete(pod, first)
+        wait_written(pod)
+        [tail_key] = list(r.scan_iter(match="kvstash:tail:*"))
+        old_tail = r.get(tail_key)
+        _complete(pod, second + [11])  # the newest tail of this prefix replaces the first one
+        wait_written(pod)
+        assert r.get(tail_key) != old_tail
+        r.set(tail_key, old_tail, keepttl=True)  # replayed: validly signed, for this very key, but older
+        got = _complete(pod, second)
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 36  # as far as the old tail continues it
+        assert got["choices"][0]["text"] == _complete(plain, second)["choices"][0]["text"]
+        assert metric(pod, "kvstash_frames_rejected_total", 'reason="mac"') == 0  # not a forgery: nothing rejected
