@@ -483,7 +483,7 @@ class BlockStore:
     async def put_blocks(self, model: str, hashes: Sequence[BlockHash], frames: Sequence[bytes],
                          tenant: str | None = None) -> int:
         """Write blocks (present ones are left as they are); returns how many were written. `tenant`: whose they
-        are (its quota applies, `tenant_usage` counts them); None: the namespace's, under its budget only."""
+        are (its quota applies, `usage().by_tenant` counts them); None: the namespace's, under its budget only."""
         return (await self.store_blocks(model, hashes, frames, tenant)).value
 
     async def store_blocks(self, model: str, hashes: Sequence[BlockHash], frames: Sequence[bytes],
