@@ -3,7 +3,9 @@
 A block's shard NN comes from its hash, and the `{<ns>:sNN}` hash tag puts the block (or tail, or
 reply ids: the budget accounts for all three alike) and its shard's three index keys in one cluster
 slot, so a Lua script touching them runs on Redis Cluster. Blocks spread over `index_shards` slots, so no
-single slot is the hot spot.
+single slot is the hot spot. A tenant's accounting is kept per shard too (owner, tbytes, tlru): its
+keys end in the shard's hash tag, so the scripts that account a block update the namespace's and its tenant's
+figures in one atomic step on any deployment.
 """
 
 from __future__ import annotations
@@ -53,6 +55,10 @@ KEY_SHAPES = (
              "2 x `block_ttl_s`, refreshed on use"),
     KeyShape("<ns>:idx:size:{<ns>:sNN}", "HASH", "block key -> bytes accounted for it", "as `idx:lru`"),
     KeyShape("<ns>:idx:bytes:{<ns>:sNN}", "STRING", "bytes accounted in shard NN (an integer)", "as `idx:lru`"),
+    KeyShape("<ns>:idx:owner:{<ns>:sNN}", "HASH", "block key -> the tenant that wrote it", "as `idx:lru`"),
+    KeyShape("<ns>:idx:tbytes:{<ns>:sNN}", "HASH", "tenant -> bytes its entries hold in shard NN", "as `idx:lru`"),
+    KeyShape("<ns>:idx:tlru:<tenant>:{<ns>:sNN}", "ZSET", "one tenant's block keys -> last access, ms since the epoch",
+             "as `idx:lru`"),
     KeyShape("<ns>:sess:<tenant>:<session_id>", "HASH", "one session record (fields in `cachestore/sessions.py`)",
              "`session_ttl_s`, slid by every read"),
 )
@@ -80,16 +86,26 @@ def check_model(model: str) -> str:
     return model
 
 
+INDEX_KEYS = 5  # the keys ShardKeys.all() names, in KEYS[1..5] of every budget script
+
+
 @dataclass(frozen=True)
 class ShardKeys:
-    """The three index keys of one shard (same hash slot as its blocks)."""
+    """The index keys of one shard (same hash slot as its blocks)."""
 
     lru: str
     size: str
     bytes: str
+    owner: str
+    tenant_bytes: str
 
     def all(self) -> list[str]:
-        return [self.lru, self.size, self.bytes]
+        return [self.lru, self.size, self.bytes, self.owner, self.tenant_bytes]
+
+    def tenant_lru(self, tenant: str) -> str:
+        """The LRU index of one tenant's entries in this shard (the scripts derive the same name from `lru`)."""
+        head, _, tag = self.lru.partition(":idx:lru:")
+        return f"{head}:idx:tlru:{check_tenant(tenant)}:{tag}"
 
 
 class KeySpace:
@@ -100,7 +116,8 @@ class KeySpace:
         self.shards = shards
         self._tags = [f"{{{namespace}:s{i:02d}}}" for i in range(shards)]
         self._shard_keys = [
-            ShardKeys(f"{namespace}:idx:lru:{t}", f"{namespace}:idx:size:{t}", f"{namespace}:idx:bytes:{t}")
+            ShardKeys(f"{namespace}:idx:lru:{t}", f"{namespace}:idx:size:{t}", f"{namespace}:idx:bytes:{t}",
+                      f"{namespace}:idx:owner:{t}", f"{namespace}:idx:tbytes:{t}")
             for t in self._tags
         ]
 

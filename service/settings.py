@@ -88,9 +88,8 @@ class PodSettings:
             raise ConfigError("KVSTASH_FRAME_KEY_PREVIOUS needs KVSTASH_FRAME_KEY (the key pods write with)")
         if self.frame_key and self.frame_key == self.tenant_secret:
             raise ConfigError("the frame key must differ from the tenant secret")
-        if self.tenant_quota_bytes or self.tenant_quotas:  # parsed, not enforced yet: refused, never ignored
-            raise ConfigError("per-tenant quotas (KVSTASH_TENANT_QUOTA_BYTES, KVSTASH_TENANT_QUOTAS) are not "
-                              "enforced yet; unset them")
+        if self.tenant_quota_bytes < 0:
+            raise ConfigError("tenant_quota_bytes must be >= 0 (0: no default quota)")
         for tenant, quota in self.tenant_quotas.items():
             if not TENANT_RE.match(tenant) or quota <= 0:
                 raise ConfigError(f"tenant quotas need a tenant matching {TENANT_PATTERN} and a positive size")
@@ -111,6 +110,12 @@ class PodSettings:
     @property
     def multi_tenant(self) -> bool:
         return bool(self.api_keys)
+
+    @property
+    def tenants(self) -> list[str]:
+        """The tenants this pod serves (its API keys', or the default one), and those given a quota."""
+        served = set(self.api_keys.values()) if self.api_keys else {DEFAULT_TENANT}
+        return sorted(served | set(self.tenant_quotas))
 
     @property
     def write_wait(self) -> float:

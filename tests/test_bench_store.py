@@ -18,7 +18,8 @@ def test_bench_store_small_run_reports_both_ratios(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["reps"] == 3 and result["tokens"] == 512 and result["machine"]["nproc"] >= 1
     rows = {r["op"]: r for r in result["rows"]}
-    assert set(rows) == {"get", "get_reader", "get_landing", "put", "put_nobudget"}
+    assert set(rows) == {"get", "get_reader", "get_landing", "put", "put_nobudget", "mac_seal", "mac_open"}
+    assert rows["mac_seal"]["ms_per_gb"] > 0 and rows["mac_open"]["gb_s"] > 0
     get = rows["get"]
     assert get["reps"] == 3 and get["context_bytes"] == 512 * 23040
     assert get["kvstash_mb_s"] > 0 and get["raw_mb_s"] > 0
@@ -43,3 +44,11 @@ def test_bench_store_json_is_what_the_results_page_renders(tmp_path: Path, monke
     assert "{#store}" in page and "| 256 KiB |" in page and "| 512 KiB |" in page
     assert json.loads(out.read_text())["machine"]["date"] in page
     assert files[tmp_path / "store.svg"].startswith("<svg")
+
+
+def test_bench_store_signed_run(tmp_path: Path) -> None:
+    out = tmp_path / "signed.json"
+    assert main(["bench", "store", "--block-sizes", "256K", "--reps", "2", "--tokens", "256", "--frame-key", "fk",
+                 "--json", str(out)]) == 0
+    rows = {r["op"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["get_landing"]["kvstash_mb_s"] > 0 and rows["mac_open"]["ms_per_gb"] > 0
