@@ -31,7 +31,7 @@ from typing import Any
 
 from ops.llamaserver_build import BUILD_ROOT, LLAMA_CPP_PYTHON_VERSION
 
-RECIPE = "tinymodels-v1"  # bump when a build below changes
+RECIPE = "tinymodels-v2"  # bump when a build below changes
 SEED = 0
 GGUF_NAME = "model.gguf"
 
@@ -62,6 +62,7 @@ SPECS = {
             **_COMMON, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
             "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 32, "num_local_experts": 4,
             "max_position_embeddings": 131072,  # its own: YaRN scales 4096 by 32
+            "tie_word_embeddings": False,  # llama.cpp's gpt-oss wants an output.weight
             "num_experts_per_tok": 2, "layer_types": ["sliding_attention", "full_attention"],
         }),
         TinySpec("lfm2", "Lfm2Config", "Lfm2ForCausalLM", {
@@ -133,7 +134,7 @@ def _build(spec: TinySpec, tokenizer_dir: Path, out: Path) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "HF_HUB_OFFLINE": "1"}
         done = subprocess.run(
             [sys.executable, str(source / "convert_hf_to_gguf.py"), str(out), "--outfile", str(out / GGUF_NAME),
-             "--outtype", "f16"],
+             "--outtype", "f16", "--model-name", f"kvstash-tiny-{spec.name}"],
             env=env, capture_output=True, text=True, check=False,
         )
     if done.returncode:
