@@ -31,9 +31,8 @@ from typing import Any
 
 from ops.llamaserver_build import BUILD_ROOT, LLAMA_CPP_PYTHON_VERSION
 
-RECIPE = "tinymodels-v2"  # bump when a build below changes
+RECIPE = "tinymodels-v3"  # bump when a build below changes
 SEED = 0
-GGUF_NAME = "model.gguf"
 
 
 @dataclass(frozen=True)
@@ -76,6 +75,11 @@ SPECS = {
         }),
     )
 }
+
+
+def gguf_name(name: str) -> str:
+    """The file name of tiny model `name`'s GGUF (the llamacpp engine serves it by its stem)."""
+    return f"tiny-{name}.gguf"
 
 
 def llama_cpp_source() -> Path:
@@ -133,8 +137,9 @@ def _build(spec: TinySpec, tokenizer_dir: Path, out: Path) -> None:
             path.append(stubs)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "HF_HUB_OFFLINE": "1"}
         done = subprocess.run(
-            [sys.executable, str(source / "convert_hf_to_gguf.py"), str(out), "--outfile", str(out / GGUF_NAME),
-             "--outtype", "f16", "--model-name", f"kvstash-tiny-{spec.name}"],
+            [sys.executable, str(source / "convert_hf_to_gguf.py"), str(out),
+             "--outfile", str(out / gguf_name(spec.name)), "--outtype", "f16",
+             "--model-name", f"kvstash-tiny-{spec.name}"],
             env=env, capture_output=True, text=True, check=False,
         )
     if done.returncode:
@@ -151,4 +156,4 @@ def tiny_gguf(name: str, cache_dir: Path | None = None) -> Path:
     key = build_key(spec)
     build: Callable[[Path], None] = lambda out: _build(spec, tokenizer_dir, out)  # noqa: E731
     target = ensure_built(root / "tiny-gguf" / f"{name}-{key}", build, f"{RECIPE}/{key}")
-    return target / GGUF_NAME
+    return target / gguf_name(name)
