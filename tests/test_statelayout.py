@@ -201,3 +201,17 @@ def test_the_llamacpp_engine_refuses_a_layout_it_cannot_cache_naming_it(name: st
 def test_the_gguf_header_names_per_layer_arrays_llama_cpp_leaves_out() -> None:
     meta = read_meta(tiny_gguf("lfm2"), ["general.architecture", "lfm2.attention.head_count_kv", "absent"])
     assert meta == {"general.architecture": "lfm2", "lfm2.attention.head_count_kv": [0, 2, 0, 2]}
+
+
+@needs_converter
+def test_serve_refuses_a_sliding_window_model_in_one_line() -> None:
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    done = subprocess.run([sys.executable, "-m", "ops.cli", "serve", "--engine", "llamacpp", "--model",
+                           str(tiny_gguf("gemma3")), "--no-cache", "--port", "1"], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "kvstash: error: tiny-gemma3.gguf is gemma3, 6 layers: 5 sliding-window (window 32; layers 0-4), "
+        "1 full-attention; kvstash caches full-attention KV only"]
