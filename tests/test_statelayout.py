@@ -21,6 +21,7 @@ from service.engines.statelayout import (
     KvSection,
     ModelLayout,
     RecurrentSection,
+    cut_kv,
     read_sections,
     sliding_layers,
 )
@@ -35,8 +36,8 @@ F16, F32 = 1, 0
 
 
 @contextmanager
-def _decoded(path: Path, flash_attn: int = -1) -> Iterator[object]:
-    """A llama.cpp context of two sequences (a stream each) with TOKENS tokens decoded into sequence SEQ."""
+def _context(path: Path, flash_attn: int = -1) -> Iterator[object]:
+    """A llama.cpp context of two sequences (a stream each) of the model at `path`."""
     lib = llama_cpp
     lib.llama_backend_init()
     mparams = lib.llama_model_default_params()
@@ -49,18 +50,35 @@ def _decoded(path: Path, flash_attn: int = -1) -> Iterator[object]:
     cparams.kv_unified = False
     cparams.flash_attn_type = flash_attn
     ctx = lib.llama_init_from_model(model, cparams)
-    batch = lib.llama_batch_init(TOKENS, 0, 2)
     try:
-        batch.n_tokens = TOKENS
-        for j in range(TOKENS):
-            batch.token[j], batch.pos[j], batch.n_seq_id[j], batch.logits[j] = 100 + j, j, 1, j == TOKENS - 1
-            batch.seq_id[j][0] = SEQ
-        assert lib.llama_decode(ctx, batch) == 0
         yield ctx
     finally:
-        lib.llama_batch_free(batch)
         lib.llama_free(ctx)
         lib.llama_model_free(model)
+
+
+def _decode(ctx: object, positions: range) -> list[float]:
+    """Decode token 100 + p at each position p into sequence SEQ, in one batch; the last position's logits."""
+    lib = llama_cpp
+    batch = lib.llama_batch_init(len(positions), 0, 2)
+    try:
+        batch.n_tokens = len(positions)
+        for j, p in enumerate(positions):
+            batch.token[j], batch.pos[j], batch.n_seq_id[j] = 100 + p, p, 1
+            batch.seq_id[j][0], batch.logits[j] = SEQ, j == len(positions) - 1
+        assert lib.llama_decode(ctx, batch) == 0
+    finally:
+        lib.llama_batch_free(batch)
+    n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(lib.llama_get_model(ctx)))
+    return list(lib.llama_get_logits_ith(ctx, -1)[:n_vocab])
+
+
+@contextmanager
+def _decoded(path: Path, flash_attn: int = -1) -> Iterator[object]:
+    """A context with TOKENS tokens decoded into sequence SEQ."""
+    with _context(path, flash_attn) as ctx:
+        _decode(ctx, range(TOKENS))
+        yield ctx
 
 
 def _state(ctx: object, partial: bool = False) -> bytes:
@@ -138,6 +156,37 @@ def test_a_hybrid_state_is_the_attention_kv_then_one_recurrent_state() -> None:
     assert rec.r[0].at == kv.end + 4 + 8 + 8 + 12  # cell count, the cell (pos, n_seq_id = 0), s_trans, n_layer
     (alone,) = read_sections(partial, [RECURRENT])
     assert len(partial) == 8 + (rec.end - rec.start) == 1_100 and partial[8:] == blob[kv.end:]
+
+
+@needs_converter
+@pytest.mark.parametrize(("name", "kinds"), [
+    ("llama3-hd128", [KV]), ("gemma3", [KV, KV]), ("gpt-oss", [KV, KV]), ("lfm2", [KV, RECURRENT]),
+])
+def test_a_state_of_a_cut_prefix_and_the_boundarys_window_resumes_exactly(name: str, kinds: list[str]) -> None:
+    """What a boundary record makes possible: a later state's full-attention KV cut back to the boundary, with the
+    window (or recurrent state) llama.cpp wrote at the boundary, is a state that goes on exactly as the sequence
+    did: the next tokens' logits are bit for bit those of the sequence that never stopped."""
+    boundary = 40
+    with _context(tiny_gguf(name)) as ctx:
+        _decode(ctx, range(boundary))
+        at_boundary = _state(ctx, partial=True)  # SWA or recurrent sections alone (a full state where none)
+        expected = _decode(ctx, range(boundary, TOKENS))
+        later = _state(ctx)
+    sections = read_sections(later, kinds)
+    assert isinstance(sections[0], KvSection) and len(sections[0].positions) == TOKENS
+    state = later[:8] + cut_kv(later, sections[0], boundary) + (at_boundary[8:] if len(kinds) > 1 else b"")
+    assert [len(s.positions) for s in read_sections(state, kinds)] == [
+        boundary, *([32] if kinds[1:] == [KV] else [1] if kinds[1:] else [])]
+    with _context(tiny_gguf(name)) as ctx:
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        assert llama_cpp.llama_state_seq_set_data(ctx, buf, len(state), SEQ) == len(state)
+        assert _decode(ctx, range(boundary, TOKENS)) == expected
+    if kinds[1:] == [RECURRENT]:  # the control: the later recurrent state has folded those tokens in already
+        stale = later[:8] + cut_kv(later, sections[0], boundary) + later[sections[1].start:]
+        with _context(tiny_gguf(name)) as ctx:
+            buf = (ctypes.c_uint8 * len(stale)).from_buffer_copy(stale)
+            assert llama_cpp.llama_state_seq_set_data(ctx, buf, len(stale), SEQ) == len(stale)
+            assert _decode(ctx, range(boundary, TOKENS)) != expected
 
 
 def _kv_blob(positions: list[int], layers: int = 1, row: int = 4) -> bytes:

@@ -58,10 +58,34 @@ class KvSection:
     v_trans: bool
     k: tuple[Rows, ...]
     v: tuple[Rows, ...]
+    stream: int = 0  # the stream holding the cells (the others hold none)
 
     @property
     def n_layer(self) -> int:
         return len(self.k)
+
+
+def cut_kv(blob: bytes | bytearray | memoryview, section: KvSection, count: int) -> bytes:
+    """`section` of `blob` holding only its first `count` positions: the KV section llama.cpp writes of the same
+    sequence `count` tokens long, for a full-attention cache whose cells are in position order and V kept as rows
+    (flash attention). A boundary state is such a cut, then the window and recurrent sections taken at the
+    boundary."""
+    if section.v_trans:
+        raise StateLayoutError("V is stored transposed: a cut is no run of its rows")
+    if not 0 < count <= len(section.positions) or section.positions[:count] != tuple(range(count)):
+        raise StateLayoutError(f"the first {count} positions of a section of positions "
+                               f"{section.positions[:1]}..{section.positions[-1:]} are not 0..{count - 1}")
+    view = memoryview(blob).cast("B")
+    counts = [count if i == section.stream else 0 for i in range(section.n_stream)]
+    cells_at = section.start + 4 + 4 * (section.stream + 1)
+    out = [struct.pack(f"<I{section.stream + 1}I", section.n_stream, *counts[:section.stream + 1]),
+           bytes(view[cells_at:cells_at + _KV_CELL * count]),
+           struct.pack("<II", int(section.v_trans), section.n_layer)]
+    for rows in section.k + section.v:
+        out.append(struct.pack("<iQ", rows.ggml_type, rows.row_bytes))
+        out.append(bytes(view[rows.at:rows.at + count * rows.row_bytes]))
+    out.append(struct.pack(f"<{section.n_stream - section.stream - 1}I", *counts[section.stream + 1:]))
+    return b"".join(out)
 
 
 @dataclass(frozen=True)
@@ -114,15 +138,17 @@ def _kv_section(c: _Cursor) -> KvSection:
     if not 0 < n_stream <= 4096:
         raise StateLayoutError(f"a KV section of {n_stream} streams")
     positions: tuple[int, ...] = ()
+    stream = 0
     v_trans = False
     k: tuple[Rows, ...] = ()
     v: tuple[Rows, ...] = ()
-    for _ in range(n_stream):
+    for index in range(n_stream):
         cells = c.u32()
         if not cells:
             continue
         if positions:
             raise StateLayoutError("a sequence with cells in two streams")
+        stream = index
         meta = struct.unpack_from(f"<{3 * cells}i", c.blob, c.take(cells * _KV_CELL))
         if any(n != 1 for n in meta[1::3]):
             raise StateLayoutError("a cell shared by several sequences in a single-sequence state")
@@ -140,7 +166,7 @@ def _kv_section(c: _Cursor) -> KvSection:
             v = tuple(v_list)
         else:
             v = tuple(c.rows(cells, f"layer {i} V") for i in range(n_layer))
-    return KvSection(start, c.pos, n_stream, positions, v_trans, k, v)
+    return KvSection(start, c.pos, n_stream, positions, v_trans, k, v, stream)
 
 
 def _recurrent_section(c: _Cursor) -> RecurrentSection:
