@@ -315,6 +315,22 @@ class ModelLayout:
         return f"{self.arch}, {self.n_layer} layers: {', '.join(kinds)}"
 
 
+# Every order of sections a memory of the pinned llama.cpp writes (the table above), for a state of unknown origin
+# (a slot file): one fills a state exactly, the others run short or past its end
+SECTION_ORDERS = ((KV,), (KV, KV), (KV, RECURRENT), (KV, KV, RECURRENT), (RECURRENT,))
+
+
+def infer_sections(blob: bytes | bytearray | memoryview) -> tuple[Section, ...]:
+    """The sections of a state, of whichever of SECTION_ORDERS fills it; StateLayoutError where none does."""
+    errors = []
+    for kinds in SECTION_ORDERS:
+        try:
+            return read_sections(blob, kinds)
+        except StateLayoutError as exc:
+            errors.append(f"{'+'.join(kinds)}: {exc}")
+    raise StateLayoutError("a state of no layout kvstash knows (" + "; ".join(errors) + ")")
+
+
 def section_kinds(n_swa: int, hybrid: bool, recurrent: bool) -> tuple[str, ...]:
     """The sections a full (not PARTIAL_ONLY) state of such a model holds, in order (the table above)."""
     if recurrent:
