@@ -146,6 +146,11 @@ def _build(spec: TinySpec, tokenizer_dir: Path, out: Path) -> None:
         raise RuntimeError(f"converting tiny {spec.name} failed:\n{done.stderr[-4000:]}")
 
 
+def tiny_model_dir(name: str, cache_dir: Path | None = None) -> Path:
+    """The transformers directory (config, safetensors, tokenizer) tiny model `name`'s GGUF was converted from."""
+    return tiny_gguf(name, cache_dir).parent
+
+
 def tiny_gguf(name: str, cache_dir: Path | None = None) -> Path:
     """The GGUF of the tiny model `name` (a key of SPECS), built on first use and cached."""
     from service.models import TINY_RANDOM, default_cache_dir, ensure_built, resolve_model_dir  # noqa: PLC0415

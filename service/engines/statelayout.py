@@ -249,7 +249,7 @@ def recurrent_layers(n_layer: int, head_count_kv: object) -> tuple[int, ...] | N
     return None
 
 
-def _ranges(layers: Sequence[int]) -> str:
+def layer_ranges(layers: Sequence[int]) -> str:
     """0,1,2,3,4,6 -> "0-4,6"."""
     out: list[str] = []
     for il in layers:
@@ -261,7 +261,7 @@ def _ranges(layers: Sequence[int]) -> str:
 
 
 def _layers(layers: Sequence[int]) -> str:
-    return ("layer " if len(layers) == 1 else "layers ") + _ranges(layers)
+    return ("layer " if len(layers) == 1 else "layers ") + layer_ranges(layers)
 
 
 @dataclass(frozen=True)
@@ -292,10 +292,10 @@ class ModelLayout:
             return ""
         parts = [f"/layout:{self.arch}:{self.n_layer}"]
         if self.sliding_count:
-            parts.append(f"/swa{self.n_swa}:{_ranges(self.sliding) if self.sliding is not None else '?'}"
+            parts.append(f"/swa{self.n_swa}:{layer_ranges(self.sliding) if self.sliding is not None else '?'}"
                          f"x{self.sliding_count}")
         if self.recurrent_count:
-            parts.append(f"/rec:{_ranges(self.recurrent) if self.recurrent is not None else '?'}"
+            parts.append(f"/rec:{layer_ranges(self.recurrent) if self.recurrent is not None else '?'}"
                          f"x{self.recurrent_count}:{self.recurrent_bytes}B")
         parts.append("/rows:" + ",".join(str(b) for b in self.kv_row_bytes))
         return "".join(parts)
