@@ -267,6 +267,32 @@ def _default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def _check_layers(path: Path, model: PreTrainedModel) -> None:
+    """ConfigError, in one line naming the layers, unless every layer of `model` keeps plain full-attention KV
+    (a `DynamicLayer`): sliding-window and recurrent layers keep their own bookkeeping, which kvstash's blocks
+    of every position of every layer do not describe."""
+    from transformers import DynamicCache  # noqa: PLC0415
+    from transformers.cache_utils import DynamicLayer  # noqa: PLC0415
+
+    from service.engines.statelayout import layer_ranges  # noqa: PLC0415
+
+    layers = DynamicCache(config=model.config).layers
+    if all(type(layer) is DynamicLayer for layer in layers):
+        return
+    config = model.config.get_text_config(decoder=True)
+    named = list(getattr(config, "layer_types", None) or [])
+    kinds = named if len(named) == len(layers) else [type(layer).__name__ for layer in layers]
+    window = getattr(config, "sliding_window", None)
+    parts = []
+    for kind in dict.fromkeys(kinds):
+        where = [i for i, k in enumerate(kinds) if k == kind]
+        detail = f"window {window}; " if kind == "sliding_attention" and window else ""
+        parts.append(f"{len(where)} {kind} ({detail}{'layer' if len(where) == 1 else 'layers'} "
+                     f"{layer_ranges(where)})")
+    raise ConfigError(f"{path.name} is {config.model_type}, {len(kinds)} layers: {', '.join(parts)}; the hf engine "
+                      "caches full-attention KV only")
+
+
 def load_model(
     name_or_path: str = SMOLLM2,
     *,
@@ -287,6 +313,7 @@ def load_model(
     config = model.config.get_text_config(decoder=True)
     if getattr(model.config, "is_encoder_decoder", False):
         raise ConfigError(f"{path} is an encoder-decoder model; kvstash serves decoder-only LMs")
+    _check_layers(path, model)
     model.to(dev).eval()
     route_attention(model)  # sdpa, but a hit's first step attends over its landed codes
     heads = int(config.num_attention_heads)

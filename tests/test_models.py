@@ -17,6 +17,7 @@ from cachestore.errors import ConfigError
 from cachestore.hashing import ModelFingerprint
 from service import models
 from service.models import LoadedModel, load_model, resolve_model_dir
+from tests.tinymodels import converter_missing, tiny_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +146,28 @@ def test_smollm2_loads_from_its_converted_copy() -> None:
     assert (smol.num_layers, smol.kv_heads, smol.head_dim, smol.max_context) == (30, 3, 64, 8192)
     assert smol.dtype == torch.float32
     assert smol.tokenizer_digest == load_model("tiny-random").tokenizer_digest
+
+
+@pytest.mark.skipif(converter_missing() is not None, reason=converter_missing() or "")
+@pytest.mark.parametrize(("name", "layers"), [
+    ("gemma3", "gemma3_text, 6 layers: 5 sliding_attention (window 32; layers 0-4), 1 full_attention (layer 5)"),
+    ("lfm2", "lfm2, 4 layers: 2 conv (layers 0,2), 2 full_attention (layers 1,3)"),
+])
+def test_a_model_with_other_than_full_attention_layers_is_refused_naming_them(name: str, layers: str) -> None:
+    path = tiny_model_dir(name)
+    with pytest.raises(ConfigError) as refused:
+        load_model(str(path))
+    assert str(refused.value) == f"{path.name} is {layers}; the hf engine caches full-attention KV only"
+
+
+@pytest.mark.skipif(converter_missing() is not None, reason=converter_missing() or "")
+def test_a_head_dim_128_llama_3_serves_a_hit_as_its_miss() -> None:
+    from service.engines import GenParams  # noqa: PLC0415
+    from service.engines.hf import HfEngine  # noqa: PLC0415
+
+    engine = HfEngine.load(str(tiny_model_dir("llama3-hd128")))
+    assert (engine.geometry.num_layers, engine.geometry.kv_heads, engine.geometry.head_dim) == (2, 1, 128)
+    prompt = list(range(100, 160))
+    miss = engine.generate(prompt, None, GenParams(max_tokens=8))
+    hit = engine.generate(prompt, miss.kv[:, :, :, :48], GenParams(max_tokens=8))
+    assert hit.cached_tokens == 48 and hit.token_ids == miss.token_ids

@@ -37,7 +37,7 @@ import torch
 from cachestore.errors import ConfigError
 from cachestore.hashing import ModelFingerprint
 from service import threads as torch_threads
-from service.engines import llamastate
+from service.engines import ggufmeta, llamastate, statelayout
 from service.engines.base import FLASH_ATTN, KvGeometry, PrefillHook, check_flash_attn, gguf_fingerprint
 from service.engines.chat import chat_token_ids, remap_known
 from service.engines.generation import Choice, Generation, GenParams, TextStream, reply_ids
@@ -192,7 +192,6 @@ class LlamaCppEngine(LendsStates):
         self._model = lib.llama_model_load_from_file(str(path).encode(), mparams)
         if not self._model:
             raise ConfigError(f"llama.cpp could not load {path}")
-        self._check_model()
         threads = threads or os.cpu_count() or 1
         per_seq = min(MAX_SEQ_CONTEXT, int(lib.llama_model_n_ctx_train(self._model)))
         cparams = lib.llama_context_default_params()
@@ -223,6 +222,10 @@ class LlamaCppEngine(LendsStates):
         self._add_bos = bool(lib.llama_vocab_get_add_bos(self._vocab_p))
         self._bos = int(lib.llama_vocab_bos(self._vocab_p))
         self._batch = lib.llama_batch_init(N_BATCH, 0, parallel)
+        self.layout = self._probe_model_layout()
+        if not self.layout.full_attention_only:
+            self._free_native()
+            raise ConfigError(f"{path.name} is {self.layout.describe()}; kvstash caches full-attention KV only")
         self.state_geometry = self._probe_layout()
         # exact and fp16 frames as token rows, the order the state holds K and V in: a hit lands in the state itself
         self.row_frames = not self.state_geometry.v_trans
@@ -266,14 +269,35 @@ class LlamaCppEngine(LendsStates):
         value = self._meta(key)
         return int(value) if value and value.isdigit() else 0
 
-    def _check_model(self) -> None:
+    def _probe_model_layout(self) -> statelayout.ModelLayout:
+        """Which layers keep full-attention KV, sliding-window KV or a recurrent state: decode two tokens in sequence
+        0 and read the sections of its state (statelayout), checked against what the GGUF says of its layers."""
         lib, model = self._lib, self._model
-        if lib.llama_model_is_recurrent(model) or lib.llama_model_is_hybrid(model):
-            raise ConfigError(f"{self.path.name} has a recurrent or hybrid cache; kvstash caches full-attention "
-                              "KV only")
-        if int(lib.llama_model_n_swa(model)) > 0:
-            raise ConfigError(f"{self.path.name} uses sliding-window attention; kvstash caches full-attention "
-                              "KV only")
+        arch = self._meta_raw("general.architecture") or "unknown"
+        n_layer, n_swa = int(lib.llama_model_n_layer(model)), int(lib.llama_model_n_swa(model))
+        hybrid, recurrent = bool(lib.llama_model_is_hybrid(model)), bool(lib.llama_model_is_recurrent(model))
+        pattern_key, heads_key = f"{arch}.attention.sliding_window_pattern", f"{arch}.attention.head_count_kv"
+        meta = ggufmeta.read_meta(self.path, (pattern_key, heads_key)) if n_swa > 0 or hybrid else {}
+        sliding = statelayout.sliding_layers(arch, n_layer, meta.get(pattern_key)) if n_swa > 0 else ()
+        rec_layers = (tuple(range(n_layer)) if recurrent else
+                      statelayout.recurrent_layers(n_layer, meta.get(heads_key)) if hybrid else ())
+        self._decode_tokens([(self._bos, 0, 0, False), (self._bos, 1, 0, True)])
+        size = self._state_size(0)
+        blob = self._get_state(0, bytearray(size), size)
+        lib.llama_memory_seq_rm(self._mem, 0, -1, -1)
+        try:
+            sections = statelayout.read_sections(blob, statelayout.section_kinds(n_swa, hybrid, recurrent))
+            return statelayout.model_layout(arch, n_layer, n_swa, sections, sliding, rec_layers)
+        except llamastate.StateLayoutError as exc:
+            self._free_native()
+            raise ConfigError(f"{self.path.name}: llama.cpp's sequence state is not one kvstash reads ({exc})"
+                              ) from None
+
+    def _free_native(self) -> None:
+        """Free what llama.cpp holds for this engine when it refuses to start (`close` does it after)."""
+        self._lib.llama_batch_free(self._batch)
+        self._lib.llama_free(self._ctx)
+        self._lib.llama_model_free(self._model)
 
     def _probe_layout(self) -> llamastate.StateGeometry:
         """Decode two tokens in sequence 0 and read its state back: the running llama.cpp must write the
@@ -304,7 +328,7 @@ class LlamaCppEngine(LendsStates):
 
     def fingerprint(self, block_tokens: int, codec_name: str) -> ModelFingerprint:
         engine_id = (f"llamacpp-{PINNED_VERSION}/state-v{llamastate.LAYOUT_VERSION}"
-                     + llamastate.cache_tag(self.state_geometry.kv_type))
+                     + llamastate.cache_tag(self.state_geometry.kv_type) + self.layout.tag())
         return gguf_fingerprint(engine_id, self._digest, self._template or "", self._add_bos, self.geometry,
                                 block_tokens, codec_name)
 
@@ -475,10 +499,7 @@ class LlamaCppEngine(LendsStates):
             return
         self._closed.set()
         self._thread.join(timeout=30)
-        lib = self._lib
-        lib.llama_batch_free(self._batch)
-        lib.llama_free(self._ctx)
-        lib.llama_model_free(self._model)
+        self._free_native()
 
     # -- the scheduler thread --------------------------------------------------------------------
     def _run(self) -> None:

@@ -28,7 +28,7 @@ import torch
 
 from cachestore.errors import ConfigError
 from cachestore.hashing import ModelFingerprint
-from service.engines import llamastate, slotfile
+from service.engines import ggufmeta, llamastate, slotfile, statelayout
 from service.engines.base import KvGeometry, PrefillHook, check_flash_attn, gguf_fingerprint
 from service.engines.chat import chat_token_ids
 from service.engines.generation import Generation, GenParams, reply_ids
@@ -73,21 +73,29 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return len(os.path.commonprefix([list(a), list(b)]))
 
 
+_LAYER_KEYS = ("block_count", "attention.head_count", "attention.head_count_kv", "attention.key_length",
+               "embedding_length", "attention.sliding_window", "attention.sliding_window_pattern")
+
+
+def gguf_facts(path: Path) -> dict[str, Any]:
+    """What the GGUF's header says of its layers (what llama-server loaded), by key without the architecture."""
+    arch = str(ggufmeta.read_meta(path, ["general.architecture"]).get("general.architecture", ""))
+    found = ggufmeta.read_meta(path, [f"{arch}.{key}" for key in _LAYER_KEYS])
+    return {"arch": arch, **{key: found.get(f"{arch}.{key}") for key in _LAYER_KEYS}}
+
+
+def _most(value: Any) -> int:
+    """A per-layer list's largest entry (a hybrid's KV heads: 0 in its recurrent layers), or the value itself."""
+    return int(max(value) if isinstance(value, list) else value or 0)
+
+
 def gguf_geometry(path: Path, max_context: int) -> KvGeometry:
     """Layers, KV heads and head size from the GGUF's metadata (what llama-server loaded)."""
-    import gguf  # noqa: PLC0415
-
-    fields = gguf.GGUFReader(str(path)).fields
-
-    def value(key: str) -> Any:
-        f = fields.get(key)
-        return f.contents() if f is not None else None
-
-    arch = value("general.architecture")
-    layers, heads = value(f"{arch}.block_count"), value(f"{arch}.attention.head_count")
-    kv_heads = value(f"{arch}.attention.head_count_kv") or heads
-    head_dim = value(f"{arch}.attention.key_length") or value(f"{arch}.embedding_length") // heads
-    return KvGeometry(int(layers), int(kv_heads), int(head_dim), torch.float16, max_context)
+    facts = gguf_facts(path)
+    heads = _most(facts["attention.head_count"])
+    kv_heads = _most(facts["attention.head_count_kv"]) or heads
+    head_dim = int(facts["attention.key_length"] or _most(facts["embedding_length"]) // heads)
+    return KvGeometry(int(facts["block_count"]), kv_heads, head_dim, torch.float16, max_context)
 
 
 class LlamaServerEngine(LendsStates):
@@ -235,6 +243,10 @@ class LlamaServerEngine(LendsStates):
                                                "temperature": 0.0})
             self._slot_action(0, "save", name)
             data = path.read_bytes()
+            self.layout = layout = self._layout(slotfile.state_of(data))
+            if not layout.full_attention_only:
+                raise ConfigError(f"llama-server at {self.url} serves {self.path.name}, {layout.describe()}; kvstash "
+                                  "caches full-attention KV only")
             facts = slotfile.facts(data)
             g = self.geometry
             if facts.num_layers != g.num_layers or facts.row_elements != g.kv_heads * g.head_dim:
@@ -258,10 +270,24 @@ class LlamaServerEngine(LendsStates):
             self._erase(0)
         return geo
 
+    def _layout(self, state: bytearray) -> statelayout.ModelLayout:
+        """Which layers of the served model keep full-attention KV, a sliding window or a recurrent state, from the
+        sections of a saved slot's state and the GGUF's header (`LlamaCppEngine._probe_model_layout`'s facts)."""
+        facts = gguf_facts(self.path)
+        arch, n_layer = facts["arch"], int(facts["block_count"])
+        sections = statelayout.infer_sections(state)
+        n_swa = int(facts["attention.sliding_window"] or 0) if len(sections) > 1 and isinstance(
+            sections[1], statelayout.KvSection) else 0
+        sliding = statelayout.sliding_layers(arch, n_layer, facts["attention.sliding_window_pattern"]) if n_swa else ()
+        hybrid = isinstance(sections[-1], statelayout.RecurrentSection)
+        recurrent = (tuple(range(n_layer)) if len(sections) == 1 else statelayout.recurrent_layers(
+            n_layer, facts["attention.head_count_kv"])) if hybrid else ()
+        return statelayout.model_layout(arch, n_layer, n_swa, sections, sliding, recurrent)
+
     # -- identity and text -----------------------------------------------------------------------
     def fingerprint(self, block_tokens: int, codec_name: str) -> ModelFingerprint:
-        engine_id = f"llama-server/state-v{llamastate.LAYOUT_VERSION}" + llamastate.cache_tag(
-            self.state_geometry.kv_type)
+        engine_id = (f"llama-server/state-v{llamastate.LAYOUT_VERSION}"
+                     + llamastate.cache_tag(self.state_geometry.kv_type) + self.layout.tag())
         return gguf_fingerprint(engine_id, self._digest, self._template, self._bos is not None, self.geometry,
                                 block_tokens, codec_name)
 

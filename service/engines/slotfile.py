@@ -88,6 +88,11 @@ def facts(data: bytes | bytearray | memoryview) -> llamastate.StateFacts:
     return found
 
 
+def state_of(data: bytes | bytearray | memoryview) -> bytearray:
+    """The sequence state a slot file holds, as `llama_state_seq_get_data` writes it (magic and seq_id first)."""
+    return _state(memoryview(data).cast("B"))[1]
+
+
 def parse(data: bytes | bytearray | memoryview, geo: llamastate.StateGeometry, start: int = 0) -> SlotFile:
     """Tokens and KV of a slot file's bytes, the KV of tokens `start`.. only; the KV must cover exactly its tokens."""
     tokens, state = _state(memoryview(data).cast("B"))
