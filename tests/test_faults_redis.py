@@ -56,13 +56,13 @@ def oracle(reference: TestClient) -> Oracle:
 RECOVERY_LIMIT_S = 30.0  # the pod's breaker reset (5 s), a miss that writes and the hit after it, with room
 
 
-def test_redis_killed_mid_conversation_and_restarted_empty(redis_server: RedisProcess, tiny_model: Any,
+def test_redis_killed_mid_conversation_and_restarted_empty(kv_server: RedisProcess, tiny_model: Any,
                                                            oracle: Oracle, figures: dict[str, object]) -> None:
     """Two pods alternate the turns of a conversation; Redis dies at turn 3 and comes back empty at turn 5."""
     sent = correct = 0
     statuses: list[str] = []
-    with pod_client(redis_server.url, tiny_model, pod_name="a") as a, \
-            pod_client(redis_server.url, tiny_model, pod_name="b") as b:
+    with pod_client(kv_server.url, tiny_model, pod_name="a") as a, \
+            pod_client(kv_server.url, tiny_model, pod_name="b") as b:
         messages = [SYSTEM]
         restarted_at = recovered_s = None
         # turns go on until a hit after the restart: the breaker stays open for breaker_reset_s (5 s) of real time
@@ -71,9 +71,9 @@ def test_redis_killed_mid_conversation_and_restarted_empty(redis_server: RedisPr
             if restarted_at is not None and time.monotonic() - restarted_at > RECOVERY_LIMIT_S:
                 break
             if turn == 3:
-                redis_server.kill()
+                kv_server.kill()
             if turn == 5:
-                redis_server.start()  # same port, empty
+                kv_server.start()  # same port, empty
                 restarted_at = time.monotonic()
             messages.append({"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)]})
             pod = a if turn % 2 == 0 else b

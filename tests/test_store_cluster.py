@@ -24,10 +24,10 @@ def getex_calls(node: redis.Redis) -> int:
     return int(stats.get("cmdstat_getex", {}).get("calls", 0))
 
 
-async def test_cluster_round_trip_budget_and_sessions(redis_cluster: RedisCluster) -> None:
-    store = BlockStore(StoreSettings.from_url(redis_cluster.url, cluster=True, namespace="clu",
+async def test_cluster_round_trip_budget_and_sessions(kv_cluster: RedisCluster) -> None:
+    store = BlockStore(StoreSettings.from_url(kv_cluster.url, cluster=True, namespace="clu",
                                               budget_bytes=60_000, max_value_bytes=2_000))
-    nodes = [n.client() for n in redis_cluster.nodes]
+    nodes = [n.client() for n in kv_cluster.nodes]
     try:
         hashes: list[BlockHash] = chain_hashes(list(range(16 * 40)), 16, root_hash(FP, b"t"))
         frames = [os.urandom(1000) for _ in hashes]
