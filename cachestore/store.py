@@ -190,6 +190,44 @@ class BlockStore:
         remote = await self._guarded(lambda: self._fetch(keyed, len(frames)), self.settings.op_timeout_s)
         return self._end_fetch(keyed, frames, remote)
 
+    def held_locally(self, model: str, hashes: Sequence[BlockHash]) -> tuple[int, int]:
+        """How many leading blocks of `hashes` the local tier holds, and their bytes (nothing is counted or moved)."""
+        if self._local is None:
+            return 0, 0
+        check_model(model)
+        count = nbytes = 0
+        for h in hashes:
+            _, key = self.keys.block(model, h)
+            frame = self._local.peek(key)
+            if frame is None:
+                break
+            count, nbytes = count + 1, nbytes + len(frame)
+        return count, nbytes
+
+    async def count_present(self, model: str, hashes: Sequence[BlockHash]) -> Result[int]:
+        """How many leading blocks of `hashes` Redis holds, without reading them (a pod that prefills them instead
+        writes back only the blocks after them): one round trip of PEXPIREs, which slide their TTL as a read would,
+        and their LRU touch. FOUND (some), ABSENT (none) or UNAVAILABLE."""
+        check_model(model)
+        keyed = [self.keys.block(model, h) for h in hashes]
+        if not keyed:
+            return Result(Outcome.ABSENT, 0)
+
+        async def probe() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            self._queue_fetch(pipe, keyed, len(keyed))  # every key as if held locally: PEXPIRE, no value
+            return list(await pipe.execute(raise_on_error=False))[: len(keyed)]
+
+        results = await self._guarded(probe, self.settings.op_timeout_s)
+        if isinstance(results, _Failed):
+            return Result(Outcome.UNAVAILABLE, 0)
+        present = 0
+        for held in results:
+            if held is not True and held != 1:
+                break
+            present += 1
+        return Result(Outcome.FOUND if present else Outcome.ABSENT, present)
+
     def fetch_blocking(
         self, model: str, hashes: Sequence[BlockHash], into: Sequence[Target] | None = None,
     ) -> Result[list[bytes | Target]]:

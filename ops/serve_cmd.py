@@ -52,6 +52,14 @@ def add_pod_options(p: argparse.ArgumentParser, no_cache_help: str = "neither re
     p.add_argument("--block-ttl-s", type=int, help="TTL of cached blocks in seconds")
     p.add_argument("--session-ttl-s", type=int, help="TTL of session records in seconds")
     p.add_argument("--redis-timeout-s", type=float, help="most a request waits on Redis (default 0.5)")
+    p.add_argument("--fetch-policy", choices=["auto", "always"],
+                   help="auto (default): read a hit only when that beats prefilling its tokens, from the measured "
+                        "read bandwidth and prefill rate; always: read every block Redis holds (docs/fetch-or-"
+                        "recompute.md)")
+    p.add_argument("--link-bytes-s", type=float,
+                   help="with --fetch-policy auto: assume this read bandwidth from Redis, bytes/s (default 0: measure)")
+    p.add_argument("--prefill-tokens-s", type=float,
+                   help="with --fetch-policy auto: assume this prefill rate, tokens/s (default 0: measure)")
     p.add_argument("--max-queue", type=int, help="requests admitted before 503 (default 8)")
     p.add_argument("--pod-name", help="name reported in /readyz and the X-KV-Pod header")
     p.add_argument("--no-cache", action="store_true", help=no_cache_help)
@@ -65,7 +73,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         name: getattr(args, name)
         for name in ("host", "port", "engine", "model", "parallel", "threads", "device", "redis_url", "namespace",
                      "codec", "block_tokens",
-                     "budget_bytes", "block_ttl_s", "session_ttl_s", "redis_timeout_s", "max_queue", "pod_name")
+                     "budget_bytes", "block_ttl_s", "session_ttl_s", "redis_timeout_s", "max_queue", "pod_name",
+                     "fetch_policy", "link_bytes_s", "prefill_tokens_s")
     }
     overrides["memory_kv_bytes"] = getattr(args, "memory_kv_bytes", None)  # `serve` only, not `sidecar`
     overrides["flash_attn"] = getattr(args, "flash_attn", None)
