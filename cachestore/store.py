@@ -7,9 +7,13 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, TypeVar
 
+import redis.cluster
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from cachestore import budget, landing
@@ -28,6 +32,8 @@ from cachestore.stats import Counters, StoreStats, Usage
 
 T = TypeVar("T")
 F = TypeVar("F", bytes, bytes | memoryview | Scatter)
+NODE_READERS = 8  # threads reading a lookup's shares from a Cluster's nodes at once (besides the lookup's own)
+REDIRECTS = ("MOVED ", "ASK ")  # a Cluster node's answer for a slot it no longer serves (or is handing over)
 
 
 class _Failed:
@@ -97,6 +103,8 @@ class BlockStore:
         self._blocking: Any = None  # the reader threads' blocking client, made on first use (fetch_blocking)
         self._blocking_lock = threading.Lock()
         self._landable = False  # whether the blocking client can receive values into buffers
+        self._by_node = False  # a Cluster client: values land per node, every node's share read at once
+        self._node_readers: ThreadPoolExecutor | None = None
         self._breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_reset_s)
         self._counters = Counters()
         self._local = LocalTier(settings.local_tier_bytes) if settings.local_tier_bytes else None
@@ -175,6 +183,8 @@ class BlockStore:
             blocking, self._blocking = self._blocking, None
         if blocking is not None:
             await asyncio.to_thread(blocking.close)
+        if self._node_readers is not None:
+            self._node_readers.shutdown(wait=False, cancel_futures=True)
 
     # -- blocks -----------------------------------------------------------------------------
 
@@ -303,6 +313,9 @@ class BlockStore:
             if self._blocking is None:
                 self._blocking = make_client(self.settings, asynchronous=False)
                 self._landable = landing.landable(self._blocking)
+                self._by_node = isinstance(self._blocking, redis.cluster.RedisCluster)
+                if self._by_node:
+                    self._node_readers = ThreadPoolExecutor(NODE_READERS, thread_name_prefix="kvstash-node")
             return self._blocking
 
     def _plan_fetch(
@@ -384,14 +397,80 @@ class BlockStore:
         self, keyed: list[tuple[int, str]], start: int, into: Sequence[Target] | None = None,
     ) -> list[bytes | Target]:
         client = self._blocking_client()
+        if into is not None and self._by_node:
+            return self._fetched(keyed, start, self._fetch_by_node(client, keyed, start, into))
         pipe = self._fetch_pipeline(client, keyed, start)
         if into is None or not self._landable:
             return self._fetched(keyed, start, pipe.execute(raise_on_error=False))
         commands, targets = self._landing_request(pipe, keyed, start, into)
         return self._fetched(keyed, start, landing.pipelined_into(client, commands, targets))
 
-    def _queue_fetch(self, pipe: Any, keyed: list[tuple[int, str]], start: int) -> None:
-        """One round trip: slide the TTL of what is held locally, GETEX the rest, touch their LRU index."""
+    def _fetch_by_node(
+        self, client: Any, keyed: list[tuple[int, str]], start: int, into: Sequence[Target],
+    ) -> list[Any]:
+        """The replies `_queue_fetch` would give, from a Cluster: each node's keys (and their shards' LRU touches) in
+        one round trip on a connection of that node, every node at once, each value received into its buffer. A key
+        whose slot moved or is moving (MOVED, ASK), or whose node did not answer, is read again through the Cluster
+        client, which follows the redirection, fails over and learns the new slot map."""
+        self._counters.add("round_trips")
+        groups: dict[str, tuple[Any, list[int]]] = {}
+        for i, (_, key) in enumerate(keyed):
+            node = client.get_node_from_key(key)
+            groups.setdefault(node.name, (node, []))[1].append(i)
+        shares = list(groups.values())
+        assert self._node_readers is not None
+        others: list[Future[tuple[list[int], list[int], list[Any] | None]]] = [
+            self._node_readers.submit(self._read_node, client, node, keyed, indices, start, into)
+            for node, indices in shares[1:]]
+        try:
+            answered = [self._read_node(client, shares[0][0], keyed, shares[0][1], start, into)]
+        finally:
+            answered += [f.result() for f in others]  # every node's connection is back in its pool before a retry
+        replies: list[Any] = [None] * len(keyed)
+        touched: list[Any] = []
+        moved: list[int] = []
+        for indices, shards, got in answered:
+            if got is None:  # the node did not answer: the Cluster client finds out why (a failover?)
+                moved += indices
+                continue
+            for i, reply in zip(indices, got, strict=False):
+                replies[i] = reply
+                if isinstance(reply, ResponseError) and str(reply).startswith(REDIRECTS):
+                    moved.append(i)
+            for shard, reply in zip(shards, got[len(indices):], strict=False):
+                if isinstance(reply, ResponseError) and str(reply).startswith(REDIRECTS):
+                    moved += [i for i in indices if keyed[i][0] == shard and i not in moved]
+                else:
+                    touched.append(reply)
+        if moved:
+            self._counters.add("redirects", len(moved))
+            again = sorted(set(moved))
+            pipe = self._fetch_pipeline(client, [keyed[i] for i in again], sum(1 for i in again if i < start))
+            for i, reply in zip(again, pipe.execute(raise_on_error=False), strict=False):
+                replies[i] = reply
+        return replies + touched
+
+    def _read_node(
+        self, client: Any, node: Any, keyed: list[tuple[int, str]], indices: list[int], start: int,
+        into: Sequence[Target],
+    ) -> tuple[list[int], list[int], list[Any] | None]:
+        """One node's share of `_fetch_by_node`: its keys' indices, the shards whose touches follow their replies,
+        and the replies (a value of its buffer's length received into it); None when the node did not answer."""
+        share = [keyed[i] for i in indices]  # in order: the locally held ones (PEXPIRE) come first, as in keyed
+        held = sum(1 for i in indices if i < start)
+        server = client.get_redis_connection(node)
+        pipe = server.pipeline(transaction=False)
+        self._queue_fetch(pipe, share, held, count=False)
+        commands, targets = self._landing_request(pipe, share, held, [into[i] for i in indices])
+        shards = list(dict.fromkeys(shard for shard, _ in share)) if self.settings.budget_enabled else []
+        try:
+            return indices, shards, landing.pipelined_into(server, commands, targets)
+        except (RedisConnectionError, RedisTimeoutError, OSError):
+            return indices, shards, None
+
+    def _queue_fetch(self, pipe: Any, keyed: list[tuple[int, str]], start: int, count: bool = True) -> None:
+        """One round trip: slide the TTL of what is held locally, GETEX the rest, touch their LRU index (a node's
+        share of a Cluster read is not a round trip of its own: `count=False`)."""
         for _, key in keyed[:start]:
             pipe.pexpire(key, self._block_ttl_ms)  # held locally: only slide the TTL
         for _, key in keyed[start:]:
@@ -402,7 +481,8 @@ class BlockStore:
         if self.settings.budget_enabled:
             for shard, keys in by_shard.items():
                 budget.touch(pipe, self.keys.shard(shard), keys, self._index_ttl_ms)
-        self._counters.add("round_trips")
+        if count:
+            self._counters.add("round_trips")
 
     def _fetched(self, keyed: list[tuple[int, str]], start: int, results: list[Any]) -> list[Any]:
         found: list[Any] = []

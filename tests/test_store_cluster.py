@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Iterator
 
 import pytest
 import redis
@@ -12,7 +13,7 @@ from cachestore.hashing import BlockHash, ModelFingerprint, chain_hashes, root_h
 from cachestore.sessions import SessionRecord
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
-from ops.redisproc import RedisCluster
+from ops.redisproc import FLAVORS, RedisCluster
 
 pytestmark = pytest.mark.cluster
 
@@ -57,5 +58,93 @@ async def test_cluster_round_trip_budget_and_sessions(kv_cluster: RedisCluster) 
         assert rec is not None and await store.get_session("acme", "c1") == rec
         assert await store.list_sessions("acme") == [("acme", "c1")]
     finally:
+        await store.clear_namespace()
+        await store.close()
+
+
+def _frames_of(result: object) -> list[bytes]:
+    return [bytes(v) for v in result.value]  # type: ignore[attr-defined]
+
+
+async def test_a_cluster_hit_lands_in_place_reading_every_node_at_once(kv_cluster: RedisCluster) -> None:
+    """A lookup's reader on a Cluster: each node's share of the keys in one round trip on a connection of its own,
+    all at once, every frame received into its buffer, as on a single Redis."""
+    store = BlockStore(StoreSettings.from_url(kv_cluster.url, cluster=True, namespace="land-clu", index_shards=16))
+    nodes = [n.client() for n in kv_cluster.nodes]
+    try:
+        hashes: list[BlockHash] = chain_hashes(list(range(16 * 24)), 16, root_hash(FP, b"t"))
+        frames = [os.urandom(3000) for _ in hashes]
+        assert await store.put_blocks(FP.short(), hashes, frames) == 24
+        per_node = [sum(1 for _ in n.scan_iter(match="land-clu:blk:*")) for n in nodes]
+        assert sum(1 for c in per_node if c) == 3
+        into = [memoryview(bytearray(3000)) for _ in hashes]
+        before, trips = [getex_calls(n) for n in nodes], store.stats().round_trips
+        result = await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes, into)
+        assert _frames_of(result) == frames and all(v is t for v, t in zip(result.value, into, strict=True))
+        assert [getex_calls(n) - b for n, b in zip(nodes, before, strict=True)] == per_node
+        assert store.stats().round_trips == trips + 1 and store.stats().errors == 0
+        # a shorter buffer than the value: it comes back as bytes, and the next keys still land
+        into[3] = memoryview(bytearray(10))
+        result = await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes, into)
+        assert _frames_of(result) == frames and isinstance(result.value[3], bytes) and result.value[4] is into[4]
+        absent = chain_hashes(list(range(9000, 9000 + 16 * 3)), 16, root_hash(FP, b"t"))
+        partial = await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes[:5] + absent, into[:8])
+        assert _frames_of(partial) == frames[:5]
+    finally:
+        await store.clear_namespace()
+        await store.close()
+
+
+@pytest.fixture(params=FLAVORS)
+def own_cluster(request: pytest.FixtureRequest) -> Iterator[RedisCluster]:
+    """A cluster of this test's own (its slots are moved), of each flavor."""
+    cluster = RedisCluster(primaries=3, flavor=request.param).start()
+    try:
+        yield cluster
+    finally:
+        cluster.cleanup()
+
+
+async def test_a_slot_moving_mid_read_is_read_again_through_the_cluster_client(own_cluster: RedisCluster) -> None:
+    """A slot migrated as `redis-cli --cluster reshard` does it: while some of its keys have moved (ASK) and once
+    all have (MOVED, the reader's slot map stale), every frame still comes back right; then the reads go straight
+    to the new owner again."""
+    kv_cluster = own_cluster
+    store = BlockStore(StoreSettings.from_url(kv_cluster.url, cluster=True, namespace="mig-clu", index_shards=4))
+    admin = redis.RedisCluster(host="127.0.0.1", port=kv_cluster.nodes[0].port)
+    try:
+        hashes: list[BlockHash] = chain_hashes(list(range(16 * 24)), 16, root_hash(FP, b"m"))
+        frames = [os.urandom(2000) for _ in hashes]
+        assert await store.put_blocks(FP.short(), hashes, frames) == 24
+        into = [memoryview(bytearray(2000)) for _ in hashes]
+        assert _frames_of(await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes, into)) == frames
+        _, key = store.keys.block(FP.short(), hashes[0])
+        slot = admin.keyslot(key)
+        owner = admin.get_node_from_key(key).port
+        source = next(n.client() for n in kv_cluster.nodes if n.port == owner)
+        dest_node = next(n for n in kv_cluster.nodes if n.port != owner)
+        dest = dest_node.client()
+        source_id, dest_id = source.cluster("myid"), dest.cluster("myid")
+        keys = source.cluster("getkeysinslot", slot, 1000)
+        assert len(keys) > 2  # the shard's blocks and its index keys share the slot
+        dest.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+        source.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dest_id)
+        half = [k for k in keys if ":blk:" in (k.decode() if isinstance(k, bytes) else k)][: max(1, len(keys) // 3)]
+        source.execute_command("MIGRATE", "127.0.0.1", dest_node.port, "", 0, 5000, "KEYS", *half)
+        result = await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes, into)
+        assert _frames_of(result) == frames and store.stats().redirects >= len(half)
+        rest = source.cluster("getkeysinslot", slot, 1000)
+        source.execute_command("MIGRATE", "127.0.0.1", dest_node.port, "", 0, 5000, "KEYS", *rest)
+        for node in kv_cluster.nodes:
+            node.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", dest_id)
+        redirects = store.stats().redirects
+        result = await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes, into)
+        assert _frames_of(result) == frames and store.stats().redirects > redirects  # MOVED: the map was stale
+        redirects = store.stats().redirects
+        result = await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes, into)
+        assert _frames_of(result) == frames and store.stats().redirects == redirects  # the map learnt the move
+        assert store.stats().errors == 0
+    finally:
+        admin.close()
         await store.clear_namespace()
         await store.close()
