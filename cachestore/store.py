@@ -445,7 +445,15 @@ class BlockStore:
         if moved:
             self._counters.add("redirects", len(moved))
             again = sorted(set(moved))
-            pipe = self._fetch_pipeline(client, [keyed[i] for i in again], sum(1 for i in again if i < start))
+            # without their LRU touches: a script over a slot's keys while they migrate is refused (TRYAGAIN), and
+            # redis-py retries that with pauses for a second or more; the next read touches them
+            pipe = client.pipeline(transaction=False)
+            for i in again:
+                if i < start:
+                    pipe.pexpire(keyed[i][1], self._block_ttl_ms)
+                else:
+                    pipe.getex(keyed[i][1], px=self._block_ttl_ms)
+            self._counters.add("round_trips")
             for i, reply in zip(again, pipe.execute(raise_on_error=False), strict=False):
                 replies[i] = reply
         return replies + touched

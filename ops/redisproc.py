@@ -240,10 +240,48 @@ class RedisCluster:
             time.sleep(0.1)
         raise RedisProcessError("cluster did not reach state ok")
 
+    def owner(self, slot: int) -> RedisProcess:
+        """The primary serving `slot` now, as the nodes themselves say."""
+        for node in self.nodes:
+            for first, last, primary, *_ in node.client(socket_timeout=2).execute_command("CLUSTER", "SLOTS"):
+                if first <= slot <= last:
+                    port = int(primary[1])
+                    return next(n for n in self.nodes if n.port == port)
+        raise RedisProcessError(f"no node serves slot {slot}")
+
+    def start_moving(self, slot: int, to: RedisProcess) -> RedisProcess:
+        """Begin migrating `slot` to `to`, as `redis-cli --cluster reshard` does (IMPORTING, then MIGRATING); returns
+        the node it leaves. Its keys move with `move_keys`; `finish_moving` ends the move."""
+        source = self.owner(slot)
+        source_id = source.client().execute_command("CLUSTER", "MYID")
+        to_id = to.client().execute_command("CLUSTER", "MYID")
+        to.client().execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+        source.client().execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", to_id)
+        return source
+
+    def move_keys(self, slot: int, source: RedisProcess, to: RedisProcess, count: int) -> int:
+        """MIGRATE at most `count` of `slot`'s keys from `source` to `to`; returns how many moved."""
+        keys = source.client().execute_command("CLUSTER", "GETKEYSINSLOT", slot, count)
+        self.migrate(source, to, keys)
+        return len(keys)
+
+    @staticmethod
+    def migrate(source: RedisProcess, to: RedisProcess, keys: Sequence[bytes | str]) -> None:
+        """MIGRATE `keys` (of a slot being moved) from `source` to `to`."""
+        if keys:
+            source.client().execute_command("MIGRATE", "127.0.0.1", to.port, "", 0, 5000, "KEYS", *keys)
+
+    def finish_moving(self, slot: int, source: RedisProcess, to: RedisProcess) -> None:
+        """Move the rest of `slot`'s keys and give the slot to `to` on every node."""
+        while self.move_keys(slot, source, to, 1000):
+            pass
+        to_id = to.client().execute_command("CLUSTER", "MYID")
+        for node in (to, source, *(n for n in self.nodes if n is not to and n is not source)):
+            node.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", to_id)
+
     def cleanup(self) -> None:
         for node in self.nodes:
             node.cleanup()
-
 
 
 @dataclass

@@ -130,6 +130,16 @@ def kv_cluster(request: pytest.FixtureRequest) -> Iterator[RedisCluster]:
         cluster.cleanup()
 
 
+@pytest.fixture(params=FLAVORS)
+def fresh_cluster(request: pytest.FixtureRequest) -> Iterator[RedisCluster]:
+    """A 3-primary cluster of one test's own (it may move slots), once of each flavor."""
+    cluster = RedisCluster(primaries=3, flavor=request.param).start()
+    try:
+        yield cluster
+    finally:
+        cluster.cleanup()
+
+
 @pytest.fixture
 def redis_cluster_with_replicas() -> Iterator[RedisCluster]:
     """A 3-primary cluster with one replica per primary, for failover tests."""

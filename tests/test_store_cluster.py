@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
 
 import pytest
 import redis
@@ -13,7 +12,7 @@ from cachestore.hashing import BlockHash, ModelFingerprint, chain_hashes, root_h
 from cachestore.sessions import SessionRecord
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
-from ops.redisproc import FLAVORS, RedisCluster
+from ops.redisproc import RedisCluster
 
 pytestmark = pytest.mark.cluster
 
@@ -95,23 +94,13 @@ async def test_a_cluster_hit_lands_in_place_reading_every_node_at_once(kv_cluste
         await store.close()
 
 
-@pytest.fixture(params=FLAVORS)
-def own_cluster(request: pytest.FixtureRequest) -> Iterator[RedisCluster]:
-    """A cluster of this test's own (its slots are moved), of each flavor."""
-    cluster = RedisCluster(primaries=3, flavor=request.param).start()
-    try:
-        yield cluster
-    finally:
-        cluster.cleanup()
-
-
-async def test_a_slot_moving_mid_read_is_read_again_through_the_cluster_client(own_cluster: RedisCluster) -> None:
+async def test_a_slot_moving_mid_read_is_read_again_through_the_cluster_client(fresh_cluster: RedisCluster) -> None:
     """A slot migrated as `redis-cli --cluster reshard` does it: while some of its keys have moved (ASK) and once
     all have (MOVED, the reader's slot map stale), every frame still comes back right; then the reads go straight
     to the new owner again."""
-    kv_cluster = own_cluster
-    store = BlockStore(StoreSettings.from_url(kv_cluster.url, cluster=True, namespace="mig-clu", index_shards=4))
-    admin = redis.RedisCluster(host="127.0.0.1", port=kv_cluster.nodes[0].port)
+    cluster = fresh_cluster
+    store = BlockStore(StoreSettings.from_url(cluster.url, cluster=True, namespace="mig-clu", index_shards=4))
+    admin = redis.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
     try:
         hashes: list[BlockHash] = chain_hashes(list(range(16 * 24)), 16, root_hash(FP, b"m"))
         frames = [os.urandom(2000) for _ in hashes]
@@ -120,23 +109,15 @@ async def test_a_slot_moving_mid_read_is_read_again_through_the_cluster_client(o
         assert _frames_of(await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes, into)) == frames
         _, key = store.keys.block(FP.short(), hashes[0])
         slot = admin.keyslot(key)
-        owner = admin.get_node_from_key(key).port
-        source = next(n.client() for n in kv_cluster.nodes if n.port == owner)
-        dest_node = next(n for n in kv_cluster.nodes if n.port != owner)
-        dest = dest_node.client()
-        source_id, dest_id = source.cluster("myid"), dest.cluster("myid")
-        keys = source.cluster("getkeysinslot", slot, 1000)
-        assert len(keys) > 2  # the shard's blocks and its index keys share the slot
-        dest.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
-        source.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dest_id)
-        half = [k for k in keys if ":blk:" in (k.decode() if isinstance(k, bytes) else k)][: max(1, len(keys) // 3)]
-        source.execute_command("MIGRATE", "127.0.0.1", dest_node.port, "", 0, 5000, "KEYS", *half)
+        dest = next(n for n in cluster.nodes if n is not cluster.owner(slot))
+        source = cluster.start_moving(slot, dest)
+        blocks = [k for k in source.client().scan_iter(match="mig-clu:blk:*") if admin.keyslot(k) == slot]
+        assert len(blocks) >= 3  # the shard's blocks (and its index keys) share the slot
+        cluster.migrate(source, dest, blocks[: len(blocks) // 3])  # the source answers ASK for these
         result = await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes, into)
-        assert _frames_of(result) == frames and store.stats().redirects >= len(half)
-        rest = source.cluster("getkeysinslot", slot, 1000)
-        source.execute_command("MIGRATE", "127.0.0.1", dest_node.port, "", 0, 5000, "KEYS", *rest)
-        for node in kv_cluster.nodes:
-            node.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", dest_id)
+        assert _frames_of(result) == frames and store.stats().redirects >= len(blocks) // 3
+        cluster.finish_moving(slot, source, dest)
+        assert cluster.owner(slot) is dest
         redirects = store.stats().redirects
         result = await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes, into)
         assert _frames_of(result) == frames and store.stats().redirects > redirects  # MOVED: the map was stale
