@@ -8,8 +8,9 @@ compares, per block,
     fetch_s     = block_bytes / link_bytes_s       (measured end to end: round trips, verification and all)
     recompute_s = block_tokens / prefill_tokens_s  (measured on the pod's own prefills)
 
-and reads every block (`fetch`) when fetching is the cheaper, only the prefix that fits the Redis time budget
-(`shortened`) when the whole prompt would not, and none (`recompute`) when prefilling is the cheaper. Both sides grow
+and reads every block (`fetch`) unless fetching is clearly the dearer (RECOMPUTE_MARGIN: near a tie a hit still
+leaves the cores to other requests), only the prefix that fits the Redis time budget (`shortened`) when the whole
+prompt would not arrive in it, and none (`recompute`) when prefilling is clearly the cheaper. Both sides grow
 with the block count at the same slope, so the answer is all or none of the prompt's remote blocks (blocks held in the
 pod's local tier cost nothing and are always read). Until both rates are measured, and once in a while after deciding
 to recompute on a measured link (`reprobe_s`: the link may have recovered), the pod reads (`probe`).
@@ -30,6 +31,7 @@ DECISIONS = ("fetch", "shortened", "recompute", "probe")
 SMOOTHING = 0.3  # weight of the newest sample in each running estimate
 BUDGET_SHARE = 0.8  # a shortened read is planned to end within this share of the Redis time budget
 REPROBE_S = 30.0  # a measured link found too slow is read again after this long
+RECOMPUTE_MARGIN = 1.5  # recompute only when reading a block is estimated this many times slower than prefilling it
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ class FetchPlanner:
             return Plan(remote_blocks, "probe")
         per_fetch, per_compute = size / link, self.block_tokens / prefill
         fetch_s, recompute_s = remote_blocks * per_fetch, remote_blocks * per_compute
-        if per_fetch >= per_compute:
+        if per_fetch > RECOMPUTE_MARGIN * per_compute:
             if stale:
                 return Plan(remote_blocks, "probe", fetch_s, recompute_s)
             return Plan(0, "recompute", fetch_s, recompute_s)

@@ -34,20 +34,24 @@ def test_the_plan_reads_all_a_prefix_or_nothing_as_the_estimates_say() -> None:
     assert planner.prefill_tokens_s is None
     planner.observe_prefill(1600, 1.0)  # 1,600 tokens/s: a block in 10 ms
     assert planner.plan(10, 8000).decision == "probe"  # the link is not measured yet
-    planner.observe_fetch(80_000, 10, 0.1)  # 800 KB/s: a block in 10 ms, as long as prefilling it
+    tie = FetchPlanner("auto", BLOCK, budget_s=1.0, link_bytes_s=800_000, prefill_tokens_s=1600)
+    assert tie.plan(10, 8000).decision == "fetch"  # a block in 10 ms either way: a tie reads (it spares the cores)
+    planner.observe_fetch(40_000, 10, 0.1)  # 400 KB/s: a block in 20 ms, twice as long as prefilling it
     plan = planner.plan(10, 8000)
-    assert (plan.blocks, plan.decision) == (0, "recompute") and plan.fetch_s == pytest.approx(plan.recompute_s)
+    assert (plan.blocks, plan.decision) == (0, "recompute") and plan.fetch_s == pytest.approx(2 * plan.recompute_s)
     clock.now += REPROBE_S  # a measured link found too slow is read again once in a while
     assert planner.plan(10, 8000).decision == "probe"
-    planner.observe_fetch(800_000, 10, 0.1)  # it recovered: 8 MB/s x 0.3 + 800 KB/s x 0.7 = 2.96 MB/s
-    assert planner.link_bytes_s == pytest.approx(2_960_000)
+    planner.observe_fetch(800_000, 10, 0.1)  # it recovered: 8 MB/s x 0.3 + 400 KB/s x 0.7 = 2.68 MB/s
+    assert planner.link_bytes_s == pytest.approx(2_680_000)
     assert (planner.plan(10, 8000).blocks, planner.plan(10, 8000).decision) == (10, "fetch")
-    # a read that would overrun the budget is cut to the prefix that fits 80% of it: 0.8 s / 2.7 ms a block
-    assert (planner.plan(1000, 8000).blocks, planner.plan(1000, 8000).decision) == (296, "shortened")
+    # a read that would overrun the budget is cut to the prefix that fits 80% of it: 0.8 s / 3 ms a block
+    fits = int(0.8 * 1.0 / (8000 / planner.link_bytes_s))
+    assert 260 < fits < 270 and (planner.plan(1000, 8000).blocks, planner.plan(1000, 8000).decision) == (
+        fits, "shortened")
     assert planner.plan(0, 8000).blocks == 0
     sized = FetchPlanner("auto", BLOCK, budget_s=1.0, link_bytes_s=1e6, prefill_tokens_s=1600, clock=clock)
     assert sized.plan(4).decision == "probe"  # a compressed codec: block size unknown until a read is measured
-    sized.observe_fetch(40_000, 4, 1.0)  # 10 KB a block: 10 ms at the configured 1 MB/s, not the measured one
+    sized.observe_fetch(80_000, 4, 1.0)  # 20 KB a block: 20 ms at the configured 1 MB/s, not the measured one
     assert sized.link_bytes_s == 1e6 and sized.plan(4).decision == "recompute"
     clock.now += 10 * REPROBE_S  # a configured link is never probed again
     assert sized.plan(4).decision == "recompute"
