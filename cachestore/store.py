@@ -105,6 +105,7 @@ class BlockStore:
         self._landable = False  # whether the blocking client can receive values into buffers
         self._by_node = False  # a Cluster client: values land per node, every node's share read at once
         self._node_readers: ThreadPoolExecutor | None = None
+        self._chunk_readers: ThreadPoolExecutor | None = None
         self._breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_reset_s)
         self._counters = Counters()
         self._local = LocalTier(settings.local_tier_bytes) if settings.local_tier_bytes else None
@@ -183,8 +184,9 @@ class BlockStore:
             blocking, self._blocking = self._blocking, None
         if blocking is not None:
             await asyncio.to_thread(blocking.close)
-        if self._node_readers is not None:
-            self._node_readers.shutdown(wait=False, cancel_futures=True)
+        for readers in (self._chunk_readers, self._node_readers):
+            if readers is not None:
+                readers.shutdown(wait=False, cancel_futures=True)
 
     # -- blocks -----------------------------------------------------------------------------
 
@@ -261,6 +263,9 @@ class BlockStore:
         verifies this one. The next chunk is asked for only when this one was whole; a chunk that fails ends it.
         Close it (it is a generator) to stop early: a request still unanswered drops its connection."""
         client = self._blocking_client()
+        if self._by_node:  # a Cluster: each chunk read from every node at once, the next requested meanwhile
+            yield from self._chunks_by_node(model, chunks, into)
+            return
         if not self._landable or not self._breaker.allow():  # one round trip at a time (or a miss: breaker open)
             for chunk, slots in zip(chunks, into, strict=True):
                 result = self.fetch_blocking(model, chunk, slots)
@@ -308,14 +313,37 @@ class BlockStore:
         keyed, found, _ = plans[-1]  # the chunk whose request or replies failed
         yield self._end_fetch(keyed, found, FAILED)
 
+    def _chunks_by_node(
+        self, model: str, chunks: Sequence[Sequence[BlockHash]], into: Sequence[Sequence[Target]],
+    ) -> Iterator[Result[list[bytes | Target]]]:
+        """`fetch_chunks_blocking` on a Cluster: chunk k+1 is read (every node at once, on a chunk thread) while the
+        caller verifies chunk k. A chunk in flight when the caller stops is waited for: it lands in the caller's
+        buffers, which must not be handed on before it is done."""
+        assert self._chunk_readers is not None
+        ahead: Future[Result[list[bytes | Target]]] | None = None
+        try:
+            for index, (chunk, slots) in enumerate(zip(chunks, into, strict=True)):
+                result = ahead.result() if ahead is not None else self.fetch_blocking(model, chunk, slots)
+                ahead = None
+                if len(result.value) == len(chunk) and index + 1 < len(chunks):
+                    ahead = self._chunk_readers.submit(self.fetch_blocking, model, chunks[index + 1],
+                                                       into[index + 1])
+                yield result
+                if len(result.value) < len(chunk):
+                    return
+        finally:
+            if ahead is not None:
+                ahead.result()
+
     def _blocking_client(self) -> Any:
         with self._blocking_lock:
             if self._blocking is None:
                 self._blocking = make_client(self.settings, asynchronous=False)
                 self._landable = landing.landable(self._blocking)
                 self._by_node = isinstance(self._blocking, redis.cluster.RedisCluster)
-                if self._by_node:
+                if self._by_node:  # the chunk threads wait on the node threads, never the other way round
                     self._node_readers = ThreadPoolExecutor(NODE_READERS, thread_name_prefix="kvstash-node")
+                    self._chunk_readers = ThreadPoolExecutor(NODE_READERS, thread_name_prefix="kvstash-chunk")
             return self._blocking
 
     def _plan_fetch(

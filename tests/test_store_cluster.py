@@ -129,3 +129,41 @@ async def test_a_slot_moving_mid_read_is_read_again_through_the_cluster_client(f
         admin.close()
         await store.clear_namespace()
         await store.close()
+
+
+async def test_chunks_on_a_cluster_are_read_one_ahead_and_answer_as_fetch_blocking(kv_cluster: RedisCluster) -> None:
+    """fetch_chunks_blocking on a Cluster yields what fetch_blocking gives chunk by chunk, frames in their slots, and
+    ends at a hole; closed after its first chunk, the chunk already being read is done before it returns."""
+    store = BlockStore(StoreSettings.from_url(kv_cluster.url, cluster=True, namespace="ahead-clu", index_shards=16))
+    try:
+        hashes: list[BlockHash] = chain_hashes(list(range(16 * 12)), 16, root_hash(FP, b"a"))
+        frames = [os.urandom(3000) for _ in hashes]
+        assert await store.put_blocks(FP.short(), hashes, frames) == 12
+        buf = bytearray(12 * 4096)
+        slots = [memoryview(buf)[i * 4096:i * 4096 + 3000] for i in range(12)]
+        cuts = [(0, 5), (5, 10), (10, 12)]
+        chunks, into = [hashes[a:b] for a, b in cuts], [slots[a:b] for a, b in cuts]
+
+        def fetch_all() -> list[list[object]]:
+            return [r.value for r in store.fetch_chunks_blocking(FP.short(), chunks, into)]
+
+        got = await asyncio.to_thread(fetch_all)
+        assert [[bytes(f) for f in c] for c in got] == [frames[a:b] for a, b in cuts]
+        assert all(f is s for c, sl in zip(got, into, strict=True) for f, s in zip(c, sl, strict=True))
+        assert (store.stats().hits, store.stats().errors) == (3, 0)
+
+        await store.client.delete(store.keys.block(FP.short(), hashes[7])[1])
+        hole = await asyncio.to_thread(fetch_all)  # the second chunk ends at block 7: no third chunk
+        assert [[bytes(f) for f in c] for c in hole] == [frames[0:5], frames[5:7]]
+
+        def first_only() -> tuple[int, list[bytes]]:
+            buf[:] = bytes(len(buf))
+            results = store.fetch_chunks_blocking(FP.short(), chunks, into)
+            first = next(results)  # the second chunk is being read meanwhile
+            results.close()  # waits for it: its frames have landed when close returns
+            return len(first.value), [bytes(v) for v in slots[5:7]]
+
+        assert await asyncio.to_thread(first_only) == (5, frames[5:7])
+    finally:
+        await store.clear_namespace()
+        await store.close()
