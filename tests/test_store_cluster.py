@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from dataclasses import replace
 
 import pytest
 import redis
@@ -92,6 +93,31 @@ async def test_a_cluster_hit_lands_in_place_reading_every_node_at_once(kv_cluste
     finally:
         await store.clear_namespace()
         await store.close()
+
+
+async def test_signed_frames_land_per_node_and_a_forged_one_ends_the_hit(kv_cluster: RedisCluster) -> None:
+    """Under a frame key each node's values land with their trailer apart and are verified there; a value signed
+    under another key ends the hit at that block, as on a single Redis."""
+    key = "k" * 32
+    settings = StoreSettings.from_url(kv_cluster.url, cluster=True, namespace="sig-clu", index_shards=16,
+                                      frame_key=key)
+    store = BlockStore(settings)
+    forger = BlockStore(replace(settings, frame_key="f" * 32))
+    try:
+        hashes: list[BlockHash] = chain_hashes(list(range(16 * 9)), 16, root_hash(FP, b"s"))
+        frames = [os.urandom(2500) for _ in hashes]
+        assert await store.put_blocks(FP.short(), hashes, frames) == 9
+        into = [memoryview(bytearray(2500)) for _ in hashes]
+        result = await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes, into)
+        assert _frames_of(result) == frames and all(v is t for v, t in zip(result.value, into, strict=True))
+        await store.client.delete(store.keys.block(FP.short(), hashes[6])[1])
+        assert await forger.put_blocks(FP.short(), hashes[6:7], [frames[6]]) == 1
+        result = await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes, into)
+        assert _frames_of(result) == frames[:6] and store.stats().rejected_mac == 1
+    finally:
+        await store.clear_namespace()
+        await store.close()
+        await forger.close()
 
 
 async def test_a_slot_moving_mid_read_is_read_again_through_the_cluster_client(fresh_cluster: RedisCluster) -> None:
