@@ -5,15 +5,18 @@ A hit pays only while reading a block takes less time than prefilling its tokens
 small model) and the link slow, fetching a long prefix can take longer than recomputing it. Before each lookup the pod
 compares, per block,
 
-    fetch_s     = block_bytes / link_bytes_s       (measured end to end: round trips, verification and all)
-    recompute_s = block_tokens / prefill_tokens_s  (measured on the pod's own prefills)
+    fetch_s     = block_bytes / link_bytes_s       (the best of its last reads, end to end: round trips,
+                                                    verification and all; a slow read is more often this pod's
+                                                    CPU being busy, which slows a prefill too, than the link)
+    recompute_s = block_tokens / prefill_tokens_s  (a running mean of the pod's own prefills)
 
 and reads every block (`fetch`) unless fetching is clearly the dearer (RECOMPUTE_MARGIN: near a tie a hit still
 leaves the cores to other requests), only the prefix that fits the Redis time budget (`shortened`) when the whole
 prompt would not arrive in it, and none (`recompute`) when prefilling is clearly the cheaper. Both sides grow
 with the block count at the same slope, so the answer is all or none of the prompt's remote blocks (blocks held in the
-pod's local tier cost nothing and are always read). Until both rates are measured, and once in a while after deciding
-to recompute on a measured link (`reprobe_s`: the link may have recovered), the pod reads (`probe`).
+pod's local tier cost nothing and are always read). Until the prefill rate and MIN_LINK_SAMPLES reads are measured,
+and once in a while after deciding to recompute on a measured link (`reprobe_s`: the link may have recovered), the
+pod reads (`probe`).
 
 `fetch_policy="always"` reads every block as before; a configured `link_bytes_s` or `prefill_tokens_s` replaces the
 measurement (operators who know their link; tests).
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +35,8 @@ DECISIONS = ("fetch", "shortened", "recompute", "probe")
 SMOOTHING = 0.3  # weight of the newest sample in each running estimate
 BUDGET_SHARE = 0.8  # a shortened read is planned to end within this share of the Redis time budget
 REPROBE_S = 30.0  # a measured link found too slow is read again after this long
+LINK_WINDOW = 8  # the link's estimate is the best of this many recent reads
+MIN_LINK_SAMPLES = 3  # reads measured before a plan may recompute (a pod's first read also opens its connection)
 RECOMPUTE_MARGIN = 1.5  # recompute only when reading a block is estimated this many times slower than prefilling it
 
 
@@ -74,7 +80,7 @@ class FetchPlanner:
         self._clock = clock
         self._link_fixed = link_bytes_s or None
         self._prefill_fixed = prefill_tokens_s or None
-        self._link = _Running()
+        self._link: deque[float] = deque(maxlen=LINK_WINDOW)
         self._prefill = _Running()
         self._block_bytes = _Running()
         self._link_seen = -float("inf")  # when the link was last measured
@@ -82,8 +88,12 @@ class FetchPlanner:
 
     @property
     def link_bytes_s(self) -> float | None:
-        """The read bandwidth from Redis the plans use (configured or measured), None while unknown."""
-        return self._link_fixed or self._link.value
+        """The read bandwidth from Redis (configured, or the best recent read), None while nothing is measured."""
+        return self._link_fixed or (max(self._link) if self._link else None)
+
+    def _planned_link(self) -> float | None:
+        """The bandwidth plans use: None until MIN_LINK_SAMPLES reads are measured (unless configured)."""
+        return self._link_fixed or (max(self._link) if len(self._link) >= MIN_LINK_SAMPLES else None)
 
     @property
     def prefill_tokens_s(self) -> float | None:
@@ -95,7 +105,7 @@ class FetchPlanner:
         if nbytes <= 0 or blocks <= 0 or seconds <= 0:
             return
         with self._lock:
-            self._link.add(nbytes / seconds)
+            self._link.append(nbytes / seconds)
             self._block_bytes.add(nbytes / blocks)
             self._link_seen = self._clock()
 
@@ -113,7 +123,7 @@ class FetchPlanner:
             return Plan(remote_blocks, "fetch")
         with self._lock:
             size = block_bytes or self._block_bytes.value
-            link, prefill = self.link_bytes_s, self.prefill_tokens_s
+            link, prefill = self._planned_link(), self.prefill_tokens_s
             stale = self._link_fixed is None and self._clock() - self._link_seen >= self.reprobe_s
         if size is None or link is None or prefill is None:
             return Plan(remote_blocks, "probe")
