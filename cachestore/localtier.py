@@ -46,6 +46,11 @@ class LocalTier:
             self.hits += 1
             return value
 
+    def peek(self, key: Hashable) -> bytes | None:
+        """The value of `key`, if held, without counting a hit or refreshing its place."""
+        with self._lock:
+            return self._items.get(key)
+
     def put(self, key: Hashable, value: bytes) -> None:
         size = len(value)
         if size > self.max_bytes:

@@ -27,7 +27,8 @@ class StoreStats:
     errors: int = 0  # Redis errors and timeouts
     timeouts: int = 0
     skipped_open: int = 0  # calls not made because the breaker was open
-    round_trips: int = 0  # pipelines / commands sent
+    round_trips: int = 0  # pipelines / commands sent (a Cluster read of every node at once counts one)
+    redirects: int = 0  # keys a Cluster node answered MOVED or ASK for, read again through the Cluster client
     bad_records: int = 0  # session records or values that failed validation
     rejected_mac: int = 0  # values read back not signed under their key by an accepted frame key (a miss)
     cas_conflicts: int = 0

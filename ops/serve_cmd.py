@@ -47,8 +47,10 @@ def add_pod_options(p: argparse.ArgumentParser, no_cache_help: str = "neither re
     """The flags of every pod-like command (`serve`, `sidecar`): Redis, cache, admission, logging."""
     for name, kind in (("redis_url", str), ("namespace", str), ("codec", str), ("block_tokens", int),
                        ("budget_bytes", int), ("block_ttl_s", int), ("session_ttl_s", int),
-                       ("redis_timeout_s", float), ("max_queue", int), ("pod_name", str)):
+                       ("redis_timeout_s", float), ("link_bytes_s", float), ("prefill_tokens_s", float),
+                       ("max_queue", int), ("pod_name", str)):
         p.add_argument("--" + name.replace("_", "-"), type=kind, help=SettingHelp(name))
+    p.add_argument("--fetch-policy", choices=["auto", "always"], help=SettingHelp("fetch_policy"))
     p.add_argument("--no-cache", action="store_true", help=no_cache_help)
     p.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
 
@@ -60,7 +62,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         name: getattr(args, name)
         for name in ("host", "port", "engine", "model", "parallel", "threads", "device", "redis_url", "namespace",
                      "codec", "block_tokens",
-                     "budget_bytes", "block_ttl_s", "session_ttl_s", "redis_timeout_s", "max_queue", "pod_name")
+                     "budget_bytes", "block_ttl_s", "session_ttl_s", "redis_timeout_s", "max_queue", "pod_name",
+                     "fetch_policy", "link_bytes_s", "prefill_tokens_s")
     }
     overrides["memory_kv_bytes"] = getattr(args, "memory_kv_bytes", None)  # `serve` only, not `sidecar`
     overrides["flash_attn"] = getattr(args, "flash_attn", None)

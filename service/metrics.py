@@ -87,4 +87,15 @@ class PodMetrics:
                                   "(sampled); with --memory-kv-bytes, sequences this pod keeps", registry=r)
         self.inflight = Gauge("kvstash_inflight_requests", "Requests admitted and not finished", registry=r)
         self.rejected = Counter("kvstash_rejected", "Requests refused with 503 (overload)", registry=r)
+        self.fetch_plans = Counter("kvstash_fetch_plans", "Lookups by what their fetch-or-recompute plan read of the "
+                                   "blocks Redis may hold: fetch (all), shortened (the prefix that fits the Redis "
+                                   "budget), recompute (none: prefilling them is faster), probe (all: the estimates "
+                                   "are not known yet, or stale)", ["decision"], registry=r)
+        self.fetch_skipped_blocks = Counter("kvstash_fetch_skipped_blocks", "Blocks prefilled instead of read: for "
+                                            "recompute, those Redis held (counted without reading them); for "
+                                            "shortened, the prompt's blocks after the planned prefix", registry=r)
+        self.link_estimate = Gauge("kvstash_link_bytes_per_second", "The read bandwidth from Redis the fetch plans "
+                                   "assume (measured end to end, or configured; 0: not known yet)", registry=r)
+        self.prefill_estimate = Gauge("kvstash_prefill_tokens_per_second", "The prefill rate the fetch plans assume "
+                                      "(measured, or configured; 0: not known yet)", registry=r)
         r.register(_StoreCollector(store_stats))

@@ -29,6 +29,7 @@ from service import threads
 from service.contextpool import ContextPool, LandingPool
 from service.engines import Engine, Generation, GenParams
 from service.errors import overloaded
+from service.fetchplan import FetchPlanner
 from service.framecheck import Rejection, frame_problem
 from service.memkv import MemoryKV
 from service.metrics import PodMetrics
@@ -88,15 +89,21 @@ class CacheView:
     kv: torch.Tensor | None  # [layers, 2, kv_heads, cached_tokens, head_dim]
     cached_tokens: int
     hit_blocks: int  # leading full blocks found in Redis
-    status: str  # "hit" | "partial" | "miss" | "bypass"
+    status: str  # "hit" | "partial" | "miss" | "bypass" | "recompute" (Redis held blocks; prefilling them was faster)
     fetched_bytes: int = 0
     buffer: torch.Tensor | None = None  # the pooled buffer `kv` is a view of; back to the pool after generation
     salt: bytes | None = None  # the tenant's salt when the cache is writable: the prompt's blocks go early
     tenant: str | None = None  # whose entries the write-back stores (its quota applies); None: the namespace's
     early_blocks: int = 0  # blocks [hit_blocks, early_blocks) were queued while the reply was generated
+    stored_blocks: int = 0  # leading blocks known to be in Redis though not read (a recompute plan): not rewritten
     ready: LayerGate | None = None  # layers of `kv` still being dequantized: the engine waits per layer
     landing: torch.Tensor | None = None  # the pooled buffer the frames were received into, read by `ready`'s work
     rehydrating: asyncio.Future[Any] | None = None  # the threads writing into `buffer` and `landing`, until done
+
+    @property
+    def held_blocks(self) -> int:
+        """Leading blocks Redis holds already (read, or known to be there): a write-back starts after them."""
+        return max(self.hit_blocks, self.stored_blocks)
 
     def complete(self) -> torch.Tensor | None:
         """`kv` with every layer in place (blocks the calling thread until then); engines wait on `ready`."""
@@ -180,6 +187,10 @@ class Pipeline:
                              self.codecs.main.plain_size(self._block_shape, geo.dtype))
                             if self.codecs.main.spec.compressor in LANDING_COMPRESSORS else None)
         self._landings = LandingPool(max_idle=max(2, engine.parallel))
+        # fetch or recompute: a hit is read only while reading a block beats prefilling it (service.fetchplan)
+        self.planner = FetchPlanner(settings.fetch_policy, settings.block_tokens, settings.redis_timeout_s,
+                                    link_bytes_s=settings.link_bytes_s, prefill_tokens_s=settings.prefill_tokens_s)
+        self._publish_estimates()
         # the sticky-sessions baseline: KV kept in this pod's memory instead of Redis
         self.memory = MemoryKV(settings.memory_kv_bytes) if settings.memory_kv_bytes else None
         if self.memory is not None:
@@ -246,13 +257,19 @@ class Pipeline:
             return self._account(CacheView(None, 0, 0, "bypass"), prompt_ids), session
         usable = len(prompt_ids) - 1  # the last prompt token is always re-fed for logits
         hashes = self.hashes(tenant_salt, prompt_ids[:usable])
+        local, local_bytes = self.store.held_locally(self.model_key, hashes)
+        planned = local + self._plan(len(hashes) - local)
+        if planned == 0 and hashes:  # reading any of them would take longer than prefilling them
+            return await self._recompute(tenant_salt, prompt_ids, hashes, session, session_key)
+        shortened = planned < len(hashes)  # then neither the prompt's tail nor the session's partial block follow
+        hashes = hashes[:planned]
         b = self.block_tokens
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         deadline = loop.time() + self.settings.redis_timeout_s
         chunks = [hashes[r.start:r.stop] for r in chunk_plan(len(hashes))]
         tail_parent = hashes[-1] if hashes else self.root(tenant_salt)
-        wants_tail = len(hashes) * b < usable
+        wants_tail = not shortened and len(hashes) * b < usable
         tail_task: asyncio.Future[bytes | None] | None = None
 
         def last_chunk_sent() -> None:  # on the loop: the prompt's tail goes along with the last chunk
@@ -308,12 +325,14 @@ class Pipeline:
                 stop.set()
             rehydration.end()
             hit_blocks, fetched = await verified
+            self._observe_fetch(hit_blocks - local, fetched - local_bytes, time.perf_counter() - t0)
             if slots is not None and stage is None:  # token rows received into the engine's state
                 mark = getattr(self.engine, "mark_placed", None)
                 if mark is not None:
                     mark(out, hit_blocks * b)
-            tail = await self._tail(tail_task, hit_blocks, len(hashes), hashes, tenant_salt, usable, session,
-                                    deadline)  # a prefetched tail of another parent is cancelled below
+            tail = None if shortened else await self._tail(tail_task, hit_blocks, len(hashes), hashes, tenant_salt,
+                                                           usable, session, deadline)  # a prefetched tail of
+            # another parent is cancelled below
             self.metrics.redis_seconds.labels("lookup").observe(time.perf_counter() - t0)
             if tail is None and not self._session_partial(session, hit_blocks):
                 view = self._with_session(out, hit_blocks, fetched, session, prompt_ids, usable)
@@ -337,6 +356,47 @@ class Pipeline:
                     reader.add_done_callback(lambda _: self._landings.give(stage))
         view.salt, view.tenant = tenant_salt, tenant
         return self._account(view, prompt_ids), session
+
+    def _plan(self, remote: int) -> int:
+        """How many of `remote` blocks (after those held locally) to read: the fetch plan's, counted."""
+        if remote <= 0:
+            return 0
+        plan = self.planner.plan(remote, self._slot_sizes[1] if self._slot_sizes is not None else None)
+        self.metrics.fetch_plans.labels(plan.decision).inc()
+        if plan.decision == "shortened":
+            self.metrics.fetch_skipped_blocks.inc(remote - plan.blocks)
+        return plan.blocks
+
+    async def _recompute(
+        self, tenant_salt: bytes, prompt_ids: list[int], hashes: list[BlockHash], session: SessionRecord | None,
+        session_key: tuple[str, str] | None,
+    ) -> tuple[CacheView, SessionRecord | None]:
+        """The lookup of a plan that reads nothing: only how many blocks Redis holds (so the write-back skips them)
+        and the session record, in one concurrent round trip each."""
+        assert self.store is not None
+        fetch_session = self.store.get_session(*session_key) if session_key else self._none()
+        try:
+            present, fetched_session = await asyncio.wait_for(
+                asyncio.gather(self.store.count_present(self.model_key, hashes), fetch_session),
+                self.settings.redis_timeout_s)
+        except TimeoutError:
+            return self._account(CacheView(None, 0, 0, "bypass"), prompt_ids), session
+        if present.unavailable:
+            return self._account(CacheView(None, 0, 0, "bypass"), prompt_ids), session or fetched_session
+        self.metrics.fetch_skipped_blocks.inc(present.value)
+        view = CacheView(None, 0, 0, "recompute" if present.value else "miss", stored_blocks=present.value,
+                         salt=tenant_salt)
+        return self._account(view, prompt_ids), session or fetched_session
+
+    def _observe_fetch(self, blocks: int, nbytes: int, seconds: float) -> None:
+        """A lookup read `blocks` blocks from Redis (`nbytes`) in `seconds`, request to verified."""
+        if blocks > 0:
+            self.planner.observe_fetch(nbytes, blocks, seconds)
+            self._publish_estimates()
+
+    def _publish_estimates(self) -> None:
+        self.metrics.link_estimate.set(self.planner.link_bytes_s or 0.0)
+        self.metrics.prefill_estimate.set(self.planner.prefill_tokens_s or 0.0)
 
     def _read_blocks(
         self, chunks: list[list[BlockHash]], slots: Sequence[Target] | None, rehydration: Rehydration,
@@ -609,6 +669,8 @@ class Pipeline:
         gen = await self.in_engine(view, self.engine.generate, prompt_ids, view.kv, params, on_text, early, view.ready,
                                    self.keep_from(view))
         self.metrics.ttft.labels(view.status).observe(gen.ttft_s)
+        self.planner.observe_prefill(len(prompt_ids) - view.cached_tokens, gen.ttft_s)  # for the next fetch plans
+        self._publish_estimates()
         if self.memory is not None and view.salt is not None:
             self._remember(view, gen)
         return gen
@@ -616,7 +678,7 @@ class Pipeline:
     def keep_from(self, view: CacheView) -> int:
         """The first token whose KV a write-back after `view` needs: the blocks this hit read are in Redis (the
         sticky baseline keeps the whole sequence in memory)."""
-        return 0 if self.memory is not None else view.hit_blocks * self.block_tokens
+        return 0 if self.memory is not None else view.held_blocks * self.block_tokens
 
     async def in_engine(self, view: CacheView, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` on the engine's threads (where it may read `view`'s KV), then `view`'s pooled buffers back to
@@ -646,7 +708,7 @@ class Pipeline:
     ) -> Callable[[Callable[[int, int], torch.Tensor]], None] | None:
         """The prefill hook that queues the prompt's new full blocks while the reply is being generated."""
         salt, b = view.salt, self.block_tokens
-        first, full = view.hit_blocks, len(prompt_ids) // b
+        first, full = view.held_blocks, len(prompt_ids) // b
         if salt is None or self.writer is None or self.store is None or full <= first:
             return None
         hashes = self.hashes(salt, prompt_ids[:full * b])
@@ -714,7 +776,7 @@ class Pipeline:
         tail_tokens = gen.seq_ids[full * b:]
         parent = hashes[-1] if full else self.root(tenant_salt)
         keys = self.store.keys
-        first = max(view.hit_blocks, view.early_blocks)  # the prompt's blocks may be queued already
+        first = max(view.held_blocks, view.early_blocks)  # the prompt's blocks may be queued already
         job = WriteJob(
             model=self.model_key,
             hashes=hashes[first:],

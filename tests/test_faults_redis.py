@@ -56,13 +56,13 @@ def oracle(reference: TestClient) -> Oracle:
 RECOVERY_LIMIT_S = 30.0  # the pod's breaker reset (5 s), a miss that writes and the hit after it, with room
 
 
-def test_redis_killed_mid_conversation_and_restarted_empty(redis_server: RedisProcess, tiny_model: Any,
+def test_redis_killed_mid_conversation_and_restarted_empty(kv_server: RedisProcess, tiny_model: Any,
                                                            oracle: Oracle, figures: dict[str, object]) -> None:
     """Two pods alternate the turns of a conversation; Redis dies at turn 3 and comes back empty at turn 5."""
     sent = correct = 0
     statuses: list[str] = []
-    with pod_client(redis_server.url, tiny_model, pod_name="a") as a, \
-            pod_client(redis_server.url, tiny_model, pod_name="b") as b:
+    with pod_client(kv_server.url, tiny_model, pod_name="a") as a, \
+            pod_client(kv_server.url, tiny_model, pod_name="b") as b:
         messages = [SYSTEM]
         restarted_at = recovered_s = None
         # turns go on until a hit after the restart: the breaker stays open for breaker_reset_s (5 s) of real time
@@ -71,9 +71,9 @@ def test_redis_killed_mid_conversation_and_restarted_empty(redis_server: RedisPr
             if restarted_at is not None and time.monotonic() - restarted_at > RECOVERY_LIMIT_S:
                 break
             if turn == 3:
-                redis_server.kill()
+                kv_server.kill()
             if turn == 5:
-                redis_server.start()  # same port, empty
+                kv_server.start()  # same port, empty
                 restarted_at = time.monotonic()
             messages.append({"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)]})
             pod = a if turn % 2 == 0 else b
@@ -296,3 +296,48 @@ def test_session_cas_write_failing_mid_generation_is_503(redis_server: RedisProc
         assert resp.status_code == 503, resp.text
         assert resp.json()["error"]["code"] == "redis_unavailable"
         redis_server.start()
+
+
+@pytest.mark.cluster
+def test_a_conversation_goes_on_while_its_slots_migrate(fresh_cluster: RedisCluster, tiny_model: Any,
+                                                        oracle: Oracle, figures: dict[str, object]) -> None:
+    """Every slot holding a conversation's blocks is moved to another primary, as `redis-cli --cluster reshard`
+    does, while the conversation goes on: half of each slot's blocks moved (ASK), then all (MOVED). Every reply is
+    the no-cache reply, none fails, and the turns after the move hit again."""
+    cluster = fresh_cluster
+    url = f"redis+cluster://127.0.0.1:{cluster.nodes[0].port}/0"
+    sent = correct = 0
+    cached: list[int] = []
+    with pod_client(url, tiny_model, redis_timeout_s=2.0) as pod:
+        messages = [SYSTEM]
+        keys: list[bytes] = []
+        moves: list[tuple[int, RedisProcess, RedisProcess]] = []
+        for turn in range(6):
+            if turn == 2:  # every slot of the blocks written so far starts moving; a third of each slot's blocks go
+                admin = cluster.nodes[0].client()
+                keys = [k for n in cluster.nodes for k in n.client().scan_iter(match="kvstash:blk:*")]
+                slots = sorted({int(admin.execute_command("CLUSTER", "KEYSLOT", k)) for k in keys})
+                for slot in slots:
+                    owner = cluster.owner(slot)
+                    dest = cluster.nodes[(cluster.nodes.index(owner) + 1) % len(cluster.nodes)]
+                    moves.append((slot, cluster.start_moving(slot, dest), dest))
+                for slot, source, dest in moves:
+                    held = [k for k in keys if int(admin.execute_command("CLUSTER", "KEYSLOT", k)) == slot]
+                    cluster.migrate(source, dest, held[: max(1, len(held) // 3)])
+            if turn == 4:
+                for slot, source, dest in moves:
+                    cluster.finish_moving(slot, source, dest)
+            messages.append({"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)]})
+            resp = chat(pod, messages)
+            sent += 1
+            text = reply_of(resp)
+            correct += text == oracle(resp)
+            assert text == oracle(resp), f"turn {turn} differs from the no-cache reply"
+            cached.append(int(resp.headers["x-kv-cached-tokens"]))
+            messages.append({"role": "assistant", "content": text})
+            wait_written(pod)
+        assert moves and all(cluster.owner(slot) is dest for slot, _, dest in moves)
+        assert cached[0] == 0 and all(c > 0 for c in cached[1:]), cached  # hits during the move and after it
+        redirects = state_of(pod).store.stats().redirects
+    figures.update(requests=sent, correct=correct, errors=0, slots_moved=len(moves), cached_tokens=cached,
+                   redirects=redirects)

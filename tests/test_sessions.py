@@ -20,8 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-async def store(shared_redis_server: RedisProcess, request: pytest.FixtureRequest) -> AsyncIterator[BlockStore]:
-    s = BlockStore(StoreSettings.from_url(shared_redis_server.url, namespace="sess-" + request.node.name[:40]))
+async def store(shared_kv_server: RedisProcess, request: pytest.FixtureRequest) -> AsyncIterator[BlockStore]:
+    ns = "sess-" + request.node.name[:40].replace("[", "-").replace("]", "")  # one per test and server flavor
+    s = BlockStore(StoreSettings.from_url(shared_kv_server.url, namespace=ns))
     yield s
     await s.clear_namespace()
     await s.close()
@@ -62,10 +63,10 @@ async def test_fork_list_delete(store: BlockStore) -> None:
 
 
 async def test_record_is_plain_and_garbage_is_a_counted_miss(store: BlockStore,
-                                                             shared_redis_server: RedisProcess) -> None:
+                                                             shared_kv_server: RedisProcess) -> None:
     await store.put_session(record(), None)
     key = store.keys.session("acme", "s1")
-    client = shared_redis_server.client()
+    client = shared_kv_server.client()
     raw = client.hgetall(key)
     assert raw[b"messages"].decode() == '[{"role":"user","content":"héllo"}]'
     assert raw[b"n_tokens"] == b"4" and raw[b"version"] == b"1" and raw[b"partial"] == b"\x00KV\xff"
@@ -113,15 +114,15 @@ WRITER = textwrap.dedent("""
 """)
 
 
-def test_two_processes_never_lose_an_update(redis_server: RedisProcess) -> None:
+def test_two_processes_never_lose_an_update(kv_server: RedisProcess) -> None:
     from cachestore.syncstore import SyncBlockStore  # noqa: PLC0415
 
-    with SyncBlockStore(StoreSettings.from_url(redis_server.url, namespace="twoproc")) as store:
+    with SyncBlockStore(StoreSettings.from_url(kv_server.url, namespace="twoproc")) as store:
         assert store.put_session(SessionRecord("acme", "shared", "m"), None) is not None
     n = 150
-    procs = [subprocess.Popen([sys.executable, "-c", WRITER, redis_server.url, name, str(n)], cwd=ROOT,
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, kv_server.url, name, str(n)], cwd=ROOT,
                               stdout=subprocess.PIPE, text=True) for name in ("a", "b")]
-    gate = redis_server.client()
+    gate = kv_server.client()
     assert gate.blpop(["twoproc-ready"], timeout=60) and gate.blpop(["twoproc-ready"], timeout=60)
     gate.rpush("twoproc-go-a", 1)
     gate.rpush("twoproc-go-b", 1)
@@ -130,7 +131,7 @@ def test_two_processes_never_lose_an_update(redis_server: RedisProcess) -> None:
     lost = [int(o.strip()) for o in outputs]
     # the writers lost compare-and-sets and retried: the race the CAS exists for did happen
     assert sum(lost) > 0, lost
-    with SyncBlockStore(StoreSettings.from_url(redis_server.url, namespace="twoproc")) as store:
+    with SyncBlockStore(StoreSettings.from_url(kv_server.url, namespace="twoproc")) as store:
         final = store.get_session("acme", "shared")
     assert final is not None and final.version == 1 + 2 * n
     for name in ("a", "b"):

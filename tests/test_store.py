@@ -30,9 +30,9 @@ def frames_for(n: int, size: int = 1000) -> list[bytes]:
 
 
 @pytest.fixture
-async def store(shared_redis_server: RedisProcess, request: pytest.FixtureRequest) -> AsyncIterator[BlockStore]:
+async def store(shared_kv_server: RedisProcess, request: pytest.FixtureRequest) -> AsyncIterator[BlockStore]:
     ns = "t-" + request.node.name[:40].replace("[", "-").replace("]", "")
-    s = BlockStore(StoreSettings.from_url(shared_redis_server.url, namespace=ns, index_shards=4))
+    s = BlockStore(StoreSettings.from_url(shared_kv_server.url, namespace=ns, index_shards=4))
     yield s
     await s.clear_namespace()
     await s.close()
@@ -84,21 +84,21 @@ async def test_put_is_idempotent_and_refuses_big_values(store: BlockStore) -> No
         await store.lookup("bad model:id", hashes)
 
 
-async def test_key_names_are_readable(store: BlockStore, shared_redis_server: RedisProcess) -> None:
+async def test_key_names_are_readable(store: BlockStore, shared_kv_server: RedisProcess) -> None:
     hashes = hashes_for(list(range(16)))
     await store.put_blocks(FP.short(), hashes, frames_for(1))
     ns = store.settings.namespace
-    keys = sorted(k.decode() for k in shared_redis_server.client().scan_iter(match=f"{ns}:*"))
+    keys = sorted(k.decode() for k in shared_kv_server.client().scan_iter(match=f"{ns}:*"))
     blocks = [k for k in keys if ":blk:" in k]
     assert blocks == [store.keys.block(FP.short(), hashes[0])[1]]
     assert blocks[0].startswith(f"{ns}:blk:{FP.short()}:{hashes[0].hex()}:{{{ns}:s")
     assert all(k.startswith(ns + ":") for k in keys)
-    ttl = shared_redis_server.client().pttl(blocks[0])
+    ttl = shared_kv_server.client().pttl(blocks[0])
     assert 0 < ttl <= store.settings.block_ttl_s * 1000
 
 
-async def test_local_tier_serves_hot_blocks(shared_redis_server: RedisProcess) -> None:
-    settings = StoreSettings.from_url(shared_redis_server.url, namespace="t-local", local_tier_bytes=10_000)
+async def test_local_tier_serves_hot_blocks(shared_kv_server: RedisProcess) -> None:
+    settings = StoreSettings.from_url(shared_kv_server.url, namespace="t-local", local_tier_bytes=10_000)
     writer, reader = BlockStore(settings), BlockStore(settings)
     try:
         hashes, frames = hashes_for(list(range(64))), frames_for(4)
@@ -113,8 +113,8 @@ async def test_local_tier_serves_hot_blocks(shared_redis_server: RedisProcess) -
         await reader.close()
 
 
-async def test_ttl_expires_and_hits_slide_it(redis_server: RedisProcess) -> None:
-    store = BlockStore(StoreSettings.from_url(redis_server.url, namespace="ttl", block_ttl_s=1, index_shards=2))
+async def test_ttl_expires_and_hits_slide_it(kv_server: RedisProcess) -> None:
+    store = BlockStore(StoreSettings.from_url(kv_server.url, namespace="ttl", block_ttl_s=1, index_shards=2))
     try:
         kept, dropped = hashes_for(list(range(16))), hashes_for(list(range(100, 116)))
         await store.put_blocks(FP.short(), kept + dropped, frames_for(2))
@@ -150,9 +150,9 @@ def test_settings_from_url_validates_and_masks() -> None:
             StoreSettings.from_url(bad_url, **opts)
 
 
-async def test_redis_killed_mid_workload_then_back(redis_server: RedisProcess) -> None:
+async def test_redis_killed_mid_workload_then_back(kv_server: RedisProcess) -> None:
     settings = StoreSettings.from_url(
-        redis_server.url, namespace="chaos", op_timeout_s=0.3, connect_timeout_s=0.2,
+        kv_server.url, namespace="chaos", op_timeout_s=0.3, connect_timeout_s=0.2,
         write_timeout_s=0.5, breaker_failures=3, breaker_reset_s=0.3,
     )
     store = BlockStore(settings)
@@ -160,7 +160,7 @@ async def test_redis_killed_mid_workload_then_back(redis_server: RedisProcess) -
         hashes, frames = hashes_for(list(range(64))), frames_for(4)
         assert await store.put_blocks(FP.short(), hashes, frames) == 4
         assert await store.lookup(FP.short(), hashes) == frames
-        redis_server.kill()
+        kv_server.kill()
         for _ in range(6):  # nothing raises; the breaker opens
             assert await store.lookup(FP.short(), hashes) == []
             assert await store.put_blocks(FP.short(), hashes, frames) == 0
@@ -168,7 +168,7 @@ async def test_redis_killed_mid_workload_then_back(redis_server: RedisProcess) -
         assert store.breaker_state == "open"
         st = store.stats()
         assert st.errors >= 3 and st.skipped_open > 0 and st.dropped_writes >= 6 and st.breaker_opened >= 1
-        redis_server.start()  # same port, empty
+        kv_server.start()  # same port, empty
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and store.breaker_state != "closed":
             await asyncio.sleep(0.1)
@@ -206,17 +206,17 @@ async def test_blocking_fetch_from_reader_threads_is_fetch(store: BlockStore) ->
     assert after.round_trips - before.round_trips == 14 and after.errors == 0
 
 
-async def test_blocking_fetch_shares_the_breaker(redis_server: RedisProcess) -> None:
+async def test_blocking_fetch_shares_the_breaker(kv_server: RedisProcess) -> None:
     """Redis gone: reader threads miss (UNAVAILABLE, counted), open the breaker the event loop obeys too, and read
     again on fresh connections once Redis is back."""
-    settings = StoreSettings.from_url(redis_server.url, namespace="chaos-b", op_timeout_s=0.3,
+    settings = StoreSettings.from_url(kv_server.url, namespace="chaos-b", op_timeout_s=0.3,
                                       connect_timeout_s=0.2, breaker_failures=3, breaker_reset_s=0.3)
     store = BlockStore(settings)
     try:
         hashes, frames = hashes_for(list(range(64))), frames_for(4)
         assert await store.put_blocks(FP.short(), hashes, frames) == 4
         assert (await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes)).value == frames
-        redis_server.kill()
+        kv_server.kill()
         for _ in range(3):
             assert (await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes)).outcome is Outcome.UNAVAILABLE
         assert store.breaker_state == "open" and store.stats().errors >= 3
@@ -224,7 +224,7 @@ async def test_blocking_fetch_shares_the_breaker(redis_server: RedisProcess) -> 
         assert await store.lookup(FP.short(), hashes) == []  # the event loop's calls are not even made
         assert (await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes)).outcome is Outcome.UNAVAILABLE
         assert store.stats().skipped_open == skipped + 2
-        redis_server.start()  # same port, empty
+        kv_server.start()  # same port, empty
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and store.breaker_state != "closed":
             await asyncio.sleep(0.1)

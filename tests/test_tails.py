@@ -44,10 +44,10 @@ def _keys(redis: RedisProcess, kind: str) -> list[bytes]:
     return list(redis.client().scan_iter(match=f"*:{kind}:*"))
 
 
-def test_a_stateless_next_turn_hits_prompt_and_reply(redis_server: RedisProcess, tiny_model: Any) -> None:
-    with make_client(redis_server, tiny_model) as c:
+def test_a_stateless_next_turn_hits_prompt_and_reply(kv_server: RedisProcess, tiny_model: Any) -> None:
+    with make_client(kv_server, tiny_model) as c:
         first = chat(c, HISTORY, return_token_ids=True).json()
-        assert _keys(redis_server, "tail") and _keys(redis_server, "ids")  # written before the reply ended
+        assert _keys(kv_server, "tail") and _keys(kv_server, "ids")  # written before the reply ended
         reply = first["choices"][0]["message"]["content"]
         follow = [*HISTORY, {"role": "assistant", "content": reply}, {"role": "user", "content": "And?"}]
         second = chat(c, follow, return_token_ids=True).json()

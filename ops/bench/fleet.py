@@ -129,7 +129,7 @@ def _calibrate(args: argparse.Namespace, url: str) -> dict[str, Any]:
             "bound": (prefill + decode) / (hit + decode), "turns": ok}
 
 
-def _keeps_up(runs: list[dict[str, Any]]) -> float:
+def find_knee(runs: list[dict[str, Any]]) -> float:
     """Mark each run's `keeps_up`; the knee: the highest rate that it and every lower rate kept up with (0 if none)."""
     runs.sort(key=lambda r: r["rate"])
     base = runs[0]["ttft_ms_p90"] if runs else 0.0
@@ -241,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         for kind in fleets:
             fleet_runs, cal = _sweep(args, redis_url, kind, rates, requests)
-            knees[kind] = _keeps_up(fleet_runs)
+            knees[kind] = find_knee(fleet_runs)
             runs += fleet_runs
             calibration = calibration or cal
         if ratios:

@@ -28,7 +28,7 @@ def summary(rows: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     first = [r["ttft_ms"] for r in ok if r["turn"] == 1]
     later = [r["ttft_ms"] for r in ok if r["turn"] > 1]
     hits = [r["ttft_ms"] for r in ok if r.get("cache") == "hit"]
-    misses = [r["ttft_ms"] for r in ok if r.get("cache") in ("miss", "bypass")]
+    misses = [r["ttft_ms"] for r in ok if r.get("cache") in ("miss", "bypass", "recompute")]
     per_pod: Counter[str] = Counter()
     computed: Counter[str] = Counter()
     for r in ok:
@@ -81,7 +81,7 @@ def after_kill(rows: list[dict[str, Any]], restart: dict[str, Any]) -> dict[str,
     back = [r for r in after if ready is not None and r["started_s"] >= ready]
     return {
         **ttft(after, "after_kill_ttft_ms"), "after_kill_hit_rate": hit_rate(after),
-        "after_kill_misses": sum(1 for r in after if r["cache"] in ("miss", "bypass")),
+        "after_kill_misses": sum(1 for r in after if r["cache"] in ("miss", "bypass", "recompute")),
         "pinned_sessions": len(pinned), **ttft(theirs, "pinned_after_kill_ttft_ms"),
         "pinned_after_kill_hit_rate": hit_rate(theirs), "pinned_first_turns": len(first),
         # of those sessions' first turns after the kill, how many found every token of their history cached

