@@ -31,6 +31,9 @@ COMMON = ("model", "stream", "stream_options", "max_tokens", "temperature", "top
 CHAT = (*COMMON, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
         "parallel_tool_calls", "modalities", "store", "metadata", "service_tier")
 TEXT = (*COMMON, "prompt", "echo", "suffix", "best_of")
+# a turn of a server-side session (POST /v1/sessions/{id}/messages): the chat's, the session named by the path, and
+# `content` (one user message) instead of `messages`
+SESSION_TURN = (*(k for k in CHAT if k != "session_id"), "content")
 IN_PROCESS = ("hf", "llamacpp")  # engines that honour every parameter parsed here (the sidecar: the basic ones)
 # accepted and without effect on the reply, by their definition
 NO_OPS = ("user", "safety_identifier", "prompt_cache_key")
@@ -50,9 +53,10 @@ def unsupported(name: str, why: str) -> ApiError:
     return bad_request(f"{name}: {why}", param=name, code="unsupported_parameter")
 
 
-def check_keys(body: dict[str, Any], chat: bool) -> None:
-    """Refuse a key no table holds, and the REFUSED ones unless null."""
-    known = CHAT if chat else TEXT
+def check_keys(body: dict[str, Any], chat: bool, known: tuple[str, ...] | None = None) -> None:
+    """Refuse a key no table holds (`known`, by default the chat's or the text route's), and the REFUSED ones unless
+    null."""
+    known = known if known is not None else CHAT if chat else TEXT
     for key, value in body.items():
         if key in known or key in NO_OPS:
             continue
