@@ -22,6 +22,7 @@ BENCHES = [
     "ops.bench.quality",
     "ops.bench.load",
     "ops.bench.fleet",
+    "ops.bench.sidecar",
 ]
 
 

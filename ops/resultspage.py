@@ -177,6 +177,27 @@ def _fleet(d: dict[str, Any]) -> tuple[Table, str]:
     return table, chart
 
 
+_SIDECAR_NAMES = {"cold-direct": "cold, llama-server directly", "cold-sidecar": "cold, through the sidecar",
+                  "resumed-prefill": "next turn, llama-server prefills it all",
+                  "resumed-kept": "next turn, llama-server kept the slot",
+                  "resumed-sidecar": "next turn on a second sidecar, KV from Redis"}
+
+
+def _sidecar(d: dict[str, Any]) -> tuple[Table, str]:
+    table = ["| request | prompt tokens | TTFT p50 ms | p90 ms | tokens processed | from Redis | vs direct | "
+             "vs full prefill |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in d["rows"]:
+        table.append(_row([_SIDECAR_NAMES.get(r["method"], r["method"]), f"{r['prompt_tokens']:,}",
+                           _ms(r["ttft_ms_p50"]), _ms(r["ttft_ms_p90"]), f"{r['processed_p50']:,.0f}",
+                           f"{r['cached_tokens_p50']:,.0f}", _x(r["vs_direct"]) if r["vs_direct"] else "",
+                           _x(r["speedup"]) if r["speedup"] else ""]))
+    names = [_SIDECAR_NAMES.get(r["method"], r["method"]).split(", ")[-1] for r in d["rows"]]
+    chart = svgchart.bars(names, {"TTFT p50": [r["ttft_ms_p50"] for r in d["rows"]]},
+                          title="The sidecar against llama-server, 2,048-token prompt", ylabel="ms (log scale)",
+                          log=True)
+    return table, chart
+
+
 _RESUME_METHOD = ("A history of N tokens is prefilled and stored as another pod would; then the time to first token "
                   "of the history plus one new token: a lookup (one pipelined round trip), decode into the engine's "
                   "cache, one forward step. "
@@ -194,6 +215,12 @@ BENCHES = (
           _RESUME_METHOD + " The sidecar's hit restores a slot over llama-server's HTTP API; the slot-file row is "
           "llama-server's own save and restore on one machine.",
           _RESUME_CMD.format(engine="llama-server", modes="int8,fp16", name="resume-sidecar"), _resume),
+    Bench("sidecar", "The sidecar passes llama-server through",
+          "A cold 2,048-token chat sent to llama-server directly and through `kvstash sidecar` (interleaved, so load "
+          "drifting touches both alike; target: the sidecar within 5%), then the next turn of that conversation "
+          "three ways: a llama-server that prefills it, one that kept the slot, and a second sidecar beside a fresh "
+          "llama-server that restores the KV from Redis.",
+          "kvstash bench sidecar --repeat 3 --json docs/results/sidecar.json", _sidecar),
     Bench("store", "The store: kvstash against raw redis-py",
           "A 2048-token SmolLM2 context in fp16 (47.2 MB of random bytes) fetched and stored in blocks of each size "
           "through kvstash's BlockStore, against pipelined redis-py GET/SET of the same bytes in the same run, on a "

@@ -51,10 +51,10 @@ async def _completion(request: Request, chat: bool) -> Response:
         view, previous = await pipeline.lookup(tenant.salt, prompt_ids, session_key=key, tenant=tenant.name)
         return view
 
-    async def after(gen: Generation, view: CacheView) -> str | None:
+    async def after(gen: Generation, view: CacheView, reply: dict[str, Any] | None) -> str | None:
         record = None
-        if req.session_id is not None and req.messages is not None:
-            messages = [*req.messages, {"role": "assistant", "content": gen.text}]
+        if req.session_id is not None and req.messages is not None and reply is not None:
+            messages = [*req.messages, reply]  # with its tool calls, as the client got them
             record = pipeline.session_record(tenant.name, req.session_id, messages, gen, previous)
         # the next turn may be sent the moment this reply ends, to any pod: its blocks go first
         await pipeline.settle(pipeline.write_back(tenant.salt, gen, view, record,

@@ -7,12 +7,14 @@ as unknown: a client that asks for something kvstash does not know must not get 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from service.engines import GenParams
 from service.engines.generation import ParamError, ResponseFormat
 from service.engines.guides import llg_grammar, schema_text
+from service.engines.tools import call_schema
 from service.errors import ApiError, bad_request
 
 MAX_STOP = 4
@@ -29,6 +31,9 @@ COMMON = ("model", "stream", "stream_options", "max_tokens", "temperature", "top
 CHAT = (*COMMON, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
         "parallel_tool_calls", "modalities", "store", "metadata", "service_tier")
 TEXT = (*COMMON, "prompt", "echo", "suffix", "best_of")
+# a turn of a server-side session (POST /v1/sessions/{id}/messages): the chat's, the session named by the path, and
+# `content` (one user message) instead of `messages`
+SESSION_TURN = (*(k for k in CHAT if k != "session_id"), "content")
 IN_PROCESS = ("hf", "llamacpp")  # engines that honour every parameter parsed here (the sidecar: the basic ones)
 # accepted and without effect on the reply, by their definition
 NO_OPS = ("user", "safety_identifier", "prompt_cache_key")
@@ -48,9 +53,10 @@ def unsupported(name: str, why: str) -> ApiError:
     return bad_request(f"{name}: {why}", param=name, code="unsupported_parameter")
 
 
-def check_keys(body: dict[str, Any], chat: bool) -> None:
-    """Refuse a key no table holds, and the REFUSED ones unless null."""
-    known = CHAT if chat else TEXT
+def check_keys(body: dict[str, Any], chat: bool, known: tuple[str, ...] | None = None) -> None:
+    """Refuse a key no table holds (`known`, by default the chat's or the text route's), and the REFUSED ones unless
+    null."""
+    known = known if known is not None else CHAT if chat else TEXT
     for key, value in body.items():
         if key in known or key in NO_OPS:
             continue
@@ -208,19 +214,25 @@ def check_stream(params: GenParams, stream: bool) -> None:
         raise unsupported("logprobs", "logprobs are supported without stream only")
 
 
+def check_stream_tools(tools: ToolSpec | None, stream: bool) -> None:
+    """Tool calls are parsed out of a whole reply: a stream cannot carry them yet."""
+    if stream and tools is not None:
+        raise unsupported("tools", "tool calls are parsed out of a reply without stream only")
+
+
 def check_engine(params: GenParams, body: dict[str, Any], honours_all: bool) -> None:
     """An engine that honours the basic sampling parameters only (the llama-server sidecar's, which passes the
     rest on its own) refuses every other one that is set."""
     if honours_all:
         return
+    for name in ("tools", "tool_choice"):
+        if body.get(name) is not None:
+            raise unsupported(name, "this engine does not honour it")
     basic = GenParams(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
                       seed=params.seed, stop=params.stop)
     wanted, plain = dataclasses.asdict(params), dataclasses.asdict(basic)
     for name, value in wanted.items():
         if value != plain[name]:
-            raise unsupported(name, "this engine does not honour it")
-    for name in ("tools", "tool_choice"):
-        if body.get(name) is not None:
             raise unsupported(name, "this engine does not honour it")
 
 
@@ -230,20 +242,46 @@ class ToolSpec:
 
     tools: tuple[dict[str, Any], ...]  # OpenAI's [{"type": "function", "function": {...}}]
     parallel: bool = True
+    forced: tuple[str, ...] = ()  # tool_choice "required" (every tool) or a named function: the reply calls one
+
+    def response_format(self) -> ResponseFormat | None:
+        """The grammar of a forced call (None when the model may answer in prose)."""
+        if not self.forced:
+            return None
+        # not schema_text: key order kept, so the grammar writes the name before the arguments it chooses
+        schema = json.dumps(call_schema(self.tools, self.forced), separators=(",", ":"))
+        return ResponseFormat(schema, calls=2 if self.parallel else 1)
+
+
+def _forced(choice: Any, tools: list[dict[str, Any]]) -> tuple[str, ...]:
+    """The functions `tool_choice` forces a call to (none for "auto" and "none")."""
+    names = [t["function"]["name"] for t in tools]
+    if choice == "required":
+        return tuple(names)
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                              '{"name": ...}}', param="tool_choice")
+        if name not in names:
+            raise bad_request(f"tool_choice names {name!r}, which is not one of the tools", param="tool_choice")
+        return (name,)
+    return ()
 
 
 def parse_tools(body: dict[str, Any]) -> ToolSpec | None:
-    """`tools` and `tool_choice`: "none" (the tools are not rendered), "auto" (the default); a forced call is
-    refused (no constrained decoding of a call yet)."""
+    """`tools` and `tool_choice`: "none" (the tools are not rendered), "auto" (the default), "required" or a named
+    function (a call forced by a grammar: ToolSpec.response_format)."""
     raw = body.get("tools")
     choice = body.get("tool_choice")
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool) and parallel is not None:
         raise bad_request("parallel_tool_calls must be a boolean", param="parallel_tool_calls")
-    if choice not in (None, "none", "auto"):
-        if choice == "required" or isinstance(choice, dict):
-            raise unsupported("tool_choice", 'only "auto" and "none" are honoured (a forced call is not)')
+    if choice not in (None, "none", "auto", "required") and not isinstance(choice, dict):
         raise bad_request('tool_choice must be "none", "auto", "required" or a named function', param="tool_choice")
+    if choice is not None and choice not in ("none", "auto") and not raw:
+        raise bad_request("tool_choice forces a call: it needs `tools`", param="tool_choice")
     if raw is None or choice == "none":
         return None
     if not isinstance(raw, list) or len(raw) > 128:
@@ -256,4 +294,25 @@ def parse_tools(body: dict[str, Any]) -> ToolSpec | None:
                               param="tools")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object", param="tools")
-    return ToolSpec(tuple(raw), parallel is not False) if raw else None
+    if not raw:
+        return None
+    spec = ToolSpec(tuple(raw), parallel is not False, _forced(choice, raw))
+    fmt = spec.response_format()
+    if fmt is not None:
+        try:
+            llg_grammar(fmt)  # a tool schema no grammar can follow is the client's 400 now
+        except ParamError as exc:
+            raise bad_request(str(exc), param=exc.param) from None
+    return spec
+
+
+def with_tools(params: GenParams, tools: ToolSpec | None) -> GenParams:
+    """The parameters with a forced call's grammar; a forced call and `response_format` together are refused (the
+    reply cannot be both)."""
+    fmt = tools.response_format() if tools is not None else None
+    if fmt is None:
+        return params
+    if params.response_format is not None:
+        raise unsupported("response_format", "a forced tool call (tool_choice) and response_format cannot both "
+                          "constrain the reply")
+    return dataclasses.replace(params, response_format=fmt)

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from cachestore.keys import SESSION_ID_PATTERN, SESSION_ID_RULE
 from service.engines import GenParams
 from service.errors import ApiError, bad_request
-from service.params import ToolSpec, check_keys, check_stream, parse_params, parse_tools
+from service.params import ToolSpec, check_keys, check_stream, check_stream_tools, parse_params, parse_tools, with_tools
 
 SESSION_ID_RE = re.compile(SESSION_ID_PATTERN)
 ROLES = ("system", "user", "assistant", "tool", "developer")  # the one list (validation and OpenAPI)
@@ -265,9 +265,8 @@ def parse_completion(
     params = parse_params(body, max_tokens_limit, default_max_tokens, chat=chat)
     check_stream(params, stream)
     tools = parse_tools(body) if chat else None
-    if stream and tools is not None:
-        raise bad_request("tools: tool calls are parsed out of a reply without stream only", param="tools",
-                          code="unsupported_parameter")
+    check_stream_tools(tools, stream)
+    params = with_tools(params, tools)
     return CompletionRequest(
         model=model,
         messages=messages,

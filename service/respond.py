@@ -25,9 +25,10 @@ from service.params import ToolSpec
 from service.pipeline import CacheView, Pipeline
 from service.state import PodState
 
-# Called once generation is done; returns an error message (409) or an ApiError when the reply could not be
-# recorded.
-AfterGeneration = Callable[[Generation, CacheView], Awaitable[str | ApiError | None]]
+# Called once generation is done with the generation and, for a chat, the assistant message as the reply gives it
+# (its `tool_calls` and their ids included); returns an error message (409) or an ApiError when the reply could not
+# be recorded.
+AfterGeneration = Callable[[Generation, CacheView, "dict[str, Any] | None"], Awaitable[str | ApiError | None]]
 
 
 class StreamClosed(Exception):
@@ -158,10 +159,10 @@ class Responder:
             raise bad_request(str(exc), param=exc.param) from None
         except ValueError as exc:  # the runner refuses an input the parsers let through: the client's, not ours
             raise bad_request(str(exc), code="invalid_prompt") from None
-        problem = await after(gen, self.view)
+        shaped = choices(gen, self.chat, self.tools)
+        problem = await after(gen, self.view, shaped[0]["message"] if self.chat else None)
         if problem is not None:
             raise _as_api_error(problem)
-        shaped = choices(gen, self.chat, self.tools)
         self._with_ids(shaped[0], gen)
         body = self._envelope(shaped, chunk=False)
         body["usage"] = usage(gen)
@@ -220,7 +221,8 @@ class Responder:
                 yield self._sse(error_body(500, "generation failed", "server_error", "internal_error", None))
                 yield "data: [DONE]\n\n"
                 return
-            problem = await after(gen, self.view)
+            # a stream carries no tool calls (refused with one): its message is the text
+            problem = await after(gen, self.view, {"role": "assistant", "content": gen.text} if self.chat else None)
             if problem is not None:
                 err = _as_api_error(problem)
                 yield self._sse(error_body(err.status, err.message, err.type, err.code, err.param))

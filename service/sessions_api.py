@@ -13,9 +13,28 @@ from cachestore.outcome import Outcome
 from cachestore.sessions import SessionRecord
 from cachestore.store import BlockStore
 from service.engines import Generation
+from service.engines.generation import ParamError
 from service.errors import ApiError, bad_request, not_found
+from service.params import (
+    IN_PROCESS,
+    SESSION_TURN,
+    check_engine,
+    check_keys,
+    check_stream,
+    check_stream_tools,
+    parse_tools,
+    with_tools,
+)
 from service.pipeline import CacheView
-from service.requests import check_session_id, parse_flag, parse_messages, parse_params, read_json, stream_flags
+from service.requests import (
+    check_session_id,
+    parse_flag,
+    parse_message,
+    parse_messages,
+    parse_params,
+    read_json,
+    stream_flags,
+)
 from service.respond import check_context, pod, ready_pipeline, run_admitted
 from service.state import PodState
 from service.tenancy import Tenant, resolve_tenant
@@ -34,12 +53,16 @@ def _unavailable() -> ApiError:
                     code="redis_unavailable", headers={"Retry-After": "2"})
 
 
+MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")  # what a session shows of a message
+
+
 def session_json(record: SessionRecord) -> dict[str, Any]:
     return {
         "id": record.session_id,
         "object": "session",
         "model": record.model,
-        "messages": [{"role": m.get("role"), "content": m.get("content")} for m in record.messages],
+        "messages": [{k: m.get(k) for k in MESSAGE_FIELDS if k in ("role", "content") or m.get(k) is not None}
+                     for m in record.messages],
         "tokens": len(record.token_ids),
         "version": record.version,
         "created_at": record.created_at,
@@ -72,6 +95,7 @@ async def create_session(request: Request) -> Response:
     tenant = resolve_tenant(request, state.settings)
     store = _store(state)
     body = await read_json(request, state.settings.max_body_bytes, state.settings.body_timeout_s, optional=True)
+    check_keys(body, chat=True, known=("session_id", "messages"))
     session_id = _new_session_id(body)
     messages = parse_messages(body.get("messages", []), allow_empty=True)
     now = time.time()
@@ -114,6 +138,7 @@ async def fork_session(request: Request) -> Response:
     tenant = resolve_tenant(request, state.settings)
     parent_id = _path_id(request)
     body = await read_json(request, state.settings.max_body_bytes, state.settings.body_timeout_s, optional=True)
+    check_keys(body, chat=True, known=("session_id",))
     child_id = _new_session_id(body)
     await _load(state, tenant, parent_id)
     child = await _store(state).fork_session(tenant.name, parent_id, child_id)
@@ -135,38 +160,68 @@ def _own_reply_ids(pipeline: Any, messages: list[dict[str, Any]]) -> dict[int, l
     return known
 
 
+def _history(record: SessionRecord) -> list[dict[str, Any]]:
+    """The recorded conversation as the chat route would take it (tool calls, tool results and names kept), each
+    message checked like a client's: the record comes from Redis."""
+    try:
+        return [parse_message({k: v for k, v in m.items() if k != "token_ids"}, f"session.messages[{i}]")
+                for i, m in enumerate(record.messages)]
+    except ApiError:
+        raise ApiError(500, f"session {record.session_id!r} holds a message this pod cannot read; delete it",
+                       type_="server_error", code="session_unreadable") from None
+
+
+def _new_turn(body: dict[str, Any]) -> list[dict[str, Any]]:
+    if "messages" in body:
+        if body.get("content") is not None:
+            raise bad_request("send `messages` or `content`, not both", param="content")
+        return parse_messages(body["messages"])
+    if isinstance(body.get("content"), str):
+        return [{"role": "user", "content": body["content"]}]
+    raise bad_request("send `messages` (an array) or `content` (a string)", param="messages")
+
+
 async def add_messages(request: Request) -> Response:
-    """Append the new turn, generate the reply, and record both with compare-and-set."""
+    """Append the new turn, generate the reply, and record both with compare-and-set. The body takes every parameter
+    of a chat completion (service.params, SESSION_TURN), refused by name like there."""
     state = pod(request)
     tenant = resolve_tenant(request, state.settings)
     session_id = _path_id(request)
     body = await read_json(request, state.settings.max_body_bytes, state.settings.body_timeout_s)
-    if "messages" in body:
-        new = parse_messages(body["messages"])
-    elif isinstance(body.get("content"), str):
-        new = [{"role": "user", "content": body["content"]}]
-    else:
-        raise bad_request("send `messages` (an array) or `content` (a string)", param="messages")
-    if body.get("model") is not None and state.engine is not None and body["model"] != state.engine.name:
+    check_keys(body, chat=True, known=SESSION_TURN)
+    new = _new_turn(body)
+    pipeline = ready_pipeline(state)
+    engine = pipeline.engine
+    if body.get("model") is not None and body["model"] != engine.name:
         raise ApiError(404, f"model {body['model']!r} is not served here", code="model_not_found", param="model")
     params = parse_params(body, state.settings.max_tokens_limit, state.settings.default_max_tokens)
     stream, include_usage = stream_flags(body)
+    check_stream(params, stream)
+    tools = parse_tools(body)
+    check_stream_tools(tools, stream)
+    params = with_tools(params, tools)
+    check_engine(params, body, honours_all=engine.kind in IN_PROCESS)
     token_ids = parse_flag(body, "return_token_ids")
     record = await _load(state, tenant, session_id)
-    pipeline = ready_pipeline(state)
-    history = [{"role": m.get("role", ""), "content": m.get("content", "")} for m in record.messages]
-    messages = [*history, *new]
+    messages = [*_history(record), *new]
+    offered = tools.tools if tools is not None else None
     # the session keeps the ids this service generated for its own replies: its turns never re-tokenize them
-    prompt_ids = pipeline.engine.chat_ids(messages, _own_reply_ids(pipeline, record.messages))
+    known = _own_reply_ids(pipeline, record.messages)
+    try:
+        prompt_ids = (engine.chat_ids(messages, known) if offered is None and not any(m.get("tool_calls")
+                                                                                   for m in messages)
+                      else engine.chat_ids(messages, known, offered))
+    except ParamError as exc:
+        raise bad_request(str(exc), param=exc.param) from None
     check_context(state, prompt_ids, params)
 
     async def lookup() -> CacheView:
         view, _ = await pipeline.lookup(tenant.salt, prompt_ids, session=record, tenant=tenant.name)
         return view
 
-    async def after(gen: Generation, view: CacheView) -> str | ApiError | None:
-        reply: dict[str, Any] = {"role": "assistant", "content": gen.text}
-        if gen.reply_ids and pipeline.engine.decode(gen.reply_ids) == gen.text:
+    async def after(gen: Generation, view: CacheView, message: dict[str, Any] | None) -> str | ApiError | None:
+        reply: dict[str, Any] = dict(message or {"role": "assistant", "content": gen.text})
+        if not reply.get("tool_calls") and gen.reply_ids and engine.decode(gen.reply_ids) == gen.text:
             reply["token_ids"] = gen.reply_ids
         kept = [*record.messages, *new]  # the history with its recorded ids, then the new turn
         updated = pipeline.session_record(tenant.name, session_id, [*kept, reply], gen, record)
@@ -181,8 +236,7 @@ async def add_messages(request: Request) -> Response:
         await pipeline.settle(pipeline.write_back(tenant.salt, gen, view), view)
         return None
 
-    assert state.engine is not None
     return await run_admitted(
-        state, chat=True, model=state.engine.name, prompt_ids=prompt_ids, params=params, stream=stream,
-        include_usage=include_usage, lookup=lookup, after=after, token_ids=token_ids,
+        state, chat=True, model=engine.name, prompt_ids=prompt_ids, params=params, stream=stream,
+        include_usage=include_usage, lookup=lookup, after=after, token_ids=token_ids, tools=tools,
     )

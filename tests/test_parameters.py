@@ -93,7 +93,14 @@ def test_hit_with_parameters_replies_as_cold(client: TestClient) -> None:
         time.sleep(0.02)
     hit = chat(client, **extra)
     assert hit.headers["x-kv-cache"] == "hit"
-    assert hit.json()["choices"] == cold.json()["choices"]
+    (got,), (want,) = hit.json()["choices"], cold.json()["choices"]
+    assert got["message"] == want["message"] and got["finish_reason"] == want["finish_reason"]
+    for a, b in zip(got["logprobs"]["content"], want["logprobs"]["content"], strict=True):
+        # the same tokens and alternatives; the logprobs agree to float32 noise (~1e-6 measured: the hit's step and
+        # the prefill's last row are different matrix shapes)
+        assert a["token"] == b["token"] and [t["token"] for t in a["top_logprobs"]] == [
+            t["token"] for t in b["top_logprobs"]]
+        assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)
 
 
 def test_agent_history_is_rendered(client: TestClient, tiny_model: Any) -> None:
@@ -111,8 +118,49 @@ def test_agent_history_is_rendered(client: TestClient, tiny_model: Any) -> None:
     assert "RAINY-17C" in prompt and '"city": "Oslo"' in prompt and "weather" in prompt
 
 
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+    "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "clock"}}
+
+
+@pytest.mark.parametrize(("choice", "names"), [("required", {"weather", "clock"}),
+                                               ({"type": "function", "function": {"name": "weather"}}, {"weather"})])
+def test_a_forced_tool_call_is_a_valid_call(client: TestClient, choice: Any, names: set[str]) -> None:
+    """tool_choice "required" or a named function: a grammar makes the reply a call to one of those tools, with
+    arguments that validate against its parameters, even from a model of random weights."""
+    for parallel in (False, True):
+        r = chat(client, tools=[WEATHER, CLOCK], tool_choice=choice, parallel_tool_calls=parallel, max_tokens=48)
+        assert r.status_code == 200, r.text
+        choice_ = r.json()["choices"][0]
+        assert choice_["finish_reason"] == "tool_calls", choice_
+        calls = choice_["message"]["tool_calls"]
+        assert calls and (parallel or len(calls) == 1)
+        for call in calls:
+            assert call["function"]["name"] in names and call["id"].startswith("call_")
+            arguments = json.loads(call["function"]["arguments"])
+            if call["function"]["name"] == "weather":
+                assert set(arguments) == {"city"} and len(arguments["city"]) <= 8
+            else:
+                assert arguments == {}
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tool_choice": "required", "stream": True}, "tools"),
+    ({"stream": True}, "tools"),
+])
+def test_a_call_that_cannot_be_forced_is_refused_by_name(client: TestClient, extra: dict[str, Any],
+                                                         param: str) -> None:
+    r = chat(client, tools=[WEATHER], **extra)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert chat(client, tool_choice="required").json()["error"]["param"] == "tool_choice"  # no tools to call
+
+
 @pytest.mark.parametrize(("param", "value"), [
-    ("audio", {"voice": "x"}), ("modalities", ["text", "audio"]), ("tool_choice", "required"),
+    ("audio", {"voice": "x"}), ("modalities", ["text", "audio"]),
     ("store", True), ("reasoning_effort", "low"), ("functions", []), ("mirostat", 2),
     ("stream_options", {"include_obfuscation": True}),
 ])
@@ -122,9 +170,19 @@ def test_refused_parameters_are_named(client: TestClient, param: str, value: Any
     assert r.json()["error"]["param"] == param
 
 
-def test_stream_refuses_what_it_does_not_carry(client: TestClient) -> None:
-    r = chat(client, stream=True, n=2)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+@pytest.mark.parametrize(("extra", "param"), [({"n": 2}, "n"), ({"logprobs": True}, "logprobs"),
+                                              ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
+                                              ({"tools": [WEATHER]}, "tools")])
+def test_stream_refuses_what_it_does_not_carry(client: TestClient, extra: dict[str, Any], param: str) -> None:
+    """A stream carries one choice's text: several choices, logprobs and tool calls are refused by name, never
+    dropped; text completions alike."""
+    r = chat(client, stream=True, **extra)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert r.json()["error"]["code"] == "unsupported_parameter"
+    text = client.post("/v1/completions", json={"model": "tiny-random", "prompt": "Once", "stream": True,
+                                                "max_tokens": 4, **({"logprobs": 1} if param == "logprobs" else extra)})
+    if param != "tools":
+        assert text.status_code == 400 and text.json()["error"]["param"] == param, text.text
     assert chat(client, user="someone").status_code == 200  # a known no-op
 
 

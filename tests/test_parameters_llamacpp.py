@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -104,3 +105,24 @@ def test_agent_history_and_refusals(client: TestClient, engine: LlamaCppEngine) 
     for param, value in (("tool_choice", "required"), ("audio", {}), ("n_probs", 3)):
         bad = chat(client, **{param: value})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param
+
+
+def test_a_forced_tool_call_follows_llama_cpps_grammar(client: TestClient) -> None:
+    """tool_choice "required" or a named function: llama.cpp's grammar sampler makes SmolLM2 (whose template renders no
+    tools) reply with one call whose arguments validate against the tool's parameters."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}
+    clock = {"type": "function", "function": {"name": "clock"}}
+    ask = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = chat(client, messages=ask, tools=[weather, clock], tool_choice=choice, parallel_tool_calls=False,
+                 max_tokens=40)
+        assert r.status_code == 200, r.text
+        body = r.json()["choices"][0]
+        assert body["finish_reason"] == "tool_calls", body
+        (call,) = body["message"]["tool_calls"]
+        if call["function"]["name"] == "get_weather":
+            city = json.loads(call["function"]["arguments"])["city"]
+            assert isinstance(city, str) and len(city) <= 20
+        else:
+            assert choice == "required" and json.loads(call["function"]["arguments"]) == {}

@@ -310,3 +310,167 @@ def _same_calls(message: dict[str, Any], kept: dict[str, Any]) -> bool:
     theirs = kept["choices"][0]["message"]
     strip = [{k: v for k, v in c.items() if k != "id"} for c in message.get("tool_calls") or []]
     return bool(strip) and strip == [{k: v for k, v in c.items() if k != "id"} for c in theirs.get("tool_calls") or []]
+
+
+def test_a_session_agent_with_tool_calls_alternating_two_sidecars_hits(
+    sidecars: dict[str, SidecarProcess], direct: LlamaServerProcess, redis: RedisProcess
+) -> None:
+    """Server-side sessions on the sidecar engine: an agent history (an assistant turn of `tool_calls` with null
+    content, the tool's result) sent turn by turn to two sidecars in round robin. llama-server renders the calls (the
+    prompt is the one llama-server itself renders for the whole history), the session keeps them, and every later
+    turn resumes from Redis on the other sidecar, llama-server processing only what is new."""
+    redis.client().flushdb()
+    a, b = sidecars["a"], sidecars["b"]
+    paris = {**CALL, "id": "call_p"}
+    oslo = {"id": "call_o", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    turns = [
+        [{"role": "user", "content": "What is the weather in Paris?"},
+         {"role": "assistant", "content": None, "tool_calls": [paris]},
+         {"role": "tool", "tool_call_id": "call_p", "content": '{"temperature_c": 18, "sky": "cloudy"}'}],
+        [{"role": "user", "content": "And in Oslo?"}, {"role": "assistant", "content": None, "tool_calls": [oslo]},
+         {"role": "tool", "tool_call_id": "call_o", "content": '{"temperature_c": 4, "sky": "snow"}'}],
+        [{"role": "user", "content": "Where should I go?"}],
+    ]
+    assert httpx.post(a.url + "/v1/sessions", json={"session_id": "agent-1", "messages": [SYSTEM]}).status_code == 201
+    history: list[dict[str, Any]] = [SYSTEM]
+    previous = 0
+    for turn, new in enumerate([*turns, [{"role": "user", "content": "Thanks!"}]]):
+        pod = (a, b)[turn % 2]
+        r = httpx.post(f"{pod.url}/v1/sessions/agent-1/messages", json={"messages": new, "temperature": 0,
+                                                                         "max_tokens": 16}, timeout=180)
+        assert r.status_code == 200, r.text
+        history += new
+        rendered = httpx.post(direct.url + "/apply-template", json={"messages": history}).json()["prompt"]
+        expected = httpx.post(direct.url + "/tokenize", json={"content": rendered, "add_special": True,
+                                                               "parse_special": True}).json()["tokens"]
+        usage = r.json()["usage"]
+        assert usage["prompt_tokens"] == len(expected), turn  # the calls were rendered, by llama-server
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        assert pod.prompt_evals()[-1] == usage["prompt_tokens"] - cached
+        if turn:
+            assert r.headers["x-kv-cache"] == "hit" and cached >= previous // 16 * 16 > 0, turn
+        history.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+        previous = usage["prompt_tokens"]
+        settle(pod.url)
+    kept = httpx.get(b.url + "/v1/sessions/agent-1").json()["messages"]
+    assert [m.get("tool_calls") for m in kept if m.get("tool_calls")] == [[paris], [oslo]]
+    assert [m["tool_call_id"] for m in kept if m["role"] == "tool"] == ["call_p", "call_o"]
+
+
+# -- a template that renders tools: llama-server parses the calls, the sidecar passes them through ---------------------
+TOOLS_TEMPLATE = Path(__file__).resolve().parents[1] / "ops" / "llamaserver" / "chatml-tools.jinja"
+
+
+@pytest.fixture(scope="module")
+def tooled(redis: RedisProcess) -> Iterator[list[tuple[TestClient, LlamaServerEngine]]]:
+    """Two sidecars (in this process, each with its own llama-server) whose template renders tools in the Hermes
+    format, which llama-server parses into `tool_calls`."""
+    args = ("--jinja", "--chat-template-file", str(TOOLS_TEMPLATE))
+    engines = [LlamaServerEngine.spawn("smollm2", parallel=1, threads=1, ctx_per_slot=4096, extra_args=args)
+               for _ in range(2)]
+    settings = PodSettings(engine="llama-server", redis_url=redis.url, codec="exact", block_tokens=16, parallel=1,
+                           local_tier_bytes=0, namespace="kvstash-tooled")
+    try:
+        with TestClient(sidecar_app(settings, engines[0])) as one, TestClient(sidecar_app(settings, engines[1])) as two:
+            yield [(one, engines[0]), (two, engines[1])]
+    finally:
+        for engine in engines:
+            engine.close()
+
+
+def test_a_tool_call_agent_through_two_sidecars_with_the_openai_client(
+    tooled: list[tuple[TestClient, LlamaServerEngine]]
+) -> None:
+    """The official client asks for a forced call (llama-server's grammar; the call format llama-server worked out of
+    ops/llamaserver/chatml-tools.jinja), reads the parsed `tool_calls`, answers with the tool's result on the other
+    sidecar, and so on for four turns: every later turn hits (its prefix restored from Redis)."""
+    import openai  # noqa: PLC0415
+
+    clients = [openai.OpenAI(base_url=f"{c.base_url}/v1", api_key="unused", http_client=c) for c, _ in tooled]
+    messages: list[Any] = [SYSTEM]
+    previous = 0
+    for turn in range(4):
+        if turn % 2 == 0:  # a 135M model calls when asked to
+            messages.append({"role": "user", "content": f"Call get_weather for {CITIES[turn // 2]}."})
+        raw = clients[turn % 2].chat.completions.with_raw_response.create(
+            model="smollm2", messages=messages, tools=TOOLS, tool_choice="required" if turn % 2 == 0 else "none",
+            parallel_tool_calls=False, temperature=0, max_tokens=64)
+        done = raw.parse()
+        choice = done.choices[0]
+        if turn % 2 == 0:
+            (call,) = choice.message.tool_calls or []  # parsed by llama-server, typed by the client
+            assert call.function.name == "get_weather"  # type: ignore[union-attr]
+            assert isinstance(json.loads(call.function.arguments)["city"], str)  # type: ignore[union-attr]
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call.model_dump()]})
+            messages.append({"role": "tool", "tool_call_id": call.id,
+                             "content": json.dumps({"temperature_c": 10 + turn, "sky": "clear"})})
+        else:
+            assert choice.message.content and not choice.message.tool_calls
+            messages.append({"role": "assistant", "content": choice.message.content})
+        assert done.usage is not None and done.usage.prompt_tokens_details is not None
+        cached = done.usage.prompt_tokens_details.cached_tokens or 0
+        if turn:
+            assert int(raw.headers["x-kv-cached-tokens"]) >= previous // 16 * 16 > 0, turn
+            assert cached >= int(raw.headers["x-kv-cached-tokens"])
+        previous = done.usage.prompt_tokens
+        client, _ = tooled[turn % 2]
+        deadline = time.monotonic() + 20
+        while client.get("/readyz").json()["write_queue"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert all(engine.stats.reuse_misses == 0 for _, engine in tooled)
+    assert sum(engine.stats.restores for _, engine in tooled) >= 3
+
+
+# -- LoRA: KV computed under one adapter is never another's -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def loras(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    from tests.loras import write_lora  # noqa: PLC0415
+
+    folder = tmp_path_factory.mktemp("lora")
+    model = resolve_gguf("smollm2")
+    return write_lora(folder / "a.gguf", model, seed=1), write_lora(folder / "b.gguf", model, seed=2)
+
+
+def test_lora_adapters_never_share_cache_entries(redis: RedisProcess, loras: tuple[Path, Path],
+                                                 tmp_path: Path) -> None:
+    """Two adapters of SmolLM2's K and V (built here) loaded in llama-server: the same tokens under adapter a, under b
+    and under neither (scales 0) are three cache entries. Each identity misses the first time even though the others
+    were written, hits its own entry the second time, and replies as llama-server does with that adapter; a request
+    at the global scales bypasses the cache."""
+    flags = ("--lora", str(loras[0]), "--lora", str(loras[1]))
+    reference = LlamaServerProcess(resolve_gguf("smollm2"), tmp_path, parallel=1, ctx_per_slot=2048, threads=1,
+                                   extra_args=flags)
+    reference.start()
+    engine = LlamaServerEngine.spawn("smollm2", parallel=1, threads=1, ctx_per_slot=2048, extra_args=flags)
+    settings = PodSettings(engine="llama-server", redis_url=redis.url, codec="exact", block_tokens=16, parallel=1,
+                           local_tier_bytes=0, namespace="kvstash-lora")
+    identities = {"a": [{"id": 0, "scale": 1.0}], "b": [{"id": 1, "scale": 1.0}],
+                  "none": [{"id": 0, "scale": 0.0}, {"id": 1, "scale": 0.0}]}
+    messages = [{"role": "system", "content": "You are a concise assistant. " * 6}, *ASK[1:]]
+    try:
+        assert [a for _, a in engine.adapters] == [str(p) for p in loras]
+        with TestClient(sidecar_app(settings, engine)) as client:
+            replies: dict[str, Any] = {}
+            for name, lora in identities.items():
+                expected = httpx.post(reference.url + CHAT, json={"messages": messages, "lora": lora, **GREEDY},
+                                      timeout=120).json()["choices"][0]["message"]
+                for attempt in ("miss", "hit"):
+                    engine.forget()  # nothing in the slot the sidecar counts on: whatever it reuses comes from Redis
+                    r = client.post(CHAT, json={"messages": messages, "lora": lora, **GREEDY})
+                    assert r.status_code == 200, r.text
+                    assert r.headers["x-kv-cache"] == attempt, (name, attempt)
+                    assert r.json()["choices"][0]["message"] == expected, (name, attempt)
+                    deadline = time.monotonic() + 20
+                    while client.get("/readyz").json()["write_queue"]:
+                        assert time.monotonic() < deadline
+                        time.sleep(0.05)
+                replies[name] = expected
+                assert r.json()["timings"]["cache_n"] >= int(r.headers["x-kv-cached-tokens"]) > 0  # reused
+            assert replies["a"] != replies["none"] and replies["b"] != replies["none"]  # the adapters change the KV
+            plain = client.post(CHAT, json={"messages": messages, **GREEDY})
+            assert plain.status_code == 200 and plain.headers["x-kv-cache"] == "bypass"
+            assert engine.stats.bypassed.get("global-lora") == 1 and engine.stats.reuse_misses == 0
+    finally:
+        engine.close()
+        reference.stop()

@@ -23,9 +23,19 @@ class ParamError(ValueError):
 
 @dataclass(frozen=True)
 class ResponseFormat:
-    """A reply constrained to JSON: any JSON object (`schema` None) or one that validates against `schema` (JSON)."""
+    """A reply constrained to JSON: any JSON object (`schema` None) or one that validates against `schema` (JSON).
+
+    `calls` > 0: a forced tool call (`tool_choice` "required" or a named function): the reply is `<tool_call>` blocks
+    (service.engines.tools), each holding JSON that validates against `schema` (the calls it may make); 1 block
+    exactly, or with `calls` 2 one or more (`parallel_tool_calls`)."""
 
     schema: str | None = None
+    calls: int = 0
+
+    @property
+    def param(self) -> str:
+        """The request parameter a grammar that cannot be built is the fault of (the 400 names it)."""
+        return "tool_choice" if self.calls else "response_format"
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Constrained decoding for `response_format`: a grammar masks every token that would break the JSON asked for.
+"""Constrained decoding for `response_format` and forced tool calls: a grammar masks every token that would break
+the JSON (or the `<tool_call>` blocks) asked for.
 
 hf: llguidance (a library made for it; the tokenizer's vocabulary is read once per engine). llamacpp: llama.cpp's own
 grammar sampler, from a GBNF that llama-cpp-python's converter writes for the schema (`json_schema_to_gbnf`), or its
@@ -9,12 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import json
+import re
 from typing import Any
 
 import numpy as np
 import torch
 
 from service.engines.generation import ParamError, ResponseFormat
+from service.engines.tools import CALL_CLOSE, CALL_OPEN
 
 ANY_OBJECT = '{"type": "object"}'
 # compact JSON: a model may not pad the reply with whitespace until max_tokens runs out
@@ -22,17 +25,29 @@ _COMPACT = {"whitespace_flexible": False}
 
 
 def llg_grammar(fmt: ResponseFormat) -> str:
-    """llguidance's grammar for `fmt`; a ParamError (400 naming response_format) when the schema is not one."""
+    """llguidance's grammar for `fmt`; a ParamError (a 400 naming `fmt.param`) when the schema is not one."""
     import llguidance  # noqa: PLC0415
 
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(fmt.schema or ANY_OBJECT, overrides=_COMPACT)  # type: ignore[arg-type]
+        if fmt.calls:
+            grammar = llguidance.LLMatcher.grammar_from_lark(_calls_lark(fmt))
+        else:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(fmt.schema or ANY_OBJECT, overrides=_COMPACT)  # type: ignore[arg-type]
     except ValueError as exc:
-        raise ParamError(f"response_format: the JSON schema is not usable: {exc}", "response_format") from None
+        raise ParamError(f"{fmt.param}: the JSON schema is not usable: {exc}", fmt.param) from None
     problem = llguidance.LLMatcher.validate_grammar(grammar)
     if problem:
-        raise ParamError(f"response_format: the JSON schema is not usable: {problem}", "response_format")
+        raise ParamError(f"{fmt.param}: the JSON schema is not usable: {problem}", fmt.param)
     return str(grammar)
+
+
+def _calls_lark(fmt: ResponseFormat) -> str:
+    """llguidance's (Lark) grammar of a forced tool call: `<tool_call>` blocks around JSON of the call schema."""
+    schema = {**json.loads(fmt.schema or ANY_OBJECT), "x-guidance": _COMPACT}
+    repeat = ' ("\\n" call)*' if fmt.calls > 1 else ""
+    return (f"start: call{repeat}\n"
+            f"call: {json.dumps(CALL_OPEN)} body {json.dumps(CALL_CLOSE)}\n"
+            f"body: %json {json.dumps(schema)}\n")
 
 
 class LlgGuide:
@@ -43,7 +58,7 @@ class LlgGuide:
 
         self._matcher = llguidance.LLMatcher(tokenizer, llg_grammar(fmt), log_level=0)
         if self._matcher.is_error():
-            raise ParamError(f"response_format: {self._matcher.get_error()}", "response_format")
+            raise ParamError(f"{fmt.param}: {self._matcher.get_error()}", fmt.param)
         self._vocab = vocab_size
         self._words = np.full((vocab_size + 31) // 32, -1, dtype=np.int32)  # one bit per token: 1 = allowed
 
@@ -73,13 +88,22 @@ def gbnf(fmt: ResponseFormat) -> str:
     if fmt.schema is None:
         return str(llama_grammar.JSON_GBNF)
     try:
-        grammar = str(llama_grammar.json_schema_to_gbnf(fmt.schema))
+        # a call names its function before the arguments (the converter orders other properties by name)
+        order = ["name", "arguments"] if fmt.calls else None
+        grammar = str(llama_grammar.json_schema_to_gbnf(fmt.schema, prop_order=order))
         # the pinned converter lets a string hold raw control characters (a newline), which JSON forbids: the rule
         # llama.cpp's own converter writes
-        return grammar.replace('char ::= [^"\\\\]', 'char ::= [^"\\\\\\x7F\\x00-\\x1F]')
+        grammar = grammar.replace('char ::= [^"\\\\]', 'char ::= [^"\\\\\\x7F\\x00-\\x1F]')
     except (ValueError, KeyError, TypeError, RecursionError, NotImplementedError) as exc:
-        raise ParamError(f"response_format: llama.cpp cannot write a grammar for this schema: {exc}",
-                         "response_format") from None
+        raise ParamError(f"{fmt.param}: llama.cpp cannot write a grammar for this schema: {exc}",
+                         fmt.param) from None
+    if not fmt.calls:
+        return grammar
+    # the schema's grammar becomes one rule of the call's: `<tool_call>` blocks around it
+    body = re.sub(r"^root ::=", "kvstash-call-json ::=", grammar, flags=re.MULTILINE)
+    repeat = ' ("\\n" kvstash-call)*' if fmt.calls > 1 else ""
+    return (f"root ::= kvstash-call{repeat}\n"
+            f"kvstash-call ::= {json.dumps(CALL_OPEN)} kvstash-call-json {json.dumps(CALL_CLOSE)}\n{body}")
 
 
 class GbnfGuide:
@@ -89,7 +113,7 @@ class GbnfGuide:
         self._lib = lib
         self._sampler = lib.llama_sampler_init_grammar(vocab, gbnf(fmt).encode(), b"root")
         if not self._sampler:
-            raise ParamError("response_format: llama.cpp refused the grammar of this schema", "response_format")
+            raise ParamError(f"{fmt.param}: llama.cpp refused the grammar of this schema", fmt.param)
         self._cells = np.zeros(n_vocab, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
         self._cells["id"] = np.arange(n_vocab, dtype=np.int32)
         self._array = lib.llama_token_data_array(

@@ -31,7 +31,7 @@ from cachestore.hashing import ModelFingerprint
 from service.engines import ggufmeta, llamastate, slotfile, statelayout
 from service.engines.base import KvGeometry, PrefillHook, check_flash_attn, gguf_fingerprint
 from service.engines.chat import chat_token_ids
-from service.engines.generation import Generation, GenParams, reply_ids
+from service.engines.generation import Generation, GenParams, ParamError, reply_ids
 from service.engines.lending import LendsStates, StateLender, state_buffers
 from service.engines.llamacpp import file_digest, resolve_gguf
 from service.engines.llamaserverproc import LlamaServerProcess
@@ -291,9 +291,21 @@ class LlamaServerEngine(LendsStates):
         return gguf_fingerprint(engine_id, self._digest, self._template, self._bos is not None, self.geometry,
                                 block_tokens, codec_name)
 
-    def chat_ids(self, messages: list[dict[str, str]], known: Mapping[int, list[int]] | None = None) -> list[int]:
-        def render(marked: list[dict[str, str]]) -> str:
-            return str(self._json("POST", "/apply-template", {"messages": marked})["prompt"])
+    def chat_ids(self, messages: list[dict[str, Any]], known: Mapping[int, list[int]] | None = None,
+                 tools: tuple[dict[str, Any], ...] | None = None) -> list[int]:
+        """Rendered by llama-server's own template (`/apply-template`): an assistant turn of `tool_calls` with null
+        content and the tool results after it as llama-server renders them (with `--jinja`). `tools` are refused:
+        this engine generates through `/completion`, whose reply llama-server does not parse for calls (the
+        sidecar's pass-through chat route does)."""
+        if tools:
+            raise ParamError("tools: the sidecar engine does not honour them here; send them to /v1/chat/completions",
+                             "tools")
+
+        def render(marked: list[dict[str, Any]]) -> str:
+            try:
+                return str(self._json("POST", "/apply-template", {"messages": marked})["prompt"])
+            except UpstreamError as exc:  # llama-server refused the conversation (a template that cannot render it)
+                raise ParamError(f"messages: llama-server cannot render this conversation: {exc}", "messages") from None
 
         ids = chat_token_ids(messages, render, lambda t: self._tokenize(t, special=True), self.text_ids, known)
         if self._bos is not None and (not ids or ids[0] != self._bos):

@@ -27,6 +27,8 @@ HERMES_SYSTEM = (
     "</tool_call>"
 )
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+CALL_OPEN, CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"  # what a forced call's grammar writes around its JSON
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def renders_tools(template: str) -> bool:
@@ -136,3 +138,14 @@ def parse_calls(text: str, parallel: bool = True) -> tuple[str | None, list[dict
     kept.append(text[at:])
     content = "".join(kept).strip()
     return content or None, calls
+
+
+def call_schema(tools: Iterable[dict[str, Any]], names: Iterable[str]) -> dict[str, Any]:
+    """The JSON schema of one call to any of `names` among `tools`: `{"name": <one of them>, "arguments": <its
+    parameters>}` (a tool without `parameters` takes none)."""
+    by_name = {t["function"]["name"]: t["function"] for t in tools}
+    options = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                "properties": {"name": {"const": name},
+                               "arguments": by_name[name].get("parameters") or NO_ARGUMENTS}}
+               for name in dict.fromkeys(names)]
+    return options[0] if len(options) == 1 else {"anyOf": options}
