@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         gains = [b - k for b, k in zip(base_kl, kls, strict=True)]
         gain, lo_g, hi_g = qstats.t_interval(gains)
         ranked.append({"layer": layer, "half": half, "part": "KV"[half], "kl": qstats.mean(kls), "kl_gain": gain,
-                       "kl_gain_lo": lo_g, "kl_gain_hi": hi_g,
+                       "kl_gain_lo": lo_g, "kl_gain_hi": hi_g, "kl_windows": kls,
                        "share_pct": 100 * gain / base_mean if base_mean > 0 else 0.0})
     ranked.sort(key=lambda r: r["kl_gain"], reverse=True)
     for rank, r in enumerate(ranked, 1):
@@ -190,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
     print("confirm it on held-out text: kvstash bench quality --modes exact," + suggested.name())
     if args.json:
         write_json(args.json, {
-            "ranked": ranked, "base": base.name(), "upgrade": up.mode, "base_kl": base_mean, "all_up_kl":
+            "ranked": ranked, "base": base.name(), "upgrade": up.mode, "base_kl": base_mean,
+            "base_kl_windows": base_kl, "suggested_kl_windows": sug_kl, "all_up_kl":
             qstats.mean(up_kl), "suggested": suggested.name(), "suggested_kl": qstats.mean(sug_kl),
             "suggested_ppl_delta_pct": s_pct, "suggested_ppl_delta_lo": s_lo, "suggested_ppl_delta_hi": s_hi,
             "base_ppl_delta_pct": b_pct, "base_ppl_delta_lo": b_lo, "base_ppl_delta_hi": b_hi,
