@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from cachestore.codec import CodecSpec
+from ops.bench.quality import pareto_intervals, pareto_points
 from ops.cli import main
 
 ARGS = ["bench", "layers", "--model", "tiny-random", "--text", "ops/data/sample.txt", "--windows", "2",
@@ -55,3 +56,10 @@ def test_bench_layers_keeps_to_the_size_budget(tmp_path: Path) -> None:
 def test_bench_layers_refuses_a_mode_it_cannot_raise() -> None:
     with pytest.raises(SystemExit, match="int4 or int2"):
         main([*ARGS, "--base", "int8"])
+
+
+def test_the_quality_chart_bars_follow_its_points() -> None:
+    rows = [{"text": "alice", "spec": "int4+zstd:3/g64/rot/clip,sink=int8+zstd:3", "bytes_per_token_ctx": 6500.0,
+             "ppl_delta_pct": 0.1, "ppl_delta_lo": -0.2, "ppl_delta_hi": 0.4}]
+    assert set(pareto_intervals(rows)) == set(pareto_points(rows)) == {"alice: int4+zstd:3/g64/rot/clip"}
+    assert pareto_intervals(rows)["alice: int4+zstd:3/g64/rot/clip"] == (-0.2, 0.4)
