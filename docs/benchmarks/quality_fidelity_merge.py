@@ -1,7 +1,7 @@
 """Issue 37's held-out run was two `bench quality` processes side by side (alice + difflib.py; twelfthnight +
 froschkoenig): print their rows as one table, its markdown for docs/fidelity.md, and one chart.
 
-    OMP_NUM_THREADS=1 .venv/bin/python docs/benchmarks/quality_fidelity_merge.py docs/benchmarks/quality-fidelity-heldout-v2
+    PYTHONPATH=. .venv/bin/python docs/benchmarks/quality_fidelity_merge.py docs/benchmarks/quality-fidelity-heldout-v2
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ def main() -> None:
                 print(f"target {name}: {t['ppl_delta_pct']:+.3f}% (hi {t['ppl_delta_hi']:+.3f}%, |Δ| <= "
                       f"{t['ppl_target']}%), {t['ratio_vs_fp16']:.2f}x fp16 (>= {t['ratio_target']}) "
                       f"{'met' if t['met'] else 'MISSED'}")
-    print("\n| text | codec | windows | ppl change (95% interval) | upper end | greedy of 16: min / p10 / median / mean "
-          "| B/token | x fp16 |\n|---|---|---:|---|---:|---|---:|---:|")
+    print("\n| text | codec | windows | ppl change (95% interval) | upper end | greedy of 16: min / p10 / median / "
+          "mean | B/token | x fp16 |\n|---|---|---:|---|---:|---|---:|---:|")
     for r in rows:
         if r["mode"] != "exact":
             print(f"| {r['text']} | `{r['mode']}` | {r['windows']} | {pct(r['ppl_delta_pct'])} "
