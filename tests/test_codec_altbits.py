@@ -121,3 +121,15 @@ def test_a_layer_the_kv_lacks_is_refused() -> None:
         Codec("int2/v4=4").encode(_kv(SHAPE, torch.float32))
     with pytest.raises(ConfigError, match="layer 7 at 4 bits"):
         CodecSpec.parse("int2/k4=7").check_layers(4)
+
+
+def test_a_pod_refuses_frames_of_another_bit_allocation_before_decoding() -> None:
+    from service.framecheck import frame_problem  # noqa: PLC0415
+
+    kv = _kv(SHAPE, torch.float32)
+    mine = Codec("int2+zstd/rot/clip/k4=1")
+    assert frame_problem(mine.encode(kv), mine.spec, list(SHAPE), torch.float32) is None
+    for other in ("int2+zstd/rot/clip/k4=2", "int2+zstd/rot/clip/v4=1", "int2+zstd/rot/clip/k8=1",
+                  "int2+zstd/rot/clip"):
+        problem = frame_problem(Codec(other).encode(kv), mine.spec, list(SHAPE), torch.float32)
+        assert problem is not None and problem.reason == "codec", other
