@@ -29,13 +29,13 @@ $(STAMP): pyproject.toml cachestore/_kernels.c cachestore/_resp.c
 test: setup llama-server
 	$(PY) -m pytest -q
 
-# The reliability suites alone (they also run in `make test`), with larger fuzz counts, writing the
-# figures RELIABILITY.md quotes to reliability-figures.jsonl. FUZZ=N sets the examples per property; a
-# test's time limit grows with it (300 s + 0.1 s per example).
+# The reliability suites alone (they also run in `make test`), with larger fuzz counts, writing their figures
+# to docs/results/reliability.jsonl (`python -m ops.gendocs` renders them into RELIABILITY.md). FUZZ=N sets the
+# examples per property; a test's time limit grows with it (300 s + 0.1 s per example).
 FUZZ ?= 2000
 test-faults: setup
-	rm -f reliability-figures.jsonl
-	KVSTASH_FIGURES=$(CURDIR)/reliability-figures.jsonl KVSTASH_FUZZ_EXAMPLES=$(FUZZ) \
+	rm -f docs/results/reliability.jsonl
+	KVSTASH_FIGURES=$(CURDIR)/docs/results/reliability.jsonl KVSTASH_FUZZ_EXAMPLES=$(FUZZ) \
 	KVSTASH_API_FUZZ_EXAMPLES=$$(( $(FUZZ) / 4 )) $(PY) -m pytest -q --durations=0 \
 		--timeout=$$(( 300 + $(FUZZ) / 10 )) \
 		tests/test_faults_redis.py tests/test_faults_corruption.py tests/test_faults_pods.py \
@@ -52,8 +52,10 @@ lint: setup
 demo: setup
 	$(VENV)/bin/kvstash demo
 
-# the documentation site (mkdocs.yml, docs/) into site/, strictly: a broken link or a missing page fails
+# the documentation site (mkdocs.yml, docs/) into site/, strictly: a broken link, a missing page or a generated
+# page that no longer matches its source (python -m ops.gendocs --check) fails
 docs: setup
+	$(PY) -m ops.gendocs --check
 	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 clean:

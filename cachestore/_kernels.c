@@ -362,7 +362,7 @@ static int level = 0;    /* the one in use: `detected`, or less (`use`, for test
  * into a staging buffer in L1 and their whole lines streamed out with non-temporal stores before the next few are
  * computed: the write-combining buffers drain while the next group is computed. Staging 16 KiB at a time instead
  * left the core idle while they drained: on an Intel Xeon VM 32 frames of a 2048-token hit took 6.1 ms warm and 8.2
- * cold that way, against 5.0 and 6.7 (BENCHMARKS.md, section 23). The bytes are the same. */
+ * cold that way, against 5.0 and 6.7. The bytes are the same. */
 
 #define GROUP_BYTES 768 /* ~ the lines a core's write-combining buffers hold: computed, then streamed out */
 

@@ -3,7 +3,7 @@
 The first forward step over a hit needs each layer's cached tokens once, for one attention. Dequantizing them
 first (into the context, or a one-layer scratch) writes four bytes of fp32 for every byte (int8), half byte (int4)
 or two bytes (fp16) that came off the wire, and reads them back: on 2-core VMs that was most of what a hit's step
-cost beyond the floor's step over a context already in memory (BENCHMARKS.md, sections 15 and 16). Here the
+cost beyond the floor's step over a context already in memory. Here the
 attention reads the codes themselves (`kernels.attention_scores`, `kernels.attention_values`): each dequantized
 element is the value cachestore.quant computes, used once in a register and never stored. Tokens outside the
 landed runs (frames that came as bytes, a session's tail, the new tokens) are read from the context as usual, and

@@ -101,12 +101,11 @@ _SPEC = re.compile(r"(?P<mode>[a-z0-9]+)(?:\+(?P<comp>[a-z0-9]+)(?::(?P<level>-?
 # int4/int2 options as spec text; "rot" is "rotk" and "rotv" together.
 _OPTIONS = {"rot": Variant(True, True), "rotk": Variant(rot_keys=True),
             "rotv": Variant(rot_values=True), "clip": Variant(clip=True), "plain": PLAIN}
-# What a bare "int4" / "int2" means, chosen with `kvstash bench quality` on SmolLM2 (BENCHMARKS.md,
-# section 2). int2 needs clipping above all and rotated values: perplexity +7.7% / +13.2% -> -1.4% /
-# +1.7% on the two texts. int4 stays plain: /rot lowers its KL by a third and doubles its greedy
-# match, but its perplexity change was no better (within noise) and its second 64x64 matmul per
-# decode made it slower than the format-1 int4, which the decode-speed target forbids; /rotv was
-# a wash. Both stay available by name.
+# What a bare "int4" / "int2" means, chosen with `kvstash bench quality` on SmolLM2's calibration texts.
+# int2 needs clipping above all and rotated values: with both its perplexity change fell by about an order
+# of magnitude. int4 stays plain: /rot lowers its KL but not its perplexity change (within noise), and its
+# second 64x64 matmul per decode made it slower than the format-1 int4, which the decode-speed target
+# forbids; /rotv was a wash. Both stay available by name.
 DEFAULT_VARIANTS = {"int4": PLAIN,
                     "int2": Variant(rot_values=True, clip=True)}
 

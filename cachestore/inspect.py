@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from cachestore.budget import shard_totals
+from cachestore.budget import shard_totals, tenant_totals
 from cachestore.errors import StoreError
 from cachestore.hashing import HASH_BYTES, BlockHash
 from cachestore.keys import ENTRY_KINDS, KeySpace
@@ -251,6 +251,7 @@ async def namespace_stats(client: Any, keys: KeySpace, budget_bytes: int,
             times["session_created_min"] = created if low is None else min(low, created)
             times["session_updated_max"] = updated if high is None else max(high, updated)
     held = sum(await shard_totals(client, keys))
+    by_tenant = await tenant_totals(client, keys)
     access = await _lru_range(client, keys)
     return {
         "namespace": keys.namespace,
@@ -260,6 +261,7 @@ async def namespace_stats(client: Any, keys: KeySpace, budget_bytes: int,
                    "block_value_bytes": sum(m["block_bytes"] for m in models.values())},
         "models": dict(sorted(models.items())),
         "tenants": dict(sorted(tenants.items())),
+        "tenant_bytes": by_tenant,
         "oldest_block_access": access[0],
         "newest_block_access": access[1],
         "oldest_session_created": times["session_created_min"],

@@ -1,10 +1,9 @@
 """Native dequantization where the CPU and the tensors allow it (cachestore/_kernels.c); else the caller uses torch.
 
 A hit's int8 and int4 KV is converted, scaled (and offset) in one pass straight into its context, on the calling
-thread. torch reaches fp16 (llama.cpp's sequence state) only through an fp32 temporary: on a 2-core VM, 22 ms
-against 8 ms for the 47 MB state of a 2048-token SmolLM2 hit (BENCHMARKS.md, section 14). int4 takes torch five
-passes (widen, shift, mask, convert, scale and offset): the kernel's one, on one thread, is faster than those on
-two (a forward step's dequantization at 2048 tokens: 19 against 30 ms; at 8128, 62 against 117). int8 into fp32
+thread. torch reaches fp16 (llama.cpp's sequence state) only through an fp32 temporary, about three times the
+kernel's time. int4 takes torch five passes (widen, shift, mask, convert, scale and offset): the kernel's one,
+on one thread, is faster than those on two. int8 into fp32
 is torch's two passes, on all its threads, as fast as the kernel on one: there the kernel runs only where torch
 has one thread. Threads of the kernel's own lost to torch's spinning OpenMP workers in a real forward step.
 Into fp16 token rows (a llama.cpp sequence state: each token's heads side by side), int8 is staged in L1 and
@@ -59,7 +58,7 @@ def int8_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> bo
     if not ENABLED or out.dtype not in _OUT or codes.dtype != torch.int8 or scale.dtype != torch.float16:
         return False
     if out.dtype == torch.float32 and torch.get_num_threads() > 1:
-        return False  # torch's two passes on all its threads are as fast (BENCHMARKS.md, section 14)
+        return False  # torch's two passes on all its threads are as fast
     if out.dim() not in (4, 5) or codes.shape != out.shape or out.shape[-1] % 16 or out.device.type != "cpu":
         return False
     if out.stride(-1) != 1 or codes.stride(-1) != 1 or codes.device.type != "cpu" or scale.device.type != "cpu":
@@ -89,7 +88,7 @@ def token_rows(out: torch.Tensor) -> bool:
     by side (llama.cpp's sequence state: a layer's K or V, a token's heads together), as many as the kernel stages
     at once (`stage_elements`). Those are tens of MB that nothing reads before llama.cpp copies them:
     the kernel streams them to memory without reading each line in first (a 2048-token SmolLM2 hit's 47 MB with the
-    caches cold: 5.4 against 8.1 ms; BENCHMARKS.md, section 20)."""
+    caches cold: 5.4 against 8.1 ms)."""
     _, b, t, d = out.shape
     return (out.dtype == torch.float16 and b * d <= _STAGE_ELEMENTS and (b == 1 or out.stride(1) == d)
             and (t == 1 or out.stride(2) == b * d))
@@ -99,7 +98,7 @@ def transposed_into(out: torch.Tensor, src: torch.Tensor) -> bool:
     """out [K, C, R] = src [K, R, C] transposed (out[k][c][r] = src[k][r][c]), both of one 2-byte dtype with rows
     contiguous, the bits moved as they are; False (nothing written) where the kernel does not apply: then the caller
     copies. llama.cpp's state without flash attention stores each layer's V this way: a 2048-token SmolLM2 V in 5 ms
-    against 14-16 for numpy's strided copy (BENCHMARKS.md, section 22). Plain C and SSE2: at any kernel level."""
+    against 14-16 for numpy's strided copy. Plain C and SSE2: at any kernel level."""
     if _kernels is None or not _wanted or out.dtype != src.dtype or out.element_size() != 2 or out.dim() != 3:
         return False
     k, c, r = out.shape

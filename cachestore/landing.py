@@ -14,7 +14,7 @@ Where the native module `cachestore._resp` is built and the socket is plain TCP 
 expected in buffers is received by it, without the GIL: their headers parsed in C, each value read with readv
 straight into its buffer or across a Scatter's pieces (each reported to `Scatter.filled`, with the GIL, as soon as it
 is whole). Any other reply is left to the parser here. It leaves the reading thread less CPU to spend and the GIL
-free; a llama.cpp q8 hit's rows, 61 pieces a block, come in 22-33% faster at 8128 tokens (BENCHMARKS.md, section 21).
+free, which shortens hits of many small pieces (a llama.cpp q8 hit's rows, 61 pieces a block) most.
 """
 
 from __future__ import annotations
@@ -37,8 +37,7 @@ except ImportError:  # built without its compiler: every reply is parsed in Pyth
     _resp = None
 NATIVE = _resp is not None  # whether runs of values in buffers can be received natively (plain sockets only)
 # A Scatter that reports its pieces is received natively up to this size: llama.cpp's q8_0 rows (783 KB a block of
-# SmolLM2) came in 22-33% faster at 8128 tokens; its f16 rows (1.5 MB) 4-10% slower in three runs, within what two
-# runs of the same code differ by there, so they keep the Python parser (BENCHMARKS.md, section 21)
+# SmolLM2) come in faster that way; its f16 rows (1.5 MB) did not, within the noise, so they keep the Python parser
 NATIVE_REPORTED_BYTES = 1 << 20
 
 _BUFFER = 1 << 16  # headers and small replies are read through this; a landed value bypasses it

@@ -2,7 +2,7 @@
 
 The store talks through redis.asyncio (`make_client`); the lookups' reader threads read blocks through a
 blocking twin of the same client (`make_client(settings, asynchronous=False)`), which moves large values with far
-less CPU than an event loop does (measured: FACTS/BENCHMARKS, the hit path).
+less CPU than an event loop does (`kvstash bench store`: fetch, reader thread).
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ async def check_connection(settings: StoreSettings, timeout_s: float = 5.0) -> s
         raise ConfigError(f"Redis at {where} refused the credentials: {exc}") from None
     except exceptions.NoPermissionError as exc:
         raise ConfigError(f"the Redis user of {where} may not use the keys {settings.namespace}:* or the "
-                          f"commands kvstash needs (see ops/KEYS.md): {exc}") from None
+                          f"commands kvstash needs (see docs/keys.md): {exc}") from None
     except (exceptions.ConnectionError, exceptions.TimeoutError, TimeoutError, OSError) as exc:
         chain = [exc, exc.__cause__, exc.__context__]
         tls_stalled = settings.scheme.startswith("rediss") and isinstance(exc, exceptions.TimeoutError | TimeoutError)

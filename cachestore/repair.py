@@ -10,9 +10,10 @@ from cachestore import budget
 from cachestore.codec import verify_frame
 from cachestore.errors import CodecError
 from cachestore.inspect import BlockKey, Progress, classify, parse_block_key, scan_batches, text
-from cachestore.keys import ENTRY_KINDS, KeySpace
-from cachestore.sessions import from_fields
+from cachestore.keys import ENTRY_KINDS, INDEX_KEYS, KeySpace
+from cachestore.sessions import FIELDS, from_fields
 from cachestore.settings import StoreSettings, index_ttl_ms
+from cachestore.signing import TRAILER_SIZE, Signer, signed_by
 from cachestore.tails import unpack_ids, unpack_tail
 
 # the largest frame verify accepts: far above any real block (SmolLM2: 64 tokens ~ 1.5 M elements)
@@ -26,7 +27,8 @@ class Finding:
 
     key: str
     problem: str  # corrupt_block | unreachable_block | unindexed_block | bad_session | no_ttl | stale_index
-    #               | counter_drift | unknown_key
+    #               | counter_drift | unknown_key | bad_signature (a frame key is set: signed by neither key,
+    #               unsigned, or moved or altered) | signed_value (no frame key: verify cannot read it; never fixed)
     detail: str
     fixed: bool = False
 
@@ -37,6 +39,7 @@ class VerifyReport:
     blocks_ok: int = 0
     sessions_ok: int = 0
     index_entries: int = 0
+    signed_by: dict[str, int] = field(default_factory=dict)  # with a frame key: valid values by key (current, previous)
     findings: list[Finding] = field(default_factory=list)
 
     @property
@@ -48,13 +51,15 @@ class VerifyReport:
 
     def as_dict(self) -> dict[str, Any]:
         return {"keys_scanned": self.keys_scanned, "blocks_ok": self.blocks_ok, "sessions_ok": self.sessions_ok,
-                "index_entries": self.index_entries, "problems": self.problems,
+                "index_entries": self.index_entries, "signed_by": dict(sorted(self.signed_by.items())),
+                "problems": self.problems,
                 "findings": [asdict(f) for f in self.findings]}
 
 
 class _Verifier:
-    def __init__(self, client: Any, keys: KeySpace, fix: bool, block_ttl_ms: int, session_ttl_ms: int) -> None:
-        self.client, self.keys, self.fix = client, keys, fix
+    def __init__(self, client: Any, keys: KeySpace, fix: bool, block_ttl_ms: int, session_ttl_ms: int,
+                 signer: Signer | None = None) -> None:
+        self.client, self.keys, self.fix, self.signer = client, keys, fix, signer
         self.block_ttl_ms, self.session_ttl_ms = block_ttl_ms, session_ttl_ms
         self.index_ttl_ms = index_ttl_ms(block_ttl_ms)
         self.report = VerifyReport()
@@ -92,10 +97,15 @@ class _Verifier:
             if value is None:
                 continue  # expired or evicted since SCAN saw it
             parsed = parse_block_key(self.keys, key)
-            problem = self._block_problem(parsed, value)
+            problem = self._signature_problem(key, value)
+            if problem is None:
+                problem = self._block_problem(parsed, self._body(value))
             if problem is not None:
-                self.found(key, problem[0], problem[1], self.fix)
-                if self.fix:
+                fixable = self.fix and problem[0] != "signed_value"
+                self.found(key, problem[0], problem[1], fixable)
+                if problem[0] == "signed_value":
+                    continue
+                if fixable:
                     fixes.execute_command("UNLINK", key)  # ClusterPipeline.unlink is a coroutine
                     if parsed is not None:
                         self.dropped[parsed.shard].append(key)
@@ -109,6 +119,32 @@ class _Verifier:
                     fixes.pexpire(key, self.block_ttl_ms)
         if self.fix:
             await fixes.execute()
+
+    def _signature_problem(self, key: str, value: bytes) -> tuple[str, str] | None:
+        """Whether `value` is signed under `key` by the current or the previous frame key (counted in `signed_by`);
+        without a key, whether it carries a signature at all (then verify cannot read it and leaves it alone)."""
+        kid = signed_by(value)
+        if self.signer is None:
+            if kid is None or self._block_problem(parse_block_key(self.keys, key), value) is None:
+                return None  # unsigned (or an unsigned value that happens to end like a trailer)
+            return "signed_value", f"signed (key id {kid.hex()}): set KVSTASH_FRAME_KEY to verify it; left alone"
+        return self._check_signature(key, kid, self.signer.open(key, value) is not None)
+
+    def _check_signature(self, key: str, kid: bytes | None, ok: bool) -> tuple[str, str] | None:
+        assert self.signer is not None
+        if ok:
+            which = "current" if kid == self.signer.key_id else "previous"
+            self.report.signed_by[which] = self.report.signed_by.get(which, 0) + 1
+            return None
+        if kid is None:
+            return "bad_signature", "not signed (no MAC trailer): a pod with the frame key treats it as a miss"
+        if not self.signer.accepts(kid):
+            return "bad_signature", f"signed by key id {kid.hex()}, neither the current nor the previous frame key"
+        return "bad_signature", (f"its MAC under key id {kid.hex()} does not verify for {key}: moved from another "
+                                 "key or altered")
+
+    def _body(self, value: bytes) -> bytes:
+        return value if self.signer is None else value[:-TRAILER_SIZE]
 
     @staticmethod
     def _block_problem(parsed: BlockKey | None, value: bytes) -> tuple[str, str] | None:
@@ -140,9 +176,10 @@ class _Verifier:
             raw, pttl = results[2 * i], int(results[2 * i + 1])
             if not raw:
                 continue
-            problem = self._session_problem(key, raw)
+            problem = self._session_signature(key, raw) or self._session_problem(key, raw)
             if problem is not None:
-                self.found(key, "bad_session", problem, self.fix)
+                self.found(key, "bad_signature" if problem.startswith("signature:") else "bad_session",
+                           problem.removeprefix("signature: "), self.fix)
                 if self.fix:
                     fixes.execute_command("UNLINK", key)  # ClusterPipeline.unlink is a coroutine
                 continue
@@ -153,6 +190,15 @@ class _Verifier:
                     fixes.pexpire(key, self.session_ttl_ms)
         if self.fix:
             await fixes.execute()
+
+    def _session_signature(self, key: str, raw: dict[Any, Any]) -> str | None:
+        if self.signer is None:
+            return None
+        named = {(k if isinstance(k, bytes) else str(k).encode()): v for k, v in raw.items()}
+        trailer = named.get(b"mac")
+        kid = signed_by(trailer) if trailer is not None else None
+        problem = self._check_signature(key, kid, self.signer.open_fields(key, named, FIELDS))
+        return None if problem is None else "signature: " + problem[1].replace("no MAC trailer", "no mac field")
 
     def _session_problem(self, key: str, raw: dict[Any, Any]) -> str | None:
         parsed = self.keys.parse_session(key)
@@ -207,25 +253,28 @@ class _Verifier:
         shard = self.keys.shard(index)
         for i in range(0, len(unindexed), 256):
             chunk = unindexed[i:i + 256]
-            await self.client.eval(budget.ACCOUNT, 3 + len(chunk), *shard.all(), *chunk, budget.now_ms(),
-                                   self.index_ttl_ms, "adopt")
+            await self.client.eval(budget.ACCOUNT, INDEX_KEYS + len(chunk), *shard.all(), *chunk, budget.now_ms(),
+                                   self.index_ttl_ms, "adopt", "")
         gone = sorted(set(gone))
         if gone or recount:
             for i in range(0, max(len(gone), 1), 256):
                 chunk = gone[i:i + 256]
                 last = i + 256 >= len(gone)
-                await self.client.eval(budget.CHECK, 3 + len(chunk), *shard.all(), *chunk,
+                await self.client.eval(budget.CHECK, INDEX_KEYS + len(chunk), *shard.all(), *chunk,
                                        "1" if last else "0", self.index_ttl_ms)
 
 
 async def verify(client: Any, keys: KeySpace, *, fix: bool = False,
                  block_ttl_ms: int = StoreSettings.block_ttl_s * 1000,
                  session_ttl_ms: int = StoreSettings.session_ttl_s * 1000,
-                 progress: Progress | None = None) -> VerifyReport:
+                 progress: Progress | None = None, signer: Signer | None = None) -> VerifyReport:
     """Check every key of the namespace; with `fix`, delete corrupt or unreachable blocks and bad
     session records, give TTL-less keys their TTL, adopt unindexed blocks into the budget index,
-    drop stale index entries and recount the shard counters."""
-    return await _Verifier(client, keys, fix, block_ttl_ms, session_ttl_ms).run(progress)
+    drop stale index entries and recount the shard counters. With `signer` (the pods' frame keys), every value
+    must be signed under its key by the current or the previous key; the others are `bad_signature` (a pod would
+    treat them as misses; --fix deletes them). Without one, signed values are reported and left alone."""
+    return await _Verifier(client, keys, fix, block_ttl_ms, session_ttl_ms, signer).run(progress)
+
 
 
 @dataclass(frozen=True)
@@ -256,7 +305,7 @@ async def purge_model(client: Any, keys: KeySpace, model: str, progress: Progres
                 by_shard[parsed.shard].append(key)
         blocks += sum(int(n) for n in await pipe.execute())
         for index, gone in by_shard.items():  # CHECK drops the entries of the blocks just unlinked
-            _, stale, _ = await client.eval(budget.CHECK, 3 + len(gone), *keys.shard(index).all(), *gone,
+            _, stale, _ = await client.eval(budget.CHECK, INDEX_KEYS + len(gone), *keys.shard(index).all(), *gone,
                                             "0", index_ttl_ms(block_ttl_ms))
             freed += int(stale)
     sessions = 0

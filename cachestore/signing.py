@@ -103,6 +103,10 @@ class Signer:
         """A running tag under the current key (what most values are sealed with), for pieces as they arrive."""
         return Mac(self.key, name)
 
+    def accepts(self, kid: bytes) -> bool:
+        """Whether `kid` names the current or the previous key."""
+        return kid in self._keys
+
     def key_of(self, trailer: Buffer) -> bytes | None:
         """The accepted key a trailer names, or None (not a trailer, or signed by neither key)."""
         if len(trailer) != TRAILER_SIZE:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,7 @@ class StoreStats:
     dropped_writes: int = 0  # put_blocks/put_session calls dropped on an error or open breaker
     evictions: int = 0
     evicted_bytes: int = 0
+    tenant_evictions: int = 0  # of the evictions: entries a tenant over its quota evicted (its own)
     stale_removed: int = 0  # index entries of blocks Redis evicted or expired itself
     errors: int = 0  # Redis errors and timeouts
     timeouts: int = 0
@@ -63,6 +64,7 @@ class Usage:
     budget_bytes: int
     blocks: int
     shards: int
+    by_tenant: dict[str, int] = field(default_factory=dict)  # bytes each tenant's entries hold (as accounted)
 
     @property
     def fraction(self) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -16,7 +16,7 @@ from cachestore import budget, landing
 from cachestore.breaker import CircuitBreaker
 from cachestore.errors import StoreError, ValueTooLarge
 from cachestore.hashing import BlockHash
-from cachestore.keys import KeySpace, check_model
+from cachestore.keys import KeySpace, check_model, check_tenant
 from cachestore.landing import Scatter, Target
 from cachestore.localtier import LocalTier
 from cachestore.outcome import Outcome, Result
@@ -35,6 +35,7 @@ class _Failed:
 
 
 FAILED = _Failed()
+REJECTED_KEYS = 4096  # keys remembered as holding a rejected value, so that the next write replaces it
 
 
 def _land(frame: bytes, target: Target) -> bytes | Target:
@@ -92,6 +93,8 @@ class BlockStore:
         self.signer = Signer(settings.frame_key, settings.frame_key_previous) if settings.signed else None
         self._overhead = TRAILER_SIZE if self.signer is not None else 0  # bytes a value's signature adds
         self._on_rejected = on_rejected
+        self._rejected: OrderedDict[str, None] = OrderedDict()  # keys whose value was rejected: rewritten, not NX
+        self._rejected_lock = threading.Lock()
         self.keys = KeySpace(settings.namespace, settings.index_shards)
         self._client = make_client(settings)
         self._blocking: Any = None  # the reader threads' blocking client, made on first use (fetch_blocking)
@@ -407,6 +410,11 @@ class BlockStore:
         return None
 
     def _reject(self, key: str, detail: str) -> None:
+        with self._rejected_lock:  # the next write of this key replaces the value (a rotated-out key's, a forger's)
+            self._rejected[key] = None
+            self._rejected.move_to_end(key)
+            while len(self._rejected) > REJECTED_KEYS:
+                self._rejected.popitem(last=False)
         self._counters.add("rejected_mac")
         if self._on_rejected is not None:
             self._on_rejected("mac", f"{key}: {detail}")
@@ -452,9 +460,11 @@ class BlockStore:
         self._counters.add("bytes_read", sum(len(v) for v in found if v))
         return found
 
-    async def put_entries(self, keyed: Sequence[tuple[int, str]], values: Sequence[bytes]) -> int:
+    async def put_entries(self, keyed: Sequence[tuple[int, str]], values: Sequence[bytes],
+                          tenant: str | None = None) -> int:
         """Write tail or reply-ids values, replacing what is there (the newest tail of a prefix wins),
-        under the byte budget like blocks; returns how many were written, 0 if Redis failed."""
+        under the byte budget (and `tenant`'s quota) like blocks; returns how many were written, 0 if Redis
+        failed."""
         if len(keyed) != len(values) or any(not v for v in values):
             raise StoreError("put_entries needs one non-empty value per key")
         for value in values:
@@ -463,20 +473,25 @@ class BlockStore:
         if not values:
             return 0
         async with self._put_lock:
-            written = await self._guarded(lambda: self._write(list(keyed), values, nx=False),
+            written = await self._guarded(lambda: self._write(list(keyed), values, nx=False, tenant=tenant),
                                           self.settings.write_timeout_s)
         if isinstance(written, _Failed):
             self._counters.add("dropped_writes")
             return 0
         return written
 
-    async def put_blocks(self, model: str, hashes: Sequence[BlockHash], frames: Sequence[bytes]) -> int:
-        """Write blocks (present ones are left as they are); returns how many were written."""
-        return (await self.store_blocks(model, hashes, frames)).value
+    async def put_blocks(self, model: str, hashes: Sequence[BlockHash], frames: Sequence[bytes],
+                         tenant: str | None = None) -> int:
+        """Write blocks (present ones are left as they are); returns how many were written. `tenant`: whose they
+        are (its quota applies, `usage().by_tenant` counts them); None: the namespace's, under its budget only."""
+        return (await self.store_blocks(model, hashes, frames, tenant)).value
 
-    async def store_blocks(self, model: str, hashes: Sequence[BlockHash], frames: Sequence[bytes]) -> Result[int]:
+    async def store_blocks(self, model: str, hashes: Sequence[BlockHash], frames: Sequence[bytes],
+                           tenant: str | None = None) -> Result[int]:
         """`put_blocks` with what happened: STORED (how many were new) or UNAVAILABLE (none written)."""
         check_model(model)
+        if tenant is not None:
+            check_tenant(tenant)
         if len(hashes) != len(frames):
             raise StoreError("put_blocks needs one frame per hash")
         limit = self.settings.max_value_bytes
@@ -492,25 +507,30 @@ class BlockStore:
             for (_, key), frame in zip(keyed, frames, strict=True):
                 self._local.put(key, bytes(frame))
         async with self._put_lock:
-            written = await self._guarded(lambda: self._write(keyed, frames), self.settings.write_timeout_s)
+            written = await self._guarded(lambda: self._write(keyed, frames, tenant=tenant),
+                                          self.settings.write_timeout_s)
         if isinstance(written, _Failed):
             self._counters.add("dropped_writes")
             return Result(Outcome.UNAVAILABLE, 0)
         return Result(Outcome.STORED, written)
 
-    async def _write(self, keyed: list[tuple[int, str]], frames: Sequence[bytes], nx: bool = True) -> int:
+    async def _write(self, keyed: list[tuple[int, str]], frames: Sequence[bytes], nx: bool = True,
+                     tenant: str | None = None) -> int:
         items = [((shard, key), self._seal(key, frame)) for (shard, key), frame in zip(keyed, frames, strict=True)]
         if self.settings.budget_enabled:
-            items = self._fit_budget(items)
-            await self._make_room(sum(len(f) for _, f in items))
+            quota = self.settings.quota_of(tenant) if tenant is not None else 0
+            items = self._fit_budget(items, min(quota, self.settings.budget_bytes) or self.settings.budget_bytes)
+            await self._make_room(sum(len(f) for _, f in items), tenant, quota)
         pipe = self._client.pipeline(transaction=False)
         by_shard: dict[int, list[str]] = defaultdict(list)
+        replacing = False  # from a rejected value on, the chain's blocks were unreadable: all are replaced
         for (shard, key), frame in items:
-            pipe.set(key, frame, px=self._block_ttl_ms, nx=nx)
+            replacing = replacing or self._replaces(key)
+            pipe.set(key, frame, px=self._block_ttl_ms, nx=nx and not replacing)
             by_shard[shard].append(key)
         if self.settings.budget_enabled:
             for shard, keys in by_shard.items():
-                budget.account(pipe, self.keys.shard(shard), keys, self._index_ttl_ms)
+                budget.account(pipe, self.keys.shard(shard), keys, self._index_ttl_ms, tenant)
         self._counters.add("round_trips")
         results = await pipe.execute(raise_on_error=False)
         written = 0
@@ -523,26 +543,45 @@ class BlockStore:
         self._counters.add("blocks_written", written)
         return written
 
-    def _fit_budget(self, items: list[Any]) -> list[Any]:
-        """The longest prefix of the batch that fits in the whole budget (normally all of it)."""
+    def _replaces(self, key: str) -> bool:
+        """Whether a block write replaces what `key` holds: its value was rejected (signed by neither key, or
+        moved or altered), and so was the rest of its chain, never read after it. Otherwise a present block is left
+        as it is (the same KV, content-addressed)."""
+        if not self._rejected:
+            return False
+        with self._rejected_lock:
+            return self._rejected.pop(key, 0) is None
+
+    def _fit_budget(self, items: list[Any], limit: int) -> list[Any]:
+        """The longest prefix of the batch that fits in the whole budget or quota `limit` (normally all of it)."""
         total, keep = 0, 0
         for _, frame in items:
-            if total + len(frame) > self.settings.budget_bytes:
+            if total + len(frame) > limit:
                 break
             total += len(frame)
             keep += 1
         return items[:keep]
 
-    async def _make_room(self, incoming: int) -> None:
-        """Evict LRU blocks first if writing `incoming` bytes would cross the high watermark."""
+    async def _make_room(self, incoming: int, tenant: str | None = None, quota: int = 0) -> None:
+        """Evict LRU entries first if writing `incoming` bytes would cross a high watermark: `tenant`'s own if it
+        would cross its `quota`'s (to the low watermark of its quota), then the namespace's if it would cross the
+        budget's."""
         s = self.settings
         self._counters.add("round_trips")
-        held = sum(await budget.shard_totals(self._client, self.keys))
+        held, own = await budget.held(self._client, self.keys, tenant if quota else None)
+        if quota and own + incoming > s.high_watermark * quota:
+            target = max(0, int(s.low_watermark * quota) - incoming)
+            result = await budget.evict(self._client, self.keys, own - target, tenant=tenant)
+            self._count_eviction(result)
+            self._counters.add("tenant_evictions", result.evicted_blocks)
+            held -= result.evicted_bytes + result.stale_bytes
         if held + incoming <= s.high_watermark * s.budget_bytes:
             return
         # evict so that after this write the namespace sits at the low watermark
         target = max(0, int(s.low_watermark * s.budget_bytes) - incoming)
-        result = await budget.evict(self._client, self.keys, held - target)
+        self._count_eviction(await budget.evict(self._client, self.keys, held - target))
+
+    def _count_eviction(self, result: budget.EvictionResult) -> None:
         self._counters.add("evictions", result.evicted_blocks)
         self._counters.add("evicted_bytes", result.evicted_bytes)
         self._counters.add("stale_removed", result.stale_blocks)
@@ -557,7 +596,8 @@ class BlockStore:
                 pipe.zcard(shard.lru)
             flat = await pipe.execute()
             held = sum(max(int(v or 0), 0) for v in flat[0::2])
-            return Usage(held, self.settings.budget_bytes, sum(int(v) for v in flat[1::2]), self.keys.shards)
+            return Usage(held, self.settings.budget_bytes, sum(int(v) for v in flat[1::2]), self.keys.shards,
+                         await budget.tenant_totals(self._client, self.keys))
 
         return await self._admin(read)
 

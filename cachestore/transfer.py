@@ -257,7 +257,8 @@ async def restore(store: BlockStore, export: SessionExport, chain: Chain, *, rep
     hashes = chain.hashes(record.token_ids)[:len(export.blocks)]
     written = 0
     for start in range(0, len(hashes), 16):
-        result = await store.store_blocks(chain.model_key, hashes[start:start + 16], export.blocks[start:start + 16])
+        result = await store.store_blocks(chain.model_key, hashes[start:start + 16], export.blocks[start:start + 16],
+                                          record.tenant)  # the session's tenant's: under its quota
         if result.unavailable:
             raise StoreError(f"Redis at {store.settings.masked_url} refused the block writes")
         written += result.value

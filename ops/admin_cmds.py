@@ -11,6 +11,7 @@ from typing import Any
 from cachestore import inspect, repair, transfer
 from cachestore.codec import read_header
 from cachestore.errors import CodecError, KvstashError, StoreError
+from cachestore.signing import Signer
 from ops.admin_console import call, confirm, print_json, progress, size, when
 
 
@@ -21,6 +22,7 @@ def _where(settings: Any) -> str:
 def cmd_stats(args: argparse.Namespace, settings: Any) -> int:
     stats = call(settings, lambda s: inspect.namespace_stats(s.client, s.keys, settings.budget_bytes,
                                                               progress(args)))
+    stats["tenant_quotas"] = {t: settings.quota_of(t) for t in stats["tenant_bytes"] if settings.quota_of(t)}
     if args.json:
         print_json(stats)
         return 0
@@ -43,6 +45,11 @@ def cmd_stats(args: argparse.Namespace, settings: Any) -> int:
         print(f"{model:<18} {row['blocks']:>8} {size(row['block_bytes']):>12} {row['sessions']:>9}")
     if stats["tenants"]:
         print("sessions by tenant: " + ", ".join(f"{t} {n}" for t, n in stats["tenants"].items()))
+    if stats["tenant_bytes"]:
+        print(f"{'tenant':<18} {'bytes held':>12} {'quota':>12}")
+        for tenant, held in stats["tenant_bytes"].items():
+            quota = settings.quota_of(tenant)
+            print(f"{tenant:<18} {size(held):>12} {size(quota) if quota else 'none':>12}")
     return 0
 
 
@@ -105,14 +112,12 @@ def cmd_delete(args: argparse.Namespace, settings: Any) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, settings: Any) -> int:
-    if settings.signed:  # verify reads frames as unsigned: --fix would delete every signed one
-        raise StoreError("verify does not read signed values yet (KVSTASH_FRAME_KEY is set); run it without a key "
-                         "only on an unsigned namespace")
+    signer = Signer(settings.frame_key, settings.frame_key_previous) if settings.signed else None
     if args.fix:
         confirm(args, f"repair {_where(settings)} (deletes corrupt blocks and bad session records)?")
     report = call(settings, lambda s: repair.verify(
         s.client, s.keys, fix=args.fix, block_ttl_ms=settings.block_ttl_s * 1000,
-        session_ttl_ms=settings.session_ttl_s * 1000, progress=progress(args)))
+        session_ttl_ms=settings.session_ttl_s * 1000, progress=progress(args), signer=signer))
     if args.json:
         print_json(report.as_dict())
     else:
@@ -123,6 +128,9 @@ def cmd_verify(args: argparse.Namespace, settings: Any) -> int:
         print(f"scanned {report.keys_scanned} keys: {report.blocks_ok} blocks and {report.sessions_ok} sessions "
               f"valid, {report.index_entries} index entries; problems: {report.problems or 'none'}"
               + (" (fixed)" if args.fix and report.findings else ""))
+        if signer is not None:
+            print("signed by the current key: {current}, by the previous key: {previous}".format(
+                **{"current": 0, "previous": 0, **report.signed_by}))
     return 1 if report.findings and not args.fix else 0
 
 

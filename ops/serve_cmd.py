@@ -9,6 +9,16 @@ import sys
 from typing import Any
 
 
+class SettingHelp(str):
+    """A flag's help naming a PodSettings field: argparse expands it (only when it prints help) into the setting's
+    meaning and default from service.settings (`describe`), so building the parser does not import the service."""
+
+    def __mod__(self, params: object) -> str:
+        from service.settings import describe  # noqa: PLC0415 (importing the service costs seconds)
+
+        return describe(str(self)).replace("%", "%%") % params
+
+
 def register(sub: Any) -> None:
     p: argparse.ArgumentParser = sub.add_parser(
         "serve", help="run an inference pod (OpenAI-compatible HTTP API)",
@@ -19,23 +29,15 @@ def register(sub: Any) -> None:
                "a socket until it leaves. Put a balancer that bounds headers in front of pods clients can reach "
                "directly: the shipped ops/nginx/nginx.conf sets client_header_timeout 10s.",
     )
-    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port to bind (default 8000)")
-    p.add_argument("--engine", choices=["hf", "llamacpp"], help="model runtime: hf (transformers, default) or "
-                   "llamacpp (llama-cpp-python, batched decoding)")
-    p.add_argument("--model", help="smollm2 (default); hf: tiny-random or a local HF model directory; "
-                   "llamacpp: a local .gguf file")
-    p.add_argument("--parallel", type=int, help="llamacpp: sequences decoded together (default 4)")
-    p.add_argument("--threads", type=int,
-                   help="CPU threads of the model: llama.cpp's, or torch's for hf (default: one per core)")
-    p.add_argument("--flash-attn", choices=["auto", "on", "off"],
-                   help="llamacpp: llama.cpp's flash attention (default auto: llama.cpp decides; off decodes a long "
-                        "context faster on some CPUs; a q8 cache needs it)")
-    p.add_argument("--device", help="cpu (default) or cuda[:N]")
-    p.add_argument("--memory-kv-bytes", type=int,
-                   help="with --no-cache: keep the KV of recent sequences in this pod's memory, at most this many "
-                        "bytes, least recently used evicted (the sticky-sessions baseline of `kvstash bench load "
-                        "--baseline sticky`: only this pod can reuse it, and a restart loses it)")
+    p.add_argument("--host", help=SettingHelp("host"))
+    p.add_argument("--port", type=int, help=SettingHelp("port"))
+    p.add_argument("--engine", choices=["hf", "llamacpp"], help=SettingHelp("engine"))
+    p.add_argument("--model", help=SettingHelp("model"))
+    p.add_argument("--parallel", type=int, help=SettingHelp("parallel"))
+    p.add_argument("--threads", type=int, help=SettingHelp("threads"))
+    p.add_argument("--flash-attn", choices=["auto", "on", "off"], help=SettingHelp("flash_attn"))
+    p.add_argument("--device", help=SettingHelp("device"))
+    p.add_argument("--memory-kv-bytes", type=int, help=SettingHelp("memory_kv_bytes"))
     add_pod_options(p)
     p.set_defaults(func=run)
 
@@ -43,17 +45,10 @@ def register(sub: Any) -> None:
 def add_pod_options(p: argparse.ArgumentParser, no_cache_help: str = "neither read nor write the cache (for "
                     "comparisons)") -> None:
     """The flags of every pod-like command (`serve`, `sidecar`): Redis, cache, admission, logging."""
-    p.add_argument("--redis-url", help="redis://, rediss://, unix:// URL (cluster: add ?cluster=1)")
-    p.add_argument("--namespace", help="prefix of every Redis key (default kvstash)")
-    p.add_argument("--codec", help="exact (default, lossless), fp16, int8, int4, int2, fp8, q8 (llamacpp: a q8_0 KV "
-                   "cache, stored exactly); +zstd/+lz4/+none")
-    p.add_argument("--block-tokens", type=int, help="tokens per cached block (default 64)")
-    p.add_argument("--budget-bytes", type=int, help="byte budget of the namespace in Redis")
-    p.add_argument("--block-ttl-s", type=int, help="TTL of cached blocks in seconds")
-    p.add_argument("--session-ttl-s", type=int, help="TTL of session records in seconds")
-    p.add_argument("--redis-timeout-s", type=float, help="most a request waits on Redis (default 0.5)")
-    p.add_argument("--max-queue", type=int, help="requests admitted before 503 (default 8)")
-    p.add_argument("--pod-name", help="name reported in /readyz and the X-KV-Pod header")
+    for name, kind in (("redis_url", str), ("namespace", str), ("codec", str), ("block_tokens", int),
+                       ("budget_bytes", int), ("block_ttl_s", int), ("session_ttl_s", int),
+                       ("redis_timeout_s", float), ("max_queue", int), ("pod_name", str)):
+        p.add_argument("--" + name.replace("_", "-"), type=kind, help=SettingHelp(name))
     p.add_argument("--no-cache", action="store_true", help=no_cache_help)
     p.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
 

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-from ops.serve_cmd import add_pod_options
+from ops.serve_cmd import SettingHelp, add_pod_options
 
 SIDECAR_EPILOG = """\
 Two ways to run it:
@@ -46,8 +46,8 @@ def register(sub: Any) -> None:
     up.add_argument("--llama-server", help="--spawn: the binary (default: the one `make setup` built)")
     up.add_argument("--flash-attn", choices=["auto", "on", "off"],
                     help="--spawn: llama-server's -fa (default auto; off decodes a long context faster on some CPUs)")
-    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port to bind (default 8000)")
+    p.add_argument("--host", help=SettingHelp("host"))
+    p.add_argument("--port", type=int, help=SettingHelp("port"))
     add_pod_options(p, no_cache_help="neither read nor write the cache, and let llama-server reuse nothing "
                     "either (a full prefill every request: the baseline for comparisons)")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="--spawn: arguments after -- go to llama-server")

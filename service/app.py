@@ -56,10 +56,12 @@ def store_settings(settings: PodSettings) -> StoreSettings:
     )
 
 
-def _rejected(counter: Any, reason: str, detail: str) -> None:
-    """A value the store discarded (its signature did not verify): a miss, logged and counted like the pipeline's."""
+def _rejected(metrics: PodMetrics, reason: str, detail: str) -> None:
+    """A value the store discarded (its signature did not verify): a miss, logged and counted like the pipeline's
+    (and as kvstash_frames_rejected_total, the name docs/security.md gives it)."""
     log.warning("discarding a cached value (%s): %s", reason, detail)
-    counter.labels(reason).inc()
+    metrics.cache_rejected.labels(reason).inc()
+    metrics.frames_rejected.labels(reason).inc()
 
 
 def _store_stats(state: PodState) -> dict[str, Any] | None:
@@ -76,6 +78,10 @@ async def _sample_usage(state: PodState) -> None:
     sampled, never per request. A Redis that does not answer leaves the last values."""
     assert state.store is not None
     state.metrics.budget.set(state.settings.budget_bytes)
+    tenants = state.settings.tenants
+    for tenant in tenants:
+        if state.store.settings.quota_of(tenant):
+            state.metrics.tenant_quota.labels(tenant).set(state.store.settings.quota_of(tenant))
     while True:
         try:
             usage = await state.store.usage()
@@ -84,6 +90,8 @@ async def _sample_usage(state: PodState) -> None:
         else:
             state.metrics.bytes_held.set(usage.bytes_held)
             state.metrics.entries_held.set(usage.blocks)
+            for tenant in tenants:  # this pod's tenants only: a label per name a writer put in Redis is unbounded
+                state.metrics.tenant_bytes.labels(tenant).set(usage.by_tenant.get(tenant, 0))
         await asyncio.sleep(state.settings.usage_sample_s)
 
 
@@ -109,9 +117,9 @@ def build_state(settings: PodSettings, engine: Engine) -> PodState:
     codec = BlockCodecs.for_spec(settings.codec, rows=engine.row_frames)  # the writer's and the pipeline's
     state.engine = engine
     if settings.cache_enabled:
-        rejected = state.metrics.cache_rejected
+        metrics = state.metrics
         state.store = BlockStore(store_settings(settings), on_rejected=lambda reason, detail: _rejected(
-            rejected, reason, detail))
+            metrics, reason, detail))
         state.writer = BackgroundWriter(state.store, codec, state.metrics, settings.write_queue)
     state.pipeline = Pipeline(settings, engine, state.store, codec, state.metrics, state.writer)
     return state

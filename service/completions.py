@@ -48,7 +48,7 @@ async def _completion(request: Request, chat: bool) -> Response:
     async def lookup() -> CacheView:
         nonlocal previous
         key = (tenant.name, req.session_id) if req.session_id else None
-        view, previous = await pipeline.lookup(tenant.salt, prompt_ids, session_key=key)
+        view, previous = await pipeline.lookup(tenant.salt, prompt_ids, session_key=key, tenant=tenant.name)
         return view
 
     async def after(gen: Generation, view: CacheView) -> str | None:

@@ -1,8 +1,8 @@
 """Reusable buffers: a hit decodes into memory that is already paged in.
 
-A fresh 94 MB buffer (2048 tokens of SmolLM2 in fp32) costs tens of milliseconds of page faults on
-first touch, a large share of a hit's time to first token; so does a fresh 47 MB llama.cpp sequence
-state. Keeping a buffer or two between requests removes that cost for a bounded amount of memory.
+A fresh context buffer (tens of MB for a 2048-token context) pays its page faults on first touch, a large
+share of a hit's time to first token; so does a fresh llama.cpp sequence state. Keeping a buffer or two between
+requests removes that cost for a bounded amount of memory.
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ class GrowingLayer(DynamicLayer):
     With `ready` and a `scratch`, the first forward step reads this layer's cached tokens from the scratch, where
     the rehydration dequantizes them just before the attention (`LayerGate.fill`), and the context buffer gets
     them at the second step: writing a context larger than the CPU's caches costs a memory-bound machine more
-    than the step that reads it (BENCHMARKS.md, section 15), and a one-token reply never writes it at all. With
+    than the step that reads it, and a one-token reply never writes it at all. With
     `attends` (the model's attention is this module's) and frames a kernel reads (int8, int4, fp16, exact), the
     first step's attention reads them where they landed instead (`LayerGate.attend`): nothing is dequantized into
     memory at all.

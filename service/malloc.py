@@ -3,10 +3,9 @@
 A hit allocates its frames anew each time (redis-py's replies, hiredis's buffer, decompression), tens of MB on
 the reader and rehydration threads. With glibc's defaults every thread gets an arena of its own, an arena's
 64 MB sub-heaps are unmapped as soon as they empty, and blocks above the dynamic mmap threshold are mapped
-and unmapped per allocation: so a hit of 97 MB (8128 tokens, int8) page-faults most of what it reads, every
-time. On a VM a fault costs several microseconds (measured here: 20-30k faults and 200-640 ms of system time
-in one lookup of 8128 tokens, against 0 faults and ~40 ms with one arena). One arena, a fixed mmap threshold
-and a high trim threshold keep that memory mapped: the process holds its peak heap instead of returning it.
+and unmapped per allocation: so a large hit page-faults most of what it reads, every time, and on a VM each
+fault costs microseconds. One arena, a fixed mmap threshold and a high trim threshold keep that memory mapped:
+the process holds its peak heap instead of returning it.
 """
 
 from __future__ import annotations

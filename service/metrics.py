@@ -26,7 +26,8 @@ class _StoreCollector(Collector):
             return
         counters = CounterMetricFamily("kvstash_store_events", "Store events by kind", labels=["event"])
         for key in ("hits", "misses", "partial_hits", "evictions", "errors", "dropped_writes",
-                    "bytes_read", "bytes_written", "bad_records", "cas_conflicts", "timeouts", "rejected_mac"):
+                    "bytes_read", "bytes_written", "bad_records", "cas_conflicts", "timeouts", "rejected_mac",
+                    "tenant_evictions"):
             if key in stats:
                 counters.add_metric([key], float(stats[key]))
         yield counters
@@ -62,6 +63,14 @@ class PodMetrics:
         self.cache_rejected = Counter("kvstash_cache_rejected", "Cached values discarded as corrupt or not this "
                                       "pod's (reason: corrupt, codec, model; mac: not signed under its key "
                                       "by an accepted frame key)", ["reason"], registry=r)
+        self.frames_rejected = Counter("kvstash_frames_rejected", "Values read back that were not signed under "
+                                       "their key by an accepted frame key (reason: mac), a miss; the same events "
+                                       "as kvstash_cache_rejected_total{reason=\"mac\"}", ["reason"], registry=r)
+        self.tenant_bytes = Gauge("kvstash_tenant_bytes_held", "Bytes a tenant's entries hold in the namespace, as "
+                                  "the budget index accounts them (sampled; this pod's tenants)", ["tenant"],
+                                  registry=r)
+        self.tenant_quota = Gauge("kvstash_tenant_quota_bytes", "A tenant's byte quota (this pod's tenants that "
+                                  "have one)", ["tenant"], registry=r)
         self.tail_lookups = Counter("kvstash_tail_lookups", "Cached tails read back (used, mismatch: they did "
                                     "not continue the prompt)", ["result"], registry=r)
         self.reply_ids = Counter("kvstash_reply_ids", "Assistant messages tokenized as the ids a pod generated "

@@ -136,7 +136,7 @@ class Passthrough:
             return await self._bypass(route, body, headers, "length")
         pipeline.admit()
         try:
-            view, _ = await pipeline.lookup(inputs.salt(tenant.salt, how.identity), prompt)
+            view, _ = await pipeline.lookup(inputs.salt(tenant.salt, how.identity), prompt, tenant=tenant.name)
             lease: SlotLease = await pipeline.in_engine(view, self.engine.lease, prompt, view.kv, view.ready,
                                                         how.slots)
         except BaseException:

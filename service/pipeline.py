@@ -92,6 +92,7 @@ class CacheView:
     fetched_bytes: int = 0
     buffer: torch.Tensor | None = None  # the pooled buffer `kv` is a view of; back to the pool after generation
     salt: bytes | None = None  # the tenant's salt when the cache is writable: the prompt's blocks go early
+    tenant: str | None = None  # whose entries the write-back stores (its quota applies); None: the namespace's
     early_blocks: int = 0  # blocks [hit_blocks, early_blocks) were queued while the reply was generated
     ready: LayerGate | None = None  # layers of `kv` still being dequantized: the engine waits per layer
     landing: torch.Tensor | None = None  # the pooled buffer the frames were received into, read by `ready`'s work
@@ -224,14 +225,15 @@ class Pipeline:
         *,
         session: SessionRecord | None = None,
         session_key: tuple[str, str] | None = None,
+        tenant: str | None = None,
     ) -> tuple[CacheView, SessionRecord | None]:
         """The prompt's cached blocks (and the session record named by `session_key`, fetched
         concurrently); the session's partial block extends a full hit.
 
         A reader thread reads the blocks in pipelined chunks (`chunk_plan`), back to back on a blocking client
-        (it moves large values with far less CPU than the event loop: BENCHMARKS.md, section 1). For a
+        (it moves large values with far less CPU than the event loop). For a
         layer-by-layer engine the frames land in one pooled buffer and the reader verifies each chunk itself; the
-        forward step dequantizes a layer of every block at a time from there (service.rehydrate, section 13).
+        forward step dequantizes a layer of every block at a time from there (service.rehydrate).
         For any other engine they land likewise, and a `Rehydration` thread verifies and dequantizes each chunk
         as it arrives, straight into one preallocated context. Token-row frames for llama.cpp are received into
         the rows of the sequence state it lent, checksummed as they arrive, and the reader verifies each chunk:
@@ -333,7 +335,7 @@ class Pipeline:
                 worker.add_done_callback(lambda _: self._give_context(out))
                 if stage is not None:
                     reader.add_done_callback(lambda _: self._landings.give(stage))
-        view.salt = tenant_salt
+        view.salt, view.tenant = tenant_salt, tenant
         return self._account(view, prompt_ids), session
 
     def _read_blocks(
@@ -656,7 +658,7 @@ class Pipeline:
                 log.exception("could not copy the prompt's KV for an early write")
                 return
             job = WriteJob(model=self.model_key, hashes=hashes[first:], kv=kv, first_block=first, block_tokens=b,
-                           kv_from=first * b)
+                           kv_from=first * b, tenant=view.tenant)
             loop.call_soon_threadsafe(self._submit_early, view, job, full)
 
         return on_prefill
@@ -706,7 +708,8 @@ class Pipeline:
         if ends < full and prompt_tokens % b and gen.kv_from <= ends * b and prompt_tokens <= len(gen.seq_ids):
             parent = hashes[ends - 1] if ends else self.root(tenant_salt)
             self.writer.submit(WriteJob(model=self.model_key, hashes=[], kv=gen.kv, first_block=ends, block_tokens=b,
-                                        kv_from=gen.kv_from, tail_key=self.store.keys.tail(self.model_key, parent),
+                                        kv_from=gen.kv_from, tenant=view.tenant,
+                                        tail_key=self.store.keys.tail(self.model_key, parent),
                                         tail_tokens=list(gen.seq_ids[ends * b:prompt_tokens]), tail_from=ends * b))
         tail_tokens = gen.seq_ids[full * b:]
         parent = hashes[-1] if full else self.root(tenant_salt)
@@ -719,6 +722,7 @@ class Pipeline:
             first_block=first,
             block_tokens=b,
             kv_from=gen.kv_from,
+            tenant=view.tenant,
             session=session,
             session_expected_version=expected_version,
             session_tail_from=full * b,

@@ -10,21 +10,20 @@ Two ways, by engine:
   attention reads each layer's runs in their codes where a kernel can (`LayerGate.attend`, `cachestore.attend`;
   up to a few new tokens), else has them dequantized into a one-layer scratch (`LayerGate.fill`); the context is
   written only at the second step: writing a context larger than the caches cost more than the floor's whole read
-  of it (BENCHMARKS.md, sections 15 and 16). A frame that did not land (compressed, or of another length) is
+  of it. A frame that did not land (compressed, or of another length) is
   dequantized whole before layer 0.
 - Any other engine (llama.cpp sets its whole state at once): the frames land likewise (one copy on the wire), and
   the lookup feeds each chunk to a `Rehydration` thread (one core), which verifies each chunk and dequantizes its
   frames while the next chunk is on the wire, a few landed frames of one kind in one call (`FrameRun`), and
   dequantizes what is left once the last one is in, shared with a second thread where it is given one (`helper`):
-  by then the reader and Redis are done and a core is free. On an Intel Xeon VM a frame at a time cost ~90 us of
-  Python per frame beside a ~230 us kernel, on the two cores the fetch already keeps busy (BENCHMARKS.md, section
-  23).
+  by then the reader and Redis are done and a core is free. A frame at a time cost about as much Python per frame
+  as kernel time, on the two cores the fetch already keeps busy.
 
-Measured on 2 cores with Redis on the same machine (BENCHMARKS.md, sections 1, 12 and 13): every millisecond of
+Measured on 2 cores with Redis on the same machine: every millisecond of
 CPU a hit adds costs about a millisecond of TTFT. Dequantizing frame by frame during the fetch slowed the fetch
 (both cores were already busy with redis-server and the reader) and wrote a context larger than the caches that
 the forward step then read back from memory; a layer of every block at a time from the landing costs the forward
-step 2-3 ms at 2048 tokens against 5-7 ms. Without a landing, layer groups smaller than the whole context only
+step about half as much. Without a landing, layer groups smaller than the whole context only
 added calls (one per frame per group), so that path dequantizes the rest in one group (LAYER_STEPS = 1).
 """
 from __future__ import annotations

@@ -161,7 +161,7 @@ async def add_messages(request: Request) -> Response:
     check_context(state, prompt_ids, params)
 
     async def lookup() -> CacheView:
-        view, _ = await pipeline.lookup(tenant.salt, prompt_ids, session=record)
+        view, _ = await pipeline.lookup(tenant.salt, prompt_ids, session=record, tenant=tenant.name)
         return view
 
     async def after(gen: Generation, view: CacheView) -> str | ApiError | None:

@@ -88,9 +88,8 @@ class PodSettings:
             raise ConfigError("KVSTASH_FRAME_KEY_PREVIOUS needs KVSTASH_FRAME_KEY (the key pods write with)")
         if self.frame_key and self.frame_key == self.tenant_secret:
             raise ConfigError("the frame key must differ from the tenant secret")
-        if self.tenant_quota_bytes or self.tenant_quotas:  # parsed, not enforced yet: refused, never ignored
-            raise ConfigError("per-tenant quotas (KVSTASH_TENANT_QUOTA_BYTES, KVSTASH_TENANT_QUOTAS) are not "
-                              "enforced yet; unset them")
+        if self.tenant_quota_bytes < 0:
+            raise ConfigError("tenant_quota_bytes must be >= 0 (0: no default quota)")
         for tenant, quota in self.tenant_quotas.items():
             if not TENANT_RE.match(tenant) or quota <= 0:
                 raise ConfigError(f"tenant quotas need a tenant matching {TENANT_PATTERN} and a positive size")
@@ -113,6 +112,12 @@ class PodSettings:
         return bool(self.api_keys)
 
     @property
+    def tenants(self) -> list[str]:
+        """The tenants this pod serves (its API keys', or the default one), and those given a quota."""
+        served = set(self.api_keys.values()) if self.api_keys else {DEFAULT_TENANT}
+        return sorted(served | set(self.tenant_quotas))
+
+    @property
     def write_wait(self) -> float:
         return self.redis_timeout_s if self.write_wait_s is None else self.write_wait_s
 
@@ -124,6 +129,61 @@ class PodSettings:
 
     def with_overrides(self, **overrides: Any) -> PodSettings:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+# What each setting means, in one place: `kvstash serve --help` (ops/serve_cmd.py) and docs/configuration.md
+# (ops.gendocs) both read it, and `describe` adds the default from PodSettings.
+SETTING_HELP: Mapping[str, str] = {
+    "host": "address to bind",
+    "port": "port to bind",
+    "engine": "model runtime: hf (transformers) or llamacpp (llama-cpp-python, batched decoding)",
+    "model": "smollm2; hf: tiny-random or a local HF model directory; llamacpp: a local .gguf file",
+    "device": "cpu or cuda[:N]",
+    "parallel": "llamacpp: sequences decoded together (hf: always 1)",
+    "threads": "CPU threads of the model: llama.cpp's, or torch's for hf (0: one per core)",
+    "flash_attn": "llamacpp: llama.cpp's flash attention: auto (llama.cpp decides), on or off (off decodes a long "
+                  "context faster on some CPUs; a q8 cache needs it)",
+    "redis_url": "redis://, rediss://, unix:// or redis+sentinel:// URL (cluster: add ?cluster=1; store options as "
+                 "query arguments)",
+    "namespace": "prefix of every Redis key",
+    "cache_enabled": "read and write the cache (KVSTASH_NO_CACHE=1 or --no-cache turns it off, for comparisons)",
+    "codec": "exact (lossless), fp16, int8, int4, int2, fp8, q8 (llamacpp: a q8_0 KV cache, stored exactly); "
+             "+zstd/+lz4/+none picks the compressor",
+    "block_tokens": "tokens per cached block",
+    "block_ttl_s": "TTL of cached blocks, tails and reply ids in seconds (slid by every hit)",
+    "session_ttl_s": "TTL of session records in seconds (slid by every read)",
+    "budget_bytes": "byte budget of the namespace in Redis (least recently used blocks evicted above it)",
+    "max_value_bytes": "largest value written to Redis",
+    "redis_timeout_s": "most a request waits on Redis before it recomputes",
+    "usage_sample_s": "how often the pod samples the namespace's bytes for its gauges",
+    "write_wait_s": "most a reply's last byte waits for its writes (unset: redis_timeout_s)",
+    "local_tier_bytes": "bytes of recently used blocks kept in the pod's memory in front of Redis",
+    "memory_kv_bytes": "with the cache off: KV of recent sequences kept in this pod's memory, at most this many "
+                       "bytes, least recently used evicted (the sticky-sessions baseline of `kvstash bench load "
+                       "--baseline sticky`: only this pod can reuse it, and a restart loses it)",
+    "max_queue": "requests admitted (running + waiting) before 503",
+    "write_queue": "background writes waiting before new ones are dropped (and counted)",
+    "max_body_bytes": "largest request body (413 above)",
+    "body_timeout_s": "a request body must arrive within this (408 after)",
+    "max_tokens_limit": "largest max_tokens a request may ask for",
+    "default_max_tokens": "max_tokens of a request that gives none",
+    "api_keys": "key1:tenantA,key2:tenantB: Bearer keys and the tenant each maps to (unset: one tenant, no auth)",
+    "tenant_secret": "secret keying each tenant's hash-chain salt (set it: block keys then cannot be predicted)",
+    "frame_key": "key that signs every value this pod writes (docs/security.md)",
+    "frame_key_previous": "also accepted when reading: the key before a rotation",
+    "tenant_quota_bytes": "bytes each tenant may hold (not enforced yet: refused when set)",
+    "tenant_quotas": "tenantA=1GiB,tenantB=200MiB (not enforced yet: refused when set)",
+    "upstream_api_key": "the sidecar's key to llama-server (its --api-key)",
+    "pod_name": "name reported in /readyz and the X-KV-Pod header",
+    "cache_dir": "where converted models live (unset: ~/.cache/kvstash/models)",
+}
+
+
+def describe(name: str) -> str:
+    """A setting's meaning and its default, as `kvstash serve --help` and docs/configuration.md show them."""
+    default = next(f.default for f in fields(PodSettings) if f.name == name)
+    shown = "" if default in ("", None) or not isinstance(default, (str, int, float)) else f" (default {default})"
+    return SETTING_HELP.get(name, "(no description yet: add one to SETTING_HELP)") + shown
 
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,

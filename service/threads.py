@@ -2,9 +2,9 @@
 
 torch's CPU ops run on libgomp, which gives each thread that starts a parallel region a team of its own.
 Once the process has more OpenMP threads than cores, libgomp stops spinning between regions and parks
-its workers instead, and every one of the ~600 small regions of a forward step pays a futex wake-up:
-measured here (2 cores, SmolLM2 at 2048 tokens) a 47 ms forward step became 68 ms, for good, as soon
-as a second thread had run one multi-threaded op. So the event loop, the rehydration threads and the
+its workers instead, and every one of the hundreds of small regions of a forward step pays a futex wake-up:
+a forward step becomes markedly slower, for good, as soon as a second thread has run one multi-threaded op
+(SmolLM2 on 2 cores: by almost half). So the event loop, the rehydration threads and the
 I/O threads keep torch to one core, and a single process-wide compute thread runs the model.
 """
 

@@ -33,6 +33,7 @@ class WriteJob:
     first_block: int  # index of hashes[0] in the sequence
     block_tokens: int
     kv_from: int = 0
+    tenant: str | None = None  # whose entries these are (its quota applies); None: the namespace's
     session: SessionRecord | None = None  # written after the blocks; `partial` filled in here
     session_expected_version: int | None = None
     session_tail_from: int = 0  # the sequence's tokens from here on form the session's partial block
@@ -132,12 +133,12 @@ class BackgroundWriter:
         t0 = time.perf_counter()
         try:
             if frames:
-                ok = await self._store.put_blocks(job.model, job.hashes, frames) == len(frames) and ok
+                ok = await self._store.put_blocks(job.model, job.hashes, frames, job.tenant) == len(frames) and ok
                 self._metrics.bytes_stored.inc(sum(len(f) for f in frames))
             entries = [(job.tail_key, tail)] if tail is not None and job.tail_key is not None else []
             entries += [job.reply] if job.reply is not None else []
             if entries:
-                ok = await self._store.put_entries([k for k, _ in entries], [v for _, v in entries]) \
+                ok = await self._store.put_entries([k for k, _ in entries], [v for _, v in entries], job.tenant) \
                     == len(entries) and ok
         except KvstashError as exc:  # e.g. a block over the value limit: refuse, log, go on
             log.warning("blocks not stored: %s", exc)

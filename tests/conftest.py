@@ -133,6 +133,7 @@ def figures(request: pytest.FixtureRequest) -> Iterator[dict[str, object]]:
     path = os.environ.get("KVSTASH_FIGURES")
     if path and found:
         found.setdefault("seconds", round(time.monotonic() - started, 2))
+        found.update(date=time.strftime("%Y-%m-%d", time.gmtime()), nproc=os.cpu_count())
         with open(path, "a", encoding="utf-8") as out:
             out.write(json.dumps({"test": request.node.nodeid, **found}) + "\n")
 

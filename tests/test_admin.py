@@ -210,3 +210,74 @@ def test_stats_and_verify_on_a_cluster(redis_cluster: RedisCluster, capsys: pyte
     assert rc == 0
     rc, report, _ = admin(capsys, url, "adm", "verify", "--json")
     assert rc == 0 and report["blocks_ok"] == 13
+
+
+def test_verify_on_a_signed_namespace(redis_server: RedisProcess, capsys: pytest.CaptureFixture[str],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the pods' frame keys, verify checks every value's MAC under the current and the previous key and
+    reports (and with --fix deletes) those signed by neither, unsigned, or moved; without a key it leaves them."""
+    from cachestore.signing import Signer  # noqa: PLC0415
+
+    keys = populate(redis_server.url, "sig", frame_key="key-A")
+    url, blocks = redis_server.url, keys["block_keys"]
+    monkeypatch.setenv("KVSTASH_FRAME_KEY", "key-B")
+    monkeypatch.setenv("KVSTASH_FRAME_KEY_PREVIOUS", "key-A")  # mid-rotation: everything is signed by the old key
+    rc, report, _ = admin(capsys, url, "sig", "verify", "--json")
+    assert rc == 0 and report["problems"] == {} and report["blocks_ok"] == 14 and report["sessions_ok"] == 3
+    assert report["signed_by"] == {"previous": 17}
+
+    client = redis_server.client()
+    client.set(blocks[0], client.get(blocks[1]), keepttl=True)  # a valid value moved onto another block's key
+    client.set(blocks[2], Signer("key-D").seal(blocks[2], frame(seed=2)), keepttl=True)  # another deployment's key
+    client.set(blocks[3], frame(seed=3), keepttl=True)  # a well-formed unsigned frame, checksum and all
+    client.set(blocks[4], Signer("key-B").seal(blocks[4], frame(seed=4)), keepttl=True)  # the new key: fine
+    client.hset("sig:sess:default:chat-1", "mac", client.hget("sig:sess:default:chat-2", "mac"))  # another's MAC
+    rc, report, _ = admin(capsys, url, "sig", "verify", "--json")
+    assert rc == 1 and report["problems"] == {"bad_signature": 4}
+    details = {f["key"]: f["detail"] for f in report["findings"]}
+    assert "moved from another key or altered" in details[blocks[0]]
+    assert "neither the current nor the previous" in details[blocks[2]]
+    assert "not signed" in details[blocks[3]]
+    assert "sig:sess:default:chat-1" in details
+    assert report["signed_by"] == {"current": 1, "previous": 12}
+
+    monkeypatch.setenv("KVSTASH_FRAME_KEY", "key-C")  # a pod with neither key: every value is signed by neither
+    monkeypatch.delenv("KVSTASH_FRAME_KEY_PREVIOUS")
+    rc, report, _ = admin(capsys, url, "sig", "verify", "--json")
+    assert rc == 1 and report["problems"] == {"bad_signature": 17} and report["signed_by"] == {}
+
+    monkeypatch.delenv("KVSTASH_FRAME_KEY")  # no key at all: signed values are reported, never deleted
+    rc, report, _ = admin(capsys, url, "sig", "verify", "--fix", "--yes", "--json")
+    assert report["problems"] == {"signed_value": 13} and not any(
+        f["fixed"] for f in report["findings"] if f["problem"] == "signed_value")
+    assert client.exists(*blocks[5:]) == len(blocks[5:])
+
+    monkeypatch.setenv("KVSTASH_FRAME_KEY", "key-B")
+    monkeypatch.setenv("KVSTASH_FRAME_KEY_PREVIOUS", "key-A")
+    rc, report, _ = admin(capsys, url, "sig", "verify", "--fix", "--yes", "--json")
+    assert rc == 0 and report["problems"] == {"bad_signature": 4}
+    assert not client.exists(blocks[0], blocks[2], blocks[3], "sig:sess:default:chat-1")
+    rc, report, out = admin(capsys, url, "sig", "verify")
+    assert rc == 0 and "signed by the current key: 1, by the previous key: 12" in report
+
+
+def test_stats_show_bytes_held_per_tenant(redis_server: RedisProcess, capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    async def write() -> int:
+        store = BlockStore(StoreSettings.from_url(redis_server.url, namespace="ten"))
+        try:
+            hashes = chain_hashes(list(range(16 * 3)), 16, root_hash(FP, b"acme"))
+            assert await store.put_blocks(FP.short(), hashes, [frame(seed=i) for i in range(3)], "acme") == 3
+            other = chain_hashes(list(range(16)), 16, root_hash(FP, b"beta"))
+            assert await store.put_blocks(FP.short(), other, [frame(seed=9)], "beta") == 1
+            return len(frame())
+        finally:
+            await store.close()
+
+    size = asyncio.run(write())
+    monkeypatch.setenv("KVSTASH_TENANT_QUOTAS", "acme=1MiB")
+    rc, stats, _ = admin(capsys, redis_server.url, "ten", "stats", "--json")
+    assert rc == 0 and stats["tenant_bytes"] == {"acme": 3 * size, "beta": size}
+    assert stats["tenant_quotas"] == {"acme": 1 << 20}
+    rc, out, _ = admin(capsys, redis_server.url, "ten", "stats")
+    assert rc == 0 and "acme" in out and "1.0 MiB" in out and "none" in out

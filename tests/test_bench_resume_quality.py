@@ -34,6 +34,20 @@ def test_bench_resume_tiny_writes_rows_and_plot(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == PNG_MAGIC
 
 
+def test_bench_resume_times_a_signed_hit_beside_the_unsigned_one(tmp_path: Path) -> None:
+    out = tmp_path / "signed.json"
+    assert main(["bench", "resume", "--model", "tiny-random", "--contexts", "64", "--modes", "int8", "--no-naive",
+                 "--repeat", "2", "--recompute-repeat", "1", "--frame-key", "bench-key", "--json", str(out)]) == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    signed, unsigned = rows["signed-int8"], rows["kvstash-int8"]
+    assert signed["runs"] == unsigned["runs"] == 2 and signed["ratio_to_unsigned"] > 0
+    assert signed["bytes"] == unsigned["bytes"] + 40 * (64 // 64)  # one 40-byte trailer per block
+    rows_at = [{"context": c, "method": "signed-int8", "ratio_to_unsigned": v, "ratio_to_floor": None}
+               for c, v in ((2048, 1.02), (8128, 1.08))]
+    targets = _targets(rows_at, "hf")
+    assert targets["signed_ratio_int8_2048"]["met"] and not targets["signed_ratio_int8_8128"]["met"]
+
+
 def test_bench_resume_burst_reports_every_session_arriving_at_once(tmp_path: Path) -> None:
     out = tmp_path / "burst.json"
     assert main(["bench", "resume", "--model", "tiny-random", "--contexts", "64", "--modes", "int8", "--no-naive",

@@ -671,7 +671,7 @@ def test_what_a_scatter_reports_to_raises_out_of_the_reader(native: bool) -> Non
 
 def test_a_large_scatter_that_reports_its_pieces_keeps_the_python_parser() -> None:
     """Up to NATIVE_REPORTED_BYTES a reporting Scatter is landed natively (pieces reported from C); above it, the
-    Python parser takes it (section 21: f16 rows were no faster natively); a silent one is landed natively at any
+    Python parser takes it (f16 rows were no faster natively); a silent one is landed natively at any
     size."""
     big = [memoryview(bytearray(landing.NATIVE_REPORTED_BYTES // 2 + 1)) for _ in range(2)]
     small = [memoryview(bytearray(1000)) for _ in range(2)]

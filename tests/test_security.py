@@ -219,7 +219,7 @@ def test_misconfigured_serve_process_exits_without_traceback(password_redis: Red
 
 @pytest.fixture
 def tls_acl(tmp_path: Path) -> Iterator[tuple[RedisProcess, int, Path]]:
-    """TLS Redis with ACL user `kv` limited to `kvstash:*` as ops/KEYS.md recommends."""
+    """TLS Redis with ACL user `kv` limited to `kvstash:*` as docs/keys.md recommends."""
     from tests.test_store_tls import tls_acl_server  # noqa: PLC0415
 
     with tls_acl_server(tmp_path, REDIS_PASSWORD, "~kvstash:*") as found:

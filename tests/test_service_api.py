@@ -33,8 +33,9 @@ def client(redis_server: RedisProcess, tiny_model: Any) -> Iterator[TestClient]:
 
 
 def chat(client: TestClient, messages: list[dict[str, str]], **extra: Any) -> Any:
+    headers = extra.pop("headers", None) or {}  # HTTP headers, never a body field (the pod refuses unknown ones)
     body = {"model": "tiny-random", "messages": messages, "max_tokens": 12, "temperature": 0, **extra}
-    return client.post("/v1/chat/completions", json=body, headers=extra.pop("headers", None) or {})
+    return client.post("/v1/chat/completions", json=body, headers=headers)
 
 
 def wait_written(client: TestClient) -> None:

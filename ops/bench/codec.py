@@ -16,7 +16,7 @@ COMPRESSORS = ["none", "lz4", "zstd"]
 TARGETS = {"int8": 1.9, "int4": 3.5, "int2": 6.0}  # minimum ratio vs fp16
 DECODE_TARGET_MB_S = 1000.0  # int8+lz4
 # Decode MB/s of int4/int2 (lz4, g64) before the rotated variants and the faster unpack landed:
-# docs/benchmarks/codec.json of 2026-11-29 (quiet machine). Their defaults must be no slower.
+# the run of 2026-11-29 on a quiet 2-core machine (in git history). Their defaults must be no slower.
 BEFORE_DECODE_MB_S = {"int4": 552.0, "int2": 599.0}
 
 

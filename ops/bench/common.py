@@ -46,7 +46,7 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str
 
 
 def machine() -> dict[str, Any]:
-    """Where a benchmark ran: cores, CPU model, RAM and the load average at call time."""
+    """Where and when a benchmark ran: cores, CPU model, RAM, the load average and the UTC date at call time."""
     cpu = platform.processor() or ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -65,7 +65,8 @@ def machine() -> dict[str, Any]:
         pass
     load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
     return {"nproc": os.cpu_count(), "cpu": cpu, "ram_gb": round(ram_gb, 1),
-            "loadavg": [round(x, 2) for x in load], "python": platform.python_version()}
+            "loadavg": [round(x, 2) for x in load], "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d", time.gmtime())}
 
 
 def write_json(path: Path | str, payload: Any) -> None:

@@ -12,6 +12,9 @@ For each context length N the prompt is N + 1 tokens of ops/data/sample.txt: the
                     + DynamicCache + the same forward step
     floor-MODE      raw redis-py pipelined GETs of kvstash-MODE's frames (in the pod's chunks) + the forward
                     step over a cache already in memory: the least any hit of those bytes can cost
+    signed-MODE     with --frame-key: kvstash-MODE's hit on a pod that signs its values (cachestore.signing), the
+                    same history written signed; timed rep by rep beside the unsigned hit (ratio_to_unsigned: the
+                    median of the paired ratios)
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import asyncio
 import contextlib
 import io
 import itertools
+import statistics
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -39,6 +43,7 @@ TARGET_SPEEDUP = {"hf": 20.0, "llamacpp": 50.0}
 TARGET_FLOOR_RATIO = {"int8": 1.15, "fp16": 1.15, "int4": 1.25, "q8": 1.15}
 SPEEDUP_MODES = ("int8", "q8")  # q8: llama.cpp's own 8-bit cache (q8_0), the int8 a llamacpp pod runs best
 TARGET_FLOOR_CONTEXTS = (TARGET_CONTEXT, LONG_CONTEXT)
+TARGET_SIGNED_RATIO = 1.05  # a signed hit within 5% of an unsigned one, at 2048 and 8128 tokens
 BURST_CONTEXT = 2048
 
 
@@ -65,6 +70,8 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--profile", action="store_true",
                    help="break each measured hit (every context and mode; hf) into its phases")
     p.add_argument("--redis-url", help="use this Redis (default: a private redis-server)")
+    p.add_argument("--frame-key", default="", metavar="KEY",
+                   help="also time each hit on a pod that signs its values with this frame key (signed-MODE rows)")
     p.add_argument("--json", type=Path, help="write rows and targets as JSON here")
     p.add_argument("--plot", type=Path, help="draw TTFT vs context length for every method (PNG)")
     p.set_defaults(func=run)
@@ -119,7 +126,7 @@ class ResumeBench:
         return times, kv  # kv: [L, 2, H, N + 1, D], the history's KV and the new token's
 
     @contextlib.asynccontextmanager
-    async def _pod(self, namespace: str, mode: str) -> AsyncIterator[tuple[Any, Any]]:
+    async def _pod(self, namespace: str, mode: str, frame_key: str = "") -> AsyncIterator[tuple[Any, Any]]:
         """(pipeline, store) of a pod with codec `mode` that did not process the history: no local tier, and a
         Redis budget generous enough to time a cold 8k fp16 fetch instead of bypassing it. Emptied after."""
         from cachestore.store import BlockStore  # noqa: PLC0415
@@ -129,7 +136,7 @@ class ResumeBench:
         from service.settings import PodSettings  # noqa: PLC0415
 
         settings = PodSettings(redis_url=self.url, namespace=namespace, codec=mode, block_tokens=self.args.block_tokens,
-                               local_tier_bytes=0, redis_timeout_s=60.0, budget_bytes=8 << 30)
+                               local_tier_bytes=0, redis_timeout_s=60.0, budget_bytes=8 << 30, frame_key=frame_key)
         store = BlockStore(store_settings(settings).with_options(write_timeout_s=60.0))
         pipeline = Pipeline(settings, self.engine, store, mode, PodMetrics(), None)
         try:
@@ -150,8 +157,9 @@ class ResumeBench:
         assert await store.put_blocks(pipeline.model_key, hashes, frames) == len(frames)
         return hashes, frames
 
-    async def kvstash(self, mode: str, prompt: list[int], kv: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The pod's hit path for codec `mode`, then the floor over the very same frames."""
+    async def kvstash(self, mode: str, prompt: list[int], kv: Any) -> list[dict[str, Any]]:
+        """The pod's hit path for codec `mode`, then the floor over the very same frames (and with a frame key, the
+        same hit on a signing pod)."""
         import redis  # noqa: PLC0415
 
         from service.runner import GenParams  # noqa: PLC0415
@@ -159,8 +167,12 @@ class ResumeBench:
         context = len(prompt) - 1
         raw = redis.Redis.from_url(self.url)
         try:
-            async with self._pod("bench-resume", mode) as (pipeline, store):
+            async with self._pod("bench-resume", mode) as (pipeline, store), \
+                    (self._pod("bench-resume-signed", mode, self.args.frame_key) if self.args.frame_key
+                     else contextlib.nullcontext((None, None))) as (signed, signed_store):
                 hashes, frames = await self._store_history(pipeline, store, prompt, kv)
+                if self.args.frame_key:
+                    await self._store_history(signed, signed_store, prompt, kv)
                 nbytes = sum(len(f) for f in frames)
                 keys = [store.keys.block(pipeline.model_key, h)[1] for h in hashes]
                 # the floor's KV, in memory: a context the engine lent stays lent to the floor as a hit left it (its
@@ -172,23 +184,41 @@ class ResumeBench:
                     decoded = decoded.clone()
                 times: list[float] = []
                 floor: list[float] = []
-                # hit and floor alternate, so both see the same machine (a VM's speed drifts over a minute)
-                for rep in range(self.args.repeat + 1):  # the first round warms up and is not counted
+                signed_times: list[float] = []
+
+                async def hit(pipe: Any) -> float:
                     self._fresh()
                     t0 = time.perf_counter()
-                    view, _ = await pipeline.lookup(SALT, prompt)
+                    view, _ = await pipe.lookup(SALT, prompt)
                     if view.cached_tokens != context:
                         raise RuntimeError(f"{mode}: expected a hit of {context} tokens, got {view}")
-                    gen = await pipeline.generate(prompt, view, GenParams(max_tokens=1))
+                    gen = await pipe.generate(prompt, view, GenParams(max_tokens=1))
                     # everything after the first token (copying the KV out for write-back) is not TTFT
-                    elapsed = time.perf_counter() - t0 - (gen.total_s - gen.ttft_s)
+                    return time.perf_counter() - t0 - (gen.total_s - gen.ttft_s)
+
+                # hit and floor alternate, so both see the same machine (a VM's speed drifts over a minute); so do the
+                # unsigned and the signed hit, who goes first alternating rep by rep
+                for rep in range(self.args.repeat + 1):  # the first round warms up and is not counted
+                    if self.args.frame_key and rep % 2:
+                        signed_s, elapsed = await hit(signed), await hit(pipeline)
+                    else:
+                        elapsed = await hit(pipeline)
+                        signed_s = await hit(signed) if self.args.frame_key else 0.0
                     least = self.compute(self._floor, raw, keys, prompt, decoded)
                     if rep:
                         times.append(elapsed)
                         floor.append(least)
+                        signed_times.append(signed_s)
                 if lent:
                     self.engine.give_context(decoded)
-            return _row(context, f"kvstash-{mode}", times, nbytes), _row(context, f"floor-{mode}", floor, nbytes)
+                if self.args.frame_key:
+                    assert signed_store.stats().rejected_mac == 0
+            rows = [_row(context, f"kvstash-{mode}", times, nbytes), _row(context, f"floor-{mode}", floor, nbytes)]
+            if self.args.frame_key:
+                row = _row(context, f"signed-{mode}", signed_times, nbytes + 40 * len(frames))
+                row["ratio_to_unsigned"] = statistics.median(s / u for s, u in zip(signed_times, times, strict=True))
+                rows.append(row)
+            return rows
         finally:
             raw.close()
 
@@ -428,6 +458,10 @@ def _targets(rows: list[dict[str, Any]], engine: str) -> dict[str, Any]:
             limit = TARGET_FLOOR_RATIO[mode]
             targets[f"floor_ratio_{mode}_{r['context']}"] = {"value": r["ratio_to_floor"], "target": limit,
                                                             "met": r["ratio_to_floor"] <= limit}
+        if r["method"].startswith("signed-") and r["context"] in TARGET_FLOOR_CONTEXTS:
+            targets[f"signed_ratio_{r['method'].removeprefix('signed-')}_{r['context']}"] = {
+                "value": r["ratio_to_unsigned"], "target": TARGET_SIGNED_RATIO,
+                "met": r["ratio_to_unsigned"] <= TARGET_SIGNED_RATIO}
     return targets
 
 
@@ -485,10 +519,13 @@ async def _measure_engine(args: argparse.Namespace, bench: ResumeBench, contexts
         rows.append(_row(context, "recompute" + suffix, times, 0))
         print(f"context {context}: recompute p50 {rows[-1]['ttft_ms_p50']:.0f} ms", flush=True)
         for mode in modes:
-            hit, floor = await bench.kvstash(mode, prompt, kv)
-            rows += [hit, floor]
+            measured = await bench.kvstash(mode, prompt, kv)
+            rows += measured
+            hit, floor = measured[:2]
             print(f"context {context}: {hit['method']} p50 {hit['ttft_ms_p50']:.1f} ms, "
-                  f"floor {floor['ttft_ms_p50']:.1f} ms", flush=True)
+                  f"floor {floor['ttft_ms_p50']:.1f} ms"
+                  + "".join(f", {r['method']} p50 {r['ttft_ms_p50']:.1f} ms ({r['ratio_to_unsigned']:.3f}x paired)"
+                            for r in measured[2:]), flush=True)
         if args.engine == "llama-server":
             rows.append(bench.slot_restore(prompt, kv))
             print(f"context {context}: slot-file-tmpfs p50 {rows[-1]['ttft_ms_p50']:.1f} ms", flush=True)
@@ -525,7 +562,8 @@ def run(args: argparse.Namespace) -> int:
     _finish(rows)
     print_table(rows, [("context", "context", "d"), ("method", "method", ""), ("ttft_ms_p50", "p50 ms", ".1f"),
                        ("ttft_ms_p90", "p90 ms", ".1f"), ("bytes", "bytes", ",d"),
-                       ("speedup_vs_recompute", "speedup", ".1f"), ("ratio_to_floor", "vs floor", ".2f")])
+                       ("speedup_vs_recompute", "speedup", ".1f"), ("ratio_to_floor", "vs floor", ".2f"),
+                       *([("ratio_to_unsigned", "vs unsigned", ".3f")] if args.frame_key else [])])
     for name, phases in profile.items():
         print(f"{name} hit, median ms per phase: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
     targets = _targets(rows, args.engine)

@@ -14,13 +14,16 @@ interleaved rep by rep in one event loop (MB/s from each cell's median rep). Row
     put            BlockStore.put_blocks, budget on and evicting (budget = 1.5 contexts)
                                                 vs raw pipelined SET PX
     put_nobudget   BlockStore.put_blocks, budget off  vs raw pipelined SET PX
+    mac_seal       the frame MAC (cachestore.signing, keyed BLAKE3 over key + value) of every block of the context,
+    mac_open       as a signing pod seals and verifies them: no Redis, one thread; ms per GB of values
+
+With --frame-key every store signs (the get and put rows then include the MAC); the mac rows are always measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import time
@@ -33,7 +36,7 @@ import redis.asyncio as aioredis
 from cachestore.hashing import BlockHash
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
-from ops.bench.common import percentile
+from ops.bench.common import machine, percentile, write_json
 
 SMOLLM2_KV_BYTES_PER_TOKEN = 23_040  # fp16: 30 layers x 2 (K, V) x 3 kv heads x 64 dims x 2 bytes
 MODEL = "bench00000000000"
@@ -51,6 +54,8 @@ def register(bench_subparsers: Any) -> None:
                    help="KV bytes per token: 23040 = SmolLM2-135M fp16 (default), 11520 = int8")
     p.add_argument("--reps", type=int, default=25,
                    help="timed repetitions per cell (%(default)s; a noisy neighbour moves a median of 9 by 20%%)")
+    p.add_argument("--frame-key", default="", metavar="KEY",
+                   help="the stores sign every value with this frame key (KVSTASH_FRAME_KEY), as a signing pod does")
     p.add_argument("--json", dest="json_path", help="write the rows as JSON to this path")
     p.set_defaults(func=run)
 
@@ -99,10 +104,37 @@ def summarize(block_bytes: int, op: str, nbytes: int, ours: list[float], raw: li
     }
 
 
-async def bench_block_size(url: str, payload: bytes, block_bytes: int, reps: int) -> list[dict[str, Any]]:
+def mac_cost(payload: bytes, block_bytes: int, reps: int) -> list[dict[str, Any]]:
+    """Seconds to seal, then to open, every block of the context (the MAC a signing pod adds), per GB."""
+    from cachestore.signing import Signer  # noqa: PLC0415
+
+    signer = Signer("bench-frame-key")
+    frames = split(payload, block_bytes)
+    names = [f"{MODEL}:{i:032x}" for i in range(len(frames))]
+    sealed = [signer.seal(n, f) for n, f in zip(names, frames, strict=True)]
+    seal_s, open_s = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for name, frame in zip(names, frames, strict=True):
+            signer.seal(name, frame)
+        t1 = time.perf_counter()
+        for name, value in zip(names, sealed, strict=True):
+            if signer.open(name, value) is None:
+                raise RuntimeError("a sealed value did not open")
+        seal_s.append(t1 - t0)
+        open_s.append(time.perf_counter() - t1)
+    gb = len(payload) / 1e9
+    return [{"block_bytes": block_bytes, "op": op, "context_bytes": len(payload), "reps": reps,
+             "ms_per_gb": round(statistics.median(times) / gb * 1000, 1),
+             "gb_s": round(gb / statistics.median(times), 2)} for op, times in (("mac_seal", seal_s),
+                                                                               ("mac_open", open_s))]
+
+
+async def bench_block_size(url: str, payload: bytes, block_bytes: int, reps: int,
+                           frame_key: str = "") -> list[dict[str, Any]]:
     frames = split(payload, block_bytes)
     base = dict(op_timeout_s=30.0, write_timeout_s=60.0, connect_timeout_s=2.0,
-                max_value_bytes=max(block_bytes, 8 << 20), block_ttl_s=3600)
+                max_value_bytes=max(block_bytes, 8 << 20) + 64, block_ttl_s=3600, frame_key=frame_key)
     # reads: a budgeted store (TTL sliding + LRU touch), budget roomy enough never to evict
     reader = BlockStore(StoreSettings.from_url(url, namespace="bench-r", budget_bytes=len(payload) * 4, **base))
     # puts: budget on at 1.5 contexts, so every put of a new context evicts most of the last one
@@ -154,6 +186,7 @@ async def bench_block_size(url: str, payload: bytes, block_bytes: int, reps: int
         assert len(await asyncio.to_thread(reader_get)) == len(frames) == len(await asyncio.to_thread(raw_get_blocking))
         landed = await asyncio.to_thread(landing_get)
         assert all(g is s for g, s in zip(landed, slots, strict=True)) and bytes(landing) == payload
+        assert reader.stats().rejected_mac == 0
         old_unbudgeted: list[BlockHash] = []
         for rep in range(reps):
             gets = [("get", lambda: reader.lookup(MODEL, read_hashes)), ("raw_get", raw_get)]
@@ -198,6 +231,8 @@ async def bench_block_size(url: str, payload: bytes, block_bytes: int, reps: int
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
+    macs = [r for r in rows if r["op"].startswith("mac_")]
+    rows = [r for r in rows if not r["op"].startswith("mac_")]
     head = f"{'block':>8} {'op':<13} {'kvstash MB/s':>12} {'raw MB/s':>9} {'ratio':>6} {'paired':>6} {'p50 ms':>8} " \
            f"{'p99 ms':>8} {'raw p50':>8} {'raw p99':>8}"
     print(head)
@@ -228,6 +263,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"(target >= {TARGET_FETCH_RATIO:.2f}) {'met' if worst >= TARGET_FETCH_RATIO else 'MISSED'}")
     print(f"budget enforcement costs {max(costs) * 100:.1f}% of put throughput at worst, "
           f"{statistics.median(costs) * 100:.1f}% median (target <= 10%)")
+    for r in macs:
+        print(f"{r['block_bytes'] // KIB:>6}Ki {r['op']:<13} {r['ms_per_gb']:>8.1f} ms per GB ({r['gb_s']:.2f} GB/s, "
+              "keyed BLAKE3, one thread, no Redis)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -241,17 +279,17 @@ def run(args: argparse.Namespace) -> int:
         server = RedisProcess().start()
         url = server.url
     print(f"context: {args.tokens} tokens x {args.bytes_per_token} B = {len(payload) / 1e6:.1f} MB of random "
-          f"bytes; {args.reps} reps per cell; Redis {url if args.redis_url else 'private redis-server'}")
+          f"bytes; {args.reps} reps per cell; Redis {url if args.redis_url else 'private redis-server'}"
+          + ("; every value signed (--frame-key)" if args.frame_key else ""))
     rows: list[dict[str, Any]] = []
     try:
         for size in sizes:
-            rows.extend(asyncio.run(bench_block_size(url, payload, size, args.reps)))
+            rows.extend(asyncio.run(bench_block_size(url, payload, size, args.reps, args.frame_key)))
+            rows.extend(mac_cost(payload, size, args.reps))
     finally:
         if server is not None:
             server.cleanup()
     print_table(rows)
     if args.json_path:
-        with open(args.json_path, "w") as fh:
-            json.dump(rows, fh, indent=2)
-        print(f"wrote {len(rows)} rows to {args.json_path}")
+        write_json(args.json_path, {"rows": rows, "machine": machine(), "reps": args.reps, "tokens": args.tokens})
     return 0

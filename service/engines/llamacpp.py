@@ -9,11 +9,11 @@ at once. Cached KV enters and leaves a sequence as llama.cpp sequence state (ser
 The KV cache is F16 (llama.cpp's default), or Q8_0 for a pod whose codec is q8 (`kv_type`, llama-server's
 `--cache-type-k/v q8_0`, with flash attention): q8 frames are that cache's own bytes, so a hit restores exactly what
 the sequence held. The cache costs half the memory and a hit half the bytes of fp16; llama.cpp's CPU prefill over a
-Q8_0 cache is slower (BENCHMARKS.md, section 18).
+Q8_0 cache is slower.
 
 Flash attention is llama.cpp's choice (`flash_attn` "auto", llama-server's `-fa auto`) unless set: "on" or "off".
 On some CPUs llama.cpp's flash attention decodes much slower over a long context (an Intel Xeon VM, 2048 tokens:
-72 ms a token against 30 off; BENCHMARKS.md, section 22). Off, V is stored transposed (`v_trans`): the state is
+72 ms a token against 30 off). Off, V is stored transposed (`v_trans`): the state is
 lent with V viewed as rows in its own region, put in place before it is set, and no frame is written as token rows.
 """
 

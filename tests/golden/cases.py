@@ -4,9 +4,9 @@ Format 1 frames (every case without /rot, /k8 or /v8) were written before format
 byte-identical; format 2 added the rotated int4/int2 frames, format 3 those with int8 layers (/k8,
 /v8), and later within format 3 tables giving layers the other grouped precision (/k4, /v4 in int2 frames,
 /k2, /v2 in int4: an older format 3 reader refuses them for their table's bits). The token-rows flag (/rows,
-format 1 or later) is read since wave 11; an older reader refuses it as an unknown flag, and mode q8 (wave 12)
-by its unknown mode code. Write only new cases, deliberately (a changed format bumps FORMAT_VERSION and keeps
-reading, or cleanly refuses, the old files):
+format 1 or later) and mode q8 came later: an older reader refuses the flag as unknown, and q8 by its unknown mode
+code. Write only new cases, deliberately (a changed format bumps FORMAT_VERSION and keeps reading, or cleanly
+refuses, the old files):
     .venv/bin/python -m tests.golden.cases --write NAME [NAME ...]
 """
 
