@@ -1,7 +1,8 @@
 """Issue 37's held-out run was two `bench quality` processes side by side (alice + difflib.py; twelfthnight +
 froschkoenig): print their rows as one table, its markdown for docs/fidelity.md, and one chart.
 
-    PYTHONPATH=. .venv/bin/python docs/fidelity-runs/quality_fidelity_merge.py docs/fidelity-runs/quality-fidelity-heldout-v2
+    PYTHONPATH=. .venv/bin/python docs/fidelity-runs/quality_fidelity_merge.py \
+        docs/fidelity-runs/quality-fidelity-heldout-v2
 """
 
 from __future__ import annotations
