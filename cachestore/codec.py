@@ -14,8 +14,10 @@ Modes and their loss (see DESIGN.md, "Codec"):
            values Hadamard-rotated along head_dim), /rotk, /rotv (one of them), /clip
            (MSE-chosen group ranges), /plain (none: the format 1 codec). A bare int4 is
            /plain, a bare int2 /rotv/clip (DEFAULT_VARIANTS). /k8=L.L... and /v8=L.L... keep
-           the keys / values of those layers at int8 (int8's bound there; frame format 3):
-           a per-layer bit allocation calibrated on one text (ops/bench/layer_sensitivity.py).
+           the keys / values of those layers at int8 (int8's bound there; frame format 3);
+           /k4= and /v4= give those of an int2 frame int4, /k2= and /v2= those of an int4
+           frame int2 (that mode's bound there): a per-layer bit allocation, calibrated with
+           `kvstash bench layers` on texts the claims are not made on (docs/fidelity.md).
     fp8    e4m3 with a per-channel fp16 scale; relative error <= 2**-4.
     q8     llama.cpp's q8_0, always as token rows: per token and head, 32 channels share an fp16
            scale (max |x| / 127); error <= half a step. The bytes of a llama.cpp KV cache of type
@@ -64,6 +66,7 @@ from cachestore.frame import (
     parse_header,
 )
 from cachestore.quant import (
+    ALT_BITS,
     BITS,
     NO_HI,
     PLAIN,
@@ -92,7 +95,9 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _SPEC = re.compile(r"(?P<mode>[a-z0-9]+)(?:\+(?P<comp>[a-z0-9]+)(?::(?P<level>-?\d+))?)?"
                    r"(?:/g(?P<group>\d+))?(?P<options>(?:/[a-z]+)*)"
-                   r"(?:/k8=(?P<k8>\d{1,5}(?:\.\d{1,5})*))?(?:/v8=(?P<v8>\d{1,5}(?:\.\d{1,5})*))?")
+                   r"(?:/k8=(?P<k8>\d{1,5}(?:\.\d{1,5})*))?(?:/v8=(?P<v8>\d{1,5}(?:\.\d{1,5})*))?"
+                   r"(?:/k(?P<ka_bits>[24])=(?P<ka>\d{1,5}(?:\.\d{1,5})*))?"
+                   r"(?:/v(?P<va_bits>[24])=(?P<va>\d{1,5}(?:\.\d{1,5})*))?")
 # int4/int2 options as spec text; "rot" is "rotk" and "rotv" together.
 _OPTIONS = {"rot": Variant(True, True), "rotk": Variant(rot_keys=True),
             "rotv": Variant(rot_values=True), "clip": Variant(clip=True), "plain": PLAIN}
@@ -115,7 +120,7 @@ class CodecSpec:
     level: int = 3  # zstd level, 1..22
     group_size: int = DEFAULT_GROUP  # int4/int2 group size
     variant: Variant | None = None  # int4/int2 options; None: DEFAULT_VARIANTS of the mode
-    hi: HiLayers = NO_HI  # int4/int2: layers whose keys / values are kept at int8
+    hi: HiLayers = NO_HI  # int4/int2: layers whose keys / values are kept at int8 or take the other grouped bits
     rows: bool = False  # exact/fp16: payloads as token rows (FLAG_ROWS), the layout of a llama.cpp state's K and V;
     # q8: always
 
@@ -135,9 +140,11 @@ class CodecSpec:
             raise ConfigError(f"group size {self.group_size} outside {MIN_GROUP}..{MAX_GROUP}")
         if self.compressor != "zstd":
             object.__setattr__(self, "level", 3)
-        if any(not 0 <= layer < MAX_DIM for layer in (*self.hi.keys, *self.hi.values)):
-            raise ConfigError(f"int8 layers {self.hi} outside 0..{MAX_DIM - 1}")
+        if any(not 0 <= layer < MAX_DIM for layer in _all_layers(self.hi)):
+            raise ConfigError(f"per-layer bits {self.hi} outside layers 0..{MAX_DIM - 1}")
         object.__setattr__(self, "hi", HiLayers(*(tuple(sorted(set(h))) for h in self.hi)))
+        if set(self.hi.keys) & set(self.hi.alt_keys) or set(self.hi.values) & set(self.hi.alt_values):
+            raise ConfigError(f"per-layer bits {self.hi}: a layer's keys or values are given two precisions")
         if self.mode not in GROUPED_MODES:
             object.__setattr__(self, "group_size", DEFAULT_GROUP)
             object.__setattr__(self, "variant", PLAIN)
@@ -147,14 +154,15 @@ class CodecSpec:
 
     @classmethod
     def parse(cls, text: str) -> CodecSpec:
-        """Parse "MODE[+COMPRESSOR[:LEVEL]][/gGROUP][/OPTION...][/k8=L.L...][/v8=L.L...]", e.g. "int8",
-        "int4+zstd:3/g32", "int2/g32/rotv/clip", "int4+zstd/k8=0.1", "fp16+none/rows" (options: rot, rotk,
-        rotv, clip, plain; k8/v8: layers whose keys/values stay int8; int4/int2 only. rows: exact/fp16; q8 is
-        always token rows)."""
+        """Parse "MODE[+COMPRESSOR[:LEVEL]][/gGROUP][/OPTION...][/k8=L.L...][/v8=L.L...][/kB=L.L...][/vB=L.L...]",
+        e.g. "int8", "int4+zstd:3/g32", "int2/g32/rotv/clip", "int4+zstd/k8=0.1", "int2+zstd/k4=0.1/v4=3",
+        "fp16+none/rows" (options: rot, rotk, rotv, clip, plain; k8/v8: layers whose keys/values stay int8; kB/vB:
+        layers whose keys/values take the other grouped precision, B = 4 in int2, 2 in int4; int4/int2 only, in
+        this order. rows: exact/fp16; q8 is always token rows)."""
         match = _SPEC.fullmatch(text.strip().lower()) if isinstance(text, str) else None
         if match is None:
             raise ConfigError(f"bad codec spec {text!r}; expected MODE[+COMPRESSOR[:LEVEL]][/gN][/OPTION]"
-                              f"[/k8=L.L][/v8=L.L]")
+                              f"[/k8=L.L][/v8=L.L][/k4=L.L][/v4=L.L] (int2; /k2=, /v2= in int4)")
         mode, comp = match["mode"], match["comp"] or "lz4"
         if match["level"] is not None and comp != "zstd":
             raise ConfigError(f"bad codec spec {text!r}: a level applies to zstd only")
@@ -162,7 +170,11 @@ class CodecSpec:
             raise ConfigError(f"bad codec spec {text!r}: a group size applies to int4/int2 only")
         level = int(match["level"]) if match["level"] is not None else 3
         group = int(match["group"]) if match["group"] is not None else DEFAULT_GROUP
-        hi = HiLayers(*(_parse_layers(text, mode, match[name]) for name in ("k8", "v8")))
+        hi = HiLayers(*(_parse_layers(text, mode, match[name]) for name in ("k8", "v8", "ka", "va")))
+        for name in ("ka_bits", "va_bits"):
+            if match[name] is not None and (mode not in ALT_BITS or int(match[name]) != ALT_BITS[mode]):
+                raise ConfigError(f"bad codec spec {text!r}: /{name[0]}{match[name]}= applies to "
+                                  f"{'int2' if match[name] == '4' else 'int4'} only (the other grouped precision)")
         options = [o for o in match["options"].split("/") if o]
         rows = options[-1:] == ["rows"]
         return cls(mode=mode, compressor=comp, level=level, group_size=group,
@@ -175,7 +187,8 @@ class CodecSpec:
             text += f":{self.level}"
         if self.mode in GROUPED_MODES:
             text += f"/g{self.group_size}" + _options_text(self.variant or PLAIN)
-            for name, layers in zip(("k8", "v8"), self.hi, strict=True):
+            alt = ALT_BITS[self.mode]
+            for name, layers in zip(("k8", "v8", f"k{alt}", f"v{alt}"), self.hi, strict=True):
                 if layers:
                     text += f"/{name}=" + ".".join(map(str, layers))
         return text + ("/rows" if self.rows and self.mode in FLOAT_MODES else "")
@@ -183,9 +196,11 @@ class CodecSpec:
     def check_layers(self, num_layers: int) -> None:
         """ConfigError unless every /k8= and /v8= layer exists in a model of `num_layers` layers (they are one
         model's calibration: a pod whose model lacks them would drop every write)."""
-        beyond = [n for n in (*self.hi.keys, *self.hi.values) if n >= num_layers]
+        beyond = [n for n in _all_layers(self.hi) if n >= num_layers]
         if beyond:
-            raise ConfigError(f"codec {self.name()} keeps layer {max(beyond)} at int8, but the model has layers "
+            top = max(beyond)
+            at = "int8" if top in (*self.hi.keys, *self.hi.values) else f"{ALT_BITS[self.mode]} bits"
+            raise ConfigError(f"codec {self.name()} keeps layer {top} at {at}, but the model has layers "
                               f"0-{num_layers - 1}: /k8= and /v8= name one model's layers")
 
     def check_model(self, num_layers: int, head_dim: int) -> None:
@@ -207,9 +222,12 @@ class CodecSpec:
         """The frame's layer table (format version 3) for KV of `layers` layers; empty when no layer is raised."""
         if self.hi == NO_HI:
             return b""
-        bits = BITS[self.mode]
-        return bytes((HI_BITS if i in self.hi.keys else bits) | (HI_BITS if i in self.hi.values else bits) << 4
-                     for i in range(layers))
+        bits, alt, hi = BITS[self.mode], ALT_BITS[self.mode], self.hi
+
+        def of(i: int, at8: tuple[int, ...], other: tuple[int, ...]) -> int:
+            return HI_BITS if i in at8 else alt if i in other else bits
+
+        return bytes(of(i, hi.keys, hi.alt_keys) | of(i, hi.values, hi.alt_values) << 4 for i in range(layers))
 
     @property
     def lossless(self) -> bool:
@@ -275,7 +293,7 @@ def _plan(h: FrameHeader) -> tuple[tuple[Section, ...], tuple[int, ...], int]:
 
 @functools.lru_cache(maxsize=256)
 def _plan_of(mode: str, layers: int, heads: int, tokens: int, dim: int, group: int, dtype: str,
-             hi_counts: tuple[int, int]) -> tuple[tuple[Section, ...], tuple[int, ...], int]:
+             hi_counts: tuple[int, ...]) -> tuple[tuple[Section, ...], tuple[int, ...], int]:
     sections = layout(mode, Dims(layers, heads, tokens, dim), group if mode in GROUPED_MODES else 0,
                       _DTYPES[dtype], hi_counts)
     offsets, raw_len = _offsets(sections)
@@ -283,7 +301,14 @@ def _plan_of(mode: str, layers: int, heads: int, tokens: int, dim: int, group: i
 
 
 def _hi_of(h: FrameHeader) -> HiLayers:
-    return HiLayers(h.hi_layers(0), h.hi_layers(1)) if h.layer_bits else NO_HI
+    if not h.layer_bits:
+        return NO_HI
+    alt = ALT_BITS[h.mode]
+    return HiLayers(h.hi_layers(0), h.hi_layers(1), h.hi_layers(0, alt), h.hi_layers(1, alt))
+
+
+def _all_layers(hi: HiLayers) -> tuple[int, ...]:
+    return (*hi.keys, *hi.values, *hi.alt_keys, *hi.alt_values)
 
 
 def _itemsize(mode: str, dtype: torch.dtype) -> int:
@@ -362,7 +387,7 @@ class Codec:
         dims, dtype = _check_input(kv)
         spec = self.spec
         group = spec.group_size if spec.mode in GROUPED_MODES else 0
-        sections = layout(spec.mode, dims, group, dtype, (len(spec.hi.keys), len(spec.hi.values)))
+        sections = layout(spec.mode, dims, group, dtype, spec.hi.counts)
         parts = quantize(spec.mode, kv.detach(), group, spec.variant or PLAIN, spec.hi)
         offsets, raw_len = _offsets(sections)
         raw = torch.zeros(raw_len, dtype=torch.uint8)
@@ -397,7 +422,7 @@ class Codec:
         spec = self.spec
         _, _, raw_len = _plan_of(spec.mode, layers, heads, tokens, dim,
                                  spec.group_size if spec.mode in GROUPED_MODES else 0, _DTYPE_NAMES[dtype],
-                                 (len(spec.hi.keys), len(spec.hi.values)))
+                                 spec.hi.counts)
         return HEADER_SIZE + len(spec.layer_table(layers)) + raw_len
 
     def decode(self, frame: bytes | bytearray | memoryview, *,

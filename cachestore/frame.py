@@ -27,14 +27,17 @@ A frame is a fixed 52-byte little-endian header followed by the payload:
         44    8 checksum         xxh3_64 of header bytes 0..43 followed by the stored payload
         52    L layer table      version 3 only, stored uncompressed at the start of the payload: one
                                  byte per layer, key bits (low nibble) and value bits (high nibble),
-                                 each the mode's (4 or 2) or 8; at least one 8
+                                 each the mode's (4 or 2), the other grouped mode's (2 or 4) or 8; at
+                                 least one differs from the mode's
 
 The tensor the frame holds is [layers, 2, kv_heads, tokens, head_dim]; index 0 is keys.
 
 Version 2 only gives meaning to byte 9. A writer emits version 1 whenever that byte is zero,
 so frames of every codec that existed before version 2 stay byte-identical, and a reader
 older than version 2 refuses the new frames cleanly by their version instead of misreading them.
-Version 3 does the same for the layer table: only frames that keep some layers at int8 carry it.
+Version 3 does the same for the layer table: only frames that keep some layers at int8 carry it. Layer tables
+that give a layer the other grouped precision (4 bits in an int2 frame, 2 in an int4 frame) came later within
+version 3: a reader from before them refuses such a frame cleanly, for its table's unknown bits.
 FLAG_ROWS needs no version of its own: a reader from before it refuses such a frame, cleanly, for its unknown flag;
 one from before q8 refuses q8 frames for their unknown mode code.
 """
@@ -70,6 +73,7 @@ ROT_KEYS, ROT_VALUES, LAYER_TABLE = 1, 2, 4
 _KNOWN_TRANSFORMS = ROT_KEYS | ROT_VALUES | LAYER_TABLE
 HI_BITS = 8  # the precision a layer table may raise a layer's keys or values to
 MODE_BITS = {"int4": 4, "int2": 2}  # bits per code of the grouped modes
+ALT_BITS = {"int4": 2, "int2": 4}  # the other grouped precision a layer table may give a layer's keys or values
 
 MIN_GROUP, MAX_GROUP = 4, 1024
 MAX_DIM = 1 << 16  # layers, kv heads and head dim each stay below this
@@ -126,15 +130,19 @@ class FrameHeader:
         """Bytes of the layer table at the start of the stored payload (0 before version 3)."""
         return len(self.layer_bits)
 
-    def hi_layers(self, half: int) -> tuple[int, ...]:
-        """Layers whose keys (half 0) or values (half 1) the layer table keeps at int8."""
-        return tuple(i for i, b in enumerate(self.layer_bits) if (b >> (4 * half)) & 0xF == HI_BITS)
+    def hi_layers(self, half: int, bits: int = HI_BITS) -> tuple[int, ...]:
+        """Layers whose keys (half 0) or values (half 1) the layer table gives `bits` (int8 by default)."""
+        return tuple(i for i, b in enumerate(self.layer_bits) if (b >> (4 * half)) & 0xF == bits)
 
     @property
-    def hi_counts(self) -> tuple[int, int]:
-        """How many layers keep their keys / values at int8 (what the payload's layout depends on)."""
+    def hi_counts(self) -> tuple[int, int, int, int]:
+        """How many layers keep their keys / values at int8, then how many take the other grouped precision
+        (ALT_BITS of the mode): what the payload's layout depends on."""
+        alt = ALT_BITS.get(self.mode, 0)
         return (sum(1 for b in self.layer_bits if b & 0xF == HI_BITS),
-                sum(1 for b in self.layer_bits if b >> 4 == HI_BITS))
+                sum(1 for b in self.layer_bits if b >> 4 == HI_BITS),
+                sum(1 for b in self.layer_bits if b & 0xF == alt),
+                sum(1 for b in self.layer_bits if b >> 4 == alt))
 
 
 def pack_header(h: FrameHeader) -> bytes:
@@ -235,11 +243,11 @@ def _layer_table(buf: bytes | memoryview, mode: str, layers: int, payload_len: i
     if payload_len < layers or len(buf) < HEADER_SIZE + layers:
         raise CodecError(f"truncated frame: the layer table needs {layers} bytes after the header")
     table = bytes(buf[HEADER_SIZE:HEADER_SIZE + layers])
-    allowed = {MODE_BITS[mode], HI_BITS}
+    allowed = {MODE_BITS[mode], ALT_BITS[mode], HI_BITS}
     for layer, entry in enumerate(table):
         if entry & 0xF not in allowed or entry >> 4 not in allowed:
             raise CodecError(f"layer table: layer {layer} has key/value bits {entry & 0xF}/{entry >> 4}, "
-                             f"{mode} frames allow {MODE_BITS[mode]} or {HI_BITS}")
+                             f"{mode} frames allow {', '.join(map(str, sorted(allowed)))}")
     if all(entry == MODE_BITS[mode] * 0x11 for entry in table):
         raise CodecError("inconsistent frame: a layer table that raises no layer")
     return table

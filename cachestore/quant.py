@@ -15,6 +15,8 @@ Only the rotations change what a decoder must do, so only they are recorded in t
 A grouped frame may also keep the keys and/or values of some layers at int8 (`HiLayers`, format 3):
 those layers are quantized exactly as mode int8 quantizes them (never rotated), the others as the
 grouped mode; each half's int4/int2 codes are then packed layer by layer, every layer starting on a byte.
+Its layer table may also give some layers' keys or values the other grouped precision (int4 in an int2
+frame, int2 in an int4 frame: `ALT_BITS`), quantized as that mode would (same group, same options).
 """
 
 from __future__ import annotations
@@ -54,13 +56,24 @@ PLAIN = Variant()
 
 
 class HiLayers(NamedTuple):
-    """Layers of a grouped frame whose keys / values are kept at int8 (sorted, distinct); none by default."""
+    """A grouped frame's per-layer bits (sorted, distinct; none by default): layers whose keys / values are kept at
+    int8, and layers whose keys / values take the other grouped precision (`ALT_BITS`: int4 in an int2 frame, int2
+    in an int4 frame). Every other layer's half takes the frame's own mode."""
 
     keys: tuple[int, ...] = ()
     values: tuple[int, ...] = ()
+    alt_keys: tuple[int, ...] = ()
+    alt_values: tuple[int, ...] = ()
+
+    @property
+    def counts(self) -> tuple[int, int, int, int]:
+        """How many layers take each precision besides the mode's: (int8 keys, int8 values, alt keys, alt values)."""
+        return len(self.keys), len(self.values), len(self.alt_keys), len(self.alt_values)
 
 
 NO_HI = HiLayers()
+ALT_BITS = {"int4": 2, "int2": 4}  # the other grouped precision a layer of a grouped frame may take
+_ALT_MODE = {"int4": "int2", "int2": "int4"}
 # Range fractions the encoder tries per group with `clip` (the first is no clipping): for few
 # levels a group's extremes waste most of the steps, for many levels clipping buys little.
 CLIP_RATIOS = {2: (1.0, 0.9, 0.8, 0.7, 0.6, 0.5), 4: (1.0, 0.95, 0.9, 0.85, 0.8)}
@@ -87,14 +100,17 @@ def groups(dims: Dims, group: int) -> tuple[int, int, int, int]:
     return gk, _ceil_div(dims.tokens, gk), gv, _ceil_div(dims.head_dim, gv)
 
 
-def layout(mode: str, dims: Dims, group: int, dtype: torch.dtype, hi_counts: tuple[int, int] = (0, 0)) -> list[Section]:
+def layout(mode: str, dims: Dims, group: int, dtype: torch.dtype,
+           hi_counts: tuple[int, ...] = (0, 0, 0, 0)) -> list[Section]:
     """The (dtype, shape) of each payload section of `mode`, in payload order.
 
-    With int8 layers (grouped modes only; `hi_counts`: how many layers keep keys / values at int8): the
-    grouped sections of the other layers (codes packed per layer), then int8's four sections of those."""
+    With a layer table (grouped modes only; `hi_counts`: how many layers keep keys / values at int8, then how many
+    take the other grouped precision, `HiLayers.counts`): the grouped sections of the mode's own layers (codes
+    packed per layer), then int8's four sections of the int8 layers, then (only if there are any) the grouped
+    sections of the layers at the other precision."""
     n_layers, h, t, d = dims
-    if hi_counts != (0, 0):
-        return _mixed_layout(mode, dims, group, hi_counts)
+    if any(hi_counts):
+        return _mixed_layout(mode, dims, group, (*hi_counts, 0, 0)[:4])
     if mode == "exact":
         return [(dtype, (n_layers, 2, h, t, d))]
     if mode == "fp16":
@@ -122,21 +138,27 @@ def layout(mode: str, dims: Dims, group: int, dtype: torch.dtype, hi_counts: tup
     raise CodecError(f"unknown mode {mode!r}")
 
 
-def _mixed_layout(mode: str, dims: Dims, group: int, hi_counts: tuple[int, int]) -> list[Section]:
+def _mixed_layout(mode: str, dims: Dims, group: int, counts: tuple[int, ...]) -> list[Section]:
     if mode not in BITS:
-        raise CodecError(f"int8 layers apply to int4/int2 only, not {mode}")
+        raise CodecError(f"per-layer bits apply to int4/int2 only, not {mode}")
     n_layers, h, t, d = dims
     gk, nk, gv, nv = groups(dims, group)
-    nk_hi, nv_hi = hi_counts
-    if not (0 <= nk_hi <= n_layers and 0 <= nv_hi <= n_layers):
-        raise CodecError(f"{hi_counts} int8 layers of {n_layers}")
-    nk_lo, nv_lo = n_layers - nk_hi, n_layers - nv_hi
+    nk_hi, nv_hi, nk_alt, nv_alt = counts
+    nk_lo, nv_lo = n_layers - nk_hi - nk_alt, n_layers - nv_hi - nv_alt
+    if min(counts) < 0 or nk_lo < 0 or nv_lo < 0:
+        raise CodecError(f"{counts} int8 / other-precision layers of {n_layers}")
     kbytes, vbytes = _layer_code_bytes(mode, dims, group)
-    return [(F16, (nk_lo, h, nk, 1, d)), (F16, (nk_lo, h, nk, 1, d)),
-            (F16, (nv_lo, h, t, nv, 1)), (F16, (nv_lo, h, t, nv, 1)),
-            (torch.uint8, (nk_lo * kbytes,)), (torch.uint8, (nv_lo * vbytes,)),
-            (F16, (nk_hi, h, 1, d)), (F16, (nv_hi, h, t, 1)),
-            (torch.int8, (nk_hi, h, t, d)), (torch.int8, (nv_hi, h, t, d))]
+    sections = [(F16, (nk_lo, h, nk, 1, d)), (F16, (nk_lo, h, nk, 1, d)),
+                (F16, (nv_lo, h, t, nv, 1)), (F16, (nv_lo, h, t, nv, 1)),
+                (torch.uint8, (nk_lo * kbytes,)), (torch.uint8, (nv_lo * vbytes,)),
+                (F16, (nk_hi, h, 1, d)), (F16, (nv_hi, h, t, 1)),
+                (torch.int8, (nk_hi, h, t, d)), (torch.int8, (nv_hi, h, t, d))]
+    if nk_alt or nv_alt:  # appended only when used: frames without them keep format 3's first layout
+        kalt, valt = _layer_code_bytes(_ALT_MODE[mode], dims, group)
+        sections += [(F16, (nk_alt, h, nk, 1, d)), (F16, (nk_alt, h, nk, 1, d)),
+                     (F16, (nv_alt, h, t, nv, 1)), (F16, (nv_alt, h, t, nv, 1)),
+                     (torch.uint8, (nk_alt * kalt,)), (torch.uint8, (nv_alt * valt,))]
+    return sections
 
 
 def _codes_per_layer(dims: Dims, group: int) -> tuple[int, int]:
@@ -337,18 +359,27 @@ def _grouped_values(v: torch.Tensor, group: int, bits: int, variant: Variant) ->
 
 def _quantize_mixed(mode: str, k: torch.Tensor, v: torch.Tensor, group: int, variant: Variant,
                     hi: HiLayers) -> list[torch.Tensor]:
-    """The sections of `_mixed_layout`: grouped keys/values of the other layers, int8 of the `hi` ones."""
+    """The sections of `_mixed_layout`: grouped keys/values of the mode's layers, int8 of the `hi` ones, then the
+    grouped keys/values of the layers at the other precision (if any)."""
     n_layers, bits = k.shape[0], BITS[mode]
-    if any(not 0 <= layer < n_layers for layer in (*hi.keys, *hi.values)):
-        raise CodecError(f"the codec keeps layers {hi.keys} (keys) / {hi.values} (values) at int8, but the KV "
-                         f"has {n_layers} layers")
-    lo_k = [layer for layer in range(n_layers) if layer not in hi.keys]
-    lo_v = [layer for layer in range(n_layers) if layer not in hi.values]
+    if any(not 0 <= layer < n_layers for layer in (*hi.keys, *hi.values, *hi.alt_keys, *hi.alt_values)):
+        raise CodecError(f"the codec sets the bits of layers {tuple(hi)} (keys, values at int8; keys, values at "
+                         f"{ALT_BITS[mode]} bits), but the KV has {n_layers} layers")
+    if set(hi.keys) & set(hi.alt_keys) or set(hi.values) & set(hi.alt_values):
+        raise CodecError("a layer's keys or values are given two precisions")
+    lo_k = [layer for layer in range(n_layers) if layer not in hi.keys and layer not in hi.alt_keys]
+    lo_v = [layer for layer in range(n_layers) if layer not in hi.values and layer not in hi.alt_values]
     sk, zk, qk = _grouped_keys(k[lo_k], group, bits, variant)
     sv, zv, qv = _grouped_values(v[lo_v], group, bits, variant)
     sk8, qk8 = _int8(k[list(hi.keys)], 2)
     sv8, qv8 = _int8(v[list(hi.values)], 3)
-    return [sk, zk, sv, zv, pack_rows(qk, bits), pack_rows(qv, bits), sk8, sv8, qk8, qv8]
+    parts = [sk, zk, sv, zv, pack_rows(qk, bits), pack_rows(qv, bits), sk8, sv8, qk8, qv8]
+    if hi.alt_keys or hi.alt_values:
+        alt = ALT_BITS[mode]
+        ska, zka, qka = _grouped_keys(k[list(hi.alt_keys)], group, alt, variant)
+        sva, zva, qva = _grouped_values(v[list(hi.alt_values)], group, alt, variant)
+        parts += [ska, zka, sva, zva, pack_rows(qka, alt), pack_rows(qva, alt)]
+    return parts
 
 
 def pack_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
@@ -461,47 +492,61 @@ def int8_codes_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> 
 
 def dequantize_mixed(mode: str, parts: list[torch.Tensor], dims: Dims, group: int, out: torch.Tensor,
                      variant: Variant, hi: HiLayers, first: int = 0) -> torch.Tensor:
-    """The sections of a frame with int8 layers (`_mixed_layout`, the frame's whole `dims`) -> its layers
+    """The sections of a frame with a layer table (`_mixed_layout`, the frame's whole `dims`) -> its layers
     [first, first + out.shape[0]) in out [those layers, 2, heads, tokens, dim], run by run of layers of
     one precision."""
     _, h, t, d = dims
     gk, nk, gv, nv = groups(dims, group)
-    bits = BITS[mode]
-    kbytes, vbytes = _layer_code_bytes(mode, dims, group)
-    sk, zk, sv, zv, pk, pv, sk8, sv8, qk8, qv8 = parts
-    halves = ((hi.keys, sk, zk, pk, kbytes, (h, nk, gk, d), 2, variant.rot_keys, sk8, qk8),
-              (hi.values, sv, zv, pv, vbytes, (h, t, nv, gv), 3, variant.rot_values, sv8, qv8))
-    for half, (hi_layers, scale, zero, packed, nbytes, shape, dim, rot, scale8, q8) in enumerate(halves):
-        native = bits == 4 and not rot and 2 * nbytes == math.prod(shape)  # a run's codes lie whole, in C order
-        pending = []  # the int4/int2 runs torch dequantizes
-        for start, stop, at_int8, rank in _runs(first, first + out.shape[0], hi_layers):
+    sk, zk, sv, zv, pk, pv, sk8, sv8, qk8, qv8 = parts[:10]
+    # per tier (the mode's bits, then the other grouped precision): bits, a layer's code bytes per half, the sections
+    tiers: list[tuple[int, tuple[int, int], tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]] = [
+        (BITS[mode], _layer_code_bytes(mode, dims, group), ((sk, zk, pk), (sv, zv, pv)))]
+    if len(parts) > 10:
+        ska, zka, sva, zva, pka, pva = parts[10:]
+        alt = _ALT_MODE[mode]
+        tiers.append((BITS[alt], _layer_code_bytes(alt, dims, group), ((ska, zka, pka), (sva, zva, pva))))
+    halves = ((hi.keys, hi.alt_keys, (h, nk, gk, d), 2, variant.rot_keys, sk8, qk8),
+              (hi.values, hi.alt_values, (h, t, nv, gv), 3, variant.rot_values, sv8, qv8))
+    for half, (hi_layers, alt_layers, shape, dim, rot, scale8, q8) in enumerate(halves):
+        pending: dict[int, list[tuple[torch.Tensor, int, int]]] = {}  # tier -> the runs torch dequantizes
+        for start, stop, tier, rank in _runs(first, first + out.shape[0], hi_layers, alt_layers):
             target, n = out[start - first:stop - first, half], stop - start
-            if at_int8:
+            if tier < 0:
                 int8_codes_into(target, q8[rank:rank + n], scale8[rank:rank + n])
-            elif not (native and _int4_into(target, packed[rank * nbytes:(rank + n) * nbytes], scale[rank:rank + n],
-                                             zero[rank:rank + n], (n, *shape), dim)):
-                pending.append((target, n, rank))
-        if pending:  # their codes unpacked at once: [their count, *shape]
-            r0, r1 = pending[0][2], pending[-1][2] + pending[-1][1]
+                continue
+            bits, sizes, sections = tiers[tier]
+            nbytes, (scale, zero, packed) = sizes[half], sections[half]
+            native = bits == 4 and not rot and 2 * nbytes == math.prod(shape)  # a run's codes lie whole, in C order
+            if not (native and _int4_into(target, packed[rank * nbytes:(rank + n) * nbytes], scale[rank:rank + n],
+                                          zero[rank:rank + n], (n, *shape), dim)):
+                pending.setdefault(tier, []).append((target, n, rank))
+        for tier, runs in pending.items():  # each tier's codes unpacked at once: [their count, *shape]
+            bits, sizes, sections = tiers[tier]
+            nbytes, (scale, zero, packed) = sizes[half], sections[half]
+            r0, r1 = runs[0][2], runs[-1][2] + runs[-1][1]
             q = unpack(packed[r0 * nbytes:r1 * nbytes], bits, (r1 - r0) * nbytes * (8 // bits))
             q = q.view(r1 - r0, -1)[:, :math.prod(shape)].reshape(r1 - r0, *shape)  # a copy only if codes end mid-byte
-            for target, n, rank in pending:
+            for target, n, rank in runs:
                 _affine_into(target, q[rank - r0:rank - r0 + n], scale[rank:rank + n], zero[rank:rank + n], dim, rot)
     return out
 
 
-def _runs(first: int, stop: int, hi_layers: tuple[int, ...]) -> list[tuple[int, int, bool, int]]:
-    """Maximal runs [start, end) of layers first..stop-1 of one precision: (start, end, at int8, rank of
-    start among the layers of its precision, i.e. its index in that precision's sections)."""
-    runs: list[tuple[int, int, bool, int]] = []
-    hi_set = set(hi_layers)
+def _runs(first: int, stop: int, hi_layers: tuple[int, ...],
+          alt_layers: tuple[int, ...] = ()) -> list[tuple[int, int, int, int]]:
+    """Maximal runs [start, end) of layers first..stop-1 of one precision: (start, end, tier, rank of start among
+    the layers of its precision, i.e. its index in that precision's sections); tier -1 is int8, 0 the mode's own
+    bits, 1 the other grouped precision."""
+    runs: list[tuple[int, int, int, int]] = []
+    hi_set, alt_set = set(hi_layers), set(alt_layers)
     for layer in range(first, stop):
-        at_int8 = layer in hi_set
-        if runs and runs[-1][2] == at_int8:
-            runs[-1] = (runs[-1][0], layer + 1, at_int8, runs[-1][3])
+        tier = -1 if layer in hi_set else 1 if layer in alt_set else 0
+        if runs and runs[-1][2] == tier:
+            runs[-1] = (runs[-1][0], layer + 1, tier, runs[-1][3])
             continue
-        below = sum(1 for x in hi_layers if x < layer)
-        runs.append((layer, layer + 1, at_int8, below if at_int8 else layer - below))
+        below_hi = sum(1 for x in hi_layers if x < layer)
+        below_alt = sum(1 for x in alt_layers if x < layer)
+        rank = below_hi if tier < 0 else below_alt if tier else layer - below_hi - below_alt
+        runs.append((layer, layer + 1, tier, rank))
     return runs
 
 

@@ -20,6 +20,7 @@ BENCHES = [
     "ops.bench.store",
     "ops.bench.resume",
     "ops.bench.quality",
+    "ops.bench.layers",
     "ops.bench.load",
     "ops.bench.fleet",
     "ops.bench.sidecar",

@@ -60,7 +60,8 @@ def test_resolve_names_sets_files_and_refuses_the_rest(tmp_path) -> None:  # noq
     f = tmp_path / "mine.txt"
     f.write_text("hello", encoding="utf-8")
     got = texts.resolve(["held-out", "declaration", str(f)])
-    assert [t.name for t in got] == ["alice", "difflib.py", "froschkoenig", "declaration", "mine.txt"]
+    assert [t.name for t in got] == ["alice", "twelfthnight", "difflib.py", "froschkoenig", "declaration",
+                                         "mine.txt"]
     assert texts.read(got[-1]) == "hello"
     with pytest.raises(SystemExit, match="no text 'nope'"):
         texts.resolve(["nope"])

@@ -124,9 +124,10 @@ def pareto_frontier(points: dict[str, tuple[float, float]]) -> list[str]:
 
 
 def plot_pareto(path: Path | str, points: dict[str, tuple[float, float]], *, title: str, xlabel: str,
-                ylabel: str) -> None:
+                ylabel: str, intervals: dict[str, tuple[float, float]] | None = None) -> None:
     """A PNG scatter of {label: (size, loss)}, each point named, the frontier (no other point both smaller and
-    closer to 0) joined by a line; x log2, y symmetric-log so losses of 0.1% and 10% both read."""
+    closer to 0) joined by a line; x log2, y symmetric-log so losses of 0.1% and 10% both read. `intervals`:
+    {label: (low, high)} of the loss, drawn as a vertical bar through the point."""
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
@@ -138,8 +139,13 @@ def plot_pareto(path: Path | str, points: dict[str, tuple[float, float]], *, tit
     frontier = [points[label] for label in best]
     for i, (label, (x, y)) in enumerate(items, 1):  # numbered at the point, named in the legend
         on = label in best
-        ax.scatter([x], [y], s=40, color="tab:red" if on else "tab:blue", zorder=3,
-                   label=f"{i}: {label} ({y:+.2f}%)")
+        color = "tab:red" if on else "tab:blue"
+        span = (intervals or {}).get(label)
+        if span is not None:
+            ax.errorbar([x], [y], yerr=[[max(y - span[0], 0.0)], [max(span[1] - y, 0.0)]], fmt="none",
+                        ecolor=color, elinewidth=1, capsize=3, alpha=0.7, zorder=2)
+        interval = f" [{span[0]:+.2f}, {span[1]:+.2f}]" if span is not None else ""
+        ax.scatter([x], [y], s=40, color=color, zorder=3, label=f"{i}: {label} ({y:+.2f}%{interval})")
         ax.annotate(str(i), (x, y), xytext=(-4 + 8 * (i % 3), 6 if i % 2 else -12), textcoords="offset points",
                     fontsize=8)
     fx, fy = zip(*sorted(frontier), strict=True)

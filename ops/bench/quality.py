@@ -121,6 +121,11 @@ def pareto_points(rows: list[dict[str, Any]]) -> dict[str, tuple[float, float]]:
             for r in rows}
 
 
+def pareto_intervals(rows: list[dict[str, Any]]) -> dict[str, tuple[float, float]]:
+    """{codec: (low, high)} of the perplexity change's 95% interval, keyed as `pareto_points`."""
+    return {f"{r['text']}: {r['spec'].split(',sink=')[0]}": (r["ppl_delta_lo"], r["ppl_delta_hi"]) for r in rows}
+
+
 def register(bench_subparsers: Any) -> None:
     p = bench_subparsers.add_parser("quality", help="perplexity, top-1, KL, greedy match and size of each codec mode")
     p.add_argument("--text", action="append", default=None,
@@ -303,7 +308,8 @@ def run(args: argparse.Namespace) -> int:
                                "size_tokens": args.size_tokens, "machine": before})
     if args.plot:
         plot_pareto(args.plot, pareto_points(rows),
-                    title=f"Perplexity change vs size ({args.engine} {args.model})",
+                    title=f"Perplexity change vs size ({args.engine} {args.model}; bars: 95% interval over "
+                          f"{rows[0]['windows']} windows)",
                     xlabel=f"bytes per token of a {args.size_tokens}-token context (log)",
-                    ylabel="perplexity change vs exact, % (symmetric log)")
+                    ylabel="perplexity change vs exact, % (symmetric log)", intervals=pareto_intervals(rows))
     return 0

@@ -2,9 +2,11 @@
 
 Format 1 frames (every case without /rot, /k8 or /v8) were written before format 2 and must stay
 byte-identical; format 2 added the rotated int4/int2 frames, format 3 those with int8 layers (/k8,
-/v8). The token-rows flag (/rows, format 1 or later) and mode q8 came later: an older reader refuses the flag as
-unknown, and q8 by its unknown mode code. Write only new cases, deliberately (a changed format
-bumps FORMAT_VERSION and keeps reading, or cleanly refuses, the old files):
+/v8), and later within format 3 tables giving layers the other grouped precision (/k4, /v4 in int2 frames,
+/k2, /v2 in int4: an older format 3 reader refuses them for their table's bits). The token-rows flag (/rows,
+format 1 or later) and mode q8 came later: an older reader refuses the flag as unknown, and q8 by its unknown mode
+code. Write only new cases, deliberately (a changed format bumps FORMAT_VERSION and keeps reading, or cleanly
+refuses, the old files):
     .venv/bin/python -m tests.golden.cases --write NAME [NAME ...]
 """
 
@@ -35,6 +37,9 @@ CASES: dict[str, tuple[str, torch.dtype, tuple[int, int, int, int, int]]] = {
     # format 3: a layer table keeping some layers' keys / values at int8 (int2 g5 head_dim 3: codes end mid-byte)
     "int4_fp32_zstd_g4_k8v8": ("int4+zstd:3/g4/plain/k8=1/v8=0.2", torch.float32, (3, 2, 2, 6, 8)),
     "int2_fp16_none_g5_k8": ("int2+none/g5/plain/k8=0", torch.float16, (2, 2, 1, 7, 3)),
+    # format 3, later: tables that give layers the other grouped precision (int4 in int2 frames, int2 in int4)
+    "int2_fp32_none_g4_k8k4v4": ("int2+none/g4/plain/k8=0/k4=1/v4=0.2", torch.float32, (3, 2, 2, 6, 8)),
+    "int4_fp16_zstd_g4_v2": ("int4+zstd:3/g4/plain/v2=1", torch.float16, (2, 2, 1, 9, 8)),
     # format 1 with FLAG_ROWS: payloads as token rows [layers, 2, tokens, kv_heads, head_dim] (a llama.cpp pod's)
     "fp16_fp16_none_rows": ("fp16+none/rows", torch.float16, (2, 2, 2, 3, 8)),
     "exact_fp32_lz4_rows": ("exact+lz4/rows", torch.float32, (1, 2, 2, 5, 4)),

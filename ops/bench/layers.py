@@ -1,0 +1,203 @@
+"""`kvstash bench layers`: which layers of your model are worth more bits, measured on calibration text only.
+
+The calibration procedure behind a per-layer bit allocation (`/k8=`, `/v8=` of int4; `/k4=`, `/v4=` of int2). For
+several windows of the calibration texts (never the ones claims are made on: `ops/bench/texts.py`), the prefix's KV
+is round-tripped block by block as a pod stores it, through the base codec and through the upgrade (int8 for int4,
+int4 for int2, same group and options), and then, for every layer and for its keys and its values apart, that one
+half is put back from the upgrade into the all-base KV and the next tokens scored: the mean KL(exact || codec) of
+their next-token distributions, and how much the upgrade of that half alone lowers it. Halves are ranked by that
+gain; the suggestion takes them in rank order while the encoded size of a `--size-tokens` context stays at least
+`--min-ratio` times smaller than fp16 (the mode's size target by default), and is then scored itself.
+
+    kvstash bench layers --base int4+zstd/rot/clip          # int8 upgrades of an int4 codec, on the calibration set
+    kvstash bench layers --base int2+zstd --text my_calibration.txt --json layers.json
+
+Confirm the suggested spec with `kvstash bench quality` on held-out text (docs/fidelity.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from ops.bench import qstats, texts
+from ops.bench.common import machine, print_table, write_json
+from ops.bench.quality import FP16_BYTES, SCORERS, SIZE_TARGETS, _round_trip, _windows
+
+UPGRADE = {"int4": "int8", "int2": "int4"}  # the precision a layer's half is raised to, by base mode
+_FLAG = {"int8": "8", "int4": "4"}
+
+
+def register(bench_subparsers: Any) -> None:
+    p = bench_subparsers.add_parser("layers", help="per-layer sensitivity on calibration text; suggests /k8= "
+                                                   "(int4) or /k4= (int2) layers")
+    p.add_argument("--text", action="append", default=None,
+                   help="a text set (calibration, the default), a shipped text's name or a plain-text file of "
+                        "your own; repeatable. Never the texts you will report on")
+    p.add_argument("--engine", default="hf", choices=sorted(SCORERS), help="engine that runs the model (default hf)")
+    p.add_argument("--model", default="smollm2", help="smollm2 (default), tiny-random or a local HF directory")
+    p.add_argument("--base", default="int4+zstd", help="the int4 or int2 codec to calibrate (default %(default)s); "
+                                                       "its own /k8= etc. are ignored")
+    p.add_argument("--windows", type=int, default=3, help="windows spread over each text (default 3)")
+    p.add_argument("--prefix", type=int, default=512, help="tokens in the cache (default 512)")
+    p.add_argument("--continuation", type=int, default=64, help="tokens scored after it (default 64)")
+    p.add_argument("--block-tokens", type=int, default=64, help="tokens per encoded block, as the pod (default 64)")
+    p.add_argument("--size-tokens", type=int, default=2048,
+                   help="context whose encoded size the budget is checked on (default 2048; the text repeats)")
+    p.add_argument("--min-ratio", type=float, default=None,
+                   help="smallest size ratio vs fp16 the suggestion may reach (default: 3.5 for int4, 6 for int2)")
+    p.add_argument("--max-layers", type=int, default=None, help="at most this many raised halves (default: no cap)")
+    p.add_argument("--json", type=Path, help="write the ranking and the suggestion as JSON here")
+    p.set_defaults(func=run)
+
+
+def _base_spec(text: str) -> Any:
+    from cachestore.codec import CodecSpec  # noqa: PLC0415
+    from cachestore.quant import NO_HI  # noqa: PLC0415
+
+    spec = CodecSpec.parse(text)
+    if spec.mode not in UPGRADE:
+        raise SystemExit(f"bench layers calibrates int4 or int2 codecs, not {spec.mode}")
+    return replace(spec, hi=NO_HI)
+
+
+def _with_layers(base: Any, halves: list[tuple[int, int]]) -> Any:
+    """`base` with these (layer, half) raised to the upgrade precision, as a spec."""
+    from cachestore.quant import HiLayers  # noqa: PLC0415
+
+    keys = tuple(sorted(layer for layer, half in halves if half == 0))
+    values = tuple(sorted(layer for layer, half in halves if half == 1))
+    hi = HiLayers(keys, values) if UPGRADE[base.mode] == "int8" else HiLayers(alt_keys=keys, alt_values=values)
+    return replace(base, hi=hi)
+
+
+def _size(kv: Any, spec: Any, block_tokens: int) -> float:
+    """Bytes per token of `kv` encoded as a pod stores it (sink block, headers)."""
+    from cachestore.blockcodec import BlockCodecs  # noqa: PLC0415
+
+    return sum(map(len, _round_trip(BlockCodecs.for_spec(spec), kv, block_tokens))) / kv.shape[3]
+
+
+def _suggest(ranked: list[dict[str, Any]], base: Any, size_kv: Any, args: argparse.Namespace,
+             min_ratio: float) -> tuple[Any, float]:
+    """The spec of the best-ranked halves (positive gain only) whose context stays >= min_ratio x fp16."""
+    fp16 = size_kv.shape[0] * 2 * size_kv.shape[2] * size_kv.shape[4] * FP16_BYTES
+    chosen: list[tuple[int, int]] = []
+    spec, ratio = base, fp16 / _size(size_kv, base, args.block_tokens)
+    for r in ranked:
+        if r["kl_gain"] <= 0 or (args.max_layers is not None and len(chosen) >= args.max_layers):
+            break
+        trial = _with_layers(base, [*chosen, (r["layer"], r["half"])])
+        trial_ratio = fp16 / _size(size_kv, trial, args.block_tokens)
+        if trial_ratio < min_ratio:
+            continue  # a later half may still fit (every half of one kind costs the same, so rarely)
+        chosen.append((r["layer"], r["half"]))
+        spec, ratio = trial, trial_ratio
+    return spec, ratio
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch  # noqa: PLC0415
+
+    from cachestore.blockcodec import BlockCodecs  # noqa: PLC0415
+
+    before = machine()
+    base = _base_spec(args.base)
+    up = replace(base, mode=UPGRADE[base.mode], hi=base.hi)  # same group, options and compressor
+    min_ratio = args.min_ratio if args.min_ratio is not None else SIZE_TARGETS[base.mode]
+    chosen_texts = texts.resolve(args.text or ["calibration"])
+    held_out = {t.name for t in texts.HELD_OUT} & {t.name for t in chosen_texts}
+    if held_out:
+        print(f"warning: calibrating on held-out text {', '.join(sorted(held_out))}: claims made on it afterwards "
+              f"are not held-out claims")
+    scorer = SCORERS[args.engine](args.model)
+    n, m = args.prefix, args.continuation
+
+    def trip(spec: Any, kv: Any) -> Any:
+        codecs = BlockCodecs.for_spec(spec)
+        return torch.cat([codecs.main.decode(f) for f in _round_trip(codecs, kv, args.block_tokens)], dim=3)
+
+    windows: list[tuple[Any, list[int], Any]] = []  # (kv, window ids, exact log-probs)
+    size_kv = None
+    for text in chosen_texts:
+        ids = scorer.text_ids(texts.read(text))
+        if size_kv is None:
+            size_kv = scorer.prefill((ids * -(-args.size_tokens // len(ids)))[:args.size_tokens])
+        for start in _windows(len(ids), n + m, args.windows):
+            window = ids[start:start + n + m]
+            kv = scorer.prefill(window[:n - 1])
+            windows.append((kv, window, torch.log_softmax(scorer.logits(kv, window[n - 1:-1]), dim=-1)))
+    assert size_kv is not None
+
+    def kl_of(kv_mode: Any, window: list[int], ref: Any) -> float:
+        logp = torch.log_softmax(scorer.logits(kv_mode, window[n - 1:-1]), dim=-1)
+        return max(float((ref.exp() * (ref - logp)).sum(-1).mean()), 0.0)
+
+    def nll_of(kv_mode: Any, window: list[int]) -> float:
+        logp = torch.log_softmax(scorer.logits(kv_mode, window[n - 1:-1]), dim=-1)
+        return float(-logp.gather(1, torch.tensor(window[n:]).unsqueeze(1)).mean())
+
+    layers = windows[0][0].shape[0]
+    base_kl, up_kl = [], []
+    half_kl: dict[tuple[int, int], list[float]] = {(layer, half): [] for layer in range(layers) for half in (0, 1)}
+    for i, (kv, window, ref) in enumerate(windows):
+        lo, hi = trip(base, kv), trip(up, kv)
+        base_kl.append(kl_of(lo, window, ref))
+        up_kl.append(kl_of(hi, window, ref))
+        for (layer, half), kls in half_kl.items():
+            mixed = lo.clone()
+            mixed[layer, half] = hi[layer, half]
+            kls.append(kl_of(mixed, window, ref))
+        print(f"window {i + 1}/{len(windows)}: base KL {base_kl[-1]:.3e}, all {up.mode} {up_kl[-1]:.3e}", flush=True)
+    base_mean = qstats.mean(base_kl)
+    ranked = []
+    for (layer, half), kls in half_kl.items():
+        gains = [b - k for b, k in zip(base_kl, kls, strict=True)]
+        gain, lo_g, hi_g = qstats.t_interval(gains)
+        ranked.append({"layer": layer, "half": half, "part": "KV"[half], "kl": qstats.mean(kls), "kl_gain": gain,
+                       "kl_gain_lo": lo_g, "kl_gain_hi": hi_g, "kl_windows": kls,
+                       "share_pct": 100 * gain / base_mean if base_mean > 0 else 0.0})
+    ranked.sort(key=lambda r: r["kl_gain"], reverse=True)
+    for rank, r in enumerate(ranked, 1):
+        r["rank"] = rank
+    suggested, ratio = _suggest(ranked, base, size_kv, args, min_ratio)
+    fp16 = size_kv.shape[0] * 2 * size_kv.shape[2] * size_kv.shape[4] * FP16_BYTES
+    base_ratio = fp16 / _size(size_kv, base, args.block_tokens)
+    sug_kl, sug_d, exact_nll = [], [], []
+    for kv, window, ref in windows:
+        mixed = trip(suggested, kv)
+        sug_kl.append(kl_of(mixed, window, ref))
+        sug_d.append(nll_of(mixed, window))
+        exact_nll.append(nll_of(kv, window))
+    base_d = [nll_of(trip(base, kv), window) for kv, window, _ in windows]
+    _, b_lo, b_hi = qstats.ppl_delta_interval(base_d, exact_nll)
+    s_pct, s_lo, s_hi = qstats.ppl_delta_interval(sug_d, exact_nll)
+    b_pct = qstats.ppl_delta_interval(base_d, exact_nll)[0]
+    print(f"{args.engine} {args.model}, base {base.name()}, upgrade to {up.mode}; {len(windows)} windows of "
+          f"{', '.join(t.name for t in chosen_texts)}, {n}-token prefix, next {m} tokens; KL gain of raising one "
+          f"half alone (95% t-interval over windows)")
+    print_table(ranked, [("rank", "rank", "d"), ("layer", "layer", "d"), ("part", "half", ""),
+                         ("kl_gain", "KL gain", ".3e"), ("kl_gain_lo", "lo", ".2e"), ("kl_gain_hi", "hi", ".2e"),
+                         ("share_pct", "% of base KL", ".1f"), ("kl", "KL then", ".3e")])
+    flag = _FLAG[up.mode]
+    print(f"base       {base.name()}: KL {base_mean:.3e}, ppl {b_pct:+.3f}% [{b_lo:+.3f}, {b_hi:+.3f}], "
+          f"{base_ratio:.2f}x fp16")
+    print(f"suggested  {suggested.name()}: KL {qstats.mean(sug_kl):.3e}, ppl {s_pct:+.3f}% [{s_lo:+.3f}, "
+          f"{s_hi:+.3f}], {ratio:.2f}x fp16 (>= {min_ratio}x at {args.size_tokens} tokens; /k{flag}= /v{flag}= "
+          f"layers from this ranking)")
+    print("confirm it on held-out text: kvstash bench quality --modes exact," + suggested.name())
+    if args.json:
+        write_json(args.json, {
+            "ranked": ranked, "base": base.name(), "upgrade": up.mode, "base_kl": base_mean,
+            "base_kl_windows": base_kl, "suggested_kl_windows": sug_kl, "all_up_kl":
+            qstats.mean(up_kl), "suggested": suggested.name(), "suggested_kl": qstats.mean(sug_kl),
+            "suggested_ppl_delta_pct": s_pct, "suggested_ppl_delta_lo": s_lo, "suggested_ppl_delta_hi": s_hi,
+            "base_ppl_delta_pct": b_pct, "base_ppl_delta_lo": b_lo, "base_ppl_delta_hi": b_hi,
+            "suggested_ratio_vs_fp16": ratio, "base_ratio_vs_fp16": base_ratio, "min_ratio": min_ratio,
+            "windows": len(windows), "texts": [vars(t) for t in chosen_texts], "python": texts.python_version(),
+            "prefix": n, "continuation": m, "size_tokens": args.size_tokens, "engine": args.engine,
+            "model": args.model, "machine": before, "ppl_note": "perplexity change of the calibration windows: "
+            "not a held-out claim"})
+    return 0

@@ -1,0 +1,65 @@
+"""`kvstash bench layers` on the tiny model: a ranking of every layer's keys and values, and a suggestion within
+the size budget (the structure of its output, not its figures)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cachestore.codec import CodecSpec
+from ops.bench.quality import pareto_intervals, pareto_points
+from ops.cli import main
+
+ARGS = ["bench", "layers", "--model", "tiny-random", "--text", "ops/data/sample.txt", "--windows", "2",
+        "--prefix", "32", "--continuation", "8", "--block-tokens", "8", "--size-tokens", "64"]
+
+
+@pytest.mark.parametrize(("base", "flag"), [("int4+zstd/rot", "k8"), ("int2+zstd", "k4")])
+def test_bench_layers_ranks_every_half_and_suggests_a_spec(tmp_path: Path, base: str, flag: str,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "layers.json"
+    assert main([*ARGS, "--base", base, "--min-ratio", "1", "--max-layers", "2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    layers = 2  # the tiny model's
+    assert sorted((r["layer"], r["part"]) for r in report["ranked"]) == [(n, p) for n in range(layers) for p in "KV"]
+    gains = [r["kl_gain"] for r in report["ranked"]]
+    assert gains == sorted(gains, reverse=True) and [r["rank"] for r in report["ranked"]] == [1, 2, 3, 4]
+    for r in report["ranked"]:
+        assert r["kl_gain_lo"] <= r["kl_gain"] <= r["kl_gain_hi"] and r["kl"] >= 0
+    suggested = CodecSpec.parse(report["suggested"])
+    assert (suggested.mode, suggested.variant) == (CodecSpec.parse(base).mode, CodecSpec.parse(base).variant)
+    raised = [*suggested.hi.keys, *suggested.hi.values, *suggested.hi.alt_keys, *suggested.hi.alt_values]
+    assert len(raised) <= 2 and all(0 <= n < layers for n in raised)
+    # exactly the best halves with a positive gain, up to the cap
+    want = sorted((r["layer"], r["half"]) for r in report["ranked"][:2] if r["kl_gain"] > 0)
+    hi = suggested.hi
+    got = sorted([(n, 0) for n in (*hi.keys, *hi.alt_keys)] + [(n, 1) for n in (*hi.values, *hi.alt_values)])
+    assert got == want
+    if raised:
+        assert f"/{flag}=" in report["suggested"] or f"/{flag[0].replace('k', 'v')}{flag[1]}=" in report["suggested"]
+    assert report["suggested_ratio_vs_fp16"] >= 1 and report["windows"] == 2 and report["upgrade"] in ("int8", "int4")
+    text = capsys.readouterr().out
+    assert "suggested  " + report["suggested"] in text and "bench quality --modes exact," in text
+
+
+def test_bench_layers_keeps_to_the_size_budget(tmp_path: Path) -> None:
+    """A budget the base codec alone already misses: nothing is raised."""
+    out = tmp_path / "layers.json"
+    assert main([*ARGS, "--base", "int2", "--min-ratio", "100", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert CodecSpec.parse(report["suggested"]).hi == CodecSpec.parse("int2").hi
+    assert report["suggested_ratio_vs_fp16"] == report["base_ratio_vs_fp16"]
+
+
+def test_bench_layers_refuses_a_mode_it_cannot_raise() -> None:
+    with pytest.raises(SystemExit, match="int4 or int2"):
+        main([*ARGS, "--base", "int8"])
+
+
+def test_the_quality_chart_bars_follow_its_points() -> None:
+    rows = [{"text": "alice", "spec": "int4+zstd:3/g64/rot/clip,sink=int8+zstd:3", "bytes_per_token_ctx": 6500.0,
+             "ppl_delta_pct": 0.1, "ppl_delta_lo": -0.2, "ppl_delta_hi": 0.4}]
+    assert set(pareto_intervals(rows)) == set(pareto_points(rows)) == {"alice: int4+zstd:3/g64/rot/clip"}
+    assert pareto_intervals(rows)["alice: int4+zstd:3/g64/rot/clip"] == (-0.2, 0.4)
