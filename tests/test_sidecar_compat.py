@@ -369,7 +369,7 @@ def tooled(redis: RedisProcess) -> Iterator[list[tuple[TestClient, LlamaServerEn
     engines = [LlamaServerEngine.spawn("smollm2", parallel=1, threads=1, ctx_per_slot=4096, extra_args=args)
                for _ in range(2)]
     settings = PodSettings(engine="llama-server", redis_url=redis.url, codec="exact", block_tokens=16, parallel=1,
-                           local_tier_bytes=0, namespace="kvstash-tooled")
+                           fetch_policy="always", local_tier_bytes=0, namespace="kvstash-tooled")
     try:
         with TestClient(sidecar_app(settings, engines[0])) as one, TestClient(sidecar_app(settings, engines[1])) as two:
             yield [(one, engines[0]), (two, engines[1])]
