@@ -108,9 +108,11 @@ class StateGeometry:
         return parsed_dtype(self.kv_type)
 
 
-class _Reader:
-    def __init__(self, blob: memoryview) -> None:
-        self.blob, self.pos = blob, 0
+class StateReader:
+    """A cursor over a sequence state's bytes (here and in `statelayout`)."""
+
+    def __init__(self, blob: memoryview, pos: int = 0) -> None:
+        self.blob, self.pos = blob, pos
 
     def take(self, nbytes: int) -> int:
         """Reserve `nbytes` and return where they start; refuses to run past the end."""
@@ -145,7 +147,7 @@ class StateFacts:
 def read_facts(blob: bytes | bytearray | memoryview) -> StateFacts | None:
     """The layout facts of a state (None for a state with no cells): used at start-up to check
     that the running llama.cpp writes what this module reads."""
-    r = _Reader(memoryview(blob).cast("B"))
+    r = StateReader(memoryview(blob).cast("B"))
     magic, _seq = r.unpack("<Ii")
     if magic != MAGIC:
         raise StateLayoutError(f"sequence state magic {magic:#x}, expected {MAGIC:#x}")
@@ -174,7 +176,7 @@ def parse_state(blob: bytes | bytearray | memoryview, geo: StateGeometry, start:
     The cells must hold positions 0..tokens-1 (each once): a sequence kvstash can cut into blocks.
     """
     view = memoryview(blob).cast("B")
-    r = _Reader(view)
+    r = StateReader(view)
     magic, _seq = r.unpack("<Ii")
     if magic != MAGIC:
         raise StateLayoutError(f"sequence state magic {magic:#x}, expected {MAGIC:#x}")
@@ -218,14 +220,14 @@ def parse_state(blob: bytes | bytearray | memoryview, geo: StateGeometry, start:
     return out
 
 
-def _row_header(r: _Reader, geo: StateGeometry, layer: int, half: str) -> None:
+def _row_header(r: StateReader, geo: StateGeometry, layer: int, half: str) -> None:
     kind, row = r.unpack("<iQ")
     if kind != geo.kv_type or row != geo.row_bytes:
         raise StateLayoutError(f"layer {layer}: {half} of type {kind}, {row} bytes a row; expected type "
                                f"{geo.kv_type}, {geo.row_bytes}")
 
 
-def _parse_q8(view: memoryview, r: _Reader, geo: StateGeometry, n_cells: int, order: np.ndarray | slice,
+def _parse_q8(view: memoryview, r: StateReader, geo: StateGeometry, n_cells: int, order: np.ndarray | slice,
               out: torch.Tensor) -> None:
     """Every layer's K, then V, Q8_0 rows dequantized into out [layers, 2, kv_heads, tokens, head_dim] (float32)."""
     picked = torch.from_numpy(order) if isinstance(order, np.ndarray) else order
@@ -240,7 +242,7 @@ def _parse_q8(view: memoryview, r: _Reader, geo: StateGeometry, n_cells: int, or
             q8_rows_into(out[layer, half].transpose(0, 1), rows)
 
 
-def _parse_f16(view: memoryview, r: _Reader, geo: StateGeometry, n_cells: int, order: np.ndarray | slice,
+def _parse_f16(view: memoryview, r: StateReader, geo: StateGeometry, n_cells: int, order: np.ndarray | slice,
                out: torch.Tensor) -> None:
     L, H, D, E = geo.num_layers, geo.kv_heads, geo.head_dim, geo.row_elements
     out_np = out.numpy()

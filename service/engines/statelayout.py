@@ -30,7 +30,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from service.engines.llamastate import MAGIC, StateLayoutError
+from service.engines.llamastate import MAGIC, StateLayoutError, StateReader
 
 KV, RECURRENT = "kv", "recurrent"
 _KV_CELL = 12  # i32 pos, u32 n_seq_id (= 1), i32 seq_id
@@ -109,22 +109,7 @@ class RecurrentSection:
 Section = KvSection | RecurrentSection
 
 
-class _Cursor:
-    def __init__(self, blob: memoryview, pos: int = 0) -> None:
-        self.blob, self.pos = blob, pos
-
-    def take(self, nbytes: int) -> int:
-        if nbytes < 0 or self.pos + nbytes > len(self.blob):
-            raise StateLayoutError(f"sequence state truncated: need {nbytes} bytes at {self.pos} of {len(self.blob)}")
-        start, self.pos = self.pos, self.pos + nbytes
-        return start
-
-    def unpack(self, fmt: str) -> tuple[int, ...]:
-        return struct.unpack_from(fmt, self.blob, self.take(struct.calcsize(fmt)))
-
-    def u32(self) -> int:
-        return int(self.unpack("<I")[0])
-
+class _Cursor(StateReader):
     def rows(self, cells: int, what: str) -> Rows:
         kind, row = self.unpack("<iQ")
         if row > 1 << 30:
