@@ -38,11 +38,11 @@ class BlockKey:
     block_hash: BlockHash
     shard: int
     reachable: bool
-    kind: str = "blk"  # blk | tail | ids (keys.ENTRY_KINDS)
+    kind: str = "blk"  # blk | tail | ids | bnd (keys.ENTRY_KINDS)
 
 
 def parse_block_key(keys: KeySpace, key: str) -> BlockKey | None:
-    """`<ns>:<blk|tail|ids>:<model16>:<hash32hex>:{<ns>:sNN}` -> BlockKey, or None if it is not one."""
+    """`<ns>:<blk|tail|ids|bnd>:<model16>:<hash32hex>:{<ns>:sNN}` -> BlockKey, or None if it is not one."""
     kind = next((k for k in ENTRY_KINDS if key.startswith(f"{keys.namespace}:{k}:")), None)
     if kind is None:
         return None
@@ -64,7 +64,7 @@ def parse_block_key(keys: KeySpace, key: str) -> BlockKey | None:
 
 
 def classify(keys: KeySpace, key: str) -> str:
-    """block | tail | ids | index | session | other (a key of the namespace kvstash does not write)."""
+    """block | tail | ids | boundary | index | session | other (a key of the namespace kvstash does not write)."""
     ns = keys.namespace
     if key.startswith(f"{ns}:blk:"):
         return "block"
@@ -72,6 +72,8 @@ def classify(keys: KeySpace, key: str) -> str:
         return "tail"
     if key.startswith(f"{ns}:ids:"):
         return "ids"
+    if key.startswith(f"{ns}:bnd:"):
+        return "boundary"
     if key.startswith(f"{ns}:idx:"):
         return "index"
     if key.startswith(f"{ns}:sess:"):
@@ -217,7 +219,7 @@ async def namespace_stats(client: Any, keys: KeySpace, budget_bytes: int,
                           progress: Progress | None = None) -> dict[str, Any]:
     """Keys and bytes by kind and by model, budget use, server counters, oldest and newest entries."""
     kinds: dict[str, dict[str, int]] = {k: {"keys": 0, "bytes": 0}
-                                        for k in ("block", "tail", "ids", "index", "session", "other")}
+                                        for k in ("block", "tail", "ids", "boundary", "index", "session", "other")}
     models: dict[str, dict[str, int]] = defaultdict(lambda: {"blocks": 0, "block_bytes": 0, "sessions": 0})
     tenants: dict[str, int] = defaultdict(int)
     times: dict[str, float | None] = {"session_created_min": None, "session_updated_max": None}

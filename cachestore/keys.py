@@ -25,7 +25,7 @@ _NAME_RE = re.compile(SESSION_ID_PATTERN)
 _TENANT_RE = re.compile(TENANT_PATTERN)
 TENANT_RE = _TENANT_RE
 _MODEL_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-ENTRY_KINDS = ("blk", "tail", "ids")  # values the budget accounts for, all `<ns>:<kind>:<model16>:<hex>:{tag}`
+ENTRY_KINDS = ("blk", "tail", "ids", "bnd")  # values the budget accounts for, all `<ns>:<kind>:<model16>:<hex>:{tag}`
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,12 @@ KEY_SHAPES = (
              "the token ids a pod generated for one reply (magic `KVID`), under a digest of the tenant's chain root "
              "and the reply's exact text; a client that sends the text back gets these ids if they decode to it",
              "as blocks"),
+    KeyShape("<ns>:bnd:<model16>:<hash32hex>:{<ns>:sNN}", "STRING",
+             "a boundary record of a sliding-window or hybrid model (`cachestore/boundary.py`, magic `KVBD`): at "
+             "the end of a prompt or a reply, the tokens after the last full block, their full-attention KV and "
+             "the state blocks cannot rebuild (the last `n_swa` positions of the sliding layers, the recurrent "
+             "state), under the chain hash of the full blocks before the boundary, as a tail",
+             "as blocks; the newest record of a prefix replaces the older"),
     KeyShape("<ns>:idx:lru:{<ns>:sNN}", "ZSET", "block key -> last access, ms since the epoch",
              "2 x `block_ttl_s`, refreshed on use"),
     KeyShape("<ns>:idx:size:{<ns>:sNN}", "HASH", "block key -> bytes accounted for it", "as `idx:lru`"),
@@ -137,6 +143,10 @@ class KeySpace:
     def tail(self, model: str, parent: BlockHash) -> tuple[int, str]:
         return self.block(model, parent, "tail")
 
+    def boundary(self, model: str, parent: BlockHash) -> tuple[int, str]:
+        """The boundary record after the full blocks ending in `parent` (or after the chain root)."""
+        return self.block(model, parent, "bnd")
+
     def reply_ids(self, model: str, digest: BlockHash) -> tuple[int, str]:
         return self.block(model, digest, "ids")
 
@@ -167,5 +177,5 @@ class KeySpace:
         return f"{self.namespace}:blk:*"
 
     def entry_patterns(self) -> list[str]:
-        """SCAN patterns of every value the budget accounts for: blocks, tails, reply ids."""
+        """SCAN patterns of every value the budget accounts for: blocks, tails, reply ids, boundary records."""
         return [f"{self.namespace}:{kind}:*" for kind in ENTRY_KINDS]

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cachestore import budget
+from cachestore.boundary import unpack_boundary
 from cachestore.codec import verify_frame
 from cachestore.errors import CodecError
 from cachestore.inspect import BlockKey, Progress, classify, parse_block_key, scan_batches, text
@@ -74,7 +75,7 @@ class _Verifier:
         async for batch in scan_batches(self.client, f"{self.keys.namespace}:*", progress, size=BLOCK_BATCH):
             self.report.keys_scanned += len(batch)
             kinds = {k: classify(self.keys, k) for k in batch}
-            await self._blocks([k for k in batch if kinds[k] in ("block", "tail", "ids")])
+            await self._blocks([k for k in batch if kinds[k] in ("block", "tail", "ids", "boundary")])
             await self._sessions([k for k in batch if kinds[k] == "session"])
             for key in (k for k in batch if kinds[k] in ("index", "other")):
                 if kinds[key] == "other" or key[key.rfind("{"):] not in self.shard_tags:
@@ -157,6 +158,10 @@ class _Verifier:
                 verify_frame(unpack_tail(value)[1], max_elements=VERIFY_MAX_ELEMENTS)
             elif parsed.kind == "ids":
                 unpack_ids(value)
+            elif parsed.kind == "bnd":
+                frame = unpack_boundary(value).frame
+                if frame:
+                    verify_frame(frame, max_elements=VERIFY_MAX_ELEMENTS)
             else:
                 verify_frame(value, max_elements=VERIFY_MAX_ELEMENTS)
         except CodecError as exc:

@@ -11,6 +11,8 @@ The file (UTF-8 JSON, one object):
                   token_ids (list of ints), messages (list of objects), partial (base64 frame or "")
     blocks        base64 frames of the leading full blocks of token_ids, in order (a prefix: blocks
                   Redis no longer held are left out and will be recomputed)
+    boundary      optional, a sliding-window or hybrid model's boundary record at the end of token_ids
+                  (base64, `cachestore/boundary.py`), present when Redis held it and every block
 
 Block keys are not in the file: they depend on the tenant's salt, which may differ between
 deployments. Import recomputes them from the token ids under the target's chain root, so a file
@@ -28,6 +30,7 @@ import time
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from cachestore.boundary import BoundaryRecord, unpack_boundary
 from cachestore.codec import verify_frame
 from cachestore.errors import CodecError, KvstashError, StoreError
 from cachestore.frame import FrameHeader
@@ -87,6 +90,7 @@ class SessionExport:
     fingerprint: ModelFingerprint
     record: SessionRecord
     blocks: list[bytes]  # frames of the leading full blocks, in order
+    boundary: bytes = b""  # the boundary record at the end of the session's tokens (sliding-window, hybrid models)
 
     @property
     def full_blocks(self) -> int:
@@ -113,7 +117,26 @@ async def collect(client: Any, keys: KeySpace, tenant: str, session_id: str, cha
             if not isinstance(value, bytes) or not _valid_block(value, chain.fingerprint):
                 return SessionExport(chain.fingerprint, record, frames)
             frames.append(value)
-    return SessionExport(chain.fingerprint, record, frames)
+    boundary = b""
+    value = await client.get(keys.boundary(chain.model_key, hashes[-1] if hashes else chain.root)[1])
+    if isinstance(value, bytes):
+        try:
+            _boundary_of(value, record.token_ids, chain.fingerprint)
+            boundary = value
+        except CodecError:
+            pass  # left out: the importing side prefills from the last boundary it can rebuild
+    return SessionExport(chain.fingerprint, record, frames, boundary)
+
+
+def _boundary_of(value: bytes, tokens: list[int], fp: ModelFingerprint) -> BoundaryRecord:
+    """The boundary record `value` holds, which must be at the end of `tokens`; CodecError otherwise."""
+    record = unpack_boundary(value)
+    full = len(tokens) // fp.block_tokens * fp.block_tokens
+    if record.position != len(tokens) or record.token_ids != tokens[full:]:
+        raise CodecError(f"a boundary record at {record.position}, not at the end of {len(tokens)} tokens")
+    if record.frame:
+        _check_frame(record.frame, fp, len(record.token_ids), "boundary")
+    return record
 
 
 def _valid_block(frame: bytes, fp: ModelFingerprint) -> bool:
@@ -149,6 +172,8 @@ def to_document(export: SessionExport, exported_at: float | None = None) -> byte
         },
         "blocks": [base64.b64encode(f).decode("ascii") for f in export.blocks],
     }
+    if export.boundary:
+        doc["boundary"] = base64.b64encode(export.boundary).decode("ascii")
     return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
@@ -200,7 +225,7 @@ def parse_document(data: bytes, *, max_value_bytes: int = StoreSettings.max_valu
         raise TransferError(f"invalid session file: not JSON ({exc})") from exc
     _need(isinstance(doc, dict) and doc.get("format") == FORMAT, f"not a {FORMAT} file")
     _need(doc.get("version") == VERSION, f"unsupported version {doc.get('version')!r} (this reader knows {VERSION})")
-    _need(set(doc) == _TOP, f"top-level fields must be {sorted(_TOP)}")
+    _need(_TOP <= set(doc) <= _TOP | {"boundary"}, f"top-level fields must be {sorted(_TOP)} (and boundary)")
     fp = _fingerprint(doc["fingerprint"])
     s = doc["session"]
     _need(isinstance(s, dict) and set(s) == _SESSION, f"session fields must be {sorted(_SESSION)}")
@@ -231,9 +256,14 @@ def parse_document(data: bytes, *, max_value_bytes: int = StoreSettings.max_valu
             _need(len(record.partial) <= max_value_bytes, "partial block too large")
             header = _check_frame(record.partial, fp, None, "partial")
             _need(header.tokens <= len(tokens) - full * fp.block_tokens, "partial block covers too many tokens")
+        boundary = _b64(doc.get("boundary", ""), "boundary")
+        _need(len(boundary) <= max_value_bytes, "boundary record too large")
+        if boundary:
+            _need(len(frames) == full, "a boundary record needs every block before it")
+            _boundary_of(boundary, tokens, fp)
     except CodecError as exc:
         raise TransferError(f"invalid session file: {exc}") from exc
-    return SessionExport(fp, record, frames)
+    return SessionExport(fp, record, frames, boundary)
 
 
 @dataclass(frozen=True)
@@ -262,6 +292,11 @@ async def restore(store: BlockStore, export: SessionExport, chain: Chain, *, rep
         if result.unavailable:
             raise StoreError(f"Redis at {store.settings.masked_url} refused the block writes")
         written += result.value
+    if export.boundary and len(hashes) == len(record.token_ids) // chain.fingerprint.block_tokens:
+        parent = hashes[-1] if hashes else chain.root
+        if not await store.put_entries([store.keys.boundary(chain.model_key, parent)], [export.boundary],
+                                       record.tenant):
+            raise StoreError(f"Redis at {store.settings.masked_url} refused the boundary record")
     present = 0
     if hashes:
         pipe = client.pipeline(transaction=False)
