@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import logging
 import math
 import threading
@@ -17,7 +18,7 @@ import torch
 
 from cachestore.blockcodec import BlockCodecs
 from cachestore.codec import Codec, OpenFrame, PlacedFrame, read_header, verify_placed
-from cachestore.errors import CodecError
+from cachestore.errors import CodecError, ConfigError
 from cachestore.frame import HEADER_SIZE, RunningChecksum
 from cachestore.hashing import BlockHash, chain_hashes, root_hash
 from cachestore.landing import Scatter, Target
@@ -25,7 +26,7 @@ from cachestore.outcome import Result
 from cachestore.sessions import SessionRecord
 from cachestore.store import BlockStore
 from cachestore.tails import pack_ids, reply_digest, unpack_ids, unpack_tail
-from service import threads
+from service import boundaries, threads
 from service.contextpool import ContextPool, LandingPool
 from service.engines import Engine, Generation, GenParams
 from service.errors import overloaded
@@ -99,6 +100,7 @@ class CacheView:
     ready: LayerGate | None = None  # layers of `kv` still being dequantized: the engine waits per layer
     landing: torch.Tensor | None = None  # the pooled buffer the frames were received into, read by `ready`'s work
     rehydrating: asyncio.Future[Any] | None = None  # the threads writing into `buffer` and `landing`, until done
+    boundary: bytes | None = None  # a sliding-window or hybrid model's state at the end of `kv` (a boundary record)
 
     @property
     def held_blocks(self) -> int:
@@ -193,6 +195,11 @@ class Pipeline:
         self._publish_estimates()
         # the sticky-sessions baseline: KV kept in this pod's memory instead of Redis
         self.memory = MemoryKV(settings.memory_kv_bytes) if settings.memory_kv_bytes else None
+        # sliding-window and hybrid models resume at boundary records (`_boundary_lookup`)
+        self.boundary_records = bool(getattr(engine, "boundary_records", False))
+        if self.boundary_records and self.memory is not None:
+            raise ConfigError("memory_kv_bytes keeps full-attention KV only; this model has sliding-window or "
+                              "recurrent layers")
         if self.memory is not None:
             metrics.budget.set(self.memory.max_bytes)
 
@@ -255,6 +262,8 @@ class Pipeline:
             return self._account(await self._memory_view(tenant_salt, prompt_ids), prompt_ids), session
         if self.store is None or self.store.breaker_state == "open":
             return self._account(CacheView(None, 0, 0, "bypass"), prompt_ids), session
+        if self.boundary_records:
+            return await self._boundary_lookup(tenant_salt, prompt_ids, session, session_key, tenant)
         usable = len(prompt_ids) - 1  # the last prompt token is always re-fed for logits
         hashes = self.hashes(tenant_salt, prompt_ids[:usable])
         local, local_bytes = self.store.held_locally(self.model_key, hashes)
@@ -666,7 +675,9 @@ class Pipeline:
         on_text: Callable[[str], None] | None = None,
     ) -> Generation:
         early = self._early_writer(asyncio.get_running_loop(), prompt_ids, view)
-        gen = await self.in_engine(view, self.engine.generate, prompt_ids, view.kv, params, on_text, early, view.ready,
+        run = (self.engine.generate if view.boundary is None
+               else functools.partial(self.engine.generate, boundary=view.boundary))  # type: ignore[call-arg]
+        gen = await self.in_engine(view, run, prompt_ids, view.kv, params, on_text, early, view.ready,
                                    self.keep_from(view))
         self.metrics.ttft.labels(view.status).observe(gen.ttft_s)
         self.planner.observe_prefill(len(prompt_ids) - view.cached_tokens, gen.ttft_s)  # for the next fetch plans
@@ -767,7 +778,8 @@ class Pipeline:
         hashes = self.hashes(tenant_salt, gen.seq_ids)
         full = len(hashes)
         ends = prompt_tokens // b
-        if ends < full and prompt_tokens % b and gen.kv_from <= ends * b and prompt_tokens <= len(gen.seq_ids):
+        if (ends < full and prompt_tokens % b and not self.boundary_records and gen.kv_from <= ends * b
+                and prompt_tokens <= len(gen.seq_ids)):
             parent = hashes[ends - 1] if ends else self.root(tenant_salt)
             self.writer.submit(WriteJob(model=self.model_key, hashes=[], kv=gen.kv, first_block=ends, block_tokens=b,
                                         kv_from=gen.kv_from, tenant=view.tenant,
@@ -788,10 +800,11 @@ class Pipeline:
             session=session,
             session_expected_version=expected_version,
             session_tail_from=full * b,
-            tail_key=keys.tail(self.model_key, parent) if tail_tokens else None,
+            tail_key=keys.tail(self.model_key, parent) if tail_tokens and not self.boundary_records else None,
             tail_tokens=list(tail_tokens),
             tail_from=full * b,
             reply=self._reply_entry(tenant_salt, gen),
+            records=self._record_writes(tenant_salt, gen, hashes),
             written=asyncio.get_running_loop().create_future(),
         )
         return job if self.writer.submit(job) else None
@@ -852,3 +865,79 @@ class Pipeline:
             known[index] = ids
             self.metrics.reply_ids.labels("used").inc()
         return known
+
+    # -- boundary records (sliding-window and hybrid models) -----------------------------------
+    async def _boundary_lookup(
+        self, tenant_salt: bytes, prompt_ids: list[int], session: SessionRecord | None,
+        session_key: tuple[str, str] | None, tenant: str | None,
+    ) -> tuple[CacheView, SessionRecord | None]:
+        """The longest boundary P of the prompt with every full block before it and a record at P: the records under
+        the root and every block hash of the prompt in one round trip (with the session record), then the blocks
+        before the longest one's P; a record or block that is missing, corrupt or another layout's ends the hit at
+        an earlier boundary, or makes it a miss."""
+        assert self.store is not None
+        usable = len(prompt_ids) - 1  # the last prompt token is always re-fed for logits
+        hashes = self.hashes(tenant_salt, prompt_ids[:usable])
+        keys = [self.store.keys.boundary(self.model_key, p)
+                for p in boundaries.record_parents(self.root(tenant_salt), hashes)]
+        fetch_session = self.store.get_session(*session_key) if session_key else self._none()
+        t0 = time.perf_counter()
+        bypass = CacheView(None, 0, 0, "bypass")
+        try:
+            values, fetched_session = await asyncio.wait_for(asyncio.gather(self.store.get_entries(keys),
+                                                                            fetch_session),
+                                                             self.settings.redis_timeout_s)
+            session = session or fetched_session
+            found = boundaries.candidates(values, prompt_ids, usable, self.block_tokens,
+                                          lambda detail: self._reject(Rejection("corrupt", detail)))
+            need = found[0].blocks if found else 0
+            blocks = await asyncio.wait_for(self.store.fetch(self.model_key, hashes[:need]),
+                                            self.settings.redis_timeout_s) if need else None
+        except TimeoutError:
+            return self._account(bypass, prompt_ids), session
+        if blocks is not None and blocks.unavailable:
+            return self._account(bypass, prompt_ids), session
+        frames = blocks.value if blocks is not None else []
+        view = await asyncio.to_thread(self._at_boundary, found, frames, usable)
+        self.metrics.redis_seconds.labels("lookup").observe(time.perf_counter() - t0)
+        view.salt, view.tenant = tenant_salt, tenant
+        return self._account(view, prompt_ids), session
+
+    def _at_boundary(self, found: list[boundaries.Candidate], frames: list[bytes], usable: int) -> CacheView:
+        """The view of the longest candidate whose blocks all decode and whose record is what this pod writes."""
+        decoded: list[torch.Tensor] = []
+        for index, frame in enumerate(frames):
+            kv = self._decode(frame, None, index)  # [L, 2, H, b, D]
+            if kv is None:
+                break
+            decoded.append(kv)
+        for candidate in found:
+            if candidate.blocks > len(decoded):
+                continue
+            record = candidate.record
+            problem = self.engine.boundary_problem(record.state, candidate.position)  # type: ignore[attr-defined]
+            if problem is not None:
+                self._reject(Rejection("model", f"boundary record: {problem}"))
+                continue
+            parts = decoded[:candidate.blocks]
+            if record.token_ids:
+                tail = self._decode(record.frame, len(record.token_ids), candidate.blocks)
+                if tail is None:
+                    continue
+                parts.append(tail)
+            kv = torch.cat(parts, dim=3)  # [L, 2, H, P, D]
+            fetched = sum(len(f) for f in frames[:candidate.blocks]) + candidate.nbytes
+            target = (usable // self.block_tokens) * self.block_tokens
+            status = "hit" if candidate.position >= target else "partial"
+            return CacheView(kv, candidate.position, candidate.blocks, status, fetched, boundary=record.state)
+        return CacheView(None, 0, 0, "miss", stored_blocks=len(decoded))
+
+    def _record_writes(self, tenant_salt: bytes, gen: Generation, hashes: list[BlockHash]
+                       ) -> list[tuple[tuple[int, str], boundaries.RecordWrite]]:
+        """Where the generation's boundary records go: each under the chain hash of the full blocks before it."""
+        if not self.boundary_records or self.store is None:
+            return []
+        writes = boundaries.records_of(gen.boundaries, gen.seq_ids, gen.kv_from, self.block_tokens)
+        root = self.root(tenant_salt)
+        return [(self.store.keys.boundary(self.model_key, hashes[w.parent_blocks - 1] if w.parent_blocks else root),
+                 w) for w in writes]

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cachestore.blockcodec import BlockCodecs
+from cachestore.boundary import BoundaryRecord, pack_boundary
 from cachestore.codec import Codec
 from cachestore.errors import KvstashError
 from cachestore.hashing import BlockHash
@@ -17,6 +18,7 @@ from cachestore.outcome import Outcome, Result
 from cachestore.sessions import SessionRecord
 from cachestore.store import BlockStore
 from cachestore.tails import pack_tail
+from service.boundaries import RecordWrite
 from service.metrics import PodMetrics
 
 log = logging.getLogger("kvstash.writer")
@@ -41,6 +43,7 @@ class WriteJob:
     tail_tokens: list[int] = field(default_factory=list)  # those tokens: the sequence's from tail_from on
     tail_from: int = 0
     reply: tuple[tuple[int, str], bytes] | None = None  # (KeySpace.reply_ids key, tails.pack_ids value)
+    records: list[tuple[tuple[int, str], RecordWrite]] = field(default_factory=list)  # (KeySpace.boundary key, what)
     written: asyncio.Future[bool] | None = field(default=None, repr=False)
 
     def finish(self, ok: bool) -> None:
@@ -125,10 +128,21 @@ class BackgroundWriter:
             tail = pack_tail(job.tail_tokens, frame)
         return frames, tail
 
+    def _encode_records(self, job: WriteJob) -> list[bytes]:
+        """The boundary records' values: each one's tokens' KV as a frame (the codec of the block they begin), then
+        the engine's state."""
+        values = []
+        for _, rec in job.records:
+            start, n = rec.parent_blocks * job.block_tokens - job.kv_from, len(rec.tokens)
+            frame = self._codecs.at(rec.parent_blocks).encode(job.kv[:, :, :, start:start + n]) if n else b""
+            values.append(pack_boundary(BoundaryRecord(rec.position, rec.tokens, frame, rec.state)))
+        return values
+
     async def _write(self, job: WriteJob) -> bool:
         ok = True
         t0 = time.perf_counter()
         frames, tail = await asyncio.to_thread(self._encode_blocks, job)
+        records = await asyncio.to_thread(self._encode_records, job) if job.records else []
         self._metrics.codec_seconds.labels("encode").observe(time.perf_counter() - t0)
         t0 = time.perf_counter()
         try:
@@ -137,6 +151,7 @@ class BackgroundWriter:
                 self._metrics.bytes_stored.inc(sum(len(f) for f in frames))
             entries = [(job.tail_key, tail)] if tail is not None and job.tail_key is not None else []
             entries += [job.reply] if job.reply is not None else []
+            entries += [(key, value) for (key, _), value in zip(job.records, records, strict=True)]
             if entries:
                 ok = await self._store.put_entries([k for k, _ in entries], [v for _, v in entries], job.tenant) \
                     == len(entries) and ok

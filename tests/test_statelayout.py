@@ -234,17 +234,26 @@ def test_a_layout_names_its_layers_in_the_fingerprint_and_in_one_line() -> None:
 
 
 @needs_converter
-@pytest.mark.parametrize(("name", "layout"), [
-    ("gemma3", "gemma3, 6 layers: 5 sliding-window (window 32; layers 0-4), 1 full-attention"),
-    ("gpt-oss", "gpt-oss, 2 layers: 1 sliding-window (window 32; layer 0), 1 full-attention"),
-    ("lfm2", "lfm2, 4 layers: 2 recurrent (layers 0,2; 1,024 bytes of state a sequence), 2 full-attention"),
+@pytest.mark.parametrize(("name", "layout", "tag"), [
+    ("gemma3", "gemma3, 6 layers: 5 sliding-window (window 32; layers 0-4), 1 full-attention",
+     "/layout:gemma3:6/swa32:0-4x5/rows:64,64,64,64,64,64"),
+    ("gpt-oss", "gpt-oss, 2 layers: 1 sliding-window (window 32; layer 0), 1 full-attention",
+     "/layout:gpt-oss:2/swa32:0x1/rows:64,64"),
+    ("lfm2", "lfm2, 4 layers: 2 recurrent (layers 0,2; 1,024 bytes of state a sequence), 2 full-attention",
+     "/layout:lfm2:4/rec:0,2x2:1024B/rows:64,64"),
 ])
-def test_the_llamacpp_engine_refuses_a_layout_it_cannot_cache_naming_it(name: str, layout: str) -> None:
+def test_the_llamacpp_engine_serves_a_sliding_or_hybrid_layout_naming_it(name: str, layout: str, tag: str) -> None:
+    """Its blocks hold the full-attention layers alone (boundary records the rest), under a fingerprint naming the
+    layout."""
     from service.engines.llamacpp import LlamaCppEngine  # noqa: PLC0415
 
-    with pytest.raises(ConfigError) as refused:
-        LlamaCppEngine(tiny_gguf(name), name=name, parallel=1, threads=1)
-    assert str(refused.value) == f"tiny-{name}.gguf is {layout}; kvstash caches full-attention KV only"
+    engine = LlamaCppEngine(tiny_gguf(name), name=name, parallel=1, threads=1)
+    try:
+        assert engine.layout.describe() == layout and engine.layout.tag() == tag and engine.boundary_records
+        assert engine.geometry.num_layers == engine.layout.full
+        assert engine.fingerprint(16, "exact").num_layers == engine.layout.full
+    finally:
+        engine.close()
 
 
 @needs_converter
@@ -266,17 +275,3 @@ def test_the_sidecar_refuses_a_layout_it_cannot_cache_naming_it(name: str, layou
 def test_the_gguf_header_names_per_layer_arrays_llama_cpp_leaves_out() -> None:
     meta = read_meta(tiny_gguf("lfm2"), ["general.architecture", "lfm2.attention.head_count_kv", "absent"])
     assert meta == {"general.architecture": "lfm2", "lfm2.attention.head_count_kv": [0, 2, 0, 2]}
-
-
-@needs_converter
-def test_serve_refuses_a_sliding_window_model_in_one_line() -> None:
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
-
-    done = subprocess.run([sys.executable, "-m", "ops.cli", "serve", "--engine", "llamacpp", "--model",
-                           str(tiny_gguf("gemma3")), "--no-cache", "--port", "1"], capture_output=True, text=True,
-                          timeout=120, check=False)
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == [
-        "kvstash: error: tiny-gemma3.gguf is gemma3, 6 layers: 5 sliding-window (window 32; layers 0-4), "
-        "1 full-attention; kvstash caches full-attention KV only"]

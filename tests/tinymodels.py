@@ -13,6 +13,7 @@ processes build once (`service.models.ensure_built`).
 | gpt-oss     | GptOssForCausalLM         | alternating sliding / full layers, mixture of experts (iSWA)   |
 | lfm2        | Lfm2ForCausalLM           | hybrid: short-conv recurrent layers beside attention layers    |
 | llama3-hd128| LlamaForCausalLM          | full attention (Llama 3), head_dim 128, 4 query heads a KV head|
+| gemma3-8k   | Gemma3ForCausalLM         | gemma3 with a window of 512 and 8192 positions (benchmarks)    |
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ SPECS = {
             # every 6th layer global: llama.cpp assumes Gemma 3's pattern (the converter writes no pattern)
             **_COMMON, "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
             "num_key_value_heads": 1, "head_dim": 32, "sliding_window": 32,
+            "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+        }),
+        TinySpec("gemma3-8k", "Gemma3TextConfig", "Gemma3ForCausalLM", {
+            **_COMMON, "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
+            "num_key_value_heads": 1, "head_dim": 32, "sliding_window": 512, "max_position_embeddings": 8192,
             "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
         }),
         TinySpec("gpt-oss", "GptOssConfig", "GptOssForCausalLM", {

@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from cachestore.boundary import BoundaryRecord, pack_boundary
 from ops.bench.common import SAMPLE_TEXT, machine, percentile, plot_lines, print_table, write_json
 
 CONTEXTS = [256, 512, 1024, 2048, 4096]
@@ -98,6 +99,7 @@ class ResumeBench:
         self._beside: Any = None  # the one-core thread that calls an engine that does not run torch
         # llama-server keeps each slot's tokens: emptied before every timed run, so nothing is reused unasked
         self._fresh = getattr(engine, "forget", lambda: None)
+        self.boundary: bytes | None = None  # a sliding-window or hybrid model's boundary state at the history's end
 
     def compute(self, fn: Any, *args: Any) -> Any:
         """Run `fn` where a pod calls its engine (service.threads): an engine that runs torch on the process's compute
@@ -123,6 +125,9 @@ class ResumeBench:
             gen = self.compute(self.engine.generate, prompt, None, GenParams(max_tokens=1))
             times.append(gen.ttft_s)
             kv = gen.kv
+        if getattr(self.engine, "boundary_records", False):  # the window / recurrent state at the history's end
+            history = self.compute(self.engine.generate, prompt[:-1], None, GenParams(max_tokens=1))
+            self.boundary = dict(history.boundaries)[len(prompt) - 1]
         return times, kv  # kv: [L, 2, H, N + 1, D], the history's KV and the new token's
 
     @contextlib.asynccontextmanager
@@ -155,6 +160,9 @@ class ResumeBench:
         frames = [pipeline.codecs.at(i).encode(kv[:, :, :, i * b:(i + 1) * b])  # [L, 2, H, b, D] each
                   for i in range(len(hashes))]
         assert await store.put_blocks(pipeline.model_key, hashes, frames) == len(frames)
+        if self.boundary is not None:  # and its boundary record, as the pod that stopped there writes it
+            record = pack_boundary(BoundaryRecord(len(prompt) - 1, [], b"", self.boundary))
+            assert await store.put_entries([store.keys.boundary(pipeline.model_key, hashes[-1])], [record]) == 1
         return hashes, frames
 
     async def kvstash(self, mode: str, prompt: list[int], kv: Any) -> list[dict[str, Any]]:
@@ -174,6 +182,9 @@ class ResumeBench:
                     await self._store_history(signed, signed_store, prompt, kv)
                 nbytes = sum(len(f) for f in frames)
                 keys = [store.keys.block(pipeline.model_key, h)[1] for h in hashes]
+                if self.boundary is not None:  # the floor reads the record too
+                    keys.append(store.keys.boundary(pipeline.model_key, hashes[-1])[1])
+                    nbytes += len(await raw_get_one(raw, keys[-1]))
                 # the floor's KV, in memory: a context the engine lent stays lent to the floor as a hit left it (its
                 # state holds the hit's rows: set, or written as a slot file, as they are), anything else is copied
                 decoded = (await pipeline.lookup(SALT, prompt))[0].complete()
@@ -213,6 +224,8 @@ class ResumeBench:
                 if self.args.frame_key:
                     assert signed_store.stats().rejected_mac == 0
             rows = [_row(context, f"kvstash-{mode}", times, nbytes), _row(context, f"floor-{mode}", floor, nbytes)]
+            if self.boundary is not None:
+                rows[0].update(self._bytes_per_token(context, frames, nbytes))
             if self.args.frame_key:
                 row = _row(context, f"signed-{mode}", signed_times, nbytes + 40 * len(frames))
                 row["ratio_to_unsigned"] = statistics.median(s / u for s, u in zip(signed_times, times, strict=True))
@@ -283,9 +296,19 @@ class ResumeBench:
         fetched = time.perf_counter() - t0
         # the KV handed back starts where the hit's does (the pipeline's keep_from): parsing the whole history out of
         # the state, which a hit never does, faulted in 47-94 MB at 2048 tokens right before the next hit was timed
-        gen = self.engine.generate(prompt, kv, GenParams(max_tokens=1), keep_from=int(kv.shape[3]))
+        extra = {"boundary": self.boundary} if self.boundary is not None else {}
+        gen = self.engine.generate(prompt, kv, GenParams(max_tokens=1), keep_from=int(kv.shape[3]), **extra)
         assert all(isinstance(g, bytes) for g in got)
         return fetched + gen.ttft_s
+
+    def _bytes_per_token(self, context: int, frames: list[bytes], nbytes: int) -> dict[str, float]:
+        """What a sliding-window or hybrid model's hit stores a token: its blocks (full-attention layers) and its
+        record, against blocks of every attention layer for every position in the same codec."""
+        layout = self.engine.layout
+        blocks = sum(len(f) for f in frames)
+        every_layer = blocks * (layout.full + layout.sliding_count) / layout.full
+        return {"bytes_per_token": nbytes / context, "record_bytes": nbytes - blocks,
+                "every_layer_bytes_per_token": every_layer / context}
 
     def slot_restore(self, prompt: list[int], kv: Any) -> dict[str, Any]:
         """llama-server's own mechanism, the bar a user compares with: the history's slot file already on the local
@@ -417,6 +440,13 @@ def _raw_client(url: str) -> Any:
     from cachestore.settings import StoreSettings  # noqa: PLC0415
 
     return make_client(StoreSettings.from_url(url), asynchronous=False)
+
+
+async def raw_get_one(raw: Any, key: str) -> bytes:
+    """One value by the blocking raw client (off the event loop)."""
+    value = await asyncio.to_thread(raw.get, key)
+    assert isinstance(value, bytes), key
+    return value
 
 
 def _raw_get(raw: Any, keys: list[str]) -> list[Any]:

@@ -107,6 +107,9 @@ class Generation:
     kv_from: int = 0  # the first token `kv` holds (the caller said it needs none before: `keep_from`)
     logprobs: list[TokenLogprob] | None = None  # one per generated token but an ending end-of-turn token
     choices: list[Choice] = field(default_factory=list)  # choices 2..n (their KV is not written back)
+    # a sliding-window or hybrid model's boundary states (position P, what a boundary record holds beside the KV of
+    # tokens 0..P-1): at the prompt's end and at the sequence's
+    boundaries: tuple[tuple[int, bytes], ...] = ()
 
 
 def reply_ids(generated: list[int], ended_by_token: bool, cut_by_stop: bool) -> list[int] | None:

@@ -36,6 +36,7 @@ import torch
 
 from cachestore.errors import ConfigError
 from cachestore.hashing import ModelFingerprint
+from cachestore.quant import Q8_BLOCK, Q8_BYTES
 from service import threads as torch_threads
 from service.engines import ggufmeta, llamastate, statelayout
 from service.engines.base import FLASH_ATTN, KvGeometry, PrefillHook, check_flash_attn, gguf_fingerprint
@@ -126,6 +127,7 @@ class _Request:
     state_size: int = 0
     lent: bool = False  # `state` is a context lent to the pipeline (`context_for`): it comes back from there
     planned: int = 0  # cells `state` holds: those from `cached` on are dropped once it is set
+    boundaries: list[tuple[int, bytes]] = field(default_factory=list)  # (position, boundary state): see generate
 
 
 class _Vocab:
@@ -223,9 +225,10 @@ class LlamaCppEngine(LendsStates):
         self._bos = int(lib.llama_vocab_bos(self._vocab_p))
         self._batch = lib.llama_batch_init(N_BATCH, 0, parallel)
         self.layout = self._probe_model_layout()
-        if not self.layout.full_attention_only:
-            self._free_native()
-            raise ConfigError(f"{path.name} is {self.layout.describe()}; kvstash caches full-attention KV only")
+        # sliding-window and recurrent layers: blocks hold the full-attention layers, boundary records the rest
+        self.boundary_records = bool(statelayout.boundary_kinds(self.layout))
+        if self.boundary_records:
+            self.geometry = self._attention_geometry(head_dim, per_seq)
         self.state_geometry = self._probe_layout()
         # exact and fp16 frames as token rows, the order the state holds K and V in: a hit lands in the state itself
         self.row_frames = not self.state_geometry.v_trans
@@ -286,12 +289,42 @@ class LlamaCppEngine(LendsStates):
         blob = self._get_state(0, bytearray(size), size)
         lib.llama_memory_seq_rm(self._mem, 0, -1, -1)
         try:
-            sections = statelayout.read_sections(blob, statelayout.section_kinds(n_swa, hybrid, recurrent))
+            self._section_kinds = statelayout.section_kinds(n_swa, hybrid, recurrent)
+            sections = statelayout.read_sections(blob, self._section_kinds)
             return statelayout.model_layout(arch, n_layer, n_swa, sections, sliding, rec_layers)
         except llamastate.StateLayoutError as exc:
             self._free_native()
             raise ConfigError(f"{self.path.name}: llama.cpp's sequence state is not one kvstash reads ({exc})"
                               ) from None
+
+    def _attention_geometry(self, head_dim: int, per_seq: int) -> KvGeometry:
+        """The geometry of a sliding-window or hybrid model's blocks: its full-attention layers alone (one row width
+        for all of them), or a one-line refusal naming the layout where there are none."""
+        layout = self.layout
+        rows = set(layout.kv_row_bytes[:layout.full])
+        if layout.full == 0 or len(rows) != 1 or self._section_kinds[0] != statelayout.KV:
+            self._free_native()
+            raise ConfigError(f"{self.path.name} is {layout.describe()}; kvstash caches models with full-attention "
+                              "layers of one width beside their sliding-window or recurrent layers")
+        row = rows.pop()
+        elements = row // 2 if self.kv_type == "f16" else row // Q8_BYTES * Q8_BLOCK
+        return KvGeometry(layout.full, elements // head_dim, head_dim, self.geometry.dtype, per_seq)
+
+    def _split(self, blob: bytes | bytearray | memoryview) -> tuple[int, bytes]:
+        """Where a state's full-attention KV ends, and its boundary state (`statelayout.split_state`): the window or
+        recurrent sections after it, of one stream; (its length, b"") for a full-attention model."""
+        if not self.boundary_records:
+            return len(blob), b""
+        return statelayout.split_state(blob, self._section_kinds)
+
+    def boundary_problem(self, state: bytes, position: int) -> str | None:
+        """Why a boundary state read back from Redis (untrusted) cannot resume a sequence at `position`, or None."""
+        return statelayout.check_boundary(state, self.layout, position, self.state_geometry.v_trans)
+
+    def context_for(self, tokens: int) -> torch.Tensor | None:
+        """As `LendsStates.context_for`; None for a sliding-window or hybrid model, whose state is assembled whole
+        from its blocks and its boundary record."""
+        return None if self.boundary_records else super().context_for(tokens)
 
     def _free_native(self) -> None:
         """Free what llama.cpp holds for this engine when it refuses to start (`close` does it after)."""
@@ -307,6 +340,7 @@ class LlamaCppEngine(LendsStates):
         blob = self._get_state(0, bytearray(size), size)
         self._lib.llama_memory_seq_rm(self._mem, 0, -1, -1)
         try:
+            blob = blob[:self._split(blob)[0]]  # the full-attention KV: what blocks hold
             facts = llamastate.read_facts(blob)
             if facts is None:
                 raise llamastate.StateLayoutError("the state of a decoded sequence holds no cells")
@@ -375,9 +409,12 @@ class LlamaCppEngine(LendsStates):
         on_prefill: PrefillHook | None = None,
         kv_ready: LayerGate | None = None,
         keep_from: int = 0,
+        boundary: bytes | None = None,
     ) -> Generation:
         """The returned KV starts at token `keep_from` (`Generation.kv_from`): only those cells are parsed out of the
-        sequence state, which at 2048 tokens saves a 47 MB copy (~20 ms on one core) before the reply returns."""
+        sequence state, which at 2048 tokens saves a 47 MB copy (~20 ms on one core) before the reply returns.
+        A sliding-window or hybrid model resumes only with `boundary`, the boundary state at `cached_kv`'s end
+        (`boundary_problem` checked), and returns its boundary states at the prompt's end and the sequence's."""
         prompt = [int(i) for i in prompt_ids]
         limit = self.geometry.max_context
         if not prompt:
@@ -392,17 +429,24 @@ class LlamaCppEngine(LendsStates):
             if cached_kv.shape[3] > len(prompt):
                 raise ValueError(f"cached kv covers {cached_kv.shape[3]} tokens, the prompt has {len(prompt)}")
             cached = min(int(cached_kv.shape[3]), len(prompt) - 1)  # the last prompt token is always fed
+            if self.boundary_records and (boundary is None or cached != cached_kv.shape[3]):
+                raise ValueError("a sliding-window or hybrid model resumes at a boundary: its state and the KV "
+                                 "of every token before it")
             if kv_ready is not None:
                 kv_ready.wait_all()  # the state is set whole: every layer first
             lent = self._lent_state(cached_kv, cached)  # the hit was dequantized into a state: set as it is
             state, planned = lent if lent is not None else (None, cached)
             size = llamastate.state_size(planned, self.state_geometry)
             if state is None:
+                rest = (statelayout.with_streams(boundary, self._section_kinds[1:], self.state_geometry.n_stream)
+                        if self.boundary_records and boundary is not None else b"")
                 try:
                     state = llamastate.assemble_state(cached_kv[:, :, :, :cached], self.state_geometry,
-                                                      into=self._state_buffers.take(size))
+                                                      into=self._state_buffers.take(size + len(rest)))
                 except llamastate.StateLayoutError as exc:
                     raise ValueError(str(exc)) from None
+                state[size:size + len(rest)] = rest  # the window / recurrent state after the full-attention KV
+                size += len(rest)
         max_new = min(params.max_tokens, limit - len(prompt))
         req = _Request(prompt, state, cached, params, on_text, TextStream(self.vocab, params.stop, on_text),
                        self._sampler(params, prompt, 0), max_new, on_prefill)
@@ -425,7 +469,10 @@ class LlamaCppEngine(LendsStates):
         seq_ids = prompt + req.generated[:-1]
         kv_from = min(max(0, keep_from), len(seq_ids))
         try:  # [L, 2, H, tokens - kv_from, D] float16, copied out of the snapshot
-            kv = llamastate.parse_state(req.blob, self.state_geometry, start=kv_from, cells=len(seq_ids))
+            kv_end, at_end = self._split(req.blob)
+            if self.boundary_records and (not req.boundaries or req.boundaries[-1][0] != len(seq_ids)):
+                req.boundaries.append((len(seq_ids), at_end))
+            kv = llamastate.parse_state(req.blob[:kv_end], self.state_geometry, start=kv_from, cells=len(seq_ids))
         except llamastate.CellCountError as exc:
             raise RuntimeError(f"llama.cpp's state of a sequence of {len(seq_ids)} tokens {exc}") from None
         finally:
@@ -437,6 +484,7 @@ class LlamaCppEngine(LendsStates):
             total_s=time.perf_counter() - req.started, seq_ids=seq_ids, kv=kv,
             reply_ids=reply_ids(req.generated, req.ended_by_token, req.cut_by_stop), kv_from=kv_from,
             logprobs=req.sampler.logprobs if req.sampler is not None else None,
+            boundaries=tuple(req.boundaries),
             choices=[Choice(e.stream.text, e.generated, e.finish, e.sampler.logprobs if e.sampler else None)
                      for e in extra],
         )
@@ -456,7 +504,7 @@ class LlamaCppEngine(LendsStates):
         """Choice `choice` (> 0) of an `n` request: the cached prefix set again from `cached_kv` (a context lent as
         a state was set whole by choice 0: this one prefills the prompt), its state never read back."""
         state, size = None, 0
-        if cached and cached_kv is not None and not lent:
+        if cached and cached_kv is not None and not lent and not self.boundary_records:  # else: prefilled
             size = llamastate.state_size(cached, self.state_geometry)
             state = llamastate.assemble_state(cached_kv[:, :, :, :cached], self.state_geometry,
                                               into=self._state_buffers.take(size))
@@ -480,6 +528,8 @@ class LlamaCppEngine(LendsStates):
         """Logits [len(ids), vocab] of `ids` fed after the KV of cached_kv.shape[3] tokens (the quality
         bench: row j predicts ids[j + 1])."""
         n = int(cached_kv.shape[3])
+        if n and self.boundary_records:
+            raise ValueError("scoring after cached KV needs full-attention layers only")
         state = llamastate.assemble_state(cached_kv, self.state_geometry) if n else None
         prompt = [0] * n + [int(t) for t in ids]  # the cached tokens' ids are not read back
         req = _Request(prompt, state, n, GenParams(max_tokens=1), None, TextStream(self.vocab, (), None), None, 1)
@@ -604,13 +654,19 @@ class LlamaCppEngine(LendsStates):
         if not req.generated:
             req.ttft = time.perf_counter() - req.started
         req.generated.append(token)
-        if req.on_prefill is not None and len(req.generated) == 1:  # the prompt's KV, for early block writes
-            buffer, blob = self._snapshot(req.seq)
-            geo = self.state_geometry
+        if (req.on_prefill is not None or self.boundary_records and req.keeps_state) and len(req.generated) == 1:
+            # the prompt's KV, for early block writes, and its boundary state, for a record at the prompt's end
+            buffer, whole = self._snapshot(req.seq)
+            kv_end, at_prompt = self._split(whole)
+            blob, geo = whole[:kv_end], self.state_geometry
+            if self.boundary_records:
+                req.boundaries.append((len(req.prompt), at_prompt))
             try:
-                req.on_prefill(lambda start, end: llamastate.parse_state(blob, geo, start, end))
+                if req.on_prefill is not None:
+                    req.on_prefill(lambda start, end: llamastate.parse_state(blob, geo, start, end))
             finally:
                 blob.release()  # the buffer goes back to the pool: a get_kv kept past the hook raises
+                whole.release()
                 self._snapshots.give(buffer)
         try:
             if self._lib.llama_vocab_is_eog(self._vocab_p, token):

@@ -1,0 +1,221 @@
+"""Sliding-window (Gemma 3, gpt-oss) and hybrid recurrent (LFM2) models through llama.cpp pods: their full-attention
+layers as blocks, the rest as boundary records (cachestore.boundary). A conversation alternating between two pods hits
+on every later turn and replies token for token as one engine that kept the conversation; a record that is missing,
+corrupt, of another layout or of another tenant is a miss, never a wrong answer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import pytest
+import redis
+from starlette.testclient import TestClient
+
+from cachestore.boundary import BoundaryRecord, pack_boundary, unpack_boundary
+from cachestore.codec import read_header
+from ops.redisproc import RedisProcess
+from service.app import create_app
+from service.engines import GenParams
+from service.engines.llamacpp import LlamaCppEngine
+from service.settings import PodSettings
+from tests.faultkit import wait_written
+from tests.tinymodels import converter_missing, tiny_gguf
+
+pytestmark = pytest.mark.skipif(converter_missing() is not None, reason=converter_missing() or "")
+
+N_SWA = 32  # the tiny models' window
+BLOCK = 16
+MAX_TOKENS = 12
+# longer than 4 x the window from the first turn on
+SYSTEM = {"role": "system", "content": "You are a patient tutor of natural science. " + " ".join(
+    f"Rule {i}: answer briefly, name one example, and say what is measured and how it is measured." for i in range(9))}
+QUESTIONS = ["What is photosynthesis?", "Where in the cell does it happen?", "What gas does it release?",
+             "Why does that matter for animals?", "How do plants take in water?", "What is transpiration?"]
+KEYS = {"key-x": "tenant-x", "key-y": "tenant-y"}
+
+
+def _load(name: str) -> LlamaCppEngine:
+    return LlamaCppEngine.load(str(tiny_gguf(name)), parallel=1, threads=1)
+
+
+@pytest.fixture(scope="module", params=["gemma3", "gpt-oss", "lfm2"])
+def engines(request: pytest.FixtureRequest) -> Iterator[dict[str, LlamaCppEngine]]:
+    """Pod a's engine, pod b's, and the reference that keeps the conversation itself."""
+    with ExitStack() as stack:
+        loaded = {role: _load(request.param) for role in ("a", "b", "reference")}
+        for engine in loaded.values():
+            stack.callback(engine.close)
+        yield loaded
+
+
+@contextmanager
+def _pods(redis_url: str, engines: dict[str, LlamaCppEngine], **overrides: Any) -> Iterator[tuple[TestClient, ...]]:
+    settings = {"engine": "llamacpp", "model": str(engines["a"].path), "redis_url": redis_url, "codec": "exact",
+                "block_tokens": BLOCK, "local_tier_bytes": 0, "fetch_policy": "always", **overrides}
+    with TestClient(create_app(PodSettings(**settings, pod_name="a"), engine=engines["a"])) as a, \
+            TestClient(create_app(PodSettings(**settings, pod_name="b"), engine=engines["b"])) as b:
+        yield a, b
+
+
+def _chat(pod: TestClient, engine: LlamaCppEngine, messages: list[dict[str, str]], **extra: Any) -> Any:
+    body = {"model": engine.name, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "return_token_ids": True}
+    resp = pod.post("/v1/chat/completions", json=body, headers=extra.get("headers") or {})
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
+def _cached(resp: Any) -> int:
+    return int(resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def _reply(resp: Any) -> str:
+    return str(resp.json()["choices"][0]["message"]["content"])
+
+
+def _values(server: RedisProcess, kind: str) -> dict[bytes, bytes]:
+    client = redis.Redis.from_url(server.url)
+    try:
+        return {key: client.get(key) for key in client.scan_iter(match=f"kvstash:{kind}:*")}
+    finally:
+        client.close()
+
+
+def _window_bytes(engine: LlamaCppEngine) -> int:
+    """Bytes of the boundary state this layout writes at any position past its window (`statelayout.split_state`)."""
+    layout = engine.layout
+    if layout.sliding_count:  # one stream: n_stream, a cell count, the cells, v_trans and n_layer, each layer's K, V
+        rows = layout.kv_row_bytes[layout.full:]
+        return 8 + 12 * N_SWA + 8 + sum(2 * (12 + N_SWA * row) for row in rows)
+    # the cell count, the cell, s_trans and n_layer, each recurrent layer's R then S behind a 12-byte header
+    return 4 + 8 + 8 + 2 * 12 * layout.recurrent_count + layout.recurrent_bytes
+
+
+def test_a_conversation_alternating_pods_hits_every_later_turn_and_replies_exactly(
+        engines: dict[str, LlamaCppEngine], redis_server: RedisProcess) -> None:
+    reference = engines["reference"]
+    assert not reference.layout.full_attention_only and reference.geometry.num_layers == reference.layout.full
+    messages = [SYSTEM]
+    known: dict[int, list[int]] = {}
+    previous = None
+    with _pods(redis_server.url, engines) as (a, b):
+        for turn, question in enumerate(QUESTIONS):
+            messages.append({"role": "user", "content": question})
+            pod = (a, b)[turn % 2]
+            resp = _chat(pod, engines["a"], messages)
+            prompt = reference.chat_ids(messages, known)
+            assert resp.json()["prompt_token_ids"] == prompt and len(prompt) > 4 * N_SWA
+            cached = _cached(resp)
+            if previous is None:
+                assert cached == 0 and resp.headers["x-kv-cache"] == "miss"
+                expected = reference.generate(prompt, None, GenParams(max_tokens=MAX_TOKENS))
+            else:  # the other pod's sequence, to its last fed token: its boundary record
+                assert cached == len(previous.seq_ids), (turn, cached, len(previous.seq_ids))
+                assert resp.headers["x-kv-cache"] in ("hit", "partial")
+                state = dict(previous.boundaries)[cached]  # the reference resumes where it stopped, as a pod does
+                expected = reference.generate(prompt, previous.kv[:, :, :, :cached], GenParams(max_tokens=MAX_TOKENS),
+                                              boundary=state)
+            assert _reply(resp) == expected.text, f"turn {turn}: the cache changed the reply"
+            previous = expected
+            if expected.reply_ids is not None:
+                known[len(messages)] = expected.reply_ids
+            messages.append({"role": "assistant", "content": _reply(resp)})
+            wait_written(pod)
+    records = [unpack_boundary(v) for v in _values(redis_server, "bnd").values()]
+    # a record at each prompt's end and each sequence's end; the window or recurrent state the same size at every
+    # boundary: the bytes of the sliding / recurrent layers grow with the boundaries, not with the context
+    assert len(QUESTIONS) < len(records) <= 2 * len(QUESTIONS)
+    assert {len(r.state) for r in records} == {_window_bytes(reference)}
+    assert max(r.position for r in records) - min(r.position for r in records) > 2 * N_SWA
+    blocks = _values(redis_server, "blk")
+    assert blocks and {read_header(f).layers for f in blocks.values()} == {reference.layout.full}
+
+
+def _second_turn(engines: dict[str, LlamaCppEngine], server: RedisProcess, mutate: Any,
+                 headers: tuple[dict[str, str], dict[str, str]] = ({}, {}), **overrides: Any) -> Any:
+    """Turn 1 on pod a, `mutate(server)`, turn 2 on pod b: its response, checked to reply as a prefill would."""
+    messages = [SYSTEM, {"role": "user", "content": QUESTIONS[0]}]
+    with _pods(server.url, engines, **overrides) as (a, b):
+        first = _chat(a, engines["a"], messages, headers=headers[0])
+        wait_written(a)
+        mutate(server)
+        messages += [{"role": "assistant", "content": _reply(first)}, {"role": "user", "content": QUESTIONS[1]}]
+        second = _chat(b, engines["b"], messages, headers=headers[1])
+    prefilled = engines["reference"].generate(second.json()["prompt_token_ids"], None, GenParams(max_tokens=MAX_TOKENS))
+    assert _reply(second) == prefilled.text
+    return second
+
+
+def _rewrite(server: RedisProcess, change: Any) -> None:
+    client = redis.Redis.from_url(server.url)
+    try:
+        for key in list(client.scan_iter(match="kvstash:bnd:*")):
+            client.set(key, change(client.get(key)), keepttl=True)
+    finally:
+        client.close()
+
+
+def test_the_second_turn_hits_on_the_other_pod(engines: dict[str, LlamaCppEngine],
+                                               redis_server: RedisProcess) -> None:
+    assert _cached(_second_turn(engines, redis_server, lambda _: None)) > 4 * N_SWA
+
+
+def test_a_missing_record_is_a_miss(engines: dict[str, LlamaCppEngine], redis_server: RedisProcess) -> None:
+    def drop(server: RedisProcess) -> None:
+        client = redis.Redis.from_url(server.url)
+        try:
+            client.delete(*client.scan_iter(match="kvstash:bnd:*"))
+            assert list(client.scan_iter(match="kvstash:blk:*"))  # the blocks are there: alone they are no hit
+        finally:
+            client.close()
+
+    assert _cached(_second_turn(engines, redis_server, drop)) == 0
+
+
+def test_a_corrupt_record_is_a_miss(engines: dict[str, LlamaCppEngine], redis_server: RedisProcess) -> None:
+    def flip(value: bytes) -> bytes:
+        return value[:-5] + bytes([value[-5] ^ 0x40]) + value[-4:]  # a byte of the state
+
+    assert _cached(_second_turn(engines, redis_server, lambda s: _rewrite(s, flip))) == 0
+
+
+def test_a_record_of_another_layout_or_position_is_a_miss(engines: dict[str, LlamaCppEngine],
+                                                          redis_server: RedisProcess) -> None:
+    """A well-formed record whose state is another model's window (or recurrent state), checksum and all."""
+    other = "lfm2" if engines["a"].layout.sliding_count else "gemma3"
+    foreign_engine = _load(other)
+    try:
+        prompt = foreign_engine.chat_ids([SYSTEM, {"role": "user", "content": QUESTIONS[0]}])
+        foreign = foreign_engine.generate(prompt, None, GenParams(max_tokens=4)).boundaries[-1][1]
+    finally:
+        foreign_engine.close()
+
+    def swap(value: bytes) -> bytes:
+        record = unpack_boundary(value)
+        return pack_boundary(BoundaryRecord(record.position, record.token_ids, record.frame, foreign))
+
+    assert _cached(_second_turn(engines, redis_server, lambda s: _rewrite(s, swap))) == 0
+
+    # the right layout's state, of a position no record is at: one token before the prompt's end
+    reference = engines["reference"]
+    prompt = reference.chat_ids([SYSTEM, {"role": "user", "content": QUESTIONS[0]}])
+    elsewhere = reference.generate(prompt[:-1], None, GenParams(max_tokens=1)).boundaries[-1]
+    assert elsewhere[0] == len(prompt) - 1
+
+    def moved(value: bytes) -> bytes:
+        record = unpack_boundary(value)
+        assert record.position != elsewhere[0]
+        return pack_boundary(BoundaryRecord(record.position, record.token_ids, record.frame, elsewhere[1]))
+
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushdb()
+    client.close()
+    assert _cached(_second_turn(engines, redis_server, lambda s: _rewrite(s, moved))) == 0
+
+
+def test_another_tenants_records_are_a_miss(engines: dict[str, LlamaCppEngine], redis_server: RedisProcess) -> None:
+    second = _second_turn(engines, redis_server, lambda _: None, api_keys=KEYS,
+                          headers=({"authorization": "Bearer key-x"}, {"authorization": "Bearer key-y"}))
+    assert _cached(second) == 0 and second.headers["x-kv-cache"] == "miss"
