@@ -872,9 +872,9 @@ class Pipeline:
         session_key: tuple[str, str] | None, tenant: str | None,
     ) -> tuple[CacheView, SessionRecord | None]:
         """The longest boundary P of the prompt with every full block before it and a record at P: the records under
-        the root and every block hash of the prompt in one round trip (with the session record), then the blocks
-        before the longest one's P; a record or block that is missing, corrupt or another layout's ends the hit at
-        an earlier boundary, or makes it a miss."""
+        the root and every block hash of the prompt, the prompt's blocks Redis holds and the session record, read
+        together (blocks are present beyond the last record only where another continuation left them); a record or
+        block that is missing, corrupt or another layout's ends the hit at an earlier boundary, or makes it a miss."""
         assert self.store is not None
         usable = len(prompt_ids) - 1  # the last prompt token is always re-fed for logits
         hashes = self.hashes(tenant_salt, prompt_ids[:usable])
@@ -884,53 +884,64 @@ class Pipeline:
         t0 = time.perf_counter()
         bypass = CacheView(None, 0, 0, "bypass")
         try:
-            values, fetched_session = await asyncio.wait_for(asyncio.gather(self.store.get_entries(keys),
-                                                                            fetch_session),
-                                                             self.settings.redis_timeout_s)
-            session = session or fetched_session
-            found = boundaries.candidates(values, prompt_ids, usable, self.block_tokens,
-                                          lambda detail: self._reject(Rejection("corrupt", detail)))
-            need = found[0].blocks if found else 0
-            blocks = await asyncio.wait_for(self.store.fetch(self.model_key, hashes[:need]),
-                                            self.settings.redis_timeout_s) if need else None
+            values, blocks, fetched_session = await asyncio.wait_for(
+                asyncio.gather(self.store.get_entries(keys), self.store.fetch(self.model_key, hashes), fetch_session),
+                self.settings.redis_timeout_s)
         except TimeoutError:
             return self._account(bypass, prompt_ids), session
-        if blocks is not None and blocks.unavailable:
+        session = session or fetched_session
+        if blocks.unavailable:
             return self._account(bypass, prompt_ids), session
-        frames = blocks.value if blocks is not None else []
-        view = await asyncio.to_thread(self._at_boundary, found, frames, usable)
+        found = boundaries.candidates(values, prompt_ids, usable, self.block_tokens,
+                                      lambda detail: self._reject(Rejection("corrupt", detail)))
+        view = await asyncio.to_thread(self._at_boundary, found, blocks.value, usable) if found else CacheView(
+            None, 0, 0, "miss", stored_blocks=len(blocks.value))
         self.metrics.redis_seconds.labels("lookup").observe(time.perf_counter() - t0)
         view.salt, view.tenant = tenant_salt, tenant
         return self._account(view, prompt_ids), session
 
     def _at_boundary(self, found: list[boundaries.Candidate], frames: list[bytes], usable: int) -> CacheView:
-        """The view of the longest candidate whose blocks all decode and whose record is what this pod writes."""
-        decoded: list[torch.Tensor] = []
-        for index, frame in enumerate(frames):
-            kv = self._decode(frame, None, index)  # [L, 2, H, b, D]
-            if kv is None:
-                break
-            decoded.append(kv)
+        """The view of the longest candidate whose blocks all decode and whose record is what this pod writes, its KV
+        decoded into one tensor (only the blocks before that candidate's boundary)."""
+        b, geo = self.block_tokens, self.geometry
+        out = torch.empty((geo.num_layers, 2, geo.kv_heads, found[0].position, geo.head_dim), dtype=geo.dtype)
+        decoded = 0  # leading blocks in `out`
         for candidate in found:
-            if candidate.blocks > len(decoded):
-                continue
             record = candidate.record
+            if candidate.blocks > len(frames):
+                continue
             problem = self.engine.boundary_problem(record.state, candidate.position)  # type: ignore[attr-defined]
             if problem is not None:
                 self._reject(Rejection("model", f"boundary record: {problem}"))
                 continue
-            parts = decoded[:candidate.blocks]
-            if record.token_ids:
-                tail = self._decode(record.frame, len(record.token_ids), candidate.blocks)
-                if tail is None:
-                    continue
-                parts.append(tail)
-            kv = torch.cat(parts, dim=3)  # [L, 2, H, P, D]
+            while decoded < candidate.blocks and self._decode_into(frames[decoded], out, decoded * b, b, decoded):
+                decoded += 1
+            if decoded < candidate.blocks:
+                frames = frames[:decoded]  # a bad block ends every longer candidate too
+                continue
+            start, n = candidate.blocks * b, len(record.token_ids)
+            if n and not self._decode_into(record.frame, out, start, n, candidate.blocks):
+                continue
             fetched = sum(len(f) for f in frames[:candidate.blocks]) + candidate.nbytes
-            target = (usable // self.block_tokens) * self.block_tokens
-            status = "hit" if candidate.position >= target else "partial"
-            return CacheView(kv, candidate.position, candidate.blocks, status, fetched, boundary=record.state)
-        return CacheView(None, 0, 0, "miss", stored_blocks=len(decoded))
+            status = "hit" if candidate.position >= (usable // b) * b else "partial"
+            return CacheView(out[:, :, :, :candidate.position], candidate.position, candidate.blocks, status, fetched,
+                             boundary=record.state)
+        return CacheView(None, 0, 0, "miss", stored_blocks=decoded)
+
+    def _decode_into(self, frame: bytes, out: torch.Tensor, start: int, tokens: int, block_index: int) -> bool:
+        """Decode a frame of `tokens` tokens into out[..., start:start + tokens]; False (counted) if it is not what
+        this pod would have written."""
+        expected = [*self._block_shape[:3], tokens, self._block_shape[4]]
+        codec = self.codecs.at(block_index)
+        problem = frame_problem(frame, codec.spec, expected, self.geometry.dtype)
+        if problem is None:
+            try:
+                codec.decode_into(frame, out[:, :, :, start:start + tokens], max_elements=math.prod(expected))
+                return True
+            except CodecError as exc:
+                problem = Rejection("corrupt", str(exc))
+        self._reject(problem)
+        return False
 
     def _record_writes(self, tenant_salt: bytes, gen: Generation, hashes: list[BlockHash]
                        ) -> list[tuple[tuple[int, str], boundaries.RecordWrite]]:
