@@ -193,7 +193,7 @@ def cmd_export(args: argparse.Namespace, settings: Any) -> int:
     print(f"exported {args.tenant}/{args.session}: {len(exported.record.token_ids)} tokens, "
           f"{len(exported.blocks)} of {exported.full_blocks} blocks"
           + (f" ({missing} no longer in Redis: they will be recomputed)" if missing else "")
-          + f", {len(data)} bytes to {args.file}")
+          + (", its boundary record" if exported.boundary else "") + f", {len(data)} bytes to {args.file}")
     return 0
 
 

@@ -5,16 +5,22 @@ corrupt, of another layout or of another tenant is a miss, never a wrong answer.
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
+import redis.asyncio
 from starlette.testclient import TestClient
 
 from cachestore.boundary import BoundaryRecord, pack_boundary, unpack_boundary
 from cachestore.codec import read_header
+from cachestore.inspect import namespace_stats
+from cachestore.keys import KeySpace
 from ops.redisproc import RedisProcess
 from service.app import create_app
 from service.engines import GenParams
@@ -219,3 +225,46 @@ def test_another_tenants_records_are_a_miss(engines: dict[str, LlamaCppEngine], 
     second = _second_turn(engines, redis_server, lambda _: None, api_keys=KEYS,
                           headers=({"authorization": "Bearer key-x"}, {"authorization": "Bearer key-y"}))
     assert _cached(second) == 0 and second.headers["x-kv-cache"] == "miss"
+
+
+def test_records_are_in_admin_stats_verify_the_budget_and_a_session_export(redis_server: RedisProcess,
+                                                                           tmp_path: Path) -> None:
+    """A session of a sliding-window model moves to another Redis with its record and resumes there with a hit;
+    stats count records, the budget accounts them, verify checks them."""
+    from ops.cli import main  # noqa: PLC0415
+
+    engines = {role: _load("gemma3") for role in ("a", "b")}
+    target = RedisProcess().start()
+    try:
+        with _pods(redis_server.url, engines) as (a, _):
+            assert a.post("/v1/sessions", json={"session_id": "s", "messages": [SYSTEM]}).status_code == 201
+            for text in QUESTIONS[:2]:
+                turn = a.post("/v1/sessions/s/messages", json={"content": text, "max_tokens": MAX_TOKENS})
+                assert turn.status_code == 200, turn.text
+            wait_written(a)
+        client = redis.Redis.from_url(redis_server.url)
+        records = list(client.scan_iter(match="kvstash:bnd:*"))
+        stats = asyncio.run(namespace_stats(redis.asyncio.Redis.from_url(redis_server.url), KeySpace("kvstash", 16),
+                                            1 << 30))
+        assert stats["kinds"]["boundary"]["keys"] == len(records) > 0
+        for key in records:  # in the budget's index of its shard, with its size
+            tag = key.decode()[key.decode().rfind("{"):]
+            assert int(client.hget(f"kvstash:idx:size:{tag}", key)) >= client.strlen(key)
+        flags = ["--engine", "llamacpp", "--model", str(engines["a"].path), "--codec", "exact",
+                 "--block-tokens", str(BLOCK)]
+        out = tmp_path / "s.json"
+        assert main(["admin", "--redis-url", redis_server.url, "export", "s", str(out), *flags]) == 0
+        assert "boundary" in json.loads(out.read_bytes())
+        assert main(["admin", "--redis-url", target.url, "import", str(out), *flags]) == 0
+        assert main(["admin", "--redis-url", redis_server.url, "verify"]) == 0
+        _rewrite(redis_server, lambda v: v[:-1] + bytes([v[-1] ^ 1]))
+        assert main(["admin", "--redis-url", redis_server.url, "verify"]) != 0
+        with _pods(target.url, engines) as (_, b):  # the imported session resumes at its record
+            turn = b.post("/v1/sessions/s/messages", json={"content": QUESTIONS[2], "max_tokens": MAX_TOKENS})
+        assert turn.status_code == 200, turn.text
+        assert _cached(turn) == len(json.loads(out.read_bytes())["session"]["token_ids"])
+        client.close()
+    finally:
+        target.cleanup()
+        for engine in engines.values():
+            engine.close()
