@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     import httpx  # noqa: PLC0415
 
     from ops.chatclient import stream_chat  # noqa: PLC0415
-    from service.pipeline import common_prefix  # noqa: PLC0415
+    from service.partials import common_prefix  # noqa: PLC0415
 
     if not 1 <= args.turns <= len(QUESTIONS):
         print(f"kvstash demo: --turns must be between 1 and {len(QUESTIONS)}", file=sys.stderr)

@@ -172,7 +172,7 @@ def create_app(settings: PodSettings, engine: Engine | LoadedModel | None = None
             if own:
                 model.close()
 
-    routes = [
+    routes: list[BaseRoute] = [
         Route("/healthz", health.healthz, methods=["GET"]),
         Route("/readyz", health.readyz, methods=["GET"]),
         Route("/metrics", health.metrics, methods=["GET"]),
@@ -192,7 +192,7 @@ def create_app(settings: PodSettings, engine: Engine | LoadedModel | None = None
     app = Starlette(
         routes=routes,
         middleware=[Middleware(RouteMetrics)],
-        exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
+        exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,
     )
     return app

@@ -16,7 +16,7 @@ from service.engines import GenParams
 from service.engines.generation import Generation
 from service.engines.hf import HfEngine
 from service.hfcache import ATTEND_MAX_NEW
-from service.pipeline import chunk_plan
+from service.lookup import chunk_plan
 from service.rehydrate import LayerGate, Rehydration
 
 MODES = ["exact", "fp16", "int8", "int4", "int2", "int4/rot", "int2+zstd", "int4/g32/clip", "fp8", "fp16+zstd",

@@ -177,7 +177,7 @@ def _measure(args: argparse.Namespace, scorer: Scorer, text: str) -> tuple[list[
     import torch  # noqa: PLC0415
 
     from cachestore.blockcodec import BlockCodecs  # noqa: PLC0415
-    from service.pipeline import common_prefix  # noqa: PLC0415
+    from service.partials import common_prefix  # noqa: PLC0415
 
     ids = scorer.text_ids(text)
     n, m = args.prefix, args.continuation

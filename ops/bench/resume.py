@@ -225,7 +225,7 @@ class ResumeBench:
         """len(prompts) sessions that another pod processed arrive on this pod at the same moment: each one's
         TTFT counted from that moment, for recomputing them all and for kvstash's hits (queueing included:
         an hf pod runs one forward at a time, a llama.cpp pod batches)."""
-        from service.pipeline import CacheView  # noqa: PLC0415
+        from service.cacheview import CacheView  # noqa: PLC0415
         from service.runner import GenParams  # noqa: PLC0415
 
         async def together(pipeline: Any, cached: bool) -> tuple[list[float], list[Any]]:
@@ -355,7 +355,7 @@ class ResumeBench:
         import torch  # noqa: PLC0415
 
         from service import hfcache  # noqa: PLC0415
-        from service.pipeline import chunk_plan  # noqa: PLC0415
+        from service.lookup import chunk_plan  # noqa: PLC0415
         from service.rehydrate import Rehydration  # noqa: PLC0415
 
         context, b = len(prompt) - 1, self.args.block_tokens
@@ -423,7 +423,7 @@ def _raw_get(raw: Any, keys: list[str]) -> list[Any]:
     """Plain GETs of `keys` on a blocking redis-py client, in the pod's chunks (`chunk_plan`): the least a read of
     those bytes costs here (one pipeline of them all is slower: 116-192 ms against 72-75 ms for 97 MB in 127
     values, because both ends buffer the whole reply)."""
-    from service.pipeline import chunk_plan  # noqa: PLC0415
+    from service.lookup import chunk_plan  # noqa: PLC0415
 
     got: list[Any] = []
     for chunk in chunk_plan(len(keys)):
