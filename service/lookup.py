@@ -2,7 +2,7 @@
 
 `Lookup` is the interface the request path uses (`RedisLookup` here; the sticky baseline of service.sticky behind
 the same one). A lookup plans how many blocks to read (service.fetchplan), reads them on a reader thread
-(`_read_blocks`) into the places service.placement gives, verifies them through the one gate (service.gate),
+(`_read_blocks`) into the places service.placement gives, verifies them through the one gate (service.framegate),
 dequantizes them (service.rehydrate) and extends the hit with a tail or the session's partial block
 (service.partials). Redis failing or out of time is a "bypass": the pod recomputes.
 """
@@ -28,7 +28,7 @@ from service.cacheview import CacheView, bypass
 from service.chain import Chain
 from service.engines import Engine, Generation
 from service.fetchplan import FetchPlanner
-from service.gate import FrameGate
+from service.framegate import FrameGate
 from service.metrics import PodMetrics
 from service.partials import Partials
 from service.placement import Placement

@@ -6,7 +6,7 @@ import torch
 
 from cachestore.sessions import SessionRecord
 from service.cacheview import CacheView
-from service.gate import FrameGate
+from service.framegate import FrameGate
 from service.metrics import PodMetrics
 
 

@@ -1,7 +1,7 @@
 """The request path of a pod, composed: look up what the cache holds, generate on the engine, write back.
 
 One `Pipeline` per pod wires the pieces, each a module of its own: the hash chain (service.chain), the gate for
-untrusted bytes (service.gate), where a hit's bytes go (service.placement), the lookup (service.lookup, or the
+untrusted bytes (service.framegate), where a hit's bytes go (service.placement), the lookup (service.lookup, or the
 sticky baseline of service.sticky behind the same interface) and the write-back (service.writeback). It owns the
 inference threads; admission is the HTTP layer's (service.admission).
 """
@@ -25,7 +25,7 @@ from service.cacheview import CacheView
 from service.chain import Chain
 from service.engines import Engine, Generation, GenParams
 from service.fetchplan import FetchPlanner
-from service.gate import FrameGate
+from service.framegate import FrameGate
 from service.lookup import Lookup, RedisLookup, publish_estimates
 from service.metrics import PodMetrics
 from service.placement import Placement
