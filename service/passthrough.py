@@ -24,8 +24,9 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from service.engines import Generation
-from service.engines import llamaserverinput as inputs
-from service.engines.llamaserver import LlamaServerEngine, SlotLease
+from service.engines.llama import llamaserverinput as inputs
+from service.engines.llama.llamaserver import LlamaServerEngine
+from service.engines.llama.slots import SlotLease
 from service.errors import ApiError
 from service.pipeline import CacheView, Pipeline
 from service.requests import _read_body, read_json

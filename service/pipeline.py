@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any
 
 import torch
 
 from cachestore.blockcodec import BlockCodecs
-from cachestore.codec import Codec, OpenFrame, PlacedFrame, read_header, verify_placed
+from cachestore.codec import Codec, OpenFrame, read_header, verify_placed
 from cachestore.errors import CodecError
-from cachestore.frame import HEADER_SIZE, RunningChecksum
+from cachestore.frame import RunningChecksum
 from cachestore.hashing import BlockHash, chain_hashes, root_hash
 from cachestore.landing import Scatter, Target
 from cachestore.outcome import Result
@@ -28,12 +27,13 @@ from cachestore.tails import pack_ids, reply_digest, unpack_ids, unpack_tail
 from service import threads
 from service.contextpool import ContextPool, LandingPool
 from service.engines import Engine, Generation, GenParams
+from service.engines.gate import LayerGate
 from service.errors import overloaded
 from service.fetchplan import FetchPlanner
 from service.framecheck import Rejection, frame_problem
 from service.memkv import MemoryKV
 from service.metrics import PodMetrics
-from service.rehydrate import LayerGate, Rehydration
+from service.rehydrate import Rehydration
 from service.settings import PodSettings
 from service.writer import BackgroundWriter, WriteJob
 
@@ -47,39 +47,6 @@ LANDING_ALIGN = 64  # each frame's slot in a lookup's landing starts on a cache 
 # compressors under which frames are mostly stored plainly (lz4 gains nothing on quantized KV), so their length is
 # known before they are read: they land in place (a frame of another length is read and decoded as before)
 LANDING_COMPRESSORS = frozenset({"none", "lz4"})
-
-
-_NO_BYTES = torch.empty(0, dtype=torch.uint8)
-
-
-class _Made(Sequence[Target]):
-    """`make(i)` for i in [start, stop), made when read; a slice is another such sequence."""
-
-    def __init__(self, make: Callable[[int], Target], start: int, stop: int) -> None:
-        self._make, self._start, self._stop = make, start, stop
-
-    def __len__(self) -> int:
-        return self._stop - self._start
-
-    @overload
-    def __getitem__(self, index: int) -> Target: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> _Made: ...
-
-    def __getitem__(self, index: int | slice) -> Target | _Made:
-        if isinstance(index, slice):
-            first, stop, step = index.indices(len(self))
-            if step != 1:
-                raise ValueError("slices of a _Made take no step")
-            return _Made(self._make, self._start + first, self._start + max(first, stop))
-        if not -len(self) <= index < len(self):
-            raise IndexError(index)
-        return self._make(self._start + index % len(self))
-
-
-def _address(view: memoryview) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 @dataclass
@@ -157,7 +124,7 @@ class Pipeline:
         self.store = store if settings.cache_enabled else None
         # an engine that takes sequence states gets exact and fp16 frames as token rows: a hit is received in place
         self.codecs = (codec if isinstance(codec, BlockCodecs)
-                       else BlockCodecs.for_spec(codec, rows=getattr(engine, "row_frames", False)))
+                       else BlockCodecs.for_spec(codec, rows=engine.kv_layout.row_frames))
         self.codecs.main.spec.check_model(geo.num_layers, geo.head_dim)  # refuse to start rather than drop writes
         self.metrics = metrics
         self.writer = writer
@@ -327,9 +294,7 @@ class Pipeline:
             hit_blocks, fetched = await verified
             self._observe_fetch(hit_blocks - local, fetched - local_bytes, time.perf_counter() - t0)
             if slots is not None and stage is None:  # token rows received into the engine's state
-                mark = getattr(self.engine, "mark_placed", None)
-                if mark is not None:
-                    mark(out, hit_blocks * b)
+                self.engine.mark_placed(out, hit_blocks * b)
             tail = None if shortened else await self._tail(tail_task, hit_blocks, len(hashes), hashes, tenant_salt,
                                                            usable, session, deadline)  # a prefetched tail of
             # another parent is cancelled below
@@ -464,22 +429,14 @@ class Pipeline:
         return stage, [view[at:at + size] for at, size in zip(offsets, sizes, strict=True)]
 
     def _rows_into(self, out: torch.Tensor, blocks: int) -> Sequence[Target] | None:
-        """Each block's `Scatter` into the context `out` an engine lent, when this pod writes uncompressed-length
-        token rows of its element type (`CodecSpec.rows`); else None. Each is made when the reader asks for its chunk
-        (~17 µs a block: 2 ms before the first request at 8128 tokens)."""
-        rows_of = getattr(self.engine, "context_rows", None)
-        codec, b = self.codecs.main, self.block_tokens
-        if (rows_of is None or not codec.spec.rows or self.codecs.sink is not codec or out.dtype != self.geometry.dtype
-                or rows_of(out, (blocks - 1) * b, b) is None):
+        """Each block's target in the context `out` an engine lent (`Engine.landing_targets`), when this pod writes
+        uncompressed-length token rows of its element type (`CodecSpec.rows`); else None."""
+        codec = self.codecs.main
+        if not codec.spec.rows or self.codecs.sink is not codec or out.dtype != self.geometry.dtype:
             return None
-        headers = memoryview(bytearray(HEADER_SIZE * blocks))
-
-        def scatter(i: int) -> Target:
-            rows = rows_of(out, i * b, b)
-            assert rows is not None
-            return Scatter([headers[i * HEADER_SIZE:(i + 1) * HEADER_SIZE], *rows], RunningChecksum())
-
-        targets = _Made(scatter, 0, blocks)
+        targets = self.engine.landing_targets(out, blocks, self.block_tokens)
+        if targets is None:
+            return None
         return targets if len(targets[0]) == self._slot_sizes[1] else None  # type: ignore[index]
 
     def _context_for(self, prompt_ids: list[int]) -> torch.Tensor:
@@ -541,7 +498,7 @@ class Pipeline:
         problem = frame_problem(head, self.codecs.at(index).spec, self._block_shape, self.geometry.dtype)
         if problem is not None:
             return self._reject(problem)
-        apart = getattr(self.engine, "rows_apart", False)  # rows in a state beside the lent tensor (q8_0)
+        apart = self.engine.kv_layout.rows_apart  # rows in a state beside the lent tensor (q8_0)
         if not read_header(head).rows:
             if apart:  # decoded into the tensor it would be missing from the state: never a wrong answer
                 return self._reject(Rejection("codec", "a frame of another layout than the state's rows"))
@@ -552,10 +509,7 @@ class Pipeline:
             header = verify_placed(head, rows, digest=digest, max_elements=math.prod(self._block_shape))
         except CodecError as exc:
             return self._reject(Rejection("corrupt", str(exc)))
-        if apart:  # its place is the state alone: the tensor's tokens for it stay unwritten (`mark_placed`)
-            return PlacedFrame(header, _NO_BYTES)
-        at = [_address(piece) for piece in rows[:3:2]]  # layer 0's K rows, and layer 1's
-        return PlacedFrame(header, _NO_BYTES, at=at[0], layer_stride=at[-1] - at[0])
+        return self.engine.placed_frame(header, rows)  # where the engine holds the rows
 
     async def _memory_view(self, tenant_salt: bytes, prompt_ids: list[int]) -> CacheView:
         """The longest prefix this pod itself computed, copied into a pooled buffer: the engine appends into the
