@@ -112,7 +112,7 @@ class ResumeBench:
             self._beside = threads.io_executor(1, "kvstash-bench")
         return self._beside.submit(fn, *args).result()
     def recompute(self, prompt: list[int]) -> tuple[list[float], Any]:
-        from service.engines.hf.runner import GenParams  # noqa: PLC0415
+        from service.engines import GenParams  # noqa: PLC0415
 
         times, kv = [], None
         if not self._warm:  # the first forward of a process pays one-time setup: not a prefill cost
@@ -161,7 +161,7 @@ class ResumeBench:
         """The pod's hit path for codec `mode`, then the floor over the very same frames (and with a frame key, the
         same hit on a signing pod)."""
 
-        from service.engines.hf.runner import GenParams  # noqa: PLC0415
+        from service.engines import GenParams  # noqa: PLC0415
 
         context = len(prompt) - 1
         raw = _raw_client(self.url)
@@ -224,7 +224,7 @@ class ResumeBench:
         """len(prompts) sessions that another pod processed arrive on this pod at the same moment: each one's
         TTFT counted from that moment, for recomputing them all and for kvstash's hits (queueing included:
         an hf pod runs one forward at a time, a llama.cpp pod batches)."""
-        from service.engines.hf.runner import GenParams  # noqa: PLC0415
+        from service.engines import GenParams  # noqa: PLC0415
         from service.pipeline import CacheView  # noqa: PLC0415
 
         async def together(pipeline: Any, cached: bool) -> tuple[list[float], list[Any]]:
