@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from service.rehydrate import LayerGate
+from service.engines.gate import LayerGate
 
 
 @dataclass

@@ -7,7 +7,6 @@ never an error and never a wrong answer.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 from collections.abc import Sequence
@@ -16,15 +15,15 @@ from dataclasses import dataclass
 import torch
 
 from cachestore.blockcodec import BlockCodecs
-from cachestore.codec import CodecSpec, OpenFrame, PlacedFrame, read_header, verify_placed
+from cachestore.codec import CodecSpec, OpenFrame, read_header, verify_placed
 from cachestore.errors import CodecError
 from cachestore.frame import GROUPED_MODES, RunningChecksum
 from cachestore.landing import Scatter, Target
 from cachestore.tails import unpack_ids, unpack_tail
+from service.engines import Engine
 from service.metrics import PodMetrics
 
 log = logging.getLogger("kvstash.gate")
-_NO_BYTES = torch.empty(0, dtype=torch.uint8)
 
 
 @dataclass(frozen=True)
@@ -63,24 +62,20 @@ def frame_problem(
     return None
 
 
-def _address(view: memoryview) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
-
-
 class FrameGate:
     """Opens what a lookup read, or rejects it (counted): block frames, received bytes or in place, tails, reply ids.
 
-    `rows_apart`: the engine keeps token rows in a state beside the tensor it lends (q8_0), so a frame of another
-    layout cannot be decoded into that state and is rejected rather than decoded where nothing would read it.
+    A frame received into the rows of a state the engine lent is verified there, and the engine says where it holds
+    those rows (`Engine.placed_frame`).
     """
 
     def __init__(self, codecs: BlockCodecs, block_shape: tuple[int, ...], dtype: torch.dtype, metrics: PodMetrics,
-                 rows_apart: bool = False) -> None:
+                 engine: Engine) -> None:
         self.codecs = codecs
         self.block_shape = block_shape  # [layers, 2, kv_heads, block_tokens, head_dim]
         self.dtype = dtype
         self.metrics = metrics
-        self.rows_apart = rows_apart
+        self.engine = engine
 
     def reject(self, problem: Rejection) -> None:
         """Bytes from Redis are untrusted: anything but what this pod would have written is a counted miss."""
@@ -111,8 +106,9 @@ class FrameGate:
         if problem is not None:
             self.reject(problem)
             return None
+        apart = self.engine.kv_layout.rows_apart  # rows in a state beside the lent tensor (q8_0)
         if not read_header(head).rows:
-            if self.rows_apart:  # decoded into the tensor it would be missing from the state: never a wrong answer
+            if apart:  # decoded into the tensor it would be missing from the state: never a wrong answer
                 self.reject(Rejection("codec", "a frame of another layout than the state's rows"))
                 return None
             return self.open_block(frame.tobytes(), index)
@@ -123,10 +119,7 @@ class FrameGate:
         except CodecError as exc:
             self.reject(Rejection("corrupt", str(exc)))
             return None
-        if self.rows_apart:  # its place is the state alone: the tensor's tokens for it stay unwritten (`mark_placed`)
-            return PlacedFrame(header, _NO_BYTES)
-        at = [_address(piece) for piece in rows[:3:2]]  # layer 0's K rows, and layer 1's
-        return PlacedFrame(header, _NO_BYTES, at=at[0], layer_stride=at[-1] - at[0])
+        return self.engine.placed_frame(header, rows)  # where the engine holds the rows
 
     def decode(self, frame: bytes, tokens: int | None, block_index: int) -> torch.Tensor | None:
         """A frame of `tokens` tokens (a whole block if None) at block `block_index`, decoded in the model's dtype,

@@ -225,7 +225,7 @@ class RedisLookup:
             hit_blocks, fetched = await verified
             self._observe_fetch(hit_blocks - local, fetched - local_bytes, time.perf_counter() - t0)
             if slots is not None and stage is None:  # token rows received into the engine's state
-                self.placement.mark_received(out, hit_blocks * b)
+                self.engine.mark_placed(out, hit_blocks * b)
             tail = None if shortened else await self._tail(tail_task, hit_blocks, len(hashes), hashes, tenant_salt,
                                                            usable, session, deadline)  # a prefetched tail of
             # another parent is cancelled below

@@ -26,8 +26,9 @@ from starlette.routing import Route
 from service.admission import Admission
 from service.cacheview import CacheView
 from service.engines import Generation
-from service.engines import llamaserverinput as inputs
-from service.engines.llamaserver import LlamaServerEngine, SlotLease
+from service.engines.llama import llamaserverinput as inputs
+from service.engines.llama.llamaserver import LlamaServerEngine
+from service.engines.llama.slots import SlotLease
 from service.errors import ApiError
 from service.pipeline import Pipeline
 from service.requests import _read_body, read_json

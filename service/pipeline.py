@@ -53,7 +53,7 @@ class Pipeline:
         self.store = store if settings.cache_enabled else None
         # an engine that takes sequence states gets exact and fp16 frames as token rows: a hit is received in place
         self.codecs = (codec if isinstance(codec, BlockCodecs)
-                       else BlockCodecs.for_spec(codec, rows=getattr(engine, "row_frames", False)))
+                       else BlockCodecs.for_spec(codec, rows=engine.kv_layout.row_frames))
         self.codecs.main.spec.check_model(geo.num_layers, geo.head_dim)  # refuse to start rather than drop writes
         self.metrics = metrics
         self.writer = writer
@@ -68,8 +68,7 @@ class Pipeline:
         self._executor = (threads.io_executor(engine.parallel, "kvstash-infer") if self._own_executor
                           else threads.compute_executor())
         block_shape = (geo.num_layers, 2, geo.kv_heads, settings.block_tokens, geo.head_dim)
-        self.gate = FrameGate(self.codecs, block_shape, geo.dtype, metrics,
-                              rows_apart=getattr(engine, "rows_apart", False))
+        self.gate = FrameGate(self.codecs, block_shape, geo.dtype, metrics, engine)
         self.placement = Placement(engine, self.codecs, settings.block_tokens, settings.max_tokens_limit)
         # fetch or recompute: a hit is read only while reading a block beats prefilling it (service.fetchplan)
         self.planner = FetchPlanner(settings.fetch_policy, settings.block_tokens, settings.redis_timeout_s,

@@ -8,14 +8,12 @@ straight into that state's rows instead: nothing is left to dequantize.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import overload
+from collections.abc import Sequence
 
 import torch
 
 from cachestore.blockcodec import BlockCodecs
-from cachestore.frame import HEADER_SIZE, RunningChecksum
-from cachestore.landing import Scatter, Target
+from cachestore.landing import Target
 from service.contextpool import ContextPool, LandingPool
 from service.engines import Engine
 
@@ -23,32 +21,6 @@ LANDING_ALIGN = 64  # each frame's slot in a lookup's landing starts on a cache 
 # compressors under which frames are mostly stored plainly (lz4 gains nothing on quantized KV), so their length is
 # known before they are read: they land in place (a frame of another length is read and decoded as before)
 LANDING_COMPRESSORS = frozenset({"none", "lz4"})
-
-
-class _Made(Sequence[Target]):
-    """`make(i)` for i in [start, stop), made when read; a slice is another such sequence."""
-
-    def __init__(self, make: Callable[[int], Target], start: int, stop: int) -> None:
-        self._make, self._start, self._stop = make, start, stop
-
-    def __len__(self) -> int:
-        return self._stop - self._start
-
-    @overload
-    def __getitem__(self, index: int) -> Target: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> _Made: ...
-
-    def __getitem__(self, index: int | slice) -> Target | _Made:
-        if isinstance(index, slice):
-            first, stop, step = index.indices(len(self))
-            if step != 1:
-                raise ValueError("slices of a _Made take no step")
-            return _Made(self._make, self._start + first, self._start + max(first, stop))
-        if not -len(self) <= index < len(self):
-            raise IndexError(index)
-        return self._make(self._start + index % len(self))
 
 
 class Placement:
@@ -98,29 +70,15 @@ class Placement:
         return stage, [view[at:at + size] for at, size in zip(offsets, sizes, strict=True)]
 
     def _rows_into(self, out: torch.Tensor, blocks: int) -> Sequence[Target] | None:
-        """Each block's `Scatter` into the context `out` an engine lent, when this pod writes uncompressed-length
-        token rows of its element type (`CodecSpec.rows`); else None. Each is made when the reader asks for its
-        chunk."""
-        rows_of = getattr(self.engine, "context_rows", None)
-        codec, b = self.codecs.main, self.block_tokens
-        if (rows_of is None or not codec.spec.rows or self.codecs.sink is not codec or out.dtype != self.dtype
-                or rows_of(out, (blocks - 1) * b, b) is None):
+        """Each block's target in the context `out` an engine lent (`Engine.landing_targets`), when this pod writes
+        uncompressed-length token rows of its element type (`CodecSpec.rows`); else None."""
+        codec = self.codecs.main
+        if not codec.spec.rows or self.codecs.sink is not codec or out.dtype != self.dtype:
             return None
-        headers = memoryview(bytearray(HEADER_SIZE * blocks))
-
-        def scatter(i: int) -> Target:
-            rows = rows_of(out, i * b, b)
-            assert rows is not None
-            return Scatter([headers[i * HEADER_SIZE:(i + 1) * HEADER_SIZE], *rows], RunningChecksum())
-
-        targets = _Made(scatter, 0, blocks)
+        targets = self.engine.landing_targets(out, blocks, self.block_tokens)
+        if targets is None:
+            return None
         return targets if len(targets[0]) == self.block_bytes else None
-
-    def mark_received(self, out: torch.Tensor, tokens: int) -> None:
-        """Token rows were received into the engine's lent state `out` up to `tokens`: the engine takes note."""
-        mark = getattr(self.engine, "mark_placed", None)
-        if mark is not None:
-            mark(out, tokens)
 
     def release_landing(self, stage: torch.Tensor) -> None:
         self._landings.give(stage)

@@ -11,7 +11,7 @@ from ops.redisproc import RedisProcess
 from service import lookup as lookup_module
 from service.app import store_settings
 from service.engines import GenParams
-from service.engines.hf import HfEngine
+from service.engines.hf.engine import HfEngine
 from service.metrics import PodMetrics
 from service.pipeline import Pipeline
 from service.settings import PodSettings
