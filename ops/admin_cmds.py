@@ -170,7 +170,7 @@ def _chain(args: argparse.Namespace, tenant: str) -> transfer.Chain:
                          flash_attn=pod.flash_attn)  # llama.cpp's V layout decides a pod's /rows
     try:
         # the name the pods put in their fingerprint: the block-codec policy (sink block included)
-        codecs = BlockCodecs.for_spec(Codec(pod.codec), rows=engine.row_frames)  # a llama.cpp pod's /rows too
+        codecs = BlockCodecs.for_spec(Codec(pod.codec), rows=engine.kv_layout.row_frames)  # a llama.cpp pod's /rows too
         fingerprint = engine.fingerprint(pod.block_tokens, codecs.name())
     finally:
         engine.close()

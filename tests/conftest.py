@@ -153,7 +153,7 @@ def redis_cluster_with_replicas() -> Iterator[RedisCluster]:
 @pytest.fixture(scope="session")
 def tiny_model():  # type: ignore[no-untyped-def]
     """The tiny random-weight Llama (with SmolLM2's tokenizer), loaded once per run."""
-    from service.models import load_model  # noqa: PLC0415
+    from service.engines.hf.models import load_model  # noqa: PLC0415
 
     return load_model("tiny-random")
 

@@ -124,7 +124,7 @@ def test_a_layer_the_kv_lacks_is_refused() -> None:
 
 
 def test_a_pod_refuses_frames_of_another_bit_allocation_before_decoding() -> None:
-    from service.framecheck import frame_problem  # noqa: PLC0415
+    from service.framegate import frame_problem  # noqa: PLC0415
 
     kv = _kv(SHAPE, torch.float32)
     mine = Codec("int2+zstd/rot/clip/k4=1")

@@ -159,7 +159,7 @@ def test_a_frame_cut_inside_its_layer_table_is_refused() -> None:
 
 
 def test_a_frame_with_other_int8_layers_is_refused_before_decoding() -> None:
-    from service.framecheck import frame_problem  # noqa: PLC0415
+    from service.framegate import frame_problem  # noqa: PLC0415
 
     kv = _kv(SHAPE, torch.float32)
     mine, other = Codec("int4/k8=1"), Codec("int4/k8=2")

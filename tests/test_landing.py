@@ -239,7 +239,7 @@ def test_a_layer_of_every_landed_frame_at_once_equals_the_frames_decoded_one_by_
 def test_every_layer_of_a_run_at_once_equals_the_frames_decoded_one_by_one(mode: str, into: str) -> None:
     """`FrameRun.decode_into`: the whole run into its tokens of a context (fp32, as hf's), or of a llama.cpp sequence
     state's fp16 view (int8 takes one kernel call for all the keys and one for all the values there)."""
-    from service.engines import llamastate  # noqa: PLC0415
+    from service.engines.llama import llamastate, statewrite  # noqa: PLC0415
 
     gen = torch.Generator().manual_seed(5)
     codec = Codec(mode)
@@ -248,7 +248,7 @@ def test_every_layer_of_a_run_at_once_equals_the_frames_decoded_one_by_one(mode:
     run = FrameRun.of(buf, [codec.open(s) for s in slots])
     assert run is not None
     if into == "state":
-        made = llamastate.state_view(5 * 16 + 9, llamastate.StateGeometry(4, 3, 64, False, 1, llamastate.GGML_TYPE_F16))
+        made = statewrite.state_view(5 * 16 + 9, llamastate.StateGeometry(4, 3, 64, False, 1, llamastate.GGML_TYPE_F16))
         assert made is not None
         context = made[1].fill_(float("nan"))  # [L, 2, H, 89, D] fp16, strided over the state's headers
     else:

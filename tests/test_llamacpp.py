@@ -19,16 +19,16 @@ from ops.redisproc import RedisProcess
 from service.app import store_settings
 from service.engines import GenParams, load_engine
 from service.engines.ggufpath import smollm2_gguf
-from service.engines.llamacpp import LlamaCppEngine
-from service.engines.llamastate import (
+from service.engines.llama.llamacpp import LlamaCppEngine
+from service.engines.llama.llamastate import (
     GGML_TYPE_F16,
     GGML_TYPE_Q8_0,
     MAGIC,
     StateGeometry,
-    assemble_state,
     parse_state,
     read_facts,
 )
+from service.engines.llama.statewrite import assemble_state
 from service.metrics import PodMetrics
 from service.pipeline import Pipeline
 from service.settings import PodSettings, settings_from_env
@@ -388,7 +388,7 @@ def test_score_gives_every_positions_logits(engine: LlamaCppEngine) -> None:
 
 
 def test_every_special_token_typed_in_content_stays_text_in_llamacpp(engine: LlamaCppEngine) -> None:
-    from service.models import load_model  # noqa: PLC0415  (the same vocabulary, named by transformers)
+    from service.engines.hf.models import load_model  # noqa: PLC0415  (the same vocabulary, named by transformers)
 
     tok = load_model("tiny-random").tokenizer
     specials = sorted(set(tok.all_special_tokens) | {t for t in tok.get_vocab() if t.startswith("<|")})
@@ -454,7 +454,8 @@ def test_a_q8_0_cache_round_trips_through_q8_frames_byte_for_byte(q8_engine: Lla
 
 
 def test_the_q8_0_engine_names_its_cache_in_its_fingerprint(engine: LlamaCppEngine, q8_engine: LlamaCppEngine) -> None:
-    assert q8_engine.geometry.dtype == torch.float32 and q8_engine.rows_apart and not engine.rows_apart
+    assert q8_engine.geometry.dtype == torch.float32
+    assert q8_engine.kv_layout.rows_apart and not engine.kv_layout.rows_apart
     assert engine.fingerprint(16, "q8+lz4").short() != q8_engine.fingerprint(16, "q8+lz4").short()
     with pytest.raises(ConfigError, match="q4_0"):
         LlamaCppEngine.load("smollm2", parallel=1, kv_type="q4_0")
@@ -524,7 +525,7 @@ async def test_flash_attention_off_stores_v_transposed_and_a_hit_replies_as_a_fu
         LlamaCppEngine.load("smollm2", parallel=1, threads=2, flash_attn="sometimes")
     engine = LlamaCppEngine.load("smollm2", parallel=2, threads=2, flash_attn="off")
     try:
-        assert engine.state_geometry.v_trans and not engine.row_frames
+        assert engine.state_geometry.v_trans and not engine.kv_layout.row_frames
         b = 16
         prompt = _prompt(engine, " ".join(QUESTIONS))
         full = engine.generate(prompt, None, GREEDY)

@@ -13,7 +13,7 @@ import pytest
 from ops.pods import PodProcess
 from ops.redisproc import RedisProcess
 from service.engines import GenParams
-from service.engines.llamacpp import LlamaCppEngine
+from service.engines.llama.llamacpp import LlamaCppEngine
 from tests.conftest import running, settle
 from tests.tinymodels import converter_missing, tiny_gguf
 

@@ -15,8 +15,9 @@ from cachestore.codec import read_header
 from ops.chatclient import stream_chat
 from ops.pods import PodProcess
 from ops.redisproc import RedisProcess
-from service.engines import GenParams, kv_cache_type
-from service.engines.llamacpp import LlamaCppEngine
+from service.engines import GenParams
+from service.engines.llama import kv_cache_type
+from service.engines.llama.llamacpp import LlamaCppEngine
 from tests.conftest import running, settle
 
 ARGS = ("--engine", "llamacpp", "--block-tokens", "16", "--parallel", "2", "--threads", "1")

@@ -24,7 +24,7 @@ from cachestore.keys import KeySpace
 from ops.redisproc import RedisProcess
 from service.app import create_app
 from service.engines import GenParams
-from service.engines.llamacpp import LlamaCppEngine
+from service.engines.llama.llamacpp import LlamaCppEngine
 from service.settings import PodSettings
 from tests.faultkit import wait_written
 from tests.tinymodels import converter_missing, tiny_gguf

@@ -13,11 +13,12 @@ from cachestore import kernels
 from cachestore.codec import Codec
 from cachestore.errors import CodecError
 from service.engines import GenParams
+from service.engines.gate import LayerGate
 from service.engines.generation import Generation
-from service.engines.hf import HfEngine
-from service.hfcache import ATTEND_MAX_NEW
-from service.pipeline import chunk_plan
-from service.rehydrate import LayerGate, Rehydration
+from service.engines.hf.engine import HfEngine
+from service.engines.hf.hfcache import ATTEND_MAX_NEW
+from service.lookup import chunk_plan
+from service.rehydrate import Rehydration
 
 MODES = ["exact", "fp16", "int8", "int4", "int2", "int4/rot", "int2+zstd", "int4/g32/clip", "fp8", "fp16+zstd",
          "q8"]
@@ -316,7 +317,7 @@ def test_the_first_step_attends_over_the_landed_codes(tiny_model: object, spec: 
 def test_a_model_in_bf16_reads_the_first_step_from_the_scratch(monkeypatch: pytest.MonkeyPatch) -> None:
     """The attention kernels take fp32 queries: a pod running its model in another dtype keeps the scratch, and its
     reply is the one it gives with no kernel at all."""
-    from service.models import load_model  # noqa: PLC0415
+    from service.engines.hf.models import load_model  # noqa: PLC0415
 
     engine = HfEngine(load_model("tiny-random", dtype=torch.bfloat16))
     attended: list[object] = []

@@ -40,8 +40,8 @@ def _model_kv(tokens: int) -> tuple[Any, str]:
     """KV of SmolLM2-135M prefilled with ops/data/sample.txt (repeated if too short)."""
     import torch  # noqa: PLC0415
 
-    from service.hfcache import forward, tensor_from_cache  # noqa: PLC0415
-    from service.models import load_model  # noqa: PLC0415
+    from service.engines.hf.hfcache import forward, tensor_from_cache  # noqa: PLC0415
+    from service.engines.hf.models import load_model  # noqa: PLC0415
 
     loaded = load_model("smollm2")
     text = SAMPLE_TEXT.read_text(encoding="utf-8")

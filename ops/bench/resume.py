@@ -94,11 +94,11 @@ class ResumeBench:
 
     def __init__(self, engine: Any, url: str, args: argparse.Namespace) -> None:
         self.engine, self.url, self.args = engine, url, args
-        self.loaded = getattr(engine, "loaded", None)  # the transformers model of the hf engine
+        self.loaded = engine.loaded if engine.kind == "hf" else None  # the transformers model of the hf engine
         self._warm = False
         self._beside: Any = None  # the one-core thread that calls an engine that does not run torch
         # llama-server keeps each slot's tokens: emptied before every timed run, so nothing is reused unasked
-        self._fresh = getattr(engine, "forget", lambda: None)
+        self._fresh = engine.forget
         self.boundary: bytes | None = None  # a sliding-window or hybrid model's boundary state at the history's end
 
     def compute(self, fn: Any, *args: Any) -> Any:
@@ -108,13 +108,13 @@ class ResumeBench:
         path does (the floor of a q8 hit assembles a q8_0 state with torch, which a pod does on one core)."""
         from service import threads  # noqa: PLC0415
 
-        if getattr(self.engine, "runs_torch", True):
+        if self.engine.runs_torch:
             return threads.compute_executor().submit(fn, *args).result()
         if self._beside is None:
             self._beside = threads.io_executor(1, "kvstash-bench")
         return self._beside.submit(fn, *args).result()
     def recompute(self, prompt: list[int]) -> tuple[list[float], Any]:
-        from service.runner import GenParams  # noqa: PLC0415
+        from service.engines import GenParams  # noqa: PLC0415
 
         times, kv = [], None
         if not self._warm:  # the first forward of a process pays one-time setup: not a prefill cost
@@ -125,7 +125,7 @@ class ResumeBench:
             gen = self.compute(self.engine.generate, prompt, None, GenParams(max_tokens=1))
             times.append(gen.ttft_s)
             kv = gen.kv
-        if getattr(self.engine, "boundary_records", False):  # the window / recurrent state at the history's end
+        if self.engine.boundary_records:  # the window / recurrent state at the history's end
             history = self.compute(self.engine.generate, prompt[:-1], None, GenParams(max_tokens=1))
             self.boundary = dict(history.boundaries)[len(prompt) - 1]
         return times, kv  # kv: [L, 2, H, N + 1, D], the history's KV and the new token's
@@ -169,7 +169,7 @@ class ResumeBench:
         """The pod's hit path for codec `mode`, then the floor over the very same frames (and with a frame key, the
         same hit on a signing pod)."""
 
-        from service.runner import GenParams  # noqa: PLC0415
+        from service.engines import GenParams  # noqa: PLC0415
 
         context = len(prompt) - 1
         raw = _raw_client(self.url)
@@ -188,8 +188,7 @@ class ResumeBench:
                 # the floor's KV, in memory: a context the engine lent stays lent to the floor as a hit left it (its
                 # state holds the hit's rows: set, or written as a slot file, as they are), anything else is copied
                 decoded = (await pipeline.lookup(SALT, prompt))[0].complete()
-                is_lent = getattr(self.engine, "is_lent", None)
-                lent = self.loaded is None and is_lent is not None and is_lent(decoded)
+                lent = self.loaded is None and self.engine.is_lent(decoded)
                 if self.loaded is None and not lent:
                     decoded = decoded.clone()
                 times: list[float] = []
@@ -238,8 +237,8 @@ class ResumeBench:
         """len(prompts) sessions that another pod processed arrive on this pod at the same moment: each one's
         TTFT counted from that moment, for recomputing them all and for kvstash's hits (queueing included:
         an hf pod runs one forward at a time, a llama.cpp pod batches)."""
-        from service.pipeline import CacheView  # noqa: PLC0415
-        from service.runner import GenParams  # noqa: PLC0415
+        from service.cacheview import CacheView  # noqa: PLC0415
+        from service.engines import GenParams  # noqa: PLC0415
 
         async def together(pipeline: Any, cached: bool) -> tuple[list[float], list[Any]]:
             start = time.perf_counter()
@@ -273,7 +272,7 @@ class ResumeBench:
             return self._floor_engine(raw, keys, prompt, kv)
         import torch  # noqa: PLC0415
 
-        from service import hfcache  # noqa: PLC0415
+        from service.engines.hf import hfcache  # noqa: PLC0415
 
         cache = hfcache.cache_from_tensor(kv, self.loaded.model)  # in memory before the clock starts
         t0 = time.perf_counter()
@@ -313,7 +312,8 @@ class ResumeBench:
     def slot_restore(self, prompt: list[int], kv: Any) -> dict[str, Any]:
         """llama-server's own mechanism, the bar a user compares with: the history's slot file already on the local
         tmpfs (written once), then `POST /slots/0?action=restore` + the completion of the last token."""
-        from service.engines import GenParams, slotfile  # noqa: PLC0415
+        from service.engines import GenParams  # noqa: PLC0415
+        from service.engines.llama import slotfile  # noqa: PLC0415
 
         context = len(prompt) - 1
         path = self.engine.slot_dir / "bench-floor.bin"
@@ -337,9 +337,8 @@ class ResumeBench:
         """What people write by hand: torch.save the whole cache into one key, GET it, torch.load it."""
         import redis  # noqa: PLC0415
         import torch  # noqa: PLC0415
-        from transformers import DynamicCache  # noqa: PLC0415
 
-        from service import hfcache  # noqa: PLC0415
+        from service.engines.hf import hfcache  # noqa: PLC0415
 
         context = len(prompt) - 1
         model = self.loaded.model
@@ -359,7 +358,7 @@ class ResumeBench:
                 # measure the naive method; never on bytes from a Redis anyone else can write.
                 loaded = torch.load(io.BytesIO(blob), weights_only=True)
                 with torch.inference_mode():
-                    cache = DynamicCache(list(loaded), config=model.config)
+                    cache = hfcache.cache_of_layers(loaded, model)
                     logits, _ = hfcache.forward(model, prompt[context:], cache)
                     int(torch.argmax(logits[-1]))
                 if rep:
@@ -377,8 +376,8 @@ class ResumeBench:
         import redis  # noqa: PLC0415
         import torch  # noqa: PLC0415
 
-        from service import hfcache  # noqa: PLC0415
-        from service.pipeline import chunk_plan  # noqa: PLC0415
+        from service.engines.hf import hfcache  # noqa: PLC0415
+        from service.lookup import chunk_plan  # noqa: PLC0415
         from service.rehydrate import Rehydration  # noqa: PLC0415
 
         context, b = len(prompt) - 1, self.args.block_tokens
@@ -453,7 +452,7 @@ def _raw_get(raw: Any, keys: list[str]) -> list[Any]:
     """Plain GETs of `keys` on a blocking redis-py client, in the pod's chunks (`chunk_plan`): the least a read of
     those bytes costs here (one pipeline of them all is slower: 116-192 ms against 72-75 ms for 97 MB in 127
     values, because both ends buffer the whole reply)."""
-    from service.pipeline import chunk_plan  # noqa: PLC0415
+    from service.lookup import chunk_plan  # noqa: PLC0415
 
     got: list[Any] = []
     for chunk in chunk_plan(len(keys)):
@@ -511,8 +510,8 @@ async def _measure(args: argparse.Namespace, url: str) -> tuple[list[dict[str, A
     contexts = [int(c) for c in args.contexts.split(",") if c.strip()] + ([LONG_CONTEXT] if args.long else [])
     every = [m.strip() for m in args.modes.split(",") if m.strip()]
     if args.engine != "hf":  # before any engine is loaded: a q8_0 cache cannot run without flash attention
-        from service.engines import kv_cache_type  # noqa: PLC0415
-        from service.engines.base import check_flash_attn  # noqa: PLC0415
+        from service.engines.llama import kv_cache_type  # noqa: PLC0415
+        from service.engines.llama.gguf import check_flash_attn  # noqa: PLC0415
 
         for mode in every:
             check_flash_attn(args.flash_attn, kv_cache_type(mode))
@@ -535,7 +534,7 @@ async def _measure(args: argparse.Namespace, url: str) -> tuple[list[dict[str, A
 def _cache_suffix(method: str) -> str:
     """What a hit's or floor's recompute is called after "recompute" on a llama.cpp engine: "-" and the KV cache type
     its codec runs (`kv_cache_type`: "-q8_0" for q8), "" for an f16 cache and for every other method."""
-    from service.engines import kv_cache_type  # noqa: PLC0415
+    from service.engines.llama import kv_cache_type  # noqa: PLC0415
 
     if not method.startswith(("kvstash-", "floor-")):
         return ""

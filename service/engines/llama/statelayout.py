@@ -11,7 +11,7 @@ one section after another (all little-endian):
 | llama_memory_hybrid_iswa          | kv, kv (SWA), recurrent       | kv (SWA), recurrent                     |
 | llama_memory_recurrent (Mamba)    | recurrent                     | recurrent                               |
 
-A kv section is `service.engines.llamastate`'s table from n_stream on: per stream a u32 cell count, the sequence's
+A kv section is `service.engines.llama.llamastate`'s table from n_stream on: per stream a u32 cell count, the sequence's
 stream then its cells (i32 pos, u32 n_seq_id, i32 seq_id), u32 v_trans, u32 n_layer and each of its layers' K, then
 V; n_layer counts that cache's layers only. A SWA cache writes only the cells a next token can still attend to:
 position p with pos_max - p < n_swa. No layer says which model layer it is.
@@ -30,7 +30,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from service.engines.llamastate import MAGIC, StateLayoutError, StateReader
+from service.engines.llama.llamastate import MAGIC, StateLayoutError, StateReader
 
 KV, RECURRENT = "kv", "recurrent"
 _KV_CELL = 12  # i32 pos, u32 n_seq_id (= 1), i32 seq_id

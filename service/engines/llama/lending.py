@@ -4,7 +4,7 @@ Both llama.cpp engines take cached KV as llama.cpp sequence state: the in-proces
 (`llama_state_seq_set_data`), the sidecar writes it into a slot file for llama-server to restore. A context
 lent from here is a pooled state buffer, laid out, whose K and V a hit fills where the state holds them:
 
-- F16: the tensor lent is a float16 view of the state's K and V (`llamastate.state_view`): whatever the
+- F16: the tensor lent is a float16 view of the state's K and V (`statewrite.state_view`): whatever the
   pipeline writes into it (frames dequantized, a tail) is the state.
 - Q8_0: no float view exists, so a float32 tensor is lent beside the state (`rows_apart`). q8 frames are
   received into the state's rows (`rows`, then `mark_placed`), never through the tensor; cells past the
@@ -14,21 +14,33 @@ Token-rows frames (`CodecSpec.rows`) are received straight into the state either
 
 - F16 with V stored transposed (llama.cpp without flash attention), where the engine asks for it
   (`transposed_v`): the tensor lent views each layer's V as rows, in the region where the state keeps it
-  transposed, and `settle` puts V in place before the state is set (`llamastate.transpose_v`).
+  transposed, and `settle` puts V in place before the state is set (`statewrite.transpose_v`).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from cachestore.landing import Target
 from service.contextpool import IdlePool
-from service.engines import llamastate
-from service.engines.base import KvGeometry
+from service.engines.base import Engine, KvGeometry, KvLayout
+from service.engines.llama import llamastate, statewrite
+from service.engines.llama.statelayout import ModelLayout
+from service.engines.llama.targets import row_targets
 
 STATE_ROUND_BYTES = 4 << 20  # pooled state buffers are rounded up so that one also fits later, longer states
+
+
+def kv_layout(state_geometry: llamastate.StateGeometry, layout: ModelLayout) -> KvLayout:
+    """What a llama.cpp sequence state says of its KV, as the seam's data: token rows, V transposed without flash
+    attention, rows apart from the tensor lent beside a q8_0 state (no float view of it), and the layers."""
+    return KvLayout(token_rows=True, v_transposed=state_geometry.v_trans,
+                    rows_apart=state_geometry.kv_type != llamastate.GGML_TYPE_F16, sliding=layout.sliding,
+                    window=layout.n_swa, recurrent=layout.recurrent, tag=layout.tag())
 
 
 def state_buffers(keep: int) -> IdlePool[bytearray]:
@@ -53,14 +65,14 @@ class StateLender:
     """The contexts an engine lends, by the address of the tensor lent (thread-safe)."""
 
     def __init__(self, state_geometry: llamastate.StateGeometry, geometry: KvGeometry,
-                 buffers: IdlePool[bytearray], transposed_v: bool = False) -> None:
+                 buffers: IdlePool[bytearray], layout: KvLayout, transposed_v: bool = False) -> None:
         self.state_geometry, self.geometry, self.buffers = state_geometry, geometry, buffers
         # V stored transposed is lent as rows, and put in place by `settle`, only where the engine sets the state
         # itself (llama.cpp in the pod); a slot file is written from the state's own bytes (the sidecar)
-        self.transposed_v = transposed_v and state_geometry.v_trans
+        self.transposed_v = transposed_v and layout.v_transposed
         # a q8_0 state has no float view: the tensor lent lies beside it, and rows received into the state (q8
         # frames) never pass through the tensor
-        self.rows_apart = state_geometry.kv_type != llamastate.GGML_TYPE_F16
+        self.rows_apart = layout.rows_apart
         self._lent: dict[int, Lent] = {}
         self._lock = threading.Lock()
 
@@ -74,11 +86,11 @@ class StateLender:
             return None
         buf = self.buffers.take(llamastate.state_size(tokens, geo))
         if self.rows_apart:  # only what is written into the tensor is ever touched
-            llamastate.lay_out(buf, tokens, geo)
+            statewrite.lay_out(buf, tokens, geo)
             g = self.geometry
             kv = torch.empty((g.num_layers, 2, g.kv_heads, tokens, g.head_dim), dtype=g.dtype)
         else:
-            made = llamastate.state_view(tokens, geo, into=buf, v_as_rows=self.transposed_v)
+            made = statewrite.state_view(tokens, geo, into=buf, v_as_rows=self.transposed_v)
             assert made is not None
             kv = made[1]
         with self._lock:
@@ -100,7 +112,7 @@ class StateLender:
             lent = self._lent.get(kv.data_ptr())
         if lent is None or start + count > lent.cells:
             return None
-        return llamastate.row_pieces(lent.state, lent.cells, self.state_geometry, start, count)
+        return statewrite.row_pieces(lent.state, lent.cells, self.state_geometry, start, count)
 
     def give_back(self, kv: torch.Tensor) -> bool:
         """Take back a context lent; False for any other tensor."""
@@ -132,29 +144,24 @@ class StateLender:
             return None
         if lent.tensor is not None:
             if cached > lent.placed:
-                llamastate.write_q8_rows(lent.state, lent.cells, self.state_geometry, lent.placed,
+                statewrite.write_q8_rows(lent.state, lent.cells, self.state_geometry, lent.placed,
                                          lent.tensor[:, :, :, lent.placed:cached])
             return lent
-        expected = llamastate.state_view_strides(lent.cells, self.state_geometry)
+        expected = statewrite.state_view_strides(lent.cells, self.state_geometry)
         return lent if tuple(cached_kv.stride()) == expected else None
 
     def settle(self, lent: Lent) -> None:
         """A lent state about to be set as it is: V put in place where it was lent as rows (once: the tensor lent no
         longer holds it as rows after this, and is read no more)."""
         if lent.v_rows:
-            llamastate.transpose_v(lent.state, lent.cells, self.state_geometry)
+            statewrite.transpose_v(lent.state, lent.cells, self.state_geometry)
             lent.v_rows = False
 
 
-class LendsStates:
+class LendsStates(Engine):
     """An engine's side of lending (both llama.cpp engines): the context methods the pipeline calls, on `_lender`."""
 
     _lender: StateLender
-
-    @property
-    def rows_apart(self) -> bool:
-        """Rows received into a lent state lie apart from the tensor lent with it (a q8_0 cache)."""
-        return self._lender.rows_apart
 
     def context_for(self, tokens: int) -> torch.Tensor | None:
         """A [layers, 2, kv_heads, tokens, head_dim] context whose K and V become a pooled sequence state of `tokens`
@@ -162,6 +169,11 @@ class LendsStates:
         whole KV, 9.5 ms at 2048 SmolLM2 tokens). None where V is stored transposed. Back with `give_context` once
         nothing reads or writes it."""
         return self._lender.context_for(tokens)
+
+    def landing_targets(self, context: torch.Tensor, blocks: int, block_tokens: int) -> Sequence[Target] | None:
+        """Each block's `Scatter` into the state of `context`, a context lent: its header apart, its rows where the
+        state holds them (`context_rows`); None for any other tensor."""
+        return row_targets(lambda start, count: self._lender.rows(context, start, count), blocks, block_tokens)
 
     def mark_placed(self, kv: torch.Tensor, tokens: int) -> None:
         """Cells [0, tokens) of a context lent were received into its state as rows (`context_rows`) and verified."""

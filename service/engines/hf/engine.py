@@ -1,4 +1,4 @@
-"""The `hf` engine: a transformers causal LM (service.models) run by service.runner, one generation at a time."""
+"""The `hf` engine: a transformers causal LM (models) run by the runner, one generation at a time."""
 
 from __future__ import annotations
 
@@ -8,21 +8,21 @@ from typing import Any
 import torch
 
 from cachestore.hashing import ModelFingerprint
-from service.engines.base import KvGeometry, PrefillHook
+from service.engines.base import Engine, KvGeometry, PrefillHook
+from service.engines.gate import LayerGate
 from service.engines.generation import Generation, GenParams
-from service.models import LoadedModel, load_model
-from service.rehydrate import LayerGate
-from service.runner import ModelRunner
+from service.engines.hf.models import LoadedModel, load_model
+from service.engines.hf.runner import ModelRunner
 
 
-class HfEngine:
-    """transformers behind the engine seam; its blocks are named by the weights digest, as before."""
+class HfEngine(Engine):
+    """transformers behind the engine seam; its blocks are named by the weights digest, as before. A hit is
+    dequantized into the pipeline's pooled context, which generation grows in (`context_for`'s default)."""
 
     kind = "hf"
     parallel = 1  # one forward at a time: the model is not batched across requests
     layerwise = True  # a cached layer is waited for when the forward step reaches it (hfcache.GrowingLayer)
     runs_torch = True  # the forward step runs on the calling thread
-    row_frames = False
 
     def __init__(self, loaded: LoadedModel) -> None:
         self.loaded = loaded
@@ -58,14 +58,9 @@ class HfEngine:
         on_prefill: PrefillHook | None = None,
         kv_ready: LayerGate | None = None,
         keep_from: int = 0,
+        boundary: bytes | None = None,
     ) -> Generation:
+        if boundary is not None:
+            raise ValueError("the hf engine keeps full-attention layers only: it resumes at no boundary record")
         return self.runner.generate(prompt_ids, cached_kv, params, on_text, on_prefill, kv_ready, keep_from)
 
-    def context_for(self, tokens: int) -> torch.Tensor | None:
-        return None  # the pipeline's pooled context, which generation grows in
-
-    def give_context(self, kv: torch.Tensor) -> bool:
-        return False
-
-    def close(self) -> None:
-        pass

@@ -8,21 +8,18 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 import threading
 from collections.abc import Sequence
 from typing import Any
 
-os.environ["HF_HUB_OFFLINE"] = "1"  # as in service.models, whichever is imported first
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-import torch  # noqa: E402
-from transformers import DynamicCache, PreTrainedModel  # noqa: E402
-from transformers.cache_utils import Cache, DynamicLayer  # noqa: E402
-from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask  # noqa: E402
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
-
-from service.rehydrate import LayerGate  # noqa: E402
+from service.engines.gate import LayerGate
 
 KV_DIMS = 5  # [layers, 2, kv_heads, tokens, head_dim]
 ATTENTION = "kvstash"  # the attention `route_attention` gives a model: sdpa, but over a hit's landed codes
@@ -43,6 +40,11 @@ def _cache_arg_of(model_type: type) -> str:
 
 def empty_cache(model: PreTrainedModel) -> Cache:
     return DynamicCache(config=model.config)
+
+
+def cache_of_layers(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], model: PreTrainedModel) -> Cache:
+    """transformers' own cache of each layer's (K, V) [1, kv_heads, tokens, head_dim], as a plain DynamicCache."""
+    return DynamicCache(list(layers), config=model.config)
 
 
 def route_attention(model: PreTrainedModel) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from service.engines import llamastate
+from service.engines.llama import llamastate, statewrite
 
 MAGIC = 0x67677371  # 'ggsq'
 VERSION = 3
@@ -122,16 +122,16 @@ def assemble(tokens: list[int], kv: torch.Tensor, geo: llamastate.StateGeometry)
     byte for byte what llama-server itself saves; written one after another (no joined copy of the KV)."""
     if kv.shape[3] != len(tokens):
         raise SlotFileError(f"{len(tokens)} tokens but KV of {kv.shape[3]}")
-    state = llamastate.assemble_state(kv, geo)
+    state = statewrite.assemble_state(kv, geo)
     return [*_head(tokens), memoryview(state)[_STATE_PREFIX.size :]]
 
 
 def from_state(tokens: list[int], state: bytearray, cells: int,
                geo: llamastate.StateGeometry) -> list[memoryview | bytes]:
     """The pieces of the slot file of `tokens` whose KV are the first len(tokens) cells of the sequence state of
-    `cells` cells in `state` (a context lent: service.engines.lending), as `assemble` writes it, with no copy of the
+    `cells` cells in `state` (a context lent: lending), as `assemble` writes it, with no copy of the
     KV: the state's own rows are written."""
-    pieces = llamastate.state_pieces(state, cells, geo, len(tokens))
+    pieces = statewrite.state_pieces(state, cells, geo, len(tokens))
     return [*_head(tokens), pieces[0][_STATE_PREFIX.size :], *pieces[1:]]
 
 

@@ -9,15 +9,15 @@ from typing import Any
 
 import torch
 
-from service import hfcache
 from service.engines.base import PrefillHook
 from service.engines.chat import chat_token_ids, remap_known
+from service.engines.gate import LayerGate
 from service.engines.generation import END_TOKENS, Choice, Generation, GenParams, TextStream, reply_ids
 from service.engines.guides import LlgGuide, llg_tokenizer
+from service.engines.hf import hfcache
+from service.engines.hf.models import LoadedModel
 from service.engines.sampling import Sampler
 from service.engines.tools import for_template
-from service.models import LoadedModel
-from service.rehydrate import LayerGate
 
 __all__ = ["GenParams", "Generation", "ModelRunner"]
 
