@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from cachestore.codec import CodecSpec, read_header
+from cachestore.codec.frame import GROUPED_MODES
 from cachestore.errors import CodecError
-from cachestore.frame import GROUPED_MODES
 
 
 @dataclass(frozen=True)

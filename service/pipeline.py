@@ -15,16 +15,16 @@ from typing import Any, overload
 
 import torch
 
-from cachestore.blockcodec import BlockCodecs
 from cachestore.codec import Codec, OpenFrame, PlacedFrame, read_header, verify_placed
+from cachestore.codec.blockcodec import BlockCodecs
+from cachestore.codec.frame import HEADER_SIZE, RunningChecksum
 from cachestore.errors import CodecError
-from cachestore.frame import HEADER_SIZE, RunningChecksum
 from cachestore.hashing import BlockHash, chain_hashes, root_hash
-from cachestore.landing import Scatter, Target
 from cachestore.outcome import Result
 from cachestore.sessions import SessionRecord
 from cachestore.store import BlockStore
 from cachestore.tails import pack_ids, reply_digest, unpack_ids, unpack_tail
+from cachestore.wire import Scatter, Target
 from service import threads
 from service.contextpool import ContextPool, LandingPool
 from service.engines import Engine, Generation, GenParams
@@ -181,7 +181,7 @@ class Pipeline:
         # [layers, 2, kv_heads, block_tokens, head_dim]
         self._block_shape = (geo.num_layers, 2, geo.kv_heads, settings.block_tokens, geo.head_dim)
         # frames stored plainly (int8, fp16 and exact under lz4 or none) are received into one buffer (one copy on the
-        # wire, cachestore.landing), and a layer-by-layer engine dequantizes them from there a layer at a time
+        # wire, cachestore.wire), and a layer-by-layer engine dequantizes them from there a layer at a time
         # (service.rehydrate); block 0 may have its own codec
         self._slot_sizes = ((self.codecs.sink.plain_size(self._block_shape, geo.dtype),
                              self.codecs.main.plain_size(self._block_shape, geo.dtype))
@@ -228,6 +228,10 @@ class Pipeline:
 
     async def _none(self) -> None:
         return None
+
+    async def _read_session(self, tenant: str, session_id: str) -> SessionRecord | None:
+        assert self.store is not None
+        return (await self.store.read_session(tenant, session_id)).value
 
     async def lookup(
         self,
@@ -306,7 +310,7 @@ class Pipeline:
         worker = reader if inline else loop.run_in_executor(self._decoder, rehydration.run, on_verified)
         if not chunks:
             last_chunk_sent()
-        fetch_session = self.store.get_session(*session_key) if session_key else self._none()
+        fetch_session = self._read_session(*session_key) if session_key else self._none()
         given = False
         view = CacheView(None, 0, 0, "bypass")
         self._looking_up += 1
@@ -374,7 +378,7 @@ class Pipeline:
         """The lookup of a plan that reads nothing: only how many blocks Redis holds (so the write-back skips them)
         and the session record, in one concurrent round trip each."""
         assert self.store is not None
-        fetch_session = self.store.get_session(*session_key) if session_key else self._none()
+        fetch_session = self._read_session(*session_key) if session_key else self._none()
         try:
             present, fetched_session = await asyncio.wait_for(
                 asyncio.gather(self.store.count_present(self.model_key, hashes), fetch_session),

@@ -161,9 +161,9 @@ def tiny_model():  # type: ignore[no-untyped-def]
 @pytest.fixture(params=[1, 2], ids=["avx2", "avx512"])
 def level(request: pytest.FixtureRequest) -> Iterator[int]:
     """Each of the native kernels' code paths this CPU can run (cachestore/_kernels.c)."""
-    from cachestore import kernels  # noqa: PLC0415
+    from cachestore.codec import kernels  # noqa: PLC0415
 
-    if not kernels.ENABLED or request.param > kernels.LEVEL:
+    if not kernels.enabled() or request.param > kernels.LEVEL:
         pytest.skip(f"this CPU or build has no level {request.param} kernel")
     try:
         yield kernels.use_level(request.param)

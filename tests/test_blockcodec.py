@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from cachestore.blockcodec import BlockCodecs
 from cachestore.codec import Codec, read_header
+from cachestore.codec.blockcodec import BlockCodecs
 from ops.redisproc import RedisProcess
 from tests.test_service_api import HISTORY, chat, make_client, wait_written
 

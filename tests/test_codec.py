@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from cachestore.codec import DEFAULT_VARIANTS, Codec, CodecSpec, read_header, verify_frame, verify_placed
+from cachestore.codec.layout import PLAIN, Variant
+from cachestore.codec.quant import rotate
 from cachestore.errors import CodecError, ConfigError
-from cachestore.quant import PLAIN, Variant, rotate
 
 MODES = ["exact", "fp16", "int8", "int4", "int2", "fp8"]
 COMPRESSORS = ["none", "lz4", "zstd"]
@@ -317,7 +318,7 @@ def test_q8_is_llama_cpps_q8_0_and_reencodes_its_own_values_byte_for_byte() -> N
 def test_a_frame_received_in_pieces_verifies_over_them() -> None:
     """verify_placed checks a token-rows frame whose header and payload lie apart, by the checksum of the pieces in
     order (or one computed as they came in: RunningChecksum); anything else, or a flipped bit, is refused."""
-    from cachestore.frame import HEADER_SIZE, RunningChecksum, checksum  # noqa: PLC0415
+    from cachestore.codec.frame import HEADER_SIZE, RunningChecksum, checksum  # noqa: PLC0415
 
     frame = Codec("fp16+none/rows").encode(_kv((2, 2, 2, 4, 8), torch.float16))
     head, payload = memoryview(frame)[:HEADER_SIZE], memoryview(frame)[HEADER_SIZE:]

@@ -8,11 +8,11 @@ import struct
 import pytest
 import torch
 
-from cachestore.blockcodec import BlockCodecs
 from cachestore.codec import Codec, CodecSpec, read_header
+from cachestore.codec.blockcodec import BlockCodecs
+from cachestore.codec.frame import HEADER_SIZE, LAYER_TABLE, checksum
+from cachestore.codec.layout import HiLayers
 from cachestore.errors import CodecError, ConfigError
-from cachestore.frame import HEADER_SIZE, LAYER_TABLE, checksum
-from cachestore.quant import HiLayers
 from tests.test_codec import _bound, _kv
 
 SHAPE = (4, 2, 3, 40, 16)  # [layers, 2, kv_heads, tokens, head_dim]

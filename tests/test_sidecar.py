@@ -128,7 +128,7 @@ async def _hit_lands_in_the_slot_state(engine: LlamaServerEngine, redis_server: 
     async with rows_pod(engine, redis_server, codec, b) as (store, pipe):
         hashes = pipe.hashes(b"slot", prompt[:-1])
         frames = [pipe.codecs.at(i).encode(full.kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
-        assert await store.put_blocks(pipe.model_key, hashes, frames) == len(hashes) >= 3
+        assert (await store.store_blocks(pipe.model_key, hashes, frames)).value == len(hashes) >= 3
         hit = len(hashes) * b
         engine.forget()
         expected = engine.generate(prompt, _decoded(pipe, frames), GREEDY)  # a slot file assembled from a tensor

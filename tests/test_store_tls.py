@@ -72,12 +72,12 @@ async def test_tls_with_acl_user(tls_acl_redis: tuple[RedisProcess, int, Path]) 
         assert await store.ping()
         hashes = [BlockHash(bytes([i]) * 16) for i in range(6)]
         frames = [bytes([i]) * 5000 for i in range(6)]
-        assert await store.put_blocks("abcdef0123456789", hashes, frames) == 6
-        assert await store.lookup("abcdef0123456789", hashes) == frames
+        assert (await store.store_blocks("abcdef0123456789", hashes, frames)).value == 6
+        assert (await store.fetch("abcdef0123456789", hashes)).value == frames
         # a lookup's reader thread: the blocking twin of the client speaks TLS with the same CA and ACL user
         assert (await asyncio.to_thread(store.fetch_blocking, "abcdef0123456789", hashes)).value == frames
         assert (await store.usage()).bytes_held == 30_000
-        assert await store.put_session(SessionRecord("acme", "s1", "m"), None) is not None
+        assert (await store.write_session(SessionRecord("acme", "s1", "m"), None)).value is not None
         assert await store.list_sessions() == [("acme", "s1")]
         assert (await store.reconcile()).stale_blocks == 0
         assert store.stats().errors == 0
@@ -91,7 +91,7 @@ async def test_tls_with_acl_user(tls_acl_redis: tuple[RedisProcess, int, Path]) 
     user.close()
     other = BlockStore(StoreSettings.from_url(url, namespace="otherns", tls_ca_path=str(cert)))
     try:
-        assert await other.put_blocks("abcdef0123456789", hashes[:1], frames[:1]) == 0  # NOPERM: dropped
+        assert (await other.store_blocks("abcdef0123456789", hashes[:1], frames[:1])).value == 0  # NOPERM: dropped
         assert other.stats().dropped_writes == 1
     finally:
         await other.close()

@@ -154,7 +154,7 @@ class ResumeBench:
         hashes = pipeline.hashes(SALT, prompt[:-1])
         frames = [pipeline.codecs.at(i).encode(kv[:, :, :, i * b:(i + 1) * b])  # [L, 2, H, b, D] each
                   for i in range(len(hashes))]
-        assert await store.put_blocks(pipeline.model_key, hashes, frames) == len(frames)
+        assert (await store.store_blocks(pipeline.model_key, hashes, frames)).value == len(frames)
         return hashes, frames
 
     async def kvstash(self, mode: str, prompt: list[int], kv: Any) -> list[dict[str, Any]]:
