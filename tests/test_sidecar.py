@@ -32,8 +32,8 @@ from service.engines.llamaserver import LlamaServerEngine
 from service.engines.llamaserverproc import LlamaServerProcess, wait_healthy
 from service.pipeline import Pipeline
 from service.settings import PodSettings
-from tests.conftest import running, settle
 from tests.lentpod import rows_pod
+from tests.support import running, settle
 
 ARGS = ("--codec", "exact", "--block-tokens", "16", "--ctx-per-slot", "4096")
 SYSTEM = {"role": "system", "content": "You are a concise science tutor. Answer in two or three sentences."}

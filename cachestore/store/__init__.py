@@ -4,7 +4,7 @@ trouble.
 Its parts, one concern each: `guard` (the breaker, time bound and failure counters every call goes through),
 `base` (settings, clients, frame key), `reads` and `cluster` (how a block read is put together, per node on a
 Cluster), `reader` (block and entry reads), `blocks` (writes under the budget) and `sessions` (session records).
-Every read and write answers with a `Result` (`cachestore.outcome`): what happened is a value.
+Block and session reads and writes answer with a `Result` (`cachestore.outcome`): what happened is a value.
 """
 
 from __future__ import annotations
