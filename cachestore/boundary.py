@@ -2,7 +2,7 @@
 
 A record sits at a *replayable boundary* P (the end of a prompt, the end of a reply) under the chain hash of the
 full blocks before P, as a tail does. It holds the tokens after those blocks up to P (fewer than a block), their
-full-attention KV as a frame (`cachestore.frame`; none when P ends a block), and the engine's state at P that
+full-attention KV as a frame (`cachestore.codec.frame`; none when P ends a block), and the engine's state at P that
 blocks cannot rebuild: the sliding-window layers' KV of the last `n_swa` positions, the recurrent state. That state
 is opaque here; the engine that reads it checks it against its own layout before it uses it. Untrusted when read
 back: every length is checked before anything is allocated, and a checksum covers the whole value.

@@ -158,8 +158,8 @@ def cmd_purge(args: argparse.Namespace, settings: Any) -> int:
 
 def _chain(args: argparse.Namespace, tenant: str) -> transfer.Chain:
     """The chain root of `tenant` under the pods' model settings (loads the model for its fingerprint)."""
-    from cachestore.blockcodec import BlockCodecs  # noqa: PLC0415
     from cachestore.codec import Codec  # noqa: PLC0415
+    from cachestore.codec.blockcodec import BlockCodecs  # noqa: PLC0415
     from service.engines import load_engine  # noqa: PLC0415
     from service.settings import settings_from_env  # noqa: PLC0415
 

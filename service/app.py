@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from cachestore.blockcodec import BlockCodecs
+from cachestore.codec.blockcodec import BlockCodecs
 from cachestore.errors import KvstashError
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore

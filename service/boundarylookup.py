@@ -65,7 +65,7 @@ class BoundaryLookup:
         hashes = self.chain.hashes(tenant_salt, prompt_ids[:usable])
         keys = [self.store.keys.boundary(self.model_key, p)
                 for p in boundaries.record_parents(self.chain.root(tenant_salt), hashes)]
-        fetch_session = self.store.get_session(*session_key) if session_key else asyncio.sleep(0, None)
+        fetch_session = self._read_session(*session_key) if session_key else asyncio.sleep(0, None)
         t0 = time.perf_counter()
         try:
             values, blocks, fetched_session = await asyncio.wait_for(
@@ -83,6 +83,9 @@ class BoundaryLookup:
         self.metrics.redis_seconds.labels("lookup").observe(time.perf_counter() - t0)
         view.salt, view.tenant = tenant_salt, tenant
         return view, session
+
+    async def _read_session(self, tenant: str, session_id: str) -> SessionRecord | None:
+        return (await self.store.read_session(tenant, session_id)).value
 
     def _at_boundary(self, found: list[boundaries.Candidate], frames: list[bytes], usable: int) -> CacheView:
         """The view of the longest candidate whose blocks all decode and whose record is what this pod writes, its KV

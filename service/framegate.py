@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from cachestore.blockcodec import BlockCodecs
 from cachestore.codec import CodecSpec, OpenFrame, read_header, verify_placed
+from cachestore.codec.blockcodec import BlockCodecs
+from cachestore.codec.frame import GROUPED_MODES, RunningChecksum
 from cachestore.errors import CodecError
-from cachestore.frame import GROUPED_MODES, RunningChecksum
-from cachestore.landing import Scatter, Target
 from cachestore.tails import unpack_ids, unpack_tail
+from cachestore.wire import Scatter, Target
 from service.engines import Engine
 from service.metrics import PodMetrics
 

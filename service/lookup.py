@@ -18,11 +18,11 @@ from collections.abc import Callable, Generator, Sequence
 from typing import Any, Protocol
 
 from cachestore.hashing import BlockHash
-from cachestore.landing import Target
 from cachestore.outcome import Result
 from cachestore.sessions import SessionRecord
 from cachestore.store import BlockStore
 from cachestore.tails import reply_digest
+from cachestore.wire import Target
 from service import threads
 from service.cacheview import CacheView, bypass
 from service.chain import Chain
@@ -204,7 +204,7 @@ class RedisLookup:
         worker = reader if inline else loop.run_in_executor(self._decoder, rehydration.run, on_verified)
         if not chunks:
             last_chunk_sent()
-        fetch_session = self.store.get_session(*session_key) if session_key else _nothing()
+        fetch_session = self._read_session(*session_key) if session_key else _nothing()
         given = False
         view = bypass()
         self._looking_up += 1
@@ -253,6 +253,10 @@ class RedisLookup:
         view.salt, view.tenant = tenant_salt, tenant
         return view, session
 
+    async def _read_session(self, tenant: str, session_id: str) -> SessionRecord | None:
+        assert self.store is not None
+        return (await self.store.read_session(tenant, session_id)).value
+
     def _plan(self, remote: int) -> int:
         """How many of `remote` blocks (after those held locally) to read: the fetch plan's, counted."""
         if remote <= 0:
@@ -270,7 +274,7 @@ class RedisLookup:
         """The lookup of a plan that reads nothing: only how many blocks Redis holds (so the write-back skips them)
         and the session record, in one concurrent round trip each."""
         assert self.store is not None
-        fetch_session = self.store.get_session(*session_key) if session_key else _nothing()
+        fetch_session = self._read_session(*session_key) if session_key else _nothing()
         try:
             present, fetched_session = await asyncio.wait_for(
                 asyncio.gather(self.store.count_present(self.model_key, hashes), fetch_session),

@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from cachestore.blockcodec import BlockCodecs
 from cachestore.codec import Codec, OpenFrame
+from cachestore.codec.blockcodec import BlockCodecs
 from cachestore.errors import ConfigError
 from cachestore.hashing import BlockHash
-from cachestore.landing import Target
 from cachestore.sessions import SessionRecord
 from cachestore.store import BlockStore
+from cachestore.wire import Target
 from service import threads
 from service.boundarylookup import BoundaryLookup
 from service.cacheview import CacheView

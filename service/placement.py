@@ -1,7 +1,7 @@
 """Where a lookup's bytes go: the context a hit is dequantized into, and the landing its frames are received into.
 
 Frames stored plainly (int8, fp16 and exact under lz4 or none) are received into one pooled buffer, one slot per
-block (one copy on the wire, cachestore.landing); a layer-by-layer engine dequantizes them from there a layer at a
+block (one copy on the wire, cachestore.wire); a layer-by-layer engine dequantizes them from there a layer at a
 time (service.rehydrate). Token-row frames for a context an engine lent (a llama.cpp sequence state) are received
 straight into that state's rows instead: nothing is left to dequantize.
 """
@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from cachestore.blockcodec import BlockCodecs
-from cachestore.landing import Target
+from cachestore.codec.blockcodec import BlockCodecs
+from cachestore.wire import Target
 from service.contextpool import ContextPool, LandingPool
 from service.engines import Engine
 

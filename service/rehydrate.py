@@ -3,11 +3,11 @@
 Two ways, by engine:
 
 - An engine that runs layer by layer (transformers) gets its frames received into one buffer, the lookup's
-  landing (`cachestore.landing`), and the lookup's reader only verifies each chunk (`Rehydration.take`: header,
+  landing (`cachestore.wire`), and the lookup's reader only verifies each chunk (`Rehydration.take`: header,
   shape, checksum) between reads. When the last chunk is verified the hit is known, and the frames are handed to
   the `LayerGate` as runs (`FrameRun`): the forward step dequantizes one layer of every block in one call just
   before that layer's attention, which then reads the layer while it is still in the caches. The first step's
-  attention reads each layer's runs in their codes where a kernel can (`LayerGate.attend`, `cachestore.attend`;
+  attention reads each layer's runs in their codes where a kernel can (`LayerGate.attend`, `cachestore.codec.attend`;
   up to a few new tokens), else has them dequantized into a one-layer scratch (`LayerGate.fill`); the context is
   written only at the second step: writing a context larger than the caches cost more than the floor's whole read
   of it. A frame that did not land (compressed, or of another length) is
@@ -37,10 +37,10 @@ from concurrent.futures import Executor
 
 import torch
 
-from cachestore import attend as in_codes
 from cachestore.codec import FrameRun, OpenFrame
+from cachestore.codec import attend as in_codes
 from cachestore.errors import CodecError
-from cachestore.landing import Target
+from cachestore.wire import Target
 from service.engines.gate import LayerGate
 
 LAYER_STEPS = 1  # groups the handed-over layers are dequantized in (more: each starts earlier, costs more calls)
@@ -185,7 +185,7 @@ class Rehydration:
         returns the next layer. `fill(layer, dest)`: the same layer's cached tokens into `dest` [2, kv_heads,
         tokens, head_dim] (the runs from the landing, every other token copied from the context), not the context.
         The token where what they write ends (the gate's `fills_until`). And where a kernel reads every run's kind
-        (`cachestore.attend.supports`), `attend(layer, query, keys, values, mask, scaling)`: that layer's attention
+        (`in_codes.supports`), `attend(layer, query, keys, values, mask, scaling)`: that layer's attention
         over the runs' codes and the context's other tokens, which writes nothing but the whole frames."""
         layers, b = self.gate.layers, self.block_tokens
         _, _, heads, _, dim = self.out.shape

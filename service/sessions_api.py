@@ -95,12 +95,12 @@ async def create_session(request: Request) -> Response:
     pipeline = ready_pipeline(state)
     record = SessionRecord(tenant=tenant.name, session_id=session_id, model=pipeline.model_key, token_ids=[],
                            messages=messages, created_at=now, updated_at=now)
-    stored = await store.put_session(record, None)
-    if stored is None:
-        if store.breaker_state == "open" or not await store.ping():
-            raise redis_unavailable()
+    stored = await store.write_session(record, None)
+    if stored.unavailable:
+        raise redis_unavailable()
+    if stored.value is None:
         raise ApiError(409, f"session {session_id!r} already exists", code="session_exists")
-    return JSONResponse(session_json(stored), status_code=201)
+    return JSONResponse(session_json(stored.value), status_code=201)
 
 
 async def get_session(request: Request) -> Response:
@@ -135,9 +135,11 @@ async def fork_session(request: Request) -> Response:
     child_id = _new_session_id(body)
     await _load(state, tenant, parent_id)
     child = await _store(state).fork_session(tenant.name, parent_id, child_id)
-    if child is None:
+    if child.unavailable:
+        raise redis_unavailable()
+    if child.value is None:
         raise ApiError(409, f"session {child_id!r} already exists", code="session_exists")
-    return JSONResponse(session_json(child), status_code=201)
+    return JSONResponse(session_json(child.value), status_code=201)
 
 
 def _own_reply_ids(pipeline: Any, messages: list[dict[str, Any]]) -> dict[int, list[int]]:

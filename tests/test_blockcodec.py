@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 
-from cachestore.blockcodec import BlockCodecs
 from cachestore.codec import Codec, read_header
+from cachestore.codec.blockcodec import BlockCodecs
 from ops.redisproc import RedisProcess
-from tests.test_service_api import HISTORY, chat, make_client, wait_written
+from tests.support import HISTORY, chat, make_client, wait_written
 
 
 @pytest.mark.parametrize(("spec", "sink"), [("int2", "int8+lz4"), ("int4+zstd/g32", "int8+zstd:3"),

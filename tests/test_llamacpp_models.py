@@ -14,7 +14,7 @@ from ops.pods import PodProcess
 from ops.redisproc import RedisProcess
 from service.engines import GenParams
 from service.engines.llama.llamacpp import LlamaCppEngine
-from tests.conftest import running, settle
+from tests.support import running, settle
 from tests.tinymodels import converter_missing, tiny_gguf
 
 pytestmark = pytest.mark.skipif(converter_missing() is not None, reason=converter_missing() or "")

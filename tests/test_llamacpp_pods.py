@@ -18,7 +18,7 @@ from ops.redisproc import RedisProcess
 from service.engines import GenParams
 from service.engines.llama import kv_cache_type
 from service.engines.llama.llamacpp import LlamaCppEngine
-from tests.conftest import running, settle
+from tests.support import running, settle
 
 ARGS = ("--engine", "llamacpp", "--block-tokens", "16", "--parallel", "2", "--threads", "1")
 SYSTEM = {"role": "system", "content": "You are a concise science tutor. Answer in two or three sentences."}

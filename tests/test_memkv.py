@@ -14,7 +14,7 @@ from ops.chatclient import stream_chat
 from ops.pods import PodProcess
 from service.memkv import MemoryKV
 from service.settings import PodSettings, settings_from_env
-from tests.conftest import running
+from tests.support import running
 
 SALT = b"default"
 

@@ -35,7 +35,7 @@ async def test_chunked_lookup_rebuilds_the_context_and_stops_at_a_corrupt_block(
         kv = runner.generate(prompt, None, GenParams(max_tokens=1)).kv  # [L, 2, H, T, D]
         hashes = pipe.hashes(SALT, prompt[:-1])
         frames = [Codec("exact").encode(kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
-        assert await store.put_blocks(pipe.model_key, hashes, frames) == 20
+        assert (await store.store_blocks(pipe.model_key, hashes, frames)).value == 20
 
         view, _ = await pipe.lookup(SALT, prompt)
         assert (view.status, view.cached_tokens, view.hit_blocks) == ("hit", 20 * b, 20)
@@ -82,7 +82,7 @@ async def test_a_hit_writes_back_the_blocks_after_it_and_its_tail_from_the_kv_it
         truth = runner.generate(prompt, None, GenParams(max_tokens=4))  # the whole sequence's KV, from scratch
         hashes = pipe.hashes(SALT, prompt[:-1])
         frames = [Codec("exact").encode(truth.kv[:, :, :, i * b:(i + 1) * b]) for i in range(5)]
-        assert await store.put_blocks(pipe.model_key, hashes[:5], frames) == 5  # another pod wrote 5 blocks
+        assert (await store.store_blocks(pipe.model_key, hashes[:5], frames)).value == 5  # another pod wrote 5 blocks
 
         view, _ = await pipe.lookup(SALT, prompt)
         assert view.hit_blocks == 5
@@ -92,7 +92,7 @@ async def test_a_hit_writes_back_the_blocks_after_it_and_its_tail_from_the_kv_it
 
         seq = gen.seq_ids
         full = len(seq) // b
-        stored = await store.lookup(pipe.model_key, pipe.hashes(SALT, seq))
+        stored = (await store.fetch(pipe.model_key, pipe.hashes(SALT, seq))).value
         assert len(stored) == full
         for i in range(5, full):
             torch.testing.assert_close(Codec("exact").decode(stored[i]), truth.kv[:, :, :, i * b:(i + 1) * b],

@@ -33,8 +33,8 @@ from service.engines.llama.llamaserver import LlamaServerEngine
 from service.engines.llama.llamaserverproc import LlamaServerProcess, wait_healthy
 from service.pipeline import Pipeline
 from service.settings import PodSettings
-from tests.conftest import running, settle
 from tests.lentpod import rows_pod
+from tests.support import running, settle
 
 ARGS = ("--codec", "exact", "--block-tokens", "16", "--ctx-per-slot", "4096")
 SYSTEM = {"role": "system", "content": "You are a concise science tutor. Answer in two or three sentences."}
@@ -130,7 +130,7 @@ async def _hit_lands_in_the_slot_state(engine: LlamaServerEngine, redis_server: 
     async with rows_pod(engine, redis_server, codec, b) as (store, pipe):
         hashes = pipe.hashes(b"slot", prompt[:-1])
         frames = [pipe.codecs.at(i).encode(full.kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
-        assert await store.put_blocks(pipe.model_key, hashes, frames) == len(hashes) >= 3
+        assert (await store.store_blocks(pipe.model_key, hashes, frames)).value == len(hashes) >= 3
         hit = len(hashes) * b
         engine.forget()
         expected = engine.generate(prompt, _decoded(pipe, frames), GREEDY)  # a slot file assembled from a tensor

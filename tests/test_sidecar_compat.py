@@ -24,8 +24,8 @@ from service.engines.llama.gguf import resolve_gguf
 from service.engines.llama.llamaserver import LlamaServerEngine
 from service.engines.llama.llamaserverproc import LlamaServerProcess
 from service.settings import PodSettings
-from tests.conftest import running, settle
 from tests.replies import reply
+from tests.support import running, settle
 
 pytestmark = pytest.mark.skipif(binary_path() is None, reason="no llama-server built: run `make setup`")
 

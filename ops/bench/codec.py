@@ -94,7 +94,7 @@ def _shuffle_rows(kv: Any, level: int, repeat: int) -> list[dict[str, Any]]:
     """Ratio and decompression speed of the fp16 payload with and without byte shuffle."""
     import torch  # noqa: PLC0415
 
-    from cachestore.compress import compress, decompress, shuffle  # noqa: PLC0415
+    from cachestore.codec.compress import compress, decompress, shuffle  # noqa: PLC0415
 
     raw = kv.to(torch.float16).contiguous().view(-1).view(torch.uint8)
     rows = []

@@ -157,14 +157,14 @@ def _windows(n_ids: int, span: int, count: int) -> list[int]:
 
 def _round_trip(codecs: Any, kv: Any, block_tokens: int) -> list[bytes]:
     """Frames as a pod writes them: one per full block of `block_tokens` (block 0 with the sink codec
-    of `cachestore.blockcodec`), the rest as the session's tail."""
+    of `cachestore.codec.blockcodec`), the rest as the session's tail."""
     return [codecs.at(i // block_tokens).encode(kv[:, :, :, i:i + block_tokens])
             for i in range(0, kv.shape[3], block_tokens)]
 
 
 def _sizes(scorer: Scorer, ids: list[int], modes: list[str], args: argparse.Namespace) -> dict[str, float]:
     """Bytes per token of a --size-tokens context per mode, every frame (headers, sink block) included."""
-    from cachestore.blockcodec import BlockCodecs  # noqa: PLC0415
+    from cachestore.codec.blockcodec import BlockCodecs  # noqa: PLC0415
 
     tokens = args.size_tokens
     kv = scorer.prefill((ids * -(-tokens // len(ids)))[:tokens])
@@ -176,7 +176,7 @@ def _measure(args: argparse.Namespace, scorer: Scorer, text: str) -> tuple[list[
                                                                            list[dict[str, Any]]]:
     import torch  # noqa: PLC0415
 
-    from cachestore.blockcodec import BlockCodecs  # noqa: PLC0415
+    from cachestore.codec.blockcodec import BlockCodecs  # noqa: PLC0415
     from service.partials import common_prefix  # noqa: PLC0415
 
     ids = scorer.text_ids(text)

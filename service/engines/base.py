@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from cachestore.codec import PlacedFrame
-from cachestore.frame import FrameHeader
+from cachestore.codec.frame import FrameHeader
 from cachestore.hashing import ModelFingerprint
-from cachestore.landing import Target
+from cachestore.wire import Target
 from service.engines.gate import LayerGate
 from service.engines.generation import Generation, GenParams
 

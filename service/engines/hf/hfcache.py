@@ -50,7 +50,7 @@ def cache_of_layers(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], model: 
 def route_attention(model: PreTrainedModel) -> None:
     """Run `model`'s attention through this module where it runs sdpa: the same sdpa, but for the first forward step
     over a hit whose frames landed (`LayerGate.attend`), which reads each layer's cached tokens from their
-    codes instead of a dequantized copy (`cachestore.attend`). Masks are sdpa's."""
+    codes instead of a dequantized copy (`cachestore.codec.attend`). Masks are sdpa's."""
     if model.config._attn_implementation not in ("sdpa", ATTENTION):  # noqa: SLF001 - transformers' own name for it
         return
     ALL_ATTENTION_FUNCTIONS.register(ATTENTION, _attention)

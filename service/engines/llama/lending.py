@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cachestore.landing import Target
+from cachestore.wire import Target
 from service.contextpool import IdlePool
 from service.engines.base import Engine, KvGeometry, KvLayout
 from service.engines.llama import llamastate, statewrite

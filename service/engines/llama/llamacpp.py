@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
+from cachestore.codec.q8 import Q8_BLOCK, Q8_BYTES
 from cachestore.errors import ConfigError
 from cachestore.hashing import ModelFingerprint
-from cachestore.quant import Q8_BLOCK, Q8_BYTES
 from service import threads as torch_threads
 from service.engines.base import KvGeometry, PrefillHook
 from service.engines.chat import chat_token_ids, remap_known

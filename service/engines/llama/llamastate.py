@@ -19,7 +19,7 @@
 
 K and V of type F16 (llama.cpp's default) or Q8_0 (`--cache-type-k/v q8_0`, which needs flash attention, so V is
 never transposed) are read and written; a row of Q8_0 is kv_heads * head_dim / 32 blocks of an fp16 scale and 32 int8
-codes (`cachestore.quant.q8_rows`). Any other layout is a `StateLayoutError`: a llama.cpp upgrade that changes this
+codes (`cachestore.codec.q8.q8_rows`). Any other layout is a `StateLayoutError`: a llama.cpp upgrade that changes this
 must fail the golden test, never silently corrupt a cache. Parsing copies the tensors exactly once (into the output;
 only the positions asked for); so does assembling. Q8_0 is parsed into float32, which holds each code times its scale
 exactly, so assembling the parsed tensor writes back the very bytes llama.cpp wrote.
@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cachestore.codec.q8 import Q8_BLOCK, Q8_BYTES, q8_rows_into
 from cachestore.errors import ConfigError, KvstashError
-from cachestore.quant import Q8_BLOCK, Q8_BYTES, q8_rows_into
 
 MAGIC = 0xAF143CD8
 GGML_TYPE_F16 = 1

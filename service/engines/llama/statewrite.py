@@ -9,8 +9,8 @@ import struct
 import numpy as np
 import torch
 
-from cachestore import kernels
-from cachestore.quant import q8_rows
+from cachestore.codec import kernels
+from cachestore.codec.q8 import q8_rows
 from service.engines.llama.llamastate import (
     CELL,
     GGML_TYPE_F16,

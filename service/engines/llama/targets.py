@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import overload
 
-from cachestore.frame import HEADER_SIZE, RunningChecksum
-from cachestore.landing import Scatter, Target
+from cachestore.codec.frame import HEADER_SIZE, RunningChecksum
+from cachestore.wire import Scatter, Target
 
 # where cells [start, start + count) of a lent context hold their rows (per layer its K, then its V), or None
 RowsOf = Callable[[int, int], "list[memoryview] | None"]

@@ -9,20 +9,20 @@ has one thread. Threads of the kernel's own lost to torch's spinning OpenMP work
 Into fp16 token rows (a llama.cpp sequence state: each token's heads side by side), int8 is staged in L1 and
 streamed to memory past the cache, so the lines of the tens of MB a hit writes are not first read in (`token_rows`).
 The values are bit-identical to torch's (tests/test_kernels.py). The attention passes (`attention_scores`,
-`attention_values`) read a landed hit's codes in place for the first forward step (cachestore.attend), dequantizing
-each element in a register; their sums are fp32 in another order than torch's (tests/test_attend.py).
-KVSTASH_NATIVE_KERNELS=0 turns the kernels off.
+`attention_values`) read a landed hit's codes in place for the first forward step (cachestore.codec.attend),
+dequantizing each element in a register; their sums are fp32 in another order than torch's (tests/test_attend.py).
+KVSTASH_NATIVE_KERNELS=0 turns the kernels off (`cachestore.settings.native_kernels`, read on first use or by
+`configure`).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from types import ModuleType
 
 import torch
 
-from cachestore.errors import ConfigError
+from cachestore import settings
 
 _kernels: ModuleType | None
 try:
@@ -32,22 +32,30 @@ except ImportError:  # built without its compiler, or not built: torch does the 
 
 LEVEL = _kernels.level if _kernels is not None else 0  # 2: AVX-512F, 1: AVX2 + F16C, 0: none
 _STAGE_ELEMENTS = _kernels.stage_elements if _kernels is not None else 0  # the longest token row it streams
-ENV = "KVSTASH_NATIVE_KERNELS"
-_wanted = os.environ.get(ENV, "").strip() != "0"  # the setting; configure() checks it strictly
-ENABLED = bool(LEVEL) and _wanted  # the setting, on a CPU and build with a kernel
+ENABLED = bool(LEVEL)  # a CPU and build with a kernel, at the level in use (`use_level`)
+_wanted: bool | None = None  # the setting; None until it is read, on first use or by configure()
 _OUT = (torch.float32, torch.float16)
 
 
 def configure(environ: Mapping[str, str] | None = None) -> bool:
-    """Apply KVSTASH_NATIVE_KERNELS ("1", the default when unset or empty, or "0"; anything else is a ConfigError)
-    and return whether the kernels are used. The command line calls it before a command that runs a model."""
-    global ENABLED, _wanted
-    value = (os.environ if environ is None else environ).get(ENV, "").strip() or "1"  # unset or empty: the default
-    if value not in ("0", "1"):
-        raise ConfigError(f"{ENV} must be 0 (torch alone) or 1, got {value!r}")
-    _wanted = value == "1"
-    ENABLED = bool(LEVEL) and _wanted
-    return ENABLED
+    """Apply KVSTASH_NATIVE_KERNELS strictly (`settings.native_kernels`: anything but 0 or 1 is a ConfigError) and
+    return whether the kernels are used. The command line calls it before a command that runs a model."""
+    global _wanted
+    _wanted = settings.native_kernels(environ)
+    return enabled()
+
+
+def _want() -> bool:
+    """The setting, read (leniently) the first time a kernel is asked for, unless configure() read it first."""
+    global _wanted
+    if _wanted is None:
+        _wanted = settings.native_kernels(strict=False)
+    return _wanted
+
+
+def enabled() -> bool:
+    """Whether the kernels run: a CPU and build with a kernel, and the setting."""
+    return ENABLED and _want()
 
 
 def int8_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> bool:
@@ -55,7 +63,7 @@ def int8_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> bo
     shape times fp16 scales broadcast to it (one per row or one per column), in one pass; False (nothing written) where
     no kernel applies: then the caller uses torch. Five dimensions only into token rows (`token_rows` of each out[l]):
     a run of frames, every layer of every frame in one call."""
-    if not ENABLED or out.dtype not in _OUT or codes.dtype != torch.int8 or scale.dtype != torch.float16:
+    if not enabled() or out.dtype not in _OUT or codes.dtype != torch.int8 or scale.dtype != torch.float16:
         return False
     if out.dtype == torch.float32 and torch.get_num_threads() > 1:
         return False  # torch's two passes on all its threads are as fast
@@ -99,7 +107,7 @@ def transposed_into(out: torch.Tensor, src: torch.Tensor) -> bool:
     contiguous, the bits moved as they are; False (nothing written) where the kernel does not apply: then the caller
     copies. llama.cpp's state without flash attention stores each layer's V this way: a 2048-token SmolLM2 V in 5 ms
     against 14-16 for numpy's strided copy. Plain C and SSE2: at any kernel level."""
-    if _kernels is None or not _wanted or out.dtype != src.dtype or out.element_size() != 2 or out.dim() != 3:
+    if _kernels is None or not _want() or out.dtype != src.dtype or out.element_size() != 2 or out.dim() != 3:
         return False
     k, c, r = out.shape
     if tuple(src.shape) != (k, r, c) or out.device.type != "cpu" or src.device.type != "cpu":
@@ -115,7 +123,7 @@ def int4_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
     """out [A, B, C, E, F] (fp32 or fp16, any outer strides, rows contiguous) = the int4 codes of `packed` (uint8,
     contiguous, two codes a byte, low nibble first, in out's C order) times fp16 `scale` plus fp16 `zero`, both
     broadcast to out's shape alike; False (nothing written) where no kernel applies."""
-    if not ENABLED or out.dtype not in _OUT or packed.dtype != torch.uint8 or not packed.is_contiguous():
+    if not enabled() or out.dtype not in _OUT or packed.dtype != torch.uint8 or not packed.is_contiguous():
         return False
     if scale.dtype != torch.float16 or zero.dtype != torch.float16 or out.dim() != 5 or out.shape[4] % 16:
         return False
@@ -137,7 +145,7 @@ def int4_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
 def attention_scores(out: torch.Tensor, queries: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None = None,
                      zero: torch.Tensor | None = None, group: int = 1) -> bool:
     """out [H, M, A, T] (fp32, rows contiguous) = queries [H, M, D] (fp32) dotted with one layer of A frames' keys,
-    read where they lie in one pass (cachestore.attend): fp16 or fp32 [A, H, T, D]; int8 codes [A, H, T, D] times
+    read where they lie in one pass (cachestore.codec.attend): fp16 or fp32 [A, H, T, D]; int8 codes [A, H, T, D] times
     fp16 `scale` [A, H, 1, D]; or int4 codes, uint8 [A, H * ceil(T / group) * group * D / 2] (two a byte, low nibble
     first, [H, rows, D] order, the last group's rows padded), times fp16 `scale` plus fp16 `zero`, both [A, H,
     ceil(T / group), D] (one per column, a scale for `group` rows). False (nothing written) where no kernel
@@ -156,8 +164,8 @@ def attention_scores(out: torch.Tensor, queries: torch.Tensor, codes: torch.Tens
 def attention_values(out: torch.Tensor, weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None = None,
                      zero: torch.Tensor | None = None, group: int = 0) -> bool:
     """out [H, M, D] (fp32, rows contiguous) += the sum over a and t of weights [H, M, A, T] (fp32) times one layer
-    of A frames' values, read where they lie in one pass (cachestore.attend): fp16 or fp32 [A, H, T, D]; int8 codes
-    [A, H, T, D] times fp16 `scale` [A, H, T, 1]; or int4 codes, uint8 [A, H * T * D / 2] (two a byte, low nibble
+    of A frames' values, read where they lie in one pass (cachestore.codec.attend): fp16 or fp32 [A, H, T, D]; int8
+    codes [A, H, T, D] times fp16 `scale` [A, H, T, 1]; or int4 codes, uint8 [A, H * T * D / 2] (two a byte, low nibble
     first, [H, T, D] order), times fp16 `scale` plus fp16 `zero`, both [A, H, T, D / group] (one per row, a scale
     for `group` columns, a multiple of 16). False (nothing written) where no kernel applies."""
     if out.dim() != 3 or weights.dim() != 4 or tuple(out.shape[:2]) != tuple(weights.shape[:2]):
@@ -184,7 +192,7 @@ def _attend(out: torch.Tensor, rows: torch.Tensor, codes: torch.Tensor, scale: t
     h, m, d = queries.shape
     a, t = scores.shape[2], scores.shape[3]
     bits = _BITS.get(codes.dtype)
-    if not ENABLED or bits is None or out.dtype != torch.float32 or rows.dtype != torch.float32:
+    if not enabled() or bits is None or out.dtype != torch.float32 or rows.dtype != torch.float32:
         return False
     if d % 16 or not 0 < d <= 256 or queries.stride(2) != 1 or scores.stride(3) != 1:
         return False
@@ -221,5 +229,5 @@ def use_level(level: int) -> int:
     if _kernels is None:
         return 0
     used = int(_kernels.use(level))
-    ENABLED = bool(used) and _wanted
+    ENABLED = bool(used)
     return used

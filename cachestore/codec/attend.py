@@ -5,7 +5,7 @@ first (into the context, or a one-layer scratch) writes four bytes of fp32 for e
 or two bytes (fp16) that came off the wire, and reads them back: on 2-core VMs that was most of what a hit's step
 cost beyond the floor's step over a context already in memory. Here the
 attention reads the codes themselves (`kernels.attention_scores`, `kernels.attention_values`): each dequantized
-element is the value cachestore.quant computes, used once in a register and never stored. Tokens outside the
+element is the value cachestore.codec.dequant computes, used once in a register and never stored. Tokens outside the
 landed runs (frames that came as bytes, a session's tail, the new tokens) are read from the context as usual, and
 one softmax runs over all of them.
 """
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from cachestore import kernels
-from cachestore.frame import FrameHeader
-from cachestore.quant import Dims, groups
+from cachestore.codec import kernels
+from cachestore.codec.frame import FrameHeader
+from cachestore.codec.layout import Dims, groups
 
 MODES = ("int8", "int4", "fp16", "exact")  # with no transform, no int8 layers, exact in fp16 or fp32: what they read
 
@@ -50,7 +50,7 @@ class Landed:
 
 def supports(header: FrameHeader) -> bool:
     """Whether frames of this kind can be attended over in their codes (on this CPU, under this setting)."""
-    if not kernels.ENABLED or header.mode not in MODES or header.transform or header.layer_bits or header.rows:
+    if not kernels.enabled() or header.mode not in MODES or header.transform or header.layer_bits or header.rows:
         return False
     if header.mode == "exact" and header.dtype not in ("float32", "float16"):
         return False
@@ -63,7 +63,7 @@ def supports(header: FrameHeader) -> bool:
 
 
 def groups_of(header: FrameHeader) -> tuple[int, int, int, int]:
-    """(key group, key groups, value group, value groups) of an int4 frame (cachestore.quant.groups)."""
+    """(key group, key groups, value group, value groups) of an int4 frame (cachestore.codec.layout.groups)."""
     return groups(Dims(header.layers, header.kv_heads, header.tokens, header.head_dim), header.group_size)
 
 

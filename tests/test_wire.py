@@ -1,4 +1,4 @@
-"""Values received straight into the caller's buffer (cachestore.landing), against a real redis-server, and the
+"""Values received straight into the caller's buffer (cachestore.wire), against a real redis-server, and the
 frames of a lookup dequantized a layer of every block at a time from there (FrameRun, Rehydration)."""
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ import pytest
 import redis
 import torch
 
-from cachestore import landing
+from cachestore import wire
 from cachestore.codec import Codec, FrameRun
 from cachestore.errors import CodecError
 from cachestore.hashing import BlockHash
 from cachestore.outcome import Outcome
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
+from cachestore.wire import native as native_wire
 from ops.redisproc import RedisProcess
 from service.rehydrate import Rehydration
 
@@ -51,7 +52,7 @@ REPLIES = (b"$5\r\nhello\r\n$-1\r\n_\r\n:42\r\n+OK\r\n-WRONGTYPE no\r\n*2\r\n:1\
 @pytest.mark.parametrize("step", [1, 3, 7, 1 << 16])
 def test_every_reply_type_parses_however_the_bytes_arrive(step: int) -> None:
     buf = bytearray(3)
-    reader = landing.ReplyReader(Trickle(REPLIES, step))  # type: ignore[arg-type]
+    reader = wire.make_parser(Trickle(REPLIES, step))  # type: ignore[arg-type]
     got = [reader.reply(memoryview(buf) if i == 0 else None) for i in range(16)]
     assert got[0] == b"hello"  # 5 bytes do not fit a 3-byte target: a bytes object of their own
     assert got[1:5] == [None, None, 42, b"OK"]
@@ -60,7 +61,7 @@ def test_every_reply_type_parses_however_the_bytes_arrive(step: int) -> None:
     assert isinstance(got[12], redis.ResponseError) and str(got[12]) == "oops!"
     assert got[13] == [3]
     target = memoryview(buf)
-    reader2 = landing.ReplyReader(Trickle(b"|1\r\n+a\r\n:0\r\n$3\r\nxyz\r\n", step))  # type: ignore[arg-type]
+    reader2 = wire.make_parser(Trickle(b"|1\r\n+a\r\n:0\r\n$3\r\nxyz\r\n", step))  # type: ignore[arg-type]
     assert reader2.reply(target) is target and bytes(buf) == b"xyz"  # after its attributes, into the target
     assert got[14] == b"xyz" and got[15] is None
     assert reader.buffered == 0
@@ -69,7 +70,7 @@ def test_every_reply_type_parses_however_the_bytes_arrive(step: int) -> None:
 @pytest.mark.parametrize("bad", [b"$5\r\nhello!!", b"?what\r\n", b"$x\r\n", b"$5\r\nhel", b"$99999999999\r\n",
                                  b"*1\r\n" * 12 + b":1\r\n"])
 def test_a_malformed_or_cut_reply_raises(bad: bytes) -> None:
-    reader = landing.ReplyReader(Trickle(bad, 2))  # type: ignore[arg-type]
+    reader = wire.make_parser(Trickle(bad, 2))  # type: ignore[arg-type]
     with pytest.raises(redis.ConnectionError):
         reader.reply()
 
@@ -80,8 +81,8 @@ def test_values_of_the_slot_length_land_in_the_buffer(kv_server: RedisProcess, p
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     runs: list[int] = []
     if not native:
-        monkeypatch.setattr(landing, "_resp", None)  # every reply parsed in Python
-    elif not landing.NATIVE:
+        monkeypatch.setattr(native_wire, "_resp", None)  # every reply parsed in Python
+    elif not wire.NATIVE:
         pytest.skip("cachestore._resp not built")
     else:
         import cachestore._resp as resp  # noqa: PLC0415
@@ -91,7 +92,7 @@ def test_values_of_the_slot_length_land_in_the_buffer(kv_server: RedisProcess, p
             runs.append(got[0] - args[7])  # replies it received
             return got
 
-        monkeypatch.setattr(landing, "_resp", SimpleNamespace(receive=counted))
+        monkeypatch.setattr(native_wire, "_resp", SimpleNamespace(receive=counted))
     client = redis.Redis.from_url(kv_server.url, protocol=protocol)
     try:
         big, small = os.urandom(3_000_000), os.urandom(1000)  # far larger than the reader's own buffer
@@ -100,7 +101,7 @@ def test_values_of_the_slot_length_land_in_the_buffer(kv_server: RedisProcess, p
         buf = bytearray(3_000_000 + 2000)
         view = memoryview(buf)
         slots = [view[:3_000_000], view[3_000_000:3_001_000], view[3_001_000:3_001_500]]
-        replies = landing.pipelined_into(
+        replies = wire.pipelined_into(
             client, [("GETEX", "big", "PX", 60_000), ("GET", "small"), ("GET", "small"), ("GET", "absent"),
                      ("EVAL", "return {1, 'two'}", 0), ("INCR", "big")], slots)
         assert replies[0] is slots[0] and replies[1] is slots[1]  # landed: the slots themselves
@@ -123,16 +124,16 @@ def test_a_scatter_receives_a_value_across_its_pieces_in_order(step: int) -> Non
     buf = bytearray(40)
     view = memoryview(buf)
     seen: list[bytes] = []
-    scatter = landing.Scatter([view[30:33], view[0:20], view[25:30], view[20:25], view[33:35]],
+    scatter = wire.Scatter([view[30:33], view[0:20], view[25:30], view[20:25], view[33:35]],
                               lambda piece: seen.append(bytes(piece)))
-    other = landing.Scatter([view[35:40]], lambda piece: seen.append(b"no"))
-    reader = landing.ReplyReader(Trickle(data, step))  # type: ignore[arg-type]
+    other = wire.Scatter([view[35:40]], lambda piece: seen.append(b"no"))
+    reader = wire.make_parser(Trickle(data, step))  # type: ignore[arg-type]
     assert reader.reply(scatter) is scatter and reader.reply(other) == b"abcd"
     assert seen == [value[:3], value[3:23], value[23:28], value[28:33], value[33:]]
     assert bytes(buf[30:33]) == value[:3] and bytes(buf[0:20]) == value[3:23] and scatter.tobytes() == value
     assert bytes(buf[35:40]) == bytes(5)
     filled: list[bytes] = []
-    again = landing.Scatter([memoryview(bytearray(2)), memoryview(bytearray(3))], lambda p: filled.append(bytes(p)))
+    again = wire.Scatter([memoryview(bytearray(2)), memoryview(bytearray(3))], lambda p: filled.append(bytes(p)))
     again.fill(b"hello")
     assert filled == [b"he", b"llo"] and again.tobytes() == b"hello"
     with pytest.raises(ValueError, match="4 bytes"):
@@ -146,11 +147,11 @@ async def test_fetch_blocking_receives_frames_across_scatters(kv_server: RedisPr
     try:
         hashes = [BlockHash(bytes([i]) * 16) for i in range(3)]
         frames = [os.urandom(4000) for _ in range(3)]
-        assert await writer.put_blocks("abcdef0123456789", hashes, frames) == 3
+        assert (await writer.store_blocks("abcdef0123456789", hashes, frames)).value == 3
         for _ in range(2):  # from Redis, then from the local tier
             buf = bytearray(3 * 4000)
             view = memoryview(buf)
-            targets = [landing.Scatter([view[i * 4000 + 1000:(i + 1) * 4000], view[i * 4000:i * 4000 + 1000]])
+            targets = [wire.Scatter([view[i * 4000 + 1000:(i + 1) * 4000], view[i * 4000:i * 4000 + 1000]])
                        for i in range(3)]
             got = (await asyncio.to_thread(store.fetch_blocking, "abcdef0123456789", hashes, targets)).value
             assert all(g is t for g, t in zip(got, targets, strict=True))
@@ -168,7 +169,7 @@ def test_a_server_gone_mid_reply_raises_and_the_pool_recovers(kv_server: RedisPr
     try:
         client.set("v", b"x" * 100)
         with pytest.raises(redis.ConnectionError):  # the connection closes before its replies
-            landing.pipelined_into(client, [("CLIENT", "KILL", "SKIPME", "no"), ("GET", "v")], [])
+            wire.pipelined_into(client, [("CLIENT", "KILL", "SKIPME", "no"), ("GET", "v")], [])
         assert client.get("v") == b"x" * 100
     finally:
         client.close()
@@ -185,7 +186,7 @@ async def test_fetch_blocking_receives_frames_into_their_slots(kv_server: RedisP
     try:
         hashes = [BlockHash(bytes([i]) * 16) for i in range(5)]
         frames = [os.urandom(4000) for _ in range(4)] + [os.urandom(3000)]
-        assert await writer.put_blocks("abcdef0123456789", hashes, frames) == 5
+        assert (await writer.store_blocks("abcdef0123456789", hashes, frames)).value == 5
         buf = bytearray(5 * 4096)
         slots = [memoryview(buf)[i * 4096:i * 4096 + 4000] for i in range(5)]
         got = (await asyncio.to_thread(store.fetch_blocking, "abcdef0123456789", hashes, slots)).value
@@ -341,7 +342,7 @@ async def test_chunks_are_requested_one_ahead_and_answer_as_fetch_blocking(kv_se
     try:
         hashes = [BlockHash(bytes([i]) * 16) for i in range(7)]
         frames = [os.urandom(3000) for _ in range(7)]
-        assert await _store(kv_server.url, "ahead").put_blocks("abcdef0123456789", hashes, frames) == 7
+        assert (await _store(kv_server.url, "ahead").store_blocks("abcdef0123456789", hashes, frames)).value == 7
         buf = bytearray(7 * 4096)
         slots = [memoryview(buf)[i * 4096:i * 4096 + 3000] for i in range(7)]
         chunks, into = [hashes[0:3], hashes[3:6], hashes[6:7]], [slots[0:3], slots[3:6], slots[6:7]]
@@ -396,7 +397,7 @@ async def test_a_server_killed_between_chunks_is_a_miss_for_the_breaker(kv_serve
         size = 4 << 20
         hashes = [BlockHash(bytes([i]) * 16) for i in range(5)]
         frames = [os.urandom(size) for _ in range(5)]
-        assert await store.put_blocks("abcdef0123456789", hashes, frames) == 5
+        assert (await store.store_blocks("abcdef0123456789", hashes, frames)).value == 5
         buf = bytearray(5 * size)
         slots = [memoryview(buf)[i * size:(i + 1) * size] for i in range(5)]
 
@@ -534,7 +535,7 @@ def _stream(values: list[bytes]) -> bytes:
     return b"".join(b"$%d\r\n%s\r\n" % (len(v), v) for v in values)
 
 
-def _targets(arena: bytearray, sizes: list[int], seen: list[bytes]) -> list[landing.Target]:
+def _targets(arena: bytearray, sizes: list[int], seen: list[bytes]) -> list[wire.Target]:
     """A slot of `arena` per size, 40 bytes apart; every third one (of more than 10 bytes) a Scatter of three pieces,
     out of order, with a gap between them (the first of them reporting each piece to `seen`); the fifth a Scatter
     of 150 pieces a byte apart (more than one readv)."""
@@ -543,11 +544,11 @@ def _targets(arena: bytearray, sizes: list[int], seen: list[bytes]) -> list[land
         if i == 4:
             cuts = [n * j // 150 for j in range(151)]
             pieces = [view[at + j + a:at + j + b] for j, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False))]
-            targets.append(landing.Scatter(pieces))
+            targets.append(wire.Scatter(pieces))
             at += 150
         elif i % 3 == 2 and n > 10:
             third = n // 3
-            targets.append(landing.Scatter([view[at + 2 * third + 4:at + n + 4], view[at:at + third],
+            targets.append(wire.Scatter([view[at + 2 * third + 4:at + n + 4], view[at:at + third],
                                             view[at + third:at + 2 * third]],
                                            (lambda piece: seen.append(bytes(piece))) if i == 2 else None))
         else:
@@ -556,7 +557,7 @@ def _targets(arena: bytearray, sizes: list[int], seen: list[bytes]) -> list[land
     return targets
 
 
-@pytest.mark.skipif(not landing.NATIVE, reason="cachestore._resp not built")
+@pytest.mark.skipif(not wire.NATIVE, reason="cachestore._resp not built")
 @pytest.mark.parametrize("step", [1, 7, 4096, 1 << 20])
 def test_the_native_reader_lands_what_the_python_one_does_however_the_bytes_arrive(
         step: int, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -571,7 +572,7 @@ def test_the_native_reader_lands_what_the_python_one_does_however_the_bytes_arri
     size = sum(sizes) + 64 * len(sizes) + 150
     expected = bytearray(b"\xa5" * size)
     for target, value in zip(_targets(expected, sizes, []), values, strict=True):
-        if isinstance(target, landing.Scatter):
+        if isinstance(target, wire.Scatter):
             target.fill(value)
         else:
             target[:] = value
@@ -584,15 +585,15 @@ def test_the_native_reader_lands_what_the_python_one_does_however_the_bytes_arri
         natively.extend(range(args[7], got[0]))  # the replies it received
         return got
 
-    monkeypatch.setattr(landing, "_resp", SimpleNamespace(receive=counted))
+    monkeypatch.setattr(native_wire, "_resp", SimpleNamespace(receive=counted))
     results = []
     for native in (True, False):
         arena, seen = bytearray(b"\xa5" * size), []
         targets = _targets(arena, sizes, seen)
         slots = targets[:3] + [memoryview(bytearray(4))] * 4 + targets[3:]  # 4: "other" (5 bytes) does not fit
         sock, feeder = _fed(data, step)
-        reader = landing.ReplyReader(sock, native=native)
-        assert reader.native == native
+        reader = wire.make_parser(sock, native=native)
+        assert isinstance(reader, native_wire.NativeParser) == native
         try:
             got = reader.replies(len(slots) + 16, slots)
         finally:
@@ -611,41 +612,41 @@ def test_the_native_reader_lands_what_the_python_one_does_however_the_bytes_arri
     assert len(results[0]) == 20 and results[0][-2:] == ["b'xyz'", "None"]
 
 
-@pytest.mark.skipif(not landing.NATIVE, reason="cachestore._resp not built")
+@pytest.mark.skipif(not wire.NATIVE, reason="cachestore._resp not built")
 @pytest.mark.parametrize(("data", "error"), [
-    (b"$5\r\nhello!!", landing.ProtocolError),  # no CRLF after the value
+    (b"$5\r\nhello!!", wire.ProtocolError),  # no CRLF after the value
     (b"$5\r\nhel", redis.ConnectionError),  # closed mid-value
     (b"$5\r\n", redis.ConnectionError),  # closed before the value
     (b"$", redis.ConnectionError),  # closed mid-header
-    (b"$99999999999\r\n", landing.ProtocolError),  # longer than Redis allows: the Python parser refuses it
-    (b"$5x\r\n", landing.ProtocolError),  # not a length: the Python parser refuses it
+    (b"$99999999999\r\n", wire.ProtocolError),  # longer than Redis allows: the Python parser refuses it
+    (b"$5x\r\n", wire.ProtocolError),  # not a length: the Python parser refuses it
     (b"$5" + b"9" * 40, redis.ConnectionError),  # a header with no end, then closed: the Python parser reads on
 ])
 def test_the_native_reader_refuses_a_cut_or_malformed_value(data: bytes, error: type[Exception]) -> None:
     sock, feeder = _fed(data, 3)
     try:
         with pytest.raises(error):
-            landing.ReplyReader(sock).replies(1, [memoryview(bytearray(5))])
+            wire.make_parser(sock).replies(1, [memoryview(bytearray(5))])
     finally:
         feeder.join()
         sock.close()
 
 
-@pytest.mark.skipif(not landing.NATIVE, reason="cachestore._resp not built")
+@pytest.mark.skipif(not wire.NATIVE, reason="cachestore._resp not built")
 def test_the_native_reader_keeps_the_socket_timeout() -> None:
     sock, feeder = _fed(b"$10\r\nhello", 100, hold=True)  # half a value, then nothing
     sock.settimeout(0.2)
     started = time.monotonic()
     try:
         with pytest.raises(redis.TimeoutError):
-            landing.ReplyReader(sock).replies(1, [memoryview(bytearray(10))])
+            wire.make_parser(sock).replies(1, [memoryview(bytearray(10))])
         assert 0.15 < time.monotonic() - started < 0.9
     finally:
         feeder.join()
         sock.close()
 
 
-@pytest.mark.skipif(not landing.NATIVE, reason="cachestore._resp not built")
+@pytest.mark.skipif(not wire.NATIVE, reason="cachestore._resp not built")
 @pytest.mark.parametrize("native", [True, False])
 def test_what_a_scatter_reports_to_raises_out_of_the_reader(native: bool) -> None:
     """`Scatter.filled` is called with the GIL from inside the native reader: what it raises comes out of
@@ -659,10 +660,10 @@ def test_what_a_scatter_reports_to_raises_out_of_the_reader(native: bool) -> Non
 
     sock, feeder = _fed(_stream([b"abcdefgh"]), 100)
     try:
-        scatter = landing.Scatter([memoryview(bytearray(3)), memoryview(bytearray(3)), memoryview(bytearray(2))],
+        scatter = wire.Scatter([memoryview(bytearray(3)), memoryview(bytearray(3)), memoryview(bytearray(2))],
                                   filled)
         with pytest.raises(ValueError, match="a bad piece"):
-            landing.ReplyReader(sock, native=native).replies(1, [scatter])
+            wire.make_parser(sock, native=native).replies(1, [scatter])
         assert seen == [b"abc", b"def"]
     finally:
         feeder.join()
@@ -673,8 +674,8 @@ def test_a_large_scatter_that_reports_its_pieces_keeps_the_python_parser() -> No
     """Up to NATIVE_REPORTED_BYTES a reporting Scatter is landed natively (pieces reported from C); above it, the
     Python parser takes it (f16 rows were no faster natively); a silent one is landed natively at any
     size."""
-    big = [memoryview(bytearray(landing.NATIVE_REPORTED_BYTES // 2 + 1)) for _ in range(2)]
+    big = [memoryview(bytearray(native_wire.NATIVE_REPORTED_BYTES // 2 + 1)) for _ in range(2)]
     small = [memoryview(bytearray(1000)) for _ in range(2)]
-    assert landing._pieces(landing.Scatter(big, lambda piece: None)) is None  # noqa: SLF001
-    assert landing._pieces(landing.Scatter(big)) is not None  # noqa: SLF001
-    assert landing._pieces(landing.Scatter(small, lambda piece: None)) is not None  # noqa: SLF001
+    assert native_wire.native_pieces(wire.Scatter(big, lambda piece: None)) is None
+    assert native_wire.native_pieces(wire.Scatter(big)) is not None
+    assert native_wire.native_pieces(wire.Scatter(small, lambda piece: None)) is not None

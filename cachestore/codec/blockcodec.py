@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from cachestore.codec import Codec, CodecSpec
-from cachestore.frame import FLOAT_MODES
+from cachestore.codec.codec import Codec
+from cachestore.codec.frame import FLOAT_MODES
+from cachestore.codec.spec import CodecSpec
 
 SINK_BLOCK_MODES = frozenset({"int4", "int2"})
 SINK_MODE = "int8"

@@ -181,7 +181,7 @@ class RunningChecksum:
 
 
 def checksum_pieces(header_bytes: bytes | memoryview, payload: Iterable[bytes | memoryview]) -> int:
-    """`checksum` of a stored payload that lies in pieces (received apart: `cachestore.landing.Scatter`), in order."""
+    """`checksum` of a stored payload that lies in pieces (received apart: `cachestore.wire.Scatter`), in order."""
     running = RunningChecksum()
     running(header_bytes[:HEADER_SIZE])
     for piece in payload:
