@@ -142,7 +142,7 @@ class Passthrough:
         try:
             view, _ = await pipeline.lookup(inputs.salt(tenant.salt, how.identity), prompt, tenant=tenant.name)
             lease: SlotLease = await pipeline.in_engine(view, self.engine.lease, prompt, view.kv, view.ready,
-                                                        how.slots)
+                                                        how.slots, view.boundary)
         except BaseException:
             admission.release()
             raise
@@ -241,7 +241,8 @@ class _Call:
             prompt = self.lease.prompt
             gen = Generation(text="", token_ids=saved.tokens[len(prompt):], finish_reason="stop",
                              prompt_tokens=len(prompt), cached_tokens=reused, ttft_s=0.0, total_s=0.0,
-                             seq_ids=saved.tokens, kv=saved.kv, reply_ids=None, kv_from=saved.kv_from)
+                             seq_ids=saved.tokens, kv=saved.kv, reply_ids=None, kv_from=saved.kv_from,
+                             boundaries=((len(saved.tokens), saved.boundary),) if saved.boundary else ())
             await self.pipeline.writes.finish(self.salt, gen, self.view, prompt_tokens=len(prompt))
         finally:
             self.admission.release()

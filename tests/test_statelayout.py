@@ -12,8 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from cachestore.errors import ConfigError
-from ops.llamaserver_build import binary_path
 from service.engines.llama.ggufmeta import read_meta
 from service.engines.llama.llamastate import MAGIC, StateLayoutError
 from service.engines.llama.statelayout import (
@@ -254,21 +252,6 @@ def test_the_llamacpp_engine_serves_a_sliding_or_hybrid_layout_naming_it(name: s
         assert engine.fingerprint(16, "exact").num_layers == engine.layout.full
     finally:
         engine.close()
-
-
-@needs_converter
-@pytest.mark.skipif(binary_path() is None, reason="no llama-server built: run `make llama-server`")
-@pytest.mark.parametrize(("name", "layout"), [
-    ("gemma3", "gemma3, 6 layers: 5 sliding-window (window 32; layers 0-4), 1 full-attention"),
-    ("lfm2", "lfm2, 4 layers: 2 recurrent (layers 0,2; 1,024 bytes of state a sequence), 2 full-attention"),
-])
-def test_the_sidecar_refuses_a_layout_it_cannot_cache_naming_it(name: str, layout: str) -> None:
-    """Read from the sections of the slot file llama-server saves of a probe, as the llamacpp engine reads its own."""
-    from service.engines.llama.llamaserver import LlamaServerEngine  # noqa: PLC0415
-
-    with pytest.raises(ConfigError) as refused:
-        LlamaServerEngine.spawn(str(tiny_gguf(name)), parallel=1, threads=1, ctx_per_slot=512)
-    assert str(refused.value).endswith(f" serves tiny-{name}.gguf, {layout}; kvstash caches full-attention KV only")
 
 
 @needs_converter

@@ -48,6 +48,7 @@ from service.engines.llama.slots import SidecarStats, Slot, SlotKeeper, Upstream
 log = logging.getLogger("kvstash.llamaserver")
 
 REQUEST_TIMEOUT_S = 600.0
+SWA_FULL = "--swa-full"  # llama-server keeps every position of sliding-window layers: a restored slot is reusable
 UPSTREAM_WAIT_S = 60.0  # how long a request waits for a restarting llama-server before it fails
 
 
@@ -100,6 +101,8 @@ class LlamaServerEngine(SlotKeeper, LendsStates):
         self._cond = threading.Condition()
         self.stats = SidecarStats()
         self._restarts_seen = process.restarts if process else 0
+        self.boundary_records = False  # a sliding-window or hybrid model: set by the probe
+        self._section_kinds: tuple[str, ...] = (statelayout.KV,)
         self.state_geometry = self._probe_layout()
         # a hit lands in the sequence state of the slot file it is restored from (lending): exact and
         # fp16 frames as token rows, the order the state holds K and V in, and q8 frames (always rows) are received
@@ -126,6 +129,8 @@ class LlamaServerEngine(SlotKeeper, LendsStates):
             extra_args = ("--cache-type-k", kv_type, "--cache-type-v", kv_type, "-fa", "on", *extra_args)
         if flash_attn != "auto" and not any(a in ("-fa", "--flash-attn") for a in extra_args):
             extra_args = ("-fa", flash_attn, *extra_args)
+        if gguf_facts(resolve_gguf(model))["attention.sliding_window"] and SWA_FULL not in extra_args:
+            extra_args = (SWA_FULL, *extra_args)  # or llama-server prefills a restored sliding-window slot again
         owned = slot_dir is None
         if slot_dir is None:
             shm = Path("/dev/shm")
@@ -197,10 +202,10 @@ class LlamaServerEngine(SlotKeeper, LendsStates):
                                                "temperature": 0.0})
             self._slot_action(0, "save", name)
             data = path.read_bytes()
-            self.layout = layout = self._layout(slotfile.state_of(data))
+            state = slotfile.state_of(data)
+            self.layout = layout = self._layout(state)
             if not layout.full_attention_only:
-                raise ConfigError(f"llama-server at {self.url} serves {self.path.name}, {layout.describe()}; kvstash "
-                                  "caches full-attention KV only")
+                data = data[:len(data) - len(state) + self._attention_only(layout, state)]
             facts = slotfile.facts(data)
             g = self.geometry
             if facts.num_layers != g.num_layers or facts.row_elements != g.kv_heads * g.head_dim:
@@ -222,7 +227,61 @@ class LlamaServerEngine(SlotKeeper, LendsStates):
         finally:
             path.unlink(missing_ok=True)
             self._erase(0)
+        if self.boundary_records:
+            self._probe_reuse(ids)
         return geo
+
+    def _attention_only(self, layout: statelayout.ModelLayout, state: bytearray) -> int:
+        """For a sliding-window or hybrid model: where its state's full-attention KV ends (what blocks hold; its
+        boundary records hold the rest), its geometry that of those layers alone; a one-line refusal for a layout
+        with no full-attention layers of one width."""
+        self._section_kinds = tuple(statelayout.KV if isinstance(s, statelayout.KvSection) else statelayout.RECURRENT
+                                    for s in statelayout.infer_sections(state))
+        rows = set(layout.kv_row_bytes[:layout.full])
+        if layout.full == 0 or len(rows) != 1 or self._section_kinds[0] != statelayout.KV:
+            raise ConfigError(f"llama-server at {self.url} serves {self.path.name}, {layout.describe()}; kvstash "
+                              "caches models with full-attention layers of one width beside their sliding-window or "
+                              "recurrent layers")
+        g = self.geometry
+        self.geometry = replace(g, num_layers=layout.full, kv_heads=rows.pop() // 2 // g.head_dim)
+        self.boundary_records = True
+        return statelayout.split_state(state, self._section_kinds)[0]
+
+    def _probe_reuse(self, ids: list[int]) -> None:
+        """A sliding-window or hybrid slot restored from a file must be reused, not prefilled again: complete a
+        prompt longer than the window, save the slot, restore it, and check llama-server's `cache_n` when the prompt
+        goes on; a one-line refusal naming the setting otherwise (llama-server needs `--swa-full`)."""
+        prompt = (ids * (2 * self.layout.n_swa // max(1, len(ids)) + 8))[:max(2 * self.layout.n_swa, 16)]
+        name = f"{self._prefix}-reuse.bin"
+        path = self.slot_dir / name
+        try:
+            self._json("POST", "/completion", {"prompt": prompt, "n_predict": 1, "id_slot": 0, "cache_prompt": True,
+                                               "temperature": 0.0})
+            saved = int(self._slot_action(0, "save", name).get("n_saved", 0))
+            self._erase(0)
+            restored = int(self._slot_action(0, "restore", name).get("n_restored", -1))
+            reply = self._json("POST", "/completion", {"prompt": prompt + ids[:1] * 4, "n_predict": 1, "id_slot": 0,
+                                                       "cache_prompt": True, "temperature": 0.0})
+            reused = int((reply.get("timings") or {}).get("cache_n", 0))
+        except (UpstreamError, OSError, httpx.HTTPError) as exc:
+            raise ConfigError(f"llama-server at {self.url} cannot share {self.path.name}'s KV with kvstash: "
+                              f"{exc}") from None
+        finally:
+            path.unlink(missing_ok=True)
+            self._erase(0)
+        if restored != saved or reused < min(saved, len(prompt)) - 1:
+            raise ConfigError(f"llama-server at {self.url} prefills a restored slot of {self.path.name} again "
+                              f"({reused} of {saved} tokens reused): start it with {SWA_FULL} "
+                              "(`kvstash sidecar --spawn` does)")
+
+    def boundary_problem(self, state: bytes, position: int) -> str | None:
+        """Why a boundary state read back from Redis (untrusted) cannot resume a slot at `position`, or None."""
+        return statelayout.check_boundary(state, self.layout, position, self.state_geometry.v_trans)
+
+    def context_for(self, tokens: int) -> torch.Tensor | None:
+        """As `LendsStates.context_for`; None for a sliding-window or hybrid model (its slot file is assembled from
+        its blocks and its boundary record)."""
+        return None if self.boundary_records else super().context_for(tokens)
 
     def _layout(self, state: bytearray) -> statelayout.ModelLayout:
         """Which layers of the served model keep full-attention KV, a sliding window or a recurrent state, from the
@@ -293,15 +352,13 @@ class LlamaServerEngine(SlotKeeper, LendsStates):
     ) -> Generation:
         """`on_prefill` is never called: llama-server hands a slot's KV out only once the slot is idle, so
         the prompt's blocks are written with the reply's, after the last token."""
-        if boundary is not None:
-            raise ValueError("the sidecar caches full-attention models only: it resumes at no boundary record")
         prompt = [int(i) for i in prompt_ids]
         if not prompt:
             raise ValueError("the prompt is empty")
         if len(prompt) >= self.geometry.max_context:
             raise ValueError(f"the prompt has {len(prompt)} tokens; the context is {self.geometry.max_context}")
         started = time.perf_counter()
-        lease = self.lease(prompt, cached_kv, kv_ready)
+        lease = self.lease(prompt, cached_kv, kv_ready, boundary=boundary)
         try:
             reply = self._complete(lease.slot, prompt, params, on_text, started)
         except BaseException:
@@ -316,6 +373,7 @@ class LlamaServerEngine(SlotKeeper, LendsStates):
         else:
             seq_ids, kv, kv_from = saved.tokens, saved.kv, saved.kv_from
         return Generation(
+            boundaries=((len(seq_ids), saved.boundary),) if saved is not None and saved.boundary else (),
             text=reply.text, token_ids=reply.tokens, finish_reason=reply.finish, prompt_tokens=len(prompt),
             cached_tokens=reused, ttft_s=reply.ttft_s, total_s=time.perf_counter() - started, seq_ids=seq_ids,
             kv=kv, reply_ids=reply_ids(reply.tokens, reply.stop_type == "eos", reply.stop_type == "word"),

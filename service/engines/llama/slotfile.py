@@ -46,6 +46,7 @@ class SlotFile:
     tokens: list[int]
     kv: torch.Tensor
     kv_from: int = 0
+    boundary: bytes = b""  # a sliding-window or hybrid model's boundary state at the end of `tokens`
 
 
 def _packed_tokens(words: np.ndarray) -> list[int]:

@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ import httpx
 import torch
 
 from service.engines.gate import LayerGate
-from service.engines.llama import llamastate, slotfile
+from service.engines.llama import llamastate, slotfile, statelayout
 from service.engines.llama.lending import StateLender
 from service.engines.llama.llamaserverproc import LlamaServerProcess
 
@@ -80,6 +80,8 @@ class SlotKeeper:
     _lender: StateLender
     _restarts_seen: int
     process: LlamaServerProcess | None
+    boundary_records: bool
+    _section_kinds: tuple[str, ...]
 
     def _slot_action(self, slot: int, action: str, filename: str | None = None) -> dict[str, Any]:
         raise NotImplementedError  # llama-server's POST /slots/{id}?action=: the engine's HTTP call
@@ -122,7 +124,7 @@ class SlotKeeper:
         except (UpstreamError, httpx.HTTPError):
             log.warning("could not erase llama-server slot %d", slot)
 
-    def _restore(self, slot: Slot, tokens: list[int], kv: torch.Tensor) -> bool:
+    def _restore(self, slot: Slot, tokens: list[int], kv: torch.Tensor, boundary: bytes | None = None) -> bool:
         """Put `kv` [layers, 2, kv_heads, len(tokens), head_dim] into the slot; False (a miss) on any failure."""
         name = f"{self._prefix}-slot{slot.id}.bin"
         path = self.slot_dir / name
@@ -130,8 +132,13 @@ class SlotKeeper:
         try:
             lent = self._lender.take(kv, len(tokens))  # a context lent: its state's own rows are the file's
             geo = self.state_geometry
-            slotfile.write_pieces(path, slotfile.from_state(tokens, lent.state, lent.cells, geo) if lent is not None
-                                  else slotfile.assemble(tokens, kv, geo))
+            pieces = (slotfile.from_state(tokens, lent.state, lent.cells, geo) if lent is not None
+                      else slotfile.assemble(tokens, kv, geo))
+            if self.boundary_records:  # the window / recurrent state after the full-attention KV
+                if boundary is None:
+                    raise llamastate.StateLayoutError("a sliding-window or hybrid slot needs its boundary state")
+                pieces.append(statelayout.with_streams(boundary, self._section_kinds[1:], geo.n_stream))
+            slotfile.write_pieces(path, pieces)
             answer = self._slot_action(slot.id, "restore", name)
             if int(answer.get("n_restored", -1)) != len(tokens):
                 raise UpstreamError(f"restored {answer.get('n_restored')} of {len(tokens)} tokens")
@@ -155,7 +162,7 @@ class SlotKeeper:
         t0 = time.perf_counter()
         try:
             self._slot_action(slot.id, "save", name)
-            saved = slotfile.read(path, self.state_geometry, keep_from)
+            saved = self._read_slot(path.read_bytes(), keep_from)
             if saved.tokens[: len(prompt)] != prompt:
                 raise llamastate.StateLayoutError("the saved slot does not begin with the prompt")
         except (OSError, UpstreamError, httpx.HTTPError, llamastate.StateLayoutError) as exc:
@@ -166,6 +173,15 @@ class SlotKeeper:
             path.unlink(missing_ok=True)
         self.stats.save_s += time.perf_counter() - t0
         return saved
+
+    def _read_slot(self, data: bytes, keep_from: int) -> slotfile.SlotFile:
+        """A saved slot's tokens, KV from `keep_from` on, and (a sliding-window or hybrid model) boundary state."""
+        if not self.boundary_records:
+            return slotfile.parse(data, self.state_geometry, keep_from)
+        state = slotfile.state_of(data)
+        kv_end, boundary = statelayout.split_state(state, self._section_kinds)
+        saved = slotfile.parse(memoryview(data)[:len(data) - len(state) + kv_end], self.state_geometry, keep_from)
+        return replace(saved, boundary=boundary)
 
     def restore_file(self, slot: int, filename: str) -> int:
         """Restore a slot file already in the slot directory (llama-server's own mechanism, for comparisons);
@@ -185,7 +201,7 @@ class SlotKeeper:
 
     # -- a request's slot: lease, then finish -----------------------------------------------------------
     def lease(self, prompt_ids: Sequence[int], cached_kv: torch.Tensor | None, kv_ready: LayerGate | None = None,
-              slots: int = 1) -> SlotLease:
+              slots: int = 1, boundary: bytes | None = None) -> SlotLease:
         """A slot for a request of `prompt_ids` (and `slots - 1` more held for its other choices), holding the
         prompt's first tokens: what the slot kept of an earlier request, or `cached_kv` [layers, 2, kv_heads, cached,
         head_dim] restored into it when that is longer. Blocks until enough slots are free; pass the lease to
@@ -199,7 +215,10 @@ class SlotKeeper:
             if cached > have and cached_kv is not None:
                 if kv_ready is not None:
                     kv_ready.wait_all()  # a slot file is written whole: every layer first
-                have = cached if self._restore(slot, prompt[:cached], cached_kv[:, :, :, :cached]) else 0
+                if self.boundary_records and cached != cached_kv.shape[3]:
+                    raise ValueError("a sliding-window or hybrid model resumes at a boundary: the KV of every token "
+                                     "before it")
+                have = cached if self._restore(slot, prompt[:cached], cached_kv[:, :, :, :cached], boundary) else 0
         except BaseException:
             for s in taken:
                 self._release(s, [])
