@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 from service.engines.base import ENGINES, Engine, KvGeometry
 from service.engines.generation import Generation, GenParams
 
-__all__ = ["ENGINES", "Engine", "GenParams", "Generation", "KvGeometry", "kv_cache_type", "load_engine"]
+__all__ = ["ENGINES", "LLAMACPP_MISSING", "Engine", "GenParams", "Generation", "KvGeometry", "check_runtime",
+           "kv_cache_type", "load_engine"]
+
+LLAMACPP_MISSING = ("the llamacpp engine needs llama-cpp-python, an optional extra: "
+                    "pip install -e '.[llamacpp]' (make setup installs it)")
+
+
+def check_runtime(kind: str) -> None:
+    """Refuse, in one line, an engine whose runtime is not installed (llama-cpp-python is an optional extra)."""
+    from cachestore.errors import ConfigError  # noqa: PLC0415
+
+    if kind == "llamacpp" and importlib.util.find_spec("llama_cpp") is None:
+        raise ConfigError(LLAMACPP_MISSING)
 
 
 def kv_cache_type(codec: str) -> str:
@@ -30,6 +44,7 @@ def load_engine(kind: str, model: str, *, device: str = "cpu", parallel: int = 4
 
         return HfEngine.load(model, device=device)
     if kind == "llamacpp":
+        check_runtime(kind)
         from service.engines.llamacpp import LlamaCppEngine  # noqa: PLC0415
 
         return LlamaCppEngine.load(model, parallel=parallel, threads=threads, kv_type=kv_cache_type(codec),

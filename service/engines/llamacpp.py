@@ -37,7 +37,7 @@ import torch
 from cachestore.errors import ConfigError
 from cachestore.hashing import ModelFingerprint
 from service import threads as torch_threads
-from service.engines import ggufmeta, llamastate, statelayout
+from service.engines import LLAMACPP_MISSING, ggufmeta, llamastate, statelayout
 from service.engines.base import FLASH_ATTN, KvGeometry, PrefillHook, check_flash_attn, gguf_fingerprint
 from service.engines.chat import chat_token_ids, remap_known
 from service.engines.generation import Choice, Generation, GenParams, TextStream, reply_ids
@@ -174,7 +174,7 @@ class LlamaCppEngine(LendsStates):
         try:
             import llama_cpp  # noqa: PLC0415
         except ImportError as exc:
-            raise ConfigError("the llamacpp engine needs llama-cpp-python: run `make setup`") from exc
+            raise ConfigError(LLAMACPP_MISSING) from exc
         if llama_cpp.__version__ != PINNED_VERSION:
             raise ConfigError(f"llama-cpp-python {llama_cpp.__version__} is installed; kvstash reads the KV "
                               f"layout of {PINNED_VERSION} only (run `make setup`)")
