@@ -155,6 +155,8 @@ class Pipeline:
         self.engine = engine
         self.geometry = geo = engine.geometry
         self.store = store if settings.cache_enabled else None
+        # every block a signing store returns passed its MAC, which covers the frame's checksum and all it covers
+        self._mac_verified = self.store is not None and self.store.signer is not None
         # an engine that takes sequence states gets exact and fp16 frames as token rows: a hit is received in place
         self.codecs = (codec if isinstance(codec, BlockCodecs)
                        else BlockCodecs.for_spec(codec, rows=getattr(engine, "row_frames", False)))
@@ -477,7 +479,8 @@ class Pipeline:
         def scatter(i: int) -> Target:
             rows = rows_of(out, i * b, b)
             assert rows is not None
-            return Scatter([headers[i * HEADER_SIZE:(i + 1) * HEADER_SIZE], *rows], RunningChecksum())
+            return Scatter([headers[i * HEADER_SIZE:(i + 1) * HEADER_SIZE], *rows],
+                           None if self._mac_verified else RunningChecksum())
 
         targets = _Made(scatter, 0, blocks)
         return targets if len(targets[0]) == self._slot_sizes[1] else None  # type: ignore[index]
@@ -530,7 +533,7 @@ class Pipeline:
         if problem is not None:
             return self._reject(problem)
         try:
-            return codec.open(frame, max_elements=math.prod(self._block_shape))
+            return codec.open(frame, max_elements=math.prod(self._block_shape), mac_verified=self._mac_verified)
         except CodecError as exc:
             return self._reject(Rejection("corrupt", str(exc)))
 
@@ -549,7 +552,8 @@ class Pipeline:
         try:
             running = frame.filled  # the checksum of the bytes as they came in, unless some did not come that way
             digest = running.value() if isinstance(running, RunningChecksum) and running.fed == len(frame) else None
-            header = verify_placed(head, rows, digest=digest, max_elements=math.prod(self._block_shape))
+            header = verify_placed(head, rows, digest=digest, max_elements=math.prod(self._block_shape),
+                                   mac_verified=self._mac_verified)
         except CodecError as exc:
             return self._reject(Rejection("corrupt", str(exc)))
         if apart:  # its place is the state alone: the tensor's tokens for it stay unwritten (`mark_placed`)
