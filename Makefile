@@ -50,7 +50,8 @@ test-faults: setup
 		tests/test_faults_redis.py tests/test_faults_corruption.py tests/test_faults_pods.py \
 		tests/test_store_sentinel.py \
 		tests/test_hostile_api.py tests/test_hostile_slow.py tests/test_hostile_frames.py tests/test_codec_fuzz.py \
-		tests/test_security.py
+		tests/test_security.py tests/test_hostile_writer.py tests/test_signed_pods.py tests/test_tenant_pods.py \
+		tests/test_tenant_quotas.py
 
 # ruff on the whole tree (config in pyproject.toml), mypy on the cache library; a few seconds once mypy's
 # cache is warm.
