@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ops.chatclient import stream_chat  # noqa: PLC0415
     from service.engines import check_runtime  # noqa: PLC0415
-    from service.pipeline import common_prefix  # noqa: PLC0415
+    from service.partials import common_prefix  # noqa: PLC0415
 
     check_runtime(args.engine)  # before any process starts: a missing runtime is one line, not four pod logs
     if not 1 <= args.turns <= len(QUESTIONS):
@@ -190,11 +190,9 @@ def _token_counter(engine: str, model: str) -> Any:
     (words, for a GGUF file that has no transformers twin)."""
     if engine != "hf" and model != "smollm2":
         return str.split
-    from transformers import AutoTokenizer  # noqa: PLC0415
+    from service.engines.hf.models import load_tokenizer  # noqa: PLC0415
 
-    from service.models import resolve_model_dir  # noqa: PLC0415
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model), local_files_only=True)
+    tokenizer = load_tokenizer(model)
     return lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
