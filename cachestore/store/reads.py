@@ -4,7 +4,7 @@ what came back (opened under a frame key), and the counters a lookup moves."""
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from cachestore import budget
