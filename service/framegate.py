@@ -66,16 +66,19 @@ class FrameGate:
     """Opens what a lookup read, or rejects it (counted): block frames, received bytes or in place, tails, reply ids.
 
     A frame received into the rows of a state the engine lent is verified there, and the engine says where it holds
-    those rows (`Engine.placed_frame`).
+    those rows (`Engine.placed_frame`). `mac_verified`: every block comes from a signing store, which returns only
+    values whose MAC verified; the MAC covers a frame's checksum and all it covers, so the checksum is not checked
+    again (every other check is).
     """
 
     def __init__(self, codecs: BlockCodecs, block_shape: tuple[int, ...], dtype: torch.dtype, metrics: PodMetrics,
-                 engine: Engine) -> None:
+                 engine: Engine, mac_verified: bool = False) -> None:
         self.codecs = codecs
         self.block_shape = block_shape  # [layers, 2, kv_heads, block_tokens, head_dim]
         self.dtype = dtype
         self.metrics = metrics
         self.engine = engine
+        self.mac_verified = mac_verified
 
     def reject(self, problem: Rejection) -> None:
         """Bytes from Redis are untrusted: anything but what this pod would have written is a counted miss."""
@@ -93,7 +96,7 @@ class FrameGate:
             self.reject(problem)
             return None
         try:
-            return codec.open(frame, max_elements=math.prod(self.block_shape))
+            return codec.open(frame, max_elements=math.prod(self.block_shape), mac_verified=self.mac_verified)
         except CodecError as exc:
             self.reject(Rejection("corrupt", str(exc)))
             return None
@@ -115,7 +118,8 @@ class FrameGate:
         try:
             running = frame.filled  # the checksum of the bytes as they came in, unless some did not come that way
             digest = running.value() if isinstance(running, RunningChecksum) and running.fed == len(frame) else None
-            header = verify_placed(head, rows, digest=digest, max_elements=math.prod(self.block_shape))
+            header = verify_placed(head, rows, digest=digest, max_elements=math.prod(self.block_shape),
+                                   mac_verified=self.mac_verified)
         except CodecError as exc:
             self.reject(Rejection("corrupt", str(exc)))
             return None

@@ -71,7 +71,9 @@ class Pipeline:
         self._executor = (threads.io_executor(engine.parallel, "kvstash-infer") if self._own_executor
                           else threads.compute_executor())
         block_shape = (geo.num_layers, 2, geo.kv_heads, settings.block_tokens, geo.head_dim)
-        self.gate = FrameGate(self.codecs, block_shape, geo.dtype, metrics, engine)
+        # every block a signing store returns passed its MAC, which covers the frame's checksum
+        self.gate = FrameGate(self.codecs, block_shape, geo.dtype, metrics, engine,
+                              mac_verified=self.store is not None and self.store.signer is not None)
         self.placement = Placement(engine, self.codecs, settings.block_tokens, settings.max_tokens_limit)
         # fetch or recompute: a hit is read only while reading a block beats prefilling it (service.fetchplan)
         self.planner = FetchPlanner(settings.fetch_policy, settings.block_tokens, settings.redis_timeout_s,

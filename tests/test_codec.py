@@ -158,6 +158,18 @@ def test_decode_to_a_device_and_header_helpers() -> None:
         verify_frame(frame[:-1])
 
 
+def test_a_mac_verified_frame_skips_only_its_checksum() -> None:
+    """A frame whose bytes a MAC verified is not checksummed again; every other check still runs."""
+    frame = bytearray(Codec("int8").encode(torch.randn(2, 2, 1, 4, 8)))
+    frame[-1] ^= 0x01  # the checksum no longer matches
+    with pytest.raises(CodecError, match="checksum"):
+        verify_frame(frame)
+    assert verify_frame(frame, mac_verified=True).shape == (2, 2, 1, 4, 8)
+    assert Codec().open(frame, mac_verified=True).header.mode == "int8"
+    with pytest.raises(CodecError, match="truncated"):
+        verify_frame(frame[:-1], mac_verified=True)
+
+
 def test_encode_rejects_bad_input() -> None:
     codec = Codec()
     for bad in (torch.zeros(2, 3, 1, 4, 8), torch.zeros(2, 2, 1, 0, 8), torch.zeros(2, 2, 4, 8),

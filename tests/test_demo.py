@@ -60,3 +60,39 @@ def test_demo_cleans_up_on_ctrl_c() -> None:
     assert proc.returncode != 0
     time.sleep(0.5)
     assert [p for p in ports if _listening(p)] == []
+
+
+# a Python whose import of llama_cpp fails as it does where the optional `llamacpp` extra is not installed
+_WITHOUT_LLAMA_CPP = """
+import sys
+from importlib.abc import MetaPathFinder
+
+class WithoutLlamaCpp(MetaPathFinder):
+    def __init__(self, finders):
+        self.finders = finders
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "llama_cpp" or name.startswith("llama_cpp."):
+            return None
+        for finder in self.finders:
+            spec = finder.find_spec(name, path, target) if hasattr(finder, "find_spec") else None
+            if spec is not None:
+                return spec
+        return None
+
+sys.meta_path[:] = [WithoutLlamaCpp(list(sys.meta_path))]
+from ops.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_llamacpp_without_its_extra_is_one_line() -> None:
+    """Without llama-cpp-python, `--engine llamacpp` is refused before anything starts, in one line naming the extra;
+    the default hf demo does not need it."""
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_LLAMA_CPP, "demo", "--engine", "llamacpp"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "kvstash: error: the llamacpp engine needs llama-cpp-python, an optional extra: "
+        "pip install -e '.[llamacpp]' (make setup installs it)"]
+    assert "redis" not in done.stdout  # nothing was started

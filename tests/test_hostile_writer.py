@@ -72,7 +72,8 @@ def _other_model_value(url: str, key: bytes) -> bytes:
     return asyncio.run(write())
 
 
-def test_a_hostile_writer_never_changes_a_reply(redis_server: RedisProcess, tiny_model: Any) -> None:
+def test_a_hostile_writer_never_changes_a_reply(redis_server: RedisProcess, tiny_model: Any,
+                                                figures: dict[str, object]) -> None:
     with pod_client(redis_server.url, tiny_model, frame_key="fk-1", api_keys=KEYS, tenant_secret="ts") as pod, \
             pod_client(redis_server.url, tiny_model, cache_enabled=False) as plain:
         r = redis_server.client()
@@ -97,7 +98,8 @@ def test_a_hostile_writer_never_changes_a_reply(redis_server: RedisProcess, tiny
             "of another model": {k: _other_model_value(redis_server.url, k) for k in x_keys},
             "moved within the conversation": {x_keys[0]: old_x[x_keys[1]]},  # type: ignore[dict-item]
         }
-        rejected = metric(pod, "kvstash_frames_rejected_total", 'reason="mac"')
+        rejected = before = metric(pod, "kvstash_frames_rejected_total", 'reason="mac"')
+        identical = 0
         for name, values in attacks.items():
             with tampered(r, values):
                 got = chat(pod, X, headers=ALPHA)
@@ -105,6 +107,7 @@ def test_a_hostile_writer_never_changes_a_reply(redis_server: RedisProcess, tiny
                 assert got.headers["x-kv-cache"] == ("partial" if len(values) == 1 else "miss") or \
                     got.headers["x-kv-cache"] == "miss", name
                 assert reply_of(got) == reference_reply(plain, got), name
+                identical += 1
                 wait_written(pod)
             now = metric(pod, "kvstash_frames_rejected_total", 'reason="mac"')
             assert now == rejected + 1, name  # counted, once: the lookup stops at the first rejected value
@@ -115,9 +118,11 @@ def test_a_hostile_writer_never_changes_a_reply(redis_server: RedisProcess, tiny
         again = chat(pod, X, headers=ALPHA)
         assert again.headers["x-kv-cache"] == "hit" and reply_of(again) == reference_reply(plain, again)
         assert metric(pod, "kvstash_frames_rejected_total", 'reason="mac"') == rejected
+        figures.update(attacks=len(attacks), replies_identical=identical, rejected_mac=int(rejected - before),
+                       values_forged=sum(len(v) for v in attacks.values()), restored_hit=True)
 
 
-def test_key_rotation_through_pods(redis_server: RedisProcess, tiny_model: Any) -> None:
+def test_key_rotation_through_pods(redis_server: RedisProcess, tiny_model: Any, figures: dict[str, object]) -> None:
     """A pod on key A writes a conversation; during the rotation a pod on B (previous A) hits A's values and writes
     B's; after it a pod on B alone rejects A's values (counted), replaces them, and hits from then on; a pod still
     on A no longer hits, and a pod on C hits neither key's. Every reply is a no-cache pod's."""
@@ -155,6 +160,10 @@ def test_key_rotation_through_pods(redis_server: RedisProcess, tiny_model: Any) 
             got = chat(pod, second_turn)
             assert got.headers["x-kv-cache"] == "miss" and reply_of(got) == reference_reply(plain, got)
             assert metric(pod, "kvstash_frames_rejected_total", 'reason="mac"') >= 1  # a block, a reply's ids
+        figures.update(pods=5, cached_during_rotation=again.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
+                       rejected_during_rotation=0, rejected_after=1,
+                       cached_healed=healed.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
+                       old_and_other_key="miss", replies_identical=7)
 
 
 def _complete(pod: Any, ids: list[int]) -> Any:
@@ -164,7 +173,8 @@ def _complete(pod: Any, ids: list[int]) -> Any:
     return got.json()
 
 
-def test_a_replayed_older_value_is_used_only_where_it_is_right(redis_server: RedisProcess, tiny_model: Any) -> None:
+def test_a_replayed_older_value_is_used_only_where_it_is_right(redis_server: RedisProcess, tiny_model: Any,
+                                                               figures: dict[str, object]) -> None:
     """A MAC cannot tell a replayed older value of the same key (a tail this prefix held before) from the newest:
     the pod uses it only as far as its tokens continue the prompt, so the reply is still a no-cache pod's."""
     first = list(range(100, 140))  # 2 full 16-token blocks and a tail under the second block's hash
@@ -184,3 +194,4 @@ def test_a_replayed_older_value_is_used_only_where_it_is_right(redis_server: Red
         assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 36  # as far as the old tail continues it
         assert got["choices"][0]["text"] == _complete(plain, second)["choices"][0]["text"]
         assert metric(pod, "kvstash_frames_rejected_total", 'reason="mac"') == 0  # not a forgery: nothing rejected
+        figures.update(prompt_tokens=len(second), cached_tokens=36, reply_identical=True, rejected_mac=0)

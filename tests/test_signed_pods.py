@@ -9,7 +9,7 @@ from ops.redisproc import RedisProcess
 from tests.faultkit import QUESTIONS, SYSTEM, chat, metric, pod_client, reference_reply, reply_of, wait_written
 
 
-def test_signed_hit_and_moved_value(redis_server: RedisProcess, tiny_model: Any) -> None:
+def test_signed_hit_and_moved_value(redis_server: RedisProcess, tiny_model: Any, figures: dict[str, object]) -> None:
     messages = [SYSTEM, {"role": "user", "content": QUESTIONS[0]}]
     with pod_client(redis_server.url, tiny_model, frame_key="fk-1") as pod, \
             pod_client(redis_server.url, tiny_model, cache_enabled=False) as plain:
@@ -27,3 +27,5 @@ def test_signed_hit_and_moved_value(redis_server: RedisProcess, tiny_model: Any)
         assert again.headers["x-kv-cache"] != "hit"
         assert reply_of(again) == reference_reply(plain, again)
         assert metric(pod, "kvstash_cache_rejected_total", 'reason="mac"') == 1
+        figures.update(requests=3, correct=3, signed_hit=True, moved_value=again.headers["x-kv-cache"],
+                       rejected_mac=1)

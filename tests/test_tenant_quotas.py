@@ -118,7 +118,7 @@ async def test_tenant_accounting_survives_redis_dropping_keys_and_reconcile(redi
 
 
 @pytest.mark.cluster
-async def test_quotas_on_a_cluster(redis_cluster: RedisCluster) -> None:
+async def test_quotas_on_a_cluster(redis_cluster: RedisCluster, figures: dict[str, object]) -> None:
     store = quota_store(redis_cluster.url, cluster=True, namespace="cquota", index_shards=16)
     client = redis.RedisCluster(host="127.0.0.1", port=redis_cluster.nodes[0].port)
     try:
@@ -133,6 +133,9 @@ async def test_quotas_on_a_cluster(redis_cluster: RedisCluster) -> None:
         assert all(present(client, store, quiet))
         assert store.stats().tenant_evictions > 0 and store.stats().errors == 0
         assert await budget.tenant_totals(store.client, store.keys) == usage.by_tenant
+        figures.update(primaries=len(redis_cluster.nodes), index_shards=16, quiet_blocks=10, noisy_blocks=120,
+                       quiet_lookups_whole=20, quiet_held=usage.by_tenant["quiet"], noisy_held=usage.by_tenant["noisy"],
+                       noisy_quota=20_000, tenant_evictions=store.stats().tenant_evictions, store_errors=0)
     finally:
         await store.clear_namespace()
         await store.close()

@@ -124,10 +124,11 @@ class Codec:
         return _codec_errors_only(lambda: _decode(as_bytes(frame), device, max_elements))
 
     def open(self, frame: bytes | bytearray | memoryview, *,
-             max_elements: int = DEFAULT_MAX_ELEMENTS) -> OpenFrame:
+             max_elements: int = DEFAULT_MAX_ELEMENTS, mac_verified: bool = False) -> OpenFrame:
         """Verify and decompress a frame of any mode, leaving the dequantization for later
-        (`OpenFrame.decode_into`, possibly a few layers at a time). Raises only CodecError."""
-        return _codec_errors_only(lambda: _open(as_bytes(frame), None, max_elements))
+        (`OpenFrame.decode_into`, possibly a few layers at a time). Raises only CodecError. `mac_verified`: as in
+        `verify_frame`."""
+        return _codec_errors_only(lambda: _open(as_bytes(frame), None, max_elements, mac_verified))
 
     def decode_into(self, frame: bytes | bytearray | memoryview, out: torch.Tensor, *,
                     max_elements: int = DEFAULT_MAX_ELEMENTS) -> torch.Tensor:
@@ -181,8 +182,9 @@ def _decode(view: memoryview, device: torch.device | str | None,
     return _open(view, device, max_elements).decode_into(out)
 
 
-def _open(view: memoryview, device: torch.device | str | None, max_elements: int) -> OpenFrame:
-    header = verify_frame(view, max_elements=max_elements)
+def _open(view: memoryview, device: torch.device | str | None, max_elements: int,
+          mac_verified: bool = False) -> OpenFrame:
+    header = verify_frame(view, max_elements=max_elements, mac_verified=mac_verified)
     payload = view[HEADER_SIZE + header.table_len:]
     borrowed = header.compressor == "none"
     if borrowed:  # read in place: an fp16 context of 2048 SmolLM2 tokens would be a 47 MB copy

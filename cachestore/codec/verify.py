@@ -29,8 +29,10 @@ def read_header(frame: bytes | bytearray | memoryview, *,
 
 
 def verify_frame(frame: bytes | bytearray | memoryview, *,
-                 max_elements: int = DEFAULT_MAX_ELEMENTS) -> FrameHeader:
-    """Validate header, lengths and checksum without decompressing or dequantizing."""
+                 max_elements: int = DEFAULT_MAX_ELEMENTS, mac_verified: bool = False) -> FrameHeader:
+    """Validate header, lengths and checksum without decompressing or dequantizing. `mac_verified`: the frame's bytes,
+    checksum field included, are those a keyed MAC over all of them verified (`cachestore.signing`), which the
+    checksum cannot add to: it is not computed again (every other check is)."""
     view = as_bytes(frame)
     header = read_header(view, max_elements=max_elements)
     stored = len(view) - HEADER_SIZE
@@ -41,21 +43,24 @@ def verify_frame(frame: bytes | bytearray | memoryview, *,
     if header.payload_len > compress_bound(header.compressor, header.raw_len) + header.table_len:
         raise CodecError(f"payload of {header.payload_len} bytes exceeds the {header.compressor} "
                          f"bound for {header.raw_len} raw bytes")
-    if checksum(view[:HEADER_SIZE], view[HEADER_SIZE:]) != header.checksum:
+    if not mac_verified and checksum(view[:HEADER_SIZE], view[HEADER_SIZE:]) != header.checksum:
         raise CodecError("checksum mismatch: the frame is corrupt")
     return header
 
 
 def verify_placed(header_bytes: memoryview, payload: Sequence[memoryview], *, digest: int | None = None,
-                  max_elements: int = DEFAULT_MAX_ELEMENTS) -> FrameHeader:
+                  max_elements: int = DEFAULT_MAX_ELEMENTS, mac_verified: bool = False) -> FrameHeader:
     """`verify_frame` of a frame received apart (`cachestore.wire.Scatter`): its header, and its payload in
     pieces, in order. Only an uncompressed token-rows frame (FLAG_ROWS) is whole where its rows were received.
-    `digest`: its checksum already computed over those very bytes as they arrived (`frame.checksum_pieces`)."""
+    `digest`: its checksum already computed over those very bytes as they arrived (`frame.checksum_pieces`);
+    `mac_verified` as in `verify_frame`."""
     header = read_header(header_bytes, max_elements=max_elements)
     stored = sum(len(piece) for piece in payload)
     if not header.rows or header.compressor != "none" or not header.payload_len == header.raw_len == stored:
         raise CodecError(f"not an uncompressed token-rows frame of {stored} payload bytes ({header.mode}, "
                          f"{header.compressor}, {header.payload_len} bytes)")
+    if mac_verified:
+        return header
     if (checksum_pieces(header_bytes[:HEADER_SIZE], payload) if digest is None else digest) != header.checksum:
         raise CodecError("checksum mismatch: the frame is corrupt")
     return header

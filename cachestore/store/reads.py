@@ -4,7 +4,7 @@ what came back (opened under a frame key), and the counters a lookup moves."""
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from cachestore import budget
@@ -33,8 +33,8 @@ def _land(frame: bytes, target: Target) -> bytes | Target:
 
 class Sealed(Scatter):
     """Where a signed value lands: its body in the caller's buffer (or `Scatter`) as if unsigned, its trailer in a
-    buffer of its own. Where the caller's Scatter reports its pieces, the current key's tag is fed them too (`mac`),
-    while they are still in the cache."""
+    buffer of its own. The current key's tag is fed each piece of the body as it lands (`mac`), while it is still in
+    the cache, and so is the caller's Scatter's own `filled`, if it has one."""
 
     __slots__ = ("mac", "target", "trailer")
 
@@ -43,14 +43,12 @@ class Sealed(Scatter):
         self.trailer = memoryview(bytearray(TRAILER_SIZE))
         inner = target.pieces if isinstance(target, Scatter) else [target]
         reported = target.filled if isinstance(target, Scatter) else None
-        self.mac: Mac | None = None
-        filled: Callable[[memoryview], None] | None = None
-        if reported is not None:
-            self.mac, trailer = mac, self.trailer
+        self.mac, trailer = mac, self.trailer
 
-            def filled(piece: memoryview) -> None:
-                if piece is not trailer:
-                    mac(piece)
+        def filled(piece: memoryview) -> None:
+            if piece is not trailer:
+                mac(piece)
+                if reported is not None:
                     reported(piece)
 
         super().__init__([*inner, self.trailer], filled)

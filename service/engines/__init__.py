@@ -8,14 +8,26 @@ adding a subpackage and its names to `ENGINES`.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 from service.engines.base import Engine, KvGeometry, KvLayout
 from service.engines.generation import Generation, GenParams
 
-__all__ = ["ENGINES", "Engine", "GenParams", "Generation", "KvGeometry", "KvLayout", "load_engine"]
+__all__ = ["ENGINES", "LLAMACPP_MISSING", "Engine", "GenParams", "Generation", "KvGeometry", "KvLayout",
+           "check_runtime", "load_engine"]
 
 # engine name -> the subpackage that loads it; only the subpackage asked for is imported (and its runtime with it)
 ENGINES = {"hf": "service.engines.hf", "llamacpp": "service.engines.llama", "llama-server": "service.engines.llama"}
+LLAMACPP_MISSING = ("the llamacpp engine needs llama-cpp-python, an optional extra: "
+                    "pip install -e '.[llamacpp]' (make setup installs it)")
+
+
+def check_runtime(kind: str) -> None:
+    """Refuse, in one line, an engine whose runtime is not installed (llama-cpp-python is an optional extra)."""
+    from cachestore.errors import ConfigError  # noqa: PLC0415
+
+    if kind == "llamacpp" and importlib.util.find_spec("llama_cpp") is None:
+        raise ConfigError(LLAMACPP_MISSING)
 
 
 def load_engine(kind: str, model: str, *, device: str = "cpu", parallel: int = 4, threads: int = 0,
@@ -26,6 +38,7 @@ def load_engine(kind: str, model: str, *, device: str = "cpu", parallel: int = 4
 
     if kind not in ENGINES:
         raise ConfigError(f"engine {kind!r} is not one of {', '.join(ENGINES)}")
+    check_runtime(kind)
     package = importlib.import_module(ENGINES[kind])
     engine: Engine = package.load(kind, model, device=device, parallel=parallel, threads=threads, codec=codec,
                                   flash_attn=flash_attn)

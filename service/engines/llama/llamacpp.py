@@ -35,6 +35,7 @@ from cachestore.codec.q8 import Q8_BLOCK, Q8_BYTES
 from cachestore.errors import ConfigError
 from cachestore.hashing import ModelFingerprint
 from service import threads as torch_threads
+from service.engines import LLAMACPP_MISSING
 from service.engines.base import KvGeometry, PrefillHook
 from service.engines.chat import chat_token_ids, remap_known
 from service.engines.gate import LayerGate
@@ -70,7 +71,7 @@ class LlamaCppEngine(Scheduler, LendsStates):
         try:
             import llama_cpp  # noqa: PLC0415
         except ImportError as exc:
-            raise ConfigError("the llamacpp engine needs llama-cpp-python: run `make setup`") from exc
+            raise ConfigError(LLAMACPP_MISSING) from exc
         if llama_cpp.__version__ != PINNED_VERSION:
             raise ConfigError(f"llama-cpp-python {llama_cpp.__version__} is installed; kvstash reads the KV "
                               f"layout of {PINNED_VERSION} only (run `make setup`)")
