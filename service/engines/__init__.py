@@ -28,7 +28,7 @@ def load_engine(kind: str, model: str, *, device: str = "cpu", parallel: int = 4
             raise ConfigError("flash attention is a setting of the llama.cpp engines (llamacpp, llama-server)")
         from service.engines.hf import HfEngine  # noqa: PLC0415
 
-        return HfEngine.load(model, device=device)
+        return HfEngine.load(model, device=device, parallel=parallel)
     if kind == "llamacpp":
         from service.engines.llamacpp import LlamaCppEngine  # noqa: PLC0415
 

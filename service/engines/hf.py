@@ -1,4 +1,5 @@
-"""The `hf` engine: a transformers causal LM (service.models) run by service.runner, one generation at a time."""
+"""The `hf` engine: a transformers causal LM (service.models) run by service.runner, concurrent generations decoded
+together (service.hfbatch)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from cachestore.hashing import ModelFingerprint
 from service.engines.base import KvGeometry, PrefillHook
 from service.engines.generation import Generation, GenParams
+from service.hfbatch import DecodeBatcher
 from service.models import LoadedModel, load_model
 from service.rehydrate import LayerGate
 from service.runner import ModelRunner
@@ -19,21 +21,23 @@ class HfEngine:
     """transformers behind the engine seam; its blocks are named by the weights digest, as before."""
 
     kind = "hf"
-    parallel = 1  # one forward at a time: the model is not batched across requests
     layerwise = True  # a cached layer is waited for when the forward step reaches it (hfcache.GrowingLayer)
-    runs_torch = True  # the forward step runs on the calling thread
+    runs_torch = False  # the scheduler (service.hfbatch) runs the model on the process's compute thread
     row_frames = False
 
-    def __init__(self, loaded: LoadedModel) -> None:
+    def __init__(self, loaded: LoadedModel, parallel: int = 4) -> None:
         self.loaded = loaded
         self.runner = ModelRunner(loaded)
+        self.batcher = DecodeBatcher(self.runner, parallel)
+        # sequences decoded together (one when the model's attention cannot take a batch of rows)
+        self.parallel = parallel if self.batcher.batched else 1
         self.name = loaded.name
         self.geometry = KvGeometry(loaded.num_layers, loaded.kv_heads, loaded.head_dim, loaded.dtype,
                                    loaded.max_context)
 
     @classmethod
-    def load(cls, model: str, *, device: str = "cpu") -> HfEngine:
-        return cls(load_model(model, device=device))
+    def load(cls, model: str, *, device: str = "cpu", parallel: int = 4) -> HfEngine:
+        return cls(load_model(model, device=device), parallel)
 
     def fingerprint(self, block_tokens: int, codec_name: str) -> ModelFingerprint:
         # unchanged from before the seam, so blocks written by earlier hf pods still hit
@@ -59,7 +63,7 @@ class HfEngine:
         kv_ready: LayerGate | None = None,
         keep_from: int = 0,
     ) -> Generation:
-        return self.runner.generate(prompt_ids, cached_kv, params, on_text, on_prefill, kv_ready, keep_from)
+        return self.batcher.generate(prompt_ids, cached_kv, params, on_text, on_prefill, kv_ready, keep_from)
 
     def context_for(self, tokens: int) -> torch.Tensor | None:
         return None  # the pipeline's pooled context, which generation grows in
