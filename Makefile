@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup llama-server test test-faults lint demo docs clean
+.PHONY: setup llama-server test test-faults lint demo docs gpu-check clean
 
 # the Python side: torch, llama-cpp-python, kvstash and its dev extra (about 4 min on a fresh 2-core machine)
 setup: $(STAMP)
@@ -51,6 +51,11 @@ lint: setup
 
 demo: setup
 	$(VENV)/bin/kvstash demo
+
+# one short check on CUDA (the hf engine in bf16: resume at 2048 and 8128 tokens against its prefill, and the fetch
+# plan's decision); on a machine without a CUDA device (or with the CPU build of torch) it says so and exits 0
+gpu-check: setup
+	$(PY) -m ops.gpucheck
 
 # the documentation site (mkdocs.yml, docs/) into site/, strictly: a broken link, a missing page or a generated
 # page that no longer matches its source (python -m ops.gendocs --check) fails
