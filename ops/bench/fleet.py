@@ -2,7 +2,8 @@
 up with (its knee): kvstash (round robin, KV in Redis), no cache, and sticky sessions (nginx `hash $session
 consistent`, KV in each pod's memory), the same pods each time.
 
-The sweep runs the workload (ops/bench/fleetload.py) at each rate of `--rates` on each fleet. A fleet keeps up with
+The sweep runs the workload (ops/bench/fleetload.py) at each rate of `--rates` on each fleet, the same users going
+on from rate to rate, their first turns sent (unmeasured) before the first rate. A fleet keeps up with
 a rate when every turn that arrived was answered, none failed, and TTFT p90 (from the arrival, so a queue counts)
 stays within 2x its value at the lowest rate; its knee is the highest rate it and every lower one kept up with.
 The bound on the gain comes from the same run's unloaded timings: one user's turns sent one at a time to the
@@ -60,7 +61,9 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--miss-overhead", action="store_true",
                    help="also run a workload with no reuse at the lowest rate, kvstash on against off")
     p.add_argument("--budget-rate", type=float, default=0.0,
-                   help="arrival rate of the budget-pressure and miss-overhead runs (default: the lowest of --rates)")
+                   help="arrival rate of the budget-pressure runs (default: the lowest of --rates)")
+    p.add_argument("--miss-rate", type=float, default=0.0,
+                   help="arrival rate of the miss-overhead runs (default: the lowest of --rates)")
     p.add_argument("--stop-at-knee", action="store_true",
                    help="stop a fleet's sweep at the first rate it does not keep up with (the knee is below it)")
     p.add_argument("--seed", type=int, default=35, help="seed of the arrival times")
@@ -158,10 +161,16 @@ def _sweep(args: argparse.Namespace, redis_url: str, kind: str, rates: list[floa
             print(f"[unloaded] prefill {calibration['prefill_ms']:.0f} ms, hit {calibration['hit_ms']:.0f} ms, "
                   f"decode {calibration['decode_ms']:.0f} ms at {calibration['prompt_tokens']} tokens: bound "
                   f"{calibration['bound']:.2f}x", flush=True)
+        # one set of users for the whole sweep, their first turns sent before it: each rate sees conversations
+        # under way (a user starts a new one after max_turns), not every user's opening at once
+        users = fleetload.make_users(_workload(args), kind)
+        warm = fleetload.warm_up(users, args.model_name, url, kind == "sticky")
+        if any(r.get("status") != 200 for r in warm):
+            raise SystemExit(f"[{LABELS[kind]}] the warm-up turns failed: {warm}")
         for i, rate in enumerate(rates):
             rows, _ = fleetload.drive(_workload(args), url, args.model_name, rate, args.duration_s,
                                       tag=f"{kind}-{i}", seed=args.seed + i, sticky=kind == "sticky",
-                                      drain_s=args.drain_s)
+                                      drain_s=args.drain_s, users=users)
             run = {"fleet": LABELS[kind], "kind": kind, **fleetload.stats(rows, rate, args.duration_s)}
             print(f"[{LABELS[kind]}] {rate:g}/s: {run['ok']}/{run['arrivals']} ok, {run['failed']} failed, "
                   f"TTFT p90 {run['ttft_ms_p90']:.0f} ms, hit {run['hit_rate']:.2f}", flush=True)
@@ -183,8 +192,10 @@ def _budget_pressure(args: argparse.Namespace, redis_url: str, rate: float, rati
     def one(label: str, budget_mb: int, n: int) -> dict[str, Any]:
         namespace = f"fleet-budget-{n}"
         with _Fleet(args, redis_url, "kvstash", namespace, budget_mb) as url:
+            users = fleetload.make_users(_workload(args), "budget")
+            fleetload.warm_up(users, args.model_name, url, False)  # the same conversations under way in every run
             rows, _ = fleetload.drive(_workload(args), url, args.model_name, rate, args.duration_s, tag="budget",
-                                      seed=args.seed, sticky=False, drain_s=args.drain_s)
+                                      seed=args.seed, sticky=False, drain_s=args.drain_s, users=users)
         settings = StoreSettings.from_url(redis_url, namespace=namespace, budget_bytes=budget_mb << 20)
         with SyncBlockStore(settings) as store:
             usage = store.usage()
@@ -278,11 +289,10 @@ def run(args: argparse.Namespace) -> int:
             knees[kind] = find_knee(fleet_runs)
             runs += fleet_runs
             calibration = calibration or cal
-        side_rate = args.budget_rate or rates[0]
         if ratios:
-            budget = _budget_pressure(args, redis_url, side_rate, ratios, requests)
+            budget = _budget_pressure(args, redis_url, args.budget_rate or rates[0], ratios, requests)
         if args.miss_overhead:
-            miss = _miss_overhead(args, redis_url, side_rate, requests)
+            miss = _miss_overhead(args, redis_url, args.miss_rate or rates[0], requests)
     finally:
         if redis is not None:
             redis.cleanup()
