@@ -1,12 +1,14 @@
-"""The hf engine's scheduler: generations prefilled one at a time, then decoded together, one forward step for all.
+"""The hf engine's scheduler: generations prefilled a chunk at a time, and decoded together, one forward step for all.
 
-A request joins at the next step: the scheduler prefills it alone (a cached prefix rehydrated as before), samples
-its first token and adds it to the batch. Every step then feeds each generating sequence its last token in one
-forward (`hfcache.forward_rows`: the weights are read once for all rows, and each row attends over its own cache),
-and samples each sequence's next token from its row. A finished sequence leaves at once and a waiting one takes its
-place, up to `parallel` at a time. The scheduler runs on the process's compute thread (service.threads) while it has
-work and gives the thread back when idle. A request of several choices (`n` > 1), or a model whose attention is not
-routed through service.hfcache, runs alone between steps (`ModelRunner.generate`).
+A request joins at the next step. Every step feeds each generating sequence its last token in one forward
+(`hfcache.forward_rows`: the weights are read once for all rows, and each row attends over its own cache) and samples
+each one's next token from its row; then it feeds one prefilling sequence the next PREFILL_CHUNK tokens of its prompt
+(a cached prefix is in its cache already), so a long prompt delays the others' next tokens by a chunk at a time,
+never by its whole prefill. A sequence whose prompt is in samples its first token and joins the batch; a finished
+one leaves at once and a waiting one takes its place, up to `parallel` at a time. The scheduler runs on the process's
+compute thread (service.threads) while it has work and gives the thread back when idle. A request of several choices
+(`n` > 1), or a model whose attention is not routed through service.hfcache, runs alone between steps
+(`ModelRunner.generate`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from service.rehydrate import LayerGate
 from service.runner import Live, ModelRunner
 
 log = logging.getLogger("kvstash.hf")
+
+PREFILL_CHUNK = 128  # prompt tokens a step feeds one prefilling sequence
 
 
 @dataclass
@@ -60,7 +64,8 @@ class DecodeBatcher:
         self.stats = BatchStats()
         self._lock = threading.Lock()
         self._waiting: deque[_Job] = deque()
-        self._live: list[_Job] = []
+        self._live: list[_Job] = []  # generating
+        self._prefilling: list[_Job] = []  # begun, prompt not all in yet (the first is fed)
         self._running = False
 
     def generate(
@@ -101,15 +106,17 @@ class DecodeBatcher:
         while True:
             with self._lock:
                 admit: list[_Job] = []
-                while self._waiting and len(self._live) + len(admit) < self.parallel:
+                while self._waiting and len(self._live) + len(self._prefilling) + len(admit) < self.parallel:
                     admit.append(self._waiting.popleft())
-                if not admit and not self._live:
+                if not admit and not self._live and not self._prefilling:
                     self._running = False
                     return
             for job in admit:
                 self._begin(job)
             if self._live:
                 self._step()
+            if self._prefilling:
+                self._prefill(self._prefilling[0])
 
     def _begin(self, job: _Job) -> None:
         try:
@@ -117,12 +124,27 @@ class DecodeBatcher:
                 job.result = self.runner.generate(*job.args)
             else:
                 job.live = self.runner.begin(*job.args)
-                if not job.live.done:
-                    self._live.append(job)
-                    return
+                self._prefilling.append(job)
+                return
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, who raises it
             job.error = exc
         job.done.set()
+
+    def _prefill(self, job: _Job) -> None:
+        assert job.live is not None
+        try:
+            if not self.runner.prefill(job.live, PREFILL_CHUNK):
+                return
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, who raises it
+            self._prefilling.remove(job)
+            job.error = exc
+            job.done.set()
+            return
+        self._prefilling.remove(job)
+        if job.live.done:
+            job.done.set()
+        else:
+            self._live.append(job)
 
     def _step(self) -> None:
         jobs = list(self._live)
@@ -146,7 +168,7 @@ class DecodeBatcher:
             if live.done:
                 self._end(job, None)
 
-    def _end(self, job: _Job, error: BaseException | None) -> None:
+    def _end(self, job: _Job, error: BaseException | None) -> None:  # a generating job
         self._live.remove(job)
         job.error = error
         job.done.set()

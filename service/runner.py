@@ -50,6 +50,8 @@ class Live:
     cached: int
     started: float
     keep_from: int
+    on_prefill: PrefillHook | None = None
+    fed: int = 0  # prompt tokens in the cache
     ttft: float = 0.0
     done: bool = False
 
@@ -261,26 +263,41 @@ class ModelRunner:
         kv_ready: LayerGate | None = None,
         keep_from: int = 0,
     ) -> Live:
-        """A one-choice generation prefilled and its first token sampled, as `generate` does; `step` and `take`
-        decode the rest beside other sequences, `finish` makes its Generation."""
+        """A one-choice generation set up as `generate` does it (its cached prefix in its cache); `prefill` feeds its
+        prompt a chunk at a time until its first token is sampled, `step` and `take` decode the rest beside other
+        sequences, `finish` makes its Generation."""
         if params.n != 1:
             raise ValueError("a batched generation samples one choice")
         started = time.perf_counter()
         prompt, max_new, cached = self._prepare(prompt_ids, cached_kv, params)
-        with torch.inference_mode():
-            logits, cache = self._prefill(prompt, cached_kv, cached, kv_ready)
+        cache = None
+        if cached:
+            assert cached_kv is not None
+            with torch.inference_mode():
+                cache = hfcache.cache_from_tensor(cached_kv[:, :, :, :cached], self.model, ready=kv_ready)
         sampler = Sampler(params, prompt, choice=0, guide=self._guide(params), token_text=self.token_text,
                           device=self.loaded.device)
-        live = Live(prompt, cache, _Decoded(TextStream(self.tokenizer, params.stop, on_text), [], "length", False,
-                                            False, sampler), max_new, cached, started, keep_from)
+        return Live(prompt, cache, _Decoded(TextStream(self.tokenizer, params.stop, on_text), [], "length", False,
+                                            False, sampler), max_new, cached, started, keep_from, on_prefill,
+                    fed=cached)
+
+    def prefill(self, live: Live, tokens: int) -> bool:
+        """Feed up to `tokens` more of `live`'s prompt; True once it is all in and the first token taken."""
+        end = min(len(live.prompt), live.fed + max(1, tokens))
+        with torch.inference_mode():
+            logits, live.cache = hfcache.forward(self.model, live.prompt[live.fed:end], live.cache)
+        live.fed = end
+        if end < len(live.prompt):
+            return False
 
         def on_first() -> None:
-            live.ttft = time.perf_counter() - started
-            if on_prefill is not None:  # after the first token: not in its TTFT
-                on_prefill(lambda start, end: _copy_out(cache, start, end))
+            live.ttft = time.perf_counter() - live.started
+            if live.on_prefill is not None:  # after the first token: not in its TTFT
+                cache = live.cache
+                live.on_prefill(lambda start, stop: _copy_out(cache, start, stop))
 
-        self._take(live, logits, on_first)
-        return live
+        self._take(live, logits[-1], on_first)
+        return True
 
     def step(self, lives: Sequence[Live]) -> torch.Tensor:
         """One forward step of every sequence in `lives` (none done) on its last token: logits [len(lives), vocab]."""

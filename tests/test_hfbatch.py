@@ -12,11 +12,12 @@ import torch
 
 from service import hfcache, threads
 from service.engines.hf import HfEngine
+from service.hfbatch import PREFILL_CHUNK
 from service.runner import GenParams
 
 GREEDY = GenParams(max_tokens=20)
 QUESTIONS = ["Name three rivers of Europe.", "What is the capital of Peru, and why is it there?",
-             "Say something about owls.", "Count from one to ten in French, please."]
+             "Say something about owls.", " ".join(["Count from one to ten in French, please."] * 30)]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,10 @@ def _all_waiting(engine: HfEngine, n: int) -> None:
 
 
 def test_concurrent_requests_decode_in_shared_steps_with_the_greedy_tokens_of_one_at_a_time(engine: HfEngine) -> None:
+    """Four requests at once on a pod of three sequences: one resumes a cached prefix, one streams, one has a prompt
+    of several prefill chunks, fed between the others' decoding steps."""
     prompts = [_prompt(engine, q) for q in QUESTIONS]
+    assert len(prompts[3]) > 2 * PREFILL_CHUNK
     alone = [engine.runner.generate(p, None, GREEDY) for p in prompts]  # sequential, never batched
     with torch.inference_mode():
         _, cache = hfcache.forward(engine.runner.model, prompts[0], None)
