@@ -172,13 +172,15 @@ def _met(t: dict[str, Any] | None) -> str:
 def _fleet_summary(r: dict[str, Any]) -> list[str]:
     args, cal, targets = r.get("args", {}), r.get("calibration"), r.get("targets", {})
     knees = ", ".join(f"{_FLEET_NAMES.get(k, k)} {v:g}/s" for k, v in r["knees"].items())
-    lines = [f"**{r.get('engine', args.get('engine', '?'))}**: {args.get('pods', '?')} pods, "
+    load = (r.get("machine_before") or {}).get("loadavg")
+    under = f" (under load: load average {load[0]:.1f} at the start)" if load else ""
+    lines = [f"**{r.get('engine', args.get('engine', '?'))}**{under}: {args.get('pods', '?')} pods, "
              f"{r.get('threads_per_pod', '?')} thread(s) each, {args.get('parallel', '?')} sequences decoded together, "
              f"{args.get('users', '?')} users, ~{args.get('system_tokens', '?')} + ~{args.get('history_tokens', '?')}"
              f" token openings, {args.get('max_tokens', '?')}-token replies, {args.get('duration_s', 0):g} s per rate. "
              f"Knee: {knees}."]
     if cal is not None:
-        lines[-1] += (f" Bound (unloaded, {cal['prompt_tokens']:,} tokens): ({_ms(cal['prefill_ms'])} + "
+        lines[-1] += (f" Bound (the fleet idle, {cal['prompt_tokens']:,} tokens): ({_ms(cal['prefill_ms'])} + "
                       f"{_ms(cal['decode_ms'])}) / ({_ms(cal['hit_ms'])} + {_ms(cal['decode_ms'])}) ms = "
                       f"{cal['bound']:.2f}x.")
     kb, gain, failed = targets.get("knee_vs_bound"), targets.get("p90_gain_at_off_knee"), targets.get(
@@ -302,11 +304,11 @@ _RESUME_METHOD = ("A history of N tokens is prefilled and stored as another pod 
 _RESUME_CMD = ("kvstash bench resume --engine {engine} --contexts 2048 --long --modes {modes} --repeat 9 "
                "--recompute-repeat 1 --no-naive --json docs/results/{name}.json")
 
-FLEET_CMD = ("kvstash bench fleet --engine llamacpp --rates 0.05,0.1,0.2,0.4,0.8 --duration-s 40 --drain-s 40 "
-             "--stop-at-knee --budget-ratios 2,1,0.5,0.25 --budget-rate 0.2 --miss-overhead "
-             "--json docs/results/fleet.json --merge\n"
-             "kvstash bench fleet --engine hf --rates 0.05,0.1,0.2,0.4,0.8 --duration-s 40 --drain-s 40 "
-             "--stop-at-knee --json docs/results/fleet.json --merge")
+_FLEET_WL = ("--system-tokens 150 --history-tokens 450 --query-tokens 20 --max-tokens 32 --rates 0.05,0.1,0.2,0.4 "
+             "--duration-s 45 --drain-s 30 --stop-at-knee")
+FLEET_CMD = (f"kvstash bench fleet --engine llamacpp {_FLEET_WL} --budget-ratios 2,1,0.5,0.25 --budget-rate 0.1 "
+             "--miss-overhead --miss-rate 0.05 --json docs/results/fleet.json --merge\n"
+             f"kvstash bench fleet --engine hf {_FLEET_WL} --json docs/results/fleet.json --merge")
 
 BENCHES = (
     Bench("resume-llamacpp", "What a hit buys: llama.cpp in the pod", _RESUME_METHOD,
