@@ -51,10 +51,11 @@ def decide(context: int, block_tokens: int, prefill_s: float, hit_s: float, nbyt
 
 
 async def _check(device: str) -> list[dict[str, Any]]:
-    from ops.bench.resume import ResumeBench, _prompt_ids  # noqa: PLC0415
+    from ops.bench.resume import _prompt_ids  # noqa: PLC0415
+    from ops.bench.resumebench import ResumeBench  # noqa: PLC0415
     from ops.redisproc import RedisProcess  # noqa: PLC0415
     from service import threads  # noqa: PLC0415
-    from service.engines.hf import HfEngine  # noqa: PLC0415
+    from service.engines.hf.engine import HfEngine  # noqa: PLC0415
 
     engine = threads.compute_executor().submit(HfEngine.load, "smollm2", device="cuda").result()
     print(f"gpu-check: {device}, smollm2 in {engine.loaded.dtype}", flush=True)

@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-from service import hfcache, threads
-from service.engines.hf import HfEngine
-from service.hfbatch import PREFILL_CHUNK
-from service.runner import GenParams
+from service import threads
+from service.engines import GenParams
+from service.engines.hf import hfcache
+from service.engines.hf.batch import PREFILL_CHUNK
+from service.engines.hf.engine import HfEngine
 
 GREEDY = GenParams(max_tokens=20)
 QUESTIONS = ["Name three rivers of Europe.", "What is the capital of Peru, and why is it there?",
