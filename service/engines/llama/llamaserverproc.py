@@ -25,7 +25,7 @@ from cachestore.errors import ConfigError
 
 log = logging.getLogger("kvstash.llamaserver")
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]  # the checkout: service/engines/llama/ is three below it
 DEFAULT_BINARY = ROOT / ".venv" / "llama-server" / "bin" / "llama-server"  # what `make setup` builds
 START_TIMEOUT_S = 120.0
 PR_SET_PDEATHSIG = 1
