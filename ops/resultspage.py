@@ -40,6 +40,7 @@ class Bench:
     method: str
     command: str
     render: Callable[[dict[str, Any]], tuple[Table, str]]  # -> table lines, SVG chart
+    extra: Callable[[dict[str, Any]], list[tuple[str, str, str]]] | None = None  # -> more charts: (name, title, SVG)
 
 
 def _ms(v: float) -> str:
@@ -195,22 +196,119 @@ def _load(d: dict[str, Any]) -> tuple[Table, str]:
     return table, chart
 
 
+def _fleet_reports(d: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each engine's report in a fleet JSON (one merged per engine by `bench fleet --merge`, or a single one)."""
+    return list(d.get("engines", [d]))
+
+
+def _met(t: dict[str, Any] | None) -> str:
+    return "" if t is None else "met" if t["met"] else "missed"
+
+
+def _fleet_summary(r: dict[str, Any]) -> list[str]:
+    args, cal, targets = r.get("args", {}), r.get("calibration"), r.get("targets", {})
+    knees = ", ".join(f"{_FLEET_NAMES.get(k, k)} {v:g}/s" for k, v in r["knees"].items())
+    load = (r.get("machine_before") or {}).get("loadavg")
+    under = f" (under load: load average {load[0]:.1f} at the start)" if load else ""
+    lines = [f"**{r.get('engine', args.get('engine', '?'))}**{under}: {args.get('pods', '?')} pods, "
+             f"{r.get('threads_per_pod', '?')} thread(s) each, {args.get('parallel', '?')} sequences decoded together, "
+             f"{args.get('users', '?')} users, ~{args.get('system_tokens', '?')} + ~{args.get('history_tokens', '?')}"
+             f" token openings, {args.get('max_tokens', '?')}-token replies, {args.get('duration_s', 0):g} s per rate. "
+             f"Knee: {knees}."]
+    if cal is not None:
+        lines[-1] += (f" Bound (the fleet idle, {cal['prompt_tokens']:,} tokens): ({_ms(cal['prefill_ms'])} + "
+                      f"{_ms(cal['decode_ms'])}) / ({_ms(cal['hit_ms'])} + {_ms(cal['decode_ms'])}) ms = "
+                      f"{cal['bound']:.2f}x.")
+    kb, gain, failed = targets.get("knee_vs_bound"), targets.get("p90_gain_at_off_knee"), targets.get(
+        "no_failed_requests")
+    found = []
+    if kb is not None:
+        found.append(f"kvstash knee {kb['value']:g}/s against 0.8 x bound x no-cache knee = {kb['target']:.3g}/s "
+                     f"({_met(kb)})")
+    if gain is not None:
+        found.append(f"TTFT p90 at the no-cache knee {gain['value']:.1f}x lower (target 10x, {_met(gain)})")
+    if failed is not None:
+        found.append(f"{failed['value']} failed requests ({_met(failed)})")
+    if found:
+        lines[-1] += " Targets: " + "; ".join(found) + "."
+    return lines
+
+
+_FLEET_NAMES = {"kvstash": "kvstash", "off": "no cache", "sticky": "sticky sessions"}
+
+
 def _fleet(d: dict[str, Any]) -> tuple[Table, str]:
-    runs = d["runs"]
-    table = ["| fleet | rate/s | ok / failed | TTFT p50 ms | p90 ms | reply tok/s | keeps up to (knee) |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in runs:
-        table.append(_row([r.get("fleet", r["kind"]), f"{r['rate']:g}", f"{r['ok']} / {r['failed']}",
-                           _ms(r["ttft_ms_p50"]), _ms(r["ttft_ms_p90"]), f"{r['completion_tokens_per_s']:.1f}",
-                           f"{d['knees'].get(r['kind'], 0):g}/s"]))
-    rates = sorted({r["rate"] for r in runs})
-    kinds = list(dict.fromkeys(r["kind"] for r in runs))
-    labels = {r["kind"]: r.get("fleet", r["kind"]) for r in runs}
-    series = {labels[k]: [next((r["ttft_ms_p90"] for r in runs if r["kind"] == k and r["rate"] == x), 0.0)
-                          for x in rates] for k in kinds}
+    table: Table = []
+    series: dict[str, list[float | None]] = {}
+    reports = _fleet_reports(d)
+    rates = sorted({run["rate"] for r in reports for run in r["runs"]})
+    for r in reports:
+        table += [*_fleet_summary(r), "",
+                  "| fleet | rate/s | ok / failed | TTFT p50 ms | p90 ms | p99 ms | ITL p50 ms | reply tok/s | "
+                  "hit rate | keeps up |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for run in r["runs"]:
+            table.append(_row([run.get("fleet", run["kind"]), f"{run['rate']:g}", f"{run['ok']} / {run['failed']}",
+                               _ms(run["ttft_ms_p50"]), _ms(run["ttft_ms_p90"]), _ms(run["ttft_ms_p99"]),
+                               f"{run['itl_ms_p50']:.1f}", f"{run['completion_tokens_per_s']:.1f}",
+                               f"{run['hit_rate']:.2f}", "yes" if run.get("keeps_up") else "no"]))
+        table.append("")
+        engine = r.get("engine", "?")
+        for kind in dict.fromkeys(run["kind"] for run in r["runs"]):
+            series[f"{engine}, {_FLEET_NAMES.get(kind, kind)}"] = [
+                next((run["ttft_ms_p90"] for run in r["runs"] if run["kind"] == kind and run["rate"] == x), None)
+                for x in rates]
+        table += _fleet_pressure(r)
     chart = svgchart.lines([f"{x:g}" for x in rates], series, title="TTFT p90 by arrival rate",
                            xlabel="arrivals per second", ylabel="ms (log scale)", log=True)
-    return table, chart
+    return table[:-1] if table and not table[-1] else table, chart
+
+
+def _fleet_pressure(r: dict[str, Any]) -> Table:
+    """The budget-pressure and miss-overhead tables of one engine's report (none where it ran neither)."""
+    out: Table = []
+    engine = r.get("engine", "?")
+    if r.get("budget_pressure"):
+        out += [f"Budget pressure ({engine}, kvstash, LRU):", "",
+                "| run | budget MiB | working set / budget | hit rate | TTFT p50 ms | p90 ms | failed |",
+                "|---|---:|---:|---:|---:|---:|---:|"]
+        for b in sorted(r["budget_pressure"], key=lambda b: b["ratio"]):
+            out.append(_row([b["fleet"], f"{b['budget_mb']}", f"{b['ratio']:.2f}", f"{b['hit_rate']:.2f}",
+                             _ms(b["ttft_ms_p50"]), _ms(b["ttft_ms_p90"]), f"{b['failed']}"]))
+        out.append("")
+    if r.get("miss_overhead"):
+        on = r["miss_overhead"][0]
+        out += [f"Miss overhead ({engine}, a workload with no reuse; kvstash on / off: TTFT p50 "
+                f"{on.get('ttft_ms_p50_vs_off', 0):.3f}, p90 {on.get('ttft_ms_p90_vs_off', 0):.3f}, reply tokens/s "
+                f"{on.get('completion_tokens_per_s_vs_off', 0):.3f}; target within 3%):", "",
+                "| run | runs | ok / failed | TTFT p50 ms | p90 ms | reply tok/s | hit rate |",
+                "|---|---:|---:|---:|---:|---:|---:|"]
+        for m in r["miss_overhead"]:
+            out.append(_row([m["fleet"], f"{m.get('runs', 1)}", f"{m['ok']} / {m['failed']}", _ms(m["ttft_ms_p50"]),
+                             _ms(m["ttft_ms_p90"]), f"{m['completion_tokens_per_s']:.2f}", f"{m['hit_rate']:.2f}"]))
+        out.append("")
+    return out
+
+
+def _fleet_budget_charts(d: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Hit rate and TTFT p50 against working set / budget, a line per engine that ran budget pressure."""
+    pressed = [r for r in _fleet_reports(d) if r.get("budget_pressure")]
+    if not pressed:
+        return []
+    ratios = sorted({round(b["ratio"], 2) for r in pressed for b in r["budget_pressure"]})
+
+    def line(r: dict[str, Any], key: str, scale: float) -> list[float | None]:
+        by = {round(b["ratio"], 2): b[key] * scale for b in r["budget_pressure"]}
+        return [by.get(x) for x in ratios]
+
+    labels = [f"{x:g}x" for x in ratios]
+    hits = svgchart.lines(labels, {r.get("engine", "?"): line(r, "hit_rate", 100.0) for r in pressed},
+                          title="Hit rate under budget pressure (LRU)", xlabel="working set / byte budget",
+                          ylabel="cached / prompt tokens, %")
+    ttft = svgchart.lines(labels, {r.get("engine", "?"): line(r, "ttft_ms_p50", 1.0) for r in pressed},
+                          title="TTFT p50 under budget pressure (LRU)", xlabel="working set / byte budget",
+                          ylabel="ms (log scale)", log=True)
+    return [("budget-hits", "Hit rate under budget pressure", hits),
+            ("budget-ttft", "TTFT under budget pressure", ttft)]
 
 
 _SIDECAR_NAMES = {"cold-direct": "cold, llama-server directly", "cold-sidecar": "cold, through the sidecar",
@@ -241,6 +339,12 @@ _RESUME_METHOD = ("A history of N tokens is prefilled and stored as another pod 
                   "redis-py and set in place, the least any hit of them can cost.")
 _RESUME_CMD = ("kvstash bench resume --engine {engine} --contexts 2048 --long --modes {modes} --repeat 9 "
                "--recompute-repeat 1 --no-naive --json docs/results/{name}.json")
+
+_FLEET_WL = ("--system-tokens 150 --history-tokens 450 --query-tokens 20 --max-tokens 32 --rates 0.05,0.1,0.2,0.4 "
+             "--duration-s 45 --drain-s 30 --stop-at-knee")
+FLEET_CMD = (f"kvstash bench fleet --engine llamacpp {_FLEET_WL} --budget-ratios 2,1,0.5,0.25 --budget-rate 0.1 "
+             "--miss-overhead --miss-rate 0.05 --json docs/results/fleet.json --merge\n"
+             f"kvstash bench fleet --engine hf {_FLEET_WL} --json docs/results/fleet.json --merge")
 
 BENCHES = (
     Bench("resume-llamacpp", "What a hit buys: llama.cpp in the pod", _RESUME_METHOD,
@@ -283,8 +387,11 @@ BENCHES = (
     Bench("fleet", "A fleet under rising load",
           "Many users' multi-round chats at each arrival rate, on a kvstash fleet (round robin, KV in Redis), one "
           "with no cache and one with sticky sessions. A fleet keeps up with a rate while every turn is answered "
-          "and TTFT p90 stays within 2x its value at the lowest rate.",
-          "kvstash bench fleet --json docs/results/fleet.json", _fleet),
+          "and TTFT p90 stays within 2x its value at the lowest rate; its knee is the highest rate it and every "
+          "lower one kept up with. The bound on the gain is (prefill + decode) / (hit + decode) from the same run's "
+          "unloaded turns. Budget pressure replays the workload with the working set at multiples of the byte "
+          "budget; miss overhead runs a workload with no reuse, kvstash on and off interleaved.",
+          FLEET_CMD, _fleet, _fleet_budget_charts),
 )
 
 
@@ -319,6 +426,9 @@ def render() -> dict[Path, str]:
         lines += [f"## {bench.title} {{#{bench.name}}}", "", bench.method, "", "```sh", bench.command, "```", "",
                   f"Machine: {machine_line(d)}. Data: [`results/{bench.name}.json`](results/{bench.name}.json).",
                   "", *table, "", f"![{bench.title}](results/{bench.name}.svg)", ""]
+        for name, title, extra in bench.extra(d) if bench.extra else []:
+            out[RESULTS / f"{bench.name}-{name}.svg"] = extra
+            lines += [f"![{title}](results/{bench.name}-{name}.svg)", ""]
     out[PAGE] = "\n".join(lines[:4] + toc + [""] + lines[4:]).rstrip() + "\n"
     return out
 

@@ -7,7 +7,7 @@ fresh one byte for byte; matplotlib's output varies with its version and fonts.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from html import escape
 
 WIDTH, HEIGHT = 780, 400
@@ -88,7 +88,7 @@ def _legend(names: Sequence[str]) -> list[str]:
     return out
 
 
-def bars(groups: Sequence[str], series: dict[str, Sequence[float | None]], *, title: str, ylabel: str,
+def bars(groups: Sequence[str], series: Mapping[str, Sequence[float | None]], *, title: str, ylabel: str,
          log: bool = False) -> str:
     """Grouped bars: one group per `groups` entry, one bar per series in it (None leaves a gap)."""
     values = [v for vs in series.values() for v in vs if v is not None]
@@ -115,10 +115,10 @@ def bars(groups: Sequence[str], series: dict[str, Sequence[float | None]], *, ti
     return "\n".join(out + _legend(list(series)) + ["</svg>"]) + "\n"
 
 
-def lines(xlabels: Sequence[str], series: dict[str, Sequence[float]], *, title: str, xlabel: str, ylabel: str,
-          log: bool = False) -> str:
-    """Lines with markers over evenly spaced x positions named by `xlabels`."""
-    scale = _Scale([v for vs in series.values() for v in vs], log)
+def lines(xlabels: Sequence[str], series: Mapping[str, Sequence[float | None]], *, title: str, xlabel: str,
+          ylabel: str, log: bool = False) -> str:
+    """Lines with markers over evenly spaced x positions named by `xlabels` (None: no point there)."""
+    scale = _Scale([v for vs in series.values() for v in vs if v is not None], log)
     out = _frame(title, ylabel, scale)
     plot_w = WIDTH - LEFT - RIGHT
     step = plot_w / max(1, len(xlabels))
@@ -129,9 +129,10 @@ def lines(xlabels: Sequence[str], series: dict[str, Sequence[float]], *, title: 
                f'{escape(xlabel)}</text>')
     for s, (name, vs) in enumerate(series.items()):
         color = COLORS[s % len(COLORS)]
-        points = " ".join(f"{_num(x)},{_num(scale.y(v))}" for x, v in zip(xs, vs, strict=True))
+        present = [(x, v) for x, v in zip(xs, vs, strict=True) if v is not None]
+        points = " ".join(f"{_num(x)},{_num(scale.y(v))}" for x, v in present)
         out.append(f'<polyline points="{points}" fill="none" stroke="{color}" stroke-width="2"/>')
-        for x, v in zip(xs, vs, strict=True):
+        for x, v in present:
             out.append(f'<circle cx="{_num(x)}" cy="{_num(scale.y(v))}" r="3.5" fill="{color}">'
                        f'<title>{escape(name)}: {_label(v)}</title></circle>')
     out.append(f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{HEIGHT - BOTTOM}" y2="{HEIGHT - BOTTOM}" stroke="#333"/>')

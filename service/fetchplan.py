@@ -18,6 +18,13 @@ pod's local tier cost nothing and are always read). Until the prefill rate and M
 and once in a while after deciding to recompute on a measured link (`reprobe_s`: the link may have recovered), the
 pod reads (`probe`).
 
+A read's time is its round trips plus its bytes over the link, and the estimate is one rate: a small read (the shared
+system prompt's block or two, which is what a fresh pod's first hits often are) measures mostly round trips, and its
+rate extrapolated to a long prefix makes that prefix look far dearer than it is. So a plan recomputes only on
+evidence of its own size: MIN_LINK_SAMPLES reads of at least SIMILAR_SHARE of the bytes it would read; with fewer, a
+plan the estimate would recompute reads instead (`probe`), and measures the link at that size. A fast small read
+still counts for fetching (its rate is a lower bound on the link's).
+
 `fetch_policy="always"` reads every block as before; a configured `link_bytes_s` or `prefill_tokens_s` replaces the
 measurement (operators who know their link; tests).
 """
@@ -38,6 +45,7 @@ REPROBE_S = 30.0  # a measured link found too slow is read again after this long
 LINK_WINDOW = 8  # the link's estimate is the best of this many recent reads
 MIN_LINK_SAMPLES = 3  # reads measured before a plan may recompute (a pod's first read also opens its connection)
 RECOMPUTE_MARGIN = 1.5  # recompute only when reading a block is estimated this many times slower than prefilling it
+SIMILAR_SHARE = 0.5  # a read of at least this share of a plan's bytes tells how long the planned read takes
 
 
 @dataclass(frozen=True)
@@ -80,7 +88,7 @@ class FetchPlanner:
         self._clock = clock
         self._link_fixed = link_bytes_s or None
         self._prefill_fixed = prefill_tokens_s or None
-        self._link: deque[float] = deque(maxlen=LINK_WINDOW)
+        self._link: deque[tuple[float, int]] = deque(maxlen=LINK_WINDOW)  # (bytes/s, bytes) of recent reads
         self._prefill = _Running()
         self._block_bytes = _Running()
         self._link_seen = -float("inf")  # when the link was last measured
@@ -89,11 +97,19 @@ class FetchPlanner:
     @property
     def link_bytes_s(self) -> float | None:
         """The read bandwidth from Redis (configured, or the best recent read), None while nothing is measured."""
-        return self._link_fixed or (max(self._link) if self._link else None)
+        return self._link_fixed or (max(rate for rate, _ in self._link) if self._link else None)
 
     def _planned_link(self) -> float | None:
         """The bandwidth plans use: None until MIN_LINK_SAMPLES reads are measured (unless configured)."""
-        return self._link_fixed or (max(self._link) if len(self._link) >= MIN_LINK_SAMPLES else None)
+        return self._link_fixed or (max(rate for rate, _ in self._link) if len(self._link) >= MIN_LINK_SAMPLES
+                                    else None)
+
+    def _measured_at(self, nbytes: float) -> bool:
+        """Whether the link's estimate may stop a read of `nbytes`: configured, or MIN_LINK_SAMPLES recent reads
+        of at least SIMILAR_SHARE of it measured."""
+        if self._link_fixed is not None:
+            return True
+        return sum(1 for _, size in self._link if size >= SIMILAR_SHARE * nbytes) >= MIN_LINK_SAMPLES
 
     @property
     def prefill_tokens_s(self) -> float | None:
@@ -105,7 +121,7 @@ class FetchPlanner:
         if nbytes <= 0 or blocks <= 0 or seconds <= 0:
             return
         with self._lock:
-            self._link.append(nbytes / seconds)
+            self._link.append((nbytes / seconds, nbytes))
             self._block_bytes.add(nbytes / blocks)
             self._link_seen = self._clock()
 
@@ -125,17 +141,20 @@ class FetchPlanner:
             size = block_bytes or self._block_bytes.value
             link, prefill = self._planned_link(), self.prefill_tokens_s
             stale = self._link_fixed is None and self._clock() - self._link_seen >= self.reprobe_s
+            measured = size is not None and self._measured_at(remote_blocks * size)
         if size is None or link is None or prefill is None:
             return Plan(remote_blocks, "probe")
         per_fetch, per_compute = size / link, self.block_tokens / prefill
         fetch_s, recompute_s = remote_blocks * per_fetch, remote_blocks * per_compute
         if per_fetch > RECOMPUTE_MARGIN * per_compute:
-            if stale:
+            if stale or not measured:  # the link measured long ago, or only on reads much smaller than this one
                 return Plan(remote_blocks, "probe", fetch_s, recompute_s)
             return Plan(0, "recompute", fetch_s, recompute_s)
         fits = int(BUDGET_SHARE * self.budget_s / per_fetch)
         if fits >= remote_blocks:
             return Plan(remote_blocks, "fetch", fetch_s, recompute_s)
+        if not measured:
+            return Plan(remote_blocks, "probe", fetch_s, recompute_s)
         if fits == 0:
             return Plan(0, "recompute", fetch_s, recompute_s)
         return Plan(fits, "shortened", fetch_s, recompute_s)

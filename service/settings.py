@@ -28,7 +28,7 @@ class PodSettings:
     engine: str = "hf"  # hf (transformers) | llamacpp (llama-cpp-python)
     model: str = "smollm2"
     device: str = "cpu"
-    parallel: int = 4  # sequences the llamacpp engine decodes together (hf: always 1)
+    parallel: int = 4  # sequences the engine decodes together (hf and llamacpp)
     threads: int = 0  # CPU threads of the model (llama.cpp's, or torch's for hf); 0 = one per core
     flash_attn: str = "auto"  # llama.cpp's flash attention: auto (llama.cpp decides), on or off (llama.cpp engines)
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -145,10 +145,10 @@ class PodSettings:
 SETTING_HELP: Mapping[str, str] = {
     "host": "address to bind",
     "port": "port to bind",
-    "engine": "model runtime: hf (transformers) or llamacpp (llama-cpp-python, batched decoding)",
+    "engine": "model runtime: hf (transformers) or llamacpp (llama-cpp-python); both decode requests together",
     "model": "smollm2; hf: tiny-random or a local HF model directory; llamacpp: a local .gguf file",
     "device": "cpu or cuda[:N]",
-    "parallel": "llamacpp: sequences decoded together (hf: always 1)",
+    "parallel": "sequences decoded together (hf and llamacpp; llama-server: its slots)",
     "threads": "CPU threads of the model: llama.cpp's, or torch's for hf (0: one per core)",
     "flash_attn": "llamacpp: llama.cpp's flash attention: auto (llama.cpp decides), on or off (off decodes a long "
                   "context faster on some CPUs; a q8 cache needs it)",

@@ -40,3 +40,8 @@ def compute_executor(threads: int = 0) -> ThreadPoolExecutor:
             _compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstash-compute",
                                           initializer=torch.set_num_threads, initargs=(threads or COMPUTE_THREADS,))
         return _compute
+
+
+def on_compute_thread() -> bool:
+    """Whether the calling thread is the compute thread (work submitted to it from there would wait forever)."""
+    return threading.current_thread().name.startswith("kvstash-compute")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ops.bench.fleet import FLEETS, LABELS, find_knee
+from ops.bench.fleet import FLEETS, LABELS, find_knee, merged
 from ops.cli import main
 from ops.pods import nginx_binary
 
@@ -29,6 +29,7 @@ def test_the_knee_is_the_highest_rate_it_and_every_lower_rate_kept_up_with() -> 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # nine fleets started one after another: several minutes on a loaded 2-core machine
 @pytest.mark.skipif(nginx_binary() is None, reason="nginx is not installed (CI installs nginx-light in .ci/run)")
 def test_bench_fleet_tiny_every_fleet_budget_and_miss_overhead(tmp_path: Path) -> None:
     out, png = tmp_path / "fleet.json", tmp_path / "fleet.png"
@@ -56,11 +57,25 @@ def test_bench_fleet_tiny_every_fleet_budget_and_miss_overhead(tmp_path: Path) -
     assert pressed["ratio"] > 0 and pressed["failed"] == 0
     on, off = report["miss_overhead"]
     assert (on["kind"], off["kind"]) == ("kvstash", "off") and on["hit_rate"] == off["hit_rate"] == 0
+    assert on["runs"] == off["runs"] == 2  # interleaved: on, off, off, on
     assert "ttft_ms_p50_vs_off" in on and "completion_tokens_per_s_vs_off" in on
     rows = report["requests"]
     assert {r["fleet"] for r in rows} == {*FLEETS, "budget", "miss-kvstash", "miss-off"}
     assert all(r["status"] == 200 for r in rows)
     assert len({r["pod"] for r in rows if r["fleet"] == "kvstash"}) == 2  # round robin over both pods
-    assert report["threads_per_pod"] >= 1
+    assert report["threads_per_pod"] >= 1 and report["engine"] == "hf"
     for image in (png, png.with_name(png.stem + "-budget.png")):
         assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_merge_keeps_other_engines_runs_and_replaces_its_own(tmp_path: Path) -> None:
+    path = tmp_path / "fleet.json"
+    hf = {"engine": "hf", "runs": [1], "machine_before": {"nproc": 2}}
+    path.write_text(json.dumps(hf))
+    first = merged(path, {"engine": "llamacpp", "runs": [2], "machine_before": {"nproc": 3}})
+    assert [r["engine"] for r in first["engines"]] == ["hf", "llamacpp"]
+    assert first["machine_before"] == {"nproc": 2}  # the first report's, ordered by engine
+    path.write_text(json.dumps(first))
+    again = merged(path, {"engine": "hf", "runs": [3], "machine_before": {"nproc": 4}})
+    assert [(r["engine"], r["runs"]) for r in again["engines"]] == [("hf", [3]), ("llamacpp", [2])]
+    assert merged(tmp_path / "none.json", hf) == {"engines": [hf], "machine_before": hf["machine_before"]}

@@ -9,7 +9,7 @@ from starlette.testclient import TestClient
 
 from cachestore.errors import ConfigError
 from ops.redisproc import RedisProcess
-from service.fetchplan import MIN_LINK_SAMPLES, REPROBE_S, FetchPlanner
+from service.fetchplan import MIN_LINK_SAMPLES, RECOMPUTE_MARGIN, REPROBE_S, FetchPlanner
 from service.settings import PodSettings, settings_from_env
 from tests.faultkit import QUESTIONS, SYSTEM, chat, metric, pod_client, reference_reply, reply_of, wait_written
 from tests.linkproxy import ThrottledLink
@@ -36,7 +36,7 @@ def test_the_plan_reads_all_a_prefix_or_nothing_as_the_estimates_say() -> None:
     for _ in range(MIN_LINK_SAMPLES - 1):  # reads at 400 KB/s (a block in 20 ms): too few to stop reading yet
         planner.observe_fetch(40_000, 10, 0.1)
         assert planner.plan(10, 8000).decision == "probe"
-    planner.observe_fetch(20_000, 10, 0.1)  # and a slower one: the estimate is the best recent read
+    planner.observe_fetch(40_000, 10, 0.2)  # and a slower one: the estimate is the best recent read
     assert planner.link_bytes_s == 400_000
     plan = planner.plan(10, 8000)
     assert (plan.blocks, plan.decision) == (0, "recompute") and plan.fetch_s == pytest.approx(2 * plan.recompute_s)
@@ -47,7 +47,11 @@ def test_the_plan_reads_all_a_prefix_or_nothing_as_the_estimates_say() -> None:
     planner.observe_fetch(800_000, 10, 0.1)  # it recovered: 8 MB/s, a block in 1 ms
     assert planner.link_bytes_s == 8_000_000
     assert (planner.plan(10, 8000).blocks, planner.plan(10, 8000).decision) == (10, "fetch")
-    # a read that would overrun the budget is cut to the prefix that fits 80% of it: 0.8 s / 1 ms a block
+    # a read that would overrun the budget is cut to the prefix that fits 80% of it (0.8 s / 1 ms a block), once
+    # reads of its size were measured
+    assert planner.plan(1000, 8000).decision == "probe"
+    for _ in range(MIN_LINK_SAMPLES):
+        planner.observe_fetch(4_000_000, 500, 0.5)
     fits = int(0.8 * 1.0 / (8000 / 8_000_000))
     assert 790 < fits < 810 and (planner.plan(1000, 8000).blocks, planner.plan(1000, 8000).decision) == (
         fits, "shortened")
@@ -58,6 +62,31 @@ def test_the_plan_reads_all_a_prefix_or_nothing_as_the_estimates_say() -> None:
     assert sized.link_bytes_s == 1e6 and sized.plan(4).decision == "recompute"
     clock.now += 10 * REPROBE_S  # a configured link is never probed again
     assert sized.plan(4).decision == "recompute"
+
+
+def test_a_fresh_pod_reads_a_long_hit_after_small_reads() -> None:
+    """A fresh pod's first hits are often the shared system prompt's block or two: reads that measure round trips
+    more than the link. Extrapolated to a long history they make its read look dearer than prefilling it; the pod
+    reads it anyway (a probe, measured at that size) and recomputes only once reads of that size are slow too."""
+    clock = Clock()
+    planner = FetchPlanner("auto", BLOCK, budget_s=2.0, clock=clock)
+    planner.observe_prefill(1600, 1.0)  # its first prompt, a miss: 1,600 tokens/s, a block in 10 ms
+    for _ in range(MIN_LINK_SAMPLES):  # one 8 KB block in 20 ms each: 400 KB/s, mostly the round trip
+        planner.observe_fetch(8000, 1, 0.02)
+    assert planner.plan(1, 8000).decision == "recompute"  # at its own size the estimate holds: 20 ms against 10
+    long = planner.plan(100, 8000)  # the same rate says 2 s to read 100 blocks, 1 s to prefill them
+    assert (long.blocks, long.decision) == (100, "probe") and long.fetch_s > RECOMPUTE_MARGIN * long.recompute_s
+    for _ in range(MIN_LINK_SAMPLES - 1):  # the long reads measured: the link is fast (8 MB/s)
+        planner.observe_fetch(800_000, 100, 0.1)
+    assert (planner.plan(100, 8000).blocks, planner.plan(100, 8000).decision) == (100, "fetch")
+    slow = FetchPlanner("auto", BLOCK, budget_s=2.0, clock=clock)  # where long reads really are slow
+    slow.observe_prefill(1600, 1.0)
+    for _ in range(MIN_LINK_SAMPLES):
+        slow.observe_fetch(8000, 1, 0.02)
+    for _ in range(MIN_LINK_SAMPLES):
+        assert slow.plan(100, 8000).decision == "probe"
+        slow.observe_fetch(800_000, 100, 2.0)  # 400 KB/s at that size too
+    assert (slow.plan(100, 8000).blocks, slow.plan(100, 8000).decision) == (0, "recompute")
 
 
 def test_always_reads_everything_and_settings_refuse_what_they_cannot_honour() -> None:

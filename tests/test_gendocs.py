@@ -75,15 +75,37 @@ def test_a_result_no_section_renders_is_refused(tmp_path: Path, monkeypatch: pyt
 
 
 def test_fleet_results_render(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    runs = [{"kind": kind, "rate": rate, "ok": 10, "failed": 0, "ttft_ms_p50": 100.0 * rate,
-             "ttft_ms_p90": 150.0 * rate, "completion_tokens_per_s": 20.0}
-            for kind in ("kvstash", "off") for rate in (0.5, 1.0)]
-    machine = {"nproc": 2, "cpu": "test CPU", "ram_gb": 1.0, "loadavg": [0.1, 0.1, 0.1], "date": "2026-12-02"}
-    (tmp_path / "fleet.json").write_text(json.dumps({"runs": runs, "knees": {"kvstash": 1.0, "off": 0.5},
+    """Each engine's fleets (merged by `bench fleet --merge`): knees, bound, targets, a row per rate, and with budget
+    pressure its table and two more charts, with miss overhead its row."""
+    def report(engine: str, budget: bool) -> dict[str, object]:
+        runs = [{"kind": kind, "fleet": kind, "rate": rate, "ok": 10, "failed": 0, "ttft_ms_p50": 100.0 * rate,
+                 "ttft_ms_p90": 150.0 * rate, "ttft_ms_p99": 160.0 * rate, "itl_ms_p50": 12.5,
+                 "completion_tokens_per_s": 20.0, "hit_rate": 0.5, "keeps_up": True}
+                for kind in ("kvstash", "off") for rate in (0.5, 1.0)]
+        pressed = [{"fleet": f"working set {x:g}x budget", "budget_mb": 8, "ratio": x, "hit_rate": 0.9 / x,
+                    "ttft_ms_p50": 100.0 * x, "ttft_ms_p90": 200.0 * x, "failed": 0} for x in (0.5, 2.0)]
+        miss = [{"fleet": f"no reuse, {k}", "kind": k, "runs": 2, "ok": 4, "failed": 0, "ttft_ms_p50": 1000.0,
+                 "ttft_ms_p90": 1100.0, "completion_tokens_per_s": 0.4, "hit_rate": 0.0, "ttft_ms_p50_vs_off": 0.99,
+                 "ttft_ms_p90_vs_off": 1.01, "completion_tokens_per_s_vs_off": 1.0} for k in ("kvstash", "off")]
+        return {"engine": engine, "runs": runs, "knees": {"kvstash": 1.0, "off": 0.5}, "threads_per_pod": 1,
+                "calibration": {"prefill_ms": 900.0, "hit_ms": 50.0, "decode_ms": 100.0, "prompt_tokens": 600,
+                                "bound": 1000.0 / 150.0},
+                "targets": {"no_failed_requests": {"value": 0, "met": True}},
+                "budget_pressure": pressed if budget else [], "miss_overhead": miss if budget else [],
+                "args": {"pods": 2, "parallel": 4, "users": 4}, "machine_before": machine}
+
+    machine = {"nproc": 2, "cpu": "test CPU", "ram_gb": 1.0, "loadavg": [3.5, 0.1, 0.1], "date": "2026-12-02"}
+    (tmp_path / "fleet.json").write_text(json.dumps({"engines": [report("hf", False), report("llamacpp", True)],
                                                      "machine_before": machine}))
     monkeypatch.setattr(resultspage, "RESULTS", tmp_path)
-    page = resultspage.render()[resultspage.PAGE]
-    assert "| kvstash | 1 | 10 / 0 | 100.0 | 150.0 | 20.0 | 1/s |" in page and "test CPU" in page
+    out = resultspage.render()
+    page = out[resultspage.PAGE]
+    assert "| kvstash | 1 | 10 / 0 | 100.0 | 150.0 | 160.0 | 12.5 | 20.0 | 0.50 | yes |" in page and "test CPU" in page
+    assert page.count("Knee: kvstash 1/s, no cache 0.5/s.") == 2 and "= 6.67x" in page
+    assert "**hf** (under load: load average 3.5 at the start)" in page
+    assert "| working set 2x budget | 8 | 2.00 | 0.45 | 200.0 | 400.0 | 0 |" in page
+    assert "Miss overhead (llamacpp" in page and "| no reuse, off | 2 | 4 / 0 | 1,000 | 1,100 | 0.40 | 0.00 |" in page
+    assert {tmp_path / "fleet-budget-hits.svg", tmp_path / "fleet-budget-ttft.svg"} <= set(out)
 
 
 def _shape_regex(pattern: str) -> re.Pattern[str]:

@@ -2,13 +2,16 @@
 up with (its knee): kvstash (round robin, KV in Redis), no cache, and sticky sessions (nginx `hash $session
 consistent`, KV in each pod's memory), the same pods each time.
 
-The sweep runs the workload (ops/bench/fleetload.py) at each rate of `--rates` on each fleet. A fleet keeps up with
+The sweep runs the workload (ops/bench/fleetload.py) at each rate of `--rates` on each fleet, the same users going
+on from rate to rate, their first turns sent (unmeasured) before the first rate. A fleet keeps up with
 a rate when every turn that arrived was answered, none failed, and TTFT p90 (from the arrival, so a queue counts)
 stays within 2x its value at the lowest rate; its knee is the highest rate it and every lower one kept up with.
 The bound on the gain comes from the same run's unloaded timings: one user's turns sent one at a time to the
 kvstash fleet, (prefill + decode) / (hit + decode). `--budget-ratios` replays the workload with the working set
 at each multiple of the byte budget (LRU under pressure); `--miss-overhead` runs a workload with no reuse with
-kvstash on and off. Pods get their share of the cores (threads = cores / pods).
+kvstash on and off, interleaved (on, off, off, on: load drifting touches both alike). Pods get their share of the
+cores (threads = cores / pods). `--merge` adds the run to an existing JSON of other engines' runs (the results page
+shows every engine's fleet side by side).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--codec", default="int8", help="codec of the cached blocks (default int8)")
     p.add_argument("--pods", type=int, default=2, help="pods behind the balancer (default 2)")
     p.add_argument("--threads-per-pod", type=int, default=0, help="threads per pod (default: cores / pods, >= 1)")
-    p.add_argument("--parallel", type=int, default=4, help="llamacpp: sequences a pod decodes together")
+    p.add_argument("--parallel", type=int, default=4, help="sequences a pod decodes together (default 4)")
     p.add_argument("--redis-url", help="an existing Redis (default: a private redis-server on a free port)")
     p.add_argument("--budget-mb", type=int, default=512, help="byte budget of the namespace, MiB (default 512)")
     p.add_argument("--users", type=int, default=4, help="users chatting at once (default 4)")
@@ -57,8 +60,16 @@ def register(bench_subparsers: Any) -> None:
                         "multiples of the budget (e.g. 2,1,0.5,0.25)")
     p.add_argument("--miss-overhead", action="store_true",
                    help="also run a workload with no reuse at the lowest rate, kvstash on against off")
+    p.add_argument("--budget-rate", type=float, default=0.0,
+                   help="arrival rate of the budget-pressure runs (default: the lowest of --rates)")
+    p.add_argument("--miss-rate", type=float, default=0.0,
+                   help="arrival rate of the miss-overhead runs (default: the lowest of --rates)")
+    p.add_argument("--stop-at-knee", action="store_true",
+                   help="stop a fleet's sweep at the first rate it does not keep up with (the knee is below it)")
     p.add_argument("--seed", type=int, default=35, help="seed of the arrival times")
     p.add_argument("--json", type=Path, help="write the summary and every request as JSON here")
+    p.add_argument("--merge", action="store_true",
+                   help="with --json: keep the other engines' runs the file holds, replacing this engine's")
     p.add_argument("--plot", type=Path, help="TTFT p90 against the arrival rate, a line per fleet (PNG); with "
                    "--budget-ratios also <stem>-budget.png")
     p.set_defaults(func=run)
@@ -93,8 +104,7 @@ class _Fleet:
         from ops.bench.load import fleet_pods  # noqa: PLC0415
 
         self.kind, self.namespace = kind, namespace
-        self._cm = fleet_pods(_pod_args(args, budget_mb), redis_url, kind, namespace,
-                              args.parallel if args.engine == "llamacpp" else 1)
+        self._cm = fleet_pods(_pod_args(args, budget_mb), redis_url, kind, namespace, args.parallel)
 
     def __enter__(self) -> str:
         pods, balancer = self._cm.__enter__()
@@ -151,15 +161,24 @@ def _sweep(args: argparse.Namespace, redis_url: str, kind: str, rates: list[floa
             print(f"[unloaded] prefill {calibration['prefill_ms']:.0f} ms, hit {calibration['hit_ms']:.0f} ms, "
                   f"decode {calibration['decode_ms']:.0f} ms at {calibration['prompt_tokens']} tokens: bound "
                   f"{calibration['bound']:.2f}x", flush=True)
+        # one set of users for the whole sweep, their first turns sent before it: each rate sees conversations
+        # under way (a user starts a new one after max_turns), not every user's opening at once
+        users = fleetload.make_users(_workload(args), kind)
+        warm = fleetload.warm_up(users, args.model_name, url, kind == "sticky")
+        if any(r.get("status") != 200 for r in warm):
+            raise SystemExit(f"[{LABELS[kind]}] the warm-up turns failed: {warm}")
         for i, rate in enumerate(rates):
             rows, _ = fleetload.drive(_workload(args), url, args.model_name, rate, args.duration_s,
                                       tag=f"{kind}-{i}", seed=args.seed + i, sticky=kind == "sticky",
-                                      drain_s=args.drain_s)
+                                      drain_s=args.drain_s, users=users)
             run = {"fleet": LABELS[kind], "kind": kind, **fleetload.stats(rows, rate, args.duration_s)}
             print(f"[{LABELS[kind]}] {rate:g}/s: {run['ok']}/{run['arrivals']} ok, {run['failed']} failed, "
                   f"TTFT p90 {run['ttft_ms_p90']:.0f} ms, hit {run['hit_rate']:.2f}", flush=True)
             runs.append(run)
             requests += [{**r, "fleet": kind, "rate": rate} for r in rows]
+            if args.stop_at_knee and len(runs) > 1 and find_knee(list(runs)) < rate:
+                print(f"[{LABELS[kind]}] fell behind at {rate:g}/s: the rates above it are not run", flush=True)
+                break
     return runs, calibration
 
 
@@ -173,8 +192,10 @@ def _budget_pressure(args: argparse.Namespace, redis_url: str, rate: float, rati
     def one(label: str, budget_mb: int, n: int) -> dict[str, Any]:
         namespace = f"fleet-budget-{n}"
         with _Fleet(args, redis_url, "kvstash", namespace, budget_mb) as url:
+            users = fleetload.make_users(_workload(args), "budget")
+            fleetload.warm_up(users, args.model_name, url, False)  # the same conversations under way in every run
             rows, _ = fleetload.drive(_workload(args), url, args.model_name, rate, args.duration_s, tag="budget",
-                                      seed=args.seed, sticky=False, drain_s=args.drain_s)
+                                      seed=args.seed, sticky=False, drain_s=args.drain_s, users=users)
         settings = StoreSettings.from_url(redis_url, namespace=namespace, budget_bytes=budget_mb << 20)
         with SyncBlockStore(settings) as store:
             usage = store.usage()
@@ -197,20 +218,44 @@ def _budget_pressure(args: argparse.Namespace, redis_url: str, rate: float, rati
     return runs
 
 
+MISS_ORDER = ("kvstash", "off", "off", "kvstash")  # interleaved: load drifting over the runs touches both alike
+
+
 def _miss_overhead(args: argparse.Namespace, redis_url: str, rate: float,
                    requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The no-reuse workload with kvstash on and off, in MISS_ORDER; each side's rows pooled."""
+    rows_of: dict[str, list[dict[str, Any]]] = {"kvstash": [], "off": []}
+    per_run: dict[str, list[dict[str, Any]]] = {"kvstash": [], "off": []}
+    for n, kind in enumerate(MISS_ORDER):
+        with _Fleet(args, redis_url, kind, f"fleet-miss-{kind}-{n}", args.budget_mb) as url:
+            rows, _ = fleetload.drive(_workload(args, reuse=False), url, args.model_name, rate, args.duration_s,
+                                      tag=f"miss-{kind}-{n}", seed=args.seed + n, sticky=False, drain_s=args.drain_s)
+        requests += [{**r, "fleet": f"miss-{kind}", "rate": rate} for r in rows]
+        rows_of[kind] += rows
+        per_run[kind].append(fleetload.stats(rows, rate, args.duration_s))
     runs = []
     for kind in ("kvstash", "off"):
-        with _Fleet(args, redis_url, kind, f"fleet-miss-{kind}", args.budget_mb) as url:
-            rows, _ = fleetload.drive(_workload(args, reuse=False), url, args.model_name, rate, args.duration_s,
-                                      tag=f"miss-{kind}", seed=args.seed, sticky=False, drain_s=args.drain_s)
-        requests += [{**r, "fleet": f"miss-{kind}", "rate": rate} for r in rows]
-        runs.append({"fleet": f"no reuse, {LABELS[kind]}", "kind": kind,
-                     **fleetload.stats(rows, rate, args.duration_s)})
+        pooled = fleetload.stats(rows_of[kind], rate, args.duration_s)  # latencies over every run's turns
+        for key in ("completion_tokens_per_s", "prompt_tokens_per_s"):  # rates: the mean of the runs'
+            pooled[key] = statistics.mean(r[key] for r in per_run[kind])
+        runs.append({"fleet": f"no reuse, {LABELS[kind]}", "kind": kind, "runs": len(per_run[kind]), **pooled})
     on, off = runs
     for key in ("ttft_ms_p50", "ttft_ms_p90", "completion_tokens_per_s"):
         on[f"{key}_vs_off"] = on[key] / off[key] if off[key] else 0.0
     return runs
+
+
+def merged(path: Path, report: dict[str, Any]) -> dict[str, Any]:
+    """{"engines": [...]}: the reports `path` holds (one, or several merged before) with `report` in place of any
+    of its engine, ordered by engine; machine_before is the first report's (the page's machine line)."""
+    import json  # noqa: PLC0415
+
+    held: list[dict[str, Any]] = []
+    if path.exists():
+        old = json.loads(path.read_text())
+        held = old["engines"] if "engines" in old else [old]
+    reports = sorted([r for r in held if r.get("engine") != report["engine"]] + [report], key=lambda r: r["engine"])
+    return {"engines": reports, "machine_before": reports[0]["machine_before"]}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -245,9 +290,9 @@ def run(args: argparse.Namespace) -> int:
             runs += fleet_runs
             calibration = calibration or cal
         if ratios:
-            budget = _budget_pressure(args, redis_url, rates[0], ratios, requests)
+            budget = _budget_pressure(args, redis_url, args.budget_rate or rates[0], ratios, requests)
         if args.miss_overhead:
-            miss = _miss_overhead(args, redis_url, rates[0], requests)
+            miss = _miss_overhead(args, redis_url, args.miss_rate or rates[0], requests)
     finally:
         if redis is not None:
             redis.cleanup()
@@ -256,11 +301,11 @@ def run(args: argparse.Namespace) -> int:
     fleetreport.print_summary(knees, calibration, targets, budget, miss)
     threads = args.threads_per_pod or max(1, (before["nproc"] or 1) // args.pods)
     if args.json:
-        write_json(args.json, {"runs": runs, "knees": knees, "calibration": calibration, "targets": targets,
-                               "budget_pressure": budget, "miss_overhead": miss, "threads_per_pod": threads,
-                               "requests": requests, "machine_before": before, "machine_after": machine(),
-                               "args": {k: v for k, v in vars(args).items()
-                                        if k != "func" and not isinstance(v, Path)}})
+        report = {"engine": args.engine, "runs": runs, "knees": knees, "calibration": calibration,
+                  "targets": targets, "budget_pressure": budget, "miss_overhead": miss, "threads_per_pod": threads,
+                  "requests": requests, "machine_before": before, "machine_after": machine(),
+                  "args": {k: v for k, v in vars(args).items() if k != "func" and not isinstance(v, Path)}}
+        write_json(args.json, merged(args.json, report) if args.merge else report)
     if args.plot:
         series = {LABELS[k]: ([r["rate"] for r in runs if r["kind"] == k],
                               [r["ttft_ms_p90"] for r in runs if r["kind"] == k]) for k in fleets}

@@ -135,10 +135,24 @@ def send_turn(user: ChatUser, model: str, url: str, arrived_at: float, started: 
         return row
 
 
+def make_users(workload: Workload, tag: str) -> list[ChatUser]:
+    return [ChatUser(workload, tag, i) for i in range(workload.users)]
+
+
+def warm_up(users: Sequence[ChatUser], model: str, url: str, sticky: bool) -> list[dict[str, Any]]:
+    """Each user's first turn, all at once and not measured: the runs that follow see conversations under way, as a
+    fleet in service does, instead of every user's opening at once."""
+    start = time.monotonic()
+    with ThreadPoolExecutor(max_workers=max(1, len(users))) as pool:
+        return list(pool.map(lambda u: send_turn(u, model, url, 0.0, start, start + REQUEST_TIMEOUT_S, sticky,
+                                                 -1 - u.index), users))
+
+
 def drive(workload: Workload, url: str, model: str, rate: float, duration_s: float, *, tag: str, seed: int,
-          sticky: bool, drain_s: float) -> tuple[list[dict[str, Any]], float]:
-    """Send the run's turns at their arrival times; wait at most `drain_s` after the last arrival for replies."""
-    users = [ChatUser(workload, tag, i) for i in range(workload.users)]
+          sticky: bool, drain_s: float, users: list[ChatUser] | None = None) -> tuple[list[dict[str, Any]], float]:
+    """Send the run's turns at their arrival times; wait at most `drain_s` after the last arrival for replies.
+    `users`: conversations to go on with (default: new ones, tagged `tag`)."""
+    users = users if users is not None else make_users(workload, tag)
     times = arrivals(rate, duration_s, seed)
     started = time.monotonic()
     deadline = started + duration_s + drain_s

@@ -269,7 +269,7 @@ def _one_run(
 
     cache = kind == "kvstash"
     namespace = f"load-cache-p{parallel}" if cache else f"load-{kind}"
-    label = RUN_LABELS[kind] + (f", parallel {parallel}" if args.engine != "hf" else "")
+    label = RUN_LABELS[kind] + f", parallel {parallel}"
     with fleet_pods(args, redis_url, kind, namespace, parallel) as (pods, balancer):
         router = router_for(kind, pods, balancer)
         print(f"[{label}] {len(pods)} pods ready; {router.name}; {args.sessions} sessions x {args.turns} turns"
@@ -284,7 +284,7 @@ def _one_run(
         summary["restart"] = restart
         summary.update(loadstats.after_kill(rows, restart))
     summary["balancer"] = router.name
-    summary["engine"], summary["parallel"] = args.engine, parallel if args.engine != "hf" else 1
+    summary["engine"], summary["parallel"] = args.engine, parallel
     summary["evictions"] = metrics.get('kvstash_store_events{event="evictions"}', 0.0)
     summary["store_errors"] = metrics.get('kvstash_store_events{event="errors"}', 0.0)
     summary["writes_dropped"] = sum(v for k, v in metrics.items() if k.startswith("kvstash_writes_dropped"))
@@ -327,8 +327,6 @@ def run(args: argparse.Namespace) -> int:
         parallels = [int(p) for p in str(args.parallel).split(",") if p.strip()]
     except ValueError:
         raise SystemExit("--parallel takes a number or a comma-separated list of numbers") from None
-    if args.engine == "hf":
-        parallels = [1]  # transformers pods run one generation at a time
     before = machine()
     redis = RedisProcess(extra_args=("--maxmemory", f"{2 * args.budget_mb + 256}mb",
                                      "--maxmemory-policy", "allkeys-lru")).start()

@@ -173,7 +173,7 @@ class ResumeBench:
     async def burst(self, mode: str, prompts: list[list[int]]) -> list[dict[str, Any]]:
         """len(prompts) sessions that another pod processed arrive on this pod at the same moment: each one's
         TTFT counted from that moment, for recomputing them all and for kvstash's hits (queueing included:
-        an hf pod runs one forward at a time, a llama.cpp pod batches)."""
+        an hf pod prefills one prompt at a time and decodes them together, a llama.cpp pod batches both)."""
         from service.cacheview import CacheView  # noqa: PLC0415
         from service.engines import GenParams  # noqa: PLC0415
 

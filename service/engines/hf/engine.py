@@ -1,4 +1,5 @@
-"""The `hf` engine: a transformers causal LM (models) run by the runner, one generation at a time."""
+"""The `hf` engine: a transformers causal LM (models) run by the runner, concurrent generations decoded together
+(batch)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from cachestore.hashing import ModelFingerprint
 from service.engines.base import Engine, KvGeometry, PrefillHook
 from service.engines.gate import LayerGate
 from service.engines.generation import Generation, GenParams
+from service.engines.hf.batch import DecodeBatcher
 from service.engines.hf.models import LoadedModel, load_model
 from service.engines.hf.runner import ModelRunner
 
@@ -20,20 +22,22 @@ class HfEngine(Engine):
     dequantized into the pipeline's pooled context, which generation grows in (`context_for`'s default)."""
 
     kind = "hf"
-    parallel = 1  # one forward at a time: the model is not batched across requests
     layerwise = True  # a cached layer is waited for when the forward step reaches it (hfcache.GrowingLayer)
-    runs_torch = True  # the forward step runs on the calling thread
+    runs_torch = False  # the scheduler (batch.DecodeBatcher) runs the model on the process's compute thread
 
-    def __init__(self, loaded: LoadedModel) -> None:
+    def __init__(self, loaded: LoadedModel, parallel: int = 4) -> None:
         self.loaded = loaded
         self.runner = ModelRunner(loaded)
+        self.batcher = DecodeBatcher(self.runner, parallel)
+        # sequences decoded together (one when the model's attention cannot take a batch of rows)
+        self.parallel = parallel if self.batcher.batched else 1
         self.name = loaded.name
         self.geometry = KvGeometry(loaded.num_layers, loaded.kv_heads, loaded.head_dim, loaded.dtype,
                                    loaded.max_context)
 
     @classmethod
-    def load(cls, model: str, *, device: str = "cpu") -> HfEngine:
-        return cls(load_model(model, device=device))
+    def load(cls, model: str, *, device: str = "cpu", parallel: int = 4) -> HfEngine:
+        return cls(load_model(model, device=device), parallel)
 
     def fingerprint(self, block_tokens: int, codec_name: str) -> ModelFingerprint:
         # unchanged from before the seam, so blocks written by earlier hf pods still hit
@@ -62,5 +66,5 @@ class HfEngine(Engine):
     ) -> Generation:
         if boundary is not None:
             raise ValueError("the hf engine keeps full-attention layers only: it resumes at no boundary record")
-        return self.runner.generate(prompt_ids, cached_kv, params, on_text, on_prefill, kv_ready, keep_from)
+        return self.batcher.generate(prompt_ids, cached_kv, params, on_text, on_prefill, kv_ready, keep_from)
 

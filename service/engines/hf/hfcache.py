@@ -24,7 +24,8 @@ from service.engines.gate import LayerGate
 KV_DIMS = 5  # [layers, 2, kv_heads, tokens, head_dim]
 ATTENTION = "kvstash"  # the attention `route_attention` gives a model: sdpa, but over a hit's landed codes
 ATTEND_MAX_NEW = 4  # new tokens up to which the first step attends over the codes (more: dequantized to a scratch)
-_pending = threading.local()  # `layer`: (index, gate, keys) from GrowingLayer.update to the attention that follows
+_pending = threading.local()  # `layer`: (index, gate, keys) from GrowingLayer.update to the attention that follows;
+# `rows`: (keys, [(row keys, row values)]) from RowsCache.update to it
 
 
 def cache_arg(model: PreTrainedModel) -> str:
@@ -63,6 +64,11 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
                **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: sdpa, unless GrowingLayer.update just handed this very layer's context
     (`key`) over to be attended from its landed codes."""
+    rows = getattr(_pending, "rows", None)
+    if rows is not None and rows[0] is key:  # a batched step (RowsCache): each row over its own sequence's cache
+        _pending.rows = None
+        return torch.cat([sdpa_attention_forward(module, query[b:b + 1], k, v, None, dropout=dropout, scaling=scaling,
+                                                 **kwargs)[0] for b, (k, v) in enumerate(rows[1])]), None
     pending = getattr(_pending, "layer", None)
     if pending is not None and pending[2] is key:
         _pending.layer = None
@@ -277,3 +283,47 @@ def forward(
     if new_cache is None:
         new_cache = out.past_key_values
     return out.logits[0].float(), new_cache
+
+
+# -- a decoding step of several sequences at once (batch.py) ---------------------------------------------------
+class RowsCache:
+    """The cache of one batched decoding step: row b of the batch is sequence b, which grows in its own cache.
+
+    Embeddings, projections and MLP run on all rows as one matrix; the attention (`_attention`) attends each row's
+    query over its own sequence's keys and values, so a sequence sees exactly the context it would alone (no padding,
+    no mask), at its own position.
+    """
+
+    def __init__(self, caches: Sequence[Cache]) -> None:
+        self.caches = caches
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        # [rows, kv_heads, 1, head_dim]: each row appended to its own sequence's layer
+        rows = [cache.layers[layer_idx].update(key_states[b:b + 1], value_states[b:b + 1])
+                for b, cache in enumerate(self.caches)]
+        _pending.rows = (key_states, rows)  # for `_attention`, which comes next
+        return key_states, value_states
+
+
+def batches_rows(model: PreTrainedModel) -> bool:
+    """Whether `forward_rows` can run `model`: its attention is this module's (`route_attention`)."""
+    return model.config._attn_implementation == ATTENTION  # noqa: SLF001 - transformers' own name for it
+
+
+def forward_rows(model: PreTrainedModel, tokens: Sequence[int], caches: Sequence[Cache]) -> torch.Tensor:
+    """One token on top of each of `caches` (each grown in place), in one forward: float32 logits [rows, vocab].
+
+    Positions are each sequence's own length; the 4-D mask is only a placeholder that transformers passes through as
+    it is (each row attends to its whole cache, which a single new token may)."""
+    if not batches_rows(model):
+        raise ValueError("a batched step needs the model's attention routed through hfcache")
+    if len(tokens) != len(caches) or not tokens:
+        raise ValueError("one token per cache, at least one")
+    ids = torch.as_tensor(list(tokens), dtype=torch.long, device=model.device).reshape(-1, 1)
+    positions = torch.as_tensor([cache_length(c) for c in caches], dtype=torch.long, device=model.device)
+    mask = torch.ones((len(caches), 1, 1, 1), dtype=torch.bool, device=model.device)
+    kwargs = {cache_arg(model): RowsCache(caches)}
+    out = model(input_ids=ids, position_ids=positions.reshape(-1, 1), attention_mask=mask, use_cache=True,
+                logits_to_keep=1, **kwargs)
+    return out.logits[:, -1].float()

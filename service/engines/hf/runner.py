@@ -19,7 +19,7 @@ from service.engines.hf.models import LoadedModel
 from service.engines.sampling import Sampler
 from service.engines.tools import for_template
 
-__all__ = ["GenParams", "Generation", "ModelRunner"]
+__all__ = ["GenParams", "Generation", "Live", "ModelRunner"]
 
 def _copy_out(cache: object, start: int, end: int) -> torch.Tensor:
     """Tokens [start, end) of the cache as a normal (not inference-mode) CPU tensor."""
@@ -39,8 +39,26 @@ class _Decoded:
     sampler: Sampler
 
 
+@dataclass
+class Live:
+    """One generation decoded beside others (ModelRunner.begin): its sequence's own cache and its choice so far."""
+
+    prompt: list[int]
+    cache: Any
+    out: _Decoded
+    max_new: int
+    cached: int
+    started: float
+    keep_from: int
+    on_prefill: PrefillHook | None = None
+    fed: int = 0  # prompt tokens in the cache
+    ttft: float = 0.0
+    done: bool = False
+
+
 class ModelRunner:
-    """Runs one generation at a time on a loaded model (synchronous, not thread-safe)."""
+    """Runs generations on a loaded model, one at a time (`generate`) or decoded together (`begin`, `step`,
+    `take`, `finish`: batch.py); synchronous, not thread-safe."""
 
     def __init__(self, loaded: LoadedModel):
         self.loaded = loaded
@@ -122,27 +140,10 @@ class ModelRunner:
         it is read only once `kv_ready` (if given) says it is in place. The returned KV starts at token
         `keep_from` (the copy out of the cache is the step's largest after the forward: 94 MB at 2k tokens)."""
         started = time.perf_counter()
-        prompt = [int(i) for i in prompt_ids]
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        if max(prompt) >= self.vocab_size or min(prompt) < 0:
-            raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
-        if len(prompt) >= self.max_context:
-            raise ValueError(f"the prompt has {len(prompt)} tokens; the context is {self.max_context}")
-        max_new = min(params.max_tokens, self.max_context - len(prompt))
-        cached = 0
-        if cached_kv is not None:
-            self._check_kv(cached_kv, len(prompt))
-            # Stored KV carries no logits: the last prompt token is always re-fed.
-            cached = min(int(cached_kv.shape[3]), len(prompt) - 1)
+        prompt, max_new, cached = self._prepare(prompt_ids, cached_kv, params)
         ttft = 0.0
         with torch.inference_mode():
-            cache = None
-            if cached:
-                assert cached_kv is not None
-                cache = hfcache.cache_from_tensor(cached_kv[:, :, :, :cached], self.model, ready=kv_ready)
-            logits, cache = hfcache.forward(self.model, prompt[cached:], cache)
-            after_prompt = logits[-1]
+            after_prompt, cache = self._prefill(prompt, cached_kv, cached, kv_ready)
             decoded: dict[int, _Decoded] = {}
             # choice 0 last: the cache then holds its sequence, the one written back
             for choice in [*range(1, params.n), 0]:
@@ -161,6 +162,39 @@ class ModelRunner:
                 stream = TextStream(self.tokenizer, params.stop, on_text if choice == 0 else None)
                 decoded[choice], cache = self._decode(after_prompt, cache, prompt, params, choice, stream, max_new,
                                                       on_first)
+        return self._generation(prompt, cached, cache, decoded, ttft, started, keep_from)
+
+    def _prepare(self, prompt_ids: list[int], cached_kv: torch.Tensor | None,
+                 params: GenParams) -> tuple[list[int], int, int]:
+        """The prompt checked, the most tokens the reply may have, and how many prompt tokens `cached_kv` serves."""
+        prompt = [int(i) for i in prompt_ids]
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if max(prompt) >= self.vocab_size or min(prompt) < 0:
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
+        if len(prompt) >= self.max_context:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; the context is {self.max_context}")
+        max_new = min(params.max_tokens, self.max_context - len(prompt))
+        cached = 0
+        if cached_kv is not None:
+            self._check_kv(cached_kv, len(prompt))
+            # Stored KV carries no logits: the last prompt token is always re-fed.
+            cached = min(int(cached_kv.shape[3]), len(prompt) - 1)
+        return prompt, max_new, cached
+
+    def _prefill(self, prompt: list[int], cached_kv: torch.Tensor | None, cached: int,
+                 kv_ready: LayerGate | None) -> tuple[torch.Tensor, Any]:
+        """The logits [vocab] after the prompt and the cache holding it (in inference mode)."""
+        cache = None
+        if cached:
+            assert cached_kv is not None
+            cache = hfcache.cache_from_tensor(cached_kv[:, :, :, :cached], self.model, ready=kv_ready)
+        logits, cache = hfcache.forward(self.model, prompt[cached:], cache)
+        return logits[-1], cache
+
+    def _generation(self, prompt: list[int], cached: int, cache: Any, decoded: dict[int, _Decoded], ttft: float,
+                    started: float, keep_from: int) -> Generation:
+        """The Generation of `decoded` choices (0 is the main one, whose sequence `cache` holds)."""
         main = decoded[0]
         generated, stream = main.generated, main.stream
         seq_ids = prompt + generated[:-1]  # the last generated token was never fed
@@ -194,22 +228,93 @@ class ModelRunner:
         out = _Decoded(stream, [], "length", False, False, sampler)
         while True:
             token = sampler.next(logits)
-            out.generated.append(token)
-            if len(out.generated) == 1:
-                on_first()
-            if token in self.end_ids:
-                out.finish, out.ended_by_token = "stop", True
-                sampler.drop_last_logprob()
-                break
-            if stream.push(token):
-                out.finish, out.cut_by_stop = "stop", True
-                break
-            if sampler.done(token):  # the grammar is complete: the reply is the JSON asked for
-                out.finish = "stop"
-                break
-            if len(out.generated) >= max_new:
+            if self._accept(out, token, max_new, on_first):
                 break
             step, cache = hfcache.forward(self.model, [token], cache)
             logits = step[-1]
         stream.finish()
         return out, cache
+
+    def _accept(self, out: _Decoded, token: int, max_new: int, on_first: Callable[[], None] | None) -> bool:
+        """Append the sampled `token` to `out` (`on_first` after the first); True when it ends the choice."""
+        out.generated.append(token)
+        if len(out.generated) == 1 and on_first is not None:
+            on_first()
+        if token in self.end_ids:
+            out.finish, out.ended_by_token = "stop", True
+            out.sampler.drop_last_logprob()
+            return True
+        if out.stream.push(token):
+            out.finish, out.cut_by_stop = "stop", True
+            return True
+        if out.sampler.done(token):  # the grammar is complete: the reply is the JSON asked for
+            out.finish = "stop"
+            return True
+        return len(out.generated) >= max_new
+
+    # -- decoded beside others (batch.py): set up, its prompt fed a chunk at a time, then a token a step ------------
+    def begin(
+        self,
+        prompt_ids: list[int],
+        cached_kv: torch.Tensor | None,
+        params: GenParams,
+        on_text: Callable[[str], None] | None = None,
+        on_prefill: PrefillHook | None = None,
+        kv_ready: LayerGate | None = None,
+        keep_from: int = 0,
+    ) -> Live:
+        """A one-choice generation set up as `generate` does it (its cached prefix in its cache); `prefill` feeds its
+        prompt a chunk at a time until its first token is sampled, `step` and `take` decode the rest beside other
+        sequences, `finish` makes its Generation."""
+        if params.n != 1:
+            raise ValueError("a batched generation samples one choice")
+        started = time.perf_counter()
+        prompt, max_new, cached = self._prepare(prompt_ids, cached_kv, params)
+        cache = None
+        if cached:
+            assert cached_kv is not None
+            with torch.inference_mode():
+                cache = hfcache.cache_from_tensor(cached_kv[:, :, :, :cached], self.model, ready=kv_ready)
+        sampler = Sampler(params, prompt, choice=0, guide=self._guide(params), token_text=self.token_text,
+                          device=self.loaded.device)
+        return Live(prompt, cache, _Decoded(TextStream(self.tokenizer, params.stop, on_text), [], "length", False,
+                                            False, sampler), max_new, cached, started, keep_from, on_prefill,
+                    fed=cached)
+
+    def prefill(self, live: Live, tokens: int) -> bool:
+        """Feed up to `tokens` more of `live`'s prompt; True once it is all in and the first token taken."""
+        end = min(len(live.prompt), live.fed + max(1, tokens))
+        with torch.inference_mode():
+            logits, live.cache = hfcache.forward(self.model, live.prompt[live.fed:end], live.cache)
+        live.fed = end
+        if end < len(live.prompt):
+            return False
+
+        def on_first() -> None:
+            live.ttft = time.perf_counter() - live.started
+            if live.on_prefill is not None:  # after the first token: not in its TTFT
+                cache = live.cache
+                live.on_prefill(lambda start, stop: _copy_out(cache, start, stop))
+
+        self._take(live, logits[-1], on_first)
+        return True
+
+    def step(self, lives: Sequence[Live]) -> torch.Tensor:
+        """One forward step of every sequence in `lives` (none done) on its last token: logits [len(lives), vocab]."""
+        with torch.inference_mode():
+            return hfcache.forward_rows(self.model, [live.out.generated[-1] for live in lives],
+                                        [live.cache for live in lives])
+
+    def take(self, live: Live, logits: torch.Tensor) -> None:
+        """Sample `live`'s next token from its row of a step's logits [vocab]."""
+        self._take(live, logits, None)
+
+    def _take(self, live: Live, logits: torch.Tensor, on_first: Callable[[], None] | None) -> None:
+        live.done = self._accept(live.out, live.out.sampler.next(logits), live.max_new, on_first)
+        if live.done:
+            live.out.stream.finish()
+
+    def finish(self, live: Live) -> Generation:
+        """The Generation of a `live` that is done (its KV copied out of its cache on the calling thread)."""
+        return self._generation(live.prompt, live.cached, live.cache, {0: live.out}, live.ttft, live.started,
+                                live.keep_from)
