@@ -604,11 +604,11 @@ class Pipeline:
         self.metrics.tail_lookups.labels("used").inc()
         return take
 
-    def _decode(self, frame: bytes, tokens: int | None, block_index: int) -> torch.Tensor | None:
+    def _decode(self, frame: bytes, tokens: int, block_index: int) -> torch.Tensor | None:
+        """A partial block's frame (a tail's, a session's) of `tokens` tokens that starts block `block_index`."""
         expected = list(self._block_shape)
-        if tokens is not None:
-            expected[3] = tokens
-        codec = self.codecs.at(block_index)
+        expected[3] = tokens
+        codec = self.codecs.partial_at(block_index)
         problem = frame_problem(frame, codec.spec, expected, self.geometry.dtype)
         if problem is not None:
             return self._reject(problem)
