@@ -338,17 +338,19 @@ def codec_table() -> list[str]:
     windows = sorted({r["windows"] for r in rows})
     size, mid = d.get("size_tokens", 2048), d.get("size_tokens", 2048) + d.get("block_tokens", 64) // 2
     out = [_row(["codec (SmolLM2-135M)", f"x fp16 at {size:,} / {mid:,} tokens",
-                 "perplexity change, upper end of the 95% interval: " + " / ".join(
-                     f"{t} ({kinds[t]})" for t in texts)]), "|---|---:|---|"]
+                 *(f"{t} ({kinds[t]})" for t in texts)]), "|---|---:|" + "---:|" * len(texts)]
     for mode in dict.fromkeys(r["mode"] for r in rows):
         by = {r["text"]: r for r in rows if r["mode"] == mode}
         ratios = [r["ratio_vs_fp16_ctx"] for r in by.values()]
         mids = [r.get("ratio_vs_fp16_mid", r["ratio_vs_fp16_ctx"]) for r in by.values()]
         out.append(_row([f"`{mode}`", f"{_span(ratios)} / {_span(mids)}",
-                         " / ".join(f"{by[t]['ppl_delta_hi']:+.2f}%" if t in by else "" for t in texts)]))
-    out += ["", f"{' or '.join(map(str, windows))} windows a text, {d.get('prefix', 512)}-token prefix, next "
+                         *(f"{by[t]['ppl_delta_hi']:+.2f}%" if t in by else "" for t in texts)]))
+    counts = " or ".join(map(str, windows))
+    out += ["", *textwrap.wrap(f"Perplexity change at the upper end of its 95% interval over {counts} windows a text, "
+            f"{d.get('prefix', 512)}-token prefix, next "
             f"{d.get('continuation', 128)} tokens scored, the cache ending at "
-            f"{'every point of a block' if d.get('ends') == 'spread' else 'the prefix'}; {machine_line(d)}."]
+            f"{'every point of a block' if d.get('ends') == 'spread' else 'the prefix'}; {machine_line(d)}.", 110,
+                                 break_on_hyphens=False)]
     return out
 
 
