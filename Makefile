@@ -43,11 +43,11 @@ test-faults: setup
 		tests/test_hostile_api.py tests/test_hostile_slow.py tests/test_hostile_frames.py tests/test_codec_fuzz.py \
 		tests/test_security.py
 
-# ruff on the whole tree (config in pyproject.toml), mypy on the cache library; a few seconds once mypy's
-# cache is warm.
+# ruff on the whole tree (config in pyproject.toml), mypy on the cache library and the service (config in
+# pyproject.toml); a few seconds once mypy's cache is warm.
 lint: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy cachestore
+	$(VENV)/bin/mypy cachestore service
 
 demo: setup
 	$(VENV)/bin/kvstash demo

@@ -40,7 +40,8 @@ class KeyShape:
 
 KEY_SHAPES = (
     KeyShape("<ns>:blk:<model16>:<hash32hex>:{<ns>:sNN}", "STRING",
-             "one encoded KV block: a self-describing frame (`cachestore/frame.py`, magic `KVS1`, header, checksum)",
+             "one encoded KV block: a self-describing frame (`cachestore/codec/frame.py`, magic `KVS1`, header, "
+             "checksum)",
              "`block_ttl_s`, slid by every hit (GETEX)"),
     KeyShape("<ns>:tail:<model16>:<hash32hex>:{<ns>:sNN}", "STRING",
              "the tokens after the last full block of a sequence a pod computed (prompt + reply) and their KV "

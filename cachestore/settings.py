@@ -1,8 +1,11 @@
-"""StoreSettings: where the block store's Redis lives and the limits it keeps, built from a URL."""
+"""StoreSettings: where the block store's Redis lives and the limits it keeps, built from a URL; and the one
+process-wide setting of the library read from the environment (KVSTASH_NATIVE_KERNELS)."""
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
@@ -35,6 +38,19 @@ def mask_url(url: str) -> str:
     return scheme + sep + _QUERY_SECRET_RE.sub(r"\1***", netloc + slash + tail)
 
 
+NATIVE_KERNELS_ENV = "KVSTASH_NATIVE_KERNELS"
+
+
+def native_kernels(environ: Mapping[str, str] | None = None, *, strict: bool = True) -> bool:
+    """Whether KVSTASH_NATIVE_KERNELS asks for the native kernels (cachestore.codec.kernels): "1" (the default, when
+    unset or empty) or "0". Strictly, anything else is a ConfigError; otherwise anything but "0" means yes (a kernel
+    call reads it so on first use, where it must not raise)."""
+    value = (os.environ if environ is None else environ).get(NATIVE_KERNELS_ENV, "").strip() or "1"
+    if strict and value not in ("0", "1"):
+        raise ConfigError(f"{NATIVE_KERNELS_ENV} must be 0 (torch alone) or 1, got {value!r}")
+    return value != "0"
+
+
 def index_ttl_ms(block_ttl_ms: int) -> int:
     """Index keys outlive the blocks they account for: twice the block TTL (the one place this rule lives)."""
     return 2 * block_ttl_ms
@@ -57,7 +73,7 @@ class StoreSettings:
     index_shards: int = 16
     max_value_bytes: int = 8 << 20
     op_timeout_s: float = 0.5
-    write_timeout_s: float = 5.0  # background writes and admin calls (put_blocks, eviction, listing)
+    write_timeout_s: float = 5.0  # background writes and admin calls (store_blocks, eviction, listing)
     connect_timeout_s: float = 0.5
     max_connections: int = 32
     breaker_failures: int = 5

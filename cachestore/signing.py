@@ -8,7 +8,7 @@ With a frame key (`StoreSettings.frame_key`), every value the store writes ends 
                        -4     3  magic    b"KVM"
                        -1     1  version  1
 
-`body` is the value as it would be stored without a key (a frame of `cachestore.frame`, a tail or reply-ids record
+`body` is the value as it would be stored without a key (a frame of `cachestore.codec.frame`, a tail or reply-ids record
 of `cachestore.tails`), byte for byte, so the frame formats themselves do not change. A session record (a HASH) keeps
 the same trailer in its field `mac`, over its key name and its fields (`fields_message`).
 

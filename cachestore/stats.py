@@ -19,7 +19,7 @@ class StoreStats:
     local_hits: int = 0  # blocks served by the pod-local tier
     blocks_written: int = 0
     bytes_written: int = 0
-    dropped_writes: int = 0  # put_blocks/put_session calls dropped on an error or open breaker
+    dropped_writes: int = 0  # store_blocks/write_session/put_entries calls dropped on an error or open breaker
     evictions: int = 0
     evicted_bytes: int = 0
     tenant_evictions: int = 0  # of the evictions: entries a tenant over its quota evicted (its own)
@@ -51,6 +51,12 @@ class Counters:
     def add(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.values[name] += n
+
+    def add_all(self, **counts: int) -> None:
+        """Several counters at once (one lock)."""
+        with self._lock:
+            for name, n in counts.items():
+                self.values[name] += n
 
     def snapshot(self, breaker_state: str, breaker_opened: int) -> StoreStats:
         with self._lock:

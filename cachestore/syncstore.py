@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 from cachestore.budget import EvictionResult
 from cachestore.hashing import BlockHash
+from cachestore.outcome import Result
 from cachestore.sessions import SessionRecord
 from cachestore.settings import StoreSettings
 from cachestore.stats import StoreStats, Usage
@@ -53,22 +54,22 @@ class SyncBlockStore:
     def ping(self) -> bool:
         return self._run(self._store.ping())
 
-    def lookup(self, model: str, hashes: Sequence[BlockHash]) -> list[bytes]:
-        return self._run(self._store.lookup(model, hashes))
+    def fetch(self, model: str, hashes: Sequence[BlockHash]) -> Result[list[bytes]]:
+        return self._run(self._store.fetch(model, hashes))
 
-    def put_blocks(self, model: str, hashes: Sequence[BlockHash], frames: Sequence[bytes]) -> int:
-        return self._run(self._store.put_blocks(model, hashes, frames))
+    def store_blocks(self, model: str, hashes: Sequence[BlockHash], frames: Sequence[bytes]) -> Result[int]:
+        return self._run(self._store.store_blocks(model, hashes, frames))
 
-    def get_session(self, tenant: str, session_id: str) -> SessionRecord | None:
-        return self._run(self._store.get_session(tenant, session_id))
+    def read_session(self, tenant: str, session_id: str) -> Result[SessionRecord | None]:
+        return self._run(self._store.read_session(tenant, session_id))
 
-    def put_session(self, record: SessionRecord, expected_version: int | None) -> SessionRecord | None:
-        return self._run(self._store.put_session(record, expected_version))
+    def write_session(self, record: SessionRecord, expected_version: int | None) -> Result[SessionRecord | None]:
+        return self._run(self._store.write_session(record, expected_version))
 
     def delete_session(self, tenant: str, session_id: str) -> bool:
         return self._run(self._store.delete_session(tenant, session_id))
 
-    def fork_session(self, tenant: str, src_id: str, dst_id: str) -> SessionRecord | None:
+    def fork_session(self, tenant: str, src_id: str, dst_id: str) -> Result[SessionRecord | None]:
         return self._run(self._store.fork_session(tenant, src_id, dst_id))
 
     def list_sessions(self, tenant: str | None = None, limit: int = 10_000) -> list[tuple[str, str]]:

@@ -13,7 +13,7 @@ checked before anything is allocated, and a checksum covers the whole value.
          8     4  n_tokens         little-endian u32, at most MAX_TOKENS
         12     8  checksum         xxh3_64 of bytes 0..11, the token ids and the rest
         20  4*n   token ids        little-endian u32
-         .     .  rest             tail: the KV frame of those tokens (cachestore.frame); ids: nothing
+         .     .  rest             tail: the KV frame of those tokens (cachestore.codec.frame); ids: nothing
 """
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from cachestore.codec import verify_frame
+from cachestore.codec.frame import FrameHeader
 from cachestore.errors import CodecError, KvstashError, StoreError
-from cachestore.frame import FrameHeader
 from cachestore.hashing import BlockHash, ModelFingerprint, chain_hashes, root_hash
 from cachestore.inspect import read_session
 from cachestore.keys import KeySpace

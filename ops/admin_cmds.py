@@ -158,8 +158,8 @@ def cmd_purge(args: argparse.Namespace, settings: Any) -> int:
 
 def _chain(args: argparse.Namespace, tenant: str) -> transfer.Chain:
     """The chain root of `tenant` under the pods' model settings (loads the model for its fingerprint)."""
-    from cachestore.blockcodec import BlockCodecs  # noqa: PLC0415
     from cachestore.codec import Codec  # noqa: PLC0415
+    from cachestore.codec.blockcodec import BlockCodecs  # noqa: PLC0415
     from service.engines import load_engine  # noqa: PLC0415
     from service.settings import settings_from_env  # noqa: PLC0415
 
@@ -170,7 +170,7 @@ def _chain(args: argparse.Namespace, tenant: str) -> transfer.Chain:
                          flash_attn=pod.flash_attn)  # llama.cpp's V layout decides a pod's /rows
     try:
         # the name the pods put in their fingerprint: the block-codec policy (sink block included)
-        codecs = BlockCodecs.for_spec(Codec(pod.codec), rows=engine.row_frames)  # a llama.cpp pod's /rows too
+        codecs = BlockCodecs.for_spec(Codec(pod.codec), rows=engine.kv_layout.row_frames)  # a llama.cpp pod's /rows too
         fingerprint = engine.fingerprint(pod.block_tokens, codecs.name())
     finally:
         engine.close()

@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command in MODEL_COMMANDS:
-            from cachestore import kernels  # noqa: PLC0415
+            from cachestore.codec import kernels  # noqa: PLC0415
             from service import malloc, settings  # noqa: PLC0415
 
             malloc.tune(settings.malloc_arenas())  # before any thread allocates

@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     import httpx  # noqa: PLC0415
 
     from ops.chatclient import stream_chat  # noqa: PLC0415
-    from service.pipeline import common_prefix  # noqa: PLC0415
+    from service.partials import common_prefix  # noqa: PLC0415
 
     if not 1 <= args.turns <= len(QUESTIONS):
         print(f"kvstash demo: --turns must be between 1 and {len(QUESTIONS)}", file=sys.stderr)
@@ -188,11 +188,9 @@ def _token_counter(engine: str, model: str) -> Any:
     (words, for a GGUF file that has no transformers twin)."""
     if engine != "hf" and model != "smollm2":
         return str.split
-    from transformers import AutoTokenizer  # noqa: PLC0415
+    from service.engines.hf.models import load_tokenizer  # noqa: PLC0415
 
-    from service.models import resolve_model_dir  # noqa: PLC0415
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model), local_files_only=True)
+    tokenizer = load_tokenizer(model)
     return lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

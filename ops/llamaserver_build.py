@@ -20,7 +20,7 @@ from pathlib import Path
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_ROOT = ROOT / ".venv" / "llama-server"
-BINARY = BUILD_ROOT / "bin" / "llama-server"  # = service.engines.llamaserverproc.DEFAULT_BINARY
+BINARY = BUILD_ROOT / "bin" / "llama-server"  # = service.engines.llama.llamaserverproc.DEFAULT_BINARY
 STAMP = BUILD_ROOT / "version"
 
 CMAKE_FLAGS = (

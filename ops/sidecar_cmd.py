@@ -58,8 +58,8 @@ def start_engine(args: argparse.Namespace, codec: str = "", flash_attn: str = "a
     """The llama-server engine: spawned here (with the KV cache type a pod of `codec` stores: `kv_cache_type`, and
     `-fa flash_attn` unless auto or given after --), or in front of --upstream (probed either way)."""
     from cachestore.errors import ConfigError  # noqa: PLC0415
-    from service.engines import kv_cache_type  # noqa: PLC0415
-    from service.engines.llamaserver import LlamaServerEngine  # noqa: PLC0415
+    from service.engines.llama import kv_cache_type  # noqa: PLC0415
+    from service.engines.llama.llamaserver import LlamaServerEngine  # noqa: PLC0415
 
     model = args.model or "smollm2"
     extra = list(args.extra or [])

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from cachestore.blockcodec import BlockCodecs
+from cachestore.codec.blockcodec import BlockCodecs
 from cachestore.errors import KvstashError
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
@@ -31,7 +31,7 @@ from service.state import PodState
 from service.writer import BackgroundWriter
 
 if TYPE_CHECKING:
-    from service.models import LoadedModel
+    from service.engines.hf.models import LoadedModel
 
 log = logging.getLogger("kvstash.service")
 IO_THREADS = 8  # asyncio.to_thread's pool in a pod: encoding for write-back, tails, copies
@@ -114,7 +114,7 @@ class RouteMetrics(BaseHTTPMiddleware):
 def build_state(settings: PodSettings, engine: Engine) -> PodState:
     """Wire engine, store, codec, writer and pipeline (no I/O; the store connects lazily)."""
     state = PodState(settings=settings, metrics=PodMetrics(lambda: _store_stats(state)))
-    codec = BlockCodecs.for_spec(settings.codec, rows=engine.row_frames)  # the writer's and the pipeline's
+    codec = BlockCodecs.for_spec(settings.codec, rows=engine.kv_layout.row_frames)  # the writer's and the pipeline's
     state.engine = engine
     if settings.cache_enabled:
         metrics = state.metrics
@@ -127,10 +127,10 @@ def build_state(settings: PodSettings, engine: Engine) -> PodState:
 
 def _as_engine(model: Engine | LoadedModel) -> Engine:
     """Tests and benchmarks may hand over a transformers model loaded once: it runs as the hf engine."""
-    from service.models import LoadedModel  # noqa: PLC0415  (transformers: only when handed a model)
+    from service.engines.hf.models import LoadedModel  # noqa: PLC0415  (transformers: only when handed a model)
 
     if isinstance(model, LoadedModel):
-        from service.engines.hf import HfEngine  # noqa: PLC0415
+        from service.engines.hf.engine import HfEngine  # noqa: PLC0415
 
         return HfEngine(model)
     return model
@@ -172,7 +172,7 @@ def create_app(settings: PodSettings, engine: Engine | LoadedModel | None = None
             if own:
                 model.close()
 
-    routes = [
+    routes: list[BaseRoute] = [
         Route("/healthz", health.healthz, methods=["GET"]),
         Route("/readyz", health.readyz, methods=["GET"]),
         Route("/metrics", health.metrics, methods=["GET"]),
@@ -192,7 +192,7 @@ def create_app(settings: PodSettings, engine: Engine | LoadedModel | None = None
     app = Starlette(
         routes=routes,
         middleware=[Middleware(RouteMetrics)],
-        exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
+        exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,
     )
     return app

@@ -7,15 +7,13 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from cachestore.sessions import SessionRecord
-from service.engines import Generation
 from service.engines.generation import ParamError
 from service.errors import bad_request
 from service.params import IN_PROCESS, check_engine
-from service.pipeline import CacheView
 from service.requests import parse_completion, read_json
 from service.respond import check_context, check_model, pod, ready_pipeline, run_admitted
 from service.tenancy import resolve_tenant
+from service.turn import SessionTurn, Turn
 
 
 async def _completion(request: Request, chat: bool) -> Response:
@@ -43,29 +41,10 @@ async def _completion(request: Request, chat: bool) -> Response:
     else:
         prompt_ids = engine.text_ids(req.prompt or "")
     check_context(state, prompt_ids, req.params)
-    previous: SessionRecord | None = None
-
-    async def lookup() -> CacheView:
-        nonlocal previous
-        key = (tenant.name, req.session_id) if req.session_id else None
-        view, previous = await pipeline.lookup(tenant.salt, prompt_ids, session_key=key, tenant=tenant.name)
-        return view
-
-    async def after(gen: Generation, view: CacheView, reply: dict[str, Any] | None) -> str | None:
-        record = None
-        if req.session_id is not None and req.messages is not None and reply is not None:
-            messages = [*req.messages, reply]  # with its tool calls, as the client got them
-            record = pipeline.session_record(tenant.name, req.session_id, messages, gen, previous)
-        # the next turn may be sent the moment this reply ends, to any pod: its blocks go first
-        await pipeline.settle(pipeline.write_back(tenant.salt, gen, view, record,
-                                                  previous.version if previous else None), view)
-        return None
-
-    return await run_admitted(
-        state, chat=chat, model=req.model, prompt_ids=prompt_ids, params=req.params, stream=req.stream,
-        include_usage=req.include_usage, lookup=lookup, after=after, token_ids=req.return_token_ids,
-        tools=req.tools,
-    )
+    session = SessionTurn(req.session_id, req.messages) if req.session_id is not None else None
+    return await run_admitted(state, Turn(
+        chat=chat, model=req.model, tenant=tenant, prompt_ids=prompt_ids, params=req.params, stream=req.stream,
+        include_usage=req.include_usage, session=session, token_ids=req.return_token_ids, tools=req.tools))
 
 
 def _calls(messages: list[dict[str, Any]]) -> bool:

@@ -60,7 +60,7 @@ class ContextPool(IdlePool[torch.Tensor]):
 
 
 class LandingPool(IdlePool[torch.Tensor]):
-    """Idle 1-D uint8 buffers a lookup's frames are received into (`cachestore.landing`); `take(n)` holds n bytes,
+    """Idle 1-D uint8 buffers a lookup's frames are received into (`cachestore.wire`); `take(n)` holds n bytes,
     rounded up so that buffers fit later, longer lookups."""
 
     def __init__(self, max_idle: int = 2) -> None:

@@ -48,6 +48,18 @@ def overloaded(message: str, retry_after_s: int = 1) -> ApiError:
                     headers={"Retry-After": str(retry_after_s)})
 
 
+def redis_unavailable() -> ApiError:
+    """Session storage (Redis) failed, timed out or is paused: the client retries."""
+    return ApiError(503, "session storage (Redis) is unavailable; retry shortly", type_="server_error",
+                    code="redis_unavailable", headers={"Retry-After": "2"})
+
+
+def session_conflict(session_id: str) -> ApiError:
+    """A server-side session's compare-and-set lost: another request changed it while this reply was generated."""
+    return ApiError(409, f"session {session_id!r} was changed by another request while this reply was generated; "
+                    "the reply was not recorded, read the session and retry", code="session_conflict")
+
+
 def error_body(status: int, message: str, type_: str, code: str | None, param: str | None) -> dict[str, object]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code or str(status)}}
 

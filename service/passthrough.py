@@ -4,7 +4,7 @@ A completion (`/v1/chat/completions`, `/v1/completions`, `/completion` and their
 by llama-server itself (`/apply-template`, `/tokenize`), looked up in the cache, restored into a slot, and sent to
 llama-server with its body unchanged but for `id_slot` (that slot) and `cache_prompt` (true). The reply comes back
 as llama-server wrote it, streamed event by event when asked, with the X-KV-* headers added; the events that end it
-are held until the slot's KV is saved and written back (`Pipeline.settle`), so the next turn hits on any pod. Every
+are held until the slot's KV is saved and written back (`WriteBack.finish`), so the next turn hits on any pod. Every
 other route is forwarded as it is. llama-server's statuses and error bodies reach the client unchanged; a
 llama-server that does not answer is a 503 with a JSON body.
 """
@@ -23,11 +23,14 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from service.admission import Admission
+from service.cacheview import CacheView
 from service.engines import Generation
-from service.engines import llamaserverinput as inputs
-from service.engines.llamaserver import LlamaServerEngine, SlotLease
+from service.engines.llama import llamaserverinput as inputs
+from service.engines.llama.llamaserver import LlamaServerEngine
+from service.engines.llama.slots import SlotLease
 from service.errors import ApiError
-from service.pipeline import CacheView, Pipeline
+from service.pipeline import Pipeline
 from service.requests import _read_body, read_json
 from service.respond import cache_headers, pod, ready_pipeline
 from service.tenancy import resolve_tenant
@@ -134,16 +137,17 @@ class Passthrough:
             return prompt  # llama-server refused the body: its status and message
         if not prompt or len(prompt) >= self.engine.geometry.max_context:
             return await self._bypass(route, body, headers, "length")
-        pipeline.admit()
+        admission = state.admission
+        admission.admit()
         try:
             view, _ = await pipeline.lookup(inputs.salt(tenant.salt, how.identity), prompt, tenant=tenant.name)
             lease: SlotLease = await pipeline.in_engine(view, self.engine.lease, prompt, view.kv, view.ready,
                                                         how.slots)
         except BaseException:
-            pipeline.release()
+            admission.release()
             raise
         sent = {**body, "id_slot": lease.slot, "cache_prompt": self.engine.reuse_slots}
-        call = _Call(self, pipeline, view, lease, inputs.salt(tenant.salt, how.identity))
+        call = _Call(self, pipeline, admission, view, lease, inputs.salt(tenant.salt, how.identity))
         upstream_request = self.client.build_request("POST", route, content=json.dumps(sent).encode(),
                                                      headers={**headers, "content-type": "application/json"})
         try:
@@ -204,8 +208,10 @@ def _timings(data: bytes) -> dict[str, Any] | None:
 class _Call:
     """One cached completion in flight: its slots, and the write-back once llama-server has replied."""
 
-    def __init__(self, side: Passthrough, pipeline: Pipeline, view: CacheView, lease: SlotLease, salt: bytes) -> None:
-        self.side, self.pipeline, self.view, self.lease, self.salt = side, pipeline, view, lease, salt
+    def __init__(self, side: Passthrough, pipeline: Pipeline, admission: Admission, view: CacheView, lease: SlotLease,
+                 salt: bytes) -> None:
+        self.side, self.pipeline, self.admission, self.view, self.lease, self.salt = (side, pipeline, admission, view,
+                                                                                      lease, salt)
         self.settled = False
 
     def fail(self) -> None:
@@ -214,7 +220,7 @@ class _Call:
         if not self.settled:
             self.settled = True
             self.side.engine.abandon(self.lease)
-            self.pipeline.release()
+            self.admission.release()
 
     async def done(self, timings: dict[str, Any] | None) -> None:
         """Check the reuse, save the slot and write its KV back (bounded by the write budget), then release."""
@@ -236,10 +242,9 @@ class _Call:
             gen = Generation(text="", token_ids=saved.tokens[len(prompt):], finish_reason="stop",
                              prompt_tokens=len(prompt), cached_tokens=reused, ttft_s=0.0, total_s=0.0,
                              seq_ids=saved.tokens, kv=saved.kv, reply_ids=None, kv_from=saved.kv_from)
-            job = self.pipeline.write_back(self.salt, gen, self.view, prompt_tokens=len(prompt))
-            await self.pipeline.settle(job, self.view)
+            await self.pipeline.writes.finish(self.salt, gen, self.view, prompt_tokens=len(prompt))
         finally:
-            self.pipeline.release()
+            self.admission.release()
 
     async def relay(self, upstream: httpx.Response) -> AsyncIterator[bytes]:
         """llama-server's events as they come; from the first that ends a choice on, held until the write-back."""

@@ -3,11 +3,11 @@
 Two ways, by engine:
 
 - An engine that runs layer by layer (transformers) gets its frames received into one buffer, the lookup's
-  landing (`cachestore.landing`), and the lookup's reader only verifies each chunk (`Rehydration.take`: header,
+  landing (`cachestore.wire`), and the lookup's reader only verifies each chunk (`Rehydration.take`: header,
   shape, checksum) between reads. When the last chunk is verified the hit is known, and the frames are handed to
   the `LayerGate` as runs (`FrameRun`): the forward step dequantizes one layer of every block in one call just
   before that layer's attention, which then reads the layer while it is still in the caches. The first step's
-  attention reads each layer's runs in their codes where a kernel can (`LayerGate.attend`, `cachestore.attend`;
+  attention reads each layer's runs in their codes where a kernel can (`LayerGate.attend`, `cachestore.codec.attend`;
   up to a few new tokens), else has them dequantized into a one-layer scratch (`LayerGate.fill`); the context is
   written only at the second step: writing a context larger than the caches cost more than the floor's whole read
   of it. A frame that did not land (compressed, or of another length) is
@@ -34,120 +34,17 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from concurrent.futures import Executor
-from typing import TypeVar
 
 import torch
 
-from cachestore import attend as in_codes
 from cachestore.codec import FrameRun, OpenFrame
+from cachestore.codec import attend as in_codes
 from cachestore.errors import CodecError
-from cachestore.landing import Target
+from cachestore.wire import Target
+from service.engines.gate import LayerGate
 
-T = TypeVar("T")
-GATE_TIMEOUT_S = 60.0  # dequantization is CPU work that always ends; this only turns a bug into an error
 LAYER_STEPS = 1  # groups the handed-over layers are dequantized in (more: each starts earlier, costs more calls)
 RUN_FRAMES = 4  # landed frames dequantized in one call by an engine that takes its state whole (a chunk is 8)
-
-
-class LayerGate:
-    """How many leading layers of a context are in place; consumers block until theirs is."""
-
-    def __init__(self, layers: int) -> None:
-        self.layers = layers
-        self._ready = 0
-        self._error: BaseException | None = None
-        self._work: Callable[[int], int] | None = None
-        self._fill: Callable[[int, torch.Tensor], bool] | None = None
-        self._attend: Callable[..., torch.Tensor | None] | None = None
-        self.fills_until = 0  # with `fill`: the context may lack tokens below this until each layer is waited for
-        self._cond = threading.Condition()
-
-    def release(self, layers_done: int) -> None:
-        with self._cond:
-            self._ready = max(self._ready, min(layers_done, self.layers))
-            self._cond.notify_all()
-
-    def fail(self, exc: BaseException) -> None:
-        with self._cond:
-            self._error = exc
-            self._cond.notify_all()
-
-    def hand_over(self, work: Callable[[int], int], fill: Callable[[int, torch.Tensor], bool] | None = None,
-                  until: int = 0, attend: Callable[..., torch.Tensor | None] | None = None) -> None:
-        """The producer stops here: `work(first)` puts the layer group starting at `first` in place and returns
-        where the group ends; whoever waits for a layer not in place yet runs it, on its own thread. `fill(layer,
-        dest)`, where given, puts one layer's cached tokens in `dest` instead of the context (False: it cannot);
-        `work` writes no token from `until` on (the rest of the context is in place already). `attend(layer, query,
-        keys, values, mask, scaling)`, where given, is `cachestore.attend.attention` over the layer's landed
-        codes, the context's `keys` and `values` read only outside them."""
-        with self._cond:
-            self._work, self._fill, self._attend = work, fill, attend
-            self.fills_until = until if fill is not None else 0
-            self._cond.notify_all()
-
-    def fill(self, layer: int, dest: torch.Tensor) -> bool:
-        """Put layer `layer`'s cached tokens in `dest` [2, kv_heads, tokens, head_dim] and leave the context's own
-        layer as it is (a later `wait` still puts it in place). False when the layer is in place already, or the
-        handed-over work cannot fill: then the caller reads the context after `wait`. Raises if the rehydration
-        failed."""
-        if self._ready > layer:
-            return False
-        with self._cond:
-            if not self._handed(layer) or self._fill is None:
-                return False
-            return self._call(self._fill, layer, dest)
-
-    def attending(self, layer: int) -> bool:
-        """Whether `attend` can serve layer `layer`'s attention from the landed codes (the layer is not in place,
-        and the handed-over work attends); raises if the rehydration failed."""
-        if self._ready > layer:
-            return False
-        with self._cond:
-            return self._handed(layer) and self._attend is not None
-
-    def attend(self, layer: int, *args: object) -> torch.Tensor | None:
-        """Layer `layer`'s attention over its landed codes (`hand_over`'s `attend`), the context left as it is;
-        None where it cannot (then `wait`, and attend over the context). Raises if the rehydration failed."""
-        if self._ready > layer:
-            return None
-        with self._cond:
-            if not self._handed(layer) or self._attend is None:
-                return None
-            return self._call(self._attend, layer, *args)
-
-    def wait(self, layer: int) -> None:
-        """Return once layer `layer` is in place (doing the handed-over work up to it, if any); raises if the
-        rehydration failed."""
-        if self._ready > layer:
-            return
-        with self._cond:  # one consumer at a time runs handed-over work
-            while self._handed(layer):
-                assert self._work is not None  # as _handed found it
-                self._ready = self._call(self._work, self._ready)
-
-    def _handed(self, layer: int) -> bool:
-        """(The lock held.) Block until layer `layer` is in place (False) or work is handed over to put it there
-        (True); raises if the rehydration failed, or after GATE_TIMEOUT_S of neither."""
-        while True:
-            if self._error is not None:
-                raise RuntimeError("the cached context could not be rehydrated") from self._error
-            if self._ready > layer:
-                return False
-            if self._work is not None:
-                return True
-            if not self._cond.wait(GATE_TIMEOUT_S):
-                raise RuntimeError(f"layer {layer} of the cached context was not ready in {GATE_TIMEOUT_S} s")
-
-    def _call(self, fn: Callable[..., T], *args: object) -> T:
-        """(The lock held.) Handed-over work, on the caller's thread; its failure fails every later waiter too."""
-        try:
-            return fn(*args)
-        except Exception as exc:
-            self._error = exc
-            raise RuntimeError("the cached context could not be rehydrated") from exc
-
-    def wait_all(self) -> None:
-        self.wait(self.layers - 1)
 
 
 class Rehydration:
@@ -288,7 +185,7 @@ class Rehydration:
         returns the next layer. `fill(layer, dest)`: the same layer's cached tokens into `dest` [2, kv_heads,
         tokens, head_dim] (the runs from the landing, every other token copied from the context), not the context.
         The token where what they write ends (the gate's `fills_until`). And where a kernel reads every run's kind
-        (`cachestore.attend.supports`), `attend(layer, query, keys, values, mask, scaling)`: that layer's attention
+        (`in_codes.supports`), `attend(layer, query, keys, values, mask, scaling)`: that layer's attention
         over the runs' codes and the context's other tokens, which writes nothing but the whole frames."""
         layers, b = self.gate.layers, self.block_tokens
         _, _, heads, _, dim = self.out.shape

@@ -1,7 +1,8 @@
 """One admitted generation, start to finish: admission, cache lookup, generation, the reply (JSON or SSE), write-back.
 
-Every completion route (chat, text, server-side sessions) parses its request, then hands this module a
-prompt, a lookup and an `after` step; the story from route to engine to store reads in one place.
+Every completion route (chat, text, server-side sessions) parses its request, then hands this module a `Turn`
+(service.turn): the story from route to engine to store reads in one place, and what the write-back did comes back
+as an outcome that this module turns into the client's status.
 """
 
 from __future__ import annotations
@@ -11,32 +12,27 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from cachestore.outcome import Outcome
+from cachestore.sessions import SessionRecord
+from service.cacheview import CacheView
 from service.engines import Generation, GenParams
 from service.engines.generation import Choice, ParamError, TokenLogprob
 from service.engines.tools import parse_calls
-from service.errors import ApiError, bad_request, error_body
+from service.errors import ApiError, bad_request, error_body, redis_unavailable, session_conflict
 from service.params import ToolSpec
-from service.pipeline import CacheView, Pipeline
+from service.pipeline import Pipeline
 from service.state import PodState
-
-# Called once generation is done with the generation and, for a chat, the assistant message as the reply gives it
-# (its `tool_calls` and their ids included); returns an error message (409) or an ApiError when the reply could not
-# be recorded.
-AfterGeneration = Callable[[Generation, CacheView, "dict[str, Any] | None"], Awaitable[str | ApiError | None]]
+from service.turn import Turn
 
 
 class StreamClosed(Exception):
     """Raised from the token callback once the client has gone: it stops the generation."""
-
-
-def _as_api_error(problem: str | ApiError) -> ApiError:
-    return problem if isinstance(problem, ApiError) else ApiError(409, problem, code="session_conflict")
 
 
 def pod(request: Request) -> PodState:
@@ -133,65 +129,73 @@ def choices(gen: Generation, chat: bool, tools: ToolSpec | None) -> list[dict[st
 
 
 class Responder:
-    """Runs one admitted generation and shapes it as a JSON reply or an SSE stream."""
+    """Runs one admitted turn and shapes it as a JSON reply or an SSE stream."""
 
-    def __init__(self, state: PodState, chat: bool, model: str, view: CacheView, token_ids: bool = False,
-                 tools: ToolSpec | None = None) -> None:
+    def __init__(self, state: PodState, turn: Turn, view: CacheView, previous: SessionRecord | None) -> None:
         self.state = state
-        self.tools = tools
-        self.token_ids = token_ids  # vLLM's `return_token_ids`: the prompt's and the reply's ids in the body
-        self.chat = chat
-        self.model = model
+        self.turn = turn
+        self.chat = turn.chat
         self.view = view
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.previous = previous  # the session's record before this turn (read by the route or the lookup)
+        self.id = ("chatcmpl-" if turn.chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
-        self.object = "chat.completion" if chat else "text_completion"
+        self.object = "chat.completion" if turn.chat else "text_completion"
 
     def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         obj = self.object + (".chunk" if chunk and self.chat else "")
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.turn.model, "choices": choices}
 
-    async def reply(self, prompt_ids: list[int], params: GenParams, after: AfterGeneration) -> Response:
+    async def _write_back(self, gen: Generation, reply: dict[str, Any] | None) -> ApiError | None:
+        """Write back once generation is done (`reply`: for a chat, the assistant message as the reply gives it);
+        the next turn may be sent the moment this reply ends, to any pod: its blocks go first. An error when the
+        turn's session had to record the reply and could not."""
         pipeline = ready_pipeline(self.state)
+        turn, session = self.turn, self.turn.session
+        write = (session.write(pipeline.writes, turn.tenant.name, gen, reply, self.previous, pipeline.engine.decode)
+                 if session is not None else None)
+        outcome = await pipeline.writes.finish(turn.tenant.salt, gen, self.view, write)
+        if write is None or not write.strict or outcome is Outcome.STORED:
+            return None
+        assert session is not None
+        return session_conflict(session.session_id) if outcome is Outcome.CONFLICT else redis_unavailable()
+
+    async def reply(self) -> Response:
+        pipeline = ready_pipeline(self.state)
+        turn = self.turn
         try:
-            gen = await pipeline.generate(prompt_ids, self.view, params)
+            gen = await pipeline.generate(turn.prompt_ids, self.view, turn.params)
         except ParamError as exc:  # a parameter the engine cannot honour as given
             raise bad_request(str(exc), param=exc.param) from None
         except ValueError as exc:  # the runner refuses an input the parsers let through: the client's, not ours
             raise bad_request(str(exc), code="invalid_prompt") from None
-        shaped = choices(gen, self.chat, self.tools)
-        problem = await after(gen, self.view, shaped[0]["message"] if self.chat else None)
+        shaped = choices(gen, self.chat, turn.tools)
+        problem = await self._write_back(gen, shaped[0]["message"] if self.chat else None)
         if problem is not None:
-            raise _as_api_error(problem)
+            raise problem
         self._with_ids(shaped[0], gen)
         body = self._envelope(shaped, chunk=False)
         body["usage"] = usage(gen)
-        if self.token_ids:
-            body["prompt_token_ids"] = prompt_ids
+        if turn.token_ids:
+            body["prompt_token_ids"] = turn.prompt_ids
         return JSONResponse(body, headers=cache_headers(self.view))
 
     def _with_ids(self, choice: dict[str, Any], gen: Generation) -> dict[str, Any]:
-        if self.token_ids:
+        if self.turn.token_ids:
             choice["token_ids"] = gen.token_ids
         return choice
 
-    def stream(
-        self, prompt_ids: list[int], params: GenParams, include_usage: bool, after: AfterGeneration,
-        release: Callable[[], None],
-    ) -> Response:
+    def stream(self, release: Callable[[], None]) -> Response:
         return StreamingResponse(
-            self._events(prompt_ids, params, include_usage, after, release),
+            self._events(release),
             media_type="text/event-stream",
             headers={**cache_headers(self.view), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    async def _events(
-        self, prompt_ids: list[int], params: GenParams, include_usage: bool, after: AfterGeneration,
-        release: Callable[[], None],
-    ) -> AsyncIterator[str]:
+    async def _events(self, release: Callable[[], None]) -> AsyncIterator[str]:
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[str | None] = asyncio.Queue()
         pipeline = ready_pipeline(self.state)
+        turn = self.turn
         closed = threading.Event()
 
         def on_text(delta: str) -> None:  # runs on the inference thread
@@ -205,7 +209,7 @@ class Responder:
                 task.exception()  # retrieved here, so an abandoned stream logs no "never retrieved" warning
 
         try:
-            task = asyncio.ensure_future(pipeline.generate(prompt_ids, self.view, params, on_text))
+            task = asyncio.ensure_future(pipeline.generate(turn.prompt_ids, self.view, turn.params, on_text))
             task.add_done_callback(finished)
             yield self._sse(self._envelope([_choice(self.chat, "", None, delta=True, first=True)], chunk=True))
             while (delta := await deltas.get()) is not None:
@@ -222,16 +226,15 @@ class Responder:
                 yield "data: [DONE]\n\n"
                 return
             # a stream carries no tool calls (refused with one): its message is the text
-            problem = await after(gen, self.view, {"role": "assistant", "content": gen.text} if self.chat else None)
-            if problem is not None:
-                err = _as_api_error(problem)
+            err = await self._write_back(gen, {"role": "assistant", "content": gen.text} if self.chat else None)
+            if err is not None:
                 yield self._sse(error_body(err.status, err.message, err.type, err.code, err.param))
             last = self._envelope([self._with_ids(_choice(self.chat, "", gen.finish_reason, delta=True), gen)],
                                   chunk=True)
-            if self.token_ids:
-                last["prompt_token_ids"] = prompt_ids
+            if turn.token_ids:
+                last["prompt_token_ids"] = turn.prompt_ids
             yield self._sse(last)
-            if include_usage:
+            if turn.include_usage:
                 final = self._envelope([], chunk=True)
                 final["usage"] = usage(gen)
                 yield self._sse(final)
@@ -245,40 +248,33 @@ class Responder:
         return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-async def run_admitted(
-    state: PodState,
-    *,
-    chat: bool,
-    model: str,
-    prompt_ids: list[int],
-    params: GenParams,
-    stream: bool,
-    include_usage: bool,
-    lookup: Callable[[], Awaitable[CacheView]],
-    after: AfterGeneration,
-    token_ids: bool = False,
-    tools: ToolSpec | None = None,
-) -> Response:
-    """Admission, lookup and generation for every completion route (sessions included)."""
+async def run_admitted(state: PodState, turn: Turn) -> Response:
+    """Admission, lookup, generation, reply and write-back of one turn, for every completion route (sessions
+    included)."""
     pipeline = ready_pipeline(state)
-    pipeline.admit()
+    admission = state.admission
+    admission.admit()
     released = False
 
     def release() -> None:
         nonlocal released
         if not released:
             released = True
-            pipeline.release()
+            admission.release()
 
     handed_over = False  # a stream releases its admission when it ends
     try:
-        view = await lookup()
-        responder = Responder(state, chat, model, view, token_ids, tools)
-        if stream:
-            response = responder.stream(prompt_ids, params, include_usage, after, release)
+        session = turn.session
+        view, previous = await pipeline.lookup(
+            turn.tenant.salt, turn.prompt_ids, session=session.record if session is not None else None,
+            session_key=session.lookup_key(turn.tenant.name) if session is not None else None,
+            tenant=turn.tenant.name)
+        responder = Responder(state, turn, view, previous)
+        if turn.stream:
+            response = responder.stream(release)
             handed_over = True
             return response
-        return await responder.reply(prompt_ids, params, after)
+        return await responder.reply()
     finally:
         if not handed_over:
             release()

@@ -9,12 +9,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from cachestore.outcome import Outcome
 from cachestore.sessions import SessionRecord
 from cachestore.store import BlockStore
-from service.engines import Generation
 from service.engines.generation import ParamError
-from service.errors import ApiError, bad_request, not_found
+from service.errors import ApiError, bad_request, not_found, redis_unavailable
 from service.params import (
     IN_PROCESS,
     SESSION_TURN,
@@ -25,7 +23,6 @@ from service.params import (
     parse_tools,
     with_tools,
 )
-from service.pipeline import CacheView
 from service.requests import (
     check_session_id,
     parse_flag,
@@ -38,6 +35,7 @@ from service.requests import (
 from service.respond import check_context, pod, ready_pipeline, run_admitted
 from service.state import PodState
 from service.tenancy import Tenant, resolve_tenant
+from service.turn import SessionTurn, Turn
 
 
 def _store(state: PodState) -> BlockStore:
@@ -46,11 +44,6 @@ def _store(state: PodState) -> BlockStore:
         raise ApiError(501, "server-side sessions need the cache; this pod runs with --no-cache",
                        type_="server_error", code="sessions_disabled")
     return pipeline.store
-
-
-def _unavailable() -> ApiError:
-    return ApiError(503, "session storage (Redis) is unavailable; retry shortly", type_="server_error",
-                    code="redis_unavailable", headers={"Retry-After": "2"})
 
 
 MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")  # what a session shows of a message
@@ -73,7 +66,7 @@ def session_json(record: SessionRecord) -> dict[str, Any]:
 async def _load(state: PodState, tenant: Tenant, session_id: str) -> SessionRecord:
     read = await _store(state).read_session(tenant.name, session_id)
     if read.unavailable:  # Redis failed: not a "not found"
-        raise _unavailable()
+        raise redis_unavailable()
     if read.value is None:
         raise not_found(f"session {session_id!r} not found")
     return read.value
@@ -102,12 +95,12 @@ async def create_session(request: Request) -> Response:
     pipeline = ready_pipeline(state)
     record = SessionRecord(tenant=tenant.name, session_id=session_id, model=pipeline.model_key, token_ids=[],
                            messages=messages, created_at=now, updated_at=now)
-    stored = await store.put_session(record, None)
-    if stored is None:
-        if store.breaker_state == "open" or not await store.ping():
-            raise _unavailable()
+    stored = await store.write_session(record, None)
+    if stored.unavailable:
+        raise redis_unavailable()
+    if stored.value is None:
         raise ApiError(409, f"session {session_id!r} already exists", code="session_exists")
-    return JSONResponse(session_json(stored), status_code=201)
+    return JSONResponse(session_json(stored.value), status_code=201)
 
 
 async def get_session(request: Request) -> Response:
@@ -142,9 +135,11 @@ async def fork_session(request: Request) -> Response:
     child_id = _new_session_id(body)
     await _load(state, tenant, parent_id)
     child = await _store(state).fork_session(tenant.name, parent_id, child_id)
-    if child is None:
+    if child.unavailable:
+        raise redis_unavailable()
+    if child.value is None:
         raise ApiError(409, f"session {child_id!r} already exists", code="session_exists")
-    return JSONResponse(session_json(child), status_code=201)
+    return JSONResponse(session_json(child.value), status_code=201)
 
 
 def _own_reply_ids(pipeline: Any, messages: list[dict[str, Any]]) -> dict[int, list[int]]:
@@ -214,29 +209,7 @@ async def add_messages(request: Request) -> Response:
     except ParamError as exc:
         raise bad_request(str(exc), param=exc.param) from None
     check_context(state, prompt_ids, params)
-
-    async def lookup() -> CacheView:
-        view, _ = await pipeline.lookup(tenant.salt, prompt_ids, session=record, tenant=tenant.name)
-        return view
-
-    async def after(gen: Generation, view: CacheView, message: dict[str, Any] | None) -> str | ApiError | None:
-        reply: dict[str, Any] = dict(message or {"role": "assistant", "content": gen.text})
-        if not reply.get("tool_calls") and gen.reply_ids and engine.decode(gen.reply_ids) == gen.text:
-            reply["token_ids"] = gen.reply_ids
-        kept = [*record.messages, *new]  # the history with its recorded ids, then the new turn
-        updated = pipeline.session_record(tenant.name, session_id, [*kept, reply], gen, record)
-        assert pipeline.writer is not None
-        full = (len(gen.seq_ids) // pipeline.block_tokens) * pipeline.block_tokens
-        written = await pipeline.writer.write_session(updated, gen.kv, full, record.version, gen.kv_from)
-        if written.outcome is Outcome.CONFLICT:
-            return (f"session {session_id!r} was changed by another request while this reply was generated; "
-                    "the reply was not recorded, read the session and retry")
-        if written.outcome is not Outcome.STORED:  # a timeout, a paused or dead Redis: retry
-            return _unavailable()
-        await pipeline.settle(pipeline.write_back(tenant.salt, gen, view), view)
-        return None
-
-    return await run_admitted(
-        state, chat=True, model=engine.name, prompt_ids=prompt_ids, params=params, stream=stream,
-        include_usage=include_usage, lookup=lookup, after=after, token_ids=token_ids, tools=tools,
-    )
+    session = SessionTurn(session_id, [*record.messages, *new], record=record, server_side=True)  # recorded ids kept
+    return await run_admitted(state, Turn(
+        chat=True, model=engine.name, tenant=tenant, prompt_ids=prompt_ids, params=params, stream=stream,
+        include_usage=include_usage, session=session, token_ids=token_ids, tools=tools))

@@ -12,7 +12,8 @@ from typing import Any
 from cachestore.errors import ConfigError
 from cachestore.keys import TENANT_PATTERN, TENANT_RE
 from cachestore.settings import StoreSettings, mask_url
-from service.engines.base import ENGINES, check_flash_attn
+from service.engines import ENGINES
+from service.engines.llama.gguf import check_flash_attn
 from service.fetchplan import POLICIES as FETCH_POLICIES
 
 DEFAULT_TENANT = "default"
@@ -277,6 +278,12 @@ def _env_value(env: Mapping[str, str], var: str, cast: Any) -> Any:
 
 
 MALLOC_ARENAS = 1  # service/malloc.py: one glibc arena, memory kept mapped between hits
+
+
+def hub_offline() -> None:
+    """No network, ever, for transformers: huggingface_hub reads HF_HUB_OFFLINE when it is first imported, so the hf
+    engine's package sets it before any of its modules imports transformers."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
 
 
 def malloc_arenas(environ: Mapping[str, str] | None = None) -> int:

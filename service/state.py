@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from cachestore.store import BlockStore
+from service.admission import Admission
 from service.engines import Engine
 from service.metrics import PodMetrics
 from service.pipeline import Pipeline
@@ -21,7 +22,11 @@ class PodState:
     store: BlockStore | None = None
     writer: BackgroundWriter | None = None
     pipeline: Pipeline | None = None
+    admission: Admission = field(init=False)  # the bound on requests in flight
     started_at: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        self.admission = Admission(self.settings.max_queue, self.metrics)
 
     @property
     def ready(self) -> bool:

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cachestore.blockcodec import BlockCodecs
 from cachestore.codec import Codec
+from cachestore.codec.blockcodec import BlockCodecs
 from cachestore.errors import KvstashError
 from cachestore.hashing import BlockHash
 from cachestore.outcome import Outcome, Result
@@ -133,7 +133,8 @@ class BackgroundWriter:
         t0 = time.perf_counter()
         try:
             if frames:
-                ok = await self._store.put_blocks(job.model, job.hashes, frames, job.tenant) == len(frames) and ok
+                stored = await self._store.store_blocks(job.model, job.hashes, frames, job.tenant)
+                ok = stored.value == len(frames) and ok
                 self._metrics.bytes_stored.inc(sum(len(f) for f in frames))
             entries = [(job.tail_key, tail)] if tail is not None and job.tail_key is not None else []
             entries += [job.reply] if job.reply is not None else []
@@ -146,9 +147,9 @@ class BackgroundWriter:
             ok = False
         self._metrics.redis_seconds.labels("put").observe(time.perf_counter() - t0)
         if job.session is not None:
-            stored = await self.write_session(job.session, job.kv, job.session_tail_from,
-                                              job.session_expected_version, job.kv_from)
-            ok = ok and stored.outcome is Outcome.STORED
+            recorded = await self.write_session(job.session, job.kv, job.session_tail_from,
+                                                job.session_expected_version, job.kv_from)
+            ok = ok and recorded.outcome is Outcome.STORED
         return ok
 
     async def write_session(

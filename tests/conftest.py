@@ -5,58 +5,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, TypeVar
 
-import httpx
 import pytest
 
-from ops.pods import PodProcess
 from ops.redisproc import FLAVORS, RedisCluster, RedisProcess, free_port
-
-POD_ARGS = ("--codec", "exact", "--block-tokens", "16")
-
-
-P = TypeVar("P", bound=Any)
-
-
-def write_queue(url: str) -> int:
-    """Background write jobs queued or being written on the pod at `url` (/readyz counts the one in flight)."""
-    return int(httpx.get(url + "/readyz", timeout=5).json()["write_queue"])
-
-
-def settle(url: str, timeout_s: float = 20.0) -> None:
-    """Until the pod at `url` has nothing queued or being written."""
-    deadline = time.monotonic() + timeout_s
-    while write_queue(url):
-        assert time.monotonic() < deadline, "write queue did not drain"
-        time.sleep(0.05)
-
-
-@contextmanager
-def running(procs: dict[str, P], ready_s: float = 120) -> Iterator[dict[str, P]]:
-    """Start every process (pods, sidecars) at once, wait until each is ready, clean all of them up after."""
-    try:
-        for p in procs.values():
-            p.start()
-        for p in procs.values():
-            p.wait_ready(ready_s)
-        yield procs
-    finally:
-        for p in procs.values():
-            p.cleanup()
-
-
-@contextmanager
-def tiny_pods(redis_url: str) -> Iterator[dict[str, PodProcess]]:
-    """Two caching tiny-random pods (`a`, `b`) and one without the cache (`plain`), as processes."""
-    with running({
-        "a": PodProcess("pod-a", redis_url, "tiny-random", POD_ARGS),
-        "b": PodProcess("pod-b", redis_url, "tiny-random", POD_ARGS),
-        "plain": PodProcess("pod-plain", redis_url, "tiny-random", POD_ARGS, no_cache=True),
-    }) as procs:
-        yield procs
 
 
 @pytest.fixture
@@ -153,7 +106,7 @@ def redis_cluster_with_replicas() -> Iterator[RedisCluster]:
 @pytest.fixture(scope="session")
 def tiny_model():  # type: ignore[no-untyped-def]
     """The tiny random-weight Llama (with SmolLM2's tokenizer), loaded once per run."""
-    from service.models import load_model  # noqa: PLC0415
+    from service.engines.hf.models import load_model  # noqa: PLC0415
 
     return load_model("tiny-random")
 
@@ -161,9 +114,9 @@ def tiny_model():  # type: ignore[no-untyped-def]
 @pytest.fixture(params=[1, 2], ids=["avx2", "avx512"])
 def level(request: pytest.FixtureRequest) -> Iterator[int]:
     """Each of the native kernels' code paths this CPU can run (cachestore/_kernels.c)."""
-    from cachestore import kernels  # noqa: PLC0415
+    from cachestore.codec import kernels  # noqa: PLC0415
 
-    if not kernels.ENABLED or request.param > kernels.LEVEL:
+    if not kernels.enabled() or request.param > kernels.LEVEL:
         pytest.skip(f"this CPU or build has no level {request.param} kernel")
     try:
         yield kernels.use_level(request.param)

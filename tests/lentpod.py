@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from cachestore.store import BlockStore
 from ops.redisproc import RedisProcess
 from service.app import store_settings
-from service.engines.lending import LendsStates
+from service.engines.llama.lending import LendsStates
 from service.metrics import PodMetrics
 from service.pipeline import Pipeline
 from service.settings import PodSettings

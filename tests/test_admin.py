@@ -35,13 +35,13 @@ def populate(url: str, ns: str, **options: Any) -> dict[str, Any]:
         try:
             tokens = list(range(16 * 10 + 5))
             hashes = chain_hashes(tokens, 16, root_hash(FP, b"default"))
-            assert await store.put_blocks(FP.short(), hashes, [frame(seed=i) for i in range(10)]) == 10
+            assert (await store.store_blocks(FP.short(), hashes, [frame(seed=i) for i in range(10)])).value == 10
             other = chain_hashes(list(range(1000, 1064)), 16, root_hash(OTHER, b"default"))
-            assert await store.put_blocks(OTHER.short(), other, [frame(seed=50 + i) for i in range(4)]) == 4
+            assert (await store.store_blocks(OTHER.short(), other, [frame(seed=50 + i) for i in range(4)])).value == 4
             for tenant, sid, model in (("default", "chat-1", FP), ("default", "chat-2", FP), ("acme", "a-1", OTHER)):
                 rec = SessionRecord(tenant, sid, model.short(), tokens, [{"role": "user", "content": "hi " + sid}],
                                     partial=frame(5, seed=99))
-                assert await store.put_session(rec, None) is not None
+                assert (await store.write_session(rec, None)).value is not None
             keys = [store.keys.block(FP.short(), h)[1] for h in hashes]
             return {"block_keys": keys, "other_keys": [store.keys.block(OTHER.short(), h)[1] for h in other]}
         finally:
@@ -267,9 +267,9 @@ def test_stats_show_bytes_held_per_tenant(redis_server: RedisProcess, capsys: py
         store = BlockStore(StoreSettings.from_url(redis_server.url, namespace="ten"))
         try:
             hashes = chain_hashes(list(range(16 * 3)), 16, root_hash(FP, b"acme"))
-            assert await store.put_blocks(FP.short(), hashes, [frame(seed=i) for i in range(3)], "acme") == 3
+            assert (await store.store_blocks(FP.short(), hashes, [frame(seed=i) for i in range(3)], "acme")).value == 3
             other = chain_hashes(list(range(16)), 16, root_hash(FP, b"beta"))
-            assert await store.put_blocks(FP.short(), other, [frame(seed=9)], "beta") == 1
+            assert (await store.store_blocks(FP.short(), other, [frame(seed=9)], "beta")).value == 1
             return len(frame())
         finally:
             await store.close()

@@ -1,15 +1,14 @@
-"""Attention over landed frames in their codes (cachestore/attend.py and the kernels behind it) is sdpa's attention
-over the dequantized context, whatever the codec, the runs, the mask and the kernel's code path."""
+"""Attention over landed frames in their codes (cachestore/codec/attend.py and the kernels behind it) is sdpa's
+attention over the dequantized context, whatever the codec, the runs, the mask and the kernel's code path."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from cachestore import attend, kernels
-from cachestore.codec import Codec, FrameRun
+from cachestore.codec import Codec, FrameRun, attend, kernels
 
-needs_kernel = pytest.mark.skipif(not kernels.ENABLED, reason="no native kernel on this CPU or build")
+needs_kernel = pytest.mark.skipif(not kernels.enabled(), reason="no native kernel on this CPU or build")
 LAYERS, KV_HEADS, GROUP, BLOCK = 2, 2, 3, 16  # three query heads a kv head, blocks of 16 tokens
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from cachestore.blockcodec import BlockCodecs
 from cachestore.codec import read_header
+from cachestore.codec.blockcodec import BlockCodecs
 from ops.bench.quality import _cache_ends, _round_trip
 
 

@@ -25,7 +25,7 @@ def test_bench_resume_tiny_writes_rows_and_plot(tmp_path: Path) -> None:
         for field in ("context", "method", "ttft_ms_p50", "ttft_ms_p90", "bytes", "speedup_vs_recompute",
                       "ratio_to_floor"):
             assert field in r, field
-        assert r["ttft_ms_p90"] >= r["ttft_ms_p50"] > 0
+        assert r["runs"] == 1 and r["ttft_ms_p90"] == r["ttft_ms_p50"] > 0  # one run: every percentile is that run
     # quantized frames are smaller than the fp32 torch.save blob, int2 smaller than int8
     int2, int8 = rows[(128, "kvstash-int2")]["bytes"], rows[(128, "kvstash-int8")]["bytes"]
     assert 0 < int2 < int8 < rows[(128, "naive")]["bytes"]
@@ -56,8 +56,8 @@ def test_bench_resume_burst_reports_every_session_arriving_at_once(tmp_path: Pat
     hit, recompute = rows["burst3-kvstash-int8"], rows["burst3-recompute"]
     assert hit["runs"] == recompute["runs"] == 3  # one TTFT per session
     assert hit["context"] == recompute["context"] == 1984  # the tiny model's 2048-token context, less a block
-    for r in (hit, recompute):
-        assert r["ttft_ms_p99"] >= r["ttft_ms_p50"] > 0
+    for r in (hit, recompute):  # every session timed: no percentile of an empty or unmeasured run
+        assert r["ttft_ms_p50"] > 0 and r["ttft_ms_p99"] > 0
     assert hit["speedup_vs_recompute"] == recompute["ttft_ms_p50"] / hit["ttft_ms_p50"]
 
 

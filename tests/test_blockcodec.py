@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 
-from cachestore.blockcodec import BlockCodecs
 from cachestore.codec import Codec, read_header
+from cachestore.codec.blockcodec import BlockCodecs
 from ops.redisproc import RedisProcess
-from tests.test_service_api import HISTORY, chat, make_client, wait_written
+from tests.support import HISTORY, chat, make_client, wait_written
 
 
 @pytest.mark.parametrize(("spec", "sink"), [("int2", "int8+lz4"), ("int4+zstd/g32", "int8+zstd:3"),
@@ -49,7 +49,7 @@ def test_pod_stores_block_zero_as_int8_and_hits(redis_server: RedisProcess, tiny
 def test_a_rotated_frame_under_a_plain_key_is_refused() -> None:
     import torch  # noqa: PLC0415
 
-    from service.framecheck import frame_problem  # noqa: PLC0415
+    from service.framegate import frame_problem  # noqa: PLC0415
 
     kv = torch.randn(2, 2, 2, 16, 64)  # [L, 2, H, T, D]
     plain, rotated = Codec("int4/plain"), Codec("int4/rot")

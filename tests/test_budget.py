@@ -48,11 +48,11 @@ async def test_random_workload_never_exceeds_budget_plus_one_block(kv_server: Re
                     n = rng.randint(1, 6)
                     ids = [rng.randrange(400) for _ in range(n)]
                     frames = [os.urandom(rng.randint(100, max_block)) for _ in ids]
-                    await store.put_blocks(MODEL, [h(i, seed) for i in ids], frames)
+                    await store.store_blocks(MODEL, [h(i, seed) for i in ids], frames)
                     written.extend(ids)
                 else:
                     ids = rng.sample(written, min(len(written), rng.randint(1, 4)))
-                    await store.lookup(MODEL, [h(i, seed) for i in ids])
+                    await store.fetch(MODEL, [h(i, seed) for i in ids])
                 actual, _ = held_bytes(client, ns)
                 assert actual <= budget + max_block
                 assert (await store.usage()).bytes_held == actual  # the count matches reality
@@ -66,7 +66,7 @@ async def test_concurrent_puts_of_one_store_stay_in_budget(kv_server: RedisProce
     store = BlockStore(StoreSettings.from_url(kv_server.url, namespace="conc", budget_bytes=10_000,
                                               max_value_bytes=1_000, index_shards=4))
     try:
-        await asyncio.gather(*(store.put_blocks(MODEL, [h(i), h(i + 1000)], [os.urandom(1000)] * 2)
+        await asyncio.gather(*(store.store_blocks(MODEL, [h(i), h(i + 1000)], [os.urandom(1000)] * 2)
                                for i in range(40)))
         actual, _ = held_bytes(kv_server.client(), "conc")
         assert actual <= 10_000 and (await store.usage()).bytes_held == actual
@@ -79,13 +79,13 @@ async def test_lru_order_is_respected(kv_server: RedisProcess) -> None:
                                               max_value_bytes=1_000, low_watermark=0.5, index_shards=4))
     try:
         for i in range(9):
-            await store.put_blocks(MODEL, [h(i)], [os.urandom(1000)])
+            await store.store_blocks(MODEL, [h(i)], [os.urandom(1000)])
             await asyncio.sleep(0.003)  # distinct millisecond timestamps
-        assert len(await store.lookup(MODEL, [h(0)])) == 1  # touch the two oldest
-        assert len(await store.lookup(MODEL, [h(1)])) == 1
+        assert len((await store.fetch(MODEL, [h(0)])).value) == 1  # touch the two oldest
+        assert len((await store.fetch(MODEL, [h(1)])).value) == 1
         await asyncio.sleep(0.003)
-        await store.put_blocks(MODEL, [h(9)], [os.urandom(1000)])  # 10,000 > 9,500: evict to 5,000
-        present = [i for i in range(10) if await store.lookup(MODEL, [h(i)])]
+        await store.store_blocks(MODEL, [h(9)], [os.urandom(1000)])  # 10,000 > 9,500: evict to 5,000
+        present = [i for i in range(10) if (await store.fetch(MODEL, [h(i)])).value]
         assert present == [0, 1, 7, 8, 9]
         assert store.stats().evictions == 5
         assert (await store.usage()).bytes_held == 5000
@@ -98,21 +98,21 @@ async def test_count_recovers_when_redis_drops_keys_itself(kv_server: RedisProce
     store = BlockStore(StoreSettings.from_url(kv_server.url, namespace="stale", budget_bytes=10_000,
                                               max_value_bytes=1_000, index_shards=4))
     try:
-        await store.put_blocks(MODEL, [h(i) for i in range(9)], [os.urandom(1000) for _ in range(9)])
+        await store.store_blocks(MODEL, [h(i) for i in range(9)], [os.urandom(1000) for _ in range(9)])
         keys = [store.keys.block(MODEL, h(i))[1] for i in range(9)]
         client.delete(*keys[:3])  # as maxmemory eviction would
         for k in keys[3:5]:
             client.pexpire(k, 1)  # as a TTL would
         await asyncio.sleep(0.05)
         assert (await store.usage()).bytes_held == 9000  # stale until noticed
-        assert await store.lookup(MODEL, [h(0)]) == []  # a lookup cleans what it misses
+        assert (await store.fetch(MODEL, [h(0)])).value == []  # a lookup cleans what it misses
         assert (await store.usage()).bytes_held == 8000
         result = await store.reconcile()
         assert result.stale_blocks == 4
         usage = await store.usage()
         assert (usage.bytes_held, usage.blocks) == (4000, 4)
         # writing past the watermark now evicts live blocks only as far as needed
-        await store.put_blocks(MODEL, [h(i) for i in range(10, 16)], [os.urandom(1000) for _ in range(6)])
+        await store.store_blocks(MODEL, [h(i) for i in range(10, 16)], [os.urandom(1000) for _ in range(6)])
         assert held_bytes(client, "stale")[0] == (await store.usage()).bytes_held <= 10_000
     finally:
         await store.close()
@@ -126,7 +126,7 @@ async def test_redis_maxmemory_eviction_then_reconcile(flavor: str) -> None:
     store = BlockStore(StoreSettings.from_url(server.url, namespace="mm", budget_bytes=1 << 30, index_shards=4))
     try:
         for i in range(0, 80, 4):  # 8 MB through a 3 MB Redis
-            await store.put_blocks(MODEL, [h(i + j) for j in range(4)], [os.urandom(100_000) for _ in range(4)])
+            await store.store_blocks(MODEL, [h(i + j) for j in range(4)], [os.urandom(100_000) for _ in range(4)])
         actual, blocks = held_bytes(client, "mm")
         assert 0 < actual < 3_000_000 and blocks < 80  # Redis dropped blocks (and perhaps index keys)
         client.config_set("maxmemory", "0")  # pressure over: Redis no longer evicts mid-count

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from cachestore.codec import DEFAULT_VARIANTS, Codec, CodecSpec, read_header, verify_frame, verify_placed
+from cachestore.codec.layout import PLAIN, Variant
+from cachestore.codec.quant import rotate
 from cachestore.errors import CodecError, ConfigError
-from cachestore.quant import PLAIN, Variant, rotate
+from tests.support import error_bound, kv_sample
 
 MODES = ["exact", "fp16", "int8", "int4", "int2", "fp8"]
 COMPRESSORS = ["none", "lz4", "zstd"]
@@ -17,36 +19,6 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # [layers, 2, kv_heads, tokens, head_dim]: ordinary, 1 token, tokens not a multiple of the
 # group, 1 head and 1 layer, head_dim not a multiple of the group.
 SHAPES = [(2, 2, 3, 40, 16), (1, 2, 1, 1, 8), (2, 2, 2, 13, 8), (1, 2, 1, 37, 12)]
-LEVELS = {"int4": 15, "int2": 3}
-
-
-def _kv(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    # per-channel magnitudes differ, as in real keys
-    scale = torch.rand(shape[0], 2, shape[2], 1, shape[4], generator=gen) * 4 + 0.1
-    return (torch.randn(*shape, generator=gen) * scale + 0.5).to(dtype)
-
-
-def _grouped(x: torch.Tensor, dim: int, group: int, fn: str) -> torch.Tensor:
-    """amin/amax of each run of `group` slices along `dim`, broadcast back to x's shape."""
-    chunks = torch.split(x, min(group, x.shape[dim]), dim=dim)
-    return torch.cat([getattr(c, fn)(dim, keepdim=True).expand_as(c) for c in chunks], dim=dim)
-
-
-def _bound(mode: str, x: torch.Tensor, group: int) -> torch.Tensor:
-    """Worst-case absolute error per element of `mode` on x [L, 2, H, T, D] (fp32),
-    computed from the data as the mode's contract states it."""
-    k, v = x[:, 0], x[:, 1]
-    if mode == "int8":
-        step = torch.stack([k.abs().amax(2, keepdim=True).expand_as(k),
-                            v.abs().amax(3, keepdim=True).expand_as(v)], 1) / 127
-        return step / 2 * 1.01
-    if mode == "fp8":
-        scale = x.abs().amax(3, keepdim=True) / 448
-        return x.abs() * 2.0**-4 + scale * 2.0**-9 * 1.01
-    lo = torch.stack([_grouped(k, 2, group, "amin"), _grouped(v, 3, group, "amin")], 1)
-    hi = torch.stack([_grouped(k, 2, group, "amax"), _grouped(v, 3, group, "amax")], 1)
-    return (hi - lo) / LEVELS[mode] / 2 * 1.01 + lo.abs() * 2.0**-10
 
 
 @pytest.mark.parametrize(("mode", "compressor", "dtype"),
@@ -54,7 +26,7 @@ def _bound(mode: str, x: torch.Tensor, group: int) -> torch.Tensor:
 def test_round_trip_within_contract(mode: str, compressor: str, dtype: torch.dtype) -> None:
     codec = Codec(CodecSpec(mode=mode, compressor=compressor, group_size=8, variant=PLAIN))
     for i, shape in enumerate(SHAPES):
-        kv = _kv(shape, dtype, seed=i)
+        kv = kv_sample(shape, dtype, seed=i)
         frame = codec.encode(kv)
         out = Codec("exact").decode(frame)  # any codec decodes any frame
         assert out.shape == kv.shape and out.dtype == dtype and out.device.type == "cpu"
@@ -67,7 +39,7 @@ def test_round_trip_within_contract(mode: str, compressor: str, dtype: torch.dty
         if mode == "fp16":
             bound = x.abs() * 2.0**-11 + 2.0**-24
         else:
-            bound = _bound(mode, x, 8) + (x.abs() + 1) * (out_eps + 2.0**-10) + 1e-6
+            bound = error_bound(mode, x, 8) + (x.abs() + 1) * (out_eps + 2.0**-10) + 1e-6
         worst = ((y - x).abs() - bound).max().item()
         assert worst <= 0, f"{mode}/{compressor}/{dtype} shape {shape}: over bound by {worst}"
 
@@ -76,10 +48,10 @@ def test_round_trip_within_contract(mode: str, compressor: str, dtype: torch.dty
 def test_bound_is_tight_enough_to_mean_something(mode: str) -> None:
     """A codec that used the wrong grouping would overshoot: the error uses a fair part
     of the bound but never exceeds it."""
-    kv = _kv((2, 2, 2, 64, 16), torch.float32)
+    kv = kv_sample((2, 2, 2, 64, 16), torch.float32)
     codec = Codec(CodecSpec(mode=mode, compressor="none", group_size=8, variant=PLAIN))
     out = codec.decode(codec.encode(kv))
-    ratio = ((out - kv).abs() / _bound(mode, kv, 8)).max().item()
+    ratio = ((out - kv).abs() / error_bound(mode, kv, 8)).max().item()
     assert 0.3 < ratio <= 1.0
 
 
@@ -103,7 +75,7 @@ def test_rotated_and_clipped_variants_within_contract(mode: str, option: str, dt
     variant = VARIANTS[option]
     codec = Codec(CodecSpec(mode=mode, compressor="lz4", group_size=8, variant=variant))
     for i, shape in enumerate(SHAPES):
-        kv = _kv(shape, dtype, seed=i)
+        kv = kv_sample(shape, dtype, seed=i)
         frame = codec.encode(kv)
         assert read_header(frame).version == (2 if variant.rot_keys or variant.rot_values else 1)
         out = Codec("exact").decode(frame)
@@ -112,7 +84,7 @@ def test_rotated_and_clipped_variants_within_contract(mode: str, option: str, dt
         xr = torch.stack([rotate(x[:, 0]) if variant.rot_keys else x[:, 0],
                           rotate(x[:, 1]) if variant.rot_values else x[:, 1]], 1)
         out_eps = {torch.float32: 0.0, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[dtype]
-        bound = _slab_norm(_bound(mode, xr, 8)) + _slab_norm((x.abs() + 1) * (out_eps + 2.0**-10)) + 1e-5
+        bound = _slab_norm(error_bound(mode, xr, 8)) + _slab_norm((x.abs() + 1) * (out_eps + 2.0**-10)) + 1e-5
         worst = (_slab_norm(out.float() - x) - bound).max().item()
         assert worst <= 0, f"{mode}/{option}/{dtype} shape {shape}: over bound by {worst}"
 
@@ -129,7 +101,7 @@ def test_rotation_is_its_own_inverse_and_spreads_an_outlier_channel() -> None:
 
 def test_options_lower_int2_error_on_outlier_channels() -> None:
     """What the options are for: keys and values with a few large channels (as real KV has) lose less."""
-    kv = _kv((2, 2, 2, 64, 64), torch.float32, seed=3)
+    kv = kv_sample((2, 2, 2, 64, 64), torch.float32, seed=3)
     kv[:, :, :, :, :3] *= 12.0
     errs = {}
     for option in ("plain", "rot", "clip", "rot/clip"):
@@ -152,7 +124,7 @@ def test_constant_and_zero_groups_are_finite(mode: str, fill: float) -> None:
 
 
 def test_group_size_changes_the_frame_and_is_recorded() -> None:
-    kv = _kv((1, 2, 2, 64, 64), torch.float16)
+    kv = kv_sample((1, 2, 2, 64, 64), torch.float16)
     f32 = Codec("int4+none/g32/plain").encode(kv)
     f64 = Codec("int4+none/g64/plain").encode(kv)
     assert read_header(f32).group_size == 32 and read_header(f64).group_size == 64
@@ -163,7 +135,7 @@ def test_group_size_changes_the_frame_and_is_recorded() -> None:
 
 
 def test_sizes_match_the_modes() -> None:
-    kv = _kv((2, 2, 3, 256, 64), torch.float16)
+    kv = kv_sample((2, 2, 3, 256, 64), torch.float16)
     fp16_bytes = kv.numel() * 2
     sizes = {m: len(Codec(CodecSpec(mode=m, compressor="none")).encode(kv)) for m in MODES}
     assert sizes["exact"] == sizes["fp16"] == fp16_bytes + 52
@@ -231,7 +203,7 @@ def test_spec_parse_rejects(text: str) -> None:
 
 
 def test_incompressible_payloads_are_stored_plainly_and_still_decode() -> None:
-    noisy = _kv((2, 2, 2, 64, 16), torch.float16)
+    noisy = kv_sample((2, 2, 2, 64, 16), torch.float16)
     smooth = torch.zeros(2, 2, 2, 64, 16, dtype=torch.float16)
     for spec in ("int8+lz4", "fp16+lz4", "exact+lz4"):
         assert read_header(Codec(spec).encode(noisy)).compressor == "none", spec
@@ -240,7 +212,7 @@ def test_incompressible_payloads_are_stored_plainly_and_still_decode() -> None:
 
 
 def test_decoded_tensors_never_alias_the_frame() -> None:
-    kv = _kv((1, 2, 2, 9, 8), torch.float32)
+    kv = kv_sample((1, 2, 2, 9, 8), torch.float32)
     for spec in ("int8+none", "fp16+none", "exact+none", "int4+none/g4", "fp8+none"):
         frame = bytearray(Codec(spec).encode(kv))
         before = bytes(frame)
@@ -256,7 +228,7 @@ def test_decoded_tensors_never_alias_the_frame() -> None:
 def test_token_row_frames_hold_each_layers_rows_and_decode_as_any_frame(spec: str, dtype: torch.dtype) -> None:
     """/rows lays the payload out as [layers, 2, tokens, kv_heads, head_dim] (FLAG_ROWS), the order of a llama.cpp
     state's K and V rows; it decodes to the same tensor as the head-major frame, whole or a few layers at a time."""
-    kv = _kv((3, 2, 2, 5, 8), dtype)
+    kv = kv_sample((3, 2, 2, 5, 8), dtype)
     frame = Codec(spec).encode(kv)
     header = read_header(frame)
     assert header.rows and CodecSpec.parse(spec).name().endswith("/rows")
@@ -272,13 +244,13 @@ def test_token_row_frames_hold_each_layers_rows_and_decode_as_any_frame(spec: st
 
 
 def test_only_float_modes_and_q8_carry_token_rows() -> None:
-    frame = bytearray(Codec("int8+none").encode(_kv((1, 2, 1, 4, 8), torch.float16)))
+    frame = bytearray(Codec("int8+none").encode(kv_sample((1, 2, 1, 4, 8), torch.float16)))
     frame[8] |= 2  # FLAG_ROWS on an int8 frame
     with pytest.raises(CodecError, match="token rows flag on mode int8"):
         read_header(bytes(frame))
     with pytest.raises(ConfigError, match="exact, fp16, q8 only"):
         CodecSpec("int8", rows=True)
-    q8 = bytearray(Codec("q8+none").encode(_kv((1, 2, 1, 4, 32), torch.float16)))
+    q8 = bytearray(Codec("q8+none").encode(kv_sample((1, 2, 1, 4, 32), torch.float16)))
     q8[8] &= ~2  # a q8 frame is token rows or nothing
     with pytest.raises(CodecError, match="q8 frame without the token rows flag"):
         read_header(bytes(q8))
@@ -290,7 +262,7 @@ def test_q8_is_llama_cpps_q8_0_and_reencodes_its_own_values_byte_for_byte() -> N
     what lets a llama.cpp pod with a q8_0 cache store and restore it unchanged. Layers decode apart, and into views."""
     spec = CodecSpec.parse("q8")
     assert spec.rows and spec.name() == "q8+lz4" and CodecSpec.parse("q8/rows") == spec
-    kv = _kv((3, 2, 2, 5, 64), torch.float32)
+    kv = kv_sample((3, 2, 2, 5, 64), torch.float32)
     codec = Codec("q8+none")
     frame = codec.encode(kv)
     header = read_header(frame)
@@ -311,15 +283,15 @@ def test_q8_is_llama_cpps_q8_0_and_reencodes_its_own_values_byte_for_byte() -> N
     Codec().open(frame).decode_into(out[1:3, :, :, 2:7], slice(1, 3))
     assert torch.equal(out[1:3, :, :, 2:7], decoded[1:3]) and out[:, :, :, :2].isnan().all()
     with pytest.raises(CodecError, match="head_dim 24 is no multiple"):
-        codec.encode(_kv((1, 2, 1, 4, 24), torch.float32))
+        codec.encode(kv_sample((1, 2, 1, 4, 24), torch.float32))
 
 
 def test_a_frame_received_in_pieces_verifies_over_them() -> None:
     """verify_placed checks a token-rows frame whose header and payload lie apart, by the checksum of the pieces in
     order (or one computed as they came in: RunningChecksum); anything else, or a flipped bit, is refused."""
-    from cachestore.frame import HEADER_SIZE, RunningChecksum, checksum  # noqa: PLC0415
+    from cachestore.codec.frame import HEADER_SIZE, RunningChecksum, checksum  # noqa: PLC0415
 
-    frame = Codec("fp16+none/rows").encode(_kv((2, 2, 2, 4, 8), torch.float16))
+    frame = Codec("fp16+none/rows").encode(kv_sample((2, 2, 2, 4, 8), torch.float16))
     head, payload = memoryview(frame)[:HEADER_SIZE], memoryview(frame)[HEADER_SIZE:]
     pieces = [payload[:100], payload[100:101], payload[101:]]
     assert verify_placed(head, pieces).rows
@@ -336,7 +308,7 @@ def test_a_frame_received_in_pieces_verifies_over_them() -> None:
         verify_placed(memoryview(bad)[:HEADER_SIZE], [memoryview(bad)[HEADER_SIZE:]])
     with pytest.raises(CodecError, match="token-rows"):
         verify_placed(head, pieces[:2])  # a payload short of the header's length
-    plain = Codec("fp16+none").encode(_kv((2, 2, 2, 4, 8), torch.float16))
+    plain = Codec("fp16+none").encode(kv_sample((2, 2, 2, 4, 8), torch.float16))
     with pytest.raises(CodecError, match="token-rows"):
         verify_placed(memoryview(plain)[:HEADER_SIZE], [memoryview(plain)[HEADER_SIZE:]])
 
@@ -345,7 +317,7 @@ def test_a_placed_frame_dequantizes_into_nothing_and_only_where_it_lies() -> Non
     """A PlacedFrame's rows already lie in the context: decoding it writes nothing, into its own place only."""
     from cachestore.codec import PlacedFrame  # noqa: PLC0415
 
-    header = read_header(Codec("fp16+none/rows").encode(_kv((3, 2, 2, 4, 8), torch.float16)))
+    header = read_header(Codec("fp16+none/rows").encode(kv_sample((3, 2, 2, 4, 8), torch.float16)))
     context = torch.full((3, 2, 2, 12, 8), 5.0, dtype=torch.float16)
     span = context[:, :, :, 4:8]
     placed = PlacedFrame(header, torch.empty(0, dtype=torch.uint8), at=span.data_ptr(),

@@ -8,12 +8,12 @@ import struct
 import pytest
 import torch
 
-from cachestore.blockcodec import BlockCodecs
 from cachestore.codec import Codec, CodecSpec, read_header
+from cachestore.codec.blockcodec import BlockCodecs
+from cachestore.codec.frame import HEADER_SIZE, LAYER_TABLE, checksum
+from cachestore.codec.layout import HiLayers
 from cachestore.errors import CodecError, ConfigError
-from cachestore.frame import HEADER_SIZE, LAYER_TABLE, checksum
-from cachestore.quant import HiLayers
-from tests.test_codec import _bound, _kv
+from tests.support import error_bound, kv_sample
 
 SHAPE = (4, 2, 3, 40, 16)  # [layers, 2, kv_heads, tokens, head_dim]
 
@@ -46,7 +46,7 @@ def test_spec_rejects_bad_precisions(text: str) -> None:
 def test_each_half_takes_the_precision_its_table_gives(mode: str, alt: str, variant: str) -> None:
     """Layers at the other precision decode to what that mode's codec gives them (same group, same options), the
     mode's layers to what it gives them, int8 layers within int8's bound; the table says so byte by byte."""
-    kv = _kv(SHAPE, torch.float32, seed=3)
+    kv = kv_sample(SHAPE, torch.float32, seed=3)
     alt_bits = {"int4": 4, "int2": 2}[alt]
     frame = Codec(f"{mode}+zstd/g8/{variant}/k8=2/k{alt_bits}=1.3/v{alt_bits}=0").encode(kv)
     header = read_header(frame)
@@ -56,7 +56,7 @@ def test_each_half_takes_the_precision_its_table_gives(mode: str, alt: str, vari
     out = Codec().decode(frame)
     mine = Codec().decode(Codec(f"{mode}+zstd/g8/{variant}").encode(kv))
     other = Codec().decode(Codec(f"{alt}+zstd/g8/{variant}").encode(kv))
-    int8_bound = _bound("int8", kv, 8) + 1e-6
+    int8_bound = error_bound("int8", kv, 8) + 1e-6
     at_alt = {(1, 0), (3, 0), (0, 1)}
     for layer in range(SHAPE[0]):
         for half in (0, 1):
@@ -66,7 +66,7 @@ def test_each_half_takes_the_precision_its_table_gives(mode: str, alt: str, vari
                 want = other if (layer, half) in at_alt else mine
                 assert torch.allclose(out[layer, half], want[layer, half], rtol=1e-6, atol=1e-6), (layer, half)
     if alt == "int4" and variant == "plain":  # within int4's bound there
-        bound = _bound("int4", kv, 8) + 1e-6
+        bound = error_bound("int4", kv, 8) + 1e-6
         assert bool(((out[1, 0] - kv[1, 0]).abs() <= bound[1, 0]).all())
 
 
@@ -88,7 +88,7 @@ def test_layers_decode_apart_into_strided_views_as_whole(spec: str) -> None:
 
 
 def test_an_int4_layer_in_an_int2_frame_costs_about_its_share_of_the_bytes() -> None:
-    kv = _kv((30, 2, 3, 64, 64), torch.float16)
+    kv = kv_sample((30, 2, 3, 64, 64), torch.float16)
     plain = len(Codec("int2+none/plain").encode(kv))
     one = len(Codec("int2+none/plain/k4=0/v4=0").encode(kv))
     int4 = len(Codec("int4+none/plain").encode(kv))
@@ -96,7 +96,7 @@ def test_an_int4_layer_in_an_int2_frame_costs_about_its_share_of_the_bytes() -> 
 
 
 def _alt_frame() -> bytearray:
-    return bytearray(Codec("int2+none/g8/plain/k4=1").encode(_kv((2, 2, 1, 8, 8), torch.float32)))
+    return bytearray(Codec("int2+none/g8/plain/k4=1").encode(kv_sample((2, 2, 1, 8, 8), torch.float32)))
 
 
 @pytest.mark.parametrize(("edit", "match"), [
@@ -118,15 +118,15 @@ def test_bad_tables_of_other_precisions_are_refused_cleanly(edit: dict[int, int]
 
 def test_a_layer_the_kv_lacks_is_refused() -> None:
     with pytest.raises(CodecError, match="layers"):
-        Codec("int2/v4=4").encode(_kv(SHAPE, torch.float32))
+        Codec("int2/v4=4").encode(kv_sample(SHAPE, torch.float32))
     with pytest.raises(ConfigError, match="layer 7 at 4 bits"):
         CodecSpec.parse("int2/k4=7").check_layers(4)
 
 
 def test_a_pod_refuses_frames_of_another_bit_allocation_before_decoding() -> None:
-    from service.framecheck import frame_problem  # noqa: PLC0415
+    from service.framegate import frame_problem  # noqa: PLC0415
 
-    kv = _kv(SHAPE, torch.float32)
+    kv = kv_sample(SHAPE, torch.float32)
     mine = Codec("int2+zstd/rot/clip/k4=1")
     assert frame_problem(mine.encode(kv), mine.spec, list(SHAPE), torch.float32) is None
     for other in ("int2+zstd/rot/clip/k4=2", "int2+zstd/rot/clip/v4=1", "int2+zstd/rot/clip/k8=1",

@@ -14,9 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cachestore.codec import Codec, CodecSpec
+from cachestore.codec.frame import HEADER, HEADER_SIZE, MAGIC, checksum
+from cachestore.codec.layout import PLAIN
+from cachestore.codec.quant import rotate
 from cachestore.errors import CodecError
-from cachestore.frame import HEADER, HEADER_SIZE, MAGIC, checksum
-from cachestore.quant import PLAIN, rotate
 
 EXAMPLES = int(os.environ.get("KVSTASH_FUZZ_EXAMPLES", "300"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=False,

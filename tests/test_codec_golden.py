@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from cachestore.codec import Codec, read_header
-from cachestore.compress import decompress
+from cachestore.codec.compress import decompress
+from cachestore.codec.frame import HEADER_SIZE
 from cachestore.errors import CodecError
-from cachestore.frame import HEADER_SIZE
 from tests.golden.cases import CASES, expected_path, frame_path, make_input, tensor_bytes
 
 NAMES = sorted(CASES)

@@ -7,12 +7,12 @@ import struct
 import pytest
 import torch
 
-from cachestore.blockcodec import BlockCodecs
 from cachestore.codec import Codec, CodecSpec, read_header
+from cachestore.codec.blockcodec import BlockCodecs
+from cachestore.codec.frame import HEADER_SIZE, LAYER_TABLE, checksum
+from cachestore.codec.layout import NO_HI, HiLayers
 from cachestore.errors import CodecError, ConfigError
-from cachestore.frame import HEADER_SIZE, LAYER_TABLE, checksum
-from cachestore.quant import NO_HI, HiLayers
-from tests.test_codec import _bound, _kv
+from tests.support import error_bound, kv_sample
 
 SHAPE = (4, 2, 3, 40, 16)  # [layers, 2, kv_heads, tokens, head_dim]
 
@@ -57,7 +57,7 @@ def test_the_layers_are_part_of_the_fingerprint() -> None:
 def test_each_half_keeps_its_own_precision(mode: str, group: int, dtype: torch.dtype) -> None:
     """Keys of layers 1 and 3 and values of layers 0 and 1 within int8's bound, the rest within the grouped
     mode's; and the int8 halves really are int8 (their error far below what the grouped mode gives there)."""
-    kv = _kv(SHAPE, dtype, seed=5)
+    kv = kv_sample(SHAPE, dtype, seed=5)
     x = kv.float()
     frame = Codec(f"{mode}+zstd/g{group}/plain/k8=1.3/v8=0.1").encode(kv)
     header = read_header(frame)
@@ -68,7 +68,7 @@ def test_each_half_keeps_its_own_precision(mode: str, group: int, dtype: torch.d
     plain = Codec(f"{mode}+zstd/g{group}/plain").decode(Codec(f"{mode}+zstd/g{group}/plain").encode(kv)).float()
     out_eps = {torch.float32: 0.0, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[dtype]
     slack = (x.abs() + 1) * (out_eps + 2.0**-10) + 1e-6
-    int8_bound, grouped_bound = _bound("int8", x, group) + slack, _bound(mode, x, group) + slack
+    int8_bound, grouped_bound = error_bound("int8", x, group) + slack, error_bound(mode, x, group) + slack
     hi_halves = {(1, 0), (3, 0), (0, 1), (1, 1)}
     for layer in range(SHAPE[0]):
         for half in (0, 1):
@@ -105,7 +105,7 @@ def test_layers_decode_apart_into_strided_views_as_whole(spec: str) -> None:
 
 def test_frames_without_int8_layers_are_unchanged() -> None:
     """No layer raised: the very frame of the codec without the option (format 1 or 2, no table)."""
-    kv = _kv(SHAPE, torch.float32)
+    kv = kv_sample(SHAPE, torch.float32)
     for text in ("int4+zstd/g8/plain", "int2/g8/rotv/clip"):
         spec = CodecSpec.parse(text)
         assert CodecSpec(spec.mode, spec.compressor, spec.level, spec.group_size, spec.variant, NO_HI) == spec
@@ -115,11 +115,11 @@ def test_frames_without_int8_layers_are_unchanged() -> None:
 
 def test_a_layer_the_kv_lacks_is_refused_at_encode() -> None:
     with pytest.raises(CodecError, match="layers"):
-        Codec("int4/k8=4").encode(_kv(SHAPE, torch.float32))
+        Codec("int4/k8=4").encode(kv_sample(SHAPE, torch.float32))
 
 
 def test_one_int8_layer_costs_about_its_share_of_the_bytes() -> None:
-    kv = _kv((30, 2, 3, 64, 64), torch.float16)
+    kv = kv_sample((30, 2, 3, 64, 64), torch.float16)
     plain = len(Codec("int4+none/plain").encode(kv))
     one = len(Codec("int4+none/plain/k8=0/v8=0").encode(kv))
     int8 = len(Codec("int8+none").encode(kv))
@@ -127,7 +127,7 @@ def test_one_int8_layer_costs_about_its_share_of_the_bytes() -> None:
 
 
 def _table_frame() -> bytearray:
-    return bytearray(Codec("int4+none/g8/k8=1/v8=0").encode(_kv((2, 2, 1, 8, 8), torch.float32)))
+    return bytearray(Codec("int4+none/g8/k8=1/v8=0").encode(kv_sample((2, 2, 1, 8, 8), torch.float32)))
 
 
 @pytest.mark.parametrize(("edit", "match"), [
@@ -159,9 +159,9 @@ def test_a_frame_cut_inside_its_layer_table_is_refused() -> None:
 
 
 def test_a_frame_with_other_int8_layers_is_refused_before_decoding() -> None:
-    from service.framecheck import frame_problem  # noqa: PLC0415
+    from service.framegate import frame_problem  # noqa: PLC0415
 
-    kv = _kv(SHAPE, torch.float32)
+    kv = kv_sample(SHAPE, torch.float32)
     mine, other = Codec("int4/k8=1"), Codec("int4/k8=2")
     assert frame_problem(mine.encode(kv), mine.spec, list(SHAPE), torch.float32) is None
     for codec in (other, Codec("int4/v8=1"), Codec("int4")):

@@ -12,10 +12,10 @@ import pytest
 import torch
 from starlette.testclient import TestClient
 
-from cachestore.blockcodec import BlockCodecs
 from cachestore.codec import Codec, CodecSpec, read_header, recent_spec
+from cachestore.codec.blockcodec import BlockCodecs
+from cachestore.codec.layout import NO_HI, HiLayers, Variant
 from cachestore.errors import ConfigError
-from cachestore.quant import NO_HI, HiLayers, Variant
 from cachestore.tails import unpack_tail
 from ops.redisproc import RedisProcess
 from service.app import create_app

@@ -16,8 +16,8 @@ from cachestore.codec import Codec
 from cachestore.sessions import from_fields
 from ops.pods import PodProcess
 from ops.redisproc import RedisProcess
-from tests.conftest import settle, tiny_pods, write_queue
 from tests.faultkit import QUESTIONS, SYSTEM
+from tests.support import settle, tiny_pods, write_queue
 
 
 @pytest.fixture(scope="module")

@@ -259,7 +259,7 @@ def _promoted(cluster: RedisCluster, dead: RedisProcess) -> bool:
 
 
 def test_session_write_failure_is_503_not_409(redis_server: RedisProcess, tiny_model: Any) -> None:
-    """put_session returns None for a lost CAS and for a Redis failure; the client must see which."""
+    """write_session says CONFLICT for a lost CAS and UNAVAILABLE for a Redis failure; the client must see which."""
     with pod_client(redis_server.url, tiny_model, redis_timeout_s=0.3) as pod:
         assert pod.post("/v1/sessions", json={"session_id": "w", "messages": [SYSTEM]}).status_code == 201
         admin = redis_server.client()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service import hfcache
-from service.models import LoadedModel, load_model
+from service.engines.hf import hfcache
+from service.engines.hf.models import LoadedModel, load_model
 
 IDS = list(range(200, 260))  # 60 arbitrary token ids
 

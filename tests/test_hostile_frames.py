@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cachestore.codec import Codec
-from cachestore.frame import HEADER, HEADER_SIZE, MAGIC, checksum
+from cachestore.codec.frame import HEADER, HEADER_SIZE, MAGIC, checksum
 from tests.decodeprobe import DecodeProbe, Outcome
 
 EXAMPLES = int(os.environ.get("KVSTASH_FUZZ_EXAMPLES", "300"))

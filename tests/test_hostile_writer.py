@@ -13,7 +13,7 @@ from typing import Any
 
 import redis
 
-from cachestore.frame import HEADER_SIZE, checksum
+from cachestore.codec.frame import HEADER_SIZE, checksum
 from cachestore.settings import StoreSettings
 from cachestore.signing import TRAILER_SIZE
 from cachestore.store import BlockStore

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cachestore import kernels
-from cachestore.codec import Codec
+from cachestore.codec import Codec, kernels
 from cachestore.errors import ConfigError
 
 
@@ -23,7 +22,7 @@ def _cpu_flags() -> set[str]:
     return set(line.split(":", 1)[-1].split())
 
 
-needs_kernel = pytest.mark.skipif(not kernels.ENABLED, reason="no native kernel on this CPU or build")
+needs_kernel = pytest.mark.skipif(not kernels.enabled(), reason="no native kernel on this CPU or build")
 
 
 @pytest.fixture
@@ -197,15 +196,23 @@ def test_int4_frames_decode_the_same_with_and_without_the_kernel(dtype: torch.dt
     assert torch.equal(Codec(spec).decode_into(frame, torch.empty(kv.shape, dtype=dtype)), native)
 
 
+def test_the_setting_is_read_on_first_use_not_at_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "_wanted", None)  # as if no kernel had been asked for yet
+    monkeypatch.setenv("KVSTASH_NATIVE_KERNELS", "0")
+    assert not kernels.enabled()
+    monkeypatch.setattr(kernels, "_wanted", None)
+    monkeypatch.setenv("KVSTASH_NATIVE_KERNELS", "1")
+    assert kernels.enabled() is bool(kernels.LEVEL)
+
+
 def test_the_setting_is_0_or_1_and_anything_else_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kernels, "ENABLED", kernels.ENABLED)  # restored after the test
-    assert kernels.configure({"KVSTASH_NATIVE_KERNELS": "0"}) is False and not kernels.ENABLED
-    assert kernels.configure({}) is bool(kernels.LEVEL) and kernels.ENABLED is bool(kernels.LEVEL)
+    monkeypatch.setattr(kernels, "_wanted", None)  # restored after the test
+    assert kernels.configure({"KVSTASH_NATIVE_KERNELS": "0"}) is False and not kernels.enabled()
+    assert kernels.configure({}) is bool(kernels.LEVEL) and kernels.enabled() is bool(kernels.LEVEL)
     assert kernels.configure({"KVSTASH_NATIVE_KERNELS": ""}) is bool(kernels.LEVEL)  # empty: unset, as elsewhere
     for bad in ("off", "2", "yes"):
         with pytest.raises(ConfigError, match="KVSTASH_NATIVE_KERNELS must be 0 .* or 1, got"):
             kernels.configure({"KVSTASH_NATIVE_KERNELS": bad})
-    kernels.configure()  # this process's own setting again
 
 
 

@@ -19,16 +19,16 @@ from ops.redisproc import RedisProcess
 from service.app import store_settings
 from service.engines import GenParams, load_engine
 from service.engines.ggufpath import smollm2_gguf
-from service.engines.llamacpp import LlamaCppEngine
-from service.engines.llamastate import (
+from service.engines.llama.llamacpp import LlamaCppEngine
+from service.engines.llama.llamastate import (
     GGML_TYPE_F16,
     GGML_TYPE_Q8_0,
     MAGIC,
     StateGeometry,
-    assemble_state,
     parse_state,
     read_facts,
 )
+from service.engines.llama.statewrite import assemble_state
 from service.metrics import PodMetrics
 from service.pipeline import Pipeline
 from service.settings import PodSettings, settings_from_env
@@ -216,7 +216,7 @@ async def test_a_pods_hit_lands_in_a_lent_state_and_the_state_goes_back(
         full = engine.generate(prompt, None, GREEDY)
         hashes = pipe.hashes(b"lent", prompt[:-1])
         frames = [Codec("fp16").encode(full.kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
-        assert await store.put_blocks(pipe.model_key, hashes, frames) == len(hashes) >= 3
+        assert (await store.store_blocks(pipe.model_key, hashes, frames)).value == len(hashes) >= 3
         view, _ = await pipe.lookup(b"lent", prompt)
         assert view.cached_tokens == len(hashes) * b < len(prompt) - 1
         assert view.kv is not None and engine.is_lent(view.kv)  # the hit is in a state already
@@ -240,7 +240,7 @@ async def test_token_row_frames_are_received_into_the_lent_state_itself(
     the rows of the state the engine lent (nothing lands anywhere else, nothing is dequantized): the reply equals a
     full prefill's. A frame corrupted in Redis ends the hit before it, and the reply is still the prefill's."""
     from cachestore.codec import read_header  # noqa: PLC0415
-    from cachestore.landing import Scatter  # noqa: PLC0415
+    from cachestore.wire import Scatter  # noqa: PLC0415
 
     b = 16
     prompt = _prompt(engine, " ".join(QUESTIONS))
@@ -251,7 +251,7 @@ async def test_token_row_frames_are_received_into_the_lent_state_itself(
             hashes = pipe.hashes(b"rows", prompt[:-1])
             frames = [pipe.codecs.at(i).encode(full.kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
             assert all(read_header(f).rows for f in frames)
-            assert await store.put_blocks(pipe.model_key, hashes, frames) == len(hashes) >= 3
+            assert (await store.store_blocks(pipe.model_key, hashes, frames)).value == len(hashes) >= 3
             out = engine.context_for(len(prompt) - 1)
             assert out is not None
             stage, targets = pipe.landing_for(len(hashes), out)
@@ -388,7 +388,7 @@ def test_score_gives_every_positions_logits(engine: LlamaCppEngine) -> None:
 
 
 def test_every_special_token_typed_in_content_stays_text_in_llamacpp(engine: LlamaCppEngine) -> None:
-    from service.models import load_model  # noqa: PLC0415  (the same vocabulary, named by transformers)
+    from service.engines.hf.models import load_model  # noqa: PLC0415  (the same vocabulary, named by transformers)
 
     tok = load_model("tiny-random").tokenizer
     specials = sorted(set(tok.all_special_tokens) | {t for t in tok.get_vocab() if t.startswith("<|")})
@@ -454,7 +454,8 @@ def test_a_q8_0_cache_round_trips_through_q8_frames_byte_for_byte(q8_engine: Lla
 
 
 def test_the_q8_0_engine_names_its_cache_in_its_fingerprint(engine: LlamaCppEngine, q8_engine: LlamaCppEngine) -> None:
-    assert q8_engine.geometry.dtype == torch.float32 and q8_engine.rows_apart and not engine.rows_apart
+    assert q8_engine.geometry.dtype == torch.float32
+    assert q8_engine.kv_layout.rows_apart and not engine.kv_layout.rows_apart
     assert engine.fingerprint(16, "q8+lz4").short() != q8_engine.fingerprint(16, "q8+lz4").short()
     with pytest.raises(ConfigError, match="q4_0"):
         LlamaCppEngine.load("smollm2", parallel=1, kv_type="q4_0")
@@ -467,7 +468,7 @@ async def test_q8_frames_are_received_into_a_q8_0_state_and_the_reply_is_unchang
     the rows of a q8_0 state the engine lent, beside a float32 tensor that only the cells after them pass through
     (a tail, a session's partial block). The reply equals a full prefill's on the same cache, token for token, even
     with the tensor's cells garbage: the hit never went through it. A corrupt frame ends the hit before it."""
-    from cachestore.landing import Scatter  # noqa: PLC0415
+    from cachestore.wire import Scatter  # noqa: PLC0415
 
     engine, b = q8_engine, 16
     prompt = _prompt(engine, " ".join(QUESTIONS))
@@ -475,7 +476,7 @@ async def test_q8_frames_are_received_into_a_q8_0_state_and_the_reply_is_unchang
     async with rows_pod(engine, redis_server, "q8", b) as (store, pipe):
         hashes = pipe.hashes(b"rows", prompt[:-1])
         frames = [pipe.codecs.at(i).encode(full.kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
-        assert await store.put_blocks(pipe.model_key, hashes, frames) == len(hashes) >= 3
+        assert (await store.store_blocks(pipe.model_key, hashes, frames)).value == len(hashes) >= 3
         out = engine.context_for(len(prompt) - 1)
         assert out is not None and out.dtype == torch.float32
         stage, targets = pipe.landing_for(len(hashes), out)
@@ -524,7 +525,7 @@ async def test_flash_attention_off_stores_v_transposed_and_a_hit_replies_as_a_fu
         LlamaCppEngine.load("smollm2", parallel=1, threads=2, flash_attn="sometimes")
     engine = LlamaCppEngine.load("smollm2", parallel=2, threads=2, flash_attn="off")
     try:
-        assert engine.state_geometry.v_trans and not engine.row_frames
+        assert engine.state_geometry.v_trans and not engine.kv_layout.row_frames
         b = 16
         prompt = _prompt(engine, " ".join(QUESTIONS))
         full = engine.generate(prompt, None, GREEDY)
@@ -535,7 +536,7 @@ async def test_flash_attention_off_stores_v_transposed_and_a_hit_replies_as_a_fu
                 assert not pipe.codecs.main.spec.rows
                 hashes = pipe.hashes(b"fa-off", prompt[:-1])
                 frames = [pipe.codecs.at(i).encode(full.kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
-                assert await store.put_blocks(pipe.model_key, hashes, frames) == len(hashes) >= 3
+                assert (await store.store_blocks(pipe.model_key, hashes, frames)).value == len(hashes) >= 3
                 view, _ = await pipe.lookup(b"fa-off", prompt)
                 hit = len(hashes) * b
                 assert view.cached_tokens == hit and view.kv is not None and engine.is_lent(view.kv)

@@ -13,8 +13,8 @@ import pytest
 from ops.pods import PodProcess
 from ops.redisproc import RedisProcess
 from service.engines import GenParams
-from service.engines.llamacpp import LlamaCppEngine
-from tests.conftest import running, settle
+from service.engines.llama.llamacpp import LlamaCppEngine
+from tests.support import running, settle
 from tests.tinymodels import converter_missing, tiny_gguf
 
 pytestmark = pytest.mark.skipif(converter_missing() is not None, reason=converter_missing() or "")

@@ -15,9 +15,10 @@ from cachestore.codec import read_header
 from ops.chatclient import stream_chat
 from ops.pods import PodProcess
 from ops.redisproc import RedisProcess
-from service.engines import GenParams, kv_cache_type
-from service.engines.llamacpp import LlamaCppEngine
-from tests.conftest import running, settle
+from service.engines import GenParams
+from service.engines.llama import kv_cache_type
+from service.engines.llama.llamacpp import LlamaCppEngine
+from tests.support import running, settle
 
 ARGS = ("--engine", "llamacpp", "--block-tokens", "16", "--parallel", "2", "--threads", "1")
 SYSTEM = {"role": "system", "content": "You are a concise science tutor. Answer in two or three sentences."}

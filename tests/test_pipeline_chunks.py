@@ -1,4 +1,4 @@
-"""Pipeline.lookup reads blocks in pipelined chunks and decodes them into one context: exact, truncated at holes."""
+"""Lookup reads blocks in pipelined chunks and decodes them into one context: exact, truncated at holes."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from cachestore.codec import Codec
 from cachestore.store import BlockStore
 from cachestore.tails import unpack_tail
 from ops.redisproc import RedisProcess
-from service import pipeline as pipeline_module
+from service import lookup as lookup_module
 from service.app import store_settings
 from service.engines import GenParams
-from service.engines.hf import HfEngine
+from service.engines.hf.engine import HfEngine
 from service.metrics import PodMetrics
 from service.pipeline import Pipeline
 from service.settings import PodSettings
@@ -31,11 +31,11 @@ async def test_chunked_lookup_rebuilds_the_context_and_stops_at_a_corrupt_block(
     pipe = Pipeline(settings, runner, store, Codec("exact"), PodMetrics(), None)
     try:
         prompt = list(range(100, 100 + 20 * b + 2))  # 20 full blocks usable: 3 chunks of 8, 8, 4
-        assert pipeline_module.FETCH_CHUNK_BLOCKS < 20
+        assert lookup_module.FETCH_CHUNK_BLOCKS < 20
         kv = runner.generate(prompt, None, GenParams(max_tokens=1)).kv  # [L, 2, H, T, D]
         hashes = pipe.hashes(SALT, prompt[:-1])
         frames = [Codec("exact").encode(kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
-        assert await store.put_blocks(pipe.model_key, hashes, frames) == 20
+        assert (await store.store_blocks(pipe.model_key, hashes, frames)).value == 20
 
         view, _ = await pipe.lookup(SALT, prompt)
         assert (view.status, view.cached_tokens, view.hit_blocks) == ("hit", 20 * b, 20)
@@ -82,17 +82,17 @@ async def test_a_hit_writes_back_the_blocks_after_it_and_its_tail_from_the_kv_it
         truth = runner.generate(prompt, None, GenParams(max_tokens=4))  # the whole sequence's KV, from scratch
         hashes = pipe.hashes(SALT, prompt[:-1])
         frames = [Codec("exact").encode(truth.kv[:, :, :, i * b:(i + 1) * b]) for i in range(5)]
-        assert await store.put_blocks(pipe.model_key, hashes[:5], frames) == 5  # another pod wrote 5 blocks
+        assert (await store.store_blocks(pipe.model_key, hashes[:5], frames)).value == 5  # another pod wrote 5 blocks
 
         view, _ = await pipe.lookup(SALT, prompt)
         assert view.hit_blocks == 5
         gen = await pipe.generate(prompt, view, GenParams(max_tokens=4))
         assert gen.token_ids == truth.token_ids and gen.kv_from == 5 * b
-        assert await pipe.settle(pipe.write_back(SALT, gen, view), view)
+        assert await pipe.writes.settle(pipe.writes.write_back(SALT, gen, view), view)
 
         seq = gen.seq_ids
         full = len(seq) // b
-        stored = await store.lookup(pipe.model_key, pipe.hashes(SALT, seq))
+        stored = (await store.fetch(pipe.model_key, pipe.hashes(SALT, seq))).value
         assert len(stored) == full
         for i in range(5, full):
             torch.testing.assert_close(Codec("exact").decode(stored[i]), truth.kv[:, :, :, i * b:(i + 1) * b],

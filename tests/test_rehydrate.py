@@ -8,16 +8,16 @@ import time
 import pytest
 import torch
 
-from cachestore import attend as in_codes
-from cachestore import kernels
-from cachestore.codec import Codec
+from cachestore.codec import Codec, kernels
+from cachestore.codec import attend as in_codes
 from cachestore.errors import CodecError
 from service.engines import GenParams
+from service.engines.gate import LayerGate
 from service.engines.generation import Generation
-from service.engines.hf import HfEngine
-from service.hfcache import ATTEND_MAX_NEW
-from service.pipeline import chunk_plan
-from service.rehydrate import LayerGate, Rehydration
+from service.engines.hf.engine import HfEngine
+from service.engines.hf.hfcache import ATTEND_MAX_NEW
+from service.lookup import chunk_plan
+from service.rehydrate import Rehydration
 
 MODES = ["exact", "fp16", "int8", "int4", "int2", "int4/rot", "int2+zstd", "int4/g32/clip", "fp8", "fp16+zstd",
          "q8"]
@@ -280,13 +280,13 @@ def test_the_first_step_reads_cached_layers_from_a_scratch(tiny_model: object, m
     assert torch.allclose(again.kv, full.kv, atol=1e-5)  # the write-back's whole range too: the cached part settled
 
 
-@pytest.mark.skipif(not kernels.ENABLED, reason="no native kernel on this CPU or build")
+@pytest.mark.skipif(not kernels.enabled(), reason="no native kernel on this CPU or build")
 @pytest.mark.parametrize("spec", ["int8", "int4", "fp16", "exact"])
 @pytest.mark.parametrize("new", [1, 3, ATTEND_MAX_NEW + 2])
 def test_the_first_step_attends_over_the_landed_codes(tiny_model: object, spec: str, new: int,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """With a kernel and up to ATTEND_MAX_NEW new tokens, the first step's attention reads each layer's cached tokens
-    from the frames where they landed (cachestore.attend), the tail and the new tokens from the context: nothing is
+    from the frames where they landed (codec.attend), the tail and the new tokens from the context: nothing is
     dequantized, and the reply and its KV are the scratch path's (to float rounding). More new tokens: the scratch."""
     engine = HfEngine(tiny_model)  # type: ignore[arg-type]
     layers, b = engine.geometry.num_layers, 16
@@ -312,11 +312,11 @@ def test_the_first_step_attends_over_the_landed_codes(tiny_model: object, spec: 
     assert torch.allclose(gen.kv, scratch.kv, atol=1e-5)
 
 
-@pytest.mark.skipif(not kernels.ENABLED, reason="no native kernel on this CPU or build")
+@pytest.mark.skipif(not kernels.enabled(), reason="no native kernel on this CPU or build")
 def test_a_model_in_bf16_reads_the_first_step_from_the_scratch(monkeypatch: pytest.MonkeyPatch) -> None:
     """The attention kernels take fp32 queries: a pod running its model in another dtype keeps the scratch, and its
     reply is the one it gives with no kernel at all."""
-    from service.models import load_model  # noqa: PLC0415
+    from service.engines.hf.models import load_model  # noqa: PLC0415
 
     engine = HfEngine(load_model("tiny-random", dtype=torch.bfloat16))
     attended: list[object] = []

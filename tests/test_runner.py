@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service import hfcache
 from service.engines.generation import TextStream
-from service.models import load_model
-from service.runner import GenParams, ModelRunner
+from service.engines.hf import hfcache
+from service.engines.hf.models import load_model
+from service.engines.hf.runner import GenParams, ModelRunner
 
 GREEDY = GenParams(max_tokens=24)
 BLOCK = 16

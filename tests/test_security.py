@@ -83,7 +83,7 @@ UNSAFE_CALLS = {("pickle", "load"), ("pickle", "loads"), ("torch", "load"), ("ma
 UNSAFE_NAMES = {"eval", "exec", "__import__"}
 UNSAFE_MODULES = {"pickle", "cPickle", "dill", "marshal", "shelve"}
 # The one allowed use: the naive baseline of the resume benchmark reloads bytes the benchmark itself wrote.
-ALLOWED = {("ops/bench/resume.py", "torch.load")}
+ALLOWED = {("ops/bench/resumebench.py", "torch.load")}
 
 
 def _findings(path: Path) -> list[tuple[str, int, str]]:
@@ -220,7 +220,7 @@ def test_misconfigured_serve_process_exits_without_traceback(password_redis: Red
 @pytest.fixture
 def tls_acl(tmp_path: Path) -> Iterator[tuple[RedisProcess, int, Path]]:
     """TLS Redis with ACL user `kv` limited to `kvstash:*` as docs/keys.md recommends."""
-    from tests.test_store_tls import tls_acl_server  # noqa: PLC0415
+    from tests.support import tls_acl_server  # noqa: PLC0415
 
     with tls_acl_server(tmp_path, REDIS_PASSWORD, "~kvstash:*") as found:
         yield found
@@ -275,7 +275,7 @@ def test_full_service_over_tls_as_a_limited_acl_user(tls_acl: tuple[RedisProcess
 def test_tls_or_acl_misconfiguration_fails_fast(kind: str, tls_acl: tuple[RedisProcess, int, Path],
                                                  tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    from tests.test_store_tls import self_signed  # noqa: PLC0415
+    from tests.support import self_signed  # noqa: PLC0415
 
     server, tls_port, cert = tls_acl
     base = f"rediss://kv:{REDIS_PASSWORD}@127.0.0.1:{tls_port}/0"

@@ -11,41 +11,13 @@ import pytest
 from starlette.testclient import TestClient
 
 from ops.redisproc import RedisProcess
-from service.app import create_app
-from service.settings import PodSettings
-
-HISTORY = [
-    {"role": "system", "content": "You are a helpful assistant. " * 20},
-    {"role": "user", "content": "Tell me about the history of the printing press in Europe, in detail."},
-]
-
-
-def make_client(redis: RedisProcess, tiny_model: Any, **overrides: Any) -> TestClient:
-    settings = PodSettings(model="tiny-random", redis_url=redis.url, codec=overrides.pop("codec", "exact"),
-                           block_tokens=overrides.pop("block_tokens", 16), pod_name="pod-test", **overrides)
-    return TestClient(create_app(settings, engine=tiny_model), raise_server_exceptions=False)
+from tests.support import HISTORY, chat, make_client, wait_written
 
 
 @pytest.fixture
 def client(redis_server: RedisProcess, tiny_model: Any) -> Iterator[TestClient]:
     with make_client(redis_server, tiny_model) as c:
         yield c
-
-
-def chat(client: TestClient, messages: list[dict[str, str]], **extra: Any) -> Any:
-    headers = extra.pop("headers", None) or {}  # HTTP headers, never a body field (the pod refuses unknown ones)
-    body = {"model": "tiny-random", "messages": messages, "max_tokens": 12, "temperature": 0, **extra}
-    return client.post("/v1/chat/completions", json=body, headers=headers)
-
-
-def wait_written(client: TestClient) -> None:
-    state = client.app.state.pod  # type: ignore[attr-defined]
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if state.writer.depth == 0:  # queued + the one being written
-            return
-        time.sleep(0.02)
-    raise AssertionError("background writes did not finish")
 
 
 def test_health_ready_models_metrics(client: TestClient) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from ops.pods import PodProcess
 from ops.redisproc import RedisProcess
-from tests.conftest import settle, tiny_pods
+from tests.support import settle, tiny_pods
 
 QUESTIONS = ["Tell me a story about a lighthouse keeper.", "What happened next?", "How did it end?",
              "Give it a title."]

@@ -26,14 +26,15 @@ from ops.llamaserver_build import binary_path
 from ops.redisproc import RedisProcess
 from ops.sidecar_cmd import sidecar_app
 from ops.sidecarproc import SidecarProcess
-from service.engines import GenParams, slotfile
-from service.engines.llamacpp import resolve_gguf
-from service.engines.llamaserver import LlamaServerEngine
-from service.engines.llamaserverproc import LlamaServerProcess, wait_healthy
+from service.engines import GenParams
+from service.engines.llama import slotfile
+from service.engines.llama.gguf import resolve_gguf
+from service.engines.llama.llamaserver import LlamaServerEngine
+from service.engines.llama.llamaserverproc import LlamaServerProcess, wait_healthy
 from service.pipeline import Pipeline
 from service.settings import PodSettings
-from tests.conftest import running, settle
 from tests.lentpod import rows_pod
+from tests.support import running, settle
 
 ARGS = ("--codec", "exact", "--block-tokens", "16", "--ctx-per-slot", "4096")
 SYSTEM = {"role": "system", "content": "You are a concise science tutor. Answer in two or three sentences."}
@@ -98,7 +99,7 @@ def test_a_spawned_llama_server_runs_the_flash_attention_asked_for() -> None:
         LlamaServerEngine.spawn("smollm2", parallel=1, threads=1, ctx_per_slot=2048, kv_type="q8_0", flash_attn="off")
     off = LlamaServerEngine.spawn("smollm2", parallel=1, threads=1, ctx_per_slot=2048, flash_attn="off")
     try:
-        assert off.state_geometry.v_trans and not off.row_frames
+        assert off.state_geometry.v_trans and not off.kv_layout.row_frames
         first, second, gen = _conversation(off)
         off.forget()
         hit = off.generate(second, gen.kv[:, :, :, :len(first)], GREEDY)
@@ -110,7 +111,8 @@ def test_a_spawned_llama_server_runs_the_flash_attention_asked_for() -> None:
 async def test_a_hit_lands_in_the_state_of_the_slot_file_it_is_restored_from(
     engine: LlamaServerEngine, redis_server: RedisProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert engine.row_frames and not engine.rows_apart  # flash attention on: V rows, frames as token rows
+    # flash attention on: V rows, frames as token rows
+    assert engine.kv_layout.row_frames and not engine.kv_layout.rows_apart
     for codec in ("exact", "int8"):
         await _hit_lands_in_the_slot_state(engine, redis_server, codec, monkeypatch)
 
@@ -128,7 +130,7 @@ async def _hit_lands_in_the_slot_state(engine: LlamaServerEngine, redis_server: 
     async with rows_pod(engine, redis_server, codec, b) as (store, pipe):
         hashes = pipe.hashes(b"slot", prompt[:-1])
         frames = [pipe.codecs.at(i).encode(full.kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
-        assert await store.put_blocks(pipe.model_key, hashes, frames) == len(hashes) >= 3
+        assert (await store.store_blocks(pipe.model_key, hashes, frames)).value == len(hashes) >= 3
         hit = len(hashes) * b
         engine.forget()
         expected = engine.generate(prompt, _decoded(pipe, frames), GREEDY)  # a slot file assembled from a tensor
@@ -137,7 +139,7 @@ async def _hit_lands_in_the_slot_state(engine: LlamaServerEngine, redis_server: 
         view, _ = await pipe.lookup(b"slot", prompt)
         assert view.cached_tokens == hit and view.kv is not None and engine.is_lent(view.kv)
         assert (view.landing is None) == (codec != "int8")  # rows received in place; int8 lands, then dequantized
-        if engine.rows_apart:
+        if engine.kv_layout.rows_apart:
             view.kv.fill_(float("nan"))  # the rows are in the state: nothing of the hit is read from the tensor
 
         def assembled(*_: object) -> None:

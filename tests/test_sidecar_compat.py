@@ -20,12 +20,12 @@ from ops.llamaserver_build import binary_path
 from ops.redisproc import RedisProcess
 from ops.sidecar_cmd import sidecar_app
 from ops.sidecarproc import SidecarProcess
-from service.engines.llamacpp import resolve_gguf
-from service.engines.llamaserver import LlamaServerEngine
-from service.engines.llamaserverproc import LlamaServerProcess
+from service.engines.llama.gguf import resolve_gguf
+from service.engines.llama.llamaserver import LlamaServerEngine
+from service.engines.llama.llamaserverproc import LlamaServerProcess
 from service.settings import PodSettings
-from tests.conftest import running, settle
 from tests.replies import reply
+from tests.support import running, settle
 
 pytestmark = pytest.mark.skipif(binary_path() is None, reason="no llama-server built: run `make setup`")
 

@@ -13,12 +13,12 @@ import pytest
 
 from cachestore.errors import ConfigError
 from cachestore.hashing import BlockHash, ModelFingerprint, chain_hashes, root_hash
-from cachestore.landing import Scatter
 from cachestore.outcome import Outcome
 from cachestore.sessions import FIELDS, SessionRecord, to_fields
 from cachestore.settings import StoreSettings
 from cachestore.signing import TRAILER_SIZE, Signer, signed_by
 from cachestore.store import BlockStore
+from cachestore.wire import Scatter
 from ops.redisproc import RedisProcess
 
 FP = ModelFingerprint("smollm2-135m", "tok1", "float32", 30, 3, 64, 16, "int8+none")
@@ -66,23 +66,23 @@ def test_tag_is_keyed_blake3_of_name_and_body() -> None:
 async def test_blocks_signed_and_moved(store: BlockStore) -> None:
     a, b = hashes_for(b"tenant-a"), hashes_for(b"tenant-b")
     frames = [os.urandom(900) for _ in a]
-    assert await store.put_blocks(MODEL, a, frames) == len(a)
-    assert await store.lookup(MODEL, a) == frames
+    assert (await store.store_blocks(MODEL, a, frames)).value == len(a)
+    assert (await store.fetch(MODEL, a)).value == frames
     raw = store.client
     key = store.keys.block(MODEL, a[0])[1]
     stored = await raw.get(key)
     assert len(stored) == 900 + TRAILER_SIZE and stored[:900] == frames[0]
     # a well-formed signed value moved to another key (another tenant's block 0), and one unsigned: both misses
     await raw.set(store.keys.block(MODEL, b[0])[1], stored)
-    assert await store.lookup(MODEL, b[:1]) == []
+    assert (await store.fetch(MODEL, b[:1])).value == []
     await raw.set(key, frames[0])  # the body without its trailer
-    assert await store.lookup(MODEL, a) == []
+    assert (await store.fetch(MODEL, a)).value == []
     altered = bytearray(stored)
     altered[10] ^= 1
     await raw.set(key, bytes(altered))
-    assert await store.lookup(MODEL, a) == []
+    assert (await store.fetch(MODEL, a)).value == []
     await raw.set(key, stored)
-    assert await store.lookup(MODEL, a) == frames
+    assert (await store.fetch(MODEL, a)).value == frames
     assert store.stats().rejected_mac == 3
 
 
@@ -107,7 +107,7 @@ def _landing(store: BlockStore, hashes: list[BlockHash], frames: list[bytes]) ->
 async def test_landed_blocks_verified(store: BlockStore) -> None:
     hashes = hashes_for(b"land")
     frames = [os.urandom(700 + 10 * i) for i in range(len(hashes))]
-    await store.put_blocks(MODEL, hashes, frames)
+    await store.store_blocks(MODEL, hashes, frames)
     got = await asyncio.to_thread(_landing, store, hashes, frames)
     assert got == frames
     key = store.keys.block(MODEL, hashes[3])[1]
@@ -145,12 +145,12 @@ async def test_rotation(shared_redis_server: RedisProcess) -> None:
     try:
         first, second = hashes_for(b"r")[:3], hashes_for(b"r")[3:]
         frames = [os.urandom(500) for _ in range(6)]
-        await old.put_blocks(MODEL, first, frames[:3])
-        await both.put_blocks(MODEL, second, frames[3:])  # signed with the new key
-        assert await both.lookup(MODEL, first + second) == frames
-        assert await old.lookup(MODEL, first + second) == frames[:3]  # the old pod: not the new key's
-        assert await new.lookup(MODEL, second) == frames[3:]
-        assert await new.lookup(MODEL, first) == []
+        await old.store_blocks(MODEL, first, frames[:3])
+        await both.store_blocks(MODEL, second, frames[3:])  # signed with the new key
+        assert (await both.fetch(MODEL, first + second)).value == frames
+        assert (await old.fetch(MODEL, first + second)).value == frames[:3]  # the old pod: not the new key's
+        assert (await new.fetch(MODEL, second)).value == frames[3:]
+        assert (await new.fetch(MODEL, first)).value == []
         assert (old.stats().rejected_mac, both.stats().rejected_mac, new.stats().rejected_mac) == (1, 0, 1)
     finally:
         await old.clear_namespace()

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from ops.llamaserver_build import binary_path
-from service.engines import llamastate, slotfile
-from service.engines.llamacpp import resolve_gguf
-from service.engines.llamaserverproc import LlamaServerProcess
-from service.engines.llamastate import StateGeometry
-from service.engines.slotfile import SlotFileError
+from service.engines.llama import llamastate, slotfile, statewrite
+from service.engines.llama.gguf import resolve_gguf
+from service.engines.llama.llamaserverproc import LlamaServerProcess
+from service.engines.llama.llamastate import StateGeometry
+from service.engines.llama.slotfile import SlotFileError
 
 GEO = StateGeometry(num_layers=2, kv_heads=2, head_dim=3, v_trans=False)
 TOKENS = [1, 502, 77, 9]
@@ -31,7 +31,7 @@ def _kv(n: int) -> torch.Tensor:
 def _golden(tokens: list[int], kv: torch.Tensor, token_words: list[int] | None = None) -> bytes:
     """A slot file written field by field from the layout table in slotfile's docstring."""
     words = token_words if token_words is not None else [-1, 1, len(tokens), *tokens, 0]
-    state = bytes(llamastate.assemble_state(kv, GEO))[8:]  # without the magic + seq_id prefix
+    state = bytes(statewrite.assemble_state(kv, GEO))[8:]  # without the magic + seq_id prefix
     return struct.pack("<III", 0x67677371, 3, len(words)) + struct.pack(f"<{len(words)}i", *words) + state
 
 
@@ -57,7 +57,7 @@ def test_the_kv_of_the_later_tokens_is_read_alone(tmp_path: Path) -> None:
 
 def test_a_slot_file_of_the_first_cells_of_a_lent_state_is_written_from_its_rows(tmp_path: Path) -> None:
     """A hit landed in a state of 6 cells (a context lent) restores its first 4 as the very file `assemble` writes."""
-    made = llamastate.state_view(6, GEO, into=bytearray(llamastate.state_size(6, GEO)))
+    made = statewrite.state_view(6, GEO, into=bytearray(llamastate.state_size(6, GEO)))
     assert made is not None
     state, view = made
     view.copy_(torch.cat([_kv(4), torch.full((2, 2, 2, 2, 3), 9.0, dtype=torch.float16)], dim=3))

@@ -1,4 +1,4 @@
-"""The sections of llama.cpp sequence states (service.engines.statelayout), golden against what the pinned llama.cpp
+"""The sections of llama.cpp sequence states (llama.statelayout), golden against what the pinned llama.cpp
 writes for tiny full-attention, sliding-window and hybrid models (tests.tinymodels), and the layout each engine
 names."""
 
@@ -14,9 +14,9 @@ import pytest
 
 from cachestore.errors import ConfigError
 from ops.llamaserver_build import binary_path
-from service.engines.ggufmeta import read_meta
-from service.engines.llamastate import MAGIC, StateLayoutError
-from service.engines.statelayout import (
+from service.engines.llama.ggufmeta import read_meta
+from service.engines.llama.llamastate import MAGIC, StateLayoutError
+from service.engines.llama.statelayout import (
     KV,
     RECURRENT,
     KvSection,
@@ -240,7 +240,7 @@ def test_a_layout_names_its_layers_in_the_fingerprint_and_in_one_line() -> None:
     ("lfm2", "lfm2, 4 layers: 2 recurrent (layers 0,2; 1,024 bytes of state a sequence), 2 full-attention"),
 ])
 def test_the_llamacpp_engine_refuses_a_layout_it_cannot_cache_naming_it(name: str, layout: str) -> None:
-    from service.engines.llamacpp import LlamaCppEngine  # noqa: PLC0415
+    from service.engines.llama.llamacpp import LlamaCppEngine  # noqa: PLC0415
 
     with pytest.raises(ConfigError) as refused:
         LlamaCppEngine(tiny_gguf(name), name=name, parallel=1, threads=1)
@@ -255,7 +255,7 @@ def test_the_llamacpp_engine_refuses_a_layout_it_cannot_cache_naming_it(name: st
 ])
 def test_the_sidecar_refuses_a_layout_it_cannot_cache_naming_it(name: str, layout: str) -> None:
     """Read from the sections of the slot file llama-server saves of a probe, as the llamacpp engine reads its own."""
-    from service.engines.llamaserver import LlamaServerEngine  # noqa: PLC0415
+    from service.engines.llama.llamaserver import LlamaServerEngine  # noqa: PLC0415
 
     with pytest.raises(ConfigError) as refused:
         LlamaServerEngine.spawn(str(tiny_gguf(name)), parallel=1, threads=1, ctx_per_slot=512)

@@ -42,11 +42,11 @@ async def test_full_partial_and_miss(store: BlockStore) -> None:
     tokens = list(range(16 * 8))
     hashes = hashes_for(tokens)
     frames = frames_for(8)
-    assert await store.put_blocks(FP.short(), hashes[:5], frames[:5]) == 5
-    assert await store.lookup(FP.short(), hashes[:5]) == frames[:5]  # full hit
-    assert await store.lookup(FP.short(), hashes) == frames[:5]  # partial hit: prefix only
+    assert (await store.store_blocks(FP.short(), hashes[:5], frames[:5])).value == 5
+    assert (await store.fetch(FP.short(), hashes[:5])).value == frames[:5]  # full hit
+    assert (await store.fetch(FP.short(), hashes)).value == frames[:5]  # partial hit: prefix only
     other = hashes_for(list(range(1000, 1000 + 64)))
-    assert await store.lookup(FP.short(), other) == []  # miss
+    assert (await store.fetch(FP.short(), other)).value == []  # miss
     st = store.stats()
     assert (st.hits, st.partial_hits, st.misses) == (1, 1, 1)
     assert st.bytes_read == 10 * 1000 and st.blocks_written == 5
@@ -56,37 +56,37 @@ async def test_hole_in_chain_truncates(store: BlockStore) -> None:
     hashes = hashes_for(list(range(16 * 6)))
     frames = frames_for(6)
     keep = [0, 1, 3, 4, 5]  # block 2 missing
-    await store.put_blocks(FP.short(), [hashes[i] for i in keep], [frames[i] for i in keep])
-    assert await store.lookup(FP.short(), hashes) == frames[:2]
+    await store.store_blocks(FP.short(), [hashes[i] for i in keep], [frames[i] for i in keep])
+    assert (await store.fetch(FP.short(), hashes)).value == frames[:2]
 
 
 async def test_other_tenant_and_other_model_never_hit(store: BlockStore) -> None:
     tokens = list(range(16 * 4))
-    await store.put_blocks(FP.short(), hashes_for(tokens), frames_for(4))
-    assert len(await store.lookup(FP.short(), hashes_for(tokens))) == 4
-    assert await store.lookup(FP.short(), hashes_for(tokens, salt=b"tenant-b")) == []
-    assert await store.lookup(FP_OTHER.short(), hashes_for(tokens, fp=FP_OTHER)) == []
+    await store.store_blocks(FP.short(), hashes_for(tokens), frames_for(4))
+    assert len((await store.fetch(FP.short(), hashes_for(tokens))).value) == 4
+    assert (await store.fetch(FP.short(), hashes_for(tokens, salt=b"tenant-b"))).value == []
+    assert (await store.fetch(FP_OTHER.short(), hashes_for(tokens, fp=FP_OTHER))).value == []
     # same hashes under another model id: the key carries the model, still no hit
-    assert await store.lookup(FP_OTHER.short(), hashes_for(tokens)) == []
+    assert (await store.fetch(FP_OTHER.short(), hashes_for(tokens))).value == []
 
 
 async def test_put_is_idempotent_and_refuses_big_values(store: BlockStore) -> None:
     hashes = hashes_for(list(range(32)))
     frames = frames_for(2)
-    assert await store.put_blocks(FP.short(), hashes, frames) == 2
-    assert await store.put_blocks(FP.short(), hashes, frames) == 0  # already present
+    assert (await store.store_blocks(FP.short(), hashes, frames)).value == 2
+    assert (await store.store_blocks(FP.short(), hashes, frames)).value == 0  # already present
     assert (await store.usage()).bytes_held == 2000
     big = b"x" * (store.settings.max_value_bytes + 1)
     with pytest.raises(ValueTooLarge):
-        await store.put_blocks(FP.short(), hashes_for(list(range(500, 532))), [b"ok", big])
-    assert await store.lookup(FP.short(), hashes_for(list(range(500, 532)))) == []  # nothing written
+        await store.store_blocks(FP.short(), hashes_for(list(range(500, 532))), [b"ok", big])
+    assert (await store.fetch(FP.short(), hashes_for(list(range(500, 532))))).value == []  # nothing written
     with pytest.raises(InvalidName):
-        await store.lookup("bad model:id", hashes)
+        await store.fetch("bad model:id", hashes)
 
 
 async def test_key_names_are_readable(store: BlockStore, shared_kv_server: RedisProcess) -> None:
     hashes = hashes_for(list(range(16)))
-    await store.put_blocks(FP.short(), hashes, frames_for(1))
+    await store.store_blocks(FP.short(), hashes, frames_for(1))
     ns = store.settings.namespace
     keys = sorted(k.decode() for k in shared_kv_server.client().scan_iter(match=f"{ns}:*"))
     blocks = [k for k in keys if ":blk:" in k]
@@ -102,12 +102,12 @@ async def test_local_tier_serves_hot_blocks(shared_kv_server: RedisProcess) -> N
     writer, reader = BlockStore(settings), BlockStore(settings)
     try:
         hashes, frames = hashes_for(list(range(64))), frames_for(4)
-        await writer.put_blocks(FP.short(), hashes, frames)
-        assert await reader.lookup(FP.short(), hashes) == frames  # from Redis, fills the tier
-        assert await reader.lookup(FP.short(), hashes) == frames  # from the tier
+        await writer.store_blocks(FP.short(), hashes, frames)
+        assert (await reader.fetch(FP.short(), hashes)).value == frames  # from Redis, fills the tier
+        assert (await reader.fetch(FP.short(), hashes)).value == frames  # from the tier
         assert reader.stats().local_hits == 4
         await writer.clear_namespace()  # Redis loses everything: the tier still answers
-        assert await reader.lookup(FP.short(), hashes) == frames
+        assert (await reader.fetch(FP.short(), hashes)).value == frames
     finally:
         await writer.close()
         await reader.close()
@@ -117,12 +117,12 @@ async def test_ttl_expires_and_hits_slide_it(kv_server: RedisProcess) -> None:
     store = BlockStore(StoreSettings.from_url(kv_server.url, namespace="ttl", block_ttl_s=1, index_shards=2))
     try:
         kept, dropped = hashes_for(list(range(16))), hashes_for(list(range(100, 116)))
-        await store.put_blocks(FP.short(), kept + dropped, frames_for(2))
+        await store.store_blocks(FP.short(), kept + dropped, frames_for(2))
         for _ in range(3):  # 1.8 s in all: only the block read every 0.6 s survives
             await asyncio.sleep(0.6)
-            assert len(await store.lookup(FP.short(), kept)) == 1
-        assert await store.lookup(FP.short(), dropped) == []
-        assert await store.lookup(FP.short(), kept) != []
+            assert len((await store.fetch(FP.short(), kept)).value) == 1
+        assert (await store.fetch(FP.short(), dropped)).value == []
+        assert (await store.fetch(FP.short(), kept)).value != []
         await store.reconcile()
         assert (await store.usage()).bytes_held == 1000
     finally:
@@ -158,13 +158,13 @@ async def test_redis_killed_mid_workload_then_back(kv_server: RedisProcess) -> N
     store = BlockStore(settings)
     try:
         hashes, frames = hashes_for(list(range(64))), frames_for(4)
-        assert await store.put_blocks(FP.short(), hashes, frames) == 4
-        assert await store.lookup(FP.short(), hashes) == frames
+        assert (await store.store_blocks(FP.short(), hashes, frames)).value == 4
+        assert (await store.fetch(FP.short(), hashes)).value == frames
         kv_server.kill()
         for _ in range(6):  # nothing raises; the breaker opens
-            assert await store.lookup(FP.short(), hashes) == []
-            assert await store.put_blocks(FP.short(), hashes, frames) == 0
-            assert await store.get_session("acme", "s1") is None
+            assert (await store.fetch(FP.short(), hashes)).value == []
+            assert (await store.store_blocks(FP.short(), hashes, frames)).value == 0
+            assert (await store.read_session("acme", "s1")).value is None
         assert store.breaker_state == "open"
         st = store.stats()
         assert st.errors >= 3 and st.skipped_open > 0 and st.dropped_writes >= 6 and st.breaker_opened >= 1
@@ -174,8 +174,8 @@ async def test_redis_killed_mid_workload_then_back(kv_server: RedisProcess) -> N
             await asyncio.sleep(0.1)
             await store.ping()
         assert store.breaker_state == "closed"
-        assert await store.put_blocks(FP.short(), hashes, frames) == 4
-        assert await store.lookup(FP.short(), hashes) == frames  # hits resume
+        assert (await store.store_blocks(FP.short(), hashes, frames)).value == 4
+        assert (await store.fetch(FP.short(), hashes)).value == frames  # hits resume
     finally:
         await store.close()
 
@@ -184,12 +184,12 @@ async def test_blocking_fetch_from_reader_threads_is_fetch(store: BlockStore) ->
     """fetch_blocking (a lookup's reader thread) answers as fetch does, from many threads at once beside the event
     loop, into the same counters, local tier and TTL slide."""
     hashes, frames = hashes_for(list(range(16 * 6))), frames_for(6, 20_000)
-    assert await store.put_blocks(FP.short(), hashes, frames) == 6
+    assert (await store.store_blocks(FP.short(), hashes, frames)).value == 6
     other = hashes_for(list(range(5000, 5000 + 16 * 2)))
     before = store.stats()
 
     async def on_loop() -> list[bytes]:
-        return await store.lookup(FP.short(), hashes)
+        return (await store.fetch(FP.short(), hashes)).value
 
     results = await asyncio.gather(
         *(asyncio.to_thread(store.fetch_blocking, FP.short(), hashes) for _ in range(8)),
@@ -214,14 +214,14 @@ async def test_blocking_fetch_shares_the_breaker(kv_server: RedisProcess) -> Non
     store = BlockStore(settings)
     try:
         hashes, frames = hashes_for(list(range(64))), frames_for(4)
-        assert await store.put_blocks(FP.short(), hashes, frames) == 4
+        assert (await store.store_blocks(FP.short(), hashes, frames)).value == 4
         assert (await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes)).value == frames
         kv_server.kill()
         for _ in range(3):
             assert (await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes)).outcome is Outcome.UNAVAILABLE
         assert store.breaker_state == "open" and store.stats().errors >= 3
         skipped = store.stats().skipped_open
-        assert await store.lookup(FP.short(), hashes) == []  # the event loop's calls are not even made
+        assert (await store.fetch(FP.short(), hashes)).value == []  # the event loop's calls are not even made
         assert (await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes)).outcome is Outcome.UNAVAILABLE
         assert store.stats().skipped_open == skipped + 2
         kv_server.start()  # same port, empty
@@ -230,7 +230,7 @@ async def test_blocking_fetch_shares_the_breaker(kv_server: RedisProcess) -> Non
             await asyncio.sleep(0.1)
             await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes)  # the half-open probe, from a thread
         assert store.breaker_state == "closed"
-        assert await store.put_blocks(FP.short(), hashes, frames) == 4
+        assert (await store.store_blocks(FP.short(), hashes, frames)).value == 4
         assert (await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes)).value == frames
     finally:
         await store.close()
@@ -242,8 +242,8 @@ async def test_unix_socket_url() -> None:
     store = BlockStore(StoreSettings.from_url(f"unix://{sock}?db=0", namespace="unix"))
     try:
         hashes, frames = hashes_for(list(range(32))), frames_for(2)
-        assert await store.put_blocks(FP.short(), hashes, frames) == 2
-        assert await store.lookup(FP.short(), hashes) == frames
+        assert (await store.store_blocks(FP.short(), hashes, frames)).value == 2
+        assert (await store.fetch(FP.short(), hashes)).value == frames
     finally:
         await store.close()
         server.cleanup()

@@ -32,12 +32,12 @@ async def test_cluster_round_trip_budget_and_sessions(kv_cluster: RedisCluster) 
     try:
         hashes: list[BlockHash] = chain_hashes(list(range(16 * 40)), 16, root_hash(FP, b"t"))
         frames = [os.urandom(1000) for _ in hashes]
-        assert await store.put_blocks(FP.short(), hashes, frames) == 40
+        assert (await store.store_blocks(FP.short(), hashes, frames)).value == 40
         per_node = [sum(1 for _ in n.scan_iter(match="clu:blk:*")) for n in nodes]
         assert sum(per_node) == 40 and sum(1 for c in per_node if c) >= 2  # spread over nodes
 
         before, trips = [getex_calls(n) for n in nodes], store.stats().round_trips
-        assert await store.lookup(FP.short(), hashes) == frames
+        assert (await store.fetch(FP.short(), hashes)).value == frames
         assert store.stats().round_trips == trips + 1  # one pipeline, split by node
         assert [getex_calls(n) - b for n, b in zip(nodes, before, strict=True)] == per_node
         # a lookup's reader thread: the same round trip on the blocking cluster client (its LRU touch included)
@@ -48,14 +48,14 @@ async def test_cluster_round_trip_budget_and_sessions(kv_cluster: RedisCluster) 
 
         # the budget runs its Lua scripts across the cluster's slots
         more = chain_hashes(list(range(5000, 5000 + 16 * 40)), 16, root_hash(FP, b"t"))
-        await store.put_blocks(FP.short(), more, [os.urandom(1000) for _ in more])
+        await store.store_blocks(FP.short(), more, [os.urandom(1000) for _ in more])
         held = sum(sum(n.strlen(k) for k in n.scan_iter(match="clu:blk:*")) for n in nodes)
         usage = await store.usage()
         assert usage.bytes_held == held <= 60_000 and store.stats().evictions > 0
         assert (await store.reconcile()).stale_blocks == 0
 
-        rec = await store.put_session(SessionRecord("acme", "c1", FP.short(), [1, 2, 3]), None)
-        assert rec is not None and await store.get_session("acme", "c1") == rec
+        rec = (await store.write_session(SessionRecord("acme", "c1", FP.short(), [1, 2, 3]), None)).value
+        assert rec is not None and (await store.read_session("acme", "c1")).value == rec
         assert await store.list_sessions("acme") == [("acme", "c1")]
     finally:
         await store.clear_namespace()
@@ -74,7 +74,7 @@ async def test_a_cluster_hit_lands_in_place_reading_every_node_at_once(kv_cluste
     try:
         hashes: list[BlockHash] = chain_hashes(list(range(16 * 24)), 16, root_hash(FP, b"t"))
         frames = [os.urandom(3000) for _ in hashes]
-        assert await store.put_blocks(FP.short(), hashes, frames) == 24
+        assert (await store.store_blocks(FP.short(), hashes, frames)).value == 24
         per_node = [sum(1 for _ in n.scan_iter(match="land-clu:blk:*")) for n in nodes]
         assert sum(1 for c in per_node if c) == 3
         into = [memoryview(bytearray(3000)) for _ in hashes]
@@ -106,12 +106,12 @@ async def test_signed_frames_land_per_node_and_a_forged_one_ends_the_hit(kv_clus
     try:
         hashes: list[BlockHash] = chain_hashes(list(range(16 * 9)), 16, root_hash(FP, b"s"))
         frames = [os.urandom(2500) for _ in hashes]
-        assert await store.put_blocks(FP.short(), hashes, frames) == 9
+        assert (await store.store_blocks(FP.short(), hashes, frames)).value == 9
         into = [memoryview(bytearray(2500)) for _ in hashes]
         result = await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes, into)
         assert _frames_of(result) == frames and all(v is t for v, t in zip(result.value, into, strict=True))
         await store.client.delete(store.keys.block(FP.short(), hashes[6])[1])
-        assert await forger.put_blocks(FP.short(), hashes[6:7], [frames[6]]) == 1
+        assert (await forger.store_blocks(FP.short(), hashes[6:7], [frames[6]])).value == 1
         result = await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes, into)
         assert _frames_of(result) == frames[:6] and store.stats().rejected_mac == 1
     finally:
@@ -130,7 +130,7 @@ async def test_a_slot_moving_mid_read_is_read_again_through_the_cluster_client(f
     try:
         hashes: list[BlockHash] = chain_hashes(list(range(16 * 24)), 16, root_hash(FP, b"m"))
         frames = [os.urandom(2000) for _ in hashes]
-        assert await store.put_blocks(FP.short(), hashes, frames) == 24
+        assert (await store.store_blocks(FP.short(), hashes, frames)).value == 24
         into = [memoryview(bytearray(2000)) for _ in hashes]
         assert _frames_of(await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes, into)) == frames
         _, key = store.keys.block(FP.short(), hashes[0])
@@ -164,7 +164,7 @@ async def test_chunks_on_a_cluster_are_read_one_ahead_and_answer_as_fetch_blocki
     try:
         hashes: list[BlockHash] = chain_hashes(list(range(16 * 12)), 16, root_hash(FP, b"a"))
         frames = [os.urandom(3000) for _ in hashes]
-        assert await store.put_blocks(FP.short(), hashes, frames) == 12
+        assert (await store.store_blocks(FP.short(), hashes, frames)).value == 12
         buf = bytearray(12 * 4096)
         slots = [memoryview(buf)[i * 4096:i * 4096 + 3000] for i in range(12)]
         cuts = [(0, 5), (5, 10), (10, 12)]

@@ -38,8 +38,8 @@ async def test_store_through_sentinel(sentinel: RedisSentinel) -> None:
     store = BlockStore(settings)
     try:
         hashes, frames = [BlockHash(bytes([i]) * 16) for i in range(3)], [b"a" * 10, b"b" * 20, b"c" * 30]
-        assert await store.put_blocks("abcdef0123456789", hashes, frames) == 3
-        assert await store.lookup("abcdef0123456789", hashes) == frames
+        assert (await store.store_blocks("abcdef0123456789", hashes, frames)).value == 3
+        assert (await store.fetch("abcdef0123456789", hashes)).value == frames
         # a lookup's reader thread finds the primary through the Sentinels too
         assert (await asyncio.to_thread(store.fetch_blocking, "abcdef0123456789", hashes)).value == frames
         primary = sentinel.nodes[0].client()
@@ -61,7 +61,7 @@ async def test_sentinel_credentials_come_from_the_query() -> None:
         for query, works in (("?sentinel_password=s3ntinel-pw", True), ("", False)):
             store = BlockStore(StoreSettings.from_url(guarded.url + query, namespace="sentpw"))
             try:
-                stored = await store.put_blocks("abcdef0123456789", [BlockHash(b"\x01" * 16)], [b"x"])
+                stored = (await store.store_blocks("abcdef0123456789", [BlockHash(b"\x01" * 16)], [b"x"])).value
                 assert stored == (1 if works else 0), query
             finally:
                 await store.close()

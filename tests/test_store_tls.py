@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
-import subprocess
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -16,43 +13,10 @@ from cachestore.hashing import BlockHash
 from cachestore.sessions import SessionRecord
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
-from ops.redisproc import RedisProcess, RedisProcessError, free_port
+from ops.redisproc import RedisProcess
+from tests.support import tls_acl_server
 
 PASSWORD = "s3cret-Pa55"
-
-
-def self_signed(directory: Path) -> tuple[Path, Path]:
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True, timeout=60,
-    )
-    return cert, key
-
-
-@contextmanager
-def tls_acl_server(tmp_path: Path, password: str, key_pattern: str) -> Iterator[tuple[RedisProcess, int, Path]]:
-    """A redis-server with a TLS port (self-signed certificate) and ACL user `kv` allowed only
-    `key_pattern`; skips the test where openssl or TLS support is missing."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed")
-    cert, key = self_signed(tmp_path)
-    tls_port = free_port()
-    server = RedisProcess(extra_args=(
-        "--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
-        "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no",
-        "--user", "kv", "on", f">{password}", key_pattern, "resetchannels", "+@all", "-@admin", "-@dangerous",
-    ))
-    try:
-        server.start()
-    except RedisProcessError as exc:
-        server.cleanup()
-        pytest.skip(f"this redis-server cannot serve TLS: {exc}")
-    try:
-        yield server, tls_port, cert
-    finally:
-        server.cleanup()
 
 
 @pytest.fixture
@@ -72,12 +36,12 @@ async def test_tls_with_acl_user(tls_acl_redis: tuple[RedisProcess, int, Path]) 
         assert await store.ping()
         hashes = [BlockHash(bytes([i]) * 16) for i in range(6)]
         frames = [bytes([i]) * 5000 for i in range(6)]
-        assert await store.put_blocks("abcdef0123456789", hashes, frames) == 6
-        assert await store.lookup("abcdef0123456789", hashes) == frames
+        assert (await store.store_blocks("abcdef0123456789", hashes, frames)).value == 6
+        assert (await store.fetch("abcdef0123456789", hashes)).value == frames
         # a lookup's reader thread: the blocking twin of the client speaks TLS with the same CA and ACL user
         assert (await asyncio.to_thread(store.fetch_blocking, "abcdef0123456789", hashes)).value == frames
         assert (await store.usage()).bytes_held == 30_000
-        assert await store.put_session(SessionRecord("acme", "s1", "m"), None) is not None
+        assert (await store.write_session(SessionRecord("acme", "s1", "m"), None)).value is not None
         assert await store.list_sessions() == [("acme", "s1")]
         assert (await store.reconcile()).stale_blocks == 0
         assert store.stats().errors == 0
@@ -91,7 +55,7 @@ async def test_tls_with_acl_user(tls_acl_redis: tuple[RedisProcess, int, Path]) 
     user.close()
     other = BlockStore(StoreSettings.from_url(url, namespace="otherns", tls_ca_path=str(cert)))
     try:
-        assert await other.put_blocks("abcdef0123456789", hashes[:1], frames[:1]) == 0  # NOPERM: dropped
+        assert (await other.store_blocks("abcdef0123456789", hashes[:1], frames[:1])).value == 0  # NOPERM: dropped
         assert other.stats().dropped_writes == 1
     finally:
         await other.close()

@@ -14,7 +14,7 @@ from cachestore.hashing import BlockHash
 from cachestore.tails import pack_ids, pack_tail, reply_digest, unpack_ids, unpack_tail
 from ops.redisproc import RedisProcess
 from tests.faultkit import metric
-from tests.test_service_api import chat, make_client, wait_written
+from tests.support import chat, make_client, wait_written
 
 HISTORY = [{"role": "system", "content": "You answer briefly. " * 3}, {"role": "user", "content": "Hello there!"}]
 

@@ -38,11 +38,11 @@ async def test_a_tenant_over_its_quota_evicts_only_its_own_oldest(redis_server: 
     client = redis_server.client()
     try:
         quiet = [h(i, 1) for i in range(10)]  # 10 KB: half its quota
-        assert await store.put_blocks(MODEL, quiet, [os.urandom(1000)] * 10, "quiet") == 10
+        assert (await store.store_blocks(MODEL, quiet, [os.urandom(1000)] * 10, "quiet")).value == 10
         noisy = [h(i, 2) for i in range(200)]  # 200 KB, ten times its own quota, twice the namespace's budget
         for start in range(0, 200, 5):
-            await store.put_blocks(MODEL, noisy[start:start + 5], [os.urandom(1000) for _ in range(5)], "noisy")
-            assert await store.lookup(MODEL, quiet[:3]) != [] or start == 0  # quiet's turns keep reading
+            await store.store_blocks(MODEL, noisy[start:start + 5], [os.urandom(1000) for _ in range(5)], "noisy")
+            assert (await store.fetch(MODEL, quiet[:3])).value != [] or start == 0  # quiet's turns keep reading
             usage = await store.usage()
             assert usage.by_tenant["noisy"] <= 20_000  # under its quota after every write
             assert usage.bytes_held <= 100_000
@@ -54,7 +54,7 @@ async def test_a_tenant_over_its_quota_evicts_only_its_own_oldest(redis_server: 
         assert usage.bytes_held == sum(usage.by_tenant.values())
         assert store.stats().tenant_evictions == store.stats().evictions > 0
         big = [h(i, 3) for i in range(45)]  # an override: 50 KB for this one
-        assert await store.put_blocks(MODEL, big, [os.urandom(1000)] * 45, "big") == 45
+        assert (await store.store_blocks(MODEL, big, [os.urandom(1000)] * 45, "big")).value == 45
         assert (await store.usage()).by_tenant["big"] == 45_000
     finally:
         await store.clear_namespace()
@@ -67,13 +67,13 @@ async def test_the_tenant_lru_follows_reads_and_tails_count(redis_server: RedisP
     client = redis_server.client()
     try:
         first = [h(i, 4) for i in range(8)]
-        assert await store.put_blocks(MODEL, first, [os.urandom(1000)] * 8, "t") == 8
-        assert await store.lookup(MODEL, first[:2]) != []  # now its most recently used
+        assert (await store.store_blocks(MODEL, first, [os.urandom(1000)] * 8, "t")).value == 8
+        assert (await store.fetch(MODEL, first[:2])).value != []  # now its most recently used
         tail = store.keys.tail(MODEL, h(99, 4))
         assert await store.put_entries([tail], [os.urandom(1500)], "t") == 1
         assert (await store.usage()).by_tenant["t"] == 9_500
         more = [h(i, 5) for i in range(3)]
-        await store.put_blocks(MODEL, more, [os.urandom(1000)] * 3, "t")
+        await store.store_blocks(MODEL, more, [os.urandom(1000)] * 3, "t")
         kept = present(client, store, first)
         assert kept[:2] == [True, True] and not all(kept[2:])  # the read ones survived, older unread ones went
         assert (await store.usage()).by_tenant["t"] <= 10_000
@@ -86,8 +86,8 @@ async def test_untenanted_writes_keep_the_namespace_budget_only(redis_server: Re
     store = quota_store(redis_server.url, budget_bytes=20_000, tenant_quota_bytes=0, tenant_quotas=())
     try:
         for start in range(0, 30, 10):
-            assert await store.put_blocks(MODEL, [h(i, 6) for i in range(start, start + 10)],
-                                          [os.urandom(1000)] * 10) == 10
+            assert (await store.store_blocks(MODEL, [h(i, 6) for i in range(start, start + 10)],
+                                          [os.urandom(1000)] * 10)).value == 10
         usage = await store.usage()
         assert usage.bytes_held <= 20_000 and usage.by_tenant == {}
     finally:
@@ -100,11 +100,11 @@ async def test_tenant_accounting_survives_redis_dropping_keys_and_reconcile(redi
     client = redis_server.client()
     try:
         mine = [h(i, 7) for i in range(10)]
-        assert await store.put_blocks(MODEL, mine, [os.urandom(1000)] * 10, "a") == 10
+        assert (await store.store_blocks(MODEL, mine, [os.urandom(1000)] * 10, "a")).value == 10
         theirs = [h(i, 8) for i in range(6)]
-        assert await store.put_blocks(MODEL, theirs, [os.urandom(1000)] * 6, "b") == 6
+        assert (await store.store_blocks(MODEL, theirs, [os.urandom(1000)] * 6, "b")).value == 6
         client.delete(store.keys.block(MODEL, mine[0])[1])  # Redis evicting blocks itself
-        assert await store.lookup(MODEL, mine) == []  # TOUCH notices the missing block
+        assert (await store.fetch(MODEL, mine)).value == []  # TOUCH notices the missing block
         assert (await store.usage()).by_tenant == {"a": 9_000, "b": 6_000}
         client.delete(store.keys.block(MODEL, theirs[0])[1])
         for shard in store.keys.all_shards():
@@ -123,11 +123,11 @@ async def test_quotas_on_a_cluster(redis_cluster: RedisCluster) -> None:
     client = redis.RedisCluster(host="127.0.0.1", port=redis_cluster.nodes[0].port)
     try:
         quiet = [h(i, 9) for i in range(10)]
-        assert await store.put_blocks(MODEL, quiet, [os.urandom(1000)] * 10, "quiet") == 10
+        assert (await store.store_blocks(MODEL, quiet, [os.urandom(1000)] * 10, "quiet")).value == 10
         noisy = [h(i, 10) for i in range(120)]
         for start in range(0, 120, 6):
-            await store.put_blocks(MODEL, noisy[start:start + 6], [os.urandom(1000)] * 6, "noisy")
-            assert len(await store.lookup(MODEL, quiet)) == 10
+            await store.store_blocks(MODEL, noisy[start:start + 6], [os.urandom(1000)] * 6, "noisy")
+            assert len((await store.fetch(MODEL, quiet)).value) == 10
         usage = await store.usage()
         assert usage.by_tenant["quiet"] == 10_000 and usage.by_tenant["noisy"] <= 20_000
         assert all(present(client, store, quiet))

@@ -3,9 +3,9 @@ converted to GGUF by the pinned llama.cpp's converter; nothing is downloaded.
 
 Each model is a few layers of hidden size 64 with SmolLM2's tokenizer (the one the `tiny-random` model saves) and a
 fixed seed. The converter runs in a subprocess with the gguf-py beside it on its path. A build is cached under the
-kvstash model cache dir (`service.models.default_cache_dir`) in a folder named by a digest of its config, the
+kvstash model cache dir (`service.engines.hf.models.default_cache_dir`) in a folder named by a digest of its config, the
 recipe, and the transformers and llama-cpp-python versions, so a changed recipe builds anew and concurrent test
-processes build once (`service.models.ensure_built`).
+processes build once (`service.engines.hf.models.ensure_built`).
 
 | name        | architecture              | what it stands for                                             |
 |-------------|---------------------------|----------------------------------------------------------------|
@@ -153,7 +153,7 @@ def tiny_model_dir(name: str, cache_dir: Path | None = None) -> Path:
 
 def tiny_gguf(name: str, cache_dir: Path | None = None) -> Path:
     """The GGUF of the tiny model `name` (a key of SPECS), built on first use and cached."""
-    from service.models import TINY_RANDOM, default_cache_dir, ensure_built, resolve_model_dir  # noqa: PLC0415
+    from service.engines.hf.models import TINY_RANDOM, default_cache_dir, ensure_built, resolve_model_dir  # noqa: PLC0415
 
     spec = SPECS[name]
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()

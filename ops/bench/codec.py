@@ -40,8 +40,8 @@ def _model_kv(tokens: int) -> tuple[Any, str]:
     """KV of SmolLM2-135M prefilled with ops/data/sample.txt (repeated if too short)."""
     import torch  # noqa: PLC0415
 
-    from service.hfcache import forward, tensor_from_cache  # noqa: PLC0415
-    from service.models import load_model  # noqa: PLC0415
+    from service.engines.hf.hfcache import forward, tensor_from_cache  # noqa: PLC0415
+    from service.engines.hf.models import load_model  # noqa: PLC0415
 
     loaded = load_model("smollm2")
     text = SAMPLE_TEXT.read_text(encoding="utf-8")
@@ -94,7 +94,7 @@ def _shuffle_rows(kv: Any, level: int, repeat: int) -> list[dict[str, Any]]:
     """Ratio and decompression speed of the fp16 payload with and without byte shuffle."""
     import torch  # noqa: PLC0415
 
-    from cachestore.compress import compress, decompress, shuffle  # noqa: PLC0415
+    from cachestore.codec.compress import compress, decompress, shuffle  # noqa: PLC0415
 
     raw = kv.to(torch.float16).contiguous().view(-1).view(torch.uint8)
     rows = []

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from cachestore.blockcodec import BlockCodecs
+from cachestore.codec.blockcodec import BlockCodecs
 from ops.bench.quality import HfScorer, _round_trip, _windows
 
 PARTS = {"K": (0,), "V": (1,), "KV": (0, 1)}

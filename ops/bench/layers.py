@@ -55,7 +55,7 @@ def register(bench_subparsers: Any) -> None:
 
 def _base_spec(text: str) -> Any:
     from cachestore.codec import CodecSpec  # noqa: PLC0415
-    from cachestore.quant import NO_HI  # noqa: PLC0415
+    from cachestore.codec.layout import NO_HI  # noqa: PLC0415
 
     spec = CodecSpec.parse(text)
     if spec.mode not in UPGRADE:
@@ -68,7 +68,7 @@ def _base_spec(text: str) -> Any:
 
 def _with_layers(base: Any, halves: list[tuple[int, int]]) -> Any:
     """`base` with these (layer, half) raised to the upgrade precision, as a spec."""
-    from cachestore.quant import HiLayers  # noqa: PLC0415
+    from cachestore.codec.layout import HiLayers  # noqa: PLC0415
 
     keys = tuple(sorted(layer for layer, half in halves if half == 0))
     values = tuple(sorted(layer for layer, half in halves if half == 1))
@@ -78,7 +78,7 @@ def _with_layers(base: Any, halves: list[tuple[int, int]]) -> Any:
 
 def _size(kv: Any, spec: Any, block_tokens: int) -> float:
     """Bytes per token of `kv` encoded as a pod stores it (sink block, headers)."""
-    from cachestore.blockcodec import BlockCodecs  # noqa: PLC0415
+    from cachestore.codec.blockcodec import BlockCodecs  # noqa: PLC0415
 
     return sum(map(len, _round_trip(BlockCodecs.for_spec(spec), kv, block_tokens))) / kv.shape[3]
 
@@ -104,7 +104,7 @@ def _suggest(ranked: list[dict[str, Any]], base: Any, size_kv: Any, args: argpar
 def run(args: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415
 
-    from cachestore.blockcodec import BlockCodecs  # noqa: PLC0415
+    from cachestore.codec.blockcodec import BlockCodecs  # noqa: PLC0415
 
     before = machine()
     base = _base_spec(args.base)

@@ -54,10 +54,10 @@ class Scorer(Protocol):
 
 
 class HfScorer:
-    """transformers (the `hf` engine): prefill and scoring through service.hfcache, greedy through the engine."""
+    """transformers (the `hf` engine): prefill and scoring through hfcache, greedy through the engine."""
 
     def __init__(self, model: str) -> None:
-        from service.engines.hf import HfEngine  # noqa: PLC0415
+        from service.engines.hf.engine import HfEngine  # noqa: PLC0415
 
         self.engine = HfEngine.load(model)
         self.model = self.engine.loaded.model
@@ -68,7 +68,7 @@ class HfScorer:
     def prefill(self, ids: list[int]) -> Any:
         import torch  # noqa: PLC0415
 
-        from service import hfcache  # noqa: PLC0415
+        from service.engines.hf import hfcache  # noqa: PLC0415
 
         with torch.inference_mode():
             _, cache = hfcache.forward(self.model, ids, None)
@@ -77,7 +77,7 @@ class HfScorer:
     def logits(self, kv: Any, ids: list[int]) -> Any:
         import torch  # noqa: PLC0415
 
-        from service import hfcache  # noqa: PLC0415
+        from service.engines.hf import hfcache  # noqa: PLC0415
 
         with torch.inference_mode():
             cache = hfcache.cache_from_tensor(kv, self.model)
@@ -94,7 +94,7 @@ class LlamaCppScorer:
     """llama.cpp (the `llamacpp` engine): the GGUF's own weights and F16 KV, scored through the engine."""
 
     def __init__(self, model: str) -> None:
-        from service.engines.llamacpp import LlamaCppEngine  # noqa: PLC0415
+        from service.engines.llama.llamacpp import LlamaCppEngine  # noqa: PLC0415
 
         self.engine = LlamaCppEngine.load(model, parallel=1)
 
@@ -164,7 +164,7 @@ def _windows(n_ids: int, span: int, count: int) -> list[int]:
 
 def _round_trip(codecs: Any, kv: Any, block_tokens: int) -> list[bytes]:
     """Frames as a pod writes them: one per full block of `block_tokens` (block 0 with the sink codec
-    of `cachestore.blockcodec`), the rest as the session's partial block (its /recent= codec)."""
+    of `cachestore.codec.blockcodec`), the rest as the session's partial block (its /recent= codec)."""
     tokens = kv.shape[3]
     return [(codecs.at if i + block_tokens <= tokens else codecs.partial_at)(i // block_tokens).encode(
             kv[:, :, :, i:i + block_tokens]) for i in range(0, tokens, block_tokens)]
@@ -188,7 +188,7 @@ def _sizes(scorer: Scorer, ids: list[int], modes: list[str],
            args: argparse.Namespace) -> dict[str, tuple[float, float]]:
     """Bytes per token of a --size-tokens context per mode, and of one that ends half-way through the block after
     it (the partial block as the pod stores it), every frame (headers, sink block) included: {mode: (whole, mid)}."""
-    from cachestore.blockcodec import BlockCodecs  # noqa: PLC0415
+    from cachestore.codec.blockcodec import BlockCodecs  # noqa: PLC0415
 
     tokens, mid = args.size_tokens, args.size_tokens + args.block_tokens // 2
     kv = scorer.prefill((ids * -(-mid // len(ids)))[:mid])  # [L, 2, H, mid, D]
@@ -209,8 +209,8 @@ def _measure(args: argparse.Namespace, scorer: Scorer, text: str) -> tuple[list[
                                                                            list[dict[str, Any]]]:
     import torch  # noqa: PLC0415
 
-    from cachestore.blockcodec import BlockCodecs  # noqa: PLC0415
-    from service.pipeline import common_prefix  # noqa: PLC0415
+    from cachestore.codec.blockcodec import BlockCodecs  # noqa: PLC0415
+    from service.partials import common_prefix  # noqa: PLC0415
 
     ids = scorer.text_ids(text)
     n, m = args.prefix, args.continuation

@@ -126,8 +126,8 @@ def _row(method: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _measure(args: argparse.Namespace, redis_url: str) -> dict[str, list[dict[str, Any]]]:
     from ops.sidecarproc import SidecarProcess  # noqa: PLC0415
-    from service.engines.llamacpp import resolve_gguf  # noqa: PLC0415
-    from service.engines.llamaserverproc import LlamaServerProcess  # noqa: PLC0415
+    from service.engines.llama.gguf import resolve_gguf  # noqa: PLC0415
+    from service.engines.llama.llamaserverproc import LlamaServerProcess  # noqa: PLC0415
 
     ctx = 2 * args.context + 512  # a second turn fits
     side_args = ("--codec", args.codec, "--ctx-per-slot", str(ctx))

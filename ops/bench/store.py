@@ -9,11 +9,11 @@ interleaved rep by rep in one event loop (MB/s from each cell's median rep). Row
     get_reader     BlockStore.fetch_blocking, as a pod's lookup reads blocks on its reader thread,
                                                 vs raw pipelined GETs on a blocking redis-py client
                                                 (both timed on one worker thread)
-    get_landing    the same with each frame received into its slot of one buffer (`into=`, cachestore.landing),
+    get_landing    the same with each frame received into its slot of one buffer (`into=`, cachestore.wire),
                                                 as a transformers pod's lookup reads them, vs the same raw GETs
-    put            BlockStore.put_blocks, budget on and evicting (budget = 1.5 contexts)
+    put            BlockStore.store_blocks, budget on and evicting (budget = 1.5 contexts)
                                                 vs raw pipelined SET PX
-    put_nobudget   BlockStore.put_blocks, budget off  vs raw pipelined SET PX
+    put_nobudget   BlockStore.store_blocks, budget off  vs raw pipelined SET PX
     mac_seal       the frame MAC (cachestore.signing, keyed BLAKE3 over key + value) of every block of the context,
     mac_open       as a signing pod seals and verifies them: no Redis, one thread; ms per GB of values
 
@@ -185,8 +185,8 @@ async def bench_block_size(url: str, payload: bytes, block_bytes: int, reps: int
                                                           "raw_put")}
         await raw_put()
         read_hashes = fresh_hashes(len(frames))
-        assert await reader.put_blocks(MODEL, read_hashes, frames) == len(frames)
-        assert len(await reader.lookup(MODEL, read_hashes)) == len(frames)  # warm up
+        assert (await reader.store_blocks(MODEL, read_hashes, frames)).value == len(frames)
+        assert len((await reader.fetch(MODEL, read_hashes)).value) == len(frames)  # warm up
         await raw_get()
         assert len(await asyncio.to_thread(reader_get)) == len(frames) == len(await asyncio.to_thread(raw_get_blocking))
         landed = await asyncio.to_thread(landing_get)
@@ -194,7 +194,7 @@ async def bench_block_size(url: str, payload: bytes, block_bytes: int, reps: int
         assert reader.stats().rejected_mac == 0
         old_unbudgeted: list[BlockHash] = []
         for rep in range(reps):
-            gets = [("get", lambda: reader.lookup(MODEL, read_hashes)), ("raw_get", raw_get)]
+            gets = [("get", lambda: reader.fetch(MODEL, read_hashes)), ("raw_get", raw_get)]
             for name, call in gets[::1 if rep % 2 else -1]:  # alternate who goes first
                 times[name].append(await timed(call))
             blocking = [("get_reader", reader_get), ("raw_get_blocking", raw_get_blocking)]
@@ -205,10 +205,10 @@ async def bench_block_size(url: str, payload: bytes, block_bytes: int, reps: int
                 times[name].append(await asyncio.to_thread(timed_blocking, fn))
             await raw.unlink(*raw_keys)  # untimed
             hashes = fresh_hashes(len(frames))
-            times["put"].append(await timed(lambda hashes=hashes: budgeted.put_blocks(MODEL, hashes, frames)))
+            times["put"].append(await timed(lambda hashes=hashes: budgeted.store_blocks(MODEL, hashes, frames)))
             hashes = fresh_hashes(len(frames))
             times["put_nobudget"].append(
-                await timed(lambda hashes=hashes: unbudgeted.put_blocks(MODEL, hashes, frames)))
+                await timed(lambda hashes=hashes: unbudgeted.store_blocks(MODEL, hashes, frames)))
             times["raw_put"].append(await timed(raw_put))
             if old_unbudgeted:  # untimed: keep the unbudgeted namespace from growing
                 await raw.unlink(*(unbudgeted.keys.block(MODEL, h)[1] for h in old_unbudgeted))

@@ -61,7 +61,7 @@ def bench_cluster(url: str, payload: bytes, block_bytes: int, reps: int) -> list
         for key, frame in zip(raw_keys, frames, strict=True):
             raw.set(key, frame, px=3600_000)
         hashes = fresh_hashes(len(frames))
-        assert loop.run_until_complete(store.put_blocks(MODEL, hashes, frames)) == len(frames)
+        assert loop.run_until_complete(store.store_blocks(MODEL, hashes, frames)).value == len(frames)
         landing = bytearray(len(payload))
         offsets = [sum(len(f) for f in frames[:i]) for i in range(len(frames))]
         slots = [memoryview(landing)[at:at + len(f)] for at, f in zip(offsets, frames, strict=True)]

@@ -1,40 +1,43 @@
 """The engine seam: everything the request path needs from a model runtime, and nothing more.
 
-The pipeline knows token ids, KV tensors in the codec's layout [layers, 2, kv_heads, tokens,
-head_dim] and a fingerprint. How a runtime (transformers, llama.cpp, a future one) keeps its
-cache is the engine's business alone.
+The pipeline knows token ids, KV tensors in the codec's layout [layers, 2, kv_heads, tokens, head_dim] and a
+fingerprint. How a runtime (transformers, llama.cpp, a future one) keeps its cache is the engine's business alone;
+what the codec and the landing must know of it, the engine declares once, as data (`KvLayout`).
+
+An engine subclasses `Engine`. It must provide:
+
+- `kind`, `name`, `geometry` (a `KvGeometry`), `parallel`;
+- `fingerprint`, `chat_ids`, `text_ids`, `decode`, `generate`.
+
+Optional capabilities have defaults, for an engine that keeps KV as the pipeline hands it over:
+
+- `layerwise` False, `runs_torch` False, `kv_layout` head-major full attention (`KvLayout()`);
+- `context_for` None (the pipeline dequantizes a hit into its own pooled tensor), `give_context` False;
+- `landing_targets` None (frames are received into the pipeline's landing buffer), `placed_frame` (a frame
+  verified where `landing_targets` put it), `mark_placed` a no-op, `is_lent` False;
+- `forget` and `close` no-ops.
 """
 
 from __future__ import annotations
 
-import hashlib
+import ctypes
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from cachestore.errors import ConfigError
+from cachestore.codec import PlacedFrame
+from cachestore.codec.frame import FrameHeader
 from cachestore.hashing import ModelFingerprint
+from cachestore.wire import Target
+from service.engines.gate import LayerGate
 from service.engines.generation import Generation, GenParams
-from service.rehydrate import LayerGate
 
 # on_prefill(get_kv): get_kv(start, end) -> [layers, 2, kv_heads, end - start, head_dim], a CPU copy; called
 # during the hook (llama.cpp's reads a pooled snapshot of the sequence, reused once the hook returns)
 PrefillHook = Callable[[Callable[[int, int], torch.Tensor]], None]
-
-ENGINES = ("hf", "llamacpp", "llama-server")
-# llama.cpp's flash attention, by the setting's name (KVSTASH_FLASH_ATTN): llama_context_params.flash_attn_type
-FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
-
-
-def check_flash_attn(flash_attn: str, kv_type: str = "f16") -> None:
-    """A ConfigError unless `flash_attn` is one of FLASH_ATTN's names, and "off" is asked of an F16 cache only."""
-    if flash_attn not in FLASH_ATTN:
-        raise ConfigError(f"flash attention must be one of {', '.join(FLASH_ATTN)}, got {flash_attn!r}")
-    if flash_attn == "off" and kv_type != "f16":
-        raise ConfigError(f"a {kv_type} KV cache (codec q8) needs llama.cpp's flash attention: "
-                          "run it with flash attention auto or on")
 
 
 @dataclass(frozen=True)
@@ -48,54 +51,57 @@ class KvGeometry:
     max_context: int  # tokens one sequence may hold (prompt + reply)
 
 
-def gguf_fingerprint(
-    engine_id: str, weights_digest: str, template: str, add_bos: bool, geometry: KvGeometry, block_tokens: int,
-    codec_name: str,
-) -> ModelFingerprint:
-    """The fingerprint of a GGUF served by a llama.cpp runtime: `engine_id` names the runtime, its version and
-    the state layout; the GGUF's digest, chat template and BOS rule name the model and its tokens."""
-    template_digest = hashlib.blake2b(template.encode(), digest_size=16).hexdigest()
-    return ModelFingerprint(
-        model_id=f"{engine_id}/{weights_digest}",
-        tokenizer_digest=f"gguf/bos={int(add_bos)}/tpl=b2:{template_digest}",
-        dtype="float16",
-        num_layers=geometry.num_layers,
-        kv_heads=geometry.kv_heads,
-        head_dim=geometry.head_dim,
-        block_tokens=block_tokens,
-        codec=codec_name,
-    )
+@dataclass(frozen=True)
+class KvLayout:
+    """How an engine's runtime holds a sequence's KV: layout only, no engine identity. The codec choice reads
+    `row_frames`; the landing reads `rows_apart`. The default is a head-major cache of full-attention layers."""
+
+    token_rows: bool = False  # per layer K then V as token rows [tokens, kv_heads, head_dim] (a llama.cpp state)
+    v_transposed: bool = False  # V kept transposed, [kv_heads * head_dim, tokens] (llama.cpp without flash attention)
+    rows_apart: bool = False  # rows received into a lent context lie apart from the tensor lent with it (q8_0)
+    sliding: tuple[int, ...] | None = ()  # layers with a sliding window (None: some, the model does not say which)
+    window: int = 0  # tokens a sliding layer keeps
+    recurrent: tuple[int, ...] | None = ()  # layers that keep one recurrent state a sequence
+    tag: str = ""  # what the fingerprint adds for this layout ("" for full attention only: fingerprints stay)
+
+    @property
+    def row_frames(self) -> bool:
+        """Exact and fp16 frames are written as token rows (`CodecSpec.rows`): the order the runtime holds K and V
+        in, so a hit is received where the runtime reads it."""
+        return self.token_rows and not self.v_transposed
 
 
-class Engine(Protocol):
+class Engine(ABC):
     """A loaded model runtime. `generate` may be called from up to `parallel` threads at once."""
 
-    kind: str  # "hf" | "llamacpp": blocks of different engines never mix (it is in the fingerprint)
+    kind: str  # the engine's name (service.engines.ENGINES): blocks of different engines never mix (fingerprint)
     name: str  # the model name clients send
     geometry: KvGeometry
     parallel: int
-    layerwise: bool  # runs the cached context layer by layer: `generate` waits on `kv_ready` per layer
-    runs_torch: bool  # `generate` runs torch on the calling thread: the pod calls it on its compute thread
-    row_frames: bool  # exact and fp16 frames as token rows (`CodecSpec.rows`): the order its lent contexts hold
+    layerwise: bool = False  # runs the cached context layer by layer: `generate` waits on `kv_ready` per layer
+    runs_torch: bool = False  # `generate` runs torch on the calling thread: the pod calls it on its compute thread
+    kv_layout: KvLayout = KvLayout()
 
+    @abstractmethod
     def fingerprint(self, block_tokens: int, codec_name: str) -> ModelFingerprint:
         """Names the engine, its version, the weights and every setting that changes the KV bits."""
-        ...
 
+    @abstractmethod
     def chat_ids(self, messages: list[dict[str, Any]], known: Mapping[int, list[int]] | None = None,
                  tools: tuple[dict[str, Any], ...] | None = None) -> list[int]:
         """The chat's token ids ending with the assistant generation prompt; content is plain text, or the
         ids in `known` (message index -> the ids a pod generated for that message's exact text). `tools` and
         the messages' `tool_calls` are rendered as service.engines.tools says."""
-        ...
 
+    @abstractmethod
     def text_ids(self, text: str) -> list[int]:
         """Plain text as token ids (no special tokens, no BOS)."""
-        ...
 
+    @abstractmethod
     def decode(self, ids: Sequence[int]) -> str:
-        ...
+        """Token ids as text (special tokens skipped)."""
 
+    @abstractmethod
     def generate(
         self,
         prompt_ids: list[int],
@@ -114,17 +120,59 @@ class Engine(Protocol):
         prompt tokens [start, end) (so their blocks can be written while the reply is generated).
         `kv_ready`, when given, says which layers of `cached_kv` are in place yet: a `layerwise` engine
         waits for each layer as it reaches it, any other engine for all of them before reading any."""
-        ...
 
     def context_for(self, tokens: int) -> torch.Tensor | None:
         """A [layers, 2, kv_heads, tokens, head_dim] tensor of the engine's dtype that a hit of up to `tokens` tokens
-        may be dequantized into, where the engine reads it (llama.cpp: inside a sequence state); None: the pipeline
-        uses its own. Handed back with `give_context`."""
-        ...
+        may be dequantized into, where the engine reads it (llama.cpp: inside a sequence state); None (the default):
+        the pipeline uses its own. Handed back with `give_context`."""
+        return None
 
     def give_context(self, kv: torch.Tensor) -> bool:
         """Take back a tensor `context_for` returned; False for any other."""
-        ...
+        return False
+
+    def landing_targets(self, context: torch.Tensor, blocks: int, block_tokens: int) -> Sequence[Target] | None:
+        """Each of `blocks` blocks' target for a token-rows frame received into `context`, a context this engine
+        lent (`context_for`): its header apart, its rows where the runtime holds them; None (the default) when
+        `context` is no such context, or the engine receives no rows (frames land in the pipeline's buffer)."""
+        return None
+
+    def placed_frame(self, header: FrameHeader, rows: Sequence[memoryview]) -> PlacedFrame:
+        """A frame verified where `landing_targets` received its `rows` (per layer its K, then its V): where the
+        rows can be read from (layer 0's K and the stride to layer 1's), or nowhere when they lie apart from the
+        tensor lent (`KvLayout.rows_apart`: the frame is in place already, and nothing is dequantized)."""
+        return placed_rows(header, rows, apart=self.kv_layout.rows_apart)
+
+    def mark_placed(self, context: torch.Tensor, tokens: int) -> None:
+        """Cells [0, tokens) of a context lent were received as rows (`landing_targets`) and verified. The default
+        does nothing: no rows are received."""
+        return None
+
+    def is_lent(self, kv: torch.Tensor) -> bool:
+        """Whether `kv` starts where a context `context_for` lent starts, and that context has not come back."""
+        return False
+
+    def forget(self) -> None:
+        """Drop what the runtime kept of earlier requests besides the cache (llama-server's slots): the next requests
+        reuse only what they restore. The default keeps nothing."""
+        return None
 
     def close(self) -> None:
-        ...
+        """Free the runtime; the default has nothing to free."""
+        return None
+
+
+_NO_BYTES = torch.empty(0, dtype=torch.uint8)
+
+
+def _address(view: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def placed_rows(header: FrameHeader, rows: Sequence[memoryview], *, apart: bool) -> PlacedFrame:
+    """`Engine.placed_frame` for rows laid out per layer as K then V: the frame read where its rows lie (`at` layer
+    0's K rows, `layer_stride` to layer 1's), or, `apart`, a frame already in its place that nothing reads."""
+    if apart:  # its place is the state alone: the tensor's tokens for it stay unwritten (`mark_placed`)
+        return PlacedFrame(header, _NO_BYTES)
+    at = [_address(piece) for piece in rows[:3:2]]  # layer 0's K rows, and layer 1's
+    return PlacedFrame(header, _NO_BYTES, at=at[0], layer_stride=at[-1] - at[0])

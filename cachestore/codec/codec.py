@@ -1,0 +1,204 @@
+"""The KV block codec: quantize -> pack -> compress -> frame, and back, for untrusted bytes.
+
+    codec = Codec("int4+zstd:3/g64")
+    frame = codec.encode(kv)        # kv: [layers, 2, kv_heads, tokens, head_dim]
+    kv2 = codec.decode(frame)       # any mode's frame: frames describe themselves
+
+Modes and their loss (see DESIGN.md, "Codec"):
+    exact  the tensor's own dtype bits; lossless.
+    fp16   cast to fp16; lossless only for fp16 input (fp32/bf16 lose mantissa or range).
+    int8   symmetric, keys per channel, values per token; error <= half a step per scale.
+    int4   asymmetric per group (keys: group_size tokens per channel; values:
+    int2   group_size channels per token), fp16 scale and zero; error <= half a step
+           (of the clipped range with /clip). Options, part of the name: /rot (keys and
+           values Hadamard-rotated along head_dim), /rotk, /rotv (one of them), /clip
+           (MSE-chosen group ranges), /plain (none: the format 1 codec). A bare int4 is
+           /plain, a bare int2 /rotv/clip (DEFAULT_VARIANTS). /k8=L.L... and /v8=L.L... keep
+           the keys / values of those layers at int8 (int8's bound there; frame format 3);
+           /k4= and /v4= give those of an int2 frame int4, /k2= and /v2= those of an int4
+           frame int2 (that mode's bound there): a per-layer bit allocation, calibrated with
+           `kvstash bench layers` on texts the claims are not made on (docs/fidelity.md).
+           /recent=int8 (or int4 under int2) encodes a sequence's partial last block, its most
+           recent tokens (a session's partial block, a tail), with that mode instead (`recent_spec`;
+           cachestore.codec.blockcodec); full blocks are unchanged.
+    fp8    e4m3 with a per-channel fp16 scale; relative error <= 2**-4.
+    q8     llama.cpp's q8_0, always as token rows: per token and head, 32 channels share an fp16
+           scale (max |x| / 127); error <= half a step. The bytes of a llama.cpp KV cache of type
+           q8_0, which a llamacpp pod stores and restores exactly (service.engines.llamastate).
+
+Storage policy (measured with `kvstash bench codec` on SmolLM2 KV): byte shuffle is used
+for exact/fp16 payloads under zstd only (fp16 KV: zstd ratio 1.09 -> 1.18; lz4 gains
+nothing). A compressed payload that saves under 3% is stored raw and its frame says
+compressor "none" (int8 and fp16 KV under lz4), so decoding skips a useless pass.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TypeVar
+
+import torch
+
+from cachestore.codec.compress import compress, decompress, shuffle, unshuffle
+from cachestore.codec.frame import (
+    FLAG_ROWS,
+    FLAG_SHUFFLE,
+    FLOAT_MODES,
+    GROUPED_MODES,
+    HEADER_SIZE,
+    MAX_DIM,
+    MAX_TOKENS,
+    FrameHeader,
+    checksum,
+    pack_header,
+)
+from cachestore.codec.layout import PLAIN, Dims, layout
+from cachestore.codec.plan import DTYPE_NAMES, DTYPES, as_bytes, itemsize, plan_of, section_offsets
+from cachestore.codec.quant import quantize
+from cachestore.codec.spec import CodecSpec
+from cachestore.codec.verify import DEFAULT_MAX_ELEMENTS, verify_frame
+from cachestore.codec.views import OpenFrame
+from cachestore.errors import CodecError
+
+T = TypeVar("T")
+_WORTH = 0.97  # a compressed payload must save 3% or the raw bytes are stored instead
+_DEFAULT_SPEC = CodecSpec()
+
+
+class Codec:
+    """Encodes KV tensors with one spec; decodes frames of any spec."""
+
+    def __init__(self, spec: CodecSpec | str = _DEFAULT_SPEC) -> None:
+        self.spec = CodecSpec.parse(spec) if isinstance(spec, str) else spec
+
+    def __repr__(self) -> str:
+        return f"Codec({self.spec.name()!r})"
+
+    def encode(self, kv: torch.Tensor) -> bytes:
+        """kv [layers, 2, kv_heads, tokens, head_dim] (fp32/fp16/bf16, any device) -> frame."""
+        dims, dtype = _check_input(kv)
+        spec = self.spec
+        group = spec.group_size if spec.mode in GROUPED_MODES else 0
+        sections = layout(spec.mode, dims, group, dtype, spec.hi.counts)
+        parts = quantize(spec.mode, kv.detach(), group, spec.variant or PLAIN, spec.hi)
+        offsets, raw_len = section_offsets(sections)
+        raw = torch.zeros(raw_len, dtype=torch.uint8)
+        for (sec_dtype, shape), part, start in zip(sections, parts, offsets, strict=True):
+            assert part.dtype == sec_dtype and tuple(part.shape) == shape, (part.shape, shape)
+            if spec.rows and spec.mode in FLOAT_MODES:  # [layers, 2, tokens, kv_heads, head_dim]: K and V as token rows
+                part = part.transpose(2, 3)
+            raw[start:start + part.numel() * part.element_size()] = (
+                part.contiguous().view(-1).view(torch.uint8))  # copies device -> cpu if needed
+        comp, shuffled = spec.compressor, spec.mode in FLOAT_MODES and spec.compressor == "zstd"
+        packed = shuffle(raw, itemsize(spec.mode, dtype)) if shuffled else raw
+        payload = compress(memoryview(packed.numpy()), comp, spec.level)  # type: ignore[arg-type]
+        if comp != "none" and len(payload) > raw_len * _WORTH:
+            # Incompressible (int8 and fp16 KV under lz4): store it plainly, so decoding
+            # skips a decompression that would buy nothing. The frame says so itself.
+            comp, shuffled, payload = "none", False, bytes(memoryview(raw.numpy()))  # type: ignore[arg-type]
+        # The oldest version that holds the frame (1: nothing transformed, 2: rotations, 3: a layer
+        # table): older readers keep reading the frames they can.
+        table = spec.layer_table(dims.layers)
+        version = 3 if table else 2 if spec.transform else 1
+        stored = table + payload
+        flags = (FLAG_SHUFFLE if shuffled else 0) | (FLAG_ROWS if spec.rows else 0)
+        header = FrameHeader(version, spec.mode, comp, DTYPE_NAMES[dtype], flags, group, dims.layers, dims.heads,
+                             dims.tokens, dims.head_dim, raw_len, len(stored), 0, spec.transform, table)
+        digest = checksum(pack_header(header), stored)
+        return pack_header(replace(header, checksum=digest)) + stored
+
+    def plain_size(self, kv_shape: tuple[int, int, int, int, int], dtype: torch.dtype) -> int:
+        """The length of this spec's frame of KV [layers, 2, kv_heads, tokens, head_dim] in `dtype` when stored
+        plainly (uncompressed; lz4 leaves int8 and fp16 KV so): a lookup reads frames of this length in place."""
+        layers, _, heads, tokens, dim = kv_shape
+        spec = self.spec
+        _, _, raw_len = plan_of(spec.mode, layers, heads, tokens, dim,
+                                 spec.group_size if spec.mode in GROUPED_MODES else 0, DTYPE_NAMES[dtype],
+                                 spec.hi.counts)
+        return HEADER_SIZE + len(spec.layer_table(layers)) + raw_len
+
+    def decode(self, frame: bytes | bytearray | memoryview, *,
+               device: torch.device | str | None = None,
+               max_elements: int = DEFAULT_MAX_ELEMENTS) -> torch.Tensor:
+        """A frame of any mode -> kv [layers, 2, kv_heads, tokens, head_dim] in its original
+        dtype on `device` (default cpu). Raises only CodecError."""
+        return _codec_errors_only(lambda: _decode(as_bytes(frame), device, max_elements))
+
+    def open(self, frame: bytes | bytearray | memoryview, *,
+             max_elements: int = DEFAULT_MAX_ELEMENTS) -> OpenFrame:
+        """Verify and decompress a frame of any mode, leaving the dequantization for later
+        (`OpenFrame.decode_into`, possibly a few layers at a time). Raises only CodecError."""
+        return _codec_errors_only(lambda: _open(as_bytes(frame), None, max_elements))
+
+    def decode_into(self, frame: bytes | bytearray | memoryview, out: torch.Tensor, *,
+                    max_elements: int = DEFAULT_MAX_ELEMENTS) -> torch.Tensor:
+        """Decode a frame of any mode straight into `out` [layers, 2, kv_heads, tokens, head_dim]
+        (any float dtype and device, a strided view such as a slice of a larger context is fine);
+        returns `out`. A frame whose shape differs from out's raises CodecError, out untouched."""
+        return _codec_errors_only(lambda: _decode(as_bytes(frame), out.device, max_elements, out))
+
+
+def _codec_errors_only(decode: Callable[[], T]) -> T:
+    """Run a decoding step over untrusted bytes: a frame must never raise anything but CodecError."""
+    try:
+        return decode()
+    except CodecError:
+        raise
+    except Exception as exc:
+        raise CodecError(f"undecodable frame: {type(exc).__name__}: {exc}") from exc
+
+
+def _check_input(kv: torch.Tensor) -> tuple[Dims, torch.dtype]:
+    if not isinstance(kv, torch.Tensor):
+        raise CodecError(f"encode takes a torch.Tensor, not {type(kv).__name__}")
+    if kv.dim() != 5 or kv.shape[1] != 2:
+        raise CodecError(f"KV must be [layers, 2, kv_heads, tokens, head_dim], got "
+                         f"{list(kv.shape)}")
+    if kv.dtype not in DTYPE_NAMES:
+        raise CodecError(f"KV dtype {kv.dtype} is not float32, float16 or bfloat16")
+    n_layers, _, heads, tokens, dim = kv.shape
+    for name, value, limit in (("layers", n_layers, MAX_DIM), ("kv_heads", heads, MAX_DIM),
+                               ("tokens", tokens, MAX_TOKENS), ("head_dim", dim, MAX_DIM)):
+        if not 1 <= value < limit:
+            raise CodecError(f"KV {name} = {value} outside 1..{limit - 1}")
+    return Dims(n_layers, heads, tokens, dim), kv.dtype
+
+
+def _borrow(payload: memoryview, raw_len: int) -> torch.Tensor:
+    """A uint8 tensor over the caller's (possibly read-only) bytes, without a copy.
+
+    Nothing writes to it: dequantizing reads these sections once and writes new tensors, and a
+    float frame decoded without an output is copied out of it (`OpenFrame.decode_into`).
+    """
+    if len(payload) != raw_len:
+        raise CodecError(f"payload is {len(payload)} bytes, header says {raw_len}")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(payload, dtype=torch.uint8)
+
+
+def _decode(view: memoryview, device: torch.device | str | None,
+            max_elements: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    return _open(view, device, max_elements).decode_into(out)
+
+
+def _open(view: memoryview, device: torch.device | str | None, max_elements: int) -> OpenFrame:
+    header = verify_frame(view, max_elements=max_elements)
+    payload = view[HEADER_SIZE + header.table_len:]
+    borrowed = header.compressor == "none"
+    if borrowed:  # read in place: an fp16 context of 2048 SmolLM2 tokens would be a 47 MB copy
+        buf = _borrow(payload, header.raw_len)
+    else:
+        raw = decompress(payload, header.compressor, header.raw_len)
+        buf = torch.frombuffer(raw, dtype=torch.uint8)  # shares raw, which it keeps alive
+    if header.shuffled:
+        buf = unshuffle(buf, itemsize(header.mode, DTYPES[header.dtype]))
+    target = torch.device(device) if device is not None else torch.device("cpu")
+    frame = OpenFrame(header, buf, borrowed and target.type == "cpu", target)  # parts moved to a device are copies
+    if target.type != "cpu":
+        _ = frame.parts  # moved now: a frame opened for a device is whole there
+    return frame
+
+

@@ -1,0 +1,214 @@
+"""Dequantization of every codec mode: payload sections back to KV, written straight into the caller's output
+(a strided view of a context is fine), by the native kernels where the CPU and the layout allow."""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from cachestore.codec import kernels
+from cachestore.codec.frame import MODE_BITS as BITS
+from cachestore.codec.layout import ALT_MODE, F16, PLAIN, Dims, HiLayers, Variant, groups, layer_code_bytes
+from cachestore.codec.q8 import Q8_BLOCK, Q8_BYTES, q8_rows_into
+from cachestore.codec.quant import hadamard_cpu, rotate
+from cachestore.errors import CodecError
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """The inverse of `pack`: uint8 [bytes] -> uint8 [count].
+
+    Each byte is widened to a lane of `8 // bits` bytes and its fields are shifted into the
+    lane's bytes at once (int16 lanes for int4, int32 for int2): several times faster on CPUs
+    than shifting a broadcast uint8 tensor once per field.
+    """
+    if bits == 4:
+        lanes = packed.to(torch.int16)
+        out = lanes << 4
+        out |= lanes
+        out &= 0x0F0F  # byte 0: low nibble, byte 1: high nibble (little-endian lanes)
+    elif bits == 2:
+        lanes = packed.to(torch.int32)
+        out = lanes << 6
+        out |= lanes
+        out |= lanes << 12
+        out |= lanes << 18
+        out &= 0x03030303
+    else:
+        raise CodecError(f"cannot unpack {bits}-bit fields")
+    if not _LITTLE_ENDIAN:
+        return out.view(torch.uint8).view(-1, 8 // bits).flip(1).reshape(-1)[:count]
+    return out.view(torch.uint8)[:count]
+
+
+def dequantize(mode: str, parts: list[torch.Tensor], dims: Dims, group: int,
+               dtype: torch.dtype, out: torch.Tensor | None = None,
+               variant: Variant = PLAIN) -> torch.Tensor:
+    """Payload sections (on the target device) -> kv [layers, 2, heads, tokens, dim] of dtype.
+
+    With `out` (that shape, any float dtype, possibly a strided view) the result is written there
+    in out's dtype and `out` is returned: no intermediate tensor of the whole KV.
+    """
+    n_layers, h, t, d = dims
+    if out is not None:
+        dtype = out.dtype
+    if mode in ("exact", "fp16"):
+        if out is None:
+            return parts[0] if mode == "exact" else parts[0].to(dtype)
+        return out.copy_(parts[0])
+    compute = F16 if dtype == F16 else torch.float32
+    if out is None:
+        out = torch.empty((n_layers, 2, h, t, d), dtype=dtype, device=parts[0].device)
+    if mode == "fp8":
+        scale, q = parts
+        return torch.mul(q.to(compute), scale.to(compute), out=out)
+    if mode == "q8":
+        q8_rows_into(out.transpose(2, 3), parts[0].view(n_layers, 2, t, h, d // Q8_BLOCK * Q8_BYTES))
+        return out
+    if mode == "int8":
+        sk, sv, qk, qv = parts
+        int8_codes_into(out[:, 0], qk, sk)
+        int8_codes_into(out[:, 1], qv, sv)
+        return out
+    gk, nk, gv, nv = groups(dims, group)
+    sk, zk, sv, zv, pk, pv = parts
+    bits = BITS[mode]
+    halves = ((pk, sk, zk, (n_layers, h, nk, gk, d), 2, variant.rot_keys),
+              (pv, sv, zv, (n_layers, h, t, nv, gv), 3, variant.rot_values))
+    for half, (packed, scale, zero, shape, dim, rot) in enumerate(halves):
+        if not (bits == 4 and not rot and _int4_into(out[:, half], packed, scale, zero, shape, dim)):
+            q = unpack(packed, bits, math.prod(shape)).view(shape)
+            _affine_into(out[:, half], q, scale, zero, dim, rot)
+    return out
+
+
+def _int4_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+               shape: tuple[int, ...], dim: int) -> bool:
+    """`_affine_into` of int4 codes still packed ([L, H, groups, group, D] for keys, dim 2; [L, H, T, groups, group]
+    for values, dim 3), unpacked, scaled and offset in one pass (cachestore.codec.kernels); False where that does not
+    apply (codes padded past out's size, or no kernel): nothing written."""
+    if shape[dim] * shape[dim + 1] != out.shape[dim]:
+        return False
+    try:
+        grouped = _grouped(out, shape, dim)
+    except RuntimeError:
+        return False
+    return kernels.int4_into(grouped, packed, scale, zero)
+
+
+def _grouped(out: torch.Tensor, shape: Sequence[int], dim: int) -> torch.Tensor:
+    """out [L, H, T, D] viewed as codes of `shape` group it: dim `dim` split into shape[dim] groups of
+    shape[dim + 1] (keys: T, dim 2; values: D, dim 3)."""
+    return out.view(*out.shape[:dim], shape[dim], shape[dim + 1], *out.shape[dim + 1:])
+
+
+def int8_codes_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """out [L, H, T, D] (any float dtype, a strided view is fine; or [L, frames, H, T, D], a run of frames) = int8 codes
+    q times their fp16 scale."""
+    if kernels.int8_into(out, q, scale):  # one pass, where the CPU and the layout allow: the same values
+        return
+    if out.dtype != F16:  # int8 -> fp32 copy is vectorized: ~4x the fp16 route here
+        out.copy_(q).mul_(scale.float())
+        return
+    # fp16 (llama.cpp's context): the exact fp32 product rounded once into out, as an fp16 multiply rounds it; through a
+    # frame-sized fp32 temporary, 25% faster here than building fp16 codes from their bits and multiplying in fp16
+    out.copy_(q.float().mul_(scale.float()))
+
+
+def dequantize_mixed(mode: str, parts: list[torch.Tensor], dims: Dims, group: int, out: torch.Tensor,
+                     variant: Variant, hi: HiLayers, first: int = 0) -> torch.Tensor:
+    """The sections of a frame with a layer table (`_mixed_layout`, the frame's whole `dims`) -> its layers
+    [first, first + out.shape[0]) in out [those layers, 2, heads, tokens, dim], run by run of layers of
+    one precision."""
+    _, h, t, d = dims
+    gk, nk, gv, nv = groups(dims, group)
+    sk, zk, sv, zv, pk, pv, sk8, sv8, qk8, qv8 = parts[:10]
+    # per tier (the mode's bits, then the other grouped precision): bits, a layer's code bytes per half, the sections
+    tiers: list[tuple[int, tuple[int, int], tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]] = [
+        (BITS[mode], layer_code_bytes(mode, dims, group), ((sk, zk, pk), (sv, zv, pv)))]
+    if len(parts) > 10:
+        ska, zka, sva, zva, pka, pva = parts[10:]
+        alt = ALT_MODE[mode]
+        tiers.append((BITS[alt], layer_code_bytes(alt, dims, group), ((ska, zka, pka), (sva, zva, pva))))
+    halves = ((hi.keys, hi.alt_keys, (h, nk, gk, d), 2, variant.rot_keys, sk8, qk8),
+              (hi.values, hi.alt_values, (h, t, nv, gv), 3, variant.rot_values, sv8, qv8))
+    for half, (hi_layers, alt_layers, shape, dim, rot, scale8, q8) in enumerate(halves):
+        pending: dict[int, list[tuple[torch.Tensor, int, int]]] = {}  # tier -> the runs torch dequantizes
+        for start, stop, tier, rank in _runs(first, first + out.shape[0], hi_layers, alt_layers):
+            target, n = out[start - first:stop - first, half], stop - start
+            if tier < 0:
+                int8_codes_into(target, q8[rank:rank + n], scale8[rank:rank + n])
+                continue
+            bits, sizes, sections = tiers[tier]
+            nbytes, (scale, zero, packed) = sizes[half], sections[half]
+            native = bits == 4 and not rot and 2 * nbytes == math.prod(shape)  # a run's codes lie whole, in C order
+            if not (native and _int4_into(target, packed[rank * nbytes:(rank + n) * nbytes], scale[rank:rank + n],
+                                          zero[rank:rank + n], (n, *shape), dim)):
+                pending.setdefault(tier, []).append((target, n, rank))
+        for tier, runs in pending.items():  # each tier's codes unpacked at once: [their count, *shape]
+            bits, sizes, sections = tiers[tier]
+            nbytes, (scale, zero, packed) = sizes[half], sections[half]
+            r0, r1 = runs[0][2], runs[-1][2] + runs[-1][1]
+            q = unpack(packed[r0 * nbytes:r1 * nbytes], bits, (r1 - r0) * nbytes * (8 // bits))
+            q = q.view(r1 - r0, -1)[:, :math.prod(shape)].reshape(r1 - r0, *shape)  # a copy only if codes end mid-byte
+            for target, n, rank in runs:
+                _affine_into(target, q[rank - r0:rank - r0 + n], scale[rank:rank + n], zero[rank:rank + n], dim, rot)
+    return out
+
+
+def _runs(first: int, stop: int, hi_layers: tuple[int, ...],
+          alt_layers: tuple[int, ...] = ()) -> list[tuple[int, int, int, int]]:
+    """Maximal runs [start, end) of layers first..stop-1 of one precision: (start, end, tier, rank of start among
+    the layers of its precision, i.e. its index in that precision's sections); tier -1 is int8, 0 the mode's own
+    bits, 1 the other grouped precision."""
+    runs: list[tuple[int, int, int, int]] = []
+    hi_set, alt_set = set(hi_layers), set(alt_layers)
+    for layer in range(first, stop):
+        tier = -1 if layer in hi_set else 1 if layer in alt_set else 0
+        if runs and runs[-1][2] == tier:
+            runs[-1] = (runs[-1][0], layer + 1, tier, runs[-1][3])
+            continue
+        below_hi = sum(1 for x in hi_layers if x < layer)
+        below_alt = sum(1 for x in alt_layers if x < layer)
+        rank = below_hi if tier < 0 else below_alt if tier else layer - below_hi - below_alt
+        runs.append((layer, layer + 1, tier, rank))
+    return runs
+
+
+def _affine_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                 dim: int, rot: bool) -> None:
+    """out [L, H, T, D] = q * scale + zero (rotated back if `rot`), q grouped along `dim` of out.
+
+    q [L, H, groups, group, D] (dim 2) or [L, H, T, groups, group] (dim 3), possibly padded past
+    out's size along `dim`. Without padding or rotation the codes are converted, scaled and
+    offset in out itself: no temporary tensor the size of the KV (a fresh one costs page faults).
+    """
+    size = out.shape[dim]
+    padded = q.shape[dim] * q.shape[dim + 1] != size
+    scale32, zero32 = scale.float(), zero.float()  # q * scale is exact in fp32 (<= 15 bits)
+    if not padded and not rot and out.dtype == torch.float32:
+        grouped = _grouped(out, q.shape, dim)
+        # scaled and offset in one pass over out (addcmul), not two: a third less of the layer's traffic
+        torch.addcmul(zero32, grouped.copy_(q), scale32, out=grouped)
+        return
+    x = q.to(torch.float32).mul_(scale32).add_(zero32)
+    x = x.flatten(dim, dim + 1).narrow(dim, 0, size)
+    if rot and out.dtype == torch.float32 and not padded:
+        _rotate_into(x, out)
+    else:
+        out.copy_(rotate(x) if rot else x)
+
+
+def _rotate_into(x: torch.Tensor, out: torch.Tensor) -> None:
+    """out [L, H, T, D] (fp32, any strides with unit-stride rows) = rotate(x [L, H, T, D]).
+
+    One batched matmul per layer writing straight into out (a block of a larger context is a
+    strided view): measured about a third faster than a matmul into a new tensor and a copy.
+    """
+    matrix = hadamard_cpu(x.shape[-1]).to(x.device).expand(x.shape[1], -1, -1)  # [H, D, D]
+    for layer in range(x.shape[0]):
+        torch.bmm(x[layer], matrix, out=out[layer])

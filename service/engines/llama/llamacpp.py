@@ -1,0 +1,398 @@
+"""The `llamacpp` engine: a GGUF model in llama.cpp (llama-cpp-python, pinned), several sequences decoded together.
+
+One llama.cpp context holds `parallel` sequences. A scheduler thread owns it: every step it builds
+one batch with the next token of each sequence that is generating and a chunk of the prompt of each
+sequence that is prefilling, runs one `llama_decode`, and samples each sequence's next token. A request
+that arrives while others generate joins the next step; a finished or abandoned one frees its sequence
+at once. Cached KV enters and leaves a sequence as llama.cpp sequence state (service.engines.llama.llamastate).
+
+The KV cache is F16 (llama.cpp's default), or Q8_0 for a pod whose codec is q8 (`kv_type`, llama-server's
+`--cache-type-k/v q8_0`, with flash attention): q8 frames are that cache's own bytes, so a hit restores exactly what
+the sequence held. The cache costs half the memory and a hit half the bytes of fp16; llama.cpp's CPU prefill over a
+Q8_0 cache is slower.
+
+Flash attention is llama.cpp's choice (`flash_attn` "auto", llama-server's `-fa auto`) unless set: "on" or "off".
+On some CPUs llama.cpp's flash attention decodes much slower over a long context (an Intel Xeon VM, 2048 tokens:
+72 ms a token against 30 off). Off, V is stored transposed (`v_trans`): the state is
+lent with V viewed as rows in its own region, put in place before it is set, and no frame is written as token rows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cachestore.errors import ConfigError
+from cachestore.hashing import ModelFingerprint
+from service import threads as torch_threads
+from service.engines.base import KvGeometry, PrefillHook
+from service.engines.chat import chat_token_ids, remap_known
+from service.engines.gate import LayerGate
+from service.engines.generation import Choice, Generation, GenParams, TextStream, reply_ids
+from service.engines.guides import GbnfGuide
+from service.engines.llama import ggufmeta, llamastate, statelayout, statewrite
+from service.engines.llama.gguf import FLASH_ATTN, check_flash_attn, file_digest, gguf_fingerprint, resolve_gguf
+from service.engines.llama.lending import LendsStates, StateLender, kv_layout, state_buffers
+from service.engines.llama.scheduler import N_BATCH, Scheduler, SeqRequest, StreamClosedError
+from service.engines.llama.vocab import Vocab, quiet_logs
+from service.engines.sampling import Sampler
+from service.engines.tools import for_template
+
+log = logging.getLogger("kvstash.llamacpp")
+
+PINNED_VERSION = "0.3.36"  # llama-cpp-python; the state layout in llamastate is read from this version
+MAX_SEQ_CONTEXT = 8192  # tokens per sequence at most (the model's training context if smaller)
+
+
+class LlamaCppEngine(Scheduler, LendsStates):
+    """A GGUF model served by llama.cpp with continuous batching over `parallel` sequences."""
+
+    kind = "llamacpp"
+    layerwise = False  # a sequence's state is set whole
+    runs_torch = False  # llama.cpp computes on its own scheduler thread
+
+    def __init__(self, path: Path, *, name: str, parallel: int = 4, threads: int = 0, kv_type: str = "f16",
+                 flash_attn: str = "auto") -> None:
+        # llama.cpp runs its own OpenMP team on the scheduler thread: torch work on the thread that loads (and
+        # probes) the engine keeps to one core, or libgomp, with more threads than cores, parks its workers
+        # between regions and every decode step pays the wake-ups (service.threads)
+        torch_threads.one_core()
+        try:
+            import llama_cpp  # noqa: PLC0415
+        except ImportError as exc:
+            raise ConfigError("the llamacpp engine needs llama-cpp-python: run `make setup`") from exc
+        if llama_cpp.__version__ != PINNED_VERSION:
+            raise ConfigError(f"llama-cpp-python {llama_cpp.__version__} is installed; kvstash reads the KV "
+                              f"layout of {PINNED_VERSION} only (run `make setup`)")
+        llamastate.check_kv_type(kv_type)
+        check_flash_attn(flash_attn, kv_type)
+        self.kv_type = kv_type
+        self._lib = lib = llama_cpp
+        self._log_cb = quiet_logs()
+        lib.llama_backend_init()
+        self.name, self.path, self.parallel = name, path, parallel
+        mparams = lib.llama_model_default_params()
+        # No AMX/repacked weight buffers: their kernels fault (ldtilecfg) when torch's libgomp runs ggml's
+        # threads, as it does in a pod, on CPUs with AMX (seen on Sapphire Rapids VMs)
+        mparams.use_extra_bufts = False
+        self._model = lib.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self._model:
+            raise ConfigError(f"llama.cpp could not load {path}")
+        threads = threads or os.cpu_count() or 1
+        per_seq = min(MAX_SEQ_CONTEXT, int(lib.llama_model_n_ctx_train(self._model)))
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = per_seq * parallel
+        cparams.n_batch = cparams.n_ubatch = N_BATCH
+        cparams.n_seq_max = parallel
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.kv_unified = False  # a stream per sequence: attention never scans other sequences' cells
+        cparams.type_k = cparams.type_v = llamastate.KV_TYPES[kv_type]
+        # a quantized V cache needs flash attention (V then kept as rows)
+        cparams.flash_attn_type = FLASH_ATTN["on" if kv_type != "f16" else flash_attn]
+        self._ctx = lib.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            raise ConfigError(f"llama.cpp could not create a context of {per_seq} x {parallel} tokens")
+        self._mem = lib.llama_get_memory(self._ctx)
+        self._vocab_p = lib.llama_model_get_vocab(self._model)
+        self.vocab = Vocab(lib, self._vocab_p)
+        self.n_vocab = int(lib.llama_vocab_n_tokens(self._vocab_p))
+        layers = int(lib.llama_model_n_layer(self._model))
+        heads, kv_heads = int(lib.llama_model_n_head(self._model)), int(lib.llama_model_n_head_kv(self._model))
+        head_dim = self._meta_int("attention.key_length") or int(lib.llama_model_n_embd(self._model)) // heads
+        # a q8_0 cache is parsed into float32, which holds its values exactly
+        self.geometry = KvGeometry(layers, kv_heads, head_dim,
+                                   llamastate.parsed_dtype(llamastate.KV_TYPES[kv_type]), per_seq)
+        template = lib.llama_model_chat_template(self._model, None)
+        self._template = template.decode("utf-8") if template else None
+        self._special_texts: frozenset[str] | None = None
+        self._add_bos = bool(lib.llama_vocab_get_add_bos(self._vocab_p))
+        self._bos = int(lib.llama_vocab_bos(self._vocab_p))
+        self._batch = lib.llama_batch_init(N_BATCH, 0, parallel)
+        self.layout = self._probe_model_layout()
+        if not self.layout.full_attention_only:
+            self._free_native()
+            raise ConfigError(f"{path.name} is {self.layout.describe()}; kvstash caches full-attention KV only")
+        self.state_geometry = self._probe_layout()
+        # exact and fp16 frames as token rows, the order the state holds K and V in: a hit lands in the state itself
+        self.kv_layout = kv_layout(self.state_geometry, self.layout)
+        self._digest = file_digest(path)
+        self.restore_failures = 0
+        self._inbox: queue.Queue[SeqRequest] = queue.Queue()
+        self._free = list(range(parallel))
+        self._state_buffers = state_buffers(keep=parallel)
+        self._snapshots = state_buffers(keep=parallel)  # finished sequences' states, read back for the write-back
+        # contexts lent to the pipeline are these states (lending): a q8_0 state has no float view, so a
+        # float32 tensor is lent beside it, and rows received into the state (q8 frames) never pass through it
+        self._lender = StateLender(self.state_geometry, self.geometry, self._state_buffers, self.kv_layout,
+                                   transposed_v=True)
+        self._active: list[SeqRequest] = []
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvstash-llamacpp", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def load(cls, model: str, *, parallel: int = 4, threads: int = 0, kv_type: str = "f16",
+             flash_attn: str = "auto") -> LlamaCppEngine:
+        path = resolve_gguf(model)
+        return cls(path, name=model if model == "smollm2" else path.stem, parallel=parallel, threads=threads,
+                   kv_type=kv_type, flash_attn=flash_attn)
+
+    # -- model facts -----------------------------------------------------------------------------
+    def _meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(512)
+        arch = self._meta_raw("general.architecture")
+        for full in (f"{arch}.{key}" if arch else key, key):
+            n = self._lib.llama_model_meta_val_str(self._model, full.encode(), buf, 512)
+            if n >= 0:
+                return buf.value.decode("utf-8", errors="replace")
+        return None
+
+    def _meta_raw(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(256)
+        n = self._lib.llama_model_meta_val_str(self._model, key.encode(), buf, 256)
+        return buf.value.decode("utf-8", errors="replace") if n >= 0 else None
+
+    def _meta_int(self, key: str) -> int:
+        value = self._meta(key)
+        return int(value) if value and value.isdigit() else 0
+
+    def _probe_model_layout(self) -> statelayout.ModelLayout:
+        """Which layers keep full-attention KV, sliding-window KV or a recurrent state: decode two tokens in sequence
+        0 and read the sections of its state (statelayout), checked against what the GGUF says of its layers."""
+        lib, model = self._lib, self._model
+        arch = self._meta_raw("general.architecture") or "unknown"
+        n_layer, n_swa = int(lib.llama_model_n_layer(model)), int(lib.llama_model_n_swa(model))
+        hybrid, recurrent = bool(lib.llama_model_is_hybrid(model)), bool(lib.llama_model_is_recurrent(model))
+        pattern_key, heads_key = f"{arch}.attention.sliding_window_pattern", f"{arch}.attention.head_count_kv"
+        meta = ggufmeta.read_meta(self.path, (pattern_key, heads_key)) if n_swa > 0 or hybrid else {}
+        sliding = statelayout.sliding_layers(arch, n_layer, meta.get(pattern_key)) if n_swa > 0 else ()
+        rec_layers = (tuple(range(n_layer)) if recurrent else
+                      statelayout.recurrent_layers(n_layer, meta.get(heads_key)) if hybrid else ())
+        self._decode_tokens([(self._bos, 0, 0, False), (self._bos, 1, 0, True)])
+        size = self._state_size(0)
+        blob = self._get_state(0, bytearray(size), size)
+        lib.llama_memory_seq_rm(self._mem, 0, -1, -1)
+        try:
+            sections = statelayout.read_sections(blob, statelayout.section_kinds(n_swa, hybrid, recurrent))
+            return statelayout.model_layout(arch, n_layer, n_swa, sections, sliding, rec_layers)
+        except llamastate.StateLayoutError as exc:
+            self._free_native()
+            raise ConfigError(f"{self.path.name}: llama.cpp's sequence state is not one kvstash reads ({exc})"
+                              ) from None
+
+    def _free_native(self) -> None:
+        """Free what llama.cpp holds for this engine when it refuses to start (`close` does it after)."""
+        self._lib.llama_batch_free(self._batch)
+        self._lib.llama_free(self._ctx)
+        self._lib.llama_model_free(self._model)
+
+    def _probe_layout(self) -> llamastate.StateGeometry:
+        """Decode two tokens in sequence 0 and read its state back: the running llama.cpp must write the
+        layout llamastate reads, or the pod refuses to start (one line), never corrupting a cache."""
+        self._decode_tokens([(self._bos, 0, 0, False), (self._bos, 1, 0, True)])
+        size = self._state_size(0)
+        blob = self._get_state(0, bytearray(size), size)
+        self._lib.llama_memory_seq_rm(self._mem, 0, -1, -1)
+        try:
+            facts = llamastate.read_facts(blob)
+            if facts is None:
+                raise llamastate.StateLayoutError("the state of a decoded sequence holds no cells")
+            g = self.geometry
+            geo = llamastate.StateGeometry(g.num_layers, g.kv_heads, g.head_dim, facts.v_trans, facts.n_stream,
+                                           facts.kv_type)
+            if facts.kv_type != llamastate.KV_TYPES[self.kv_type]:
+                raise llamastate.StateLayoutError(f"K of ggml type {facts.kv_type}, not the {self.kv_type} asked for")
+            if facts.num_layers != g.num_layers or facts.row_elements != g.kv_heads * g.head_dim:
+                raise llamastate.StateLayoutError(f"state of {facts.num_layers} layers x {facts.row_elements}, "
+                                                  f"model {g.num_layers} x {g.kv_heads * g.head_dim}")
+            kv = llamastate.parse_state(blob, geo)
+            if bytes(statewrite.assemble_state(kv, geo, seq_id=0)) != bytes(blob):
+                raise llamastate.StateLayoutError("re-assembled state differs from llama.cpp's")
+        except llamastate.StateLayoutError as exc:
+            raise ConfigError(f"llama.cpp's sequence-state layout is not the one kvstash reads ({exc}); "
+                              f"install llama-cpp-python=={PINNED_VERSION}") from None
+        return geo
+
+    def fingerprint(self, block_tokens: int, codec_name: str) -> ModelFingerprint:
+        engine_id = (f"llamacpp-{PINNED_VERSION}/state-v{llamastate.LAYOUT_VERSION}"
+                     + llamastate.cache_tag(self.state_geometry.kv_type) + self.kv_layout.tag)
+        return gguf_fingerprint(engine_id, self._digest, self._template or "", self._add_bos, self.geometry,
+                                block_tokens, codec_name)
+
+    # -- text ------------------------------------------------------------------------------------
+    def chat_ids(self, messages: list[dict[str, Any]], known: Mapping[int, list[int]] | None = None,
+                 tools: tuple[dict[str, Any], ...] | None = None) -> list[int]:
+        if self._template is None:
+            raise ConfigError(f"{self.path.name} carries no chat template")
+        from service.engines.llama.jinja import render_chat  # noqa: PLC0415
+
+        rendered, native, moved = for_template(messages, tools, self._template, self._specials())
+
+        def render(marked: list[dict[str, Any]]) -> str:
+            return render_chat(self._template or "", marked, bos=self.vocab.decode([self._bos], False), tools=native)
+
+        ids = chat_token_ids(rendered, render, lambda t: self.vocab.tokenize(t, special=True), self.text_ids,
+                             remap_known(known, moved))
+        if self._add_bos and (not ids or ids[0] != self._bos):
+            ids.insert(0, self._bos)
+        return ids
+
+    def _specials(self) -> frozenset[str]:
+        """The text of every control token (read once: a tool may not spell one into the template's text)."""
+        if self._special_texts is None:
+            control = self._lib.LLAMA_TOKEN_ATTR_CONTROL | self._lib.LLAMA_TOKEN_ATTR_USER_DEFINED
+            self._special_texts = frozenset(
+                self.vocab.piece(t, True).decode("utf-8", errors="replace") for t in range(self.n_vocab)
+                if int(self._lib.llama_vocab_get_attr(self._vocab_p, t)) & control)
+        return self._special_texts
+
+    def text_ids(self, text: str) -> list[int]:
+        return self.vocab.tokenize(text, special=False)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.vocab.decode(list(ids))
+
+    # -- generation (any thread) -----------------------------------------------------------------
+    def generate(
+        self,
+        prompt_ids: list[int],
+        cached_kv: torch.Tensor | None,
+        params: GenParams,
+        on_text: Callable[[str], None] | None = None,
+        on_prefill: PrefillHook | None = None,
+        kv_ready: LayerGate | None = None,
+        keep_from: int = 0,
+    ) -> Generation:
+        """The returned KV starts at token `keep_from` (`Generation.kv_from`): only those cells are parsed out of the
+        sequence state, which at 2048 tokens saves a 47 MB copy (~20 ms on one core) before the reply returns."""
+        prompt = [int(i) for i in prompt_ids]
+        limit = self.geometry.max_context
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if len(prompt) >= limit:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; the context is {limit}")
+        if any(not 0 <= t < self.n_vocab for t in prompt):
+            raise ValueError(f"token ids must lie in [0, {self.n_vocab})")
+        cached, state, size, planned = 0, None, 0, 0
+        lent: tuple[bytearray, int] | None = None
+        if cached_kv is not None and cached_kv.shape[3] > 0:
+            if cached_kv.shape[3] > len(prompt):
+                raise ValueError(f"cached kv covers {cached_kv.shape[3]} tokens, the prompt has {len(prompt)}")
+            cached = min(int(cached_kv.shape[3]), len(prompt) - 1)  # the last prompt token is always fed
+            if kv_ready is not None:
+                kv_ready.wait_all()  # the state is set whole: every layer first
+            lent = self._lent_state(cached_kv, cached)  # the hit was dequantized into a state: set as it is
+            state, planned = lent if lent is not None else (None, cached)
+            size = llamastate.state_size(planned, self.state_geometry)
+            if state is None:
+                try:
+                    state = statewrite.assemble_state(cached_kv[:, :, :, :cached], self.state_geometry,
+                                                      into=self._state_buffers.take(size))
+                except llamastate.StateLayoutError as exc:
+                    raise ValueError(str(exc)) from None
+        max_new = min(params.max_tokens, limit - len(prompt))
+        req = SeqRequest(prompt, state, cached, params, on_text, TextStream(self.vocab, params.stop, on_text),
+                       self._sampler(params, prompt, 0), max_new, on_prefill)
+        req.state_size = size
+        req.lent, req.planned = lent is not None, planned
+        extra = [self._extra_choice(prompt, cached_kv, cached, lent is not None, params, i, max_new)
+                 for i in range(1, params.n)]  # each sampled on its own sequence, decoded alongside the first
+        if self._closed.is_set():
+            raise StreamClosedError("the engine is closed")
+        for each in (req, *extra):
+            self._inbox.put(each)
+        for each in (req, *extra):
+            each.done.wait()
+        error = next((each.error for each in (req, *extra) if each.error is not None), None)
+        if error is not None:
+            if req.blob_buffer is not None:
+                self._snapshots.give(req.blob_buffer)
+            raise error
+        assert req.blob is not None and req.blob_buffer is not None
+        seq_ids = prompt + req.generated[:-1]
+        kv_from = min(max(0, keep_from), len(seq_ids))
+        try:  # [L, 2, H, tokens - kv_from, D] float16, copied out of the snapshot
+            kv = llamastate.parse_state(req.blob, self.state_geometry, start=kv_from, cells=len(seq_ids))
+        except llamastate.CellCountError as exc:
+            raise RuntimeError(f"llama.cpp's state of a sequence of {len(seq_ids)} tokens {exc}") from None
+        finally:
+            self._snapshots.give(req.blob_buffer)
+            req.blob = req.blob_buffer = None
+        return Generation(
+            text=req.stream.text, token_ids=req.generated, finish_reason=req.finish, prompt_tokens=len(prompt),
+            cached_tokens=0 if req.restore_failed else cached, ttft_s=req.ttft,
+            total_s=time.perf_counter() - req.started, seq_ids=seq_ids, kv=kv,
+            reply_ids=reply_ids(req.generated, req.ended_by_token, req.cut_by_stop), kv_from=kv_from,
+            logprobs=req.sampler.logprobs if req.sampler is not None else None,
+            choices=[Choice(e.stream.text, e.generated, e.finish, e.sampler.logprobs if e.sampler else None)
+                     for e in extra],
+        )
+
+    def _sampler(self, params: GenParams, prompt: list[int], choice: int) -> Sampler:
+        guide = None
+        if params.response_format is not None:  # a ParamError (400) here, before anything is queued
+            guide = GbnfGuide(self._lib, self._vocab_p, params.response_format, self.n_vocab)
+        return Sampler(params, prompt, choice=choice, guide=guide, token_text=self.token_text)
+
+    def token_text(self, token: int) -> tuple[str, bytes]:
+        raw = self.vocab.piece(token, special=True)
+        return raw.decode("utf-8", errors="replace"), raw
+
+    def _extra_choice(self, prompt: list[int], cached_kv: torch.Tensor | None, cached: int, lent: bool,
+                      params: GenParams, choice: int, max_new: int) -> SeqRequest:
+        """Choice `choice` (> 0) of an `n` request: the cached prefix set again from `cached_kv` (a context lent as
+        a state was set whole by choice 0: this one prefills the prompt), its state never read back."""
+        state, size = None, 0
+        if cached and cached_kv is not None and not lent:
+            size = llamastate.state_size(cached, self.state_geometry)
+            state = statewrite.assemble_state(cached_kv[:, :, :, :cached], self.state_geometry,
+                                              into=self._state_buffers.take(size))
+        req = SeqRequest(prompt, state, cached if state is not None else 0, params, None,
+                       TextStream(self.vocab, params.stop, None), self._sampler(params, prompt, choice), max_new)
+        req.state_size, req.planned, req.keeps_state = size, cached if state is not None else 0, False
+        return req
+
+    def _lent_state(self, cached_kv: torch.Tensor, cached: int) -> tuple[bytearray, int] | None:
+        """The state of the context lent `cached_kv` is (`StateLender.take`) and how many cells it holds; None when it
+        is no such context, or when setting an F16 state whole would copy more than twice the cells wanted (the cells
+        past `cached` are set, then dropped: see `_admit`). A q8_0 state is set whatever its cells: it holds the
+        rows."""
+        lent = self._lender.take(cached_kv, cached)
+        if lent is None or (lent.tensor is None and 2 * cached < lent.cells):
+            return None
+        self._lender.settle(lent)  # V stored transposed (no flash attention): put in place now
+        return lent.state, lent.cells
+
+    def score(self, cached_kv: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        """Logits [len(ids), vocab] of `ids` fed after the KV of cached_kv.shape[3] tokens (the quality
+        bench: row j predicts ids[j + 1])."""
+        n = int(cached_kv.shape[3])
+        state = statewrite.assemble_state(cached_kv, self.state_geometry) if n else None
+        prompt = [0] * n + [int(t) for t in ids]  # the cached tokens' ids are not read back
+        req = SeqRequest(prompt, state, n, GenParams(max_tokens=1), None, TextStream(self.vocab, (), None), None, 1)
+        req.keeps_state = False
+        req.state_size = len(state) if state is not None else 0
+        req.scores = []
+        self._inbox.put(req)
+        req.done.wait()
+        if req.error is not None:
+            raise req.error
+        if req.restore_failed:
+            raise RuntimeError("llama.cpp refused the cached prefix")
+        return torch.stack(req.scores)
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._thread.join(timeout=30)
+        self._free_native()

@@ -1,0 +1,159 @@
+"""The one gate for untrusted bytes: every frame, tail and reply entry read from Redis is checked here first.
+
+A value is used only if it is exactly what this pod would have written (its header names this pod's codec, block
+shape and dtype, its checksum holds); anything else is a counted miss (kvstash_cache_rejected_total by reason),
+never an error and never a wrong answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cachestore.codec import CodecSpec, OpenFrame, read_header, verify_placed
+from cachestore.codec.blockcodec import BlockCodecs
+from cachestore.codec.frame import GROUPED_MODES, RunningChecksum
+from cachestore.errors import CodecError
+from cachestore.tails import unpack_ids, unpack_tail
+from cachestore.wire import Scatter, Target
+from service.engines import Engine
+from service.metrics import PodMetrics
+
+log = logging.getLogger("kvstash.gate")
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """Why a cached value was discarded: `reason` is a metric label (corrupt, codec, model)."""
+
+    reason: str
+    detail: str
+
+
+def frame_problem(
+    frame: bytes | memoryview, spec: CodecSpec, shape: Sequence[int], dtype: torch.dtype,
+) -> Rejection | None:
+    """None if the frame's header names this pod's codec, block shape and dtype; a Rejection otherwise.
+
+    A key already carries the model fingerprint and codec, so a mismatch here means corruption or a
+    poisoned value: the codec would happily decode an int8 frame under an `exact` key, and a hit
+    must never change the answer beyond the declared codec's loss. Only the header is parsed here
+    (nothing is allocated); the caller decodes with the expected shape's element count as limit.
+    """
+    try:
+        header = read_header(frame)
+    except CodecError as exc:
+        return Rejection("corrupt", str(exc))
+    if header.mode != spec.mode or (header.mode in GROUPED_MODES and header.group_size != spec.group_size):
+        return Rejection("codec", f"frame of codec {header.mode}/g{header.group_size}, this pod uses {spec.name()}")
+    if header.transform != spec.transform:  # a rotated frame under a plain key, or the other way round
+        return Rejection("codec", f"frame with transform bits {header.transform}, this pod's codec "
+                                  f"{spec.name()} writes {spec.transform}")
+    if header.layer_bits != spec.layer_table(header.layers):  # other layers kept at int8 (format 3)
+        return Rejection("codec", f"frame with layer table {header.layer_bits.hex()}, this pod uses {spec.name()}")
+    want_dtype = str(dtype).removeprefix("torch.")
+    if list(header.shape) != list(shape) or header.dtype != want_dtype:
+        return Rejection("model", f"frame of shape {list(header.shape)} {header.dtype}, "
+                                  f"expected {list(shape)} {want_dtype}")
+    return None
+
+
+class FrameGate:
+    """Opens what a lookup read, or rejects it (counted): block frames, received bytes or in place, tails, reply ids.
+
+    A frame received into the rows of a state the engine lent is verified there, and the engine says where it holds
+    those rows (`Engine.placed_frame`).
+    """
+
+    def __init__(self, codecs: BlockCodecs, block_shape: tuple[int, ...], dtype: torch.dtype, metrics: PodMetrics,
+                 engine: Engine) -> None:
+        self.codecs = codecs
+        self.block_shape = block_shape  # [layers, 2, kv_heads, block_tokens, head_dim]
+        self.dtype = dtype
+        self.metrics = metrics
+        self.engine = engine
+
+    def reject(self, problem: Rejection) -> None:
+        """Bytes from Redis are untrusted: anything but what this pod would have written is a counted miss."""
+        log.warning("discarding a cached frame (%s): %s", problem.reason, problem.detail)
+        self.metrics.cache_rejected.labels(problem.reason).inc()
+
+    def open_block(self, frame: bytes | Target, index: int) -> OpenFrame | None:
+        """Block `index`'s frame verified and decompressed, or None (counted) if it is not what this pod
+        would have written. A frame received as a `Scatter` (service.placement) is verified where its rows lie."""
+        codec = self.codecs.at(index)
+        if isinstance(frame, Scatter):
+            return self._open_placed(frame, index)
+        problem = frame_problem(frame, codec.spec, self.block_shape, self.dtype)
+        if problem is not None:
+            self.reject(problem)
+            return None
+        try:
+            return codec.open(frame, max_elements=math.prod(self.block_shape))
+        except CodecError as exc:
+            self.reject(Rejection("corrupt", str(exc)))
+            return None
+
+    def _open_placed(self, frame: Scatter, index: int) -> OpenFrame | None:
+        """A frame received into a lent context's rows, verified there; one of the same length in another layout
+        (a pod that wrote head-major fp16) is gathered out of them and opened as bytes."""
+        head, rows = frame.pieces[0], frame.pieces[1:]
+        problem = frame_problem(head, self.codecs.at(index).spec, self.block_shape, self.dtype)
+        if problem is not None:
+            self.reject(problem)
+            return None
+        apart = self.engine.kv_layout.rows_apart  # rows in a state beside the lent tensor (q8_0)
+        if not read_header(head).rows:
+            if apart:  # decoded into the tensor it would be missing from the state: never a wrong answer
+                self.reject(Rejection("codec", "a frame of another layout than the state's rows"))
+                return None
+            return self.open_block(frame.tobytes(), index)
+        try:
+            running = frame.filled  # the checksum of the bytes as they came in, unless some did not come that way
+            digest = running.value() if isinstance(running, RunningChecksum) and running.fed == len(frame) else None
+            header = verify_placed(head, rows, digest=digest, max_elements=math.prod(self.block_shape))
+        except CodecError as exc:
+            self.reject(Rejection("corrupt", str(exc)))
+            return None
+        return self.engine.placed_frame(header, rows)  # where the engine holds the rows
+
+    def decode(self, frame: bytes, tokens: int | None, block_index: int) -> torch.Tensor | None:
+        """A frame of `tokens` tokens (a whole block if None; fewer: a tail's or a session's partial block, in the
+        codec of a partial block, `BlockCodecs.partial_at`) at block `block_index`, decoded in the model's dtype, or
+        None (counted)."""
+        expected = list(self.block_shape)
+        if tokens is not None:
+            expected[3] = tokens
+        partial = tokens is not None and tokens < self.block_shape[3]
+        codec = (self.codecs.partial_at if partial else self.codecs.at)(block_index)
+        problem = frame_problem(frame, codec.spec, expected, self.dtype)
+        if problem is not None:
+            self.reject(problem)
+            return None
+        try:
+            kv = codec.decode(frame, max_elements=math.prod(expected))
+        except CodecError as exc:
+            self.reject(Rejection("corrupt", str(exc)))
+            return None
+        return kv.to(self.dtype)
+
+    def tail(self, value: bytes) -> tuple[list[int], bytes] | None:
+        """A tail's token ids and its frame (not yet checked: `decode` it), or None (counted) if it does not parse."""
+        try:
+            tokens, frame = unpack_tail(value)
+        except CodecError as exc:
+            self.reject(Rejection("corrupt", f"tail: {exc}"))
+            return None
+        return tokens, frame
+
+    def reply_ids(self, value: bytes) -> list[int] | None:
+        """A reply entry's token ids, or None (counted) if it does not parse."""
+        try:
+            return unpack_ids(value)
+        except CodecError as exc:
+            self.reject(Rejection("corrupt", f"reply ids: {exc}"))
+            return None

@@ -1,0 +1,98 @@
+"""Where a lookup's bytes go: the context a hit is dequantized into, and the landing its frames are received into.
+
+Frames stored plainly (int8, fp16 and exact under lz4 or none) are received into one pooled buffer, one slot per
+block (one copy on the wire, cachestore.wire); a layer-by-layer engine dequantizes them from there a layer at a
+time (service.rehydrate). Token-row frames for a context an engine lent (a llama.cpp sequence state) are received
+straight into that state's rows instead: nothing is left to dequantize.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from cachestore.codec.blockcodec import BlockCodecs
+from cachestore.wire import Target
+from service.contextpool import ContextPool, LandingPool
+from service.engines import Engine
+
+LANDING_ALIGN = 64  # each frame's slot in a lookup's landing starts on a cache line
+# compressors under which frames are mostly stored plainly (lz4 gains nothing on quantized KV), so their length is
+# known before they are read: they land in place (a frame of another length is read and decoded as before)
+LANDING_COMPRESSORS = frozenset({"none", "lz4"})
+
+
+class Placement:
+    """The pod's pooled contexts and landings, and the slots a lookup's frames are received into."""
+
+    def __init__(self, engine: Engine, codecs: BlockCodecs, block_tokens: int, max_tokens_limit: int) -> None:
+        geo = engine.geometry
+        self.engine = engine
+        self.codecs = codecs
+        self.block_tokens = block_tokens
+        self.dtype = geo.dtype
+        self._max_tokens_limit = max_tokens_limit
+        self._max_context = geo.max_context
+        self._contexts = ContextPool(geo.num_layers, geo.kv_heads, geo.head_dim, geo.dtype,
+                                     max_idle=max(2, engine.parallel))
+        # [layers, 2, kv_heads, block_tokens, head_dim]
+        block_shape = (geo.num_layers, 2, geo.kv_heads, block_tokens, geo.head_dim)
+        # block 0 may have its own codec
+        self.slot_sizes = ((codecs.sink.plain_size(block_shape, geo.dtype), codecs.main.plain_size(block_shape,
+                                                                                                  geo.dtype))
+                           if codecs.main.spec.compressor in LANDING_COMPRESSORS else None)
+        self._landings = LandingPool(max_idle=max(2, engine.parallel))
+
+    @property
+    def block_bytes(self) -> int | None:
+        """The length of a stored block (after block 0) when it is known before it is read."""
+        return self.slot_sizes[1] if self.slot_sizes is not None else None
+
+    def landing_for(self, blocks: int, out: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor | None, Sequence[Target] | None]:
+        """A pooled buffer the lookup's frames are received into, and each block's slot in it (64-byte aligned, at
+        one stride after block 0, whose codec may differ); (None, None) when this pod's frames are compressed (their
+        lengths vary). Token-row frames for a context the engine lent (`out`, a llama.cpp sequence state) land in it
+        instead: (None, a `Scatter` per block, its header apart and its rows where the state holds them)."""
+        if not blocks or self.slot_sizes is None:
+            return None, None
+        placed = self._rows_into(out, blocks) if out is not None else None
+        if placed is not None:
+            return None, placed
+        sizes = [self.slot_sizes[0 if i == 0 else 1] for i in range(blocks)]
+        offsets, end = [], 0
+        for size in sizes:
+            offsets.append(end)
+            end += -(-size // LANDING_ALIGN) * LANDING_ALIGN
+        stage = self._landings.take(end)
+        view = stage.numpy().data  # [bytes] uint8
+        return stage, [view[at:at + size] for at, size in zip(offsets, sizes, strict=True)]
+
+    def _rows_into(self, out: torch.Tensor, blocks: int) -> Sequence[Target] | None:
+        """Each block's target in the context `out` an engine lent (`Engine.landing_targets`), when this pod writes
+        uncompressed-length token rows of its element type (`CodecSpec.rows`); else None."""
+        codec = self.codecs.main
+        if not codec.spec.rows or self.codecs.sink is not codec or out.dtype != self.dtype:
+            return None
+        targets = self.engine.landing_targets(out, blocks, self.block_tokens)
+        if targets is None:
+            return None
+        return targets if len(targets[0]) == self.block_bytes else None
+
+    def release_landing(self, stage: torch.Tensor) -> None:
+        self._landings.give(stage)
+
+    def context_for(self, prompt_ids: list[int]) -> torch.Tensor:
+        """Where a hit is dequantized: the engine's own context when it lends one (llama.cpp: a sequence state, set
+        as it is), else a pooled [layers, 2, kv_heads, capacity, head_dim] buffer with room for the prompt and the
+        longest reply, so generation appends in place (hfcache.GrowingLayer); pages never written are never
+        touched."""
+        lent = self.engine.context_for(len(prompt_ids) - 1)  # a hit fills at most the prompt but its last token
+        if lent is not None:
+            return lent
+        return self._contexts.take(min(len(prompt_ids) + self._max_tokens_limit, self._max_context + 1))
+
+    def give_context(self, buffer: torch.Tensor) -> None:
+        if not self.engine.give_context(buffer):
+            self._contexts.give(buffer)

@@ -1,0 +1,168 @@
+"""Helpers the tests share (never in a test module): pods as processes, in-process pod clients, TLS servers, and the
+codec's test inputs and error bounds."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+import torch
+from starlette.testclient import TestClient
+
+from ops.pods import PodProcess
+from ops.redisproc import RedisProcess, RedisProcessError, free_port
+
+# -- pods as processes --------------------------------------------------------------------
+
+POD_ARGS = ("--codec", "exact", "--block-tokens", "16")
+
+
+P = TypeVar("P", bound=Any)
+
+
+def write_queue(url: str) -> int:
+    """Background write jobs queued or being written on the pod at `url` (/readyz counts the one in flight)."""
+    return int(httpx.get(url + "/readyz", timeout=5).json()["write_queue"])
+
+
+def settle(url: str, timeout_s: float = 20.0) -> None:
+    """Until the pod at `url` has nothing queued or being written."""
+    deadline = time.monotonic() + timeout_s
+    while write_queue(url):
+        assert time.monotonic() < deadline, "write queue did not drain"
+        time.sleep(0.05)
+
+
+@contextmanager
+def running(procs: dict[str, P], ready_s: float = 120) -> Iterator[dict[str, P]]:
+    """Start every process (pods, sidecars) at once, wait until each is ready, clean all of them up after."""
+    try:
+        for p in procs.values():
+            p.start()
+        for p in procs.values():
+            p.wait_ready(ready_s)
+        yield procs
+    finally:
+        for p in procs.values():
+            p.cleanup()
+
+
+@contextmanager
+def tiny_pods(redis_url: str) -> Iterator[dict[str, PodProcess]]:
+    """Two caching tiny-random pods (`a`, `b`) and one without the cache (`plain`), as processes."""
+    with running({
+        "a": PodProcess("pod-a", redis_url, "tiny-random", POD_ARGS),
+        "b": PodProcess("pod-b", redis_url, "tiny-random", POD_ARGS),
+        "plain": PodProcess("pod-plain", redis_url, "tiny-random", POD_ARGS, no_cache=True),
+    }) as procs:
+        yield procs
+
+
+# -- a pod in-process (Starlette TestClient) ------------------------------------------------
+
+HISTORY = [
+    {"role": "system", "content": "You are a helpful assistant. " * 20},
+    {"role": "user", "content": "Tell me about the history of the printing press in Europe, in detail."},
+]
+
+
+def make_client(redis: RedisProcess, tiny_model: Any, **overrides: Any) -> TestClient:
+    from service.app import create_app  # noqa: PLC0415 - the codec's tests need no pod
+    from service.settings import PodSettings  # noqa: PLC0415
+
+    settings = PodSettings(model="tiny-random", redis_url=redis.url, codec=overrides.pop("codec", "exact"),
+                           block_tokens=overrides.pop("block_tokens", 16), pod_name="pod-test", **overrides)
+    return TestClient(create_app(settings, engine=tiny_model), raise_server_exceptions=False)
+
+
+def chat(client: TestClient, messages: list[dict[str, str]], **extra: Any) -> Any:
+    headers = extra.pop("headers", None) or {}  # HTTP headers, never a body field (the pod refuses unknown ones)
+    body = {"model": "tiny-random", "messages": messages, "max_tokens": 12, "temperature": 0, **extra}
+    return client.post("/v1/chat/completions", json=body, headers=headers)
+
+
+def wait_written(client: TestClient) -> None:
+    state = client.app.state.pod  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if state.writer.depth == 0:  # queued + the one being written
+            return
+        time.sleep(0.02)
+    raise AssertionError("background writes did not finish")
+
+
+# -- TLS ------------------------------------------------------------------------------------
+
+def self_signed(directory: Path) -> tuple[Path, Path]:
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )
+    return cert, key
+
+
+@contextmanager
+def tls_acl_server(tmp_path: Path, password: str, key_pattern: str) -> Iterator[tuple[RedisProcess, int, Path]]:
+    """A redis-server with a TLS port (self-signed certificate) and ACL user `kv` allowed only
+    `key_pattern`; skips the test where openssl or TLS support is missing."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = self_signed(tmp_path)
+    tls_port = free_port()
+    server = RedisProcess(extra_args=(
+        "--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+        "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no",
+        "--user", "kv", "on", f">{password}", key_pattern, "resetchannels", "+@all", "-@admin", "-@dangerous",
+    ))
+    try:
+        server.start()
+    except RedisProcessError as exc:
+        server.cleanup()
+        pytest.skip(f"this redis-server cannot serve TLS: {exc}")
+    try:
+        yield server, tls_port, cert
+    finally:
+        server.cleanup()
+
+
+# -- the codec's inputs and error bounds --------------------------------------------------
+
+LEVELS = {"int4": 15, "int2": 3}  # the grouped modes' steps per range
+
+
+def kv_sample(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    # per-channel magnitudes differ, as in real keys
+    scale = torch.rand(shape[0], 2, shape[2], 1, shape[4], generator=gen) * 4 + 0.1
+    return (torch.randn(*shape, generator=gen) * scale + 0.5).to(dtype)
+
+
+def grouped_extreme(x: torch.Tensor, dim: int, group: int, fn: str) -> torch.Tensor:
+    """amin/amax of each run of `group` slices along `dim`, broadcast back to x's shape."""
+    chunks = torch.split(x, min(group, x.shape[dim]), dim=dim)
+    return torch.cat([getattr(c, fn)(dim, keepdim=True).expand_as(c) for c in chunks], dim=dim)
+
+
+def error_bound(mode: str, x: torch.Tensor, group: int) -> torch.Tensor:
+    """Worst-case absolute error per element of `mode` on x [L, 2, H, T, D] (fp32),
+    computed from the data as the mode's contract states it."""
+    k, v = x[:, 0], x[:, 1]
+    if mode == "int8":
+        step = torch.stack([k.abs().amax(2, keepdim=True).expand_as(k),
+                            v.abs().amax(3, keepdim=True).expand_as(v)], 1) / 127
+        return step / 2 * 1.01
+    if mode == "fp8":
+        scale = x.abs().amax(3, keepdim=True) / 448
+        return x.abs() * 2.0**-4 + scale * 2.0**-9 * 1.01
+    lo = torch.stack([grouped_extreme(k, 2, group, "amin"), grouped_extreme(v, 3, group, "amin")], 1)
+    hi = torch.stack([grouped_extreme(k, 2, group, "amax"), grouped_extreme(v, 3, group, "amax")], 1)
+    return (hi - lo) / LEVELS[mode] / 2 * 1.01 + lo.abs() * 2.0**-10
