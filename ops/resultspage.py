@@ -241,7 +241,8 @@ BENCHES = (
           "equal). Texts never used to tune a codec; the interval is a paired 95% Student-t interval over the "
           "windows; sizes of a 2048-token context and of one ending half-way through a block (details: "
           "[Codec fidelity](fidelity.md)).",
-          "kvstash bench quality --text difflib.py --windows 5 --prefix 512 --continuation 128 --greedy 16 "
+          "kvstash bench quality --text difflib.py --text froschkoenig --windows 5 --prefix 512 --continuation 128 "
+          "--greedy 16 "
           "--modes exact,int4+zstd/k8=18/recent=int8,int2+zstd/rot/clip/k4=2/recent=int4 "
           "--json docs/results/quality.json", _quality),
     Bench("load", "Sessions through a round-robin balancer",
