@@ -126,12 +126,14 @@ class FrameGate:
         return self.engine.placed_frame(header, rows)  # where the engine holds the rows
 
     def decode(self, frame: bytes, tokens: int | None, block_index: int) -> torch.Tensor | None:
-        """A frame of `tokens` tokens (a whole block if None) at block `block_index`, decoded in the model's dtype,
-        or None (counted)."""
+        """A frame of `tokens` tokens (a whole block if None; fewer: a tail's or a session's partial block, in the
+        codec of a partial block, `BlockCodecs.partial_at`) at block `block_index`, decoded in the model's dtype, or
+        None (counted)."""
         expected = list(self.block_shape)
         if tokens is not None:
             expected[3] = tokens
-        codec = self.codecs.at(block_index)
+        partial = tokens is not None and tokens < self.block_shape[3]
+        codec = (self.codecs.partial_at if partial else self.codecs.at)(block_index)
         problem = frame_problem(frame, codec.spec, expected, self.dtype)
         if problem is not None:
             self.reject(problem)

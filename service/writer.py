@@ -124,7 +124,7 @@ class BackgroundWriter:
         if job.tail_key is not None and job.tail_tokens:
             n = len(job.tail_tokens)
             start = job.tail_from - job.kv_from
-            frame = self._codecs.at(job.tail_from // b).encode(job.kv[:, :, :, start:start + n])
+            frame = self._codecs.partial_at(job.tail_from // b).encode(job.kv[:, :, :, start:start + n])
             tail = pack_tail(job.tail_tokens, frame)
         return frames, tail
 
@@ -174,7 +174,7 @@ class BackgroundWriter:
         """Encode the sequence's tokens from `tail_from` on (`kv` holds them from token `kv_from`) into the record
         and compare-and-set it: STORED, CONFLICT or UNAVAILABLE."""
         if kv is not None and kv_from + kv.shape[3] > tail_from:
-            codec = self._codecs.at(0 if tail_from == 0 else 1)  # a tail from token 0 is block 0
+            codec = self._codecs.partial_at(0 if tail_from == 0 else 1)  # a tail from token 0 is block 0
             record.partial = await asyncio.to_thread(codec.encode, kv[:, :, :, tail_from - kv_from:])
         else:
             record.partial = b""

@@ -15,9 +15,10 @@ encodes which block).
 from cachestore.codec.blockcodec import BlockCodecs
 from cachestore.codec.codec import Codec
 from cachestore.codec.frame import FrameHeader
-from cachestore.codec.spec import DEFAULT_GROUP, DEFAULT_VARIANTS, CodecSpec
+from cachestore.codec.spec import DEFAULT_GROUP, DEFAULT_VARIANTS, RECENT_MODES, CodecSpec, recent_spec
 from cachestore.codec.verify import DEFAULT_MAX_ELEMENTS, read_header, verify_frame, verify_placed
 from cachestore.codec.views import FrameRun, OpenFrame, PlacedFrame
 
-__all__ = ["DEFAULT_GROUP", "DEFAULT_MAX_ELEMENTS", "DEFAULT_VARIANTS", "BlockCodecs", "Codec", "CodecSpec",
-           "FrameHeader", "FrameRun", "OpenFrame", "PlacedFrame", "read_header", "verify_frame", "verify_placed"]
+__all__ = ["DEFAULT_GROUP", "DEFAULT_MAX_ELEMENTS", "DEFAULT_VARIANTS", "RECENT_MODES", "BlockCodecs", "Codec",
+           "CodecSpec", "FrameHeader", "FrameRun", "OpenFrame", "PlacedFrame", "read_header", "recent_spec",
+           "verify_frame", "verify_placed"]

@@ -18,6 +18,9 @@ Modes and their loss (see DESIGN.md, "Codec"):
            /k4= and /v4= give those of an int2 frame int4, /k2= and /v2= those of an int4
            frame int2 (that mode's bound there): a per-layer bit allocation, calibrated with
            `kvstash bench layers` on texts the claims are not made on (docs/fidelity.md).
+           /recent=int8 (or int4 under int2) encodes a sequence's partial last block, its most
+           recent tokens (a session's partial block, a tail), with that mode instead (`recent_spec`;
+           cachestore.codec.blockcodec); full blocks are unchanged.
     fp8    e4m3 with a per-channel fp16 scale; relative error <= 2**-4.
     q8     llama.cpp's q8_0, always as token rows: per token and head, 32 channels share an fp16
            scale (max |x| / 127); error <= half a step. The bytes of a llama.cpp KV cache of type

@@ -1,9 +1,10 @@
-"""The codec spec grammar: "MODE[+COMPRESSOR[:LEVEL]][/gGROUP][/OPTION...][/k8=...]" and what each part means."""
+"""The codec spec grammar: "MODE[+COMPRESSOR[:LEVEL]][/gGROUP][/OPTION...][/k8=...][/recent=MODE]" and what each
+part means."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cachestore.codec.frame import (
     COMPRESSORS,
@@ -29,7 +30,8 @@ _SPEC = re.compile(r"(?P<mode>[a-z0-9]+)(?:\+(?P<comp>[a-z0-9]+)(?::(?P<level>-?
                    r"(?:/g(?P<group>\d+))?(?P<options>(?:/[a-z]+)*)"
                    r"(?:/k8=(?P<k8>\d{1,5}(?:\.\d{1,5})*))?(?:/v8=(?P<v8>\d{1,5}(?:\.\d{1,5})*))?"
                    r"(?:/k(?P<ka_bits>[24])=(?P<ka>\d{1,5}(?:\.\d{1,5})*))?"
-                   r"(?:/v(?P<va_bits>[24])=(?P<va>\d{1,5}(?:\.\d{1,5})*))?")
+                   r"(?:/v(?P<va_bits>[24])=(?P<va>\d{1,5}(?:\.\d{1,5})*))?"
+                   r"(?:/recent=(?P<recent>[a-z0-9]+))?")
 # int4/int2 options as spec text; "rot" is "rotk" and "rotv" together.
 _OPTIONS = {"rot": Variant(True, True), "rotk": Variant(rot_keys=True),
             "rotv": Variant(rot_values=True), "clip": Variant(clip=True), "plain": PLAIN}
@@ -40,6 +42,9 @@ _OPTIONS = {"rot": Variant(True, True), "rotk": Variant(rot_keys=True),
 # forbids; /rotv was a wash. Both stay available by name.
 DEFAULT_VARIANTS = {"int4": PLAIN,
                     "int2": Variant(rot_values=True, clip=True)}
+# /recent=MODE: what the partial last block of a sequence (its most recent tokens, at most a block less one) may be
+# encoded with instead of the mode itself, as KIVI keeps the most recent tokens at full precision
+RECENT_MODES = {"int4": ("int8",), "int2": ("int8", "int4")}
 
 
 
@@ -56,6 +61,7 @@ class CodecSpec:
     hi: HiLayers = NO_HI  # int4/int2: layers whose keys / values are kept at int8 or take the other grouped bits
     rows: bool = False  # exact/fp16: payloads as token rows (FLAG_ROWS), the layout of a llama.cpp state's K and V;
     # q8: always
+    recent: str = ""  # int4/int2: the mode of a sequence's partial last block (its most recent tokens); "": its own
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -84,18 +90,21 @@ class CodecSpec:
             object.__setattr__(self, "hi", NO_HI)
         elif self.variant is None:
             object.__setattr__(self, "variant", DEFAULT_VARIANTS[self.mode])
+        _check_recent(self.mode, self.recent)
 
     @classmethod
     def parse(cls, text: str) -> CodecSpec:
-        """Parse "MODE[+COMPRESSOR[:LEVEL]][/gGROUP][/OPTION...][/k8=L.L...][/v8=L.L...][/kB=L.L...][/vB=L.L...]",
+        """Parse "MODE[+COMPRESSOR[:LEVEL]][/gGROUP][/OPTION...][/k8=L.L...][/v8=L.L...][/kB=L.L...][/vB=L.L...]
+        [/recent=MODE]",
         e.g. "int8", "int4+zstd:3/g32", "int2/g32/rotv/clip", "int4+zstd/k8=0.1", "int2+zstd/k4=0.1/v4=3",
-        "fp16+none/rows" (options: rot, rotk, rotv, clip, plain; k8/v8: layers whose keys/values stay int8; kB/vB:
-        layers whose keys/values take the other grouped precision, B = 4 in int2, 2 in int4; int4/int2 only, in
-        this order. rows: exact/fp16; q8 is always token rows)."""
+        "fp16+none/rows", "int2+zstd/k4=2/recent=int8" (options: rot, rotk, rotv, clip, plain; k8/v8: layers whose
+        keys/values stay int8; kB/vB: layers whose keys/values take the other grouped precision, B = 4 in int2, 2 in
+        int4; int4/int2 only, in this order. rows: exact/fp16; q8 is always token rows. recent, last: the mode of
+        the partial last block, RECENT_MODES)."""
         match = _SPEC.fullmatch(text.strip().lower()) if isinstance(text, str) else None
         if match is None:
             raise ConfigError(f"bad codec spec {text!r}; expected MODE[+COMPRESSOR[:LEVEL]][/gN][/OPTION]"
-                              f"[/k8=L.L][/v8=L.L][/k4=L.L][/v4=L.L] (int2; /k2=, /v2= in int4)")
+                              f"[/k8=L.L][/v8=L.L][/k4=L.L][/v4=L.L][/recent=MODE] (int2; /k2=, /v2= in int4)")
         mode, comp = match["mode"], match["comp"] or "lz4"
         if match["level"] is not None and comp != "zstd":
             raise ConfigError(f"bad codec spec {text!r}: a level applies to zstd only")
@@ -111,7 +120,8 @@ class CodecSpec:
         options = [o for o in match["options"].split("/") if o]
         rows = options[-1:] == ["rows"]
         return cls(mode=mode, compressor=comp, level=level, group_size=group,
-                   variant=_parse_options(text, mode, options[:-1] if rows else options), hi=hi, rows=rows)
+                   variant=_parse_options(text, mode, options[:-1] if rows else options), hi=hi, rows=rows,
+                   recent=match["recent"] or "")
 
     def name(self) -> str:
         """Canonical text of this spec; parse(name()) == self. Part of model fingerprints."""
@@ -124,7 +134,7 @@ class CodecSpec:
             for name, layers in zip(("k8", "v8", f"k{alt}", f"v{alt}"), self.hi, strict=True):
                 if layers:
                     text += f"/{name}=" + ".".join(map(str, layers))
-        return text + ("/rows" if self.rows and self.mode in FLOAT_MODES else "")
+        return text + ("/rows" if self.rows and self.mode in FLOAT_MODES else "") + _recent_text(self.recent)
 
     def check_layers(self, num_layers: int) -> None:
         """ConfigError unless every /k8= and /v8= layer exists in a model of `num_layers` layers (they are one
@@ -166,6 +176,29 @@ class CodecSpec:
     def lossless(self) -> bool:
         """Only `exact` is lossless for every input (`fp16` is, for fp16 input alone)."""
         return self.mode == "exact"
+
+
+def _check_recent(mode: str, recent: str) -> None:
+    """ConfigError unless `recent` ("" or a mode) may encode the partial last block of a `mode` codec: int8 under
+    int4 and int2, or int4 under int2 (more bits than the blocks before it, never fewer)."""
+    if recent and recent not in RECENT_MODES.get(mode, ()):
+        allowed = "; ".join(f"{m}: {', '.join(r)}" for m, r in RECENT_MODES.items())
+        raise ConfigError(f"/recent={recent} does not apply to {mode}: the partial block's mode takes more bits than "
+                          f"the blocks' ({allowed})")
+
+
+def _recent_text(recent: str) -> str:
+    return f"/recent={recent}" if recent else ""
+
+
+def recent_spec(spec: CodecSpec) -> CodecSpec:
+    """The spec of a partial last block under `spec`: its /recent= mode with the same compressor (and, for int4 under
+    int2, the same group and options, no layer table). A spec without /recent= is its own."""
+    if not spec.recent:
+        return spec
+    if spec.recent in GROUPED_MODES:
+        return replace(spec, mode=spec.recent, hi=NO_HI, recent="")
+    return CodecSpec(mode=spec.recent, compressor=spec.compressor, level=spec.level)
 
 
 def _parse_options(text: str, mode: str, names: list[str]) -> Variant | None:

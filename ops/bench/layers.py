@@ -60,6 +60,9 @@ def _base_spec(text: str) -> Any:
     spec = CodecSpec.parse(text)
     if spec.mode not in UPGRADE:
         raise SystemExit(f"bench layers calibrates int4 or int2 codecs, not {spec.mode}")
+    if spec.recent:
+        raise SystemExit(f"bench layers calibrates full blocks: give the base without /recent={spec.recent} "
+                         f"and add it to the suggestion")
     return replace(spec, hi=NO_HI)
 
 

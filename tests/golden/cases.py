@@ -46,6 +46,8 @@ CASES: dict[str, tuple[str, torch.dtype, tuple[int, int, int, int, int]]] = {
     # mode q8 (code 7, always FLAG_ROWS): llama.cpp's q8_0 blocks of 32 channels, an fp16 scale and 32 int8 codes
     "q8_fp32_none": ("q8+none", torch.float32, (1, 2, 2, 3, 32)),
     "q8_fp16_lz4": ("q8+lz4", torch.float16, (2, 2, 1, 4, 64)),
+    # format 1: the int8 frame of a partial last block under int4/int2+zstd/recent=int8 (tests/test_codec_recent.py)
+    "int8_fp32_zstd_partial": ("int8+zstd:3", torch.float32, (2, 2, 1, 5, 8)),
 }
 
 

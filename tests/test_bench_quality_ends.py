@@ -1,0 +1,29 @@
+"""bench quality's windows: where each window's cache ends within a block, and the frames it round-trips."""
+
+from __future__ import annotations
+
+import torch
+
+from cachestore.codec import read_header
+from cachestore.codec.blockcodec import BlockCodecs
+from ops.bench.quality import _cache_ends, _round_trip
+
+
+def test_spread_ends_cover_every_part_of_a_block_evenly_and_stay_in_the_prefix() -> None:
+    ends = _cache_ends(512, 64, 24, "spread")
+    assert len(ends) == 24 and max(ends) <= 511 and min(ends) >= 448
+    partial = [e % 64 for e in ends]
+    assert partial == sorted(partial) and partial[0] == 0 and partial[-1] >= 56
+    assert len(set(partial)) == 24  # every window ends at another point
+    assert _cache_ends(512, 64, 3, "fixed") == [511] * 3
+    assert _cache_ends(40, 64, 2, "spread") == [39, 39]  # shorter than a block: as it was
+    assert all(e <= 99 for e in _cache_ends(100, 64, 64, "spread"))
+
+
+def test_round_trip_gives_the_partial_block_the_recent_codec() -> None:
+    kv = torch.randn(2, 2, 1, 64 * 2 + 5, 8, generator=torch.Generator().manual_seed(1))
+    frames = _round_trip(BlockCodecs.for_spec("int2+zstd/g8/recent=int8"), kv, 64)
+    assert [read_header(f).mode for f in frames] == ["int8", "int2", "int8"]
+    assert [read_header(f).tokens for f in frames] == [64, 64, 5]
+    plain = _round_trip(BlockCodecs.for_spec("int2+zstd/g8"), kv, 64)
+    assert [read_header(f).mode for f in plain] == ["int8", "int2", "int2"]
