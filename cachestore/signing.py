@@ -38,6 +38,7 @@ import blake3
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
+MAC = "aes-256-gmac"  # what signs values (bench JSON records it)
 NONCE_BYTES = 12
 GMAC_BYTES = 16
 TAG_BYTES = NONCE_BYTES + GMAC_BYTES  # what `Signer.tag` returns and a trailer starts with: nonce, then GMAC tag

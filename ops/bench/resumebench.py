@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from cachestore.signing import TRAILER_SIZE
 from ops.bench.common import percentile
 
 SALT = b"bench-resume"
@@ -150,7 +151,7 @@ class ResumeBench:
             rows = [result_row(context, f"kvstash-{mode}", times, nbytes),
                     result_row(context, f"floor-{mode}", floor, nbytes)]
             if self.args.frame_key:
-                row = result_row(context, f"signed-{mode}", signed_times, nbytes + 40 * len(frames))
+                row = result_row(context, f"signed-{mode}", signed_times, nbytes + TRAILER_SIZE * len(frames))
                 row["ratio_to_unsigned"] = statistics.median(s / u for s, u in zip(signed_times, times, strict=True))
                 rows.append(row)
             return rows
