@@ -10,7 +10,7 @@ Fields (plain, readable in redis-cli / RedisInsight):
     partial      the encoded KV frame of the tokens after the last full block (binary)
     version      decimal, +1 on every successful write
     created_at, updated_at   seconds since the epoch (decimal)
-    mac          with a frame key only: the 40-byte trailer of cachestore.signing over the key name and the
+    mac          with a frame key only: the 36-byte trailer of cachestore.signing over the key name and the
                  fields above but version and created_at (FIELDS)
 """
 

@@ -1,12 +1,14 @@
-"""Signed values: a keyed BLAKE3 MAC over a value's Redis key name and its bytes, in a trailer after them.
+"""Signed values: an AES-256-GMAC over a value's Redis key name and its bytes, in a trailer after them.
 
-With a frame key (`StoreSettings.frame_key`), every value the store writes ends in this 40-byte trailer:
+With a frame key (`StoreSettings.frame_key`), every value the store writes ends in this 36-byte trailer (version 2):
 
     offset (from the end)  size  field
-                      -40    32  tag      keyed BLAKE3 (32-byte output) of u32 LE len(name), name (UTF-8), body
+                      -36    12  nonce    random (os.urandom) for each value sealed
+                      -24    16  tag      AES-256-GMAC under the nonce of u32 LE len(name), name (UTF-8), body (all
+                                          of it additional data: nothing is encrypted)
                        -8     4  key id   the first 4 bytes of a BLAKE3 derived from the signing key: which key signed
                        -4     3  magic    b"KVM"
-                       -1     1  version  1
+                       -1     1  version  2
 
 `body` is the value as it would be stored without a key (a frame of `cachestore.codec.frame`, a tail or reply-ids record
 of `cachestore.tails`), byte for byte, so the frame formats themselves do not change. A session record (a HASH) keeps
@@ -15,7 +17,11 @@ the same trailer in its field `mac`, over its key name and its fields (`fields_m
 The tag covers the key name, so a value moved to another key (another block, conversation, tenant or model) fails,
 as does any value written by a party without the key, however well formed and checksummed. A reader knows the
 current key and, during a rotation, the previous one; the key id says which signed a value (ids of other keys are
-"signed by neither").
+"signed by neither"). A value in the version-1 trailer (40 bytes, keyed BLAKE3, before this version) is signed by
+neither as well: a miss, replaced by the next write of its key.
+
+The nonce lies in the trailer, after the body, so a tag is computed once the whole value is there: a `running` tag
+of a read only counts the bytes fed (`check` computes the tag over the landed pieces).
 
 A reader without this module refuses a signed value cleanly: a frame's stored length no longer matches its header's
 payload length (and a tail's or reply record's checksum no longer matches).
@@ -23,27 +29,32 @@ payload length (and a tail's or reply record's checksum no longer matches).
 
 from __future__ import annotations
 
-import hmac
+import os
 import struct
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import blake3
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-TAG_BYTES = 32
+MAC = "aes-256-gmac"  # what signs values (bench JSON records it)
+NONCE_BYTES = 12
+GMAC_BYTES = 16
+TAG_BYTES = NONCE_BYTES + GMAC_BYTES  # what `Signer.tag` returns and a trailer starts with: nonce, then GMAC tag
 KEY_ID_BYTES = 4
 MAGIC = b"KVM"
-VERSION = 1
+VERSION = 2
 TRAILER = struct.Struct(f"<{TAG_BYTES}s{KEY_ID_BYTES}s3sB")
-TRAILER_SIZE = TRAILER.size  # 40
-_KEY_CONTEXT = "kvstash 2026-12 frame mac key v1"
+TRAILER_SIZE = TRAILER.size  # 36
+_KEY_CONTEXT = "kvstash 2026-12 frame gmac key v2"
 _ID_CONTEXT = "kvstash 2026-12 frame key id v1"
 _NAME = struct.Struct("<I")
 Buffer = bytes | bytearray | memoryview
 
 
 def derive_key(secret: str) -> bytes:
-    """The 32-byte MAC key of a configured secret (any length, any text)."""
+    """The 32-byte AES-256 key of a configured secret (any length, any text)."""
     return blake3.blake3(secret.encode("utf-8"), derive_key_context=_KEY_CONTEXT).digest()
 
 
@@ -51,23 +62,57 @@ def key_id(key: bytes) -> bytes:
     return blake3.blake3(key, derive_key_context=_ID_CONTEXT).digest()[:KEY_ID_BYTES]
 
 
+def _name_prefix(name: str) -> bytes:
+    raw = name.encode("utf-8")
+    return _NAME.pack(len(raw)) + raw
+
+
 class Mac:
-    """The tag of one value fed in pieces (its name first, then its body in order), as a running digest."""
+    """The tag of one value fed in pieces (its name first, then its body in order), as a running GMAC under `nonce`
+    (a fresh random one by default). With `nonce=False` it only counts the bytes fed: a read's, whose nonce is in the
+    trailer still to come."""
 
-    __slots__ = ("_digest", "fed")
+    __slots__ = ("_ctx", "_tag", "fed", "nonce")
 
-    def __init__(self, key: bytes, name: str) -> None:
-        raw = name.encode("utf-8")
-        self._digest = blake3.blake3(_NAME.pack(len(raw)), key=key)
-        self._digest.update(raw)
+    def __init__(self, key: bytes, name: str, nonce: bytes | bool | None = None) -> None:
         self.fed = 0
+        self._tag: bytes | None = None
+        if nonce is False:
+            self.nonce, self._ctx = b"", None
+            return
+        self.nonce = os.urandom(NONCE_BYTES) if nonce is None or nonce is True else bytes(nonce)
+        if len(self.nonce) != NONCE_BYTES:
+            raise ValueError(f"a GMAC nonce is {NONCE_BYTES} bytes, not {len(self.nonce)}")
+        self._ctx = Cipher(algorithms.AES(key), modes.GCM(self.nonce)).encryptor()
+        self._ctx.authenticate_additional_data(_name_prefix(name))
 
     def __call__(self, piece: Buffer) -> None:
-        self._digest.update(piece)
+        if self._ctx is not None:
+            self._ctx.authenticate_additional_data(piece)
         self.fed += len(piece)
 
     def tag(self) -> bytes:
-        return self._digest.digest(TAG_BYTES)
+        """The nonce and GMAC tag (`TAG_BYTES`): the trailer's first field. Feeding ends here."""
+        if self._ctx is None:
+            raise ValueError("a counting Mac has no nonce, hence no tag")
+        if self._tag is None:
+            self._ctx.finalize()
+            self._tag = self.nonce + self._ctx.tag
+        return self._tag
+
+
+def _verifies(key: bytes, name: str, pieces: Iterable[Buffer], tag: bytes) -> bool:
+    """Whether `tag` (nonce, GMAC tag) is the GMAC of `pieces` under `name` and `key`."""
+    nonce, gmac = tag[:NONCE_BYTES], tag[NONCE_BYTES:]
+    ctx = Cipher(algorithms.AES(key), modes.GCM(nonce, gmac)).decryptor()
+    ctx.authenticate_additional_data(_name_prefix(name))
+    for piece in pieces:
+        ctx.authenticate_additional_data(piece)
+    try:
+        ctx.finalize()
+    except InvalidTag:
+        return False
+    return True
 
 
 class Signer:
@@ -86,8 +131,9 @@ class Signer:
     def __repr__(self) -> str:
         return f"Signer(key id {self.key_id.hex()}, {len(self._keys)} accepted)"
 
-    def tag(self, name: str, pieces: Iterable[Buffer], key: bytes | None = None) -> bytes:
-        mac = Mac(self.key if key is None else key, name)
+    def tag(self, name: str, pieces: Iterable[Buffer], key: bytes | None = None, nonce: bytes | None = None) -> bytes:
+        """The nonce and GMAC tag of `pieces` under `name` (a fresh random nonce unless given)."""
+        mac = Mac(self.key if key is None else key, name, nonce)
         for piece in pieces:
             mac(piece)
         return mac.tag()
@@ -100,8 +146,9 @@ class Signer:
         return bytes(body) + self.trailer(self.tag(name, (body,)))
 
     def running(self, name: str) -> Mac:
-        """A running tag under the current key (what most values are sealed with), for pieces as they arrive."""
-        return Mac(self.key, name)
+        """A running count of a read's pieces as they arrive (its nonce is in the trailer, read last: `check` computes
+        the tag over the pieces)."""
+        return Mac(self.key, name, nonce=False)
 
     def accepts(self, kid: bytes) -> bool:
         """Whether `kid` names the current or the previous key."""
@@ -117,15 +164,12 @@ class Signer:
         return self._keys.get(kid)
 
     def check(self, name: str, pieces: Sequence[Buffer], trailer: Buffer, running: Mac | None = None) -> bool:
-        """Whether `trailer` signs `pieces` (the body, in order) under `name` with an accepted key. `running`: the
-        current key's tag already fed those very pieces as they arrived (it is used when the trailer names that key)."""
+        """Whether `trailer` signs `pieces` (the body, in order) under `name` with an accepted key. `running`, a read's
+        count of its pieces as they landed, is accepted for the callers' sake: the tag is computed over `pieces`."""
         key = self.key_of(trailer)
         if key is None:
             return False
-        want = bytes(trailer[:TAG_BYTES])
-        if running is not None and key == self.key and running.fed == sum(len(p) for p in pieces):
-            return hmac.compare_digest(running.tag(), want)
-        return hmac.compare_digest(self.tag(name, pieces, key), want)
+        return _verifies(key, name, pieces, bytes(trailer[:TAG_BYTES]))
 
     def open(self, name: str, value: Buffer) -> memoryview | None:
         """The body of a value sealed under `name` with an accepted key, or None."""

@@ -41,7 +41,7 @@ def test_bench_resume_times_a_signed_hit_beside_the_unsigned_one(tmp_path: Path)
     rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
     signed, unsigned = rows["signed-int8"], rows["kvstash-int8"]
     assert signed["runs"] == unsigned["runs"] == 2 and signed["ratio_to_unsigned"] > 0
-    assert signed["bytes"] == unsigned["bytes"] + 40 * (64 // 64)  # one 40-byte trailer per block
+    assert signed["bytes"] == unsigned["bytes"] + 36 * (64 // 64)  # one 36-byte trailer per block
     rows_at = [{"context": c, "method": "signed-int8", "ratio_to_unsigned": v, "ratio_to_floor": None}
                for c, v in ((2048, 1.02), (8128, 1.08))]
     targets = _targets(rows_at, "hf")

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 import blake3
 import pytest
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from cachestore.errors import ConfigError
 from cachestore.hashing import BlockHash, ModelFingerprint, chain_hashes, root_hash
@@ -43,24 +44,64 @@ async def store(shared_redis_server: RedisProcess, request: pytest.FixtureReques
     await s.close()
 
 
+NONCE = bytes(range(12))
+NAME = "kvstash:blk:m:00:{kvstash:s00}"
+
+
 def test_trailer_golden() -> None:
-    """The trailer's bytes for a fixed key, name and body: a change of the MAC's input or layout shows here."""
-    sealed = Signer(KEY).seal("kvstash:blk:m:00:{kvstash:s00}", b"body")
+    """The trailer's bytes for a fixed key, nonce, name and body: a change of the MAC's input or layout shows here."""
+    signer = Signer(KEY)
+    trailer = signer.trailer(signer.tag(NAME, (b"bo", b"dy"), nonce=NONCE))
+    assert len(trailer) == TRAILER_SIZE == 36
+    assert trailer.hex() == GOLDEN
+    assert signer.open(NAME, b"body" + trailer) == b"body"
+    sealed = signer.seal(NAME, b"body")
     assert sealed[:4] == b"body" and len(sealed) == 4 + TRAILER_SIZE
-    assert sealed[4:].hex() == GOLDEN
-    assert signed_by(sealed) == Signer(KEY).key_id and signed_by(b"body" * 20) is None
+    assert signed_by(sealed) == signer.key_id and signed_by(b"body" * 20) is None
 
 
-GOLDEN = "b843712050056d95b93f247f2e5c531b185bdf61e9c1f8584d08e4e4903eda09e2f158154b564d01"
+GOLDEN = "000102030405060708090a0bdf5de6e163880eb61b69f27d50d41ec69c32d6dd4b564d02"
 
 
-def test_tag_is_keyed_blake3_of_name_and_body() -> None:
-    """The tag recomputed from its documented definition (cachestore/signing.py's table), with blake3 directly."""
+def test_nonce_is_random_per_value() -> None:
+    signer = Signer(KEY)
+    one, two = signer.seal(NAME, b"body"), signer.seal(NAME, b"body")
+    assert one != two and one[4:16] != two[4:16]
+    assert signer.open(NAME, one) == b"body" and signer.open(NAME, two) == b"body"
+
+
+def test_tag_is_aes_gmac_of_name_and_body() -> None:
+    """The tag recomputed from its documented definition (cachestore/signing.py's table), with `cryptography`'s
+    AES-GCM directly (an empty plaintext: its output is the tag of the additional data alone)."""
     name, body = "kvstash:tail:m:01:{kvstash:s01}", os.urandom(3000)
+    key = blake3.blake3(KEY.encode(), derive_key_context="kvstash 2026-12 frame gmac key v2").digest()
+    tag = AESGCM(key).encrypt(NONCE, b"", len(name).to_bytes(4, "little") + name.encode() + body)
+    kid = blake3.blake3(key, derive_key_context="kvstash 2026-12 frame key id v1").digest()[:4]
+    signer = Signer(KEY)
+    assert signer.tag(name, (body,), nonce=NONCE) == NONCE + tag
+    assert signer.open(name, body + NONCE + tag + kid + b"KVM\x02") == body
+
+
+def test_version_1_trailer_is_signed_by_neither() -> None:
+    """A value sealed before version 2 (keyed BLAKE3, 40-byte trailer) is a miss under the same secret."""
+    name, body = NAME, os.urandom(500)
     key = blake3.blake3(KEY.encode(), derive_key_context="kvstash 2026-12 frame mac key v1").digest()
     tag = blake3.blake3(len(name).to_bytes(4, "little") + name.encode() + body, key=key).digest()
     kid = blake3.blake3(key, derive_key_context="kvstash 2026-12 frame key id v1").digest()[:4]
-    assert Signer(KEY).seal(name, body) == body + tag + kid + b"KVM\x01"
+    old = body + tag + kid + b"KVM\x01"
+    signer = Signer(KEY)
+    assert signer.open(name, old) is None and signed_by(old) is None
+
+
+def test_tampered_nonce_tag_or_body_fails() -> None:
+    signer = Signer(KEY)
+    sealed = signer.seal(NAME, os.urandom(2000))
+    for at in (0, 1999, 2000, 2000 + 12, 2000 + 27):  # body, body's end, nonce, tag, tag's end
+        bad = bytearray(sealed)
+        bad[at] ^= 0x01
+        assert signer.open(NAME, bytes(bad)) is None, at
+    assert signer.open(NAME + "x", sealed) is None
+    assert Signer("another key").open(NAME, sealed) is None
 
 
 async def test_blocks_signed_and_moved(store: BlockStore) -> None:

@@ -24,6 +24,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+from cachestore.signing import MAC
 from ops.bench.common import SAMPLE_TEXT, machine, plot_lines, print_table, write_json
 from ops.bench.resumebench import ResumeBench, result_row
 
@@ -222,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"target {name}: {t['value']:.2f} (target {t['target']}) {'met' if t['met'] else 'MISSED'}")
     if args.json:
         write_json(args.json, {"rows": rows, "targets": targets, "profile": profile, "model": args.model,
-                               "engine": args.engine,
+                               "engine": args.engine, **({"mac": MAC} if args.frame_key else {}),
                                "repeat": args.repeat, "recompute_repeat": args.recompute_repeat,
                                "machine_before": before, "machine_after": machine()})
     if args.plot:

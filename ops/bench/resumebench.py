@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from cachestore.boundary import BoundaryRecord, pack_boundary
+from cachestore.signing import TRAILER_SIZE
 from ops.bench.common import percentile
 
 SALT = b"bench-resume"
@@ -163,7 +164,7 @@ class ResumeBench:
             if self.boundary is not None:
                 rows[0].update(self._bytes_per_token(context, frames, nbytes))
             if self.args.frame_key:
-                row = result_row(context, f"signed-{mode}", signed_times, nbytes + 40 * len(frames))
+                row = result_row(context, f"signed-{mode}", signed_times, nbytes + TRAILER_SIZE * len(frames))
                 row["ratio_to_unsigned"] = statistics.median(s / u for s, u in zip(signed_times, times, strict=True))
                 rows.append(row)
             return rows

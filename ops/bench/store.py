@@ -14,7 +14,7 @@ interleaved rep by rep in one event loop (MB/s from each cell's median rep). Row
     put            BlockStore.store_blocks, budget on and evicting (budget = 1.5 contexts)
                                                 vs raw pipelined SET PX
     put_nobudget   BlockStore.store_blocks, budget off  vs raw pipelined SET PX
-    mac_seal       the frame MAC (cachestore.signing, keyed BLAKE3 over key + value) of every block of the context,
+    mac_seal       the frame MAC (cachestore.signing, AES-256-GMAC over key + value) of every block of the context,
     mac_open       as a signing pod seals and verifies them: no Redis, one thread; ms per GB of values
 
 With --frame-key every store signs (the get and put rows then include the MAC); the mac rows are always measured.
@@ -270,7 +270,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
           f"{statistics.median(costs) * 100:.1f}% median (target <= 10%)")
     for r in macs:
         print(f"{r['block_bytes'] // KIB:>6}Ki {r['op']:<13} {r['ms_per_gb']:>8.1f} ms per GB ({r['gb_s']:.2f} GB/s, "
-              "keyed BLAKE3, one thread, no Redis)")
+              "AES-256-GMAC, one thread, no Redis)")
 
 
 def run(args: argparse.Namespace) -> int:
