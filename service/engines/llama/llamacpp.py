@@ -39,7 +39,7 @@ from service.engines.chat import chat_token_ids, remap_known
 from service.engines.gate import LayerGate
 from service.engines.generation import Choice, Generation, GenParams, TextStream, reply_ids
 from service.engines.guides import GbnfGuide
-from service.engines.llama import llamastate, statelayout, statewrite
+from service.engines.llama import boundarystate, llamastate, statewrite
 from service.engines.llama.gguf import FLASH_ATTN, check_flash_attn, file_digest, gguf_fingerprint, resolve_gguf
 from service.engines.llama.lending import LendsStates, StateLender, kv_layout, state_buffers
 from service.engines.llama.modelprobe import PINNED_VERSION, ModelProbe
@@ -119,7 +119,7 @@ class LlamaCppEngine(ModelProbe, LendsStates):
         self._batch = lib.llama_batch_init(N_BATCH, 0, parallel)
         self.layout = self._probe_model_layout()
         # sliding-window and recurrent layers: blocks hold the full-attention layers, boundary records the rest
-        self.boundary_records = bool(statelayout.boundary_kinds(self.layout))
+        self.boundary_records = bool(boundarystate.boundary_kinds(self.layout))
         if self.boundary_records:
             self.geometry = self._attention_geometry(head_dim, per_seq)
         self.state_geometry = self._probe_layout()
@@ -149,7 +149,7 @@ class LlamaCppEngine(ModelProbe, LendsStates):
 
     def boundary_problem(self, state: bytes, position: int) -> str | None:
         """Why a boundary state read back from Redis (untrusted) cannot resume a sequence at `position`, or None."""
-        return statelayout.check_boundary(state, self.layout, position, self.state_geometry.v_trans)
+        return boundarystate.check_boundary(state, self.layout, position, self.state_geometry.v_trans)
 
     def context_for(self, tokens: int) -> torch.Tensor | None:
         """As `LendsStates.context_for`; None for a sliding-window or hybrid model, whose state is assembled whole
@@ -234,7 +234,7 @@ class LlamaCppEngine(ModelProbe, LendsStates):
             state, planned = lent if lent is not None else (None, cached)
             size = llamastate.state_size(planned, self.state_geometry)
             if state is None:
-                rest = (statelayout.with_streams(boundary, self._section_kinds[1:], self.state_geometry.n_stream)
+                rest = (boundarystate.with_streams(boundary, self._section_kinds[1:], self.state_geometry.n_stream)
                         if self.boundary_records and boundary is not None else b"")
                 try:
                     state = statewrite.assemble_state(cached_kv[:, :, :, :cached], self.state_geometry,

@@ -32,7 +32,7 @@ from service.engines.base import PrefillHook
 from service.engines.chat import chat_token_ids
 from service.engines.gate import LayerGate
 from service.engines.generation import Generation, GenParams, ParamError, reply_ids
-from service.engines.llama import llamastate, slotfile, statelayout
+from service.engines.llama import boundarystate, llamastate, slotfile, statelayout
 from service.engines.llama.gguf import (
     check_flash_attn,
     file_digest,
@@ -245,7 +245,7 @@ class LlamaServerEngine(SlotKeeper, LendsStates):
         g = self.geometry
         self.geometry = replace(g, num_layers=layout.full, kv_heads=rows.pop() // 2 // g.head_dim)
         self.boundary_records = True
-        return statelayout.split_state(state, self._section_kinds)[0]
+        return boundarystate.split_state(state, self._section_kinds)[0]
 
     def _probe_reuse(self, ids: list[int]) -> None:
         """A sliding-window or hybrid slot restored from a file must be reused, not prefilled again: complete a
@@ -276,7 +276,7 @@ class LlamaServerEngine(SlotKeeper, LendsStates):
 
     def boundary_problem(self, state: bytes, position: int) -> str | None:
         """Why a boundary state read back from Redis (untrusted) cannot resume a slot at `position`, or None."""
-        return statelayout.check_boundary(state, self.layout, position, self.state_geometry.v_trans)
+        return boundarystate.check_boundary(state, self.layout, position, self.state_geometry.v_trans)
 
     def context_for(self, tokens: int) -> torch.Tensor | None:
         """As `LendsStates.context_for`; None for a sliding-window or hybrid model (its slot file is assembled from

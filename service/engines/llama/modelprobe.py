@@ -9,7 +9,7 @@ from typing import Any
 from cachestore.codec.q8 import Q8_BLOCK, Q8_BYTES
 from cachestore.errors import ConfigError
 from service.engines.base import KvGeometry
-from service.engines.llama import ggufmeta, llamastate, statelayout, statewrite
+from service.engines.llama import boundarystate, ggufmeta, llamastate, statelayout, statewrite
 from service.engines.llama.scheduler import Scheduler
 
 PINNED_VERSION = "0.3.36"  # llama-cpp-python; the state layout in llamastate is read from this version
@@ -84,11 +84,11 @@ class ModelProbe(Scheduler):
         return KvGeometry(layout.full, elements // head_dim, head_dim, self.geometry.dtype, per_seq)
 
     def _split(self, blob: bytes | bytearray | memoryview) -> tuple[int, bytes]:
-        """Where a state's full-attention KV ends, and its boundary state (`statelayout.split_state`): the window or
+        """Where a state's full-attention KV ends, and its boundary state (`boundarystate.split_state`): the window or
         recurrent sections after it, of one stream; (its length, b"") for a full-attention model."""
         if not self.boundary_records:
             return len(blob), b""
-        return statelayout.split_state(blob, self._section_kinds)
+        return boundarystate.split_state(blob, self._section_kinds)
 
     def _free_native(self) -> None:
         """Free what llama.cpp holds for this engine when it refuses to start (`close` does it after)."""
