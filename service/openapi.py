@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -10,6 +10,9 @@ from starlette.responses import JSONResponse, Response
 from cachestore.keys import SESSION_ID_PATTERN
 from service.params import MAX_N, MAX_STOP, MAX_TOP_LOGPROBS
 from service.requests import MAX_MESSAGES, ROLES
+
+if TYPE_CHECKING:
+    from service.state import PodState
 
 SESSION_ID = {"type": "string", "pattern": SESSION_ID_PATTERN, "minLength": 1, "maxLength": 128}
 _ROLE = {"type": "string", "enum": list(ROLES)}
@@ -158,8 +161,8 @@ _BUILT: dict[str | None, dict[str, Any]] = {}
 
 
 async def openapi_json(request: Request) -> Response:
-    engine = getattr(getattr(request.app.state, "pod", None), "engine", None)
-    name = getattr(engine, "name", None)
+    state: PodState = request.app.state.pod  # set before the first request (service.app), as RouteMetrics reads it
+    name = state.engine.name if state.engine is not None else None
     if name not in _BUILT:
         _BUILT[name] = build_schema(name)
     return JSONResponse(_BUILT[name])

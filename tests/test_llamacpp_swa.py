@@ -90,7 +90,7 @@ def _values(server: RedisProcess, kind: str) -> dict[bytes, bytes]:
 
 
 def _window_bytes(engine: LlamaCppEngine) -> int:
-    """Bytes of the boundary state this layout writes at any position past its window (`statelayout.split_state`)."""
+    """Bytes of the boundary state this layout writes at any position past its window (`boundarystate.split_state`)."""
     layout = engine.layout
     if layout.sliding_count:  # one stream: n_stream, a cell count, the cells, v_trans and n_layer, each layer's K, V
         rows = layout.kv_row_bytes[layout.full:]

@@ -16,6 +16,7 @@ from typing import Any
 from cachestore.boundary import BoundaryRecord, pack_boundary
 from cachestore.signing import TRAILER_SIZE
 from ops.bench.common import percentile
+from ops.bench.rawredis import raw_client, raw_get, raw_get_one
 
 SALT = b"bench-resume"
 
@@ -50,6 +51,7 @@ class ResumeBench:
         if self._beside is None:
             self._beside = threads.io_executor(1, "kvstash-bench")
         return self._beside.submit(fn, *args).result()
+
     def recompute(self, prompt: list[int]) -> tuple[list[float], Any]:
         from service.engines import GenParams  # noqa: PLC0415
 
@@ -109,7 +111,7 @@ class ResumeBench:
         from service.engines import GenParams  # noqa: PLC0415
 
         context = len(prompt) - 1
-        raw = _raw_client(self.url)
+        raw = raw_client(self.url)
         try:
             async with self._pod("bench-resume", mode) as (pipeline, store), \
                     (self._pod("bench-resume-signed", mode, self.args.frame_key) if self.args.frame_key
@@ -214,7 +216,7 @@ class ResumeBench:
 
         cache = hfcache.cache_from_tensor(kv, self.loaded.model)  # in memory before the clock starts
         t0 = time.perf_counter()
-        got = _raw_get(raw, keys)
+        got = raw_get(raw, keys)
         with torch.inference_mode():
             logits, _ = hfcache.forward(self.loaded.model, prompt[len(prompt) - 1:], cache)
             int(torch.argmax(logits[-1]))
@@ -229,7 +231,7 @@ class ResumeBench:
 
         self._fresh()
         t0 = time.perf_counter()
-        got = _raw_get(raw, keys)
+        got = raw_get(raw, keys)
         fetched = time.perf_counter() - t0
         # the KV handed back starts where the hit's does (the pipeline's keep_from): parsing the whole history out of
         # the state, which a hit never does, faulted in 47-94 MB at 2048 tokens right before the next hit was timed
@@ -362,40 +364,9 @@ class ResumeBench:
 
                     self.compute(step)
                     start = time.perf_counter()
-                    _raw_get(raw, keys)
+                    raw_get(raw, keys)
                     if rep:
                         phases["raw_get"].append(time.perf_counter() - start)
                         for name, (t0, t1) in zip(names[:-1], itertools.pairwise(marks), strict=True):
                             phases[name].append(t1 - t0)
         return {name: percentile(v, 0.5) * 1000 for name, v in phases.items()}
-
-
-def _raw_client(url: str) -> Any:
-    """The floor's blocking redis-py client of `url`: a Cluster client for a Cluster URL (its pipeline reads the
-    nodes one after another: the floor is then plain redis-py's, not the fastest possible read)."""
-    from cachestore.redisclient import make_client  # noqa: PLC0415
-    from cachestore.settings import StoreSettings  # noqa: PLC0415
-
-    return make_client(StoreSettings.from_url(url), asynchronous=False)
-
-
-async def raw_get_one(raw: Any, key: str) -> bytes:
-    """One value by the blocking raw client (off the event loop)."""
-    value = await asyncio.to_thread(raw.get, key)
-    assert isinstance(value, bytes), key
-    return value
-
-
-def _raw_get(raw: Any, keys: list[str]) -> list[Any]:
-    """Plain GETs of `keys` on a blocking redis-py client, in the pod's chunks (`chunk_plan`): the least a read of
-    those bytes costs here (one pipeline of them all is slower: 116-192 ms against 72-75 ms for 97 MB in 127
-    values, because both ends buffer the whole reply)."""
-    from service.lookup import chunk_plan  # noqa: PLC0415
-
-    got: list[Any] = []
-    for chunk in chunk_plan(len(keys)):
-        pipe = raw.pipeline(transaction=False)
-        for key in keys[chunk.start:chunk.stop]:
-            pipe.get(key)
-        got += pipe.execute()
-    return got

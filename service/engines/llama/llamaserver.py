@@ -11,15 +11,14 @@ file all cost a prefill (counted in `stats`), never a wrong answer.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ from service.engines.base import PrefillHook
 from service.engines.chat import chat_token_ids
 from service.engines.gate import LayerGate
 from service.engines.generation import Generation, GenParams, ParamError, reply_ids
-from service.engines.llama import llamastate, slotfile, statelayout
+from service.engines.llama import boundarystate, llamastate, slotfile, statelayout
 from service.engines.llama.gguf import (
     check_flash_attn,
     file_digest,
@@ -43,16 +42,16 @@ from service.engines.llama.gguf import (
 )
 from service.engines.llama.lending import LendsStates, StateLender, kv_layout, state_buffers
 from service.engines.llama.llamaserverproc import LlamaServerProcess
-from service.engines.llama.slots import SidecarStats, Slot, SlotKeeper, UpstreamError
+from service.engines.llama.serverhttp import ServerHttp
+from service.engines.llama.slots import SidecarStats, Slot, UpstreamError
 
 log = logging.getLogger("kvstash.llamaserver")
 
 REQUEST_TIMEOUT_S = 600.0
 SWA_FULL = "--swa-full"  # llama-server keeps every position of sliding-window layers: a restored slot is reusable
-UPSTREAM_WAIT_S = 60.0  # how long a request waits for a restarting llama-server before it fails
 
 
-class LlamaServerEngine(SlotKeeper, LendsStates):
+class LlamaServerEngine(ServerHttp, LendsStates):
     """Generation forwarded to one llama-server, its slots filled from and saved to kvstash's cache."""
 
     kind = "llama-server"
@@ -149,47 +148,6 @@ class LlamaServerEngine(SlotKeeper, LendsStates):
         engine.owns_slot_dir = owned
         return engine
 
-    # -- HTTP ------------------------------------------------------------------------------------
-    def _await_upstream(self, why: str) -> None:
-        """llama-server is (re)starting: wait, bounded, until it answers /health with 200."""
-        deadline = time.monotonic() + UPSTREAM_WAIT_S
-        while time.monotonic() < deadline:
-            try:
-                if self._http.get("/health").status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise UpstreamError(f"llama-server did not come back within {UPSTREAM_WAIT_S:.0f} s ({why})")
-
-    def _json(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        try:
-            r = self._http.request(method, path, json=body)
-        except httpx.TransportError as exc:  # restarted underneath (supervised): wait for it once, then retry
-            self._await_upstream(str(exc))
-            r = self._http.request(method, path, json=body)
-        if r.status_code == 503:  # still loading its model
-            self._await_upstream(r.text[:100])
-            r = self._http.request(method, path, json=body)
-        if r.status_code != 200:
-            raise UpstreamError(f"llama-server {method} {path}: HTTP {r.status_code} {r.text[:200]}")
-        out: dict[str, Any] = r.json()
-        return out
-
-    def _json_list(self, method: str, path: str) -> list[dict[str, Any]]:
-        r = self._http.request(method, path)
-        if r.status_code != 200:
-            raise UpstreamError(f"llama-server {method} {path}: HTTP {r.status_code} {r.text[:200]}")
-        out = r.json()
-        return [a for a in out if isinstance(a, dict)] if isinstance(out, list) else []
-
-    def _tokenize(self, text: str, *, special: bool, add_special: bool = False) -> list[int]:
-        body = {"content": text, "add_special": add_special, "parse_special": special}
-        return [int(t) for t in self._json("POST", "/tokenize", body)["tokens"]]
-
-    def _slot_action(self, slot: int, action: str, filename: str | None = None) -> dict[str, Any]:
-        return self._json("POST", f"/slots/{slot}?action={action}", {"filename": filename} if filename else {})
-
     # -- start-up check --------------------------------------------------------------------------
     def _probe_layout(self) -> llamastate.StateGeometry:
         """Complete two tokens in slot 0, save it and read the file back: the running llama-server must
@@ -245,7 +203,7 @@ class LlamaServerEngine(SlotKeeper, LendsStates):
         g = self.geometry
         self.geometry = replace(g, num_layers=layout.full, kv_heads=rows.pop() // 2 // g.head_dim)
         self.boundary_records = True
-        return statelayout.split_state(state, self._section_kinds)[0]
+        return boundarystate.split_state(state, self._section_kinds)[0]
 
     def _probe_reuse(self, ids: list[int]) -> None:
         """A sliding-window or hybrid slot restored from a file must be reused, not prefilled again: complete a
@@ -276,7 +234,7 @@ class LlamaServerEngine(SlotKeeper, LendsStates):
 
     def boundary_problem(self, state: bytes, position: int) -> str | None:
         """Why a boundary state read back from Redis (untrusted) cannot resume a slot at `position`, or None."""
-        return statelayout.check_boundary(state, self.layout, position, self.state_geometry.v_trans)
+        return boundarystate.check_boundary(state, self.layout, position, self.state_geometry.v_trans)
 
     def context_for(self, tokens: int) -> torch.Tensor | None:
         """As `LendsStates.context_for`; None for a sliding-window or hybrid model (its slot file is assembled from
@@ -384,58 +342,3 @@ class LlamaServerEngine(SlotKeeper, LendsStates):
         """The KV of an empty sequence [layers, 2, kv_heads, 0, head_dim]: what a request that saved nothing writes."""
         g = self.geometry
         return torch.empty((g.num_layers, 2, g.kv_heads, 0, g.head_dim), dtype=torch.float16)
-
-    def _complete(
-        self, slot: int, prompt: list[int], params: GenParams, on_text: Callable[[str], None] | None,
-        started: float,
-    ) -> _Reply:
-        body: dict[str, Any] = {
-            "prompt": prompt, "id_slot": slot, "cache_prompt": self.reuse_slots, "stream": True,
-            "return_tokens": True, "n_predict": min(params.max_tokens, self.geometry.max_context - len(prompt)),
-            "temperature": params.temperature, "top_p": params.top_p, "top_k": 0, "min_p": 0.0,
-            "stop": list(params.stop),
-        }
-        if params.seed is not None:
-            body["seed"] = params.seed
-        reply = _Reply()
-        # a streamed response ends its connection: never hand that connection back to the pool
-        with self._http.stream("POST", "/completion", json=body, headers={"Connection": "close"}) as r:
-            if r.status_code != 200:
-                raise UpstreamError(f"llama-server /completion: HTTP {r.status_code} {r.read()[:200]!r}")
-            for event in _events(r.iter_lines()):
-                if "error" in event:
-                    raise UpstreamError(f"llama-server /completion: {event['error']}")
-                if not reply.tokens and event.get("tokens"):
-                    reply.ttft_s = time.perf_counter() - started
-                reply.tokens += [int(t) for t in event.get("tokens") or ()]
-                text = str(event.get("content") or "")
-                if text:
-                    reply.text += text
-                    if on_text is not None:
-                        on_text(text)  # raises when the client went away: closing the stream cancels upstream
-                if event.get("stop"):
-                    reply.timings = dict(event.get("timings") or {})
-                    reply.stop_type = str(event.get("stop_type") or "")
-                    reply.finish = "length" if reply.stop_type == "limit" else "stop"
-        return reply
-
-
-@dataclass
-class _Reply:
-    text: str = ""
-    tokens: list[int] = field(default_factory=list)
-    finish: str = "length"
-    stop_type: str = ""  # llama-server's: eos | word | limit
-    ttft_s: float = 0.0
-    timings: dict[str, Any] = field(default_factory=dict)
-
-
-def _events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
-    """The JSON objects of a server-sent event stream (`data: {...}` lines)."""
-    for line in lines:
-        if line.startswith("data: "):
-            payload = line[6:].strip()
-            if payload and payload != "[DONE]":
-                yield json.loads(payload)
-        elif line.startswith("error: "):
-            yield {"error": line[7:]}

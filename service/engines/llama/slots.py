@@ -20,7 +20,7 @@ import httpx
 import torch
 
 from service.engines.gate import LayerGate
-from service.engines.llama import llamastate, slotfile, statelayout
+from service.engines.llama import boundarystate, llamastate, slotfile
 from service.engines.llama.lending import StateLender
 from service.engines.llama.llamaserverproc import LlamaServerProcess
 
@@ -137,7 +137,7 @@ class SlotKeeper:
             if self.boundary_records:  # the window / recurrent state after the full-attention KV
                 if boundary is None:
                     raise llamastate.StateLayoutError("a sliding-window or hybrid slot needs its boundary state")
-                pieces.append(statelayout.with_streams(boundary, self._section_kinds[1:], geo.n_stream))
+                pieces.append(boundarystate.with_streams(boundary, self._section_kinds[1:], geo.n_stream))
             slotfile.write_pieces(path, pieces)
             answer = self._slot_action(slot.id, "restore", name)
             if int(answer.get("n_restored", -1)) != len(tokens):
@@ -179,7 +179,7 @@ class SlotKeeper:
         if not self.boundary_records:
             return slotfile.parse(data, self.state_geometry, keep_from)
         state = slotfile.state_of(data)
-        kv_end, boundary = statelayout.split_state(state, self._section_kinds)
+        kv_end, boundary = boundarystate.split_state(state, self._section_kinds)
         saved = slotfile.parse(memoryview(data)[:len(data) - len(state) + kv_end], self.state_geometry, keep_from)
         return replace(saved, boundary=boundary)
 
