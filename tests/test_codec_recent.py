@@ -4,7 +4,6 @@ reuses such blocks against a real private Redis."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +20,7 @@ from ops.redisproc import RedisProcess
 from service.app import create_app
 from service.settings import PodSettings
 from tests.golden.cases import frame_path, make_input
+from tests.support import wait_written
 
 SPEC = "int2+zstd/rot/clip/k4=2/recent=int8"
 HISTORY = [{"role": "system", "content": "You answer briefly. " * 3}, {"role": "user", "content": "Hello there!"}]
@@ -94,12 +94,6 @@ def client(redis_server: RedisProcess, tiny_model: Any) -> Iterator[TestClient]:
         yield c
 
 
-def _written(client: TestClient) -> None:
-    state = client.app.state.pod  # type: ignore[attr-defined]
-    deadline = time.monotonic() + 10
-    while state.writer.depth and time.monotonic() < deadline:
-        time.sleep(0.02)
-
 
 def _chat(client: TestClient, messages: list[dict[str, str]]) -> Any:
     body = {"model": "tiny-random", "messages": messages, "max_tokens": 12, "temperature": 0,
@@ -112,7 +106,7 @@ def _chat(client: TestClient, messages: list[dict[str, str]]) -> Any:
 def test_a_pod_writes_the_tail_at_int8_and_the_next_turn_reuses_it(client: TestClient,
                                                                     redis_server: RedisProcess) -> None:
     first = _chat(client, HISTORY)
-    _written(client)
+    wait_written(client)
     raw = redis_server.client()
     tails = list(raw.scan_iter(match="*:tail:*"))
     blocks = list(raw.scan_iter(match="*:blk:*"))
@@ -134,7 +128,7 @@ def test_a_session_keeps_its_partial_block_at_int8(client: TestClient, redis_ser
     r = client.post("/v1/sessions/s-recent/messages", json={"content": "Hello there!", "max_tokens": 8,
                                                            "temperature": 0})
     assert r.status_code == 200, r.text
-    _written(client)
+    wait_written(client)
     raw = redis_server.client()
     [key] = list(raw.scan_iter(match="*:sess:*:s-recent"))
     partial = raw.hget(key, "partial")

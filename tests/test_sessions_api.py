@@ -4,7 +4,6 @@ tool calls and tool results in the session: the hf engine in-process against a r
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,6 +13,7 @@ from starlette.testclient import TestClient
 from ops.redisproc import RedisProcess
 from service.app import create_app
 from service.settings import PodSettings
+from tests.support import wait_written
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant with tools. " * 6}
 WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
@@ -28,12 +28,6 @@ def client(redis_server: RedisProcess, tiny_model: Any) -> Iterator[TestClient]:
     with TestClient(create_app(settings, engine=tiny_model), raise_server_exceptions=False) as c:
         yield c
 
-
-def _written(client: TestClient) -> None:
-    state = client.app.state.pod  # type: ignore[attr-defined]
-    deadline = time.monotonic() + 10
-    while state.writer.depth and time.monotonic() < deadline:
-        time.sleep(0.02)
 
 
 def _turn(client: TestClient, session: str, **body: Any) -> Any:
@@ -82,7 +76,7 @@ def test_an_agents_tool_calls_and_results_are_kept(client: TestClient) -> None:
     recorded = client.get("/v1/sessions/s-agent").json()["messages"]
     assert [m["role"] for m in recorded] == ["system", "user", "assistant"]
     assert recorded[-1]["tool_calls"] == [call] and recorded[-1]["content"] == message["content"]
-    _written(client)
+    wait_written(client)
     result = {"role": "tool", "tool_call_id": call["id"], "content": "RAINY-17C"}
     second = _turn(client, "s-agent", messages=[result], tools=[WEATHER])
     assert second.status_code == 200, second.text
