@@ -20,8 +20,9 @@ current key and, during a rotation, the previous one; the key id says which sign
 "signed by neither"). A value in the version-1 trailer (40 bytes, keyed BLAKE3, before this version) is signed by
 neither as well: a miss, replaced by the next write of its key.
 
-The nonce lies in the trailer, after the body, so a tag is computed once the whole value is there: a `running` tag
-of a read only counts the bytes fed (`check` computes the tag over the landed pieces).
+The nonce lies in the trailer, after the body, so a tag is checked once the whole value is there: a read landing in
+place checks each value as its trailer lands (`cachestore.store.reads.Sealed`), while its body is still in the cache
+and the values after it are still on the wire.
 
 A reader without this module refuses a signed value cleanly: a frame's stored length no longer matches its header's
 payload length (and a tail's or reply record's checksum no longer matches).
@@ -69,32 +70,23 @@ def _name_prefix(name: str) -> bytes:
 
 class Mac:
     """The tag of one value fed in pieces (its name first, then its body in order), as a running GMAC under `nonce`
-    (a fresh random one by default). With `nonce=False` it only counts the bytes fed: a read's, whose nonce is in the
-    trailer still to come."""
+    (a fresh random one by default)."""
 
-    __slots__ = ("_ctx", "_tag", "fed", "nonce")
+    __slots__ = ("_ctx", "_tag", "nonce")
 
-    def __init__(self, key: bytes, name: str, nonce: bytes | bool | None = None) -> None:
-        self.fed = 0
+    def __init__(self, key: bytes, name: str, nonce: bytes | None = None) -> None:
         self._tag: bytes | None = None
-        if nonce is False:
-            self.nonce, self._ctx = b"", None
-            return
-        self.nonce = os.urandom(NONCE_BYTES) if nonce is None or nonce is True else bytes(nonce)
+        self.nonce = os.urandom(NONCE_BYTES) if nonce is None else bytes(nonce)
         if len(self.nonce) != NONCE_BYTES:
             raise ValueError(f"a GMAC nonce is {NONCE_BYTES} bytes, not {len(self.nonce)}")
         self._ctx = Cipher(algorithms.AES(key), modes.GCM(self.nonce)).encryptor()
         self._ctx.authenticate_additional_data(_name_prefix(name))
 
     def __call__(self, piece: Buffer) -> None:
-        if self._ctx is not None:
-            self._ctx.authenticate_additional_data(piece)
-        self.fed += len(piece)
+        self._ctx.authenticate_additional_data(piece)
 
     def tag(self) -> bytes:
         """The nonce and GMAC tag (`TAG_BYTES`): the trailer's first field. Feeding ends here."""
-        if self._ctx is None:
-            raise ValueError("a counting Mac has no nonce, hence no tag")
         if self._tag is None:
             self._ctx.finalize()
             self._tag = self.nonce + self._ctx.tag
@@ -145,11 +137,6 @@ class Signer:
         """`body` with its trailer: what is stored under `name`."""
         return bytes(body) + self.trailer(self.tag(name, (body,)))
 
-    def running(self, name: str) -> Mac:
-        """A running count of a read's pieces as they arrive (its nonce is in the trailer, read last: `check` computes
-        the tag over the pieces)."""
-        return Mac(self.key, name, nonce=False)
-
     def accepts(self, kid: bytes) -> bool:
         """Whether `kid` names the current or the previous key."""
         return kid in self._keys
@@ -163,9 +150,8 @@ class Signer:
             return None
         return self._keys.get(kid)
 
-    def check(self, name: str, pieces: Sequence[Buffer], trailer: Buffer, running: Mac | None = None) -> bool:
-        """Whether `trailer` signs `pieces` (the body, in order) under `name` with an accepted key. `running`, a read's
-        count of its pieces as they landed, is accepted for the callers' sake: the tag is computed over `pieces`."""
+    def check(self, name: str, pieces: Sequence[Buffer], trailer: Buffer) -> bool:
+        """Whether `trailer` signs `pieces` (the body, in order) under `name` with an accepted key."""
         key = self.key_of(trailer)
         if key is None:
             return False

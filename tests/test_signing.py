@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator
+from functools import partial
 
 import blake3
 import pytest
@@ -19,7 +20,9 @@ from cachestore.sessions import FIELDS, SessionRecord, to_fields
 from cachestore.settings import StoreSettings
 from cachestore.signing import TRAILER_SIZE, Signer, signed_by
 from cachestore.store import BlockStore
+from cachestore.store.reads import Sealed
 from cachestore.wire import Scatter
+from cachestore.wire import native as native_wire
 from ops.redisproc import RedisProcess
 
 FP = ModelFingerprint("smollm2-135m", "tok1", "float32", 30, 3, 64, 16, "int8+none")
@@ -157,6 +160,25 @@ async def test_landed_blocks_verified(store: BlockStore) -> None:
     await store.client.set(key, bytes(stored))
     assert len(await asyncio.to_thread(_landing, store, hashes, frames)) == 3
     assert store.stats().rejected_mac == 1
+
+
+def test_a_landed_value_is_checked_as_its_trailer_lands() -> None:
+    """A signed value landing in place is checked when its last piece (the trailer) lands, while the body is still in
+    the cache; it is received as its unsigned body would be (natively, unless that body reports its pieces)."""
+    signer, name = Signer(KEY), "kvstash:blk:x"
+    body = os.urandom(native_wire.NATIVE_REPORTED_BYTES + 4096)
+    value = signer.seal(name, body)
+    for altered in (False, True):
+        raw = bytearray(value)
+        raw[len(body) // 2] ^= int(altered)
+        sealed = Sealed(memoryview(bytearray(len(body))), partial(signer.check, name))
+        assert native_wire.native_pieces(sealed) is not None
+        assert sealed.verdict is None
+        sealed.fill(raw)
+        assert sealed.verdict is (not altered)
+    reporting = Scatter([memoryview(bytearray(len(body)))], lambda piece: None)
+    assert native_wire.native_pieces(Sealed(reporting, partial(signer.check, name))) is None
+    assert native_wire.native_pieces(reporting) is None
 
 
 async def test_entries_and_sessions(store: BlockStore) -> None:

@@ -4,14 +4,15 @@ what came back (opened under a frame key), and the counters a lookup moves."""
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 from cachestore import budget
 from cachestore.hashing import BlockHash
 from cachestore.keys import check_model
 from cachestore.outcome import Outcome, Result
-from cachestore.signing import TRAILER_SIZE, Mac
+from cachestore.signing import TRAILER_SIZE
 from cachestore.store.base import StoreBase
 from cachestore.store.guard import Failed
 from cachestore.wire import Scatter, Target
@@ -33,25 +34,31 @@ def _land(frame: bytes, target: Target) -> bytes | Target:
 
 class Sealed(Scatter):
     """Where a signed value lands: its body in the caller's buffer (or `Scatter`) as if unsigned, its trailer in a
-    buffer of its own. The current key's tag is fed each piece of the body as it lands (`mac`), while it is still in
-    the cache, and so is the caller's Scatter's own `filled`, if it has one."""
+    buffer of its own. The caller's Scatter's own `filled`, if it has one, sees each piece of the body as it lands;
+    once the trailer has landed (the last piece), the value is checked there and then (`verdict`), while its body is
+    still in the cache and the values after it are still on the wire."""
 
-    __slots__ = ("mac", "target", "trailer")
+    __slots__ = ("target", "trailer", "verdict")
 
-    def __init__(self, target: Target, mac: Mac) -> None:
+    def __init__(self, target: Target, check: Callable[[Sequence[memoryview], memoryview], bool]) -> None:
         self.target = target
-        self.trailer = memoryview(bytearray(TRAILER_SIZE))
+        self.trailer = trailer = memoryview(bytearray(TRAILER_SIZE))
+        self.verdict: bool | None = None  # None until the trailer lands
         inner = target.pieces if isinstance(target, Scatter) else [target]
         reported = target.filled if isinstance(target, Scatter) else None
-        self.mac, trailer = mac, self.trailer
 
         def filled(piece: memoryview) -> None:
-            if piece is not trailer:
-                mac(piece)
-                if reported is not None:
-                    reported(piece)
+            if piece is trailer:
+                self.verdict = check(self.body, trailer)
+            elif reported is not None:
+                reported(piece)
 
-        super().__init__([*inner, self.trailer], filled)
+        super().__init__([*inner, trailer], filled)
+
+    @property
+    def reports_pieces(self) -> bool:
+        """As its body's target: a signed value is received as it would be unsigned (its trailer reported alone)."""
+        return isinstance(self.target, Scatter) and self.target.reports_pieces
 
     @property
     def body(self) -> list[memoryview]:
@@ -95,8 +102,8 @@ class ReadParts(StoreBase):
         if self.signer is None:
             targets += into[start:len(keyed)]
         else:
-            targets += [Sealed(t, self.signer.running(key)) for t, (_, key) in zip(into[start:len(keyed)],
-                                                                                  keyed[start:], strict=False)]
+            targets += [Sealed(t, partial(self.signer.check, key)) for t, (_, key) in zip(into[start:len(keyed)],
+                                                                                         keyed[start:], strict=False)]
         return [a for a, _ in pipe.command_stack], targets
 
     def _begin_fetch(self, model: str, hashes: Sequence[BlockHash]) -> tuple[Keyed, list[bytes]]:
@@ -171,7 +178,10 @@ class ReadParts(StoreBase):
         if self.signer is None:
             return value
         if isinstance(value, Sealed):
-            if self.signer.check(key, value.body, value.trailer, value.mac):
+            verdict = value.verdict
+            if verdict is None:  # not reported as it landed
+                verdict = self.signer.check(key, value.body, value.trailer)
+            if verdict:
                 return value.target
         elif isinstance(value, bytes | memoryview):
             body = self.signer.open(key, value)

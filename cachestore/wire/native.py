@@ -42,7 +42,7 @@ def native_pieces(target: Target | None) -> tuple[memoryview, ...] | None:
     if isinstance(target, memoryview):
         return (target,) if target.ndim == 1 and target.itemsize == 1 and target.c_contiguous else None
     if isinstance(target, Scatter):
-        if target.filled is not None and target.nbytes > NATIVE_REPORTED_BYTES:
+        if target.reports_pieces and target.nbytes > NATIVE_REPORTED_BYTES:
             return None
         return tuple(target.pieces) if all(p.c_contiguous for p in target.pieces) else None
     return None

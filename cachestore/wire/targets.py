@@ -22,6 +22,12 @@ class Scatter:
     def __len__(self) -> int:
         return self.nbytes
 
+    @property
+    def reports_pieces(self) -> bool:
+        """Whether its pieces are each reported as they land (which decides how it is received:
+        `cachestore.wire.native.native_pieces`)."""
+        return self.filled is not None
+
     def fill(self, data: bytes | memoryview) -> None:
         """Write `data` (exactly `len(self)` bytes) across the pieces."""
         if len(data) != self.nbytes:
