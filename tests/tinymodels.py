@@ -115,7 +115,8 @@ def build_key(spec: TinySpec) -> str:
     return hashlib.blake2b(blob.encode(), digest_size=8).hexdigest()
 
 
-def _build(spec: TinySpec, tokenizer_dir: Path, out: Path) -> None:
+def _save_hf(spec: TinySpec, tokenizer_dir: Path, out: Path) -> None:
+    """The transformers directory of `spec`: config, random weights of the fixed seed, the tokenizer."""
     import torch  # noqa: PLC0415
     import transformers  # noqa: PLC0415
     from transformers import AutoTokenizer  # noqa: PLC0415
@@ -133,6 +134,10 @@ def _build(spec: TinySpec, tokenizer_dir: Path, out: Path) -> None:
         model = getattr(transformers, spec.model_class)(config).eval()
     model.save_pretrained(out)
     tok.save_pretrained(out)
+
+
+def _build(spec: TinySpec, tokenizer_dir: Path, out: Path) -> None:
+    _save_hf(spec, tokenizer_dir, out)
     source = llama_cpp_source()
     with tempfile.TemporaryDirectory() as stubs:
         path = [str(source / "gguf-py")]
@@ -155,6 +160,19 @@ def _build(spec: TinySpec, tokenizer_dir: Path, out: Path) -> None:
 def tiny_model_dir(name: str, cache_dir: Path | None = None) -> Path:
     """The transformers directory (config, safetensors, tokenizer) tiny model `name`'s GGUF was converted from."""
     return tiny_gguf(name, cache_dir).parent
+
+
+def tiny_hf_dir(name: str, cache_dir: Path | None = None) -> Path:
+    """The transformers directory of tiny model `name` alone (no GGUF, no converter needed): the same weights as
+    `tiny_model_dir`'s, for the hf engine."""
+    from service.engines.hf.models import TINY_RANDOM, default_cache_dir, ensure_built, resolve_model_dir  # noqa: PLC0415
+
+    spec = SPECS[name]
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    tokenizer_dir = resolve_model_dir(TINY_RANDOM, root)
+    key = build_key(spec)
+    build: Callable[[Path], None] = lambda out: _save_hf(spec, tokenizer_dir, out)  # noqa: E731
+    return ensure_built(root / "tiny-hf" / f"{name}-{key}", build, f"{RECIPE}/hf/{key}")
 
 
 def tiny_gguf(name: str, cache_dir: Path | None = None) -> Path:
