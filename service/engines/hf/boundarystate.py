@@ -33,7 +33,7 @@ VERSION = 1
 DTYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 _CODES = {code: dtype for dtype, code in DTYPES.items()}
 _HEAD = struct.Struct("<4sBBHI")  # magic, version, dtype, slots, position
-_ENTRY = struct.Struct("<HBBB3x4I")  # layer, kind, index, ndim, dims
+_ENTRY = struct.Struct("<HBBB3s4I")  # layer, kind, index, ndim, reserved, dims
 MAX_DIMS = 4
 
 
@@ -58,7 +58,7 @@ def pack_state(position: int, dtype: torch.dtype, parts: Sequence[tuple[StateSlo
         if tensor.dim() > MAX_DIMS or tensor.dtype != dtype:
             raise StateError(f"slot {slot.describe()}: a {tensor.dtype} tensor of {tensor.dim()} dims")
         dims = [int(d) for d in tensor.shape] + [0] * (MAX_DIMS - tensor.dim())
-        entries.append(_ENTRY.pack(slot.layer, slot.kind, slot.index, tensor.dim(), *dims))
+        entries.append(_ENTRY.pack(slot.layer, slot.kind, slot.index, tensor.dim(), bytes(3), *dims))
         payloads.append(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
     return _HEAD.pack(MAGIC, VERSION, DTYPES[dtype], len(parts), position) + b"".join(entries) + b"".join(payloads)
 
@@ -82,9 +82,9 @@ def state_problem(state: bytes | memoryview, layout: HfLayout, position: int, dt
     payload = 0
     element = torch.empty((), dtype=dtype).element_size()
     for i, slot in enumerate(layout.slots):
-        layer, kind, index, ndim, *dims = _ENTRY.unpack_from(state, _HEAD.size + i * _ENTRY.size)
+        layer, kind, index, ndim, reserved, *dims = _ENTRY.unpack_from(state, _HEAD.size + i * _ENTRY.size)
         want = expected_dims(slot, layout, position)
-        if ndim > MAX_DIMS or tuple(dims[:ndim]) != want or any(dims[ndim:]):
+        if reserved != bytes(3) or ndim > MAX_DIMS or tuple(dims[:ndim]) != want or any(dims[ndim:]):
             return f"slot {i}: dims {tuple(dims[:min(ndim, MAX_DIMS)])}, expected {want}"
         if (layer, kind, index) != (slot.layer, slot.kind, slot.index):
             return f"slot {i}: layer {layer} kind {kind} index {index}, expected {slot.describe()}"
