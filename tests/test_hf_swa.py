@@ -21,6 +21,7 @@ from ops.redisproc import RedisProcess
 from service.app import create_app
 from service.engines import GenParams
 from service.engines.hf.engine import HfEngine
+from service.engines.hf.layout import CONV, RECURRENT
 from service.settings import PodSettings
 from tests.support import cached_tokens, redis_values, rewrite_values, wait_written
 from tests.tinymodels import tiny_hf_dir
@@ -221,3 +222,20 @@ def test_another_tenants_records_are_a_miss(engines: dict[str, HfEngine], redis_
     second = _second_turn(engines, redis_server, lambda _: None, api_keys=KEYS,
                           headers=({"authorization": "Bearer key-x"}, {"authorization": "Bearer key-y"}))
     assert cached_tokens(second) == 0 and second.headers["x-kv-cache"] == "miss"
+
+
+def test_a_qwen3_next_hit_continues_its_conv_and_recurrent_states() -> None:
+    """A hybrid whose linear layers keep a conv and a recurrent state each: a hit at a boundary computes the KV and
+    the reply a prefill does."""
+    engine = _load("qwen3-next")
+    try:
+        assert engine.layout.recurrent == (0, 2) and {s.kind for s in engine.layout.slots} == {CONV, RECURRENT}
+        first = engine.generate(list(range(100, 260)), None, GenParams(max_tokens=6))
+        position = len(first.seq_ids)
+        follow = first.seq_ids + list(range(400, 464))
+        prefilled = engine.generate(follow, None, GenParams(max_tokens=6))
+        hit = engine.generate(follow, first.kv, GenParams(max_tokens=6), boundary=first.boundaries[-1][1])
+        assert hit.cached_tokens == position and hit.token_ids == prefilled.token_ids
+        assert torch.allclose(hit.kv[:, :, :, position:], prefilled.kv[:, :, :, position:], atol=1e-4)
+    finally:
+        engine.close()

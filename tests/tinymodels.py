@@ -12,6 +12,7 @@ processes build once (`service.engines.hf.models.ensure_built`).
 | gemma3      | Gemma3ForCausalLM         | sliding-window layers interleaved with global ones (iSWA)      |
 | gpt-oss     | GptOssForCausalLM         | alternating sliding / full layers, mixture of experts (iSWA)   |
 | lfm2        | Lfm2ForCausalLM           | hybrid: short-conv recurrent layers beside attention layers    |
+| qwen3-next  | Qwen3NextForCausalLM      | hybrid: gated delta-net layers (conv + recurrent state); HF only|
 | llama3-hd128| LlamaForCausalLM          | full attention (Llama 3), head_dim 128, 4 query heads a KV head|
 | gemma3-8k   | Gemma3ForCausalLM         | gemma3 with a window of 512 and 8192 positions (benchmarks)    |
 """
@@ -74,6 +75,13 @@ SPECS = {
             **_COMMON, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
             "num_key_value_heads": 2, "layer_types": ["conv", "full_attention", "conv", "full_attention"],
             "conv_L_cache": 3,
+        }),
+        TinySpec("qwen3-next", "Qwen3NextConfig", "Qwen3NextForCausalLM", {  # its HF directory only (tiny_hf_dir)
+            **_COMMON, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "linear_num_value_heads": 2, "linear_num_key_heads": 2,
+            "linear_key_head_dim": 16, "linear_value_head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
         }),
         TinySpec("llama3-hd128", "LlamaConfig", "LlamaForCausalLM", {
             **_COMMON, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
