@@ -166,3 +166,35 @@ def error_bound(mode: str, x: torch.Tensor, group: int) -> torch.Tensor:
     lo = torch.stack([grouped_extreme(k, 2, group, "amin"), grouped_extreme(v, 3, group, "amin")], 1)
     hi = torch.stack([grouped_extreme(k, 2, group, "amax"), grouped_extreme(v, 3, group, "amax")], 1)
     return (hi - lo) / LEVELS[mode] / 2 * 1.01 + lo.abs() * 2.0**-10
+
+
+# -- Redis values of one kind, read and rewritten behind the pods' backs ----------------------------------------------
+
+def redis_values(url: str, kind: str, namespace: str = "kvstash") -> dict[bytes, bytes]:
+    """Every value under `<namespace>:<kind>:` (blk, bnd, ...) on the server at `url`."""
+    import redis  # noqa: PLC0415
+
+    client = redis.Redis.from_url(url)
+    try:
+        return {key: client.get(key) for key in client.scan_iter(match=f"{namespace}:{kind}:*")}
+    finally:
+        client.close()
+
+
+def rewrite_values(url: str, kind: str, change: Any, namespace: str = "kvstash") -> int:
+    """Replace every value under `<namespace>:<kind>:` with `change(value)` (TTL kept); how many were rewritten."""
+    import redis  # noqa: PLC0415
+
+    client = redis.Redis.from_url(url)
+    try:
+        keys = list(client.scan_iter(match=f"{namespace}:{kind}:*"))
+        for key in keys:
+            client.set(key, change(client.get(key)), keepttl=True)
+        return len(keys)
+    finally:
+        client.close()
+
+
+def cached_tokens(resp: Any) -> int:
+    """The prompt tokens a chat completion's usage says came from the cache."""
+    return int(resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"])

@@ -17,7 +17,7 @@ from cachestore.errors import ConfigError
 from cachestore.hashing import ModelFingerprint
 from service.engines.hf import models
 from service.engines.hf.models import LoadedModel, load_model, resolve_model_dir
-from tests.tinymodels import converter_missing, tiny_model_dir
+from tests.tinymodels import converter_missing, tiny_hf_dir, tiny_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -148,16 +148,33 @@ def test_smollm2_loads_from_its_converted_copy() -> None:
     assert smol.tokenizer_digest == load_model("tiny-random").tokenizer_digest
 
 
-@pytest.mark.skipif(converter_missing() is not None, reason=converter_missing() or "")
 @pytest.mark.parametrize(("name", "layers"), [
-    ("gemma3", "gemma3_text, 6 layers: 5 sliding_attention (window 32; layers 0-4), 1 full_attention (layer 5)"),
-    ("lfm2", "lfm2, 4 layers: 2 conv (layers 0,2), 2 full_attention (layers 1,3)"),
+    ("gemma3", "gemma3_text, 6 layers: 5 sliding-window (window 32; layers 0-4), 1 full-attention (layer 5)"),
+    ("lfm2", "lfm2, 4 layers: 2 conv/recurrent (layers 0,2), 2 full-attention (layers 1,3)"),
 ])
-def test_a_model_with_other_than_full_attention_layers_is_refused_naming_them(name: str, layers: str) -> None:
-    path = tiny_model_dir(name)
+def test_a_model_with_sliding_or_conv_layers_loads_with_its_layout(name: str, layers: str) -> None:
+    loaded = load_model(str(tiny_hf_dir(name)))
+    assert loaded.layout.describe() == layers
+    assert loaded.num_layers == len(loaded.layout.full)
+    assert loaded.fingerprint(16, "exact").model_id == loaded.model_id + loaded.layout.tag()
+
+
+def test_a_model_without_full_attention_layers_is_refused_naming_them(tmp_path: Path) -> None:
+    """Blocks need a full-attention layer: a model of sliding layers alone is refused in one line."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig  # noqa: PLC0415
+
+    source = tiny_hf_dir("gemma3")
+    config = Gemma3TextConfig.from_pretrained(source)
+    config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+    Gemma3ForCausalLM(config).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (source / name).is_file():
+            shutil.copy(source / name, tmp_path / name)
     with pytest.raises(ConfigError) as refused:
-        load_model(str(path))
-    assert str(refused.value) == f"{path.name} is {layers}; the hf engine caches full-attention KV only"
+        load_model(str(tmp_path))
+    assert str(refused.value) == (
+        f"{tmp_path.name} is gemma3_text, 6 layers: 6 sliding_attention (layers 0-5); the hf engine caches "
+        "full-attention KV, with sliding-window KV and conv/recurrent states beside it")
 
 
 @pytest.mark.skipif(converter_missing() is not None, reason=converter_missing() or "")

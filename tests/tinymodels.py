@@ -12,6 +12,7 @@ processes build once (`service.engines.hf.models.ensure_built`).
 | gemma3      | Gemma3ForCausalLM         | sliding-window layers interleaved with global ones (iSWA)      |
 | gpt-oss     | GptOssForCausalLM         | alternating sliding / full layers, mixture of experts (iSWA)   |
 | lfm2        | Lfm2ForCausalLM           | hybrid: short-conv recurrent layers beside attention layers    |
+| qwen3-next  | Qwen3NextForCausalLM      | hybrid: gated delta-net layers (conv + recurrent state); HF only|
 | llama3-hd128| LlamaForCausalLM          | full attention (Llama 3), head_dim 128, 4 query heads a KV head|
 | gemma3-8k   | Gemma3ForCausalLM         | gemma3 with a window of 512 and 8192 positions (benchmarks)    |
 """
@@ -75,6 +76,13 @@ SPECS = {
             "num_key_value_heads": 2, "layer_types": ["conv", "full_attention", "conv", "full_attention"],
             "conv_L_cache": 3,
         }),
+        TinySpec("qwen3-next", "Qwen3NextConfig", "Qwen3NextForCausalLM", {  # its HF directory only (tiny_hf_dir)
+            **_COMMON, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "linear_num_value_heads": 2, "linear_num_key_heads": 2,
+            "linear_key_head_dim": 16, "linear_value_head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        }),
         TinySpec("llama3-hd128", "LlamaConfig", "LlamaForCausalLM", {
             **_COMMON, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
             "num_key_value_heads": 1, "head_dim": 128, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
@@ -115,7 +123,8 @@ def build_key(spec: TinySpec) -> str:
     return hashlib.blake2b(blob.encode(), digest_size=8).hexdigest()
 
 
-def _build(spec: TinySpec, tokenizer_dir: Path, out: Path) -> None:
+def _save_hf(spec: TinySpec, tokenizer_dir: Path, out: Path) -> None:
+    """The transformers directory of `spec`: config, random weights of the fixed seed, the tokenizer."""
     import torch  # noqa: PLC0415
     import transformers  # noqa: PLC0415
     from transformers import AutoTokenizer  # noqa: PLC0415
@@ -133,6 +142,10 @@ def _build(spec: TinySpec, tokenizer_dir: Path, out: Path) -> None:
         model = getattr(transformers, spec.model_class)(config).eval()
     model.save_pretrained(out)
     tok.save_pretrained(out)
+
+
+def _build(spec: TinySpec, tokenizer_dir: Path, out: Path) -> None:
+    _save_hf(spec, tokenizer_dir, out)
     source = llama_cpp_source()
     with tempfile.TemporaryDirectory() as stubs:
         path = [str(source / "gguf-py")]
@@ -155,6 +168,19 @@ def _build(spec: TinySpec, tokenizer_dir: Path, out: Path) -> None:
 def tiny_model_dir(name: str, cache_dir: Path | None = None) -> Path:
     """The transformers directory (config, safetensors, tokenizer) tiny model `name`'s GGUF was converted from."""
     return tiny_gguf(name, cache_dir).parent
+
+
+def tiny_hf_dir(name: str, cache_dir: Path | None = None) -> Path:
+    """The transformers directory of tiny model `name` alone (no GGUF, no converter needed): the same weights as
+    `tiny_model_dir`'s, for the hf engine."""
+    from service.engines.hf.models import TINY_RANDOM, default_cache_dir, ensure_built, resolve_model_dir  # noqa: PLC0415
+
+    spec = SPECS[name]
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    tokenizer_dir = resolve_model_dir(TINY_RANDOM, root)
+    key = build_key(spec)
+    build: Callable[[Path], None] = lambda out: _save_hf(spec, tokenizer_dir, out)  # noqa: E731
+    return ensure_built(root / "tiny-hf" / f"{name}-{key}", build, f"{RECIPE}/hf/{key}")
 
 
 def tiny_gguf(name: str, cache_dir: Path | None = None) -> Path:

@@ -36,7 +36,7 @@ PREFILL_CHUNK = 128  # prompt tokens a step feeds one prefilling sequence
 
 @dataclass
 class _Job:
-    args: tuple[Any, ...]  # ModelRunner.generate's, from prompt_ids to keep_from
+    args: tuple[Any, ...]  # ModelRunner.generate's, from prompt_ids to boundary
     alone: bool  # run whole by ModelRunner.generate, between steps
     done: threading.Event = field(default_factory=threading.Event)
     live: Live | None = None
@@ -78,9 +78,10 @@ class DecodeBatcher:
         on_prefill: PrefillHook | None = None,
         kv_ready: LayerGate | None = None,
         keep_from: int = 0,
+        boundary: bytes | None = None,
     ) -> Generation:
         """As ModelRunner.generate; blocks until done (the KV is copied out on the calling thread)."""
-        args = (prompt_ids, cached_kv, params, on_text, on_prefill, kv_ready, keep_from)
+        args = (prompt_ids, cached_kv, params, on_text, on_prefill, kv_ready, keep_from, boundary)
         if threads.on_compute_thread():  # called from the scheduler's own thread: nothing else can run meanwhile
             return self.runner.generate(*args)
         job = _Job(args, alone=not self.batched or params.n != 1)

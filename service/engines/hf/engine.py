@@ -9,9 +9,10 @@ from typing import Any
 import torch
 
 from cachestore.hashing import ModelFingerprint
-from service.engines.base import Engine, KvGeometry, PrefillHook
+from service.engines.base import Engine, KvGeometry, KvLayout, PrefillHook
 from service.engines.gate import LayerGate
 from service.engines.generation import Generation, GenParams
+from service.engines.hf import boundarystate
 from service.engines.hf.batch import DecodeBatcher
 from service.engines.hf.models import LoadedModel, load_model
 from service.engines.hf.runner import ModelRunner
@@ -19,7 +20,11 @@ from service.engines.hf.runner import ModelRunner
 
 class HfEngine(Engine):
     """transformers behind the engine seam; its blocks are named by the weights digest, as before. A hit is
-    dequantized into the pipeline's pooled context, which generation grows in (`context_for`'s default)."""
+    dequantized into the pipeline's pooled context, which generation grows in (`context_for`'s default).
+
+    A model with sliding-window or linear (conv / recurrent) layers beside its full-attention ones (Gemma 3, gpt-oss,
+    LFM2: service.engines.hf.layout) keeps its full-attention layers in blocks, and the others' state at each prompt's
+    and reply's end in boundary records (service.engines.hf.boundarystate); it resumes only at such a boundary."""
 
     kind = "hf"
     layerwise = True  # a cached layer is waited for when the forward step reaches it (hfcache.GrowingLayer)
@@ -34,14 +39,25 @@ class HfEngine(Engine):
         self.name = loaded.name
         self.geometry = KvGeometry(loaded.num_layers, loaded.kv_heads, loaded.head_dim, loaded.dtype,
                                    loaded.max_context)
+        layout = self.layout = loaded.layout
+        self.boundary_records = layout.boundary_records
+        self.kv_layout = KvLayout(sliding=layout.sliding, window=layout.window, recurrent=layout.recurrent,
+                                  tag=layout.tag())
 
     @classmethod
     def load(cls, model: str, *, device: str = "cpu", parallel: int = 4) -> HfEngine:
         return cls(load_model(model, device=device), parallel)
 
     def fingerprint(self, block_tokens: int, codec_name: str) -> ModelFingerprint:
-        # unchanged from before the seam, so blocks written by earlier hf pods still hit
+        # unchanged from before the seam for full attention, so blocks written by earlier hf pods still hit; a layout
+        # with other layers is named in it (`kv_layout.tag`)
         return self.loaded.fingerprint(block_tokens, codec_name)
+
+    def boundary_problem(self, state: bytes, position: int) -> str | None:
+        """Why a boundary state read back from Redis (untrusted) cannot resume a sequence at `position`, or None."""
+        if not self.boundary_records:
+            return super().boundary_problem(state, position)
+        return boundarystate.state_problem(state, self.layout, position, self.loaded.dtype)
 
     def chat_ids(self, messages: list[dict[str, Any]], known: Mapping[int, list[int]] | None = None,
                  tools: tuple[dict[str, Any], ...] | None = None) -> list[int]:
@@ -64,7 +80,7 @@ class HfEngine(Engine):
         keep_from: int = 0,
         boundary: bytes | None = None,
     ) -> Generation:
-        if boundary is not None:
-            raise ValueError("the hf engine keeps full-attention layers only: it resumes at no boundary record")
-        return self.batcher.generate(prompt_ids, cached_kv, params, on_text, on_prefill, kv_ready, keep_from)
+        """As Engine.generate: a sliding-window or hybrid model resumes only with `boundary` (`boundary_problem`
+        checked), and returns its boundary states at the prompt's end and the sequence's."""
+        return self.batcher.generate(prompt_ids, cached_kv, params, on_text, on_prefill, kv_ready, keep_from, boundary)
 

@@ -196,8 +196,11 @@ def _spare_capacity(kv: torch.Tensor) -> int:
     return capacity
 
 
-def cache_from_tensor(kv: torch.Tensor, model: PreTrainedModel, ready: LayerGate | None = None) -> Cache:
-    """A DynamicCache holding `kv` [layers, 2, kv_heads, tokens, head_dim], on the model's device and dtype.
+def cache_from_tensor(kv: torch.Tensor, model: PreTrainedModel, ready: LayerGate | None = None,
+                      layers: Sequence[int] | None = None) -> Cache:
+    """A DynamicCache holding `kv` [layers, 2, kv_heads, tokens, head_dim], on the model's device and dtype: kv's
+    layer i is the model's layer `layers[i]` (all of them in order when None; the others, a sliding-window or linear
+    layer's, are left empty for service.engines.hf.boundarycache to fill).
 
     When `kv` is the first `tokens` of a larger [layers, 2, kv_heads, capacity, head_dim] buffer (as
     the pod's rehydrated context is), generated tokens are appended into that buffer in place, and
@@ -205,14 +208,14 @@ def cache_from_tensor(kv: torch.Tensor, model: PreTrainedModel, ready: LayerGate
     """
     if kv.dim() != KV_DIMS or kv.shape[1] != 2:
         raise ValueError(f"kv must be [layers, 2, kv_heads, tokens, head_dim], got {tuple(kv.shape)}")
-    layers = model.config.get_text_config(decoder=True).num_hidden_layers
-    if kv.shape[0] != layers:
-        raise ValueError(f"kv has {kv.shape[0]} layers, the model {layers}")
-    if kv.shape[3] == 0:
-        return empty_cache(model)
-    capacity = _spare_capacity(kv) if kv.device == model.device and kv.dtype == model.dtype else 0
     cache = DynamicCache(config=model.config)
-    if ready is not None and (not capacity or any(type(layer) is not DynamicLayer for layer in cache.layers)):
+    which = list(range(len(cache.layers))) if layers is None else list(layers)
+    if kv.shape[0] != len(which):
+        raise ValueError(f"kv has {kv.shape[0]} layers, the model {len(which)}")
+    if kv.shape[3] == 0:
+        return cache
+    capacity = _spare_capacity(kv) if kv.device == model.device and kv.dtype == model.dtype else 0
+    if ready is not None and (not capacity or any(type(cache.layers[i]) is not DynamicLayer for i in which)):
         ready.wait_all()  # the context is copied or handed over whole: all of it first
         ready = None
     scratch = Scratch() if ready is not None else None  # the first step's, for every layer in turn
@@ -221,14 +224,15 @@ def cache_from_tensor(kv: torch.Tensor, model: PreTrainedModel, ready: LayerGate
                and model.device.type == "cpu" and model.dtype == torch.float32)
     kv = kv.to(device=model.device, dtype=model.dtype)
     _, _, heads, tokens, dim = kv.shape
-    for i, layer in enumerate(cache.layers):
+    for i, at in enumerate(which):
+        layer = cache.layers[at]
         key, value = kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0)  # [batch=1, kv_heads, tokens, head_dim]
         if type(layer) is not DynamicLayer:  # sliding-window and other layer kinds keep their own bookkeeping
             layer.update(key, value)
         elif capacity:
             size, stride = (1, heads, capacity, dim), (kv.stride(1), kv.stride(2), dim, 1)
-            cache.layers[i] = GrowingLayer(key.as_strided(size, stride), value.as_strided(size, stride), tokens,
-                                           ready, i, scratch, attends)
+            cache.layers[at] = GrowingLayer(key.as_strided(size, stride), value.as_strided(size, stride), tokens,
+                                            ready, i, scratch, attends)
         else:
             # Adopt the tensors as they are: DynamicLayer.update would torch.cat them onto an
             # empty tensor, a full copy of the context that the next forward copies again anyway.
@@ -241,9 +245,11 @@ def cache_length(cache: Cache) -> int:
     return int(cache.get_seq_length())
 
 
-def tensor_from_cache(cache: Cache, start: int = 0, end: int | None = None) -> torch.Tensor:
-    """Tokens [start, end) of `cache` as one contiguous CPU tensor [layers, 2, kv_heads, end-start, head_dim]."""
-    layers = cache.layers
+def tensor_from_cache(cache: Cache, start: int = 0, end: int | None = None,
+                      which: Sequence[int] | None = None) -> torch.Tensor:
+    """Tokens [start, end) of `cache` as one contiguous CPU tensor [layers, 2, kv_heads, end-start, head_dim]: of
+    its layers `which` (all when None: the full-attention layers of a model that has others)."""
+    layers = cache.layers if which is None else [cache.layers[i] for i in which]
     length = cache_length(cache)
     end = length if end is None else end
     if not 0 <= start <= end <= length:
@@ -307,8 +313,10 @@ class RowsCache:
 
 
 def batches_rows(model: PreTrainedModel) -> bool:
-    """Whether `forward_rows` can run `model`: its attention is this module's (`route_attention`)."""
-    return model.config._attn_implementation == ATTENTION  # noqa: SLF001 - transformers' own name for it
+    """Whether `forward_rows` can run `model`: its attention is this module's (`route_attention`), and every layer
+    an attention layer (full or sliding-window: a linear layer's states are not rows of a RowsCache)."""
+    return (model.config._attn_implementation == ATTENTION  # noqa: SLF001 - transformers' own name for it
+            and all(isinstance(layer, DynamicLayer) for layer in DynamicCache(config=model.config).layers))
 
 
 def forward_rows(model: PreTrainedModel, tokens: Sequence[int], caches: Sequence[Cache]) -> torch.Tensor:

@@ -29,6 +29,7 @@ from cachestore.errors import ConfigError, KvstashError
 from cachestore.hashing import ModelFingerprint
 from service.engines.ggufpath import smollm2_gguf
 from service.engines.hf.hfcache import route_attention
+from service.engines.hf.layout import HfLayout, probe_layout
 
 SMOLLM2 = "smollm2"
 TINY_RANDOM = "tiny-random"
@@ -53,10 +54,11 @@ class LoadedModel:
     max_context: int
     model_id: str
     tokenizer_digest: str
+    layout: HfLayout  # which layers are the blocks' (num_layers of them), and what a boundary state holds
 
     def fingerprint(self, block_tokens: int, codec_name: str) -> ModelFingerprint:
         return ModelFingerprint(
-            model_id=self.model_id,
+            model_id=self.model_id + self.layout.tag(),  # "" for full attention only: those fingerprints stay
             tokenizer_digest=self.tokenizer_digest,
             dtype=str(self.dtype).removeprefix("torch."),
             num_layers=self.num_layers,
@@ -268,32 +270,6 @@ def _default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def _check_layers(path: Path, model: PreTrainedModel) -> None:
-    """ConfigError, in one line naming the layers, unless every layer of `model` keeps plain full-attention KV
-    (a `DynamicLayer`): sliding-window and recurrent layers keep their own bookkeeping, which kvstash's blocks
-    of every position of every layer do not describe."""
-    from transformers import DynamicCache  # noqa: PLC0415
-    from transformers.cache_utils import DynamicLayer  # noqa: PLC0415
-
-    from service.engines.llama.statelayout import layer_ranges  # noqa: PLC0415
-
-    layers = DynamicCache(config=model.config).layers
-    if all(type(layer) is DynamicLayer for layer in layers):
-        return
-    config = model.config.get_text_config(decoder=True)
-    named = list(getattr(config, "layer_types", None) or [])
-    kinds = named if len(named) == len(layers) else [type(layer).__name__ for layer in layers]
-    window = getattr(config, "sliding_window", None)
-    parts = []
-    for kind in dict.fromkeys(kinds):
-        where = [i for i, k in enumerate(kinds) if k == kind]
-        detail = f"window {window}; " if kind == "sliding_attention" and window else ""
-        parts.append(f"{len(where)} {kind} ({detail}{'layer' if len(where) == 1 else 'layers'} "
-                     f"{layer_ranges(where)})")
-    raise ConfigError(f"{path.name} is {config.model_type}, {len(kinds)} layers: {', '.join(parts)}; the hf engine "
-                      "caches full-attention KV only")
-
-
 def load_model(
     name_or_path: str = SMOLLM2,
     *,
@@ -314,20 +290,20 @@ def load_model(
     config = model.config.get_text_config(decoder=True)
     if getattr(model.config, "is_encoder_decoder", False):
         raise ConfigError(f"{path} is an encoder-decoder model; kvstash serves decoder-only LMs")
-    _check_layers(path, model)
     model.to(dev).eval()
+    layout = probe_layout(path.name, model)  # refuses layers it cannot store, in one line naming them
     route_attention(model)  # sdpa, but a hit's first step attends over its landed codes
-    heads = int(config.num_attention_heads)
     return LoadedModel(
         name=served,
         model=model,
         tokenizer=tokenizer,
         device=dev,
         dtype=dtype,
-        num_layers=int(config.num_hidden_layers),
-        kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
-        head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // heads),
+        num_layers=len(layout.full),
+        kv_heads=layout.kv_heads,
+        head_dim=layout.head_dim,
         max_context=int(config.max_position_embeddings),
         model_id=weights_digest(path),
         tokenizer_digest=tokenizer_digest(tokenizer),
+        layout=layout,
     )

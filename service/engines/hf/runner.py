@@ -14,17 +14,17 @@ from service.engines.chat import chat_token_ids, remap_known
 from service.engines.gate import LayerGate
 from service.engines.generation import END_TOKENS, Choice, Generation, GenParams, TextStream, reply_ids
 from service.engines.guides import LlgGuide, llg_tokenizer
-from service.engines.hf import hfcache
+from service.engines.hf import boundarycache, hfcache
 from service.engines.hf.models import LoadedModel
 from service.engines.sampling import Sampler
 from service.engines.tools import for_template
 
 __all__ = ["GenParams", "Generation", "Live", "ModelRunner"]
 
-def _copy_out(cache: object, start: int, end: int) -> torch.Tensor:
-    """Tokens [start, end) of the cache as a normal (not inference-mode) CPU tensor."""
+def _copy_out(cache: object, start: int, end: int, which: Sequence[int] | None) -> torch.Tensor:
+    """Tokens [start, end) of the cache's layers `which` (all: None) as a normal (not inference-mode) CPU tensor."""
     with torch.inference_mode(False), torch.no_grad():
-        return hfcache.tensor_from_cache(cache, start, end)  # type: ignore[arg-type]
+        return hfcache.tensor_from_cache(cache, start, end, which)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -52,6 +52,7 @@ class Live:
     keep_from: int
     on_prefill: PrefillHook | None = None
     fed: int = 0  # prompt tokens in the cache
+    prompt_state: bytes = b""  # the boundary state at the prompt's end (a sliding-window or hybrid model's)
     ttft: float = 0.0
     done: bool = False
 
@@ -65,6 +66,9 @@ class ModelRunner:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.max_context = loaded.max_context
+        self.layout = loaded.layout
+        # the layers of the blocks (None: all of them), the rest kept as boundary states (boundarycache)
+        self.full: tuple[int, ...] | None = loaded.layout.full if loaded.layout.boundary_records else None
         self.end_ids = self._end_ids()
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         tok = self.tokenizer
@@ -135,21 +139,24 @@ class ModelRunner:
         on_prefill: PrefillHook | None = None,
         kv_ready: LayerGate | None = None,
         keep_from: int = 0,
+        boundary: bytes | None = None,
     ) -> Generation:
         """Generate after `prompt_ids`, reusing `cached_kv` for prompt_ids[:n] (n = its token count); a layer of
         it is read only once `kv_ready` (if given) says it is in place. The returned KV starts at token
-        `keep_from` (the copy out of the cache is the step's largest after the forward: 94 MB at 2k tokens)."""
+        `keep_from` (the copy out of the cache is the step's largest after the forward: 94 MB at 2k tokens).
+        A sliding-window or hybrid model resumes with `boundary`, its boundary state at cached_kv's end."""
         started = time.perf_counter()
-        prompt, max_new, cached = self._prepare(prompt_ids, cached_kv, params)
+        prompt, max_new, cached = self._prepare(prompt_ids, cached_kv, params, boundary)
         ttft = 0.0
         with torch.inference_mode():
-            after_prompt, cache = self._prefill(prompt, cached_kv, cached, kv_ready)
+            after_prompt, cache = self._prefill(prompt, cached_kv, cached, kv_ready, boundary)
+            prompt_state = self._state(cache, len(prompt))
             decoded: dict[int, _Decoded] = {}
             # choice 0 last: the cache then holds its sequence, the one written back
             for choice in [*range(1, params.n), 0]:
                 extra = hfcache.cache_length(cache) - len(prompt)
                 if decoded and extra > 0:  # back to the prompt alone: every choice is sampled after it
-                    cache.crop(-extra)  # transformers 5: a negative count of tokens to drop
+                    self._rewind(cache, extra, prompt_state, len(prompt))
                 first = not decoded
 
                 def on_first(cache: object = cache, first: bool = first) -> None:
@@ -157,15 +164,42 @@ class ModelRunner:
                     if first:
                         ttft = time.perf_counter() - started
                         if on_prefill is not None:  # after the first token: not in its TTFT
-                            on_prefill(lambda start, end, cache=cache: _copy_out(cache, start, end))
+                            on_prefill(lambda start, end, cache=cache: _copy_out(cache, start, end, self.full))
 
                 stream = TextStream(self.tokenizer, params.stop, on_text if choice == 0 else None)
                 decoded[choice], cache = self._decode(after_prompt, cache, prompt, params, choice, stream, max_new,
                                                       on_first)
-        return self._generation(prompt, cached, cache, decoded, ttft, started, keep_from)
+        return self._generation(prompt, cached, cache, decoded, ttft, started, keep_from, prompt_state)
 
-    def _prepare(self, prompt_ids: list[int], cached_kv: torch.Tensor | None,
-                 params: GenParams) -> tuple[list[int], int, int]:
+    def _state(self, cache: Any, position: int) -> bytes:
+        """The boundary state of `cache` at `position` (b"" for a model of full-attention layers only)."""
+        if self.full is None:
+            return b""
+        return boundarycache.read_state(cache, self.layout, position, self.loaded.dtype)
+
+    def _rewind(self, cache: Any, extra: int, prompt_state: bytes, prompt_len: int) -> None:
+        """Back to the prompt alone: its last `extra` tokens dropped (a sliding-window or linear layer, which cannot
+        drop tokens, is set to the prompt's boundary state)."""
+        if self.full is None:
+            cache.crop(-extra)  # transformers 5: a negative count of tokens to drop
+            return
+        for i in self.full:
+            cache.layers[i].crop(-extra)
+        boundarycache.put_state(cache, self.layout, prompt_state, prompt_len, self.loaded.dtype, self.loaded.device)
+
+    def _restored(self, cached_kv: torch.Tensor, cached: int, kv_ready: LayerGate | None,
+                  boundary: bytes | None) -> Any:
+        """The cache of the first `cached` tokens: their full-attention KV, and the boundary state at `cached`."""
+        cache = hfcache.cache_from_tensor(cached_kv[:, :, :, :cached], self.model, ready=kv_ready, layers=self.full)
+        if self.full is not None and boundary is not None:
+            try:
+                boundarycache.put_state(cache, self.layout, boundary, cached, self.loaded.dtype, self.loaded.device)
+            except boundarycache.StateError as exc:
+                raise ValueError(f"boundary state: {exc}") from None
+        return cache
+
+    def _prepare(self, prompt_ids: list[int], cached_kv: torch.Tensor | None, params: GenParams,
+                 boundary: bytes | None = None) -> tuple[list[int], int, int]:
         """The prompt checked, the most tokens the reply may have, and how many prompt tokens `cached_kv` serves."""
         prompt = [int(i) for i in prompt_ids]
         if not prompt:
@@ -176,31 +210,41 @@ class ModelRunner:
             raise ValueError(f"the prompt has {len(prompt)} tokens; the context is {self.max_context}")
         max_new = min(params.max_tokens, self.max_context - len(prompt))
         cached = 0
+        if boundary is not None and self.full is None:
+            raise ValueError("this model keeps full-attention layers only: it resumes at no boundary record")
         if cached_kv is not None:
             self._check_kv(cached_kv, len(prompt))
             # Stored KV carries no logits: the last prompt token is always re-fed.
             cached = min(int(cached_kv.shape[3]), len(prompt) - 1)
+            if self.full is not None and cached and (boundary is None or cached != cached_kv.shape[3]):
+                raise ValueError("a sliding-window or hybrid model resumes at a boundary: its state and the KV "
+                                 "of every token before it")
         return prompt, max_new, cached
 
     def _prefill(self, prompt: list[int], cached_kv: torch.Tensor | None, cached: int,
-                 kv_ready: LayerGate | None) -> tuple[torch.Tensor, Any]:
+                 kv_ready: LayerGate | None, boundary: bytes | None) -> tuple[torch.Tensor, Any]:
         """The logits [vocab] after the prompt and the cache holding it (in inference mode)."""
         cache = None
         if cached:
             assert cached_kv is not None
-            cache = hfcache.cache_from_tensor(cached_kv[:, :, :, :cached], self.model, ready=kv_ready)
+            cache = self._restored(cached_kv, cached, kv_ready, boundary)
         logits, cache = hfcache.forward(self.model, prompt[cached:], cache)
         return logits[-1], cache
 
     def _generation(self, prompt: list[int], cached: int, cache: Any, decoded: dict[int, _Decoded], ttft: float,
-                    started: float, keep_from: int) -> Generation:
+                    started: float, keep_from: int, prompt_state: bytes) -> Generation:
         """The Generation of `decoded` choices (0 is the main one, whose sequence `cache` holds)."""
         main = decoded[0]
         generated, stream = main.generated, main.stream
         seq_ids = prompt + generated[:-1]  # the last generated token was never fed
         kv_from = min(max(0, keep_from), len(seq_ids))
         with torch.no_grad():  # a normal (not inference-mode) tensor, safe for in-place codec ops
-            kv = hfcache.tensor_from_cache(cache, kv_from, len(seq_ids))
+            kv = hfcache.tensor_from_cache(cache, kv_from, len(seq_ids), self.full)
+        boundaries: tuple[tuple[int, bytes], ...] = ()
+        if prompt_state:  # at the prompt's end and the sequence's (the same when one token was generated)
+            boundaries = ((len(prompt), prompt_state),)
+            if len(seq_ids) > len(prompt):
+                boundaries += ((len(seq_ids), self._state(cache, len(seq_ids))),)
         return Generation(
             text=stream.text,
             token_ids=generated,
@@ -216,6 +260,7 @@ class ModelRunner:
             logprobs=main.sampler.logprobs,
             choices=[Choice(d.stream.text, d.generated, d.finish, d.sampler.logprobs)
                      for i, d in sorted(decoded.items()) if i],
+            boundaries=boundaries,
         )
 
     def _decode(
@@ -262,6 +307,7 @@ class ModelRunner:
         on_prefill: PrefillHook | None = None,
         kv_ready: LayerGate | None = None,
         keep_from: int = 0,
+        boundary: bytes | None = None,
     ) -> Live:
         """A one-choice generation set up as `generate` does it (its cached prefix in its cache); `prefill` feeds its
         prompt a chunk at a time until its first token is sampled, `step` and `take` decode the rest beside other
@@ -269,12 +315,12 @@ class ModelRunner:
         if params.n != 1:
             raise ValueError("a batched generation samples one choice")
         started = time.perf_counter()
-        prompt, max_new, cached = self._prepare(prompt_ids, cached_kv, params)
+        prompt, max_new, cached = self._prepare(prompt_ids, cached_kv, params, boundary)
         cache = None
         if cached:
             assert cached_kv is not None
             with torch.inference_mode():
-                cache = hfcache.cache_from_tensor(cached_kv[:, :, :, :cached], self.model, ready=kv_ready)
+                cache = self._restored(cached_kv, cached, kv_ready, boundary)
         sampler = Sampler(params, prompt, choice=0, guide=self._guide(params), token_text=self.token_text,
                           device=self.loaded.device)
         return Live(prompt, cache, _Decoded(TextStream(self.tokenizer, params.stop, on_text), [], "length", False,
@@ -289,12 +335,13 @@ class ModelRunner:
         live.fed = end
         if end < len(live.prompt):
             return False
+        live.prompt_state = self._state(live.cache, end)
 
         def on_first() -> None:
             live.ttft = time.perf_counter() - live.started
             if live.on_prefill is not None:  # after the first token: not in its TTFT
                 cache = live.cache
-                live.on_prefill(lambda start, stop: _copy_out(cache, start, stop))
+                live.on_prefill(lambda start, stop: _copy_out(cache, start, stop, self.full))
 
         self._take(live, logits[-1], on_first)
         return True
@@ -317,4 +364,4 @@ class ModelRunner:
     def finish(self, live: Live) -> Generation:
         """The Generation of a `live` that is done (its KV copied out of its cache on the calling thread)."""
         return self._generation(live.prompt, live.cached, live.cache, {0: live.out}, live.ttft, live.started,
-                                live.keep_from)
+                                live.keep_from, live.prompt_state)
