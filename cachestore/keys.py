@@ -55,8 +55,8 @@ KEY_SHAPES = (
     KeyShape("<ns>:bnd:<model16>:<hash32hex>:{<ns>:sNN}", "STRING",
              "a boundary record of a sliding-window or hybrid model (`cachestore/boundary.py`, magic `KVBD`): at "
              "the end of a prompt or a reply, the tokens after the last full block, their full-attention KV and "
-             "the state blocks cannot rebuild (the last `n_swa` positions of the sliding layers, the recurrent "
-             "state), under the chain hash of the full blocks before the boundary, as a tail",
+             "the state blocks cannot rebuild (the sliding layers' last window of positions, the recurrent or "
+             "conv state), under the chain hash of the full blocks before the boundary, as a tail",
              "as blocks; the newest record of a prefix replaces the older"),
     KeyShape("<ns>:idx:lru:{<ns>:sNN}", "ZSET", "block key -> last access, ms since the epoch",
              "2 x `block_ttl_s`, refreshed on use"),
