@@ -72,9 +72,9 @@ class Pipeline:
                           else threads.compute_executor())
         block_shape = (geo.num_layers, 2, geo.kv_heads, settings.block_tokens, geo.head_dim)
         # every block a signing store returns passed its MAC, which covers the frame's checksum
-        self.gate = FrameGate(self.codecs, block_shape, geo.dtype, metrics, engine,
-                              mac_verified=self.store is not None and self.store.signer is not None)
-        self.placement = Placement(engine, self.codecs, settings.block_tokens, settings.max_tokens_limit)
+        signed = self.store is not None and self.store.signer is not None
+        self.gate = FrameGate(self.codecs, block_shape, geo.dtype, metrics, engine, mac_verified=signed)
+        self.placement = Placement(engine, self.codecs, settings.block_tokens, settings.max_tokens_limit, signed)
         # fetch or recompute: a hit is read only while reading a block beats prefilling it (service.fetchplan)
         self.planner = FetchPlanner(settings.fetch_policy, settings.block_tokens, settings.redis_timeout_s,
                                     link_bytes_s=settings.link_bytes_s, prefill_tokens_s=settings.prefill_tokens_s)

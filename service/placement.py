@@ -26,9 +26,12 @@ LANDING_COMPRESSORS = frozenset({"none", "lz4"})
 class Placement:
     """The pod's pooled contexts and landings, and the slots a lookup's frames are received into."""
 
-    def __init__(self, engine: Engine, codecs: BlockCodecs, block_tokens: int, max_tokens_limit: int) -> None:
+    def __init__(self, engine: Engine, codecs: BlockCodecs, block_tokens: int, max_tokens_limit: int,
+                 signed: bool = False) -> None:
+        """`signed`: every block comes from a signing store (its MAC covers the frame's checksum)."""
         geo = engine.geometry
         self.engine = engine
+        self.signed = signed
         self.codecs = codecs
         self.block_tokens = block_tokens
         self.dtype = geo.dtype
@@ -75,7 +78,7 @@ class Placement:
         codec = self.codecs.main
         if not codec.spec.rows or self.codecs.sink is not codec or out.dtype != self.dtype:
             return None
-        targets = self.engine.landing_targets(out, blocks, self.block_tokens)
+        targets = self.engine.landing_targets(out, blocks, self.block_tokens, checksummed=not self.signed)
         if targets is None:
             return None
         return targets if len(targets[0]) == self.block_bytes else None

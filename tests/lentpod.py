@@ -16,12 +16,12 @@ from service.settings import PodSettings
 
 
 @contextlib.asynccontextmanager
-async def rows_pod(engine: LendsStates, redis_server: RedisProcess, codec: str,
-                   b: int) -> AsyncIterator[tuple[BlockStore, Pipeline]]:
-    """A pod's store and pipeline of codec `codec` on `engine`, no local tier; emptied after, and every context the
-    engine lent back in its pool."""
+async def rows_pod(engine: LendsStates, redis_server: RedisProcess, codec: str, b: int,
+                   frame_key: str = "") -> AsyncIterator[tuple[BlockStore, Pipeline]]:
+    """A pod's store and pipeline of codec `codec` on `engine`, no local tier, signing with `frame_key` if given;
+    emptied after, and every context the engine lent back in its pool."""
     settings = PodSettings(redis_url=redis_server.url, namespace=f"rows-{codec}", codec=codec, block_tokens=b,
-                           local_tier_bytes=0)
+                           local_tier_bytes=0, frame_key=frame_key)
     store = BlockStore(store_settings(settings))
     pipe = Pipeline(settings, engine, store, codec, PodMetrics(), None)  # type: ignore[arg-type]
     try:

@@ -233,12 +233,14 @@ async def test_a_pods_hit_lands_in_a_lent_state_and_the_state_goes_back(
         pipe.close()
 
 
+@pytest.mark.parametrize("frame_key", ["", "rows-key"], ids=["unsigned", "signed"])
 async def test_token_row_frames_are_received_into_the_lent_state_itself(
-    engine: LlamaCppEngine, redis_server: RedisProcess
+    engine: LlamaCppEngine, redis_server: RedisProcess, frame_key: str
 ) -> None:
     """A pod on llama.cpp writes exact and fp16 frames as token rows, and a hit's frames are received straight into
     the rows of the state the engine lent (nothing lands anywhere else, nothing is dequantized): the reply equals a
-    full prefill's. A frame corrupted in Redis ends the hit before it, and the reply is still the prefill's."""
+    full prefill's. A frame corrupted in Redis ends the hit before it, and the reply is still the prefill's. Signed
+    rows land unchecksummed (their MAC covers the checksum), unsigned ones checksummed as they land."""
     from cachestore.codec import read_header  # noqa: PLC0415
     from cachestore.wire import Scatter  # noqa: PLC0415
 
@@ -246,7 +248,7 @@ async def test_token_row_frames_are_received_into_the_lent_state_itself(
     prompt = _prompt(engine, " ".join(QUESTIONS))
     full = engine.generate(prompt, None, GREEDY)
     for codec in ("fp16", "exact"):
-        async with rows_pod(engine, redis_server, codec, b) as (store, pipe):
+        async with rows_pod(engine, redis_server, codec, b, frame_key) as (store, pipe):
             assert pipe.codecs.main.spec.rows
             hashes = pipe.hashes(b"rows", prompt[:-1])
             frames = [pipe.codecs.at(i).encode(full.kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
@@ -261,6 +263,7 @@ async def test_token_row_frames_are_received_into_the_lent_state_itself(
             first_k = ctypes.addressof(ctypes.c_char.from_buffer(state[0]))
             block_1 = targets[1]
             assert isinstance(block_1, Scatter) and len(block_1) == len(frames[1])
+            assert block_1.reports_pieces is not bool(frame_key)
             # block 1's layer 0 K rows lie right after block 0's, in the state itself
             assert ctypes.addressof(ctypes.c_char.from_buffer(block_1.pieces[1])) == first_k + b * len(state[0]) // (
                 len(prompt) - 1)

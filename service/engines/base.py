@@ -142,10 +142,13 @@ class Engine(ABC):
         """Take back a tensor `context_for` returned; False for any other."""
         return False
 
-    def landing_targets(self, context: torch.Tensor, blocks: int, block_tokens: int) -> Sequence[Target] | None:
+    def landing_targets(self, context: torch.Tensor, blocks: int, block_tokens: int,
+                        checksummed: bool = True) -> Sequence[Target] | None:
         """Each of `blocks` blocks' target for a token-rows frame received into `context`, a context this engine
         lent (`context_for`): its header apart, its rows where the runtime holds them; None (the default) when
-        `context` is no such context, or the engine receives no rows (frames land in the pipeline's buffer)."""
+        `context` is no such context, or the engine receives no rows (frames land in the pipeline's buffer).
+        `checksummed` False: the frames are signed (their MAC covers the checksum), so none is computed as they
+        land."""
         return None
 
     def placed_frame(self, header: FrameHeader, rows: Sequence[memoryview]) -> PlacedFrame:

@@ -170,10 +170,12 @@ class LendsStates(Engine):
         nothing reads or writes it."""
         return self._lender.context_for(tokens)
 
-    def landing_targets(self, context: torch.Tensor, blocks: int, block_tokens: int) -> Sequence[Target] | None:
+    def landing_targets(self, context: torch.Tensor, blocks: int, block_tokens: int,
+                        checksummed: bool = True) -> Sequence[Target] | None:
         """Each block's `Scatter` into the state of `context`, a context lent: its header apart, its rows where the
         state holds them (`context_rows`); None for any other tensor."""
-        return row_targets(lambda start, count: self._lender.rows(context, start, count), blocks, block_tokens)
+        return row_targets(lambda start, count: self._lender.rows(context, start, count), blocks, block_tokens,
+                           checksummed)
 
     def mark_placed(self, kv: torch.Tensor, tokens: int) -> None:
         """Cells [0, tokens) of a context lent were received into its state as rows (`context_rows`) and verified."""

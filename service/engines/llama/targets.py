@@ -1,5 +1,5 @@
 """Landing targets in a lent sequence state: each block's token-rows frame received with its header apart and its
-rows where the state holds them (`cachestore.landing.Scatter`), checksummed as they arrive."""
+rows where the state holds them (`cachestore.landing.Scatter`), checksummed as they arrive unless signed."""
 
 from __future__ import annotations
 
@@ -39,10 +39,12 @@ class _Made(Sequence[Target]):
         return self._make(self._start + index % len(self))
 
 
-def row_targets(rows_of: RowsOf, blocks: int, block_tokens: int) -> Sequence[Target] | None:
+def row_targets(rows_of: RowsOf, blocks: int, block_tokens: int,
+                checksummed: bool = True) -> Sequence[Target] | None:
     """Each of `blocks` blocks' `Scatter` into a lent context whose rows `rows_of` finds; None when the context
     holds no rows for them. Each is made when the reader asks for its chunk (~17 µs a block: 2 ms before the first
-    request at 8128 tokens)."""
+    request at 8128 tokens). `checksummed`: each checksums its bytes as they land; a signed value's MAC covers its
+    checksum, so signed rows land unreported, through the native reader whatever their size."""
     b = block_tokens
     if rows_of((blocks - 1) * b, b) is None:
         return None
@@ -51,6 +53,7 @@ def row_targets(rows_of: RowsOf, blocks: int, block_tokens: int) -> Sequence[Tar
     def scatter(i: int) -> Target:
         rows = rows_of(i * b, b)
         assert rows is not None
-        return Scatter([headers[i * HEADER_SIZE:(i + 1) * HEADER_SIZE], *rows], RunningChecksum())
+        return Scatter([headers[i * HEADER_SIZE:(i + 1) * HEADER_SIZE], *rows],
+                       RunningChecksum() if checksummed else None)
 
     return _Made(scatter, 0, blocks)
