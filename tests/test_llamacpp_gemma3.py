@@ -132,9 +132,9 @@ def test_two_llamacpp_pods_resume_each_other_and_reply_as_one_engine(gemma3: Pat
             engine.close()
 
 
-def _complete(post: Any, text: str) -> dict[str, Any]:
+def _complete(post: Any, text: str, **slot: int) -> dict[str, Any]:
     body = {"prompt": text, "n_predict": MAX_TOKENS, "temperature": 0, "stop": [STOP], "cache_prompt": True,
-            "return_tokens": True}
+            "return_tokens": True, "n_probs": 1, **slot}
     resp = post("/completion", json=body)
     assert resp.status_code == 200, resp.text
     out: dict[str, Any] = resp.json()
@@ -145,13 +145,14 @@ def _complete(post: Any, text: str) -> dict[str, Any]:
 @pytest.fixture
 def servers(gemma3: Path, tmp_path: Path) -> Iterator[tuple[Any, Any, str]]:
     """Two sidecars' llama-servers (spawned as `kvstash sidecar --spawn` does: --swa-full), and a reference
-    llama-server with the same settings that keeps the conversation in its own slot."""
+    llama-server with the same settings that keeps the conversation in two slots of its own: slot 0 in memory,
+    slot 1 saved to its slot file, erased and restored from it between turns (as a sidecar's slot is restored)."""
     from service.engines.llama.llamaserver import LlamaServerEngine  # noqa: PLC0415
     from service.engines.llama.llamaserverproc import LlamaServerProcess  # noqa: PLC0415
 
     a = LlamaServerEngine.spawn(str(gemma3), parallel=1, threads=THREADS, ctx_per_slot=CTX)
     b = LlamaServerEngine.spawn(str(gemma3), parallel=1, threads=THREADS, ctx_per_slot=CTX)
-    reference = LlamaServerProcess(gemma3, tmp_path, parallel=1, ctx_per_slot=CTX, threads=THREADS,
+    reference = LlamaServerProcess(gemma3, tmp_path, parallel=2, ctx_per_slot=CTX, threads=THREADS,
                                    extra_args=("--swa-full",))
     reference.start()
     try:
@@ -181,12 +182,17 @@ def test_two_sidecars_resume_each_other_and_reply_as_one_llama_server(
             for turn, (question, _) in enumerate(QUESTIONS):
                 side = (side_a, side_b)[turn % 2]
                 text = _transcript(answers, question)
-                got, expected = _complete(side.post, text), _complete(ref.post, text)
+                got, expected = _complete(side.post, text), _complete(ref.post, text, id_slot=0)
+                if turn:
+                    for action in ("save", "erase", "restore"):
+                        assert ref.post(f"/slots/1?action={action}", json={"filename": "kept.bin"}).is_success
+                filed = _complete(ref.post, text, id_slot=1)
                 assert got["content"] == expected["content"], f"turn {turn}: the cache changed the reply"
-                # token for token; not logprob for logprob: a reply token fed alone attends over the window a slot
-                # file holds (llama-server's own save writes the same) in the sidecar, over every position kept
-                # (--swa-full) in the reference, and llama.cpp rounds the two differently (0.07 in a logprob here)
-                assert got["tokens"] == expected["tokens"], turn
+                assert got["tokens"] == expected["tokens"], turn  # token for token
+                # and to the bit as a slot restored from llama-server's own file: a reply token decoded alone
+                # attends over the window such a file holds, not every position --swa-full keeps in memory, and
+                # llama.cpp rounds the two differently (0.07 in a logprob at turn 3 here)
+                assert got["completion_probabilities"] == filed["completion_probabilities"], turn
                 _check_answer(turn, got["content"])
                 prompt_n, cache_n = got["timings"]["prompt_n"], got["timings"]["cache_n"]
                 assert prompt_n + cache_n > 4 * N_SWA
