@@ -39,7 +39,7 @@ async def _completion(request: Request, chat: bool) -> Response:
     elif req.prompt_ids is not None:
         prompt_ids = list(req.prompt_ids)
     else:
-        prompt_ids = engine.text_ids(req.prompt or "")
+        prompt_ids = engine.prompt_ids(req.prompt or "")
     check_context(state, prompt_ids, req.params)
     session = SessionTurn(req.session_id, req.messages) if req.session_id is not None else None
     return await run_admitted(state, Turn(

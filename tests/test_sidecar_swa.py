@@ -1,4 +1,4 @@
-"""`kvstash sidecar` in front of real llama-servers serving sliding-window (Gemma 3) and hybrid (LFM2) models:
+"""`kvstash sidecar` in front of real llama-servers serving sliding-window (Gemma 3, gpt-oss) and hybrid (LFM2) models:
 turns alternating two sidecars restore the other's blocks and boundary record into a slot that llama-server
 reuses (its own `timings` say so) and reply as one llama-server that kept the conversation; a llama-server that
 would prefill a restored sliding-window slot again is refused at start-up in one line."""
@@ -37,7 +37,7 @@ def _spawn(name: str) -> LlamaServerEngine:
     return LlamaServerEngine.spawn(str(tiny_gguf(name)), parallel=1, threads=1, ctx_per_slot=CTX)
 
 
-@pytest.fixture(scope="module", params=["gemma3", "lfm2"])
+@pytest.fixture(scope="module", params=["gemma3", "gpt-oss", "lfm2"])
 def servers(request: pytest.FixtureRequest) -> Iterator[tuple[LlamaServerEngine, LlamaServerEngine, str]]:
     """Two sidecars' llama-servers (spawned as `kvstash sidecar --spawn` spawns them), and a reference llama-server
     with the same settings that keeps the conversation in its own slot."""

@@ -15,6 +15,7 @@ Optional capabilities have defaults, for an engine that keeps KV as the pipeline
 - `context_for` None (the pipeline dequantizes a hit into its own pooled tensor), `give_context` False;
 - `landing_targets` None (frames are received into the pipeline's landing buffer), `placed_frame` (a frame
   verified where `landing_targets` put it), `mark_placed` a no-op, `is_lent` False;
+- `prompt_ids` (a text completion's prompt) the plain text's `text_ids`;
 - `forget` and `close` no-ops.
 """
 
@@ -99,6 +100,12 @@ class Engine(ABC):
     @abstractmethod
     def text_ids(self, text: str) -> list[int]:
         """Plain text as token ids (no special tokens, no BOS)."""
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """A text completion's prompt as token ids: the plain text (no special tokens parsed), with what the model's
+        tokenizer adds around a prompt (a GGUF's `add_bos_token`: BOS first, as llama-server's completions do). The
+        default: `text_ids`, nothing added."""
+        return self.text_ids(text)
 
     @abstractmethod
     def decode(self, ids: Sequence[int]) -> str:

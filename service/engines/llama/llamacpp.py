@@ -192,6 +192,11 @@ class LlamaCppEngine(ModelProbe, LendsStates):
     def text_ids(self, text: str) -> list[int]:
         return self.vocab.tokenize(text, special=False)
 
+    def prompt_ids(self, text: str) -> list[int]:
+        """As llama-server tokenizes a completion's prompt, but for special tokens: llama.cpp adds BOS (Gemma's
+        add_bos_token), without which a model trained behind one drifts from its first token on."""
+        return self.vocab.tokenize(text, special=False, add_special=True)
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.vocab.decode(list(ids))
 

@@ -286,6 +286,9 @@ class LlamaServerEngine(ServerHttp, LendsStates):
     def text_ids(self, text: str) -> list[int]:
         return self._tokenize(text, special=False)
 
+    def prompt_ids(self, text: str) -> list[int]:
+        return self._tokenize(text, special=False, add_special=True)  # BOS as its completions add it; no specials
+
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._json("POST", "/detokenize", {"tokens": [int(i) for i in ids]})["content"])
 

@@ -28,13 +28,16 @@ class Vocab:
     def __init__(self, lib: object, vocab: object) -> None:
         self._lib, self._vocab = lib, vocab
 
-    def tokenize(self, text: str, special: bool) -> list[int]:
+    def tokenize(self, text: str, special: bool, add_special: bool = False) -> list[int]:
+        """`text` as ids; `special`: control tokens spelled in it are parsed; `add_special`: the tokens the vocabulary
+        adds around a prompt (BOS where the GGUF's add_bos_token says, EOS where add_eos_token does)."""
         lib: object = self._lib
         data = text.encode("utf-8")
         room = len(data) + 8
         for _ in range(2):
             buf = (lib.llama_token * room)()  # type: ignore[attr-defined]
-            n = lib.llama_tokenize(self._vocab, data, len(data), buf, room, False, special)  # type: ignore[attr-defined]
+            n = lib.llama_tokenize(self._vocab, data, len(data), buf, room, add_special,  # type: ignore[attr-defined]
+                                   special)
             if n >= 0:
                 return list(buf[:n])
             room = -n
