@@ -46,7 +46,7 @@ _SIGNED_METHOD = ("The history is written twice, once by a pod without a frame k
                   "every value (`KVSTASH_FRAME_KEY`: an AES-256-GMAC over the key name and the value); each rep "
                   "times the hit on both pods back to back, who goes first alternating rep by rep, and the ratio is "
                   "the median of the paired ratios. Target: a signed hit within 5% of an unsigned one.")
-_SIGNED_CMD = ("kvstash bench resume --engine {engine} --contexts 2048 --long --modes {modes} --repeat 9 "
+_SIGNED_CMD = ("kvstash bench resume --engine {engine} --contexts 2048 --long --modes {modes} --repeat 25 "
                "--recompute-repeat 1 --no-naive --frame-key bench-key --json docs/results/{name}.json")
 
 _RESUME_METHOD = ("A history of N tokens is prefilled and stored as another pod would; then the time to first token "
