@@ -206,7 +206,7 @@ def _fleet_summary(r: dict[str, Any]) -> list[str]:
     args, cal, targets = r.get("args", {}), r.get("calibration"), r.get("targets", {})
     knees = ", ".join(f"{_FLEET_NAMES.get(k, k)} {v:g}/s" for k, v in r["knees"].items())
     load = (r.get("machine_before") or {}).get("loadavg")
-    under = f" (under load: load average {load[0]:.1f} at the start)" if load else ""
+    under = f" (load average {load[0]:.1f} at the start)" if load else ""
     lines = [f"**{r.get('engine', args.get('engine', '?'))}**{under}: {args.get('pods', '?')} pods, "
              f"{r.get('threads_per_pod', '?')} thread(s) each, {args.get('parallel', '?')} sequences decoded together, "
              f"{args.get('users', '?')} users, ~{args.get('system_tokens', '?')} + ~{args.get('history_tokens', '?')}"

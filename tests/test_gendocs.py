@@ -102,7 +102,7 @@ def test_fleet_results_render(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     page = out[resultspage.PAGE]
     assert "| kvstash | 1 | 10 / 0 | 100.0 | 150.0 | 160.0 | 12.5 | 20.0 | 0.50 | yes |" in page and "test CPU" in page
     assert page.count("Knee: kvstash 1/s, no cache 0.5/s.") == 2 and "= 6.67x" in page
-    assert "**hf** (under load: load average 3.5 at the start)" in page
+    assert "**hf** (load average 3.5 at the start)" in page
     assert "| working set 2x budget | 8 | 2.00 | 0.45 | 200.0 | 400.0 | 0 |" in page
     assert "Miss overhead (llamacpp" in page and "| no reuse, off | 2 | 4 / 0 | 1,000 | 1,100 | 0.40 | 0.00 |" in page
     assert {tmp_path / "fleet-budget-hits.svg", tmp_path / "fleet-budget-ttft.svg"} <= set(out)
