@@ -58,6 +58,10 @@ def test_bench_fleet_tiny_every_fleet_budget_and_miss_overhead(tmp_path: Path) -
     on, off = report["miss_overhead"]
     assert (on["kind"], off["kind"]) == ("kvstash", "off") and on["hit_rate"] == off["hit_rate"] == 0
     assert on["runs"] == off["runs"] == 2  # interleaved: on, off, off, on
+    # the same requests each side, at the same moments of their runs: throughputs compare
+    arrived = {side: sorted(round(r["arrived_s"], 3) for r in report["requests"] if r["fleet"] == side)
+               for side in ("miss-kvstash", "miss-off")}
+    assert arrived["miss-kvstash"] == arrived["miss-off"] and on["arrivals"] == off["arrivals"] > 0
     assert "ttft_ms_p50_vs_off" in on and "completion_tokens_per_s_vs_off" in on
     rows = report["requests"]
     assert {r["fleet"] for r in rows} == {*FLEETS, "budget", "miss-kvstash", "miss-off"}

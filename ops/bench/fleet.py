@@ -223,13 +223,16 @@ MISS_ORDER = ("kvstash", "off", "off", "kvstash")  # interleaved: load drifting 
 
 def _miss_overhead(args: argparse.Namespace, redis_url: str, rate: float,
                    requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The no-reuse workload with kvstash on and off, in MISS_ORDER; each side's rows pooled."""
+    """The no-reuse workload with kvstash on and off, in MISS_ORDER; each side's rows pooled. A side's k-th run has
+    the other side's k-th run's arrivals (its seed), so both sides answer the same requests and their throughputs
+    compare."""
     rows_of: dict[str, list[dict[str, Any]]] = {"kvstash": [], "off": []}
     per_run: dict[str, list[dict[str, Any]]] = {"kvstash": [], "off": []}
     for n, kind in enumerate(MISS_ORDER):
+        seed = args.seed + len(per_run[kind])  # the same for the k-th run of either side
         with _Fleet(args, redis_url, kind, f"fleet-miss-{kind}-{n}", args.budget_mb) as url:
             rows, _ = fleetload.drive(_workload(args, reuse=False), url, args.model_name, rate, args.duration_s,
-                                      tag=f"miss-{kind}-{n}", seed=args.seed + n, sticky=False, drain_s=args.drain_s)
+                                      tag=f"miss-{kind}-{n}", seed=seed, sticky=False, drain_s=args.drain_s)
         requests += [{**r, "fleet": f"miss-{kind}", "rate": rate} for r in rows]
         rows_of[kind] += rows
         per_run[kind].append(fleetload.stats(rows, rate, args.duration_s))
