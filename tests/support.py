@@ -101,18 +101,18 @@ def wait_written(client: TestClient) -> None:
 # -- llama-servers ---------------------------------------------------------------------------
 
 @contextmanager
-def sidecar_servers(model: Path, slot_dir: Path, threads: int, ctx: int, reference_slots: int = 1,
-                    extra_args: tuple[str, ...] = ()) -> Iterator[tuple[Any, Any, str]]:
+def sidecar_servers(model: Path, slot_dir: Path, threads: int, ctx: int,
+                    reference_slots: int = 1) -> Iterator[tuple[Any, Any, str]]:
     """Two sidecars' llama-servers of `model` (spawned as `kvstash sidecar --spawn` spawns them) and the URL of a
-    reference llama-server with the same settings and `extra_args`, `reference_slots` slots of its own saving to
-    `slot_dir`; all stopped after."""
-    from service.engines.llama.llamaserver import LlamaServerEngine  # noqa: PLC0415
+    reference llama-server with the same settings (`--swa-full` for a sliding-window model, as they have),
+    `reference_slots` slots of its own saving to `slot_dir`; all stopped after."""
+    from service.engines.llama.llamaserver import SWA_FULL, LlamaServerEngine  # noqa: PLC0415
     from service.engines.llama.llamaserverproc import LlamaServerProcess  # noqa: PLC0415
 
     a = LlamaServerEngine.spawn(str(model), parallel=1, threads=threads, ctx_per_slot=ctx)
     b = LlamaServerEngine.spawn(str(model), parallel=1, threads=threads, ctx_per_slot=ctx)
     reference = LlamaServerProcess(model, slot_dir, parallel=reference_slots, ctx_per_slot=ctx, threads=threads,
-                                   extra_args=extra_args)
+                                   extra_args=(SWA_FULL,) if a.layout.sliding_count else ())
     reference.start()
     try:
         yield a, b, reference.url

@@ -148,7 +148,7 @@ def servers(gemma3: Path, tmp_path: Path) -> Iterator[tuple[Any, Any, str]]:
     """Two sidecars' llama-servers (spawned as `kvstash sidecar --spawn` does: --swa-full), and a reference
     llama-server with the same settings that keeps the conversation in two slots of its own: slot 0 in memory,
     slot 1 saved to its slot file, erased and restored from it between turns (as a sidecar's slot is restored)."""
-    with sidecar_servers(gemma3, tmp_path, THREADS, CTX, reference_slots=2, extra_args=("--swa-full",)) as servers:
+    with sidecar_servers(gemma3, tmp_path, THREADS, CTX, reference_slots=2) as servers:
         yield servers
 
 

@@ -39,9 +39,7 @@ def servers(request: pytest.FixtureRequest,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LlamaServerEngine, LlamaServerEngine, str]]:
     """Two sidecars' llama-servers (spawned as `kvstash sidecar --spawn` spawns them), and a reference llama-server
     with the same settings (`--swa-full` for a sliding-window model) that keeps the conversation in its own slot."""
-    model = tiny_gguf(request.param)
-    extra = ("--swa-full",) if request.param in ("gemma3", "gpt-oss") else ()  # the two that slide
-    with sidecar_servers(model, tmp_path_factory.mktemp("ref-slots"), 1, CTX, extra_args=extra) as servers:
+    with sidecar_servers(tiny_gguf(request.param), tmp_path_factory.mktemp("ref-slots"), 1, CTX) as servers:
         yield servers
 
 
