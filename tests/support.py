@@ -192,6 +192,26 @@ def error_bound(mode: str, x: torch.Tensor, group: int) -> torch.Tensor:
     return (hi - lo) / LEVELS[mode] / 2 * 1.01 + lo.abs() * 2.0**-10
 
 
+def check_layers_decode_apart(spec: str, shapes: tuple[tuple[int, ...], ...],
+                              context_dtype: torch.dtype = torch.float32) -> None:
+    """Frames of `spec` of each shape [4 layers, 2, H, T, D]: any range of layers decodes to the whole frame's, and
+    the frame decodes into a slice of a larger context of `context_dtype`, leaving the rest untouched."""
+    from cachestore.codec import Codec  # noqa: PLC0415
+
+    for shape in shapes:
+        kv = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
+        frame = Codec(spec).encode(kv)
+        whole = Codec().decode(frame)
+        opened = Codec().open(frame)
+        assert opened.splits_by_layer
+        for first, stop in ((0, 1), (1, 3), (2, 4), (0, 4), (3, 4)):
+            assert torch.equal(opened.decode_into(layers=slice(first, stop)), whole[first:stop]), (spec, first, stop)
+        context = torch.full((4, 2, shape[2], shape[3] + 20, shape[4]), 7.0, dtype=context_dtype)
+        Codec().decode_into(frame, context[:, :, :, 10:10 + shape[3]])
+        assert torch.equal(context[:, :, :, 10:10 + shape[3]], whole.to(context_dtype))
+        assert bool((context[:, :, :, :10] == 7).all()) and bool((context[:, :, :, 10 + shape[3]:] == 7).all())
+
+
 # -- Redis values of one kind, read and rewritten behind the pods' backs ----------------------------------------------
 
 def redis_values(url: str, kind: str, namespace: str = "kvstash") -> dict[bytes, bytes]:

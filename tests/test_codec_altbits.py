@@ -13,7 +13,7 @@ from cachestore.codec.blockcodec import BlockCodecs
 from cachestore.codec.frame import HEADER_SIZE, LAYER_TABLE, checksum
 from cachestore.codec.layout import HiLayers
 from cachestore.errors import CodecError, ConfigError
-from tests.support import error_bound, kv_sample
+from tests.support import check_layers_decode_apart, error_bound, kv_sample
 
 SHAPE = (4, 2, 3, 40, 16)  # [layers, 2, kv_heads, tokens, head_dim]
 
@@ -73,18 +73,7 @@ def test_each_half_takes_the_precision_its_table_gives(mode: str, alt: str, vari
 @pytest.mark.parametrize("spec", ["int2/g8/plain/k4=1.3/v4=0.1", "int2+zstd/g5/plain/k8=0/k4=2", "int4/g32/rot/v2=2",
                                   "int2/g8/rotv/clip/k8=0/v8=3/k4=1.2/v4=0.1.2", "int4/g8/k8=3/k2=0.1/v2=1.2.3"])
 def test_layers_decode_apart_into_strided_views_as_whole(spec: str) -> None:
-    for shape in ((4, 2, 2, 40, 16), (4, 2, 1, 7, 3)):
-        kv = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
-        frame = Codec(spec).encode(kv)
-        whole = Codec().decode(frame)
-        opened = Codec().open(frame)
-        assert opened.splits_by_layer
-        for first, stop in ((0, 1), (1, 3), (2, 4), (0, 4), (3, 4)):
-            assert torch.equal(opened.decode_into(layers=slice(first, stop)), whole[first:stop]), (spec, first, stop)
-        context = torch.full((4, 2, shape[2], shape[3] + 20, shape[4]), 7.0)
-        Codec().decode_into(frame, context[:, :, :, 10:10 + shape[3]])
-        assert torch.equal(context[:, :, :, 10:10 + shape[3]], whole)
-        assert bool((context[:, :, :, :10] == 7).all()) and bool((context[:, :, :, 10 + shape[3]:] == 7).all())
+    check_layers_decode_apart(spec, ((4, 2, 2, 40, 16), (4, 2, 1, 7, 3)))
 
 
 def test_an_int4_layer_in_an_int2_frame_costs_about_its_share_of_the_bytes() -> None:

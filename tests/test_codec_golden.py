@@ -77,8 +77,8 @@ def test_decoding_the_golden_frame_gives_the_golden_tensor(name: str) -> None:
 def test_golden_frames_cover_every_mode_and_compressor() -> None:
     headers = [read_header(frame_path(name).read_bytes()) for name in NAMES]
     assert {h.mode for h in headers} == {"exact", "fp16", "int8", "int4", "int2", "fp8", "q8"}
-    assert {h.version for h in headers} == {1, 2, 3}
-    assert {h.transform for h in headers} == {0, 1, 2, 3, 4}
+    assert {h.version for h in headers} == {1, 2, 3, 4}
+    assert {h.transform for h in headers} == {0, 1, 2, 3, 4, 8, 16, 24}
     assert {h.compressor for h in headers} == {"none", "lz4", "zstd"}
     assert {h.dtype for h in headers} == {"float32", "float16", "bfloat16"}
     assert any(h.shuffled for h in headers)
@@ -86,8 +86,8 @@ def test_golden_frames_cover_every_mode_and_compressor() -> None:
 
 def test_a_future_version_is_rejected_cleanly() -> None:
     frame = bytearray(frame_path("int8_fp16_none").read_bytes())
-    frame[4] = 4
-    with pytest.raises(CodecError, match="version 4"):
+    frame[4] = 5
+    with pytest.raises(CodecError, match="version 5"):
         Codec().decode(bytes(frame))
 
 
@@ -96,6 +96,10 @@ def test_a_future_version_is_rejected_cleanly() -> None:
     ("int8_fp16_none", 1, 1, "transform 0x1 in version 1"),  # the reserved byte of format 1
     ("int8_fp16_none", 2, 1, "transform 0x1 for mode int8"),  # rotation on a mode that has none
     ("int4_fp32_none_g4_rot_clip", 2, 4, "transform 0x4"),  # an unknown transform bit
+    ("int4_fp32_none_g4_rot_clip", 2, 9, "transform 0x9 in version 2"),  # outlier keys need format 4
+    ("int2_fp32_none_g4_outk_symv", 4, 0x1c, "transform 0x1c in version 4"),  # a layer table in format 4
+    ("int2_fp32_none_g4_outk_symv", 4, 0x40, "transform 0x40"),  # an unknown transform bit
+    ("int8_fp16_none", 4, 16, "transform 0x10 for mode int8"),  # symmetric values on a mode that has none
 ])
 def test_inconsistent_version_and_transform_are_refused(name: str, version: int, transform: int,
                                                         match: str) -> None:

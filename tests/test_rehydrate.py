@@ -20,7 +20,7 @@ from service.lookup import chunk_plan
 from service.rehydrate import Rehydration
 
 MODES = ["exact", "fp16", "int8", "int4", "int2", "int4/rot", "int2+zstd", "int4/g32/clip", "fp8", "fp16+zstd",
-         "q8"]
+         "q8", "int2+zstd/rotv/clip/outk/symv", "int4/outk"]
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -81,7 +81,7 @@ class Codec:
         dims, dtype = _check_input(kv)
         spec = self.spec
         group = spec.group_size if spec.mode in GROUPED_MODES else 0
-        sections = layout(spec.mode, dims, group, dtype, spec.hi.counts)
+        sections = layout(spec.mode, dims, group, dtype, spec.hi.counts, spec.variant)
         parts = quantize(spec.mode, kv.detach(), group, spec.variant or PLAIN, spec.hi)
         offsets, raw_len = section_offsets(sections)
         raw = torch.zeros(raw_len, dtype=torch.uint8)
@@ -101,7 +101,7 @@ class Codec:
         # The oldest version that holds the frame (1: nothing transformed, 2: rotations, 3: a layer
         # table): older readers keep reading the frames they can.
         table = spec.layer_table(dims.layers)
-        version = 3 if table else 2 if spec.transform else 1
+        version = 4 if (spec.variant or PLAIN).split else 3 if table else 2 if spec.transform else 1
         stored = table + payload
         flags = (FLAG_SHUFFLE if shuffled else 0) | (FLAG_ROWS if spec.rows else 0)
         header = FrameHeader(version, spec.mode, comp, DTYPE_NAMES[dtype], flags, group, dims.layers, dims.heads,
@@ -116,7 +116,7 @@ class Codec:
         spec = self.spec
         _, _, raw_len = plan_of(spec.mode, layers, heads, tokens, dim,
                                  spec.group_size if spec.mode in GROUPED_MODES else 0, DTYPE_NAMES[dtype],
-                                 spec.hi.counts)
+                                 spec.hi.counts, spec.variant)
         return HEADER_SIZE + len(spec.layer_table(layers)) + raw_len
 
     def decode(self, frame: bytes | bytearray | memoryview, *,

@@ -11,7 +11,18 @@ import torch
 
 from cachestore.codec import kernels
 from cachestore.codec.frame import MODE_BITS as BITS
-from cachestore.codec.layout import ALT_MODE, F16, PLAIN, Dims, HiLayers, Variant, groups, layer_code_bytes
+from cachestore.codec.frame import OUTLIER_BITS, outlier_channels
+from cachestore.codec.layout import (
+    ALT_MODE,
+    F16,
+    PLAIN,
+    Dims,
+    HiLayers,
+    Variant,
+    groups,
+    layer_code_bytes,
+    split_layout,
+)
 from cachestore.codec.q8 import Q8_BLOCK, Q8_BYTES, q8_rows_into
 from cachestore.codec.quant import hadamard_cpu, rotate
 from cachestore.errors import CodecError
@@ -74,6 +85,8 @@ def dequantize(mode: str, parts: list[torch.Tensor], dims: Dims, group: int,
         int8_codes_into(out[:, 0], qk, sk)
         int8_codes_into(out[:, 1], qv, sv)
         return out
+    if variant.split:
+        return _dequantize_split(mode, parts, dims, group, out, variant)
     gk, nk, gv, nv = groups(dims, group)
     sk, zk, sv, zv, pk, pv = parts
     bits = BITS[mode]
@@ -84,6 +97,54 @@ def dequantize(mode: str, parts: list[torch.Tensor], dims: Dims, group: int,
             q = unpack(packed, bits, math.prod(shape)).view(shape)
             _affine_into(out[:, half], q, scale, zero, dim, rot)
     return out
+
+
+def _dequantize_split(mode: str, parts: list[torch.Tensor], dims: Dims, group: int, out: torch.Tensor,
+                      variant: Variant) -> torch.Tensor:
+    """The sections of `split_layout` (format 4; `dims` the layers they hold) -> out [layers, 2, heads, tokens, dim].
+    A mask that does not mark exactly `outlier_channels` channels of every key group raises CodecError."""
+    n_layers, h, t, d = dims
+    gk, nk, gv, nv = groups(dims, group)
+    bits = BITS[mode]
+    sec = dict(zip(split_layout(mode, dims, group, variant), parts, strict=True))
+    kshape = (n_layers, h, nk, gk, d)
+    if variant.outlier_keys:
+        c = outlier_channels(mode, d)
+        mask = unpack_mask(sec["mask"], d)  # [L, H, groups, D]
+        if not bool((mask.sum(-1) == c).all()):
+            raise CodecError(f"outlier key mask does not mark {c} channels in every key group")
+        where = mask.unsqueeze(3).expand(kshape)
+        codes = torch.empty(kshape, dtype=torch.uint8, device=mask.device)
+        lo = _layer_codes(sec["pk"], bits, n_layers, h * nk * gk * (d - c))
+        hi_bits = OUTLIER_BITS[mode]
+        hi = _layer_codes(sec["pko"], hi_bits, n_layers, h * nk * gk * c) if hi_bits < 8 else sec["pko"]
+        codes.masked_scatter_(~where, lo)
+        codes.masked_scatter_(where, hi)
+    else:
+        codes = _layer_codes(sec["pk"], bits, n_layers, h * nk * gk * d).view(kshape)
+    _affine_into(out[:, 0], codes, sec["sk"], sec["zk"], 2, variant.rot_keys)
+    vshape = (n_layers, h, t, nv, gv)
+    qv = _layer_codes(sec["pv"], bits, n_layers, h * t * nv * gv).view(vshape)
+    if variant.sym_values:  # (code - mid) * scale: the affine map with zero point -mid * scale
+        scale = sec["sv"].float()
+        _affine_into(out[:, 1], qv, scale, scale * -((1 << bits) - 1) / 2, 3, variant.rot_values)
+    else:
+        _affine_into(out[:, 1], qv, sec["sv"], sec["zv"], 3, variant.rot_values)
+    return out
+
+
+def _layer_codes(packed: torch.Tensor, bits: int, layers: int, per_layer: int) -> torch.Tensor:
+    """Codes packed per layer, each layer padded to a whole byte (`quant.pack_rows`) -> uint8 [layers * per_layer]."""
+    per_byte = 8 // bits
+    row = -(-per_layer // per_byte)
+    q = unpack(packed.reshape(-1), bits, layers * row * per_byte).view(layers, row * per_byte)
+    return q[:, :per_layer].reshape(-1)
+
+
+def unpack_mask(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """uint8 [..., dim / 8] -> bool [..., dim]: the inverse of `quant.pack_mask`."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    return ((packed.unsqueeze(-1) >> shifts) & 1).bool().reshape(*packed.shape[:-1], dim)
 
 
 def _int4_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,

@@ -4,7 +4,7 @@ A frame is a fixed 52-byte little-endian header followed by the payload:
 
     offset size field
          0    4 magic            b"KVS1"
-         4    1 format version   1, 2 or 3
+         4    1 format version   1, 2, 3 or 4
          5    1 mode             MODES code
          6    1 compressor       COMPRESSORS code
          7    1 dtype            DTYPES code (the tensor's dtype before encoding)
@@ -16,7 +16,11 @@ A frame is a fixed 52-byte little-endian header followed by the payload:
          9    1 transform        version 1: zero. Version 2 (int4/int2 only, non-zero):
                                  ROT_KEYS (bit 0) / ROT_VALUES (bit 1): keys / values were
                                  rotated along head_dim before quantizing; other bits zero.
-                                 Version 3: LAYER_TABLE (bit 2) set, the rotation bits as in 2
+                                 Version 3: LAYER_TABLE (bit 2) set, the rotation bits as in 2.
+                                 Version 4: OUTLIER_KEYS (bit 3) and/or SYM_VALUES (bit 4) set,
+                                 the rotation bits as in 2, LAYER_TABLE clear: each key group's
+                                 widest channels at higher precision (`outlier_channels`), values
+                                 quantized symmetrically (a scale and no zero point per group)
         10    2 group size       int4/int2 only, else zero
         12    4 layers
         16    4 kv heads
@@ -38,6 +42,8 @@ older than version 2 refuses the new frames cleanly by their version instead of 
 Version 3 does the same for the layer table: only frames that keep some layers at int8 carry it. Layer tables
 that give a layer the other grouped precision (4 bits in an int2 frame, 2 in an int4 frame) came later within
 version 3: a reader from before them refuses such a frame cleanly, for its table's unknown bits.
+Version 4 likewise holds the frames with outlier key channels or symmetric values, which a reader from before
+them refuses by their version.
 FLAG_ROWS needs no version of its own: a reader from before it refuses such a frame, cleanly, for its unknown flag;
 one from before q8 refuses q8 frames for their unknown mode code.
 """
@@ -53,8 +59,8 @@ import xxhash
 from cachestore.errors import CodecError
 
 MAGIC = b"KVS1"
-FORMAT_VERSION = 3  # the newest this module reads and writes
-VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4  # the newest this module reads and writes
+VERSIONS = (1, 2, 3, 4)
 HEADER = struct.Struct("<4sBBBBBBHIIIIQQQ")
 HEADER_SIZE = HEADER.size  # 52
 _CHECKED = HEADER_SIZE - 8  # the checksum covers the header up to the checksum itself
@@ -69,10 +75,14 @@ ROWS_MODES = (*FLOAT_MODES, "q8")  # payloads that may be token rows (FLAG_ROWS)
 FLAG_SHUFFLE = 1
 FLAG_ROWS = 2
 _KNOWN_FLAGS = FLAG_SHUFFLE | FLAG_ROWS
-ROT_KEYS, ROT_VALUES, LAYER_TABLE = 1, 2, 4
-_KNOWN_TRANSFORMS = ROT_KEYS | ROT_VALUES | LAYER_TABLE
+ROT_KEYS, ROT_VALUES, LAYER_TABLE, OUTLIER_KEYS, SYM_VALUES = 1, 2, 4, 8, 16
+SPLIT = OUTLIER_KEYS | SYM_VALUES  # the transforms of version 4
+_KNOWN_TRANSFORMS = ROT_KEYS | ROT_VALUES | LAYER_TABLE | SPLIT
 HI_BITS = 8  # the precision a layer table may raise a layer's keys or values to
 MODE_BITS = {"int4": 4, "int2": 2}  # bits per code of the grouped modes
+# OUTLIER_KEYS: in every key group, head_dim // OUTLIER_SHARE[mode] channels (the widest) take OUTLIER_BITS[mode]
+OUTLIER_SHARE = {"int4": 16, "int2": 8}
+OUTLIER_BITS = {"int4": 8, "int2": 4}
 ALT_BITS = {"int4": 2, "int2": 4}  # the other grouped precision a layer table may give a layer's keys or values
 
 MIN_GROUP, MAX_GROUP = 4, 1024
@@ -145,6 +155,11 @@ class FrameHeader:
                 sum(1 for b in self.layer_bits if b >> 4 == alt))
 
 
+def outlier_channels(mode: str, head_dim: int) -> int:
+    """How many channels of each key group an OUTLIER_KEYS frame of `mode` keeps at OUTLIER_BITS."""
+    return head_dim // OUTLIER_SHARE[mode]
+
+
 def pack_header(h: FrameHeader) -> bytes:
     """The 52 header bytes of `h`; the checksum field is written as given."""
     return HEADER.pack(
@@ -213,8 +228,10 @@ def parse_header(buf: bytes | memoryview, *, max_elements: int) -> FrameHeader:
         raise CodecError(f"inconsistent frame: transform {transform:#x} in version {version}")
     if transform & ~_KNOWN_TRANSFORMS or (transform and mode_name not in GROUPED_MODES):
         raise CodecError(f"unknown transform {transform:#x} for mode {mode_name}")
-    if bool(transform & LAYER_TABLE) != (version == 3):
+    if bool(transform & LAYER_TABLE) != (version == 3) or bool(transform & SPLIT) != (version == 4):
         raise CodecError(f"inconsistent frame: transform {transform:#x} in version {version}")
+    if transform & OUTLIER_KEYS and (dim % OUTLIER_SHARE[mode_name] or dim % 8):
+        raise CodecError(f"inconsistent frame: outlier key channels with head_dim {dim}")
     if flags & FLAG_SHUFFLE and mode_name not in FLOAT_MODES:
         raise CodecError(f"inconsistent frame: byte shuffle flag on mode {mode_name}")
     if flags & FLAG_ROWS and mode_name not in ROWS_MODES:

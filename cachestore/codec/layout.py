@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 
 from cachestore.codec.frame import MODE_BITS as BITS
+from cachestore.codec.frame import OUTLIER_BITS, outlier_channels
 from cachestore.codec.q8 import Q8_BLOCK, Q8_BYTES
 from cachestore.errors import CodecError
 
@@ -23,6 +24,13 @@ class Variant(NamedTuple):
     rot_keys: bool = False  # block-Hadamard rotation of keys along head_dim (in the frame)
     rot_values: bool = False  # the same for values
     clip: bool = False  # encoder-side range clipping (decoders need not know)
+    outlier_keys: bool = False  # each key group's widest channels at higher precision (format 4, in the frame)
+    sym_values: bool = False  # values quantized symmetrically: a scale, no zero point (format 4, in the frame)
+
+    @property
+    def split(self) -> bool:
+        """Whether frames of this variant take format 4's layout (`split_layout`)."""
+        return self.outlier_keys or self.sym_values
 
 
 PLAIN = Variant()
@@ -71,7 +79,7 @@ def groups(dims: Dims, group: int) -> tuple[int, int, int, int]:
 
 
 def layout(mode: str, dims: Dims, group: int, dtype: torch.dtype,
-           hi_counts: tuple[int, ...] = (0, 0, 0, 0)) -> list[Section]:
+           hi_counts: tuple[int, ...] = (0, 0, 0, 0), variant: Variant | None = None) -> list[Section]:
     """The (dtype, shape) of each payload section of `mode`, in payload order.
 
     With a layer table (grouped modes only; `hi_counts`: how many layers keep keys / values at int8, then how many
@@ -79,6 +87,8 @@ def layout(mode: str, dims: Dims, group: int, dtype: torch.dtype,
     packed per layer), then int8's four sections of the int8 layers, then (only if there are any) the grouped
     sections of the layers at the other precision."""
     n_layers, h, t, d = dims
+    if variant is not None and variant.split:
+        return list(split_layout(mode, dims, group, variant).values())
     if any(hi_counts):
         return _mixed_layout(mode, dims, group, (*hi_counts, 0, 0)[:4])
     if mode == "exact":
@@ -106,6 +116,36 @@ def layout(mode: str, dims: Dims, group: int, dtype: torch.dtype,
         return [(F16, kshape), (F16, kshape), (F16, vshape), (F16, vshape),
                 (torch.uint8, (kbytes,)), (torch.uint8, (vbytes,))]
     raise CodecError(f"unknown mode {mode!r}")
+
+
+def split_layout(mode: str, dims: Dims, group: int, variant: Variant) -> dict[str, Section]:
+    """Format 4's sections of a grouped mode by name, in payload order, every one layers first (packed codes are
+    padded to a whole byte per layer, so a frame's layers dequantize apart): key scales and zero points
+    [L, H, key groups, 1, D]; value scales [L, H, T, value groups, 1] and, unless `sym_values`, their zero points;
+    with `outlier_keys` a bit mask [L, H, key groups, D / 8] of each key group's outlier channels (bit c of byte
+    c // 8: channel c), the other channels' codes in channel order, then the outlier channels' codes
+    (OUTLIER_BITS); the value codes."""
+    if mode not in BITS:
+        raise CodecError(f"outlier key channels and symmetric values apply to int4/int2 only, not {mode}")
+    n_layers, h, t, d = dims
+    gk, nk, gv, nv = groups(dims, group)
+    bits = BITS[mode]
+    kshape, vshape = (n_layers, h, nk, 1, d), (n_layers, h, t, nv, 1)
+    sections: dict[str, Section] = {"sk": (F16, kshape), "zk": (F16, kshape), "sv": (F16, vshape)}
+    if not variant.sym_values:
+        sections["zv"] = (F16, vshape)
+    per_group = d  # key channels per (layer, head, group) at the mode's bits
+    if variant.outlier_keys:
+        if d % 8:
+            raise CodecError(f"outlier key channels need a head_dim that is a multiple of 8, not {d}")
+        c = outlier_channels(mode, d)
+        per_group = d - c
+        sections["mask"] = (torch.uint8, (n_layers, h, nk, d // 8))
+    sections["pk"] = (torch.uint8, (n_layers * ceil_div(h * nk * gk * per_group * bits, 8),))
+    if variant.outlier_keys:
+        sections["pko"] = (torch.uint8, (n_layers * ceil_div(h * nk * gk * c * OUTLIER_BITS[mode], 8),))
+    sections["pv"] = (torch.uint8, (n_layers * ceil_div(h * t * nv * gv * bits, 8),))
+    return sections
 
 
 def _mixed_layout(mode: str, dims: Dims, group: int, counts: tuple[int, ...]) -> list[Section]:

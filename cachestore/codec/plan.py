@@ -6,8 +6,8 @@ import functools
 
 import torch
 
-from cachestore.codec.frame import GROUPED_MODES, FrameHeader
-from cachestore.codec.layout import ALT_BITS, NO_HI, Dims, HiLayers, Section, layout
+from cachestore.codec.frame import GROUPED_MODES, OUTLIER_KEYS, ROT_KEYS, ROT_VALUES, SYM_VALUES, FrameHeader
+from cachestore.codec.layout import ALT_BITS, NO_HI, Dims, HiLayers, Section, Variant, layout
 from cachestore.errors import CodecError
 
 ALIGN = 8
@@ -35,14 +35,23 @@ def nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
 def plan(h: FrameHeader) -> tuple[tuple[Section, ...], tuple[int, ...], int]:
     """The header's payload sections, their offsets and the raw length; computed once per kind of frame (a
     lookup opens hundreds of frames of one shape: this was a third of opening one)."""
-    return plan_of(h.mode, h.layers, h.kv_heads, h.tokens, h.head_dim, h.group_size, h.dtype, h.hi_counts)
+    return plan_of(h.mode, h.layers, h.kv_heads, h.tokens, h.head_dim, h.group_size, h.dtype, h.hi_counts,
+                   variant_of(h))
+
+
+def variant_of(h: FrameHeader) -> Variant:
+    """The options a decoder must know, from the header's transform bits (clipping is the encoder's alone)."""
+    t = h.transform
+    return Variant(rot_keys=bool(t & ROT_KEYS), rot_values=bool(t & ROT_VALUES), outlier_keys=bool(t & OUTLIER_KEYS),
+                   sym_values=bool(t & SYM_VALUES))
 
 
 @functools.lru_cache(maxsize=256)
 def plan_of(mode: str, layers: int, heads: int, tokens: int, dim: int, group: int, dtype: str,
-             hi_counts: tuple[int, ...]) -> tuple[tuple[Section, ...], tuple[int, ...], int]:
+             hi_counts: tuple[int, ...], variant: Variant | None = None) -> tuple[tuple[Section, ...], tuple[int, ...],
+                                                                                  int]:
     sections = layout(mode, Dims(layers, heads, tokens, dim), group if mode in GROUPED_MODES else 0,
-                      DTYPES[dtype], hi_counts)
+                      DTYPES[dtype], hi_counts, variant)
     offsets, raw_len = section_offsets(sections)
     return tuple(sections), tuple(offsets), raw_len
 

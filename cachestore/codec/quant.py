@@ -27,14 +27,17 @@ import math
 import torch
 
 from cachestore.codec.frame import MODE_BITS as BITS
-from cachestore.codec.layout import ALT_BITS, F16, FP8, NO_HI, PLAIN, Dims, HiLayers, Variant, groups
+from cachestore.codec.frame import OUTLIER_BITS, outlier_channels
+from cachestore.codec.layout import ALT_BITS, F16, FP8, NO_HI, PLAIN, Dims, HiLayers, Variant, groups, split_layout
 from cachestore.codec.q8 import q8_rows
 from cachestore.errors import CodecError
 
 FP8_MAX = 448.0
 # Range fractions the encoder tries per group with `clip` (the first is no clipping): for few
 # levels a group's extremes waste most of the steps, for many levels clipping buys little.
-CLIP_RATIOS = {2: (1.0, 0.9, 0.8, 0.7, 0.6, 0.5), 4: (1.0, 0.95, 0.9, 0.85, 0.8)}
+CLIP_RATIOS = {2: (1.0, 0.9, 0.8, 0.7, 0.6, 0.5), 4: (1.0, 0.95, 0.9, 0.85, 0.8), 8: (1.0,)}
+# Fractions of a group's largest magnitude the symmetric value encoder tries as its outermost level (`sym_values`)
+SYM_RATIOS = {2: (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4), 4: (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)}
 
 
 def _outward(x: torch.Tensor, up: bool) -> torch.Tensor:
@@ -153,6 +156,10 @@ def quantize(mode: str, kv: torch.Tensor, group: int, variant: Variant = PLAIN,
         return [sk, sv, qk, qv]
     if mode not in BITS:
         raise CodecError(f"unknown mode {mode!r}")
+    if variant.split:
+        if hi != NO_HI:
+            raise CodecError("outlier key channels and symmetric values take no layer table")
+        return _quantize_split(mode, k, v, group, variant)
     if hi != NO_HI:
         return _quantize_mixed(mode, k, v, group, variant, hi)
     sk, zk, qk = _grouped_keys(k, group, BITS[mode], variant)
@@ -216,3 +223,76 @@ def pack_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
     if pad:
         rows = torch.cat([rows, rows.new_zeros(rows.shape[0], pad)], dim=1)
     return pack(rows, bits)
+
+
+def _quantize_split(mode: str, k: torch.Tensor, v: torch.Tensor, group: int, variant: Variant) -> list[torch.Tensor]:
+    """The sections of `split_layout` (format 4), in its order."""
+    n_layers, h, t, d = k.shape
+    bits = BITS[mode]
+    out: dict[str, torch.Tensor] = {}
+    if variant.outlier_keys:
+        out["sk"], out["zk"], out["mask"], out["pk"], out["pko"] = _outlier_keys(k, group, mode, variant)
+    else:
+        sk, zk, qk = _grouped_keys(k, group, bits, variant)
+        out["sk"], out["zk"], out["pk"] = sk, zk, pack_rows(qk, bits)
+    if variant.sym_values:
+        out["sv"], qv = _sym_values(v, group, bits, variant)
+    else:
+        out["sv"], out["zv"], qv = _grouped_values(v, group, bits, variant)
+    out["pv"] = pack_rows(qv, bits)
+    return [out[name] for name in split_layout(mode, Dims(n_layers, h, t, d), group, variant)]
+
+
+def _outlier_keys(k: torch.Tensor, group: int, mode: str, variant: Variant) -> tuple[torch.Tensor, ...]:
+    """Keys [L, H, T, D] (fp32) with each key group's `outlier_channels` widest channels at OUTLIER_BITS: scale and zero
+    [L, H, groups, 1, D] (each channel's at its own precision), the channel mask [L, H, groups, D / 8], the other
+    channels' codes and the outlier channels' codes, each packed per layer."""
+    n_layers, h, t, d = k.shape
+    gk, nk, _, _ = groups(Dims(n_layers, h, t, d), group)
+    k = rotate(k) if variant.rot_keys else k
+    kg = _pad(k, 2, nk * gk).view(n_layers, h, nk, gk, d)
+    bits, hi_bits = BITS[mode], OUTLIER_BITS[mode]
+    clip = variant.clip
+    sl, zl, ql = _asym(kg, 3, (1 << bits) - 1, CLIP_RATIOS[bits] if clip else (1.0,))
+    sh, zh, qh = _asym(kg, 3, (1 << hi_bits) - 1, CLIP_RATIOS[hi_bits] if clip else (1.0,))
+    width = (kg.amax(3) - kg.amin(3)).float()  # [L, H, groups, D]
+    picked = width.topk(outlier_channels(mode, d), dim=-1).indices
+    mask = torch.zeros_like(width, dtype=torch.bool).scatter_(-1, picked, True).unsqueeze(3)  # [L, H, groups, 1, D]
+    codes = mask.expand_as(ql)
+    scale, zero = torch.where(mask, sh, sl), torch.where(mask, zh, zl)
+    lo = ql.masked_select(~codes).view(n_layers, -1)
+    hi = qh.masked_select(codes).view(n_layers, -1)
+    packed_hi = pack_rows(hi, hi_bits) if hi_bits < 8 else hi.reshape(-1)
+    return scale, zero, pack_mask(mask.squeeze(3)), pack_rows(lo, bits), packed_hi
+
+
+def _sym_values(v: torch.Tensor, group: int, bits: int, variant: Variant) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values [L, H, T, D] (fp32) -> scale [L, H, T, groups, 1] and codes [L, H, T, groups, group]: value =
+    (code - (2**bits - 1) / 2) * scale, the scale chosen per group among SYM_RATIOS of its largest magnitude for the
+    smallest squared error."""
+    n_layers, h, t, d = v.shape
+    _, _, gv, nv = groups(Dims(n_layers, h, t, d), group)
+    v = rotate(v) if variant.rot_values else v
+    vg = _pad(v, 3, nv * gv).view(n_layers, h, t, nv, gv)
+    top = (1 << bits) - 1
+    mid = top / 2
+    amax = vg.abs().amax(4, keepdim=True)
+    best: list[torch.Tensor] = []
+    for ratio in SYM_RATIOS[bits] if variant.clip else (1.0,):
+        scale = _outward(amax * (ratio / mid), up=True)
+        s32 = _safe(scale)
+        q = (vg / s32 + mid).round_().clamp_(0, top)
+        err = (q - mid).mul_(s32).sub_(vg).square_().sum(4, keepdim=True)
+        if not best:
+            best = [scale, q, err]
+            continue
+        better = err < best[2]
+        best = [torch.where(better, new, old) for new, old in zip((scale, q, err), best, strict=True)]
+    return best[0], best[1].to(torch.uint8)
+
+
+def pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    """bool [..., D] (D a multiple of 8) -> uint8 [..., D / 8]: bit c % 8 of byte c // 8 is channel c."""
+    bits = mask.reshape(*mask.shape[:-1], mask.shape[-1] // 8, 8).to(torch.uint8)
+    weights = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=mask.device)
+    return (bits * weights).sum(-1, dtype=torch.uint8)

@@ -16,9 +16,12 @@ from cachestore.codec.frame import (
     MAX_GROUP,
     MIN_GROUP,
     MODES,
+    OUTLIER_KEYS,
+    OUTLIER_SHARE,
     ROT_KEYS,
     ROT_VALUES,
     ROWS_MODES,
+    SYM_VALUES,
 )
 from cachestore.codec.frame import MODE_BITS as BITS
 from cachestore.codec.layout import ALT_BITS, NO_HI, PLAIN, HiLayers, Variant
@@ -34,7 +37,8 @@ _SPEC = re.compile(r"(?P<mode>[a-z0-9]+)(?:\+(?P<comp>[a-z0-9]+)(?::(?P<level>-?
                    r"(?:/recent=(?P<recent>[a-z0-9]+))?")
 # int4/int2 options as spec text; "rot" is "rotk" and "rotv" together.
 _OPTIONS = {"rot": Variant(True, True), "rotk": Variant(rot_keys=True),
-            "rotv": Variant(rot_values=True), "clip": Variant(clip=True), "plain": PLAIN}
+            "rotv": Variant(rot_values=True), "clip": Variant(clip=True), "plain": PLAIN,
+            "outk": Variant(outlier_keys=True), "symv": Variant(sym_values=True)}
 # What a bare "int4" / "int2" means, chosen with `kvstash bench quality` on SmolLM2's calibration texts.
 # int2 needs clipping above all and rotated values: with both its perplexity change fell by about an order
 # of magnitude. int4 stays plain: /rot lowers its KL but not its perplexity change (within noise), and its
@@ -90,6 +94,8 @@ class CodecSpec:
             object.__setattr__(self, "hi", NO_HI)
         elif self.variant is None:
             object.__setattr__(self, "variant", DEFAULT_VARIANTS[self.mode])
+        if self.variant is not None and self.variant.split and self.hi != NO_HI:
+            raise ConfigError("/outk and /symv take no per-layer bits (/k8=, /v8=, /k4=, /v4=, /k2=, /v2=)")
         _check_recent(self.mode, self.recent)
 
     @classmethod
@@ -150,6 +156,11 @@ class CodecSpec:
         """`check_layers`, and a q8 codec's blocks of 32 channels of one head: ConfigError unless head_dim is a
         multiple (a pod that could not encode would drop every write)."""
         self.check_layers(num_layers)
+        v = self.variant or PLAIN
+        if v.outlier_keys and (head_dim % OUTLIER_SHARE[self.mode] or head_dim % 8):
+            need = max(8, OUTLIER_SHARE[self.mode])
+            raise ConfigError(f"codec {self.name()} keeps 1 key channel in {OUTLIER_SHARE[self.mode]} apart, which "
+                              f"needs a head_dim that is a multiple of {need}, not {head_dim}")
         if self.mode == "q8" and head_dim % Q8_BLOCK:
             raise ConfigError(f"codec q8 quantizes blocks of {Q8_BLOCK} channels of one head, but the model's head_dim "
                               f"is {head_dim}")
@@ -159,7 +170,8 @@ class CodecSpec:
         """The frame's transform bits (format versions 2 and 3) for this spec; 0 for none."""
         v = self.variant or PLAIN
         return ((ROT_KEYS if v.rot_keys else 0) | (ROT_VALUES if v.rot_values else 0)
-                | (LAYER_TABLE if self.hi != NO_HI else 0))
+                | (LAYER_TABLE if self.hi != NO_HI else 0) | (OUTLIER_KEYS if v.outlier_keys else 0)
+                | (SYM_VALUES if v.sym_values else 0))
 
     def layer_table(self, layers: int) -> bytes:
         """The frame's layer table (format version 3) for KV of `layers` layers; empty when no layer is raised."""
@@ -230,7 +242,8 @@ def _parse_layers(text: str, mode: str, layers: str | None) -> tuple[int, ...]:
 def _options_text(v: Variant) -> str:
     """The canonical option suffix of a Variant: "/rot/clip", "/rotv", "/plain" ..."""
     rot = {(True, True): "/rot", (True, False): "/rotk", (False, True): "/rotv"}
-    text = rot.get((v.rot_keys, v.rot_values), "") + ("/clip" if v.clip else "")
+    text = (rot.get((v.rot_keys, v.rot_values), "") + ("/clip" if v.clip else "") + ("/outk" if v.outlier_keys else "")
+            + ("/symv" if v.sym_values else ""))
     return text or "/plain"
 
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from cachestore.codec.dequant import dequantize, dequantize_mixed, int8_codes_into
-from cachestore.codec.frame import FLOAT_MODES, ROT_KEYS, ROT_VALUES, FrameHeader
-from cachestore.codec.layout import Dims, Variant, codes_split_by_layer
-from cachestore.codec.plan import DTYPES, hi_of, kind_of, layer_slice, nbytes, plan, stored_shape
+from cachestore.codec.frame import FLOAT_MODES, SPLIT, FrameHeader
+from cachestore.codec.layout import Dims, codes_split_by_layer
+from cachestore.codec.plan import DTYPES, hi_of, kind_of, layer_slice, nbytes, plan, stored_shape, variant_of
 from cachestore.errors import CodecError
 
 
@@ -47,7 +47,7 @@ class OpenFrame:
     def splits_by_layer(self) -> bool:
         """Whether `decode_into` takes a part of the layers (packed codes of odd shapes do not)."""
         h = self.header
-        if h.layer_bits:  # each layer's codes are padded to a byte in frames with a layer table
+        if h.layer_bits or h.transform & SPLIT:  # each layer's codes are padded to a byte in these frames
             return True
         return codes_split_by_layer(h.mode, Dims(h.layers, h.kv_heads, h.tokens, h.head_dim), h.group_size)
 
@@ -62,7 +62,7 @@ class OpenFrame:
         shape = [count, 2, h.kv_heads, h.tokens, h.head_dim]
         if out is not None and (list(out.shape) != shape or not out.dtype.is_floating_point):
             raise CodecError(f"frame holds {shape}, the output is {list(out.shape)} {out.dtype}")
-        variant = Variant(rot_keys=bool(h.transform & ROT_KEYS), rot_values=bool(h.transform & ROT_VALUES))
+        variant = variant_of(h)
         if out is None and (self.borrowed or h.rows) and h.mode in FLOAT_MODES:  # else it would alias the frame
             out = torch.empty(shape, dtype=DTYPES[h.dtype], device=self.parts[0].device)
         if h.layer_bits:
@@ -71,7 +71,7 @@ class OpenFrame:
             full = Dims(h.layers, h.kv_heads, h.tokens, h.head_dim)
             return dequantize_mixed(h.mode, self.parts, full, h.group_size, out, variant, hi_of(h), first)
         if count != h.layers:
-            if not codes_split_by_layer(h.mode, dims, h.group_size):
+            if not self.splits_by_layer:
                 raise CodecError("this frame's packed codes cannot be split by layer")
             parts = [layer_slice(p, first, count, h.layers) for p in self.parts]
         else:
@@ -130,7 +130,7 @@ class FrameRun:
         first = frames[0]
         h = first.header
         kind = kind_of(h)
-        if (h.layer_bits or h.rows or not first.splits_by_layer
+        if (h.layer_bits or h.rows or h.transform & SPLIT or not first.splits_by_layer
                 or any(not f.borrowed or kind_of(f.header) != kind for f in frames)):
             return None
         base, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
@@ -181,7 +181,7 @@ class FrameRun:
         """Layer `layer` of every frame into `out` [frames, 2, kv_heads, tokens, head_dim] (a strided view of a
         context is fine; frame k's tokens at out[k]); returns `out`."""
         h, n = self.header, self.count
-        variant = Variant(rot_keys=bool(h.transform & ROT_KEYS), rot_values=bool(h.transform & ROT_VALUES))
+        variant = variant_of(h)
         parts = [part if part.dtype != torch.uint8 else part.reshape(-1) for part in self.layer_parts(layer)]
         return dequantize(h.mode, parts, Dims(n, h.kv_heads, h.tokens, h.head_dim), h.group_size, DTYPES[h.dtype],
                           out, variant)

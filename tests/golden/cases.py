@@ -3,7 +3,8 @@
 Format 1 frames (every case without /rot, /k8 or /v8) were written before format 2 and must stay
 byte-identical; format 2 added the rotated int4/int2 frames, format 3 those with int8 layers (/k8,
 /v8), and later within format 3 tables giving layers the other grouped precision (/k4, /v4 in int2 frames,
-/k2, /v2 in int4: an older format 3 reader refuses them for their table's bits). The token-rows flag (/rows,
+/k2, /v2 in int4: an older format 3 reader refuses them for their table's bits); format 4 the frames with outlier
+key channels or symmetric values (/outk, /symv). The token-rows flag (/rows,
 format 1 or later) and mode q8 came later: an older reader refuses the flag as unknown, and q8 by its unknown mode
 code. Write only new cases, deliberately (a changed format bumps FORMAT_VERSION and keeps reading, or cleanly
 refuses, the old files):
@@ -46,6 +47,10 @@ CASES: dict[str, tuple[str, torch.dtype, tuple[int, int, int, int, int]]] = {
     # mode q8 (code 7, always FLAG_ROWS): llama.cpp's q8_0 blocks of 32 channels, an fp16 scale and 32 int8 codes
     "q8_fp32_none": ("q8+none", torch.float32, (1, 2, 2, 3, 32)),
     "q8_fp16_lz4": ("q8+lz4", torch.float16, (2, 2, 1, 4, 64)),
+    # format 4: outlier key channels (/outk: 1 in 8 at int4 in int2, 1 in 16 at int8 in int4) and symmetric values
+    "int2_fp32_none_g4_outk_symv": ("int2+none/g4/outk/symv", torch.float32, (2, 2, 2, 10, 8)),
+    "int4_fp16_zstd_g8_outk": ("int4+zstd:3/g8/outk", torch.float16, (1, 2, 1, 9, 16)),
+    "int2_bf16_lz4_g4_symv": ("int2+lz4/g4/clip/symv", torch.bfloat16, (1, 2, 2, 5, 8)),
     # format 1: the int8 frame of a partial last block under int4/int2+zstd/recent=int8 (tests/test_codec_recent.py)
     "int8_fp32_zstd_partial": ("int8+zstd:3", torch.float32, (2, 2, 1, 5, 8)),
 }
