@@ -18,6 +18,9 @@ Modes and their loss (see DESIGN.md, "Codec"):
            /k4= and /v4= give those of an int2 frame int4, /k2= and /v2= those of an int4
            frame int2 (that mode's bound there): a per-layer bit allocation, calibrated with
            `kvstash bench layers` on texts the claims are not made on (docs/fidelity.md).
+           /outk keeps each key group's widest channels (1 in 8 in int2, 1 in 16 in int4) at
+           int4 / int8, /symv quantizes values about zero with a scale and no zero point
+           (each within half a step of its own scale; frame format 4, no layer table).
            /recent=int8 (or int4 under int2) encodes a sequence's partial last block, its most
            recent tokens (a session's partial block, a tail), with that mode instead (`recent_spec`;
            cachestore.codec.blockcodec); full blocks are unchanged.
