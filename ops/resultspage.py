@@ -99,13 +99,12 @@ BENCHES = (
     Bench("quality", "Codec fidelity on held-out texts",
           "Each window's 512-token prefix goes through the codec's round trip into the cache, block by block as a pod "
           "stores it, the cache ending at another point within a block in each window (`--ends spread`); the next "
-          "128 tokens are scored against the model's own predictions (perplexity, top-1 agreement, greedy tokens "
-          "equal). Texts never used to tune a codec; the interval is a paired 95% Student-t interval over the "
-          "windows; sizes of a 2048-token context and of one ending half-way through a block (details: "
-          "[Codec fidelity](fidelity.md)).",
-          "kvstash bench quality --text difflib.py --text froschkoenig --windows 5 --prefix 512 --continuation 128 "
-          "--greedy 16 "
-          "--modes exact,int4+zstd/k8=18/recent=int8,int2+zstd/rot/clip/k4=2/recent=int4 "
+          "256 tokens are scored against the model's own predictions (perplexity, top-1 agreement, greedy tokens "
+          "equal), 24 windows spread over each of the four held-out texts, which no codec parameter was chosen on. "
+          "The interval is a paired 95% Student-t interval over the windows; sizes of a 2048-token context and of "
+          "one ending half-way through a block (details: [Codec fidelity](fidelity.md)).",
+          "kvstash bench quality --modes exact,int4+zstd/k8=18/recent=int8,int4+zstd/rotv/clip/outk/symv/recent=int8,"
+          "int2+zstd/rot/clip/k4=2/recent=int4,int2+zstd:16/rotv/clip/outk/symv/recent=int4 "
           "--json docs/results/quality.json", _quality),
     Bench("load", "Sessions through a round-robin balancer",
           "Three pods behind nginx's round robin; each session's first turn carries notes unique to it (a miss), "
