@@ -61,6 +61,8 @@ def test_a_model_whose_head_dim_cannot_be_split_is_refused() -> None:
         CodecSpec.parse("int4/outk").check_model(30, 40)  # 1 channel in 16
     with pytest.raises(CodecError, match="head_dim"):
         Codec("int2/outk").encode(torch.randn(1, 2, 1, 4, 12))
+    with pytest.raises(CodecError, match="head_dim"):  # 1 in 16 of 40 channels: a frame no reader would take
+        Codec("int4/outk").encode(torch.randn(1, 2, 1, 4, 40))
 
 
 @pytest.mark.parametrize(("mode", "hi_levels"), [("int2", 15), ("int4", 255)])

@@ -53,6 +53,7 @@ from cachestore.codec.frame import (
     HEADER_SIZE,
     MAX_DIM,
     MAX_TOKENS,
+    SPLIT,
     FrameHeader,
     checksum,
     pack_header,
@@ -104,7 +105,7 @@ class Codec:
         # The oldest version that holds the frame (1: nothing transformed, 2: rotations, 3: a layer
         # table): older readers keep reading the frames they can.
         table = spec.layer_table(dims.layers)
-        version = 4 if (spec.variant or PLAIN).split else 3 if table else 2 if spec.transform else 1
+        version = 4 if spec.transform & SPLIT else 3 if table else 2 if spec.transform else 1
         stored = table + payload
         flags = (FLAG_SHUFFLE if shuffled else 0) | (FLAG_ROWS if spec.rows else 0)
         header = FrameHeader(version, spec.mode, comp, DTYPE_NAMES[dtype], flags, group, dims.layers, dims.heads,

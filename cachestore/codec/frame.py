@@ -80,7 +80,8 @@ SPLIT = OUTLIER_KEYS | SYM_VALUES  # the transforms of version 4
 _KNOWN_TRANSFORMS = ROT_KEYS | ROT_VALUES | LAYER_TABLE | SPLIT
 HI_BITS = 8  # the precision a layer table may raise a layer's keys or values to
 MODE_BITS = {"int4": 4, "int2": 2}  # bits per code of the grouped modes
-# OUTLIER_KEYS: in every key group, head_dim // OUTLIER_SHARE[mode] channels (the widest) take OUTLIER_BITS[mode]
+# OUTLIER_KEYS: in every key group, head_dim // OUTLIER_SHARE[mode] channels (the widest) take OUTLIER_BITS[mode]; the
+# shares are multiples of 8, so a head_dim they divide fills the channel mask's bytes
 OUTLIER_SHARE = {"int4": 16, "int2": 8}
 OUTLIER_BITS = {"int4": 8, "int2": 4}
 ALT_BITS = {"int4": 2, "int2": 4}  # the other grouped precision a layer table may give a layer's keys or values
@@ -160,6 +161,11 @@ def outlier_channels(mode: str, head_dim: int) -> int:
     return head_dim // OUTLIER_SHARE[mode]
 
 
+def outlier_fits(mode: str, head_dim: int) -> bool:
+    """Whether KV of `head_dim` channels can take OUTLIER_KEYS under `mode`: its share divides head_dim."""
+    return head_dim % OUTLIER_SHARE[mode] == 0
+
+
 def pack_header(h: FrameHeader) -> bytes:
     """The 52 header bytes of `h`; the checksum field is written as given."""
     return HEADER.pack(
@@ -230,7 +236,7 @@ def parse_header(buf: bytes | memoryview, *, max_elements: int) -> FrameHeader:
         raise CodecError(f"unknown transform {transform:#x} for mode {mode_name}")
     if bool(transform & LAYER_TABLE) != (version == 3) or bool(transform & SPLIT) != (version == 4):
         raise CodecError(f"inconsistent frame: transform {transform:#x} in version {version}")
-    if transform & OUTLIER_KEYS and (dim % OUTLIER_SHARE[mode_name] or dim % 8):
+    if transform & OUTLIER_KEYS and not outlier_fits(mode_name, dim):
         raise CodecError(f"inconsistent frame: outlier key channels with head_dim {dim}")
     if flags & FLAG_SHUFFLE and mode_name not in FLOAT_MODES:
         raise CodecError(f"inconsistent frame: byte shuffle flag on mode {mode_name}")

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 
 from cachestore.codec.frame import MODE_BITS as BITS
-from cachestore.codec.frame import OUTLIER_BITS, outlier_channels
+from cachestore.codec.frame import OUTLIER_BITS, OUTLIER_SHARE, outlier_channels, outlier_fits
 from cachestore.codec.q8 import Q8_BLOCK, Q8_BYTES
 from cachestore.errors import CodecError
 
@@ -136,8 +136,9 @@ def split_layout(mode: str, dims: Dims, group: int, variant: Variant) -> dict[st
         sections["zv"] = (F16, vshape)
     per_group = d  # key channels per (layer, head, group) at the mode's bits
     if variant.outlier_keys:
-        if d % 8:
-            raise CodecError(f"outlier key channels need a head_dim that is a multiple of 8, not {d}")
+        if not outlier_fits(mode, d):
+            raise CodecError(f"outlier key channels of {mode} need a head_dim that is a multiple of "
+                             f"{OUTLIER_SHARE[mode]}, not {d}")
         c = outlier_channels(mode, d)
         per_group = d - c
         sections["mask"] = (torch.uint8, (n_layers, h, nk, d // 8))

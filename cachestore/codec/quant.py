@@ -253,15 +253,18 @@ def _outlier_keys(k: torch.Tensor, group: int, mode: str, variant: Variant) -> t
     kg = _pad(k, 2, nk * gk).view(n_layers, h, nk, gk, d)
     bits, hi_bits = BITS[mode], OUTLIER_BITS[mode]
     clip = variant.clip
-    sl, zl, ql = _asym(kg, 3, (1 << bits) - 1, CLIP_RATIOS[bits] if clip else (1.0,))
-    sh, zh, qh = _asym(kg, 3, (1 << hi_bits) - 1, CLIP_RATIOS[hi_bits] if clip else (1.0,))
     width = (kg.amax(3) - kg.amin(3)).float()  # [L, H, groups, D]
-    picked = width.topk(outlier_channels(mode, d), dim=-1).indices
+    c = outlier_channels(mode, d)
+    picked = width.topk(c, dim=-1).indices.sort(-1).values  # in channel order, as the mask lists them
     mask = torch.zeros_like(width, dtype=torch.bool).scatter_(-1, picked, True).unsqueeze(3)  # [L, H, groups, 1, D]
-    codes = mask.expand_as(ql)
-    scale, zero = torch.where(mask, sh, sl), torch.where(mask, zh, zl)
-    lo = ql.masked_select(~codes).view(n_layers, -1)
-    hi = qh.masked_select(codes).view(n_layers, -1)
+    at = picked.unsqueeze(3)  # [L, H, groups, 1, C]
+    sl, zl, ql = _asym(kg, 3, (1 << bits) - 1, CLIP_RATIOS[bits] if clip else (1.0,))
+    # only the outlier channels at the higher precision: ranges are per channel, so they are what the whole would give
+    sh, zh, qh = _asym(kg.gather(4, at.expand(n_layers, h, nk, gk, c)), 3, (1 << hi_bits) - 1,
+                       CLIP_RATIOS[hi_bits] if clip else (1.0,))
+    scale, zero = sl.scatter(4, at, sh), zl.scatter(4, at, zh)
+    lo = ql.masked_select(~mask.expand_as(ql)).view(n_layers, -1)
+    hi = qh.reshape(n_layers, -1)
     packed_hi = pack_rows(hi, hi_bits) if hi_bits < 8 else hi.reshape(-1)
     return scale, zero, pack_mask(mask.squeeze(3)), pack_rows(lo, bits), packed_hi
 

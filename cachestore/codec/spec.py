@@ -22,6 +22,7 @@ from cachestore.codec.frame import (
     ROT_VALUES,
     ROWS_MODES,
     SYM_VALUES,
+    outlier_fits,
 )
 from cachestore.codec.frame import MODE_BITS as BITS
 from cachestore.codec.layout import ALT_BITS, NO_HI, PLAIN, HiLayers, Variant
@@ -157,10 +158,10 @@ class CodecSpec:
         multiple (a pod that could not encode would drop every write)."""
         self.check_layers(num_layers)
         v = self.variant or PLAIN
-        if v.outlier_keys and (head_dim % OUTLIER_SHARE[self.mode] or head_dim % 8):
-            need = max(8, OUTLIER_SHARE[self.mode])
-            raise ConfigError(f"codec {self.name()} keeps 1 key channel in {OUTLIER_SHARE[self.mode]} apart, which "
-                              f"needs a head_dim that is a multiple of {need}, not {head_dim}")
+        if v.outlier_keys and not outlier_fits(self.mode, head_dim):
+            share = OUTLIER_SHARE[self.mode]
+            raise ConfigError(f"codec {self.name()} keeps 1 key channel in {share} apart, which needs a head_dim that "
+                              f"is a multiple of {share}, not {head_dim}")
         if self.mode == "q8" and head_dim % Q8_BLOCK:
             raise ConfigError(f"codec q8 quantizes blocks of {Q8_BLOCK} channels of one head, but the model's head_dim "
                               f"is {head_dim}")
