@@ -202,6 +202,14 @@ def _met(t: dict[str, Any] | None) -> str:
     return "" if t is None else "met" if t["met"] else "missed"
 
 
+def _base_run(r: dict[str, Any]) -> str:
+    """How long the lowest rate ran (its TTFT p90 is every rate's baseline), where it ran longer than the rest."""
+    runs, duration = r.get("runs") or [], r.get("args", {}).get("duration_s", 0)
+    base = min(runs, key=lambda run: run["rate"]) if runs else {}
+    seconds = base.get("duration_s", duration)
+    return f" ({seconds:g} s at the lowest rate: its p90 is the baseline)" if seconds > duration else ""
+
+
 def _fleet_summary(r: dict[str, Any]) -> list[str]:
     args, cal, targets = r.get("args", {}), r.get("calibration"), r.get("targets", {})
     knees = ", ".join(f"{_FLEET_NAMES.get(k, k)} {v:g}/s" for k, v in r["knees"].items())
@@ -210,7 +218,8 @@ def _fleet_summary(r: dict[str, Any]) -> list[str]:
     lines = [f"**{r.get('engine', args.get('engine', '?'))}**{under}: {args.get('pods', '?')} pods, "
              f"{r.get('threads_per_pod', '?')} thread(s) each, {args.get('parallel', '?')} sequences decoded together, "
              f"{args.get('users', '?')} users, ~{args.get('system_tokens', '?')} + ~{args.get('history_tokens', '?')}"
-             f" token openings, {args.get('max_tokens', '?')}-token replies, {args.get('duration_s', 0):g} s per rate. "
+             f" token openings, {args.get('max_tokens', '?')}-token replies, {args.get('duration_s', 0):g} s per rate"
+             f"{_base_run(r)}. "
              f"Knee: {knees}."]
     if cal is not None:
         lines[-1] += (f" Bound (the fleet idle, {cal['prompt_tokens']:,} tokens): ({_ms(cal['prefill_ms'])} + "

@@ -3,12 +3,13 @@ pressure and the miss-overhead runs, JSON and PNGs. The structure of its report 
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import pytest
 
-from ops.bench.fleet import FLEETS, LABELS, find_knee, merged
+from ops.bench.fleet import FLEETS, LABELS, find_knee, merged, rate_duration
 from ops.cli import main
 from ops.pods import nginx_binary
 
@@ -28,6 +29,13 @@ def test_the_knee_is_the_highest_rate_it_and_every_lower_rate_kept_up_with() -> 
     assert find_knee([]) == 0.0
 
 
+def test_the_lowest_rate_runs_until_its_baseline_has_enough_turns() -> None:
+    args = argparse.Namespace(duration_s=60.0, base_arrivals=20)
+    assert rate_duration(args, 0.1, lowest=True) == 200.0  # 20 turns due at 0.1/s
+    assert rate_duration(args, 0.5, lowest=True) == 60.0  # never shorter than --duration-s
+    assert rate_duration(args, 0.1, lowest=False) == 60.0
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # nine fleets started one after another: several minutes on a loaded 2-core machine
 @pytest.mark.skipif(nginx_binary() is None, reason="nginx is not installed (CI installs nginx-light in .ci/run)")
@@ -35,8 +43,8 @@ def test_bench_fleet_tiny_every_fleet_budget_and_miss_overhead(tmp_path: Path) -
     out, png = tmp_path / "fleet.json", tmp_path / "fleet.png"
     assert main(["bench", "fleet", "--engine", "hf", "--model", "tiny-random", "--codec", "exact", "--pods", "2",
                  "--users", "2", "--system-tokens", "40", "--history-tokens", "150", "--query-tokens", "8",
-                 "--max-tokens", "4", "--rates", "0.5,1", "--duration-s", "4", "--drain-s", "30",
-                 "--budget-mb", "64", "--budget-ratios", "2", "--miss-overhead",
+                 "--max-tokens", "4", "--rates", "0.5,1", "--duration-s", "4", "--base-arrivals", "3",
+                 "--drain-s", "30", "--budget-mb", "64", "--budget-ratios", "2", "--miss-overhead",
                  "--json", str(out), "--plot", str(png)]) == 0
     report = json.loads(out.read_text())
     runs = report["runs"]

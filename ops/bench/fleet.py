@@ -6,6 +6,8 @@ The sweep runs the workload (ops/bench/fleetload.py) at each rate of `--rates` o
 on from rate to rate, their first turns sent (unmeasured) before the first rate. A fleet keeps up with
 a rate when every turn that arrived was answered, none failed, and TTFT p90 (from the arrival, so a queue counts)
 stays within 2x its value at the lowest rate; its knee is the highest rate it and every lower one kept up with.
+The lowest rate's run lasts until `--base-arrivals` turns are due (at least `--duration-s`): its p90 is every other
+rate's baseline, and the p90 of five turns is their slowest.
 The bound on the gain comes from the same run's unloaded timings: one user's turns sent one at a time to the
 kvstash fleet, (prefill + decode) / (hit + decode). `--budget-ratios` replays the workload with the working set
 at each multiple of the byte budget (LRU under pressure); `--miss-overhead` runs a workload with no reuse with
@@ -54,6 +56,9 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--rates", default="0.1,0.2,0.4,0.8", help="arrival rates to sweep, turns/s, comma-separated")
     p.add_argument("--duration-s", type=float, default=60.0, help="arrivals per rate run last this long")
     p.add_argument("--drain-s", type=float, default=60.0, help="after the last arrival, wait this long at most")
+    p.add_argument("--base-arrivals", type=int, default=20,
+                   help="the lowest rate's run lasts until this many turns are due (at least --duration-s): its "
+                        "TTFT p90 is the baseline of every other rate's (default 20)")
     p.add_argument("--fleets", default=",".join(FLEETS), help=f"fleets to run, of {', '.join(FLEETS)}")
     p.add_argument("--budget-ratios", default="",
                    help="kvstash only: also replay the workload at the lowest rate with the working set at these "
@@ -64,6 +69,8 @@ def register(bench_subparsers: Any) -> None:
                    help="arrival rate of the budget-pressure runs (default: the lowest of --rates)")
     p.add_argument("--miss-rate", type=float, default=0.0,
                    help="arrival rate of the miss-overhead runs (default: the lowest of --rates)")
+    p.add_argument("--miss-duration-s", type=float, default=0.0,
+                   help="arrivals of each of the four miss-overhead runs last this long (default: --duration-s)")
     p.add_argument("--stop-at-knee", action="store_true",
                    help="stop a fleet's sweep at the first rate it does not keep up with (the knee is below it)")
     p.add_argument("--seed", type=int, default=35, help="seed of the arrival times")
@@ -152,6 +159,11 @@ def find_knee(runs: list[dict[str, Any]]) -> float:
     return knee
 
 
+def rate_duration(args: argparse.Namespace, rate: float, lowest: bool) -> float:
+    """How long a rate's arrivals last: `--duration-s`, and for the lowest rate until `--base-arrivals` are due."""
+    return max(args.duration_s, args.base_arrivals / rate) if lowest else args.duration_s
+
+
 def _sweep(args: argparse.Namespace, redis_url: str, kind: str, rates: list[float],
            requests: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     runs, calibration = [], None
@@ -168,10 +180,12 @@ def _sweep(args: argparse.Namespace, redis_url: str, kind: str, rates: list[floa
         if any(r.get("status") != 200 for r in warm):
             raise SystemExit(f"[{LABELS[kind]}] the warm-up turns failed: {warm}")
         for i, rate in enumerate(rates):
-            rows, _ = fleetload.drive(_workload(args), url, args.model_name, rate, args.duration_s,
+            duration = rate_duration(args, rate, i == 0)
+            rows, _ = fleetload.drive(_workload(args), url, args.model_name, rate, duration,
                                       tag=f"{kind}-{i}", seed=args.seed + i, sticky=kind == "sticky",
                                       drain_s=args.drain_s, users=users)
-            run = {"fleet": LABELS[kind], "kind": kind, **fleetload.stats(rows, rate, args.duration_s)}
+            run = {"fleet": LABELS[kind], "kind": kind, "duration_s": duration,
+                   **fleetload.stats(rows, rate, duration)}
             print(f"[{LABELS[kind]}] {rate:g}/s: {run['ok']}/{run['arrivals']} ok, {run['failed']} failed, "
                   f"TTFT p90 {run['ttft_ms_p90']:.0f} ms, hit {run['hit_rate']:.2f}", flush=True)
             runs.append(run)
@@ -189,19 +203,21 @@ def _budget_pressure(args: argparse.Namespace, redis_url: str, rate: float, rati
     from cachestore.settings import StoreSettings  # noqa: PLC0415
     from cachestore.syncstore import SyncBlockStore  # noqa: PLC0415
 
+    duration = rate_duration(args, rate, True)  # hit rates of as many turns as the sweep's baseline
+
     def one(label: str, budget_mb: int, n: int) -> dict[str, Any]:
         namespace = f"fleet-budget-{n}"
         with _Fleet(args, redis_url, "kvstash", namespace, budget_mb) as url:
             users = fleetload.make_users(_workload(args), "budget")
             fleetload.warm_up(users, args.model_name, url, False)  # the same conversations under way in every run
-            rows, _ = fleetload.drive(_workload(args), url, args.model_name, rate, args.duration_s, tag="budget",
+            rows, _ = fleetload.drive(_workload(args), url, args.model_name, rate, duration, tag="budget",
                                       seed=args.seed, sticky=False, drain_s=args.drain_s, users=users)
         settings = StoreSettings.from_url(redis_url, namespace=namespace, budget_bytes=budget_mb << 20)
         with SyncBlockStore(settings) as store:
             usage = store.usage()
         requests.extend({**r, "fleet": "budget", "budget_mb": budget_mb} for r in rows)
         run = {"fleet": label, "budget_mb": budget_mb, "bytes_held": usage.bytes_held,
-               **fleetload.stats(rows, rate, args.duration_s)}
+               **fleetload.stats(rows, rate, duration)}
         print(f"[budget {label}] {budget_mb} MiB: hit {run['hit_rate']:.2f}, TTFT p50 {run['ttft_ms_p50']:.0f} ms",
               flush=True)
         return run
@@ -226,19 +242,20 @@ def _miss_overhead(args: argparse.Namespace, redis_url: str, rate: float,
     """The no-reuse workload with kvstash on and off, in MISS_ORDER; each side's rows pooled. A side's k-th run has
     the other side's k-th run's arrivals (its seed), so both sides answer the same requests and their throughputs
     compare."""
+    duration = args.miss_duration_s or args.duration_s
     rows_of: dict[str, list[dict[str, Any]]] = {"kvstash": [], "off": []}
     per_run: dict[str, list[dict[str, Any]]] = {"kvstash": [], "off": []}
     for n, kind in enumerate(MISS_ORDER):
         seed = args.seed + len(per_run[kind])  # the same for the k-th run of either side
         with _Fleet(args, redis_url, kind, f"fleet-miss-{kind}-{n}", args.budget_mb) as url:
-            rows, _ = fleetload.drive(_workload(args, reuse=False), url, args.model_name, rate, args.duration_s,
+            rows, _ = fleetload.drive(_workload(args, reuse=False), url, args.model_name, rate, duration,
                                       tag=f"miss-{kind}-{n}", seed=seed, sticky=False, drain_s=args.drain_s)
         requests += [{**r, "fleet": f"miss-{kind}", "rate": rate} for r in rows]
         rows_of[kind] += rows
-        per_run[kind].append(fleetload.stats(rows, rate, args.duration_s))
+        per_run[kind].append(fleetload.stats(rows, rate, duration))
     runs = []
     for kind in ("kvstash", "off"):
-        pooled = fleetload.stats(rows_of[kind], rate, args.duration_s)  # latencies over every run's turns
+        pooled = fleetload.stats(rows_of[kind], rate, duration)  # latencies over every run's turns
         for key in ("completion_tokens_per_s", "prompt_tokens_per_s"):  # rates: the mean of the runs'
             pooled[key] = statistics.mean(r[key] for r in per_run[kind])
         runs.append({"fleet": f"no reuse, {LABELS[kind]}", "kind": kind, "runs": len(per_run[kind]), **pooled})
@@ -270,8 +287,9 @@ def run(args: argparse.Namespace) -> int:
     fleets = [f.strip() for f in args.fleets.split(",") if f.strip()]
     if not fleets or any(f not in FLEETS for f in fleets):
         raise SystemExit(f"--fleets takes {', '.join(FLEETS)} (comma-separated)")
-    if args.users < 1 or args.pods < 1 or args.duration_s <= 0:
-        raise SystemExit("--users, --pods and --duration-s must be positive")
+    if args.users < 1 or args.pods < 1 or args.duration_s <= 0 or args.base_arrivals < 1 or args.miss_duration_s < 0:
+        raise SystemExit("--users, --pods, --duration-s and --base-arrivals must be positive, --miss-duration-s "
+                         "positive or 0 (the default: --duration-s)")
     if args.redis_url and not args.redis_url.startswith(("redis://127.0.0.1", "redis://localhost")):
         raise SystemExit("bench fleet sends traffic to 127.0.0.1 only: --redis-url must be a local Redis")
     args.model_name = Path(args.model).stem if args.engine == "llamacpp" and args.model != "smollm2" else (
