@@ -218,8 +218,8 @@ def _fleet_summary(r: dict[str, Any]) -> list[str]:
     lines = [f"**{r.get('engine', args.get('engine', '?'))}**{under}: {args.get('pods', '?')} pods, "
              f"{r.get('threads_per_pod', '?')} thread(s) each, {args.get('parallel', '?')} sequences decoded together, "
              f"{args.get('users', '?')} users, ~{args.get('system_tokens', '?')} + ~{args.get('history_tokens', '?')}"
-             f" token openings, {args.get('max_tokens', '?')}-token replies, {args.get('duration_s', 0):g} s per rate"
-             f"{_base_run(r)}. "
+             f" token openings, replies of at most {args.get('max_tokens', '?')} tokens, "
+             f"{args.get('duration_s', 0):g} s per rate{_base_run(r)}. "
              f"Knee: {knees}."]
     if cal is not None:
         lines[-1] += (f" Bound (the fleet idle, {cal['prompt_tokens']:,} tokens): ({_ms(cal['prefill_ms'])} + "
