@@ -28,6 +28,7 @@ from service.engines.llama.llamastate import (
     parse_state,
     read_facts,
 )
+from service.engines.llama.scheduler import PREFILL_CHUNK
 from service.engines.llama.statewrite import assemble_state
 from service.metrics import PodMetrics
 from service.pipeline import Pipeline
@@ -39,13 +40,17 @@ QUESTIONS = ["What is photosynthesis?", "Why is the sky blue?", "Name three prim
              "What does a lighthouse keeper do?", "How do bees make honey?"]
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[LlamaCppEngine]:
-    eng = LlamaCppEngine.load("smollm2", parallel=4, threads=2)
+def _loaded(**settings: object) -> Iterator[LlamaCppEngine]:
+    eng = LlamaCppEngine.load("smollm2", threads=2, **settings)  # type: ignore[arg-type]
     try:
         yield eng
     finally:
         eng.close()
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[LlamaCppEngine]:
+    yield from _loaded(parallel=4)
 
 
 def _prompt(engine: LlamaCppEngine, question: str) -> list[int]:
@@ -54,11 +59,7 @@ def _prompt(engine: LlamaCppEngine, question: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def q8_engine() -> Iterator[LlamaCppEngine]:
-    eng = LlamaCppEngine.load("smollm2", parallel=2, threads=2, kv_type="q8_0")
-    try:
-        yield eng
-    finally:
-        eng.close()
+    yield from _loaded(parallel=2, kv_type="q8_0")
 
 
 def _raw_state(tokens: list[int], q8: bool = False) -> tuple[bytes, int]:
@@ -324,6 +325,32 @@ def test_a_request_joins_while_another_generates(engine: LlamaCppEngine) -> None
     assert len(short.token_ids) <= 4
     assert not long_done.is_set(), "the short request waited for the long one to finish"
     thread.join(120)
+
+
+@pytest.fixture(scope="module")
+def engine_fa_off() -> Iterator[LlamaCppEngine]:
+    yield from _loaded(parallel=4, flash_attn="off")
+
+
+def test_a_short_prompt_is_answered_while_a_long_one_prefills_a_chunk_at_a_time(engine_fa_off: LlamaCppEngine) -> None:
+    # flash attention off: llama.cpp's attention then rounds alike however a prompt is split (with it on, a piece of
+    # under ~100 tokens takes another path, and a reply beside others can differ from one alone in a near tie)
+    engine = engine_fa_off
+    long_prompt = _prompt(engine, "Summarize these questions. " + " ".join(QUESTIONS * 30))
+    assert len(long_prompt) > 6 * PREFILL_CHUNK
+    alone = engine.generate(long_prompt, None, GREEDY).token_ids
+    first_text: list[float] = []
+    result: list[list[int]] = []
+    thread = threading.Thread(target=lambda: result.append(engine.generate(
+        long_prompt, None, GREEDY, lambda _: first_text.append(time.perf_counter())).token_ids))
+    thread.start()
+    time.sleep(0.2)  # the long prompt's prefill is under way
+    short = engine.generate(_prompt(engine, QUESTIONS[2]), None, GenParams(max_tokens=1))
+    answered = time.perf_counter()
+    thread.join(120)
+    assert short.token_ids and result == [alone]  # fed in chunks, the long prompt's reply is the same
+    # shortest remainder first: the short prompt did not wait for the long one's prefill to end
+    assert first_text and answered < first_text[0]
 
 
 def test_an_abandoned_request_frees_its_sequence(engine: LlamaCppEngine) -> None:

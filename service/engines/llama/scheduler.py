@@ -4,6 +4,14 @@ Every step builds one batch with the next token of each sequence that is generat
 each sequence that is prefilling, runs one `llama_decode`, and samples each sequence's next token. A request that
 arrives while others generate joins the next step; a finished or abandoned one frees its sequence at once. A
 request's cached prefix enters its sequence as llama.cpp sequence state when it is admitted.
+
+Prompts are fed shortest remainder first, and while a step holds other sequences a prompt goes in chunks of
+PREFILL_CHUNK tokens, added while the step holds fewer prompt tokens than that: a miss's long prefill then goes on
+a chunk at a time between the others' decode steps, and a hit's few uncached tokens go in the next step whole,
+instead of every sequence of the pod waiting out one 512-token step (seconds on a CPU core). With flash attention
+off, a prompt's logits are the same bits however it is split (tested); with it on, llama.cpp's attention rounds a
+piece of under ~100 tokens differently, so a reply beside others can differ from one alone in a near tie (as it
+could before chunking, when two prompts shared a step, and as it can in llama-server).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from service.engines.sampling import Sampler
 log = logging.getLogger("kvstash.llamacpp")
 
 N_BATCH = 512  # tokens per llama_decode call
+PREFILL_CHUNK = 128  # prompt tokens a sequence is fed a step while the step holds others (CPU: ~0.7 s a step)
 
 
 class StreamClosedError(Exception):
@@ -146,10 +155,12 @@ class Scheduler:
             if req.fed >= len(req.prompt):
                 tokens.append((req.generated[-1], req.fed, req.seq, True))
                 owners.append((req, 1, len(tokens) - 1))
-        room = N_BATCH - len(tokens)
-        for req in self._active:
-            if req.fed < len(req.prompt) and room > 0:
-                take = min(room, len(req.prompt) - req.fed)
+        prefilling = sorted((r for r in self._active if r.fed < len(r.prompt)), key=lambda r: len(r.prompt) - r.fed)
+        chunk = N_BATCH - len(tokens) if len(self._active) == 1 else PREFILL_CHUNK
+        room = chunk
+        for req in prefilling:
+            if room > 0:  # a sequence's chunk is whole (at most `chunk`), never cut short by another's
+                take = min(chunk, len(req.prompt) - req.fed)
                 last = req.fed + take == len(req.prompt)
                 first_index = len(tokens)
                 for i in range(take):
