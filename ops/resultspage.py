@@ -58,10 +58,13 @@ _RESUME_CMD = ("kvstash bench resume --engine {engine} --contexts 2048 --long --
                "--recompute-repeat 1 --no-naive --json docs/results/{name}.json")
 
 _FLEET_WL = ("--users 16 --system-tokens 150 --history-tokens 450 --query-tokens 20 --max-tokens 32 "
-             "--rates 0.1,0.2,0.3,0.4,0.6,0.8,1,1.2,1.6 --duration-s 60 --drain-s 30 --stop-at-knee")
-FLEET_CMD = (f"kvstash bench fleet --engine llamacpp {_FLEET_WL} --budget-ratios 2,1,0.5,0.25 --budget-rate 0.2 "
-             "--miss-overhead --miss-rate 0.2 --miss-duration-s 120 --json docs/results/fleet.json --merge\n"
-             f"kvstash bench fleet --engine hf {_FLEET_WL} --json docs/results/fleet.json --merge")
+             "--rates {rates} --duration-s 60 --drain-s 30 --stop-at-knee")
+FLEET_CMD = ("kvstash bench fleet --engine llamacpp --flash-attn off "
+             + _FLEET_WL.format(rates="0.1,0.2,0.3,0.4,0.6,0.8,1,1.2,1.4,1.6,1.8,2,2.4")
+             + " --budget-ratios 2,1,0.5,0.25 --budget-rate 0.2 --miss-overhead --miss-rate 0.2 --miss-duration-s 120 "
+             "--json docs/results/fleet.json --merge\n"
+             "kvstash bench fleet --engine hf " + _FLEET_WL.format(rates="0.1,0.2,0.3,0.4,0.6,0.8,1,1.2,1.6")
+             + " --json docs/results/fleet.json --merge")
 
 BENCHES = (
     Bench("resume-llamacpp", "What a hit buys: llama.cpp in the pod", _RESUME_METHOD,

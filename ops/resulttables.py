@@ -216,7 +216,8 @@ def _fleet_summary(r: dict[str, Any]) -> list[str]:
     load = (r.get("machine_before") or {}).get("loadavg")
     under = f" (load average {load[0]:.1f} at the start)" if load else ""
     lines = [f"**{r.get('engine', args.get('engine', '?'))}**{under}: {args.get('pods', '?')} pods, "
-             f"{r.get('threads_per_pod', '?')} thread(s) each, {args.get('parallel', '?')} sequences decoded together, "
+             f"{r.get('threads_per_pod', '?')} thread(s) each, {args.get('parallel', '?')} sequences decoded together"
+             f"{_flash(args)}, "
              f"{args.get('users', '?')} users, ~{args.get('system_tokens', '?')} + ~{args.get('history_tokens', '?')}"
              f" token openings, replies of at most {args.get('max_tokens', '?')} tokens, "
              f"{args.get('duration_s', 0):g} s per rate{_base_run(r)}. "
@@ -238,6 +239,12 @@ def _fleet_summary(r: dict[str, Any]) -> list[str]:
     if found:
         lines[-1] += " Targets: " + "; ".join(found) + "."
     return lines
+
+
+def _flash(args: dict[str, Any]) -> str:
+    """How a llama.cpp fleet's pods ran flash attention, where the run set it."""
+    setting = args.get("flash_attn", "auto")
+    return "" if setting == "auto" else f", flash attention {setting}"
 
 
 _FLEET_NAMES = {"kvstash": "kvstash", "off": "no cache", "sticky": "sticky sessions"}

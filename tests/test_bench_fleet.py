@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from ops.bench.fleet import FLEETS, LABELS, find_knee, merged, rate_duration
+from ops.bench.fleetload import Workload, arrivals, make_users
 from ops.cli import main
 from ops.pods import nginx_binary
 
@@ -34,6 +35,22 @@ def test_the_lowest_rate_runs_until_its_baseline_has_enough_turns() -> None:
     assert rate_duration(args, 0.1, lowest=True) == 200.0  # 20 turns due at 0.1/s
     assert rate_duration(args, 0.5, lowest=True) == 60.0  # never shorter than --duration-s
     assert rate_duration(args, 0.1, lowest=False) == 60.0
+
+
+def test_a_run_sends_exactly_its_rate_times_its_duration_in_turns() -> None:
+    times = arrivals(2.0, 60.0, seed=7)
+    assert len(times) == 120 and times == sorted(times) and 0.0 <= times[0] and times[-1] < 60.0
+    assert arrivals(2.0, 60.0, seed=7) == times and arrivals(2.0, 60.0, seed=8) != times
+    assert len(arrivals(0.1, 200.0, seed=1)) == 20 and arrivals(0.01, 10.0, seed=1) == []
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    assert max(gaps) > 3 * min(gaps) + 0.2  # Poisson bursts and lulls, not a metronome
+
+
+def test_the_users_conversations_end_one_after_another() -> None:
+    users = make_users(Workload(4, max_turns=8), "t")
+    assert [u.limit for u in users] == [8, 6, 4, 2]  # first conversations staggered over one conversation's turns
+    users[3].restart()
+    assert (users[3].limit, users[3].turns, users[3].conversation) == (8, 0, 1)
 
 
 @pytest.mark.slow

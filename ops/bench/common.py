@@ -46,15 +46,20 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str
 
 
 def machine() -> dict[str, Any]:
-    """Where and when a benchmark ran: cores, CPU model, RAM, the load average and the UTC date at call time."""
-    cpu = platform.processor() or ""
+    """Where and when a benchmark ran: cores, CPU model (with its widest SIMD: llama.cpp and the native kernels run
+    about twice as fast with AVX-512 as without), RAM, the load average and the UTC date at call time."""
+    cpu, flags = platform.processor() or "", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and not flags:
                 cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
                 break
     except OSError:
         pass
+    simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
+    cpu = f"{cpu} ({simd})" if simd else cpu
     ram_gb = 0.0
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():

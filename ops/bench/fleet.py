@@ -45,6 +45,8 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--pods", type=int, default=2, help="pods behind the balancer (default 2)")
     p.add_argument("--threads-per-pod", type=int, default=0, help="threads per pod (default: cores / pods, >= 1)")
     p.add_argument("--parallel", type=int, default=4, help="sequences a pod decodes together (default 4)")
+    p.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"],
+                   help="llamacpp: the pods' flash attention (default auto: llama.cpp decides)")
     p.add_argument("--redis-url", help="an existing Redis (default: a private redis-server on a free port)")
     p.add_argument("--budget-mb", type=int, default=512, help="byte budget of the namespace, MiB (default 512)")
     p.add_argument("--users", type=int, default=4, help="users chatting at once (default 4)")
@@ -101,7 +103,7 @@ def _pod_args(args: argparse.Namespace, budget_mb: int) -> argparse.Namespace:
     """What ops/bench/load.py's fleet_pods reads, for this bench."""
     return argparse.Namespace(threads_per_pod=args.threads_per_pod, pods=args.pods, codec=args.codec,
                               sessions=max(args.users, 8) * 2, budget_mb=budget_mb, engine=args.engine,
-                              memory_kv_mb=budget_mb, model=args.model)
+                              memory_kv_mb=budget_mb, model=args.model, flash_attn=args.flash_attn)
 
 
 class _Fleet:
@@ -290,6 +292,8 @@ def run(args: argparse.Namespace) -> int:
     if args.users < 1 or args.pods < 1 or args.duration_s <= 0 or args.base_arrivals < 1 or args.miss_duration_s < 0:
         raise SystemExit("--users, --pods, --duration-s and --base-arrivals must be positive, --miss-duration-s "
                          "positive or 0 (the default: --duration-s)")
+    if args.flash_attn != "auto" and args.engine != "llamacpp":
+        raise SystemExit("--flash-attn is llama.cpp's setting: it takes --engine llamacpp")
     if args.redis_url and not args.redis_url.startswith(("redis://127.0.0.1", "redis://localhost")):
         raise SystemExit("bench fleet sends traffic to 127.0.0.1 only: --redis-url must be a local Redis")
     args.model_name = Path(args.model).stem if args.engine == "llamacpp" and args.model != "smollm2" else (

@@ -212,6 +212,8 @@ def fleet_pods(
     extra = ("--codec", args.codec, "--max-queue", str(args.sessions + 4), "--namespace", namespace,
              "--budget-bytes", str(args.budget_mb << 20), "--redis-timeout-s", "2", "--engine", args.engine,
              "--parallel", str(parallel), "--threads", str(threads))
+    if getattr(args, "flash_attn", "auto") != "auto":
+        extra += ("--flash-attn", args.flash_attn)
     if kind == "sticky":
         extra += ("--memory-kv-bytes", str((args.memory_kv_mb or args.budget_mb) << 20))
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
