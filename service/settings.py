@@ -150,8 +150,8 @@ SETTING_HELP: Mapping[str, str] = {
     "device": "cpu or cuda[:N]",
     "parallel": "sequences decoded together (hf and llamacpp; llama-server: its slots)",
     "threads": "CPU threads of the model: llama.cpp's, or torch's for hf (0: one per core)",
-    "flash_attn": "llamacpp: llama.cpp's flash attention: auto (llama.cpp decides: on), on or off (off: hits and "
-                  "decoding ~2x faster on CPU, docs/engines-codecs.md; a q8 cache needs it on)",
+    "flash_attn": "llamacpp: llama.cpp's flash attention: auto (llama.cpp decides: on), on or off (off: faster "
+                  "hits and decoding on CPU, docs/engines-codecs.md; a q8 cache needs it on)",
     "redis_url": "redis://, rediss://, unix:// or redis+sentinel:// URL (cluster: add ?cluster=1; store options as "
                  "query arguments)",
     "namespace": "prefix of every Redis key",

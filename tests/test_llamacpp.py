@@ -333,8 +333,8 @@ def engine_fa_off() -> Iterator[LlamaCppEngine]:
 
 
 def test_a_short_prompt_is_answered_while_a_long_one_prefills_a_chunk_at_a_time(engine_fa_off: LlamaCppEngine) -> None:
-    # flash attention off: llama.cpp's attention then rounds alike however a prompt is split (with it on, a piece of
-    # under ~100 tokens takes another path, and a reply beside others can differ from one alone in a near tie)
+    # flash attention off: llama.cpp's attention then rounds alike however a prompt is split (with it on, a small
+    # piece takes another path, and a reply beside others can differ from one alone in a near tie)
     engine = engine_fa_off
     long_prompt = _prompt(engine, "Summarize these questions. " + " ".join(QUESTIONS * 30))
     assert len(long_prompt) > 6 * PREFILL_CHUNK

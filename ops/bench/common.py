@@ -46,12 +46,12 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str
 
 
 def machine() -> dict[str, Any]:
-    """Where and when a benchmark ran: cores, CPU model (with its widest SIMD: llama.cpp and the native kernels run
-    about twice as fast with AVX-512 as without), RAM, the load average and the UTC date at call time."""
+    """Where and when a benchmark ran: cores, CPU model (with its widest SIMD, which llama.cpp's and the native
+    kernels' speed follows), RAM, the load average and the UTC date at call time."""
     cpu, flags = platform.processor() or "", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and not flags:
+            if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
             elif line.startswith("flags"):
                 flags = set(line.split(":", 1)[1].split())

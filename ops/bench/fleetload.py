@@ -70,8 +70,8 @@ def question(seed: int, tokens: int) -> str:
 
 def arrivals(rate: float, duration_s: float, seed: int) -> list[float]:
     """Arrival times (s from the start) of `rate` x `duration_s` turns (at most MAX_ARRIVALS), each uniform over the
-    run: a Poisson process at `rate` given its count. Its bursts stay; only the count is fixed, which a free
-    Poisson count is not (at 2/s for 60 s one seed drew 146 turns, not 120, and the run measured 2.4/s)."""
+    run: a Poisson process at `rate` given its count. Its bursts stay; only the count is fixed, so a run's load is
+    the rate it is labelled with (a free Poisson count per seed drifts far from it over a minute)."""
     rng = random.Random(seed)
     count = min(MAX_ARRIVALS, round(rate * duration_s))
     return sorted(rng.uniform(0.0, duration_s) for _ in range(count))
@@ -85,7 +85,7 @@ class ChatUser:
         self.conversation = 0
         self.turns = 0
         # user i of n ends its first conversation i/n of max_turns early: the users' conversations then end one
-        # after another, as in a fleet in service, not all within one run (where 16 new ~600-token prefills at
+        # after another, as in a fleet in service, not all within one run (where every user's new prefill at
         # once would measure the users' lockstep, not the rate)
         self.limit = max(1, workload.max_turns - index * workload.max_turns // max(1, users))
         self.messages = opening(workload, f"{tag}.{self.conversation}", index)

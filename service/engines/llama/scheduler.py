@@ -8,10 +8,10 @@ request's cached prefix enters its sequence as llama.cpp sequence state when it 
 Prompts are fed shortest remainder first, and while a step holds other sequences a prompt goes in chunks of
 PREFILL_CHUNK tokens, added while the step holds fewer prompt tokens than that: a miss's long prefill then goes on
 a chunk at a time between the others' decode steps, and a hit's few uncached tokens go in the next step whole,
-instead of every sequence of the pod waiting out one 512-token step (seconds on a CPU core). With flash attention
-off, a prompt's logits are the same bits however it is split (tested); with it on, llama.cpp's attention rounds a
-piece of under ~100 tokens differently, so a reply beside others can differ from one alone in a near tie (as it
-could before chunking, when two prompts shared a step, and as it can in llama-server).
+instead of every sequence of the pod waiting out one N_BATCH step. With flash attention off, a prompt's logits are
+the same bits however it is split (tested); with it on, llama.cpp's attention rounds a small piece differently, so
+a reply beside others can differ from one alone in a near tie (as it could before chunking, when two prompts shared
+a step, and as it can in llama-server).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from service.engines.sampling import Sampler
 log = logging.getLogger("kvstash.llamacpp")
 
 N_BATCH = 512  # tokens per llama_decode call
-PREFILL_CHUNK = 128  # prompt tokens a sequence is fed a step while the step holds others (CPU: ~0.7 s a step)
+PREFILL_CHUNK = 128  # prompt tokens a sequence is fed a step while the step holds others
 
 
 class StreamClosedError(Exception):
