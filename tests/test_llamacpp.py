@@ -28,7 +28,7 @@ from service.engines.llama.llamastate import (
     parse_state,
     read_facts,
 )
-from service.engines.llama.scheduler import PREFILL_CHUNK
+from service.engines.llama.scheduler import N_BATCH, prefill_chunk
 from service.engines.llama.statewrite import assemble_state
 from service.metrics import PodMetrics
 from service.pipeline import Pipeline
@@ -332,25 +332,58 @@ def engine_fa_off() -> Iterator[LlamaCppEngine]:
     yield from _loaded(parallel=4, flash_attn="off")
 
 
-def test_a_short_prompt_is_answered_while_a_long_one_prefills_a_chunk_at_a_time(engine_fa_off: LlamaCppEngine) -> None:
+def test_a_short_prompt_is_answered_while_a_long_one_prefills_a_piece_at_a_time(engine_fa_off: LlamaCppEngine) -> None:
     # flash attention off: llama.cpp's attention then rounds alike however a prompt is split (with it on, a small
     # piece takes another path, and a reply beside others can differ from one alone in a near tie)
     engine = engine_fa_off
+    default = engine.prefill_chunk
+    assert default == prefill_chunk("off")
+    chunk = 64  # pieces the short prompt fits in whole
     long_prompt = _prompt(engine, "Summarize these questions. " + " ".join(QUESTIONS * 30))
-    assert len(long_prompt) > 6 * PREFILL_CHUNK
-    alone = engine.generate(long_prompt, None, GREEDY).token_ids
+    assert len(long_prompt) > 6 * chunk
+    engine.prefill_chunk = N_BATCH  # the reference: the prompt in steps of N_BATCH
+    try:
+        alone = engine.generate(long_prompt, None, GREEDY).token_ids
+    finally:
+        engine.prefill_chunk = chunk
+    steps: list[dict[int, int]] = []  # per llama_decode: {sequence: tokens it fed}
+    decode = engine._decode_tokens  # noqa: SLF001 - every step, as llama.cpp gets it
+
+    def recording(tokens: list[tuple[int, int, int, bool]]) -> None:
+        fed: dict[int, int] = {}
+        for _, _, seq, _ in tokens:
+            fed[seq] = fed.get(seq, 0) + 1
+        steps.append(fed)
+        decode(tokens)
+
+    engine._decode_tokens = recording  # type: ignore[method-assign]  # noqa: SLF001
     first_text: list[float] = []
     result: list[list[int]] = []
-    thread = threading.Thread(target=lambda: result.append(engine.generate(
-        long_prompt, None, GREEDY, lambda _: first_text.append(time.perf_counter())).token_ids))
-    thread.start()
-    time.sleep(0.2)  # the long prompt's prefill is under way
-    short = engine.generate(_prompt(engine, QUESTIONS[2]), None, GenParams(max_tokens=1))
-    answered = time.perf_counter()
-    thread.join(120)
+    try:
+        thread = threading.Thread(target=lambda: result.append(engine.generate(
+            long_prompt, None, GREEDY, lambda _: first_text.append(time.perf_counter())).token_ids))
+        thread.start()
+        time.sleep(0.2)  # the long prompt's prefill is under way
+        short_prompt = _prompt(engine, QUESTIONS[2])
+        short = engine.generate(short_prompt, None, GREEDY)
+        answered = time.perf_counter()
+        thread.join(120)
+    finally:
+        del engine._decode_tokens  # noqa: SLF001
+        engine.prefill_chunk = default
     assert short.token_ids and result == [alone]  # fed in chunks, the long prompt's reply is the same
     # shortest remainder first: the short prompt did not wait for the long one's prefill to end
     assert first_text and answered < first_text[0]
+    # no step held more than a chunk of prompt, and the short prompt went in one step of its own: the long one's
+    # next piece would have overfilled it
+    assert 1 < len(short_prompt) < chunk
+    assert all(sum(n for n in fed.values() if n > 1) <= chunk for fed in steps)
+    short_steps = [fed for fed in steps if len(short_prompt) in fed.values()]
+    assert len(short_steps) == 1 and len(short_steps[0]) == 1
+    # while the short reply decoded, a step with the long prompt's piece was followed by steps without one
+    beside = [any(n > 1 for n in fed.values()) for fed in steps if 1 in fed.values()]
+    assert len(short.token_ids) > 2 and len(beside) >= len(short.token_ids) - 1
+    assert not any(a and b for a, b in zip(beside, beside[1:], strict=False))
 
 
 def test_an_abandoned_request_frees_its_sequence(engine: LlamaCppEngine) -> None:

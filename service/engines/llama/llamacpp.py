@@ -43,7 +43,7 @@ from service.engines.llama import boundarystate, llamastate, statewrite
 from service.engines.llama.gguf import FLASH_ATTN, check_flash_attn, file_digest, gguf_fingerprint, resolve_gguf
 from service.engines.llama.lending import LendsStates, StateLender, kv_layout, state_buffers
 from service.engines.llama.modelprobe import PINNED_VERSION, ModelProbe
-from service.engines.llama.scheduler import N_BATCH, SeqRequest, StreamClosedError
+from service.engines.llama.scheduler import N_BATCH, SeqRequest, StreamClosedError, prefill_chunk
 from service.engines.llama.vocab import Vocab, quiet_logs
 from service.engines.sampling import Sampler
 from service.engines.tools import for_template
@@ -97,7 +97,10 @@ class LlamaCppEngine(ModelProbe, LendsStates):
         cparams.kv_unified = False  # a stream per sequence: attention never scans other sequences' cells
         cparams.type_k = cparams.type_v = llamastate.KV_TYPES[kv_type]
         # a quantized V cache needs flash attention (V then kept as rows)
-        cparams.flash_attn_type = FLASH_ATTN["on" if kv_type != "f16" else flash_attn]
+        flash_attn = "on" if kv_type != "f16" else flash_attn
+        cparams.flash_attn_type = FLASH_ATTN[flash_attn]
+        self.prefill_chunk = prefill_chunk(flash_attn)
+        self._long_piece_due = 0.0
         self._ctx = lib.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             raise ConfigError(f"llama.cpp could not create a context of {per_seq} x {parallel} tokens")

@@ -1,17 +1,19 @@
 """The llamacpp engine's scheduler thread: one llama.cpp context of `parallel` sequences, decoded together.
 
-Every step builds one batch with the next token of each sequence that is generating and a chunk of the prompt of
-each sequence that is prefilling, runs one `llama_decode`, and samples each sequence's next token. A request that
+Every step builds one batch with the next token of each sequence that is generating and pieces of the prompts of the
+sequences that are prefilling, runs one `llama_decode`, and samples each sequence's next token. A request that
 arrives while others generate joins the next step; a finished or abandoned one frees its sequence at once. A
 request's cached prefix enters its sequence as llama.cpp sequence state when it is admitted.
 
-Prompts are fed shortest remainder first, and while a step holds other sequences a prompt goes in chunks of
-PREFILL_CHUNK tokens, added while the step holds fewer prompt tokens than that: a miss's long prefill then goes on
-a chunk at a time between the others' decode steps, and a hit's few uncached tokens go in the next step whole,
-instead of every sequence of the pod waiting out one N_BATCH step. With flash attention off, a prompt's logits are
-the same bits however it is split (tested); with it on, llama.cpp's attention rounds a small piece differently, so
-a reply beside others can differ from one alone in a near tie (as it could before chunking, when two prompts shared
-a step, and as it can in llama-server).
+Prompts are fed shortest remainder first, in pieces of at most `prefill_chunk` tokens, and a step takes a piece
+only where it fits whole in that many prompt tokens: a hit's few uncached tokens go in the next step without a miss's
+piece beside them, and no step (so no wait for one) is longer than one piece's. While other sequences decode, a long
+prompt (one its next piece does not finish) leaves them DECODE_SHARE of the time: after a step with its piece, decode
+steps without one follow for a third of that step's time, so a miss's prefill neither stalls the replies beside it
+nor waits long for them. With flash attention off, a prompt's logits are the same bits however it is split (tested),
+and a piece of 32 costs little more per token than one of 512; with it on, llama.cpp's attention rounds a piece
+under 128 differently and runs it slower, so pieces are 128, and a reply beside others can still differ from one
+alone in a near tie (as in llama-server, which batches prompts too).
 """
 
 from __future__ import annotations
@@ -38,7 +40,14 @@ from service.engines.sampling import Sampler
 log = logging.getLogger("kvstash.llamacpp")
 
 N_BATCH = 512  # tokens per llama_decode call
-PREFILL_CHUNK = 128  # prompt tokens a sequence is fed a step while the step holds others
+PREFILL_CHUNK = 128  # prompt tokens a step holds at most: a step, and so a wait for one, stays short
+PREFILL_CHUNK_NO_FLASH = 32  # with flash attention off, where llama.cpp runs a small piece about as fast per token
+DECODE_SHARE = 0.25  # of a pod's time, at least, for decode steps while a long prompt prefills beside them
+
+
+def prefill_chunk(flash_attn: str) -> int:
+    """Prompt tokens a step holds for a context with this flash attention setting (resolved: "on" or "off")."""
+    return PREFILL_CHUNK_NO_FLASH if flash_attn == "off" else PREFILL_CHUNK
 
 
 class StreamClosedError(Exception):
@@ -98,6 +107,8 @@ class Scheduler:
     _state_buffers: IdlePool[bytearray]
     _snapshots: IdlePool[bytearray]
     boundary_records: bool  # a sliding-window or hybrid model: its boundary state is read at the prompt's end
+    prefill_chunk: int  # prompt tokens a step holds (`prefill_chunk`)
+    _long_piece_due: float  # perf_counter time from which a long prompt's next piece joins others' decode steps
 
     def _split(self, blob: bytes | bytearray | memoryview) -> tuple[int, bytes]:
         """Where a state's full-attention KV ends, and the boundary state after it (the engine's)."""
@@ -156,22 +167,33 @@ class Scheduler:
                 tokens.append((req.generated[-1], req.fed, req.seq, True))
                 owners.append((req, 1, len(tokens) - 1))
         prefilling = sorted((r for r in self._active if r.fed < len(r.prompt)), key=lambda r: len(r.prompt) - r.fed)
-        chunk = N_BATCH - len(tokens) if len(self._active) == 1 else PREFILL_CHUNK
-        room = chunk
+        room = self.prefill_chunk
+        # while others decode, a long prompt (one a piece does not finish) gets 1 - DECODE_SHARE of the time
+        hold_long = bool(tokens) and time.perf_counter() < self._long_piece_due
+        long_piece = False
         for req in prefilling:
-            if room > 0:  # a sequence's chunk is whole (at most `chunk`), never cut short by another's
-                take = min(chunk, len(req.prompt) - req.fed)
-                last = req.fed + take == len(req.prompt)
-                first_index = len(tokens)
-                for i in range(take):
-                    pos = req.fed + i
-                    tokens.append((req.prompt[pos], pos, req.seq, req.scores is not None or (last and i == take - 1)))
-                if req.scores is not None:  # score(): every position's logits, then done
-                    owners.append((req, take, -2 - first_index))
-                else:
-                    owners.append((req, take, len(tokens) - 1 if last else -1))
-                room -= take
+            take = min(self.prefill_chunk, len(req.prompt) - req.fed)
+            if take > room:  # a piece is whole and never overfills the step: the next one takes it
+                break
+            if take < len(req.prompt) - req.fed:  # the rest, shortest first, are long too
+                if hold_long:
+                    break
+                long_piece = True
+            last = req.fed + take == len(req.prompt)
+            first_index = len(tokens)
+            for i in range(take):
+                pos = req.fed + i
+                tokens.append((req.prompt[pos], pos, req.seq, req.scores is not None or (last and i == take - 1)))
+            if req.scores is not None:  # score(): every position's logits, then done
+                owners.append((req, take, -2 - first_index))
+            else:
+                owners.append((req, take, len(tokens) - 1 if last else -1))
+            room -= take
+        began = time.perf_counter()
         self._decode_tokens(tokens)
+        if long_piece:  # the others' decode steps get their share before the next long piece
+            ended = time.perf_counter()
+            self._long_piece_due = ended + (ended - began) * DECODE_SHARE / (1 - DECODE_SHARE)
         for req, fed, index in owners:
             req.fed += fed
             if index <= -2:
