@@ -80,14 +80,14 @@ def arrivals(rate: float, duration_s: float, seed: int) -> list[float]:
 class ChatUser:
     """One stateless chat client: its conversation so far, and the lock that keeps its turns in order."""
 
-    def __init__(self, workload: Workload, tag: str, index: int, users: int = 1) -> None:
+    def __init__(self, workload: Workload, tag: str, index: int) -> None:
         self.workload, self.tag, self.index = workload, tag, index
         self.conversation = 0
         self.turns = 0
         # user i of n ends its first conversation i/n of max_turns early: the users' conversations then end one
         # after another, as in a fleet in service, not all within one run (where every user's new prefill at
         # once would measure the users' lockstep, not the rate)
-        self.limit = max(1, workload.max_turns - index * workload.max_turns // max(1, users))
+        self.limit = max(1, workload.max_turns - index * workload.max_turns // max(1, workload.users))
         self.messages = opening(workload, f"{tag}.{self.conversation}", index)
         self.lock = threading.Lock()
 
@@ -139,7 +139,7 @@ def send_turn(user: ChatUser, model: str, url: str, arrived_at: float, started: 
 
 
 def make_users(workload: Workload, tag: str) -> list[ChatUser]:
-    return [ChatUser(workload, tag, i, workload.users) for i in range(workload.users)]
+    return [ChatUser(workload, tag, i) for i in range(workload.users)]
 
 
 def warm_up(users: Sequence[ChatUser], model: str, url: str, sticky: bool) -> list[dict[str, Any]]:

@@ -172,14 +172,15 @@ class Scheduler:
         hold_long = bool(tokens) and time.perf_counter() < self._long_piece_due
         long_piece = False
         for req in prefilling:
-            take = min(self.prefill_chunk, len(req.prompt) - req.fed)
+            remaining = len(req.prompt) - req.fed
+            take = min(self.prefill_chunk, remaining)
             if take > room:  # a piece is whole and never overfills the step: the next one takes it
                 break
-            if take < len(req.prompt) - req.fed:  # the rest, shortest first, are long too
+            last = take == remaining
+            if not last:  # a long prompt; the rest, shortest first, are long too
                 if hold_long:
                     break
                 long_piece = True
-            last = req.fed + take == len(req.prompt)
             first_index = len(tokens)
             for i in range(take):
                 pos = req.fed + i
