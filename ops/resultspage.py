@@ -116,11 +116,13 @@ BENCHES = (
           "kvstash bench load --sessions 3 --doc-tokens 1500 --think-ms 1000 --json docs/results/load.json", _load),
     Bench("fleet", "A fleet under rising load",
           "Many users' multi-round chats at each arrival rate, on a kvstash fleet (round robin, KV in Redis), one "
-          "with no cache and one with sticky sessions. A fleet keeps up with a rate while every turn is answered "
-          "and TTFT p90 stays within 2x its value at the lowest rate; its knee is the highest rate it and every "
-          "lower one kept up with. The bound on the gain is (prefill + decode) / (hit + decode) from the same run's "
-          "unloaded turns. Budget pressure replays the workload with the working set at multiples of the byte "
-          "budget; miss overhead runs a workload with no reuse, kvstash on and off interleaved.",
+          "with no cache and one with sticky sessions. The users start at every stage of a 24-turn conversation "
+          "(user i of n with i/n of its turns behind it), so every rate, the lowest too, sees histories of every "
+          "length. A fleet keeps up with a rate while every turn is answered and TTFT p90 stays within 2x its "
+          "value at the lowest rate; its knee is the highest rate it and every lower one kept up with. The bound "
+          "on the gain is (prefill + decode) / (hit + decode) from the same run's unloaded turns of a "
+          "conversation's opening. Budget pressure replays the workload with the working set at multiples of the "
+          "byte budget; miss overhead runs a workload with no reuse, kvstash on and off interleaved.",
           FLEET_CMD, _fleet, _fleet_budget_charts),
 )
 

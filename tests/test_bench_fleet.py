@@ -46,11 +46,16 @@ def test_a_run_sends_exactly_its_rate_times_its_duration_in_turns() -> None:
     assert max(gaps) > 3 * min(gaps) + 0.2  # Poisson bursts and lulls, not a metronome
 
 
-def test_the_users_conversations_end_one_after_another() -> None:
+def test_the_users_start_at_every_stage_of_a_conversation() -> None:
     users = make_users(Workload(4, max_turns=8), "t")
-    assert [u.limit for u in users] == [8, 6, 4, 2]  # first conversations staggered over one conversation's turns
+    assert [u.turns for u in users] == [0, 2, 4, 6]  # spread over one conversation's turns: they end one by one
+    for u in users:  # the opening, then as many earlier exchanges as turns taken, a question and a reply each
+        assert len(u.messages) == len(users[0].messages) + 2 * u.turns
+        assert [m["role"] for m in u.messages[len(users[0].messages):]] == ["user", "assistant"] * u.turns
+    assert len({m["content"] for u in users for m in u.messages if m["content"].startswith("Question")}) == 12
     users[3].restart()
-    assert (users[3].limit, users[3].turns, users[3].conversation) == (8, 0, 1)
+    assert (users[3].turns, users[3].conversation) == (0, 1) and len(users[3].messages) == len(users[0].messages)
+    assert [u.turns for u in make_users(Workload(4, max_turns=8, reuse=False), "t")] == [0, 0, 0, 0]
 
 
 @pytest.mark.slow

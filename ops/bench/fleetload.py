@@ -83,17 +83,20 @@ class ChatUser:
     def __init__(self, workload: Workload, tag: str, index: int) -> None:
         self.workload, self.tag, self.index = workload, tag, index
         self.conversation = 0
-        self.turns = 0
-        # user i of n ends its first conversation i/n of max_turns early: the users' conversations then end one
-        # after another, as in a fleet in service, not all within one run (where every user's new prefill at
-        # once would measure the users' lockstep, not the rate)
-        self.limit = max(1, workload.max_turns - index * workload.max_turns // max(1, workload.users))
         self.messages = opening(workload, f"{tag}.{self.conversation}", index)
+        # user i of n starts i/n of the way through its first conversation, with that many earlier exchanges: every
+        # rate, the lowest (the knee's baseline) too, sees histories of every length, as a fleet in service does,
+        # and the users' conversations end one after another, not all at once
+        self.turns = index * workload.max_turns // max(1, workload.users) if workload.reuse else 0
+        reply_tokens = max(1, workload.max_tokens // 2)  # replies often end before their limit
+        for k in range(self.turns):
+            self.messages += [{"role": "user", "content": question(-1000 * (index + 1) - k, workload.query_tokens)},
+                              {"role": "assistant", "content": _prose(index * 53 + k, reply_tokens)}]
         self.lock = threading.Lock()
 
     def restart(self) -> None:
         self.conversation += 1
-        self.turns, self.limit = 0, self.workload.max_turns
+        self.turns = 0
         self.messages = opening(self.workload, f"{self.tag}.{self.conversation}", self.index)
 
 
@@ -107,7 +110,7 @@ def send_turn(user: ChatUser, model: str, url: str, arrived_at: float, started: 
     with user.lock:  # the user's previous turn must have been answered
         if time.monotonic() > deadline:
             return {"user": user.index, "arrived_s": arrived_at, "status": -1, "error": "not sent: run ended"}
-        if not wl.reuse or user.turns >= user.limit:
+        if not wl.reuse or user.turns >= wl.max_turns:
             user.restart()
         user.messages.append({"role": "user", "content": question(seq, wl.query_tokens)})
         body = {"model": model, "messages": user.messages, "max_tokens": wl.max_tokens, "temperature": 0}
