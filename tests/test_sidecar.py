@@ -315,6 +315,37 @@ def pods() -> Iterator[dict[str, SidecarProcess]]:
         redis.cleanup()
 
 
+def _children(pid: int) -> set[int]:
+    return {int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+            for c in (task / "children").read_text().split()}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def test_a_killed_sidecar_takes_its_llama_server_with_it() -> None:
+    """SIGKILL leaves the sidecar no time to stop its llama-server: the kernel kills it (PR_SET_PDEATHSIG), so no
+    orphan keeps the port, the memory and a core's share."""
+    redis = RedisProcess().start()
+    side = SidecarProcess("side-killed", redis.url, "smollm2", ARGS)
+    try:
+        with running({"side": side}, ready_s=180):
+            assert side.proc is not None
+            (server,) = _children(side.proc.pid)
+            assert _alive(server)
+            side.kill()
+            deadline = time.monotonic() + 10
+            while _alive(server):
+                assert time.monotonic() < deadline, f"llama-server {server} outlived its sidecar"
+                time.sleep(0.1)
+    finally:
+        redis.cleanup()
+
+
 def _chat(url: str, messages: list[dict[str, str]], **extra: Any) -> httpx.Response:
     body = {"model": "smollm2", "messages": messages, "max_tokens": 32, "temperature": 0, **extra}
     return httpx.post(url + "/v1/chat/completions", json=body, timeout=180)

@@ -53,11 +53,13 @@ def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | Non
 
 
 def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when the sidecar dies, even by SIGKILL (Linux), so no orphaned
-    llama-server keeps its port and memory. (Linux ties this to the thread that started the child: a
-    llama-server started from a thread that then ends is stopped, and the watcher restarts it.)"""
+    """In the child before exec: SIGKILL it when the sidecar dies, even by SIGKILL (Linux), so no orphaned
+    llama-server keeps its port and memory. Not SIGTERM: a llama-server already shutting down (the sidecar's
+    `stop`) takes a second SIGTERM as "exit now" and calls exit() in its signal handler, which can deadlock on the
+    allocator's lock it interrupted, leaving it asleep forever. (Linux ties this to the thread that started the
+    child: a llama-server started from a thread that then ends is stopped, and the watcher restarts it.)"""
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class LlamaServerProcess:
