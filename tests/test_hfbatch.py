@@ -69,6 +69,26 @@ def test_concurrent_requests_decode_in_shared_steps_with_the_greedy_tokens_of_on
     assert engine.batcher.stats.widest == engine.parallel == 3  # never more than `parallel` at once
 
 
+def test_a_short_prompt_is_prefilled_before_a_long_one_that_came_first(engine: HfEngine) -> None:
+    """A hit's few uncached tokens do not wait behind a miss's whole prefill: the prompt with the fewest tokens left
+    is fed first, whatever the order they came in."""
+    long, short = _prompt(engine, QUESTIONS[3]), _prompt(engine, QUESTIONS[0])
+    assert len(long) > 2 * PREFILL_CHUNK > PREFILL_CHUNK > len(short)
+    release = threading.Event()
+    holding = threads.compute_executor().submit(release.wait)
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(engine.generate, long, None, GREEDY)
+        _all_waiting(engine, 1)
+        second = pool.submit(engine.generate, short, None, GREEDY)
+        _all_waiting(engine, 2)
+        release.set()
+        holding.result()
+        slow, quick = first.result(timeout=120), second.result(timeout=120)
+    assert quick.ttft_s < slow.ttft_s  # first come, first fed would give the long prompt its first token first
+    assert quick.token_ids == engine.runner.generate(short, None, GREEDY).token_ids
+    assert slow.token_ids == engine.runner.generate(long, None, GREEDY).token_ids
+
+
 def test_a_request_of_several_choices_and_a_failing_one_leave_the_others_alone(engine: HfEngine) -> None:
     prompt = _prompt(engine, QUESTIONS[0])
     two = engine.generate(prompt, None, GenParams(max_tokens=8, n=2, temperature=1.0, seed=3))

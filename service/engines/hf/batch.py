@@ -4,7 +4,8 @@ A request joins at the next step. Every step feeds each generating sequence its 
 (`hfcache.forward_rows`: the weights are read once for all rows, and each row attends over its own cache) and samples
 each one's next token from its row; then it feeds one prefilling sequence the next PREFILL_CHUNK tokens of its prompt
 (a cached prefix is in its cache already), so a long prompt delays the others' next tokens by a chunk at a time,
-never by its whole prefill. A sequence whose prompt is in samples its first token and joins the batch; a finished
+never by its whole prefill. The sequence fed is the one with the fewest prompt tokens left: a hit's few uncached
+tokens go in at the next step, never behind a miss's whole prefill. A sequence whose prompt is in samples its first token and joins the batch; a finished
 one leaves at once and a waiting one takes its place, up to `parallel` at a time. The scheduler runs on the process's
 compute thread (service.threads) while it has work and gives the thread back when idle. A request of several choices
 (`n` > 1), or a model whose attention is not routed through hfcache, runs alone between steps
@@ -53,6 +54,12 @@ class BatchStats:
     widest: int = 0  # the most sequences one step fed
 
 
+def _left(job: _Job) -> int:
+    """Prompt tokens not yet in `job`'s cache."""
+    assert job.live is not None
+    return len(job.live.prompt) - job.live.fed
+
+
 class DecodeBatcher:
     """Decodes up to `parallel` of `runner`'s generations together; `generate` may be called from many threads."""
 
@@ -66,7 +73,7 @@ class DecodeBatcher:
         self._lock = threading.Lock()
         self._waiting: deque[_Job] = deque()
         self._live: list[_Job] = []  # generating
-        self._prefilling: list[_Job] = []  # begun, prompt not all in yet (the first is fed)
+        self._prefilling: list[_Job] = []  # begun, prompt not all in yet
         self._running = False
 
     def generate(
@@ -118,7 +125,7 @@ class DecodeBatcher:
             if self._live:
                 self._step()
             if self._prefilling:
-                self._prefill(self._prefilling[0])
+                self._prefill(min(self._prefilling, key=_left))
 
     def _begin(self, job: _Job) -> None:
         try:
