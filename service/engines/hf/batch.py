@@ -5,11 +5,11 @@ A request joins at the next step. Every step feeds each generating sequence its 
 each one's next token from its row; then it feeds one prefilling sequence the next PREFILL_CHUNK tokens of its prompt
 (a cached prefix is in its cache already), so a long prompt delays the others' next tokens by a chunk at a time,
 never by its whole prefill. The sequence fed is the one with the fewest prompt tokens left: a hit's few uncached
-tokens go in at the next step, never behind a miss's whole prefill. A sequence whose prompt is in samples its first token and joins the batch; a finished
-one leaves at once and a waiting one takes its place, up to `parallel` at a time. The scheduler runs on the process's
-compute thread (service.threads) while it has work and gives the thread back when idle. A request of several choices
-(`n` > 1), or a model whose attention is not routed through hfcache, runs alone between steps
-(`ModelRunner.generate`).
+tokens go in at the next step, never behind a miss's whole prefill. A sequence whose prompt is in samples its first
+token and joins the batch; a finished one leaves at once and a waiting one takes its place, up to `parallel` at a
+time. The scheduler runs on the process's compute thread (service.threads) while it has work and gives the thread
+back when idle. A request of several choices (`n` > 1), or a model whose attention is not routed through hfcache,
+runs alone between steps (`ModelRunner.generate`).
 """
 
 from __future__ import annotations
