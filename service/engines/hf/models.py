@@ -30,6 +30,7 @@ from cachestore.hashing import ModelFingerprint
 from service.engines.ggufpath import smollm2_gguf
 from service.engines.hf.hfcache import route_attention
 from service.engines.hf.layout import HfLayout, probe_layout
+from service.engines.hf.rowslinear import use_row_products
 
 SMOLLM2 = "smollm2"
 TINY_RANDOM = "tiny-random"
@@ -293,6 +294,7 @@ def load_model(
     model.to(dev).eval()
     layout = probe_layout(path.name, model)  # refuses layers it cannot store, in one line naming them
     route_attention(model)  # sdpa, but a hit's first step attends over its landed codes
+    use_row_products(model)  # a batched decoding step's linear layers read their weights once, at full speed
     return LoadedModel(
         name=served,
         model=model,
