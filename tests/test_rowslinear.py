@@ -19,6 +19,8 @@ def test_a_step_of_a_few_rows_gets_the_products_of_linear_and_anything_else_is_l
         assert got.shape == expected.shape
         if len(shape) == 3 and shape[1] == 1 and shape[0] in ROWS:
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            weight, bias = model[0].weight, model[0].bias  # the step's form itself: the weight times the rows
+            assert torch.equal(model[0](x)[:, 0], torch.mm(weight, x[:, 0].contiguous().t()).t() + bias)
         else:
             assert torch.equal(got, expected)
     rows = torch.randn(64, 3).t().unsqueeze(1)  # [3, 1, 64], not contiguous: as a layer's output can be

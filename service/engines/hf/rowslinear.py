@@ -2,7 +2,7 @@
 
 A step of `hfcache.forward_rows` feeds each of its rows one token: every linear layer multiplies a few rows
 [rows, 1, in] by its weight. On a CPU that step is bound by reading the weights, which the rows share, so two to four
-rows should cost about what one does. The BLAS behind torch's `linear` (MKL) takes a slower path for two or three
+rows should cost about what one does. The BLAS behind torch's `linear` (MKL) takes a slower path for two to four
 rows on the AMD EPYC the project measures on; the same product written as the weight times the rows' transpose reads
 the weights once at full speed (docs/engines-codecs.md has the timings). `use_row_products` gives a model's linear
 layers that form for such steps; every other call (a prompt's tokens, one row) is `linear` as before. The rows'
