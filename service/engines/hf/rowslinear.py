@@ -1,8 +1,8 @@
 """The linear layers of a batched decoding step on a CPU, as one weight-times-rows product.
 
 A step of `hfcache.forward_rows` feeds each of its rows one token: every linear layer multiplies a few rows
-[rows, 1, in] by its weight. On a CPU that step is bound by reading the weights, which the rows share, so two to four
-rows should cost about what one does. The BLAS behind torch's `linear` (MKL) takes a slower path for two to four
+[rows, 1, in] by its weight. On a CPU that step is bound by reading the weights, which the rows share, so two to five
+rows should cost about what one does. The BLAS behind torch's `linear` (MKL) takes a slower path for two to five
 rows on the AMD EPYC the project measures on; the same product written as the weight times the rows' transpose reads
 the weights once at full speed (docs/engines-codecs.md has the timings). `use_row_products` gives a model's linear
 layers that form for such steps; every other call (a prompt's tokens, one row) is `linear` as before. The rows'
@@ -16,7 +16,7 @@ import functools
 import torch
 from torch.nn import functional
 
-ROWS = range(2, 5)  # rows of a step that take the weight-times-rows form: where it was measured to be faster
+ROWS = range(2, 6)  # rows of a step that take the weight-times-rows form: where it was measured to be faster
 
 
 def use_row_products(model: torch.nn.Module) -> None:
