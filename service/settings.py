@@ -28,7 +28,7 @@ class PodSettings:
     engine: str = "hf"  # hf (transformers) | llamacpp (llama-cpp-python)
     model: str = "smollm2"
     device: str = "cpu"
-    parallel: int = 4  # sequences the engine decodes together (hf and llamacpp)
+    parallel: int = 0  # sequences the engine decodes together; 0: the engine's own (hf 8, llama.cpp 4)
     threads: int = 0  # CPU threads of the model (llama.cpp's, or torch's for hf); 0 = one per core
     flash_attn: str = "auto"  # llama.cpp's flash attention: auto (llama.cpp decides), on or off (llama.cpp engines)
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -69,8 +69,8 @@ class PodSettings:
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
-        if not 1 <= self.parallel <= 64 or self.threads < 0:
-            raise ConfigError("parallel must be in 1..64 and threads >= 0")
+        if not 0 <= self.parallel <= 64 or self.threads < 0:
+            raise ConfigError("parallel must be in 0..64 (0: the engine's default) and threads >= 0")
         check_flash_attn(self.flash_attn)  # the codec's cache type, and the hf engine, are checked when it loads
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
@@ -148,7 +148,8 @@ SETTING_HELP: Mapping[str, str] = {
     "engine": "model runtime: hf (transformers) or llamacpp (llama-cpp-python); both decode requests together",
     "model": "smollm2; hf: tiny-random or a local HF model directory; llamacpp: a local .gguf file",
     "device": "cpu or cuda[:N]",
-    "parallel": "sequences decoded together (hf and llamacpp; llama-server: its slots)",
+    "parallel": "sequences decoded together (hf and llamacpp; llama-server: its slots); 0: the engine's own, 8 for "
+                "hf, 4 for llama.cpp (docs/engines-codecs.md)",
     "threads": "CPU threads of the model: llama.cpp's, or torch's for hf (0: one per core)",
     "flash_attn": "llamacpp: llama.cpp's flash attention: auto (llama.cpp decides: on), on or off (off: faster "
                   "hits and decoding on CPU, docs/engines-codecs.md; a q8 cache needs it on)",

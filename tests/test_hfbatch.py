@@ -10,11 +10,13 @@ from typing import Any
 import pytest
 import torch
 
+from cachestore.errors import ConfigError
 from service import threads
-from service.engines import GenParams
+from service.engines import GenParams, load_engine
 from service.engines.hf import hfcache
 from service.engines.hf.batch import PREFILL_CHUNK
 from service.engines.hf.engine import HfEngine
+from service.settings import PodSettings
 
 GREEDY = GenParams(max_tokens=20)
 QUESTIONS = ["Name three rivers of Europe.", "What is the capital of Peru, and why is it there?",
@@ -111,3 +113,13 @@ def test_a_request_of_several_choices_and_a_failing_one_leave_the_others_alone(e
                                                                             GREEDY).token_ids
     with pytest.raises(ValueError, match="token ids"):
         engine.generate([10**9], None, GREEDY)
+
+
+def test_a_pod_that_names_no_parallel_gets_its_engines_own_and_a_number_outside_0_to_64_is_refused() -> None:
+    """0 (the settings' default) is the engine's own: 8 for hf, whose sequences cost nothing until they exist."""
+    assert PodSettings().parallel == 0
+    assert load_engine("hf", "tiny-random").parallel == 8
+    assert load_engine("hf", "tiny-random", parallel=2).parallel == 2
+    for bad in (-1, 65):
+        with pytest.raises(ConfigError, match="parallel must be in 0..64"):
+            PodSettings(parallel=bad)

@@ -44,7 +44,8 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--codec", default="int8", help="codec of the cached blocks (default int8)")
     p.add_argument("--pods", type=int, default=2, help="pods behind the balancer (default 2)")
     p.add_argument("--threads-per-pod", type=int, default=0, help="threads per pod (default: cores / pods, >= 1)")
-    p.add_argument("--parallel", type=int, default=4, help="sequences a pod decodes together (default 4)")
+    p.add_argument("--parallel", type=int, default=0,
+                   help="sequences a pod decodes together (default 0: the engine's own, hf 8, llamacpp 4)")
     p.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"],
                    help="llamacpp: the pods' flash attention (default auto: llama.cpp decides)")
     p.add_argument("--redis-url", help="an existing Redis (default: a private redis-server on a free port)")

@@ -30,16 +30,17 @@ def check_runtime(kind: str) -> None:
         raise ConfigError(LLAMACPP_MISSING)
 
 
-def load_engine(kind: str, model: str, *, device: str = "cpu", parallel: int = 4, threads: int = 0,
+def load_engine(kind: str, model: str, *, device: str = "cpu", parallel: int = 0, threads: int = 0,
                 codec: str = "", flash_attn: str = "auto") -> Engine:
     """Load `model` under engine `kind`, for a pod of codec `codec` (a llama.cpp cache type follows it), with
-    llama.cpp's flash attention `flash_attn` (auto, on or off; the hf engine takes auto only)."""
+    llama.cpp's flash attention `flash_attn` (auto, on or off; the hf engine takes auto only), decoding `parallel`
+    sequences together (0: the engine package's PARALLEL)."""
     from cachestore.errors import ConfigError  # noqa: PLC0415
 
     if kind not in ENGINES:
         raise ConfigError(f"engine {kind!r} is not one of {', '.join(ENGINES)}")
     check_runtime(kind)
     package = importlib.import_module(ENGINES[kind])
-    engine: Engine = package.load(kind, model, device=device, parallel=parallel, threads=threads, codec=codec,
-                                  flash_attn=flash_attn)
+    engine: Engine = package.load(kind, model, device=device, parallel=parallel or package.PARALLEL, threads=threads,
+                                  codec=codec, flash_attn=flash_attn)
     return engine

@@ -11,8 +11,12 @@ if TYPE_CHECKING:
 
 hub_offline()  # before any module of this package imports transformers (huggingface_hub reads it at import)
 
+# sequences a pod decodes together unless told: one costs its cache only once it exists, and a request beyond these
+# waits for a whole reply to end (docs/engines-codecs.md)
+PARALLEL = 8
 
-def load(kind: str, model: str, *, device: str = "cpu", parallel: int = 4, threads: int = 0, codec: str = "",
+
+def load(kind: str, model: str, *, device: str = "cpu", parallel: int = PARALLEL, threads: int = 0, codec: str = "",
          flash_attn: str = "auto") -> Engine:
     """The hf engine of `model` on `device`, decoding up to `parallel` generations together; `threads` and `codec`
     change nothing here."""

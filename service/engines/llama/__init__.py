@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from service.engines.base import Engine
 
+PARALLEL = 4  # sequences decoded together unless told (llama-server: its slots): the context is sized for them all
+
 
 def kv_cache_type(codec: str) -> str:
     """The KV cache type of the llama.cpp a pod runs for its codec (the llamacpp engine, a spawned llama-server): q8_0
@@ -18,7 +20,7 @@ def kv_cache_type(codec: str) -> str:
     return "q8_0" if codec and CodecSpec.parse(codec).mode == "q8" else "f16"
 
 
-def load(kind: str, model: str, *, device: str = "cpu", parallel: int = 4, threads: int = 0, codec: str = "",
+def load(kind: str, model: str, *, device: str = "cpu", parallel: int = PARALLEL, threads: int = 0, codec: str = "",
          flash_attn: str = "auto") -> Engine:
     """The `llamacpp` or `llama-server` engine of `model`, its cache type following `codec` (`kv_cache_type`)."""
     if kind == "llamacpp":
