@@ -63,7 +63,8 @@ FLEET_CMD = ("kvstash bench fleet --engine llamacpp --flash-attn off "
              + _FLEET_WL.format(rates="0.1,0.2,0.3,0.4,0.6,0.8,1,1.2,1.4,1.6,1.8,2,2.4")
              + " --budget-ratios 2,1,0.5,0.25 --budget-rate 0.2 --miss-overhead --miss-rate 0.2 --miss-duration-s 120 "
              "--json docs/results/fleet.json --merge\n"
-             "kvstash bench fleet --engine hf " + _FLEET_WL.format(rates="0.1,0.2,0.3,0.4,0.6,0.8,1,1.2,1.6")
+             "kvstash bench fleet --engine hf --parallel 8 "
+             + _FLEET_WL.format(rates="0.1,0.2,0.3,0.4,0.6,0.8,1,1.2,1.6,2,2.4")
              + " --json docs/results/fleet.json --merge")
 
 BENCHES = (
