@@ -98,6 +98,7 @@ def test_bench_fleet_tiny_every_fleet_budget_and_miss_overhead(tmp_path: Path) -
     assert all(r["status"] == 200 for r in rows)
     assert len({r["pod"] for r in rows if r["fleet"] == "kvstash"}) == 2  # round robin over both pods
     assert report["threads_per_pod"] >= 1 and report["engine"] == "hf"
+    assert report["args"]["parallel"] == 8  # none named: the engine's own, as the pods were started with
     for image in (png, png.with_name(png.stem + "-budget.png")):
         assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

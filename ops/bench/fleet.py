@@ -284,6 +284,7 @@ def merged(path: Path, report: dict[str, Any]) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     from ops.bench import fleetreport  # noqa: PLC0415
     from ops.redisproc import RedisProcess  # noqa: PLC0415
+    from service.engines import default_parallel  # noqa: PLC0415
 
     rates = sorted(_floats(args.rates, "--rates"))
     ratios = _floats(args.budget_ratios, "--budget-ratios") if args.budget_ratios else []
@@ -295,6 +296,9 @@ def run(args: argparse.Namespace) -> int:
                          "positive or 0 (the default: --duration-s)")
     if args.flash_attn != "auto" and args.engine != "llamacpp":
         raise SystemExit("--flash-attn is llama.cpp's setting: it takes --engine llamacpp")
+    if not 0 <= args.parallel <= 64:
+        raise SystemExit("--parallel must be in 0..64 (0: the engine's own)")
+    args.parallel = args.parallel or default_parallel(args.engine)  # the pods' number, in the report too
     if args.redis_url and not args.redis_url.startswith(("redis://127.0.0.1", "redis://localhost")):
         raise SystemExit("bench fleet sends traffic to 127.0.0.1 only: --redis-url must be a local Redis")
     args.model_name = Path(args.model).stem if args.engine == "llamacpp" and args.model != "smollm2" else (

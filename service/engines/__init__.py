@@ -14,7 +14,7 @@ from service.engines.base import Engine, KvGeometry, KvLayout
 from service.engines.generation import Generation, GenParams
 
 __all__ = ["ENGINES", "LLAMACPP_MISSING", "Engine", "GenParams", "Generation", "KvGeometry", "KvLayout",
-           "check_runtime", "load_engine"]
+           "check_runtime", "default_parallel", "load_engine"]
 
 # engine name -> the subpackage that loads it; only the subpackage asked for is imported (and its runtime with it)
 ENGINES = {"hf": "service.engines.hf", "llamacpp": "service.engines.llama", "llama-server": "service.engines.llama"}
@@ -28,6 +28,11 @@ def check_runtime(kind: str) -> None:
 
     if kind == "llamacpp" and importlib.util.find_spec("llama_cpp") is None:
         raise ConfigError(LLAMACPP_MISSING)
+
+
+def default_parallel(kind: str) -> int:
+    """The sequences engine `kind` decodes together unless told (its package's PARALLEL)."""
+    return int(importlib.import_module(ENGINES[kind]).PARALLEL)
 
 
 def load_engine(kind: str, model: str, *, device: str = "cpu", parallel: int = 0, threads: int = 0,
