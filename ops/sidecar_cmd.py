@@ -58,7 +58,7 @@ def start_engine(args: argparse.Namespace, codec: str = "", flash_attn: str = "a
     """The llama-server engine: spawned here (with the KV cache type a pod of `codec` stores: `kv_cache_type`, and
     `-fa flash_attn` unless auto or given after --), or in front of --upstream (probed either way)."""
     from cachestore.errors import ConfigError  # noqa: PLC0415
-    from service.engines.llama import kv_cache_type  # noqa: PLC0415
+    from service.engines.llama import PARALLEL, kv_cache_type  # noqa: PLC0415
     from service.engines.llama.llamaserver import LlamaServerEngine  # noqa: PLC0415
 
     model = args.model or "smollm2"
@@ -68,7 +68,7 @@ def start_engine(args: argparse.Namespace, codec: str = "", flash_attn: str = "a
         raise ConfigError("give either --upstream URL --slot-dir DIR (a running llama-server) or --spawn")
     if args.spawn:  # a sidecar of codec q8 runs llama-server's q8_0 cache, whose bytes its frames are
         return LlamaServerEngine.spawn(
-            model, Path(args.slot_dir) if args.slot_dir else None, parallel=args.parallel or 4,
+            model, Path(args.slot_dir) if args.slot_dir else None, parallel=args.parallel or PARALLEL,
             threads=args.threads or 0, ctx_per_slot=args.ctx_per_slot,
             binary=Path(args.llama_server) if args.llama_server else None, extra_args=extra,
             reuse_slots=not args.no_cache, kv_type=kv_cache_type(codec), flash_attn=flash_attn, api_key=api_key,
@@ -141,10 +141,11 @@ def run(args: argparse.Namespace) -> int:
     from cachestore.settings import StoreSettings  # noqa: PLC0415
     from ops.serve_cmd import settings_from_args  # noqa: PLC0415
     from service.app import store_settings  # noqa: PLC0415
+    from service.engines.llama import PARALLEL  # noqa: PLC0415
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.model = args.model or "smollm2"
-    args.parallel = args.parallel or 4
+    args.parallel = args.parallel or PARALLEL
     settings = settings_from_args(args)
     CodecSpec.parse(settings.codec)
     if settings.cache_enabled:

@@ -46,6 +46,6 @@ def load_engine(kind: str, model: str, *, device: str = "cpu", parallel: int = 0
         raise ConfigError(f"engine {kind!r} is not one of {', '.join(ENGINES)}")
     check_runtime(kind)
     package = importlib.import_module(ENGINES[kind])
-    engine: Engine = package.load(kind, model, device=device, parallel=parallel or package.PARALLEL, threads=threads,
-                                  codec=codec, flash_attn=flash_attn)
+    engine: Engine = package.load(kind, model, device=device, parallel=parallel or default_parallel(kind),
+                                  threads=threads, codec=codec, flash_attn=flash_attn)
     return engine

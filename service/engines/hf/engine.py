@@ -12,7 +12,7 @@ from cachestore.hashing import ModelFingerprint
 from service.engines.base import Engine, KvGeometry, KvLayout, PrefillHook
 from service.engines.gate import LayerGate
 from service.engines.generation import Generation, GenParams
-from service.engines.hf import boundarystate
+from service.engines.hf import PARALLEL, boundarystate
 from service.engines.hf.batch import DecodeBatcher
 from service.engines.hf.models import LoadedModel, load_model
 from service.engines.hf.runner import ModelRunner
@@ -30,7 +30,7 @@ class HfEngine(Engine):
     layerwise = True  # a cached layer is waited for when the forward step reaches it (hfcache.GrowingLayer)
     runs_torch = False  # the scheduler (batch.DecodeBatcher) runs the model on the process's compute thread
 
-    def __init__(self, loaded: LoadedModel, parallel: int = 4) -> None:
+    def __init__(self, loaded: LoadedModel, parallel: int = PARALLEL) -> None:
         self.loaded = loaded
         self.runner = ModelRunner(loaded)
         self.batcher = DecodeBatcher(self.runner, parallel)
@@ -45,7 +45,7 @@ class HfEngine(Engine):
                                   tag=layout.tag())
 
     @classmethod
-    def load(cls, model: str, *, device: str = "cpu", parallel: int = 4) -> HfEngine:
+    def load(cls, model: str, *, device: str = "cpu", parallel: int = PARALLEL) -> HfEngine:
         return cls(load_model(model, device=device), parallel)
 
     def fingerprint(self, block_tokens: int, codec_name: str) -> ModelFingerprint:

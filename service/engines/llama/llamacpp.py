@@ -39,7 +39,7 @@ from service.engines.chat import chat_token_ids, remap_known
 from service.engines.gate import LayerGate
 from service.engines.generation import Choice, Generation, GenParams, TextStream, reply_ids
 from service.engines.guides import GbnfGuide
-from service.engines.llama import boundarystate, llamastate, statewrite
+from service.engines.llama import PARALLEL, boundarystate, llamastate, statewrite
 from service.engines.llama.gguf import FLASH_ATTN, check_flash_attn, file_digest, gguf_fingerprint, resolve_gguf
 from service.engines.llama.lending import LendsStates, StateLender, kv_layout, state_buffers
 from service.engines.llama.modelprobe import PINNED_VERSION, ModelProbe
@@ -60,7 +60,7 @@ class LlamaCppEngine(ModelProbe, LendsStates):
     layerwise = False  # a sequence's state is set whole
     runs_torch = False  # llama.cpp computes on its own scheduler thread
 
-    def __init__(self, path: Path, *, name: str, parallel: int = 4, threads: int = 0, kv_type: str = "f16",
+    def __init__(self, path: Path, *, name: str, parallel: int = PARALLEL, threads: int = 0, kv_type: str = "f16",
                  flash_attn: str = "auto") -> None:
         # llama.cpp runs its own OpenMP team on the scheduler thread: torch work on the thread that loads (and
         # probes) the engine keeps to one core, or libgomp, with more threads than cores, parks its workers
@@ -144,7 +144,7 @@ class LlamaCppEngine(ModelProbe, LendsStates):
         self._thread.start()
 
     @classmethod
-    def load(cls, model: str, *, parallel: int = 4, threads: int = 0, kv_type: str = "f16",
+    def load(cls, model: str, *, parallel: int = PARALLEL, threads: int = 0, kv_type: str = "f16",
              flash_attn: str = "auto") -> LlamaCppEngine:
         path = resolve_gguf(model)
         return cls(path, name=model if model == "smollm2" else path.stem, parallel=parallel, threads=threads,

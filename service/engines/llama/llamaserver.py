@@ -31,7 +31,7 @@ from service.engines.base import PrefillHook
 from service.engines.chat import chat_token_ids
 from service.engines.gate import LayerGate
 from service.engines.generation import Generation, GenParams, ParamError, reply_ids
-from service.engines.llama import boundarystate, llamastate, slotfile, statelayout
+from service.engines.llama import PARALLEL, boundarystate, llamastate, slotfile, statelayout
 from service.engines.llama.gguf import (
     check_flash_attn,
     file_digest,
@@ -112,7 +112,8 @@ class LlamaServerEngine(ServerHttp, LendsStates):
 
     @classmethod
     def spawn(
-        cls, model: str, slot_dir: Path | None = None, *, parallel: int = 4, threads: int = 0, ctx_per_slot: int = 8192,
+        cls, model: str, slot_dir: Path | None = None, *, parallel: int = PARALLEL, threads: int = 0,
+        ctx_per_slot: int = 8192,
         binary: Path | None = None, extra_args: Sequence[str] = (), reuse_slots: bool = True, kv_type: str = "f16",
         flash_attn: str = "auto", api_key: str = "",
     ) -> LlamaServerEngine:
