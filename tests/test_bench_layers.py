@@ -16,11 +16,13 @@ ARGS = ["bench", "layers", "--model", "tiny-random", "--text", "ops/data/sample.
         "--prefix", "32", "--continuation", "8", "--block-tokens", "8", "--size-tokens", "64"]
 
 
-@pytest.mark.parametrize(("base", "flag"), [("int4+zstd/rot", "k8"), ("int2+zstd", "k4")])
-def test_bench_layers_ranks_every_half_and_suggests_a_spec(tmp_path: Path, base: str, flag: str,
+@pytest.mark.parametrize(("base", "flag", "upgrade"), [("int4+zstd/rot", "k8", []), ("int2+zstd", "k4", []),
+                                                       ("int4+zstd/s8", "k5", ["--upgrade", "bit"]),
+                                                       ("int2+zstd/s8", "k3", ["--upgrade", "bit"])])
+def test_bench_layers_ranks_every_half_and_suggests_a_spec(tmp_path: Path, base: str, flag: str, upgrade: list[str],
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "layers.json"
-    assert main([*ARGS, "--base", base, "--min-ratio", "1", "--max-layers", "2", "--json", str(out)]) == 0
+    assert main([*ARGS, "--base", base, *upgrade, "--min-ratio", "1", "--max-layers", "2", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     layers = 2  # the tiny model's
     assert sorted((r["layer"], r["part"]) for r in report["ranked"]) == [(n, p) for n in range(layers) for p in "KV"]
@@ -30,16 +32,18 @@ def test_bench_layers_ranks_every_half_and_suggests_a_spec(tmp_path: Path, base:
         assert r["kl_gain_lo"] <= r["kl_gain"] <= r["kl_gain_hi"] and r["kl"] >= 0
     suggested = CodecSpec.parse(report["suggested"])
     assert (suggested.mode, suggested.variant) == (CodecSpec.parse(base).mode, CodecSpec.parse(base).variant)
-    raised = [*suggested.hi.keys, *suggested.hi.values, *suggested.hi.alt_keys, *suggested.hi.alt_values]
+    raised = [n for layers in suggested.hi for n in layers]
     assert len(raised) <= 2 and all(0 <= n < layers for n in raised)
     # exactly the best halves with a positive gain, up to the cap
     want = sorted((r["layer"], r["half"]) for r in report["ranked"][:2] if r["kl_gain"] > 0)
     hi = suggested.hi
-    got = sorted([(n, 0) for n in (*hi.keys, *hi.alt_keys)] + [(n, 1) for n in (*hi.values, *hi.alt_values)])
+    got = sorted([(n, 0) for n in (*hi.keys, *hi.alt_keys, *hi.up_keys)]
+                 + [(n, 1) for n in (*hi.values, *hi.alt_values, *hi.up_values)])
     assert got == want
     if raised:
         assert f"/{flag}=" in report["suggested"] or f"/{flag[0].replace('k', 'v')}{flag[1]}=" in report["suggested"]
-    assert report["suggested_ratio_vs_fp16"] >= 1 and report["windows"] == 2 and report["upgrade"] in ("int8", "int4")
+    assert report["suggested_ratio_vs_fp16"] >= 1 and report["windows"] == 2 and report["upgrade"] in (
+        "int8", "int4", "int4 + 1 bit", "int2 + 1 bit")
     text = capsys.readouterr().out
     assert "suggested  " + report["suggested"] in text and "bench quality --modes exact," in text
 
@@ -56,6 +60,8 @@ def test_bench_layers_keeps_to_the_size_budget(tmp_path: Path) -> None:
 def test_bench_layers_refuses_a_mode_it_cannot_raise() -> None:
     with pytest.raises(SystemExit, match="int4 or int2"):
         main([*ARGS, "--base", "int8"])
+    with pytest.raises(SystemExit, match="fewer bits"):
+        main([*ARGS, "--base", "int4", "--upgrade", "other"])
 
 
 def test_the_quality_chart_bars_follow_its_points() -> None:

@@ -89,7 +89,7 @@ def _alt_frame() -> bytearray:
 
 
 @pytest.mark.parametrize(("edit", "match"), [
-    ({HEADER_SIZE: 0x23}, "layer table"),  # 3 bits for keys: none of 2, 4, 8
+    ({HEADER_SIZE: 0x25}, "layer table"),  # 5 bits for keys: none of 2, 3, 4, 8
     ({HEADER_SIZE + 1: 0x26}, "layer table"),  # 6 bits
     ({HEADER_SIZE + 1: 0x22}, "raises no layer"),  # every layer the mode's
     ({HEADER_SIZE: 0x24}, "raw length"),  # a second int4 half: another layout than the payload's

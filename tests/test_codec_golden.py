@@ -57,7 +57,7 @@ def test_rotated_golden_frames_decode_and_reencode_to_the_golden_tensor(name: st
     spec, dtype, shape = CASES[name]
     golden = frame_path(name).read_bytes()
     expected = torch.frombuffer(bytearray(expected_path(name).read_bytes()), dtype=dtype).view(shape)
-    assert read_header(golden).version == 2 and read_header(golden).transform != 0
+    assert read_header(golden).version in (2, 5) and read_header(golden).transform & 3  # rotated keys or values
     assert _close(Codec().decode(golden), expected)
     frame = Codec(spec).encode(make_input(dtype, shape))
     assert _header_fields(frame) == _header_fields(golden)
@@ -77,8 +77,8 @@ def test_decoding_the_golden_frame_gives_the_golden_tensor(name: str) -> None:
 def test_golden_frames_cover_every_mode_and_compressor() -> None:
     headers = [read_header(frame_path(name).read_bytes()) for name in NAMES]
     assert {h.mode for h in headers} == {"exact", "fp16", "int8", "int4", "int2", "fp8", "q8"}
-    assert {h.version for h in headers} == {1, 2, 3, 4}
-    assert {h.transform for h in headers} == {0, 1, 2, 3, 4, 8, 16, 24}
+    assert {h.version for h in headers} == {1, 2, 3, 4, 5}
+    assert {h.transform for h in headers} == {0, 1, 2, 3, 4, 8, 16, 24, 32, 34, 36}
     assert {h.compressor for h in headers} == {"none", "lz4", "zstd"}
     assert {h.dtype for h in headers} == {"float32", "float16", "bfloat16"}
     assert any(h.shuffled for h in headers)
@@ -86,8 +86,8 @@ def test_golden_frames_cover_every_mode_and_compressor() -> None:
 
 def test_a_future_version_is_rejected_cleanly() -> None:
     frame = bytearray(frame_path("int8_fp16_none").read_bytes())
-    frame[4] = 5
-    with pytest.raises(CodecError, match="version 5"):
+    frame[4] = 6
+    with pytest.raises(CodecError, match="version 6"):
         Codec().decode(bytes(frame))
 
 
@@ -100,6 +100,11 @@ def test_a_future_version_is_rejected_cleanly() -> None:
     ("int2_fp32_none_g4_outk_symv", 4, 0x1c, "transform 0x1c in version 4"),  # a layer table in format 4
     ("int2_fp32_none_g4_outk_symv", 4, 0x40, "transform 0x40"),  # an unknown transform bit
     ("int8_fp16_none", 4, 16, "transform 0x10 for mode int8"),  # symmetric values on a mode that has none
+    ("int4_fp32_none_g4_s8", 2, 32, "transform 0x20 in version 2"),  # range codes need format 5
+    ("int4_fp32_none_g4_s8", 5, 0, "transform 0x0 in version 5"),  # format 5 without range codes
+    ("int4_fp32_none_g4_s8", 5, 0x28, "transform 0x28 in version 5"),  # range codes with outlier keys
+    ("int4_fp32_none_g4_s8", 3, 0x24, "transform 0x24 in version 3"),  # range codes in format 3
+    ("int4_fp32_none_g4_s8", 5, 0x60, "transform 0x60"),  # an unknown transform bit
 ])
 def test_inconsistent_version_and_transform_are_refused(name: str, version: int, transform: int,
                                                         match: str) -> None:

@@ -21,6 +21,10 @@ Modes and their loss (see DESIGN.md, "Codec"):
            /outk keeps each key group's widest channels (1 in 8 in int2, 1 in 16 in int4) at
            int4 / int8, /symv quantizes values about zero with a scale and no zero point
            (each within half a step of its own scale; frame format 4, no layer table).
+           /k5= and /v5= give the keys / values of those layers of an int4 frame 5 bits, /k3= and
+           /v3= those of an int2 frame 3 bits. /s8 stores every group's range as two 8-bit codes
+           between its block's extremes instead of an fp16 scale and zero point, a quarter bit a
+           value less (frame format 5; not with /outk or /symv).
            /recent=int8 (or int4 under int2) encodes a sequence's partial last block, its most
            recent tokens (a session's partial block, a tail), with that mode instead (`recent_spec`;
            cachestore.codec.blockcodec); full blocks are unchanged.
@@ -53,6 +57,7 @@ from cachestore.codec.frame import (
     HEADER_SIZE,
     MAX_DIM,
     MAX_TOKENS,
+    SCALE8,
     SPLIT,
     FrameHeader,
     checksum,
@@ -103,9 +108,11 @@ class Codec:
             # skips a decompression that would buy nothing. The frame says so itself.
             comp, shuffled, payload = "none", False, bytes(memoryview(raw.numpy()))  # type: ignore[arg-type]
         # The oldest version that holds the frame (1: nothing transformed, 2: rotations, 3: a layer
-        # table): older readers keep reading the frames they can.
+        # table, 4: outlier channels or symmetric values, 5: range codes): older readers keep reading the frames
+        # they can.
         table = spec.layer_table(dims.layers)
-        version = 4 if spec.transform & SPLIT else 3 if table else 2 if spec.transform else 1
+        version = (5 if spec.transform & SCALE8 else 4 if spec.transform & SPLIT else 3 if table
+                   else 2 if spec.transform else 1)
         stored = table + payload
         flags = (FLAG_SHUFFLE if shuffled else 0) | (FLAG_ROWS if spec.rows else 0)
         header = FrameHeader(version, spec.mode, comp, DTYPE_NAMES[dtype], flags, group, dims.layers, dims.heads,

@@ -11,7 +11,7 @@ import torch
 
 from cachestore.codec import kernels
 from cachestore.codec.frame import MODE_BITS as BITS
-from cachestore.codec.frame import OUTLIER_BITS, outlier_channels
+from cachestore.codec.frame import OUTLIER_BITS, UP_BITS, outlier_channels
 from cachestore.codec.layout import (
     ALT_MODE,
     F16,
@@ -19,6 +19,7 @@ from cachestore.codec.layout import (
     Dims,
     HiLayers,
     Variant,
+    code_bytes,
     groups,
     layer_code_bytes,
     split_layout,
@@ -49,6 +50,9 @@ def unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
         out |= lanes << 12
         out |= lanes << 18
         out &= 0x03030303
+    elif bits == 1:
+        shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+        return ((packed.unsqueeze(-1) >> shifts) & 1).reshape(-1)[:count]
     else:
         raise CodecError(f"cannot unpack {bits}-bit fields")
     if not _LITTLE_ENDIAN:
@@ -182,60 +186,74 @@ def int8_codes_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> 
 
 def dequantize_mixed(mode: str, parts: list[torch.Tensor], dims: Dims, group: int, out: torch.Tensor,
                      variant: Variant, hi: HiLayers, first: int = 0) -> torch.Tensor:
-    """The sections of a frame with a layer table (`_mixed_layout`, the frame's whole `dims`) -> its layers
-    [first, first + out.shape[0]) in out [those layers, 2, heads, tokens, dim], run by run of layers of
-    one precision."""
+    """The sections of a frame with a layer table (`_mixed_layout`, the frame's whole `dims`; a SCALE8 frame's
+    ranges already expanded, `scalecodes.expand_parts`) -> its layers [first, first + out.shape[0]) in out [those
+    layers, 2, heads, tokens, dim], run by run of layers of one precision."""
     _, h, t, d = dims
     gk, nk, gv, nv = groups(dims, group)
     sk, zk, sv, zv, pk, pv, sk8, sv8, qk8, qv8 = parts[:10]
-    # per tier (the mode's bits, then the other grouped precision): bits, a layer's code bytes per half, the sections
-    tiers: list[tuple[int, tuple[int, int], tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]] = [
-        (BITS[mode], layer_code_bytes(mode, dims, group), ((sk, zk, pk), (sv, zv, pv)))]
+    bits = BITS[mode]
+    # per tier (the mode's bits, the other grouped precision, one bit more): bits, a layer's code bytes per half, the
+    # sections per half (scale, zero, codes[, top bits]) and a layer's top-bit bytes per half
+    tiers: list[tuple[int, tuple[int, int], tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]],
+                      tuple[int, int]]] = [
+        (bits, layer_code_bytes(mode, dims, group), ((sk, zk, pk), (sv, zv, pv)), (0, 0))]
     if len(parts) > 10:
-        ska, zka, sva, zva, pka, pva = parts[10:]
+        ska, zka, sva, zva, pka, pva = parts[10:16]
         alt = ALT_MODE[mode]
-        tiers.append((BITS[alt], layer_code_bytes(alt, dims, group), ((ska, zka, pka), (sva, zva, pva))))
-    halves = ((hi.keys, hi.alt_keys, (h, nk, gk, d), 2, variant.rot_keys, sk8, qk8),
-              (hi.values, hi.alt_values, (h, t, nv, gv), 3, variant.rot_values, sv8, qv8))
-    for half, (hi_layers, alt_layers, shape, dim, rot, scale8, q8) in enumerate(halves):
+        tiers.append((BITS[alt], layer_code_bytes(alt, dims, group), ((ska, zka, pka), (sva, zva, pva)), (0, 0)))
+    if len(parts) > 16:
+        sku, zku, svu, zvu, pku, pvu, tku, tvu = parts[16:]
+        tiers.append((UP_BITS[mode], layer_code_bytes(mode, dims, group), ((sku, zku, pku, tku), (svu, zvu, pvu, tvu)),
+                      code_bytes(1, dims, group)))
+    halves = ((hi.keys, hi.alt_keys, hi.up_keys, (h, nk, gk, d), 2, variant.rot_keys, sk8, qk8),
+              (hi.values, hi.alt_values, hi.up_values, (h, t, nv, gv), 3, variant.rot_values, sv8, qv8))
+    for half, (hi_layers, alt_layers, up_layers, shape, dim, rot, scale8, q8) in enumerate(halves):
         pending: dict[int, list[tuple[torch.Tensor, int, int]]] = {}  # tier -> the runs torch dequantizes
-        for start, stop, tier, rank in _runs(first, first + out.shape[0], hi_layers, alt_layers):
+        for start, stop, tier, rank in _runs(first, first + out.shape[0], hi_layers, alt_layers, up_layers):
             target, n = out[start - first:stop - first, half], stop - start
             if tier < 0:
                 int8_codes_into(target, q8[rank:rank + n], scale8[rank:rank + n])
                 continue
-            bits, sizes, sections = tiers[tier]
-            nbytes, (scale, zero, packed) = sizes[half], sections[half]
-            native = bits == 4 and not rot and 2 * nbytes == math.prod(shape)  # a run's codes lie whole, in C order
+            tier_bits, sizes, sections, _ = tiers[tier]
+            nbytes, (scale, zero, packed) = sizes[half], sections[half][:3]
+            # a run's codes lie whole, in C order
+            native = tier_bits == 4 and not rot and 2 * nbytes == math.prod(shape)
             if not (native and _int4_into(target, packed[rank * nbytes:(rank + n) * nbytes], scale[rank:rank + n],
                                           zero[rank:rank + n], (n, *shape), dim)):
                 pending.setdefault(tier, []).append((target, n, rank))
         for tier, runs in pending.items():  # each tier's codes unpacked at once: [their count, *shape]
-            bits, sizes, sections = tiers[tier]
-            nbytes, (scale, zero, packed) = sizes[half], sections[half]
+            tier_bits, sizes, sections, tops = tiers[tier]
+            nbytes, (scale, zero, packed) = sizes[half], sections[half][:3]
             r0, r1 = runs[0][2], runs[-1][2] + runs[-1][1]
-            q = unpack(packed[r0 * nbytes:r1 * nbytes], bits, (r1 - r0) * nbytes * (8 // bits))
-            q = q.view(r1 - r0, -1)[:, :math.prod(shape)].reshape(r1 - r0, *shape)  # a copy only if codes end mid-byte
+            q = _tier_codes(packed, r0, r1, nbytes, bits if tier == 2 else tier_bits, shape)
+            if tier == 2:  # one bit more: the top bits, in their own section
+                q |= _tier_codes(sections[half][3], r0, r1, tops[half], 1, shape) << bits
             for target, n, rank in runs:
                 _affine_into(target, q[rank - r0:rank - r0 + n], scale[rank:rank + n], zero[rank:rank + n], dim, rot)
     return out
 
 
-def _runs(first: int, stop: int, hi_layers: tuple[int, ...],
-          alt_layers: tuple[int, ...] = ()) -> list[tuple[int, int, int, int]]:
+def _tier_codes(packed: torch.Tensor, r0: int, r1: int, nbytes: int, bits: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """The codes of layers [r0, r1) of one precision, packed `nbytes` a layer at `bits` bits: [r1 - r0, *shape]."""
+    q = unpack(packed[r0 * nbytes:r1 * nbytes], bits, (r1 - r0) * nbytes * (8 // bits))
+    return q.view(r1 - r0, -1)[:, :math.prod(shape)].reshape(r1 - r0, *shape)  # a copy only if codes end mid-byte
+
+
+def _runs(first: int, stop: int, hi_layers: tuple[int, ...], alt_layers: tuple[int, ...] = (),
+          up_layers: tuple[int, ...] = ()) -> list[tuple[int, int, int, int]]:
     """Maximal runs [start, end) of layers first..stop-1 of one precision: (start, end, tier, rank of start among
     the layers of its precision, i.e. its index in that precision's sections); tier -1 is int8, 0 the mode's own
-    bits, 1 the other grouped precision."""
+    bits, 1 the other grouped precision, 2 one bit more."""
     runs: list[tuple[int, int, int, int]] = []
-    hi_set, alt_set = set(hi_layers), set(alt_layers)
+    sets = {-1: set(hi_layers), 1: set(alt_layers), 2: set(up_layers)}
     for layer in range(first, stop):
-        tier = -1 if layer in hi_set else 1 if layer in alt_set else 0
+        tier = next((k for k, s in sets.items() if layer in s), 0)
         if runs and runs[-1][2] == tier:
             runs[-1] = (runs[-1][0], layer + 1, tier, runs[-1][3])
             continue
-        below_hi = sum(1 for x in hi_layers if x < layer)
-        below_alt = sum(1 for x in alt_layers if x < layer)
-        rank = below_hi if tier < 0 else below_alt if tier else layer - below_hi - below_alt
+        below = {k: sum(1 for x in s if x < layer) for k, s in sets.items()}
+        rank = below[tier] if tier else layer - sum(below.values())
         runs.append((layer, layer + 1, tier, rank))
     return runs
 

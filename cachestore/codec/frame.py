@@ -4,7 +4,7 @@ A frame is a fixed 52-byte little-endian header followed by the payload:
 
     offset size field
          0    4 magic            b"KVS1"
-         4    1 format version   1, 2, 3 or 4
+         4    1 format version   1, 2, 3, 4 or 5
          5    1 mode             MODES code
          6    1 compressor       COMPRESSORS code
          7    1 dtype            DTYPES code (the tensor's dtype before encoding)
@@ -21,6 +21,12 @@ A frame is a fixed 52-byte little-endian header followed by the payload:
                                  the rotation bits as in 2, LAYER_TABLE clear: each key group's
                                  widest channels at higher precision (`outlier_channels`), values
                                  quantized symmetrically (a scale and no zero point per group)
+                                 Version 5: SCALE8 (bit 5) set, LAYER_TABLE and the rotation bits
+                                 as in 3, OUTLIER_KEYS and SYM_VALUES clear: every group's range of
+                                 the grouped layers is stored as two 8-bit codes (its minimum
+                                 rounded down, its maximum rounded up) between the fp16 extremes
+                                 of its block (`cachestore.codec.scalecodes`), not as an fp16
+                                 scale and zero point
         10    2 group size       int4/int2 only, else zero
         12    4 layers
         16    4 kv heads
@@ -31,8 +37,9 @@ A frame is a fixed 52-byte little-endian header followed by the payload:
         44    8 checksum         xxh3_64 of header bytes 0..43 followed by the stored payload
         52    L layer table      version 3 only, stored uncompressed at the start of the payload: one
                                  byte per layer, key bits (low nibble) and value bits (high nibble),
-                                 each the mode's (4 or 2), the other grouped mode's (2 or 4) or 8; at
-                                 least one differs from the mode's
+                                 each the mode's (4 or 2), the other grouped mode's (2 or 4), one bit
+                                 more than the mode's (UP_BITS: 5 or 3) or 8; at least one differs
+                                 from the mode's. Version 5 carries it too when LAYER_TABLE is set
 
 The tensor the frame holds is [layers, 2, kv_heads, tokens, head_dim]; index 0 is keys.
 
@@ -43,7 +50,8 @@ Version 3 does the same for the layer table: only frames that keep some layers a
 that give a layer the other grouped precision (4 bits in an int2 frame, 2 in an int4 frame) came later within
 version 3: a reader from before them refuses such a frame cleanly, for its table's unknown bits.
 Version 4 likewise holds the frames with outlier key channels or symmetric values, which a reader from before
-them refuses by their version.
+them refuses by their version, and version 5 the frames with 8-bit range codes. Layer tables that give a layer
+one bit more than the mode's (UP_BITS) are refused by a reader from before them for their table's unknown bits.
 FLAG_ROWS needs no version of its own: a reader from before it refuses such a frame, cleanly, for its unknown flag;
 one from before q8 refuses q8 frames for their unknown mode code.
 """
@@ -59,8 +67,8 @@ import xxhash
 from cachestore.errors import CodecError
 
 MAGIC = b"KVS1"
-FORMAT_VERSION = 4  # the newest this module reads and writes
-VERSIONS = (1, 2, 3, 4)
+FORMAT_VERSION = 5  # the newest this module reads and writes
+VERSIONS = (1, 2, 3, 4, 5)
 HEADER = struct.Struct("<4sBBBBBBHIIIIQQQ")
 HEADER_SIZE = HEADER.size  # 52
 _CHECKED = HEADER_SIZE - 8  # the checksum covers the header up to the checksum itself
@@ -75,9 +83,9 @@ ROWS_MODES = (*FLOAT_MODES, "q8")  # payloads that may be token rows (FLAG_ROWS)
 FLAG_SHUFFLE = 1
 FLAG_ROWS = 2
 _KNOWN_FLAGS = FLAG_SHUFFLE | FLAG_ROWS
-ROT_KEYS, ROT_VALUES, LAYER_TABLE, OUTLIER_KEYS, SYM_VALUES = 1, 2, 4, 8, 16
+ROT_KEYS, ROT_VALUES, LAYER_TABLE, OUTLIER_KEYS, SYM_VALUES, SCALE8 = 1, 2, 4, 8, 16, 32
 SPLIT = OUTLIER_KEYS | SYM_VALUES  # the transforms of version 4
-_KNOWN_TRANSFORMS = ROT_KEYS | ROT_VALUES | LAYER_TABLE | SPLIT
+_KNOWN_TRANSFORMS = ROT_KEYS | ROT_VALUES | LAYER_TABLE | SPLIT | SCALE8
 HI_BITS = 8  # the precision a layer table may raise a layer's keys or values to
 MODE_BITS = {"int4": 4, "int2": 2}  # bits per code of the grouped modes
 # OUTLIER_KEYS: in every key group, head_dim // OUTLIER_SHARE[mode] channels (the widest) take OUTLIER_BITS[mode]; the
@@ -85,6 +93,7 @@ MODE_BITS = {"int4": 4, "int2": 2}  # bits per code of the grouped modes
 OUTLIER_SHARE = {"int4": 16, "int2": 8}
 OUTLIER_BITS = {"int4": 8, "int2": 4}
 ALT_BITS = {"int4": 2, "int2": 4}  # the other grouped precision a layer table may give a layer's keys or values
+UP_BITS = {"int4": 5, "int2": 3}  # one bit more than the mode's, which a layer table may give a layer's keys or values
 
 MIN_GROUP, MAX_GROUP = 4, 1024
 MAX_DIM = 1 << 16  # layers, kv heads and head dim each stay below this
@@ -112,8 +121,8 @@ class FrameHeader:
     raw_len: int
     payload_len: int
     checksum: int
-    transform: int = 0  # ROT_KEYS | ROT_VALUES | LAYER_TABLE bits (versions 2 and 3)
-    layer_bits: bytes = b""  # version 3: the layer table, one byte per layer; empty otherwise
+    transform: int = 0  # ROT_KEYS | ROT_VALUES | LAYER_TABLE | ... bits (versions 2 to 5)
+    layer_bits: bytes = b""  # versions 3 and 5: the layer table, one byte per layer; empty otherwise
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -146,14 +155,14 @@ class FrameHeader:
         return tuple(i for i, b in enumerate(self.layer_bits) if (b >> (4 * half)) & 0xF == bits)
 
     @property
-    def hi_counts(self) -> tuple[int, int, int, int]:
+    def hi_counts(self) -> tuple[int, int, int, int, int, int]:
         """How many layers keep their keys / values at int8, then how many take the other grouped precision
-        (ALT_BITS of the mode): what the payload's layout depends on."""
-        alt = ALT_BITS.get(self.mode, 0)
-        return (sum(1 for b in self.layer_bits if b & 0xF == HI_BITS),
-                sum(1 for b in self.layer_bits if b >> 4 == HI_BITS),
-                sum(1 for b in self.layer_bits if b & 0xF == alt),
-                sum(1 for b in self.layer_bits if b >> 4 == alt))
+        (ALT_BITS of the mode), then how many one bit more (UP_BITS): what the payload's layout depends on."""
+        counts = [0] * 6
+        for i, bits in enumerate((HI_BITS, ALT_BITS.get(self.mode, 0), UP_BITS.get(self.mode, 0))):
+            counts[2 * i] = sum(1 for b in self.layer_bits if b & 0xF == bits)
+            counts[2 * i + 1] = sum(1 for b in self.layer_bits if b >> 4 == bits)
+        return (counts[0], counts[1], counts[2], counts[3], counts[4], counts[5])
 
 
 def outlier_channels(mode: str, head_dim: int) -> int:
@@ -234,7 +243,8 @@ def parse_header(buf: bytes | memoryview, *, max_elements: int) -> FrameHeader:
         raise CodecError(f"inconsistent frame: transform {transform:#x} in version {version}")
     if transform & ~_KNOWN_TRANSFORMS or (transform and mode_name not in GROUPED_MODES):
         raise CodecError(f"unknown transform {transform:#x} for mode {mode_name}")
-    if bool(transform & LAYER_TABLE) != (version == 3) or bool(transform & SPLIT) != (version == 4):
+    if (bool(transform & SCALE8) != (version == 5) or bool(transform & SPLIT) != (version == 4)
+            or (version != 5 and bool(transform & LAYER_TABLE) != (version == 3))):
         raise CodecError(f"inconsistent frame: transform {transform:#x} in version {version}")
     if transform & OUTLIER_KEYS and not outlier_fits(mode_name, dim):
         raise CodecError(f"inconsistent frame: outlier key channels with head_dim {dim}")
@@ -262,11 +272,11 @@ def parse_header(buf: bytes | memoryview, *, max_elements: int) -> FrameHeader:
 
 
 def _layer_table(buf: bytes | memoryview, mode: str, layers: int, payload_len: int) -> bytes:
-    """The version 3 layer table that follows the header, checked byte by byte."""
+    """The layer table (versions 3 and 5) that follows the header, checked byte by byte."""
     if payload_len < layers or len(buf) < HEADER_SIZE + layers:
         raise CodecError(f"truncated frame: the layer table needs {layers} bytes after the header")
     table = bytes(buf[HEADER_SIZE:HEADER_SIZE + layers])
-    allowed = {MODE_BITS[mode], ALT_BITS[mode], HI_BITS}
+    allowed = {MODE_BITS[mode], ALT_BITS[mode], UP_BITS[mode], HI_BITS}
     for layer, entry in enumerate(table):
         if entry & 0xF not in allowed or entry >> 4 not in allowed:
             raise CodecError(f"layer table: layer {layer} has key/value bits {entry & 0xF}/{entry >> 4}, "

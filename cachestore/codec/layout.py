@@ -8,8 +8,9 @@ from typing import NamedTuple
 import torch
 
 from cachestore.codec.frame import MODE_BITS as BITS
-from cachestore.codec.frame import OUTLIER_BITS, OUTLIER_SHARE, outlier_channels, outlier_fits
+from cachestore.codec.frame import OUTLIER_BITS, OUTLIER_SHARE, UP_BITS, outlier_channels, outlier_fits
 from cachestore.codec.q8 import Q8_BLOCK, Q8_BYTES
+from cachestore.codec.scalecodes import KEY_AXIS, VALUE_AXIS
 from cachestore.errors import CodecError
 
 F16 = torch.float16
@@ -26,6 +27,7 @@ class Variant(NamedTuple):
     clip: bool = False  # encoder-side range clipping (decoders need not know)
     outlier_keys: bool = False  # each key group's widest channels at higher precision (format 4, in the frame)
     sym_values: bool = False  # values quantized symmetrically: a scale, no zero point (format 4, in the frame)
+    scale8: bool = False  # group ranges as 8-bit codes between their block's extremes (format 5, in the frame)
 
     @property
     def split(self) -> bool:
@@ -38,18 +40,23 @@ PLAIN = Variant()
 
 class HiLayers(NamedTuple):
     """A grouped frame's per-layer bits (sorted, distinct; none by default): layers whose keys / values are kept at
-    int8, and layers whose keys / values take the other grouped precision (`ALT_BITS`: int4 in an int2 frame, int2
-    in an int4 frame). Every other layer's half takes the frame's own mode."""
+    int8, layers whose keys / values take the other grouped precision (`ALT_BITS`: int4 in an int2 frame, int2
+    in an int4 frame), and layers whose keys / values take one bit more than the mode (`UP_BITS`: 5 in an int4
+    frame, 3 in an int2 frame). Every other layer's half takes the frame's own mode."""
 
     keys: tuple[int, ...] = ()
     values: tuple[int, ...] = ()
     alt_keys: tuple[int, ...] = ()
     alt_values: tuple[int, ...] = ()
+    up_keys: tuple[int, ...] = ()
+    up_values: tuple[int, ...] = ()
 
     @property
-    def counts(self) -> tuple[int, int, int, int]:
-        """How many layers take each precision besides the mode's: (int8 keys, int8 values, alt keys, alt values)."""
-        return len(self.keys), len(self.values), len(self.alt_keys), len(self.alt_values)
+    def counts(self) -> tuple[int, int, int, int, int, int]:
+        """How many layers take each precision besides the mode's: (int8 keys, int8 values, alt keys, alt values,
+        up keys, up values)."""
+        return (len(self.keys), len(self.values), len(self.alt_keys), len(self.alt_values), len(self.up_keys),
+                len(self.up_values))
 
 
 NO_HI = HiLayers()
@@ -79,18 +86,22 @@ def groups(dims: Dims, group: int) -> tuple[int, int, int, int]:
 
 
 def layout(mode: str, dims: Dims, group: int, dtype: torch.dtype,
-           hi_counts: tuple[int, ...] = (0, 0, 0, 0), variant: Variant | None = None) -> list[Section]:
+           hi_counts: tuple[int, ...] = (0, 0, 0, 0, 0, 0), variant: Variant | None = None) -> list[Section]:
     """The (dtype, shape) of each payload section of `mode`, in payload order.
 
     With a layer table (grouped modes only; `hi_counts`: how many layers keep keys / values at int8, then how many
-    take the other grouped precision, `HiLayers.counts`): the grouped sections of the mode's own layers (codes
-    packed per layer), then int8's four sections of the int8 layers, then (only if there are any) the grouped
-    sections of the layers at the other precision."""
+    take the other grouped precision, then how many one bit more, `HiLayers.counts`): the grouped sections of the
+    mode's own layers (codes packed per layer), then int8's four sections of the int8 layers, then (only if there
+    are layers at the other precision or one bit more) the grouped sections of the layers at the other precision,
+    then (only if there are any) those of the layers one bit more: their scales and zero points, their codes'
+    low bits (the mode's) packed per layer, then their top bits, one a code, packed per layer.
+    With `variant.scale8` every grouped (scale, zero) pair is stored as 8-bit range codes (`scalecodes`)."""
     n_layers, h, t, d = dims
     if variant is not None and variant.split:
         return list(split_layout(mode, dims, group, variant).values())
+    s8 = variant is not None and variant.scale8
     if any(hi_counts):
-        return _mixed_layout(mode, dims, group, (*hi_counts, 0, 0)[:4])
+        return _mixed_layout(mode, dims, group, (*hi_counts, 0, 0, 0, 0, 0, 0)[:6], s8)
     if mode == "exact":
         return [(dtype, (n_layers, 2, h, t, d))]
     if mode == "fp16":
@@ -112,10 +123,32 @@ def layout(mode: str, dims: Dims, group: int, dtype: torch.dtype,
         per_byte = 8 // BITS[mode]
         kbytes = ceil_div(n_layers * h * nk * gk * d, per_byte)
         vbytes = ceil_div(n_layers * h * t * nv * gv, per_byte)
-        kshape, vshape = (n_layers, h, nk, 1, d), (n_layers, h, t, nv, 1)
-        return [(F16, kshape), (F16, kshape), (F16, vshape), (F16, vshape),
-                (torch.uint8, (kbytes,)), (torch.uint8, (vbytes,))]
+        return [*_ranges(dims, group, n_layers, n_layers, s8), (torch.uint8, (kbytes,)), (torch.uint8, (vbytes,))]
     raise CodecError(f"unknown mode {mode!r}")
+
+
+def _ranges(dims: Dims, group: int, n_keys: int, n_values: int, s8: bool) -> list[Section]:
+    """The scale and zero point sections of `n_keys` layers' keys and `n_values` layers' values: fp16 [L, H, key
+    groups, 1, D] twice and [L, H, T, value groups, 1] twice, or with `s8` each pair as (extremes, codes)."""
+    _, h, t, d = dims
+    _, nk, _, nv = groups(dims, group)
+    kshape, vshape = (n_keys, h, nk, 1, d), (n_values, h, t, nv, 1)
+    if not s8:
+        return [(F16, kshape), (F16, kshape), (F16, vshape), (F16, vshape)]
+    return [(F16, (n_keys, h, nk, 2, 1)), (torch.uint8, (n_keys, h, nk, 2, d)),
+            (F16, (n_values, h, 1, nv, 2)), (torch.uint8, (n_values, h, t, nv, 2))]
+
+
+def scale_pairs(mode: str, hi_counts: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """Where a SCALE8 frame's (extremes, codes) pairs lie in `layout`: (first section, axis, levels) of each."""
+    tiers = [(0, BITS[mode])]
+    counts = (*hi_counts, 0, 0, 0, 0, 0, 0)[:6]
+    if any(counts[2:]):
+        tiers.append((10, ALT_BITS[mode]))
+    if any(counts[4:]):
+        tiers.append((16, UP_BITS[mode]))
+    return [pair for at, bits in tiers
+            for pair in ((at, KEY_AXIS, (1 << bits) - 1), (at + 2, VALUE_AXIS, (1 << bits) - 1))]
 
 
 def split_layout(mode: str, dims: Dims, group: int, variant: Variant) -> dict[str, Section]:
@@ -149,26 +182,28 @@ def split_layout(mode: str, dims: Dims, group: int, variant: Variant) -> dict[st
     return sections
 
 
-def _mixed_layout(mode: str, dims: Dims, group: int, counts: tuple[int, ...]) -> list[Section]:
+def _mixed_layout(mode: str, dims: Dims, group: int, counts: tuple[int, ...], s8: bool = False) -> list[Section]:
     if mode not in BITS:
         raise CodecError(f"per-layer bits apply to int4/int2 only, not {mode}")
     n_layers, h, t, d = dims
-    gk, nk, gv, nv = groups(dims, group)
-    nk_hi, nv_hi, nk_alt, nv_alt = counts
-    nk_lo, nv_lo = n_layers - nk_hi - nk_alt, n_layers - nv_hi - nv_alt
+    nk_hi, nv_hi, nk_alt, nv_alt, nk_up, nv_up = counts
+    nk_lo, nv_lo = n_layers - nk_hi - nk_alt - nk_up, n_layers - nv_hi - nv_alt - nv_up
     if min(counts) < 0 or nk_lo < 0 or nv_lo < 0:
-        raise CodecError(f"{counts} int8 / other-precision layers of {n_layers}")
+        raise CodecError(f"{counts} int8 / other-precision / one-bit-more layers of {n_layers}")
     kbytes, vbytes = layer_code_bytes(mode, dims, group)
-    sections = [(F16, (nk_lo, h, nk, 1, d)), (F16, (nk_lo, h, nk, 1, d)),
-                (F16, (nv_lo, h, t, nv, 1)), (F16, (nv_lo, h, t, nv, 1)),
+    sections = [*_ranges(dims, group, nk_lo, nv_lo, s8),
                 (torch.uint8, (nk_lo * kbytes,)), (torch.uint8, (nv_lo * vbytes,)),
                 (F16, (nk_hi, h, 1, d)), (F16, (nv_hi, h, t, 1)),
                 (torch.int8, (nk_hi, h, t, d)), (torch.int8, (nv_hi, h, t, d))]
-    if nk_alt or nv_alt:  # appended only when used: frames without them keep format 3's first layout
+    if nk_alt or nv_alt or nk_up or nv_up:  # appended only when used: frames without them keep format 3's first layout
         kalt, valt = layer_code_bytes(ALT_MODE[mode], dims, group)
-        sections += [(F16, (nk_alt, h, nk, 1, d)), (F16, (nk_alt, h, nk, 1, d)),
-                     (F16, (nv_alt, h, t, nv, 1)), (F16, (nv_alt, h, t, nv, 1)),
+        sections += [*_ranges(dims, group, nk_alt, nv_alt, s8),
                      (torch.uint8, (nk_alt * kalt,)), (torch.uint8, (nv_alt * valt,))]
+    if nk_up or nv_up:
+        ktop, vtop = code_bytes(1, dims, group)
+        sections += [*_ranges(dims, group, nk_up, nv_up, s8),
+                     (torch.uint8, (nk_up * kbytes,)), (torch.uint8, (nv_up * vbytes,)),
+                     (torch.uint8, (nk_up * ktop,)), (torch.uint8, (nv_up * vtop,))]
     return sections
 
 
@@ -181,8 +216,13 @@ def codes_per_layer(dims: Dims, group: int) -> tuple[int, int]:
 def layer_code_bytes(mode: str, dims: Dims, group: int) -> tuple[int, int]:
     """Bytes of one layer's packed key codes and value codes in a frame with int8 layers (each layer
     padded to a whole byte)."""
+    return code_bytes(BITS[mode], dims, group)
+
+
+def code_bytes(bits: int, dims: Dims, group: int) -> tuple[int, int]:
+    """Bytes of one layer's key codes and value codes of `bits` bits (1, 2 or 4), each padded to a whole byte."""
     keys, values = codes_per_layer(dims, group)
-    per_byte = 8 // BITS[mode]
+    per_byte = 8 // bits
     return ceil_div(keys, per_byte), ceil_div(values, per_byte)
 
 

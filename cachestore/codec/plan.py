@@ -6,7 +6,16 @@ import functools
 
 import torch
 
-from cachestore.codec.frame import GROUPED_MODES, OUTLIER_KEYS, ROT_KEYS, ROT_VALUES, SYM_VALUES, FrameHeader
+from cachestore.codec.frame import (
+    GROUPED_MODES,
+    OUTLIER_KEYS,
+    ROT_KEYS,
+    ROT_VALUES,
+    SCALE8,
+    SYM_VALUES,
+    UP_BITS,
+    FrameHeader,
+)
 from cachestore.codec.layout import ALT_BITS, NO_HI, Dims, HiLayers, Section, Variant, layout
 from cachestore.errors import CodecError
 
@@ -43,7 +52,7 @@ def variant_of(h: FrameHeader) -> Variant:
     """The options a decoder must know, from the header's transform bits (clipping is the encoder's alone)."""
     t = h.transform
     return Variant(rot_keys=bool(t & ROT_KEYS), rot_values=bool(t & ROT_VALUES), outlier_keys=bool(t & OUTLIER_KEYS),
-                   sym_values=bool(t & SYM_VALUES))
+                   sym_values=bool(t & SYM_VALUES), scale8=bool(t & SCALE8))
 
 
 @functools.lru_cache(maxsize=256)
@@ -59,8 +68,9 @@ def plan_of(mode: str, layers: int, heads: int, tokens: int, dim: int, group: in
 def hi_of(h: FrameHeader) -> HiLayers:
     if not h.layer_bits:
         return NO_HI
-    alt = ALT_BITS[h.mode]
-    return HiLayers(h.hi_layers(0), h.hi_layers(1), h.hi_layers(0, alt), h.hi_layers(1, alt))
+    alt, up = ALT_BITS[h.mode], UP_BITS[h.mode]
+    return HiLayers(h.hi_layers(0), h.hi_layers(1), h.hi_layers(0, alt), h.hi_layers(1, alt), h.hi_layers(0, up),
+                    h.hi_layers(1, up))
 
 
 

@@ -26,8 +26,9 @@ import math
 
 import torch
 
+from cachestore.codec import scalecodes
 from cachestore.codec.frame import MODE_BITS as BITS
-from cachestore.codec.frame import OUTLIER_BITS, outlier_channels
+from cachestore.codec.frame import OUTLIER_BITS, UP_BITS, outlier_channels
 from cachestore.codec.layout import ALT_BITS, F16, FP8, NO_HI, PLAIN, Dims, HiLayers, Variant, groups, split_layout
 from cachestore.codec.q8 import q8_rows
 from cachestore.errors import CodecError
@@ -35,7 +36,8 @@ from cachestore.errors import CodecError
 FP8_MAX = 448.0
 # Range fractions the encoder tries per group with `clip` (the first is no clipping): for few
 # levels a group's extremes waste most of the steps, for many levels clipping buys little.
-CLIP_RATIOS = {2: (1.0, 0.9, 0.8, 0.7, 0.6, 0.5), 4: (1.0, 0.95, 0.9, 0.85, 0.8), 8: (1.0,)}
+CLIP_RATIOS = {2: (1.0, 0.9, 0.8, 0.7, 0.6, 0.5), 3: (1.0, 0.95, 0.9, 0.8, 0.7, 0.6), 4: (1.0, 0.95, 0.9, 0.85, 0.8),
+               5: (1.0, 0.97, 0.94, 0.9), 8: (1.0,)}
 # Fractions of a group's largest magnitude the symmetric value encoder tries as its outermost level (`sym_values`)
 SYM_RATIOS = {2: (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4), 4: (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)}
 
@@ -68,32 +70,40 @@ def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return torch.cat([x, last.expand(*reps)], dim=dim)
 
 
-def _asym(x: torch.Tensor, dim: int, levels: int,
-          ratios: tuple[float, ...] = (1.0,)) -> tuple[torch.Tensor, ...]:
+def _asym(x: torch.Tensor, dim: int, levels: int, ratios: tuple[float, ...] = (1.0,),
+          span: int | None = None) -> tuple[torch.Tensor, ...]:
     """Asymmetric quantization of x (fp32) with one (scale, zero) per slice along `dim`.
 
     With several `ratios`, each slice's range is also tried shrunk about its middle by each
     ratio, and the (scale, zero, codes) of the smallest squared error are kept per slice.
+    With `span` (8-bit range codes, `scalecodes`) the ranges are coded between the extremes of the
+    slices across `span`, and (extremes, range codes, codes) are returned instead.
     """
     lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    ext = scalecodes.extremes_of(lo, hi, dim, span) if span is not None else None
     best: list[torch.Tensor] = []
     for ratio in ratios:
         mid, half = (lo + hi) * 0.5, (hi - lo) * (0.5 * ratio)
-        zero = lo if ratio == 1.0 else mid - half
-        zero = _outward(zero, up=False)
-        zero32 = zero.float()
+        low = lo if ratio == 1.0 else mid - half
         top = hi if ratio == 1.0 else mid + half
-        scale = _outward((top - zero32) / levels, up=True)
+        if ext is None:
+            zero = kept = _outward(low, up=False)
+            scale = _outward((top - zero.float()) / levels, up=True)
+        else:
+            kept = scalecodes.codes_of(ext, low, top, dim)
+            scale, zero = scalecodes.expand(ext, kept, dim, levels)
+        zero32 = zero.float()
         q = ((x - zero32) / _safe(scale)).round_().clamp_(0, levels)
         if len(ratios) == 1:
-            return scale, zero, q.to(torch.uint8)
+            best = [scale, kept, q]
+            break
         err = torch.addcmul(zero32, q, scale.float()).sub_(x).square_().sum(dim, keepdim=True)
         if not best:
-            best = [scale, zero, q, err]
+            best = [scale, kept, q, err]
             continue
         better = err < best[3]
-        best = [torch.where(better, new, old) for new, old in zip((scale, zero, q, err), best, strict=True)]
-    return best[0], best[1], best[2].to(torch.uint8)
+        best = [torch.where(better, new, old) for new, old in zip((scale, kept, q, err), best, strict=True)]
+    return (best[0] if ext is None else ext), best[1], best[2].to(torch.uint8)
 
 
 @functools.cache
@@ -118,7 +128,7 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
 
 
 def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 values < 2**bits, any shape -> uint8 [ceil(n * bits / 8)], low bits first."""
+    """uint8 values < 2**bits (bits 1, 2, 4 or 8), any shape -> uint8 [ceil(n * bits / 8)], low bits first."""
     per_byte = 8 // bits
     flat = q.reshape(-1)
     pad = (-flat.numel()) % per_byte
@@ -157,6 +167,8 @@ def quantize(mode: str, kv: torch.Tensor, group: int, variant: Variant = PLAIN,
     if mode not in BITS:
         raise CodecError(f"unknown mode {mode!r}")
     if variant.split:
+        if variant.scale8:
+            raise CodecError("8-bit range codes do not combine with outlier key channels or symmetric values")
         if hi != NO_HI:
             raise CodecError("outlier key channels and symmetric values take no layer table")
         return _quantize_split(mode, k, v, group, variant)
@@ -179,7 +191,8 @@ def _grouped_keys(k: torch.Tensor, group: int, bits: int, variant: Variant) -> t
     gk, nk, _, _ = groups(Dims(n_layers, h, t, d), group)
     k = rotate(k) if variant.rot_keys else k
     kg = _pad(k, 2, nk * gk).view(n_layers, h, nk, gk, d)  # groups of tokens per channel
-    return _asym(kg, 3, (1 << bits) - 1, CLIP_RATIOS[bits] if variant.clip else (1.0,))
+    return _asym(kg, 3, (1 << bits) - 1, CLIP_RATIOS[bits] if variant.clip else (1.0,),
+                 scalecodes.KEY_SPAN if variant.scale8 else None)
 
 
 def _grouped_values(v: torch.Tensor, group: int, bits: int, variant: Variant) -> tuple[torch.Tensor, ...]:
@@ -188,31 +201,43 @@ def _grouped_values(v: torch.Tensor, group: int, bits: int, variant: Variant) ->
     _, _, gv, nv = groups(Dims(n_layers, h, t, d), group)
     v = rotate(v) if variant.rot_values else v
     vg = _pad(v, 3, nv * gv).view(n_layers, h, t, nv, gv)  # groups of channels per token
-    return _asym(vg, 4, (1 << bits) - 1, CLIP_RATIOS[bits] if variant.clip else (1.0,))
+    return _asym(vg, 4, (1 << bits) - 1, CLIP_RATIOS[bits] if variant.clip else (1.0,),
+                 scalecodes.VALUE_SPAN if variant.scale8 else None)
 
 
 def _quantize_mixed(mode: str, k: torch.Tensor, v: torch.Tensor, group: int, variant: Variant,
                     hi: HiLayers) -> list[torch.Tensor]:
     """The sections of `_mixed_layout`: grouped keys/values of the mode's layers, int8 of the `hi` ones, then the
-    grouped keys/values of the layers at the other precision (if any)."""
+    grouped keys/values of the layers at the other precision and of those one bit more (if any)."""
     n_layers, bits = k.shape[0], BITS[mode]
-    if any(not 0 <= layer < n_layers for layer in (*hi.keys, *hi.values, *hi.alt_keys, *hi.alt_values)):
+    if any(not 0 <= layer < n_layers for layer in (*hi.keys, *hi.values, *hi.alt_keys, *hi.alt_values,
+                                                   *hi.up_keys, *hi.up_values)):
         raise CodecError(f"the codec sets the bits of layers {tuple(hi)} (keys, values at int8; keys, values at "
-                         f"{ALT_BITS[mode]} bits), but the KV has {n_layers} layers")
-    if set(hi.keys) & set(hi.alt_keys) or set(hi.values) & set(hi.alt_values):
+                         f"{ALT_BITS[mode]} bits; keys, values at {UP_BITS[mode]} bits), but the KV has "
+                         f"{n_layers} layers")
+    key_sets, value_sets = (set(hi.keys), set(hi.alt_keys), set(hi.up_keys)), (set(hi.values), set(hi.alt_values),
+                                                                                 set(hi.up_values))
+    if any(a & b for sets in (key_sets, value_sets) for i, a in enumerate(sets) for b in sets[i + 1:]):
         raise CodecError("a layer's keys or values are given two precisions")
-    lo_k = [layer for layer in range(n_layers) if layer not in hi.keys and layer not in hi.alt_keys]
-    lo_v = [layer for layer in range(n_layers) if layer not in hi.values and layer not in hi.alt_values]
+    lo_k = [layer for layer in range(n_layers) if not any(layer in s for s in key_sets)]
+    lo_v = [layer for layer in range(n_layers) if not any(layer in s for s in value_sets)]
     sk, zk, qk = _grouped_keys(k[lo_k], group, bits, variant)
     sv, zv, qv = _grouped_values(v[lo_v], group, bits, variant)
     sk8, qk8 = _int8(k[list(hi.keys)], 2)
     sv8, qv8 = _int8(v[list(hi.values)], 3)
     parts = [sk, zk, sv, zv, pack_rows(qk, bits), pack_rows(qv, bits), sk8, sv8, qk8, qv8]
-    if hi.alt_keys or hi.alt_values:
+    if hi.alt_keys or hi.alt_values or hi.up_keys or hi.up_values:
         alt = ALT_BITS[mode]
         ska, zka, qka = _grouped_keys(k[list(hi.alt_keys)], group, alt, variant)
         sva, zva, qva = _grouped_values(v[list(hi.alt_values)], group, alt, variant)
         parts += [ska, zka, sva, zva, pack_rows(qka, alt), pack_rows(qva, alt)]
+    if hi.up_keys or hi.up_values:  # the mode's bits of each code, then its top bit, each packed per layer
+        up = UP_BITS[mode]
+        sku, zku, qku = _grouped_keys(k[list(hi.up_keys)], group, up, variant)
+        svu, zvu, qvu = _grouped_values(v[list(hi.up_values)], group, up, variant)
+        low = (1 << bits) - 1
+        parts += [sku, zku, svu, zvu, pack_rows(qku & low, bits), pack_rows(qvu & low, bits),
+                  pack_rows(qku >> bits, 1), pack_rows(qvu >> bits, 1)]
     return parts
 
 

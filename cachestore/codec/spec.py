@@ -21,7 +21,9 @@ from cachestore.codec.frame import (
     ROT_KEYS,
     ROT_VALUES,
     ROWS_MODES,
+    SCALE8,
     SYM_VALUES,
+    UP_BITS,
     outlier_fits,
 )
 from cachestore.codec.frame import MODE_BITS as BITS
@@ -31,15 +33,17 @@ from cachestore.errors import ConfigError
 
 DEFAULT_GROUP = 64  # measured against 32 on SmolLM2 KV: see ops/bench/codec.py --groups
 _SPEC = re.compile(r"(?P<mode>[a-z0-9]+)(?:\+(?P<comp>[a-z0-9]+)(?::(?P<level>-?\d+))?)?"
-                   r"(?:/g(?P<group>\d+))?(?P<options>(?:/[a-z]+)*)"
+                   r"(?:/g(?P<group>\d+))?(?P<options>(?:/[a-z][a-z0-9]*)*)"
                    r"(?:/k8=(?P<k8>\d{1,5}(?:\.\d{1,5})*))?(?:/v8=(?P<v8>\d{1,5}(?:\.\d{1,5})*))?"
                    r"(?:/k(?P<ka_bits>[24])=(?P<ka>\d{1,5}(?:\.\d{1,5})*))?"
                    r"(?:/v(?P<va_bits>[24])=(?P<va>\d{1,5}(?:\.\d{1,5})*))?"
+                   r"(?:/k(?P<ku_bits>[35])=(?P<ku>\d{1,5}(?:\.\d{1,5})*))?"
+                   r"(?:/v(?P<vu_bits>[35])=(?P<vu>\d{1,5}(?:\.\d{1,5})*))?"
                    r"(?:/recent=(?P<recent>[a-z0-9]+))?")
 # int4/int2 options as spec text; "rot" is "rotk" and "rotv" together.
 _OPTIONS = {"rot": Variant(True, True), "rotk": Variant(rot_keys=True),
             "rotv": Variant(rot_values=True), "clip": Variant(clip=True), "plain": PLAIN,
-            "outk": Variant(outlier_keys=True), "symv": Variant(sym_values=True)}
+            "outk": Variant(outlier_keys=True), "symv": Variant(sym_values=True), "s8": Variant(scale8=True)}
 # What a bare "int4" / "int2" means, chosen with `kvstash bench quality` on SmolLM2's calibration texts.
 # int2 needs clipping above all and rotated values: with both its perplexity change fell by about an order
 # of magnitude. int4 stays plain: /rot lowers its KL but not its perplexity change (within noise), and its
@@ -87,8 +91,10 @@ class CodecSpec:
         if any(not 0 <= layer < MAX_DIM for layer in _all_layers(self.hi)):
             raise ConfigError(f"per-layer bits {self.hi} outside layers 0..{MAX_DIM - 1}")
         object.__setattr__(self, "hi", HiLayers(*(tuple(sorted(set(h))) for h in self.hi)))
-        if set(self.hi.keys) & set(self.hi.alt_keys) or set(self.hi.values) & set(self.hi.alt_values):
-            raise ConfigError(f"per-layer bits {self.hi}: a layer's keys or values are given two precisions")
+        hi = self.hi
+        for sets in ((hi.keys, hi.alt_keys, hi.up_keys), (hi.values, hi.alt_values, hi.up_values)):
+            if sum(map(len, sets)) != len(set().union(*sets)):
+                raise ConfigError(f"per-layer bits {self.hi}: a layer's keys or values are given two precisions")
         if self.mode not in GROUPED_MODES:
             object.__setattr__(self, "group_size", DEFAULT_GROUP)
             object.__setattr__(self, "variant", PLAIN)
@@ -96,22 +102,27 @@ class CodecSpec:
         elif self.variant is None:
             object.__setattr__(self, "variant", DEFAULT_VARIANTS[self.mode])
         if self.variant is not None and self.variant.split and self.hi != NO_HI:
-            raise ConfigError("/outk and /symv take no per-layer bits (/k8=, /v8=, /k4=, /v4=, /k2=, /v2=)")
+            raise ConfigError("/outk and /symv take no per-layer bits (/k8=, /v8=, /k4=, /v4=, /k2=, /v2=, /k5=, "
+                              "/v5=, /k3=, /v3=)")
+        if self.variant is not None and self.variant.split and self.variant.scale8:
+            raise ConfigError("/s8 does not combine with /outk or /symv")
         _check_recent(self.mode, self.recent)
 
     @classmethod
     def parse(cls, text: str) -> CodecSpec:
         """Parse "MODE[+COMPRESSOR[:LEVEL]][/gGROUP][/OPTION...][/k8=L.L...][/v8=L.L...][/kB=L.L...][/vB=L.L...]
-        [/recent=MODE]",
+        [/kU=L.L...][/vU=L.L...][/recent=MODE]",
         e.g. "int8", "int4+zstd:3/g32", "int2/g32/rotv/clip", "int4+zstd/k8=0.1", "int2+zstd/k4=0.1/v4=3",
-        "fp16+none/rows", "int2+zstd/k4=2/recent=int8" (options: rot, rotk, rotv, clip, plain; k8/v8: layers whose
-        keys/values stay int8; kB/vB: layers whose keys/values take the other grouped precision, B = 4 in int2, 2 in
-        int4; int4/int2 only, in this order. rows: exact/fp16; q8 is always token rows. recent, last: the mode of
+        "fp16+none/rows", "int2+zstd/k4=2/recent=int8", "int4+zstd/s8/k5=0.1.2" (options: rot, rotk, rotv, clip,
+        outk, symv, s8, plain; k8/v8: layers whose keys/values stay int8; kB/vB: layers whose keys/values take the
+        other grouped precision, B = 4 in int2, 2 in int4; kU/vU: one bit more, U = 5 in int4, 3 in int2;
+        int4/int2 only, in this order. rows: exact/fp16; q8 is always token rows. recent, last: the mode of
         the partial last block, RECENT_MODES)."""
         match = _SPEC.fullmatch(text.strip().lower()) if isinstance(text, str) else None
         if match is None:
             raise ConfigError(f"bad codec spec {text!r}; expected MODE[+COMPRESSOR[:LEVEL]][/gN][/OPTION]"
-                              f"[/k8=L.L][/v8=L.L][/k4=L.L][/v4=L.L][/recent=MODE] (int2; /k2=, /v2= in int4)")
+                              f"[/k8=L.L][/v8=L.L][/k4=L.L][/v4=L.L][/k3=L.L][/v3=L.L][/recent=MODE] (int2; /k2=, "
+                              f"/v2=, /k5=, /v5= in int4)")
         mode, comp = match["mode"], match["comp"] or "lz4"
         if match["level"] is not None and comp != "zstd":
             raise ConfigError(f"bad codec spec {text!r}: a level applies to zstd only")
@@ -119,11 +130,15 @@ class CodecSpec:
             raise ConfigError(f"bad codec spec {text!r}: a group size applies to int4/int2 only")
         level = int(match["level"]) if match["level"] is not None else 3
         group = int(match["group"]) if match["group"] is not None else DEFAULT_GROUP
-        hi = HiLayers(*(_parse_layers(text, mode, match[name]) for name in ("k8", "v8", "ka", "va")))
+        hi = HiLayers(*(_parse_layers(text, mode, match[name]) for name in ("k8", "v8", "ka", "va", "ku", "vu")))
         for name in ("ka_bits", "va_bits"):
             if match[name] is not None and (mode not in ALT_BITS or int(match[name]) != ALT_BITS[mode]):
                 raise ConfigError(f"bad codec spec {text!r}: /{name[0]}{match[name]}= applies to "
                                   f"{'int2' if match[name] == '4' else 'int4'} only (the other grouped precision)")
+        for name in ("ku_bits", "vu_bits"):
+            if match[name] is not None and (mode not in UP_BITS or int(match[name]) != UP_BITS[mode]):
+                raise ConfigError(f"bad codec spec {text!r}: /{name[0]}{match[name]}= applies to "
+                                  f"{'int4' if match[name] == '5' else 'int2'} only (one bit more than the mode)")
         options = [o for o in match["options"].split("/") if o]
         rows = options[-1:] == ["rows"]
         return cls(mode=mode, compressor=comp, level=level, group_size=group,
@@ -137,8 +152,8 @@ class CodecSpec:
             text += f":{self.level}"
         if self.mode in GROUPED_MODES:
             text += f"/g{self.group_size}" + _options_text(self.variant or PLAIN)
-            alt = ALT_BITS[self.mode]
-            for name, layers in zip(("k8", "v8", f"k{alt}", f"v{alt}"), self.hi, strict=True):
+            alt, up = ALT_BITS[self.mode], UP_BITS[self.mode]
+            for name, layers in zip(("k8", "v8", f"k{alt}", f"v{alt}", f"k{up}", f"v{up}"), self.hi, strict=True):
                 if layers:
                     text += f"/{name}=" + ".".join(map(str, layers))
         return text + ("/rows" if self.rows and self.mode in FLOAT_MODES else "") + _recent_text(self.recent)
@@ -149,7 +164,9 @@ class CodecSpec:
         beyond = [n for n in _all_layers(self.hi) if n >= num_layers]
         if beyond:
             top = max(beyond)
-            at = "int8" if top in (*self.hi.keys, *self.hi.values) else f"{ALT_BITS[self.mode]} bits"
+            at = ("int8" if top in (*self.hi.keys, *self.hi.values)
+                  else f"{ALT_BITS[self.mode]} bits" if top in (*self.hi.alt_keys, *self.hi.alt_values)
+                  else f"{UP_BITS[self.mode]} bits")
             raise ConfigError(f"codec {self.name()} keeps layer {top} at {at}, but the model has layers "
                               f"0-{num_layers - 1}: /k8= and /v8= name one model's layers")
 
@@ -168,22 +185,24 @@ class CodecSpec:
 
     @property
     def transform(self) -> int:
-        """The frame's transform bits (format versions 2 and 3) for this spec; 0 for none."""
+        """The frame's transform bits (format versions 2 to 5) for this spec; 0 for none."""
         v = self.variant or PLAIN
         return ((ROT_KEYS if v.rot_keys else 0) | (ROT_VALUES if v.rot_values else 0)
                 | (LAYER_TABLE if self.hi != NO_HI else 0) | (OUTLIER_KEYS if v.outlier_keys else 0)
-                | (SYM_VALUES if v.sym_values else 0))
+                | (SYM_VALUES if v.sym_values else 0) | (SCALE8 if v.scale8 else 0))
 
     def layer_table(self, layers: int) -> bytes:
-        """The frame's layer table (format version 3) for KV of `layers` layers; empty when no layer is raised."""
+        """The frame's layer table (format versions 3 and 5) for KV of `layers` layers; empty when no layer is
+        raised."""
         if self.hi == NO_HI:
             return b""
-        bits, alt, hi = BITS[self.mode], ALT_BITS[self.mode], self.hi
+        bits, alt, up, hi = BITS[self.mode], ALT_BITS[self.mode], UP_BITS[self.mode], self.hi
 
-        def of(i: int, at8: tuple[int, ...], other: tuple[int, ...]) -> int:
-            return HI_BITS if i in at8 else alt if i in other else bits
+        def of(i: int, at8: tuple[int, ...], other: tuple[int, ...], more: tuple[int, ...]) -> int:
+            return HI_BITS if i in at8 else alt if i in other else up if i in more else bits
 
-        return bytes(of(i, hi.keys, hi.alt_keys) | of(i, hi.values, hi.alt_values) << 4 for i in range(layers))
+        return bytes(of(i, hi.keys, hi.alt_keys, hi.up_keys) | of(i, hi.values, hi.alt_values, hi.up_values) << 4
+                     for i in range(layers))
 
     @property
     def lossless(self) -> bool:
@@ -244,11 +263,11 @@ def _options_text(v: Variant) -> str:
     """The canonical option suffix of a Variant: "/rot/clip", "/rotv", "/plain" ..."""
     rot = {(True, True): "/rot", (True, False): "/rotk", (False, True): "/rotv"}
     text = (rot.get((v.rot_keys, v.rot_values), "") + ("/clip" if v.clip else "") + ("/outk" if v.outlier_keys else "")
-            + ("/symv" if v.sym_values else ""))
+            + ("/symv" if v.sym_values else "") + ("/s8" if v.scale8 else ""))
     return text or "/plain"
 
 
 
 def _all_layers(hi: HiLayers) -> tuple[int, ...]:
-    return (*hi.keys, *hi.values, *hi.alt_keys, *hi.alt_values)
+    return (*hi.keys, *hi.values, *hi.alt_keys, *hi.alt_values, *hi.up_keys, *hi.up_values)
 

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
+from cachestore.codec import scalecodes
 from cachestore.codec.dequant import dequantize, dequantize_mixed, int8_codes_into
-from cachestore.codec.frame import FLOAT_MODES, SPLIT, FrameHeader
-from cachestore.codec.layout import Dims, codes_split_by_layer
+from cachestore.codec.frame import FLOAT_MODES, SCALE8, SPLIT, FrameHeader
+from cachestore.codec.layout import Dims, codes_split_by_layer, scale_pairs
 from cachestore.codec.plan import DTYPES, hi_of, kind_of, layer_slice, nbytes, plan, stored_shape, variant_of
 from cachestore.errors import CodecError
 
@@ -36,7 +37,12 @@ class OpenFrame:
             part = self.raw[start:start + nbytes(sec_dtype, shape)].view(sec_dtype)
             rows = self.header.rows and len(shape) == 5  # q8's one flat section is rows already
             parts.append(part.view(stored_shape(shape)).transpose(2, 3) if rows else part.view(shape))
-        return parts if self.device.type == "cpu" else [part.to(self.device) for part in parts]
+        if self.device.type != "cpu":
+            parts = [part.to(self.device) for part in parts]
+        h = self.header
+        if h.transform & SCALE8:  # 8-bit range codes -> the fp16 scales and zero points every decoder takes
+            parts = scalecodes.expand_parts(parts, scale_pairs(h.mode, h.hi_counts))
+        return parts
 
     @property
     def kind(self) -> tuple[object, ...]:
@@ -124,13 +130,14 @@ class FrameRun:
     @classmethod
     def of(cls, buffer: torch.Tensor, frames: list[OpenFrame]) -> FrameRun | None:
         """`frames` as one run over `buffer` (1-D uint8), or None unless each is read in place from it, all at one
-        stride, of one kind (mode, shape, dtype, group, transform; no layer table, codes that split by layer)."""
+        stride, of one kind (mode, shape, dtype, group, transform; no layer table, outlier channels, symmetric
+        values or range codes; codes that split by layer)."""
         if not frames or buffer.dtype != torch.uint8 or buffer.dim() != 1:
             return None
         first = frames[0]
         h = first.header
         kind = kind_of(h)
-        if (h.layer_bits or h.rows or h.transform & SPLIT or not first.splits_by_layer
+        if (h.layer_bits or h.rows or h.transform & (SPLIT | SCALE8) or not first.splits_by_layer
                 or any(not f.borrowed or kind_of(f.header) != kind for f in frames)):
             return None
         base, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()

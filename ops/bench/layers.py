@@ -1,9 +1,10 @@
 """`kvstash bench layers`: which layers of your model are worth more bits, measured on calibration text only.
 
-The calibration procedure behind a per-layer bit allocation (`/k8=`, `/v8=` of int4; `/k4=`, `/v4=` of int2). For
-several windows of the calibration texts (never the ones claims are made on: `ops/bench/texts.py`), the prefix's KV
-is round-tripped block by block as a pod stores it, through the base codec and through the upgrade (int8 for int4,
-int4 for int2, same group and options), and then, for every layer and for its keys and its values apart, that one
+The calibration procedure behind a per-layer bit allocation (`/k8=`, `/v8=` of int4; `/k4=`, `/v4=` of int2; with
+`--upgrade bit`, `/k5=`, `/v5=` of int4 and `/k3=`, `/v3=` of int2). For several windows of the calibration texts
+(never the ones claims are made on: `ops/bench/texts.py`), the prefix's KV is round-tripped block by block as a pod
+stores it, through the base codec and through the upgrade (by default int8 for int4, int4 for int2; one bit more
+with `--upgrade bit`; same group and options), and then, for every layer and for its keys and its values apart, that one
 half is put back from the upgrade into the all-base KV and the next tokens scored: the mean KL(exact || codec) of
 their next-token distributions, and how much the upgrade of that half alone lowers it. Halves are ranked by that
 gain; the suggestion takes them in rank order while the encoded size of a `--size-tokens` context stays at least
@@ -11,6 +12,7 @@ gain; the suggestion takes them in rank order while the encoded size of a `--siz
 
     kvstash bench layers --base int4+zstd/rot/clip          # int8 upgrades of an int4 codec, on the calibration set
     kvstash bench layers --base int2+zstd --text my_calibration.txt --json layers.json
+    kvstash bench layers --base int4+zstd/s8 --upgrade bit --min-ratio 3.55   # 5-bit halves paid by range codes
 
 Confirm the suggested spec with `kvstash bench quality` on held-out text (docs/fidelity.md).
 """
@@ -26,8 +28,9 @@ from ops.bench import qstats, texts
 from ops.bench.common import machine, print_table, write_json
 from ops.bench.quality import FP16_BYTES, SCORERS, SIZE_TARGETS, _round_trip, _windows
 
-UPGRADE = {"int4": "int8", "int2": "int4"}  # the precision a layer's half is raised to, by base mode
-_FLAG = {"int8": "8", "int4": "4"}
+UPGRADE = {"int4": "int8", "int2": "int4"}  # the precision a layer's half is raised to by default, by base mode
+# --upgrade: int8, the other grouped precision (int4 in int2, int2 in int4), one bit more
+UPGRADES = ("int8", "other", "bit")
 
 
 def register(bench_subparsers: Any) -> None:
@@ -40,6 +43,10 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2 (default), tiny-random or a local HF directory")
     p.add_argument("--base", default="int4+zstd", help="the int4 or int2 codec to calibrate (default %(default)s); "
                                                        "its own /k8= etc. are ignored")
+    p.add_argument("--upgrade", choices=UPGRADES, default=None,
+                   help="what a raised half takes: int8 (/k8= /v8=), other (the other grouped precision: /k4= /v4= in "
+                        "int2), bit (one bit more: /k5= /v5= in int4, /k3= /v3= in int2); default int8 for int4, "
+                        "other for int2")
     p.add_argument("--windows", type=int, default=3, help="windows spread over each text (default 3)")
     p.add_argument("--prefix", type=int, default=512, help="tokens in the cache (default 512)")
     p.add_argument("--continuation", type=int, default=64, help="tokens scored after it (default 64)")
@@ -54,6 +61,7 @@ def register(bench_subparsers: Any) -> None:
 
 
 def _base_spec(text: str) -> Any:
+    """The spec to calibrate, its layer table dropped; SystemExit for one bench layers cannot calibrate."""
     from cachestore.codec import CodecSpec  # noqa: PLC0415
     from cachestore.codec.layout import NO_HI  # noqa: PLC0415
 
@@ -66,13 +74,22 @@ def _base_spec(text: str) -> Any:
     return replace(spec, hi=NO_HI)
 
 
-def _with_layers(base: Any, halves: list[tuple[int, int]]) -> Any:
-    """`base` with these (layer, half) raised to the upgrade precision, as a spec."""
+def _upgrade_of(base: Any, upgrade: str | None) -> str:
+    """The --upgrade of a base spec: its mode's default, or as given ("other" of int4 is int2: fewer bits, refused)."""
+    chosen = upgrade or ("int8" if UPGRADE[base.mode] == "int8" else "other")
+    if chosen == "other" and base.mode == "int4":
+        raise SystemExit("the other grouped precision of int4 is int2, fewer bits: --upgrade int8 or bit")
+    return chosen
+
+
+def _with_layers(base: Any, halves: list[tuple[int, int]], upgrade: str) -> Any:
+    """`base` with these (layer, half) raised to the `upgrade` precision, as a spec."""
     from cachestore.codec.layout import HiLayers  # noqa: PLC0415
 
     keys = tuple(sorted(layer for layer, half in halves if half == 0))
     values = tuple(sorted(layer for layer, half in halves if half == 1))
-    hi = HiLayers(keys, values) if UPGRADE[base.mode] == "int8" else HiLayers(alt_keys=keys, alt_values=values)
+    hi = (HiLayers(keys, values) if upgrade == "int8" else HiLayers(alt_keys=keys, alt_values=values)
+          if upgrade == "other" else HiLayers(up_keys=keys, up_values=values))
     return replace(base, hi=hi)
 
 
@@ -92,7 +109,7 @@ def _suggest(ranked: list[dict[str, Any]], base: Any, size_kv: Any, args: argpar
     for r in ranked:
         if r["kl_gain"] <= 0 or (args.max_layers is not None and len(chosen) >= args.max_layers):
             break
-        trial = _with_layers(base, [*chosen, (r["layer"], r["half"])])
+        trial = _with_layers(base, [*chosen, (r["layer"], r["half"])], args.upgrade)
         trial_ratio = fp16 / _size(size_kv, trial, args.block_tokens)
         if trial_ratio < min_ratio:
             continue  # a later half may still fit (every half of one kind costs the same, so rarely)
@@ -105,10 +122,12 @@ def run(args: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415
 
     from cachestore.codec.blockcodec import BlockCodecs  # noqa: PLC0415
+    from cachestore.codec.frame import ALT_BITS, UP_BITS  # noqa: PLC0415
 
     before = machine()
     base = _base_spec(args.base)
-    up = replace(base, mode=UPGRADE[base.mode], hi=base.hi)  # same group, options and compressor
+    args.upgrade = _upgrade_of(base, args.upgrade)
+    up_name = {"int8": "int8", "other": "int4", "bit": f"{base.mode} + 1 bit"}[args.upgrade]
     min_ratio = args.min_ratio if args.min_ratio is not None else SIZE_TARGETS[base.mode]
     chosen_texts = texts.resolve(args.text or ["calibration"])
     held_out = {t.name for t in texts.HELD_OUT} & {t.name for t in chosen_texts}
@@ -143,6 +162,9 @@ def run(args: argparse.Namespace) -> int:
         return float(-logp.gather(1, torch.tensor(window[n:]).unsqueeze(1)).mean())
 
     layers = windows[0][0].shape[0]
+    # every layer at the upgrade: same group, options and compressor
+    up = (replace(base, mode=UPGRADE[base.mode]) if args.upgrade != "bit"
+          else _with_layers(base, [(layer, half) for layer in range(layers) for half in (0, 1)], "bit"))
     base_kl, up_kl = [], []
     half_kl: dict[tuple[int, int], list[float]] = {(layer, half): [] for layer in range(layers) for half in (0, 1)}
     for i, (kv, window, ref) in enumerate(windows):
@@ -153,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
             mixed = lo.clone()
             mixed[layer, half] = hi[layer, half]
             kls.append(kl_of(mixed, window, ref))
-        print(f"window {i + 1}/{len(windows)}: base KL {base_kl[-1]:.3e}, all {up.mode} {up_kl[-1]:.3e}", flush=True)
+        print(f"window {i + 1}/{len(windows)}: base KL {base_kl[-1]:.3e}, all {up_name} {up_kl[-1]:.3e}", flush=True)
     base_mean = qstats.mean(base_kl)
     ranked = []
     for (layer, half), kls in half_kl.items():
@@ -178,13 +200,13 @@ def run(args: argparse.Namespace) -> int:
     _, b_lo, b_hi = qstats.ppl_delta_interval(base_d, exact_nll)
     s_pct, s_lo, s_hi = qstats.ppl_delta_interval(sug_d, exact_nll)
     b_pct = qstats.ppl_delta_interval(base_d, exact_nll)[0]
-    print(f"{args.engine} {args.model}, base {base.name()}, upgrade to {up.mode}; {len(windows)} windows of "
+    print(f"{args.engine} {args.model}, base {base.name()}, upgrade to {up_name}; {len(windows)} windows of "
           f"{', '.join(t.name for t in chosen_texts)}, {n}-token prefix, next {m} tokens; KL gain of raising one "
           f"half alone (95% t-interval over windows)")
     print_table(ranked, [("rank", "rank", "d"), ("layer", "layer", "d"), ("part", "half", ""),
                          ("kl_gain", "KL gain", ".3e"), ("kl_gain_lo", "lo", ".2e"), ("kl_gain_hi", "hi", ".2e"),
                          ("share_pct", "% of base KL", ".1f"), ("kl", "KL then", ".3e")])
-    flag = _FLAG[up.mode]
+    flag = {"int8": "8", "other": str(ALT_BITS[base.mode]), "bit": str(UP_BITS[base.mode])}[args.upgrade]
     print(f"base       {base.name()}: KL {base_mean:.3e}, ppl {b_pct:+.3f}% [{b_lo:+.3f}, {b_hi:+.3f}], "
           f"{base_ratio:.2f}x fp16")
     print(f"suggested  {suggested.name()}: KL {qstats.mean(sug_kl):.3e}, ppl {s_pct:+.3f}% [{s_lo:+.3f}, "
@@ -193,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
     print("confirm it on held-out text: kvstash bench quality --modes exact," + suggested.name())
     if args.json:
         write_json(args.json, {
-            "ranked": ranked, "base": base.name(), "upgrade": up.mode, "base_kl": base_mean,
+            "ranked": ranked, "base": base.name(), "upgrade": up_name, "base_kl": base_mean,
             "base_kl_windows": base_kl, "suggested_kl_windows": sug_kl, "all_up_kl":
             qstats.mean(up_kl), "suggested": suggested.name(), "suggested_kl": qstats.mean(sug_kl),
             "suggested_ppl_delta_pct": s_pct, "suggested_ppl_delta_lo": s_lo, "suggested_ppl_delta_hi": s_hi,

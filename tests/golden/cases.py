@@ -4,7 +4,8 @@ Format 1 frames (every case without /rot, /k8 or /v8) were written before format
 byte-identical; format 2 added the rotated int4/int2 frames, format 3 those with int8 layers (/k8,
 /v8), and later within format 3 tables giving layers the other grouped precision (/k4, /v4 in int2 frames,
 /k2, /v2 in int4: an older format 3 reader refuses them for their table's bits); format 4 the frames with outlier
-key channels or symmetric values (/outk, /symv). The token-rows flag (/rows,
+key channels or symmetric values (/outk, /symv); later within format 3, tables giving layers one bit more (/k5,
+/v5 in int4 frames, /k3, /v3 in int2); format 5 the frames with 8-bit range codes (/s8). The token-rows flag (/rows,
 format 1 or later) and mode q8 came later: an older reader refuses the flag as unknown, and q8 by its unknown mode
 code. Write only new cases, deliberately (a changed format bumps FORMAT_VERSION and keeps reading, or cleanly
 refuses, the old files):
@@ -51,6 +52,13 @@ CASES: dict[str, tuple[str, torch.dtype, tuple[int, int, int, int, int]]] = {
     "int2_fp32_none_g4_outk_symv": ("int2+none/g4/outk/symv", torch.float32, (2, 2, 2, 10, 8)),
     "int4_fp16_zstd_g8_outk": ("int4+zstd:3/g8/outk", torch.float16, (1, 2, 1, 9, 16)),
     "int2_bf16_lz4_g4_symv": ("int2+lz4/g4/clip/symv", torch.bfloat16, (1, 2, 2, 5, 8)),
+    # format 3, later: tables giving layers one bit more (5 in int4 frames, 3 in int2; top bits in their own section)
+    "int4_fp32_none_g4_k5v5": ("int4+none/g4/plain/k8=2/k5=0/v5=1.2", torch.float32, (3, 2, 2, 6, 8)),
+    "int2_fp16_zstd_g5_k3": ("int2+zstd:3/g5/plain/k4=1/k3=0", torch.float16, (2, 2, 1, 7, 3)),
+    # format 5: 8-bit range codes between each block's extremes (/s8), alone, with rotation and clipping, with a table
+    "int4_fp32_none_g4_s8": ("int4+none/g4/s8", torch.float32, (2, 2, 2, 6, 8)),
+    "int2_bf16_lz4_g4_rotv_clip_s8": ("int2+lz4/g4/rotv/clip/s8", torch.bfloat16, (1, 2, 2, 9, 8)),
+    "int4_fp16_zstd_g8_s8_k8k5": ("int4+zstd:3/g8/s8/k8=1/v2=2/k5=0.2", torch.float16, (3, 2, 1, 9, 8)),
     # format 1: the int8 frame of a partial last block under int4/int2+zstd/recent=int8 (tests/test_codec_recent.py)
     "int8_fp32_zstd_partial": ("int8+zstd:3", torch.float32, (2, 2, 1, 5, 8)),
 }

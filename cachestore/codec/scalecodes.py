@@ -1,0 +1,74 @@
+"""8-bit range codes (`/s8`, frame format 5): a grouped frame's scales and zero points at a quarter bit a value
+instead of half a bit.
+
+An int4/int2 group normally stores its range as an fp16 scale and an fp16 zero point: 32 bits for 64 values. With
+SCALE8 the groups of one block share two fp16 extremes (keys: the groups of one layer, head and token group across
+all channels; values: one layer, head and channel group across all tokens), and each group stores its minimum and
+maximum as 8-bit codes between them, the minimum rounded down and the maximum up, so every value still lies in its
+group's range. Each pair of fp16 sections (scale, zero) of a layout becomes a pair (extremes, codes):
+
+    keys    extremes [layers, heads, key groups, 2, 1]   codes [layers, heads, key groups, 2, head_dim]
+    values  extremes [layers, heads, 1, value groups, 2]  codes [layers, heads, tokens, value groups, 2]
+
+(along the axis of size 2: the low extreme or code first). `expand` turns a pair back into the fp16 scale and zero
+point every decoder already takes; the encoder quantizes against exactly those, so decoding is the affine map of
+every other grouped frame, native kernels included.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cachestore.errors import CodecError
+
+F16 = torch.float16
+LEVELS = 255
+# the axis of size 2 in the grouped shapes [L, H, groups, group, D] (keys) and [L, H, T, groups, group] (values)
+KEY_AXIS, VALUE_AXIS = 3, 4
+KEY_SPAN, VALUE_SPAN = 4, 2  # the axis the extremes are taken across: channels (keys), tokens (values)
+
+
+def expand(extremes: torch.Tensor, codes: torch.Tensor, axis: int, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(extremes, codes) of one half -> its fp16 (scale, zero), for codes of `levels` + 1 levels: the zero point
+    rounded down to fp16 and the scale up, so the coded range covers what the codes say. Separate multiplies and adds
+    (no fused multiply-add), so every machine computes the same bits."""
+    lo = extremes.narrow(axis, 0, 1).float()
+    step = (extremes.narrow(axis, 1, 1).float() - lo) / LEVELS
+    zero = _fp16(lo + codes.narrow(axis, 0, 1).float() * step, up=False)
+    top = lo + codes.narrow(axis, 1, 1).float() * step
+    return _fp16(((top - zero.float()) / levels).clamp_(min=0), up=True), zero
+
+
+def _fp16(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """fp32 -> fp16 rounded up (or down): the nearest fp16 on that side of x."""
+    h = x.to(F16)
+    off = h.float() < x if up else h.float() > x
+    return torch.where(off, torch.nextafter(h, torch.full_like(h, float("inf") if up else float("-inf"))), h)
+
+
+def extremes_of(lo: torch.Tensor, hi: torch.Tensor, axis: int, span: int) -> torch.Tensor:
+    """The fp16 extremes of groups whose minima are `lo` and maxima `hi` (fp32, the scale's shape), taken across `span`
+    and rounded outward, stacked along `axis`; CodecError unless they are finite."""
+    ext = torch.cat([_fp16(lo.amin(span, keepdim=True), up=False), _fp16(hi.amax(span, keepdim=True), up=True)], axis)
+    if not bool(torch.isfinite(ext).all()):
+        raise CodecError("KV holds NaN/Inf or values beyond the fp16 range of range codes")
+    return ext
+
+
+def codes_of(extremes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, axis: int) -> torch.Tensor:
+    """The 8-bit codes of groups of range [lo, hi] (fp32) between their `extremes`: lo rounded down, hi up."""
+    low = extremes.narrow(axis, 0, 1).float()
+    step = (extremes.narrow(axis, 1, 1).float() - low) / LEVELS
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    down = ((lo - low) / safe).floor_().clamp_(0, LEVELS)
+    up = ((hi - low) / safe).ceil_().clamp_(0, LEVELS)
+    return torch.cat([down, up], axis).to(torch.uint8)
+
+
+def expand_parts(parts: list[torch.Tensor], pairs: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+    """A SCALE8 frame's payload sections with every (extremes, codes) pair turned into (scale, zero): `pairs` lists
+    (first section, axis, levels) of each (`layout.scale_pairs`)."""
+    out = list(parts)
+    for i, axis, levels in pairs:
+        out[i], out[i + 1] = expand(parts[i], parts[i + 1], axis, levels)
+    return out
