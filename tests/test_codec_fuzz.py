@@ -25,7 +25,8 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=False,
 SPECS = ["exact+none", "exact+lz4", "fp16+zstd:1", "int8+lz4", "int8+none", "int4+zstd:1/g4",
          "int2+lz4/g8/plain", "fp8+none", "int2+lz4/g8", "int4+none/g4/rot/clip",  # these two: format 2
          "int4+none/g4/k8=0", "int2+zstd:1/g8/rotv/v8=0",  # format 3 (layer 0 exists in every shape drawn)
-         "int4+none/g4/k5=0", "int4+none/g4/s8", "int2+lz4/g8/rotv/clip/s8/k3=0"]  # one bit more; format 5
+         "int4+none/g4/k5=0", "int4+none/g4/s8", "int2+lz4/g8/rotv/clip/s8/k3=0",  # one bit more; format 5
+         "int2+zstd:1/g8/symv/s8/v3=0"]
 DECODER = Codec()
 LIMIT = 1 << 16  # elements: a crafted header may not make the fuzzer allocate much
 

@@ -78,7 +78,7 @@ def test_golden_frames_cover_every_mode_and_compressor() -> None:
     headers = [read_header(frame_path(name).read_bytes()) for name in NAMES]
     assert {h.mode for h in headers} == {"exact", "fp16", "int8", "int4", "int2", "fp8", "q8"}
     assert {h.version for h in headers} == {1, 2, 3, 4, 5}
-    assert {h.transform for h in headers} == {0, 1, 2, 3, 4, 8, 16, 24, 32, 34, 36}
+    assert {h.transform for h in headers} == {0, 1, 2, 3, 4, 8, 16, 24, 32, 34, 36, 60}
     assert {h.compressor for h in headers} == {"none", "lz4", "zstd"}
     assert {h.dtype for h in headers} == {"float32", "float16", "bfloat16"}
     assert any(h.shuffled for h in headers)
@@ -102,8 +102,8 @@ def test_a_future_version_is_rejected_cleanly() -> None:
     ("int8_fp16_none", 4, 16, "transform 0x10 for mode int8"),  # symmetric values on a mode that has none
     ("int4_fp32_none_g4_s8", 2, 32, "transform 0x20 in version 2"),  # range codes need format 5
     ("int4_fp32_none_g4_s8", 5, 0, "transform 0x0 in version 5"),  # format 5 without range codes
-    ("int4_fp32_none_g4_s8", 5, 0x28, "transform 0x28 in version 5"),  # range codes with outlier keys
     ("int4_fp32_none_g4_s8", 3, 0x24, "transform 0x24 in version 3"),  # range codes in format 3
+    ("int2_fp32_none_g4_outk_symv", 5, 0x18, "transform 0x18 in version 5"),  # format 5 without range codes
     ("int4_fp32_none_g4_s8", 5, 0x60, "transform 0x60"),  # an unknown transform bit
 ])
 def test_inconsistent_version_and_transform_are_refused(name: str, version: int, transform: int,

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from cachestore.codec import kernels
+from cachestore.codec import kernels, scalecodes
 from cachestore.codec.frame import MODE_BITS as BITS
 from cachestore.codec.frame import OUTLIER_BITS, UP_BITS, outlier_channels
 from cachestore.codec.layout import (
@@ -62,8 +62,9 @@ def unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
 
 def dequantize(mode: str, parts: list[torch.Tensor], dims: Dims, group: int,
                dtype: torch.dtype, out: torch.Tensor | None = None,
-               variant: Variant = PLAIN) -> torch.Tensor:
-    """Payload sections (on the target device) -> kv [layers, 2, heads, tokens, dim] of dtype.
+               variant: Variant = PLAIN, up: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> torch.Tensor:
+    """Payload sections (on the target device) -> kv [layers, 2, heads, tokens, dim] of dtype. `up`: the layers
+    (of those the sections hold) whose keys / values a split frame's table gives one bit more.
 
     With `out` (that shape, any float dtype, possibly a strided view) the result is written there
     in out's dtype and `out` is returned: no intermediate tensor of the whole KV.
@@ -90,7 +91,7 @@ def dequantize(mode: str, parts: list[torch.Tensor], dims: Dims, group: int,
         int8_codes_into(out[:, 1], qv, sv)
         return out
     if variant.split:
-        return _dequantize_split(mode, parts, dims, group, out, variant)
+        return _dequantize_split(mode, parts, dims, group, out, variant, up)
     gk, nk, gv, nv = groups(dims, group)
     sk, zk, sv, zv, pk, pv = parts
     bits = BITS[mode]
@@ -104,37 +105,79 @@ def dequantize(mode: str, parts: list[torch.Tensor], dims: Dims, group: int,
 
 
 def _dequantize_split(mode: str, parts: list[torch.Tensor], dims: Dims, group: int, out: torch.Tensor,
-                      variant: Variant) -> torch.Tensor:
-    """The sections of `split_layout` (format 4; `dims` the layers they hold) -> out [layers, 2, heads, tokens, dim].
-    A mask that does not mark exactly `outlier_channels` channels of every key group raises CodecError."""
+                      variant: Variant, up: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> torch.Tensor:
+    """The sections of `split_layout` (formats 4 and 5, range codes expanded; `dims` the layers they hold, `up` the
+    layers of them one bit more) -> out [layers, 2, heads, tokens, dim]. A mask that does not mark exactly
+    `outlier_channels` channels of every key group raises CodecError."""
     n_layers, h, t, d = dims
     gk, nk, gv, nv = groups(dims, group)
     bits = BITS[mode]
-    sec = dict(zip(split_layout(mode, dims, group, variant), parts, strict=True))
+    up_k, up_v = up
+    sec = dict(zip(split_layout(mode, dims, group, variant, (0, 0, 0, 0, len(up_k), len(up_v))), parts, strict=True))
     kshape = (n_layers, h, nk, gk, d)
+    c = outlier_channels(mode, d) if variant.outlier_keys else 0
+    lo = _raised_codes(sec["pk"], sec.get("pkt"), bits, n_layers, h * nk * gk * (d - c), up_k)
     if variant.outlier_keys:
-        c = outlier_channels(mode, d)
         mask = unpack_mask(sec["mask"], d)  # [L, H, groups, D]
         if not bool((mask.sum(-1) == c).all()):
             raise CodecError(f"outlier key mask does not mark {c} channels in every key group")
         where = mask.unsqueeze(3).expand(kshape)
         codes = torch.empty(kshape, dtype=torch.uint8, device=mask.device)
-        lo = _layer_codes(sec["pk"], bits, n_layers, h * nk * gk * (d - c))
         hi_bits = OUTLIER_BITS[mode]
         hi = _layer_codes(sec["pko"], hi_bits, n_layers, h * nk * gk * c) if hi_bits < 8 else sec["pko"]
         codes.masked_scatter_(~where, lo)
         codes.masked_scatter_(where, hi)
     else:
-        codes = _layer_codes(sec["pk"], bits, n_layers, h * nk * gk * d).view(kshape)
+        codes = lo.view(kshape)
     _affine_into(out[:, 0], codes, sec["sk"], sec["zk"], 2, variant.rot_keys)
     vshape = (n_layers, h, t, nv, gv)
-    qv = _layer_codes(sec["pv"], bits, n_layers, h * t * nv * gv).view(vshape)
+    qv = _raised_codes(sec["pv"], sec.get("pvt"), bits, n_layers, h * t * nv * gv, up_v).view(vshape)
     if variant.sym_values:  # (code - mid) * scale: the affine map with zero point -mid * scale
         scale = sec["sv"].float()
-        _affine_into(out[:, 1], qv, scale, scale * -((1 << bits) - 1) / 2, 3, variant.rot_values)
+        mid = torch.full((n_layers, 1, 1, 1, 1), ((1 << bits) - 1) / 2, device=scale.device)
+        mid[list(up_v)] = ((2 << bits) - 1) / 2
+        _affine_into(out[:, 1], qv, scale, scale * -mid, 3, variant.rot_values)
     else:
         _affine_into(out[:, 1], qv, sec["sv"], sec["zv"], 3, variant.rot_values)
     return out
+
+
+def _raised_codes(packed: torch.Tensor, top: torch.Tensor | None, bits: int, layers: int, per_layer: int,
+                  up: tuple[int, ...]) -> torch.Tensor:
+    """`_layer_codes` of every layer at `bits`, the layers `up` with their top bits (packed per layer in `top`)
+    added: uint8 [layers * per_layer]."""
+    q = _layer_codes(packed, bits, layers, per_layer)
+    if up and top is not None:
+        q = q.view(layers, per_layer)
+        q[list(up)] |= _layer_codes(top, 1, len(up), per_layer).view(len(up), per_layer) << bits
+        q = q.view(-1)
+    return q
+
+
+def expand_split(mode: str, parts: list[torch.Tensor], dims: Dims, group: int, variant: Variant,
+                 up: tuple[tuple[int, ...], tuple[int, ...]]) -> list[torch.Tensor]:
+    """A format 5 split frame's sections (`split_layout`, the whole frame) with its range codes expanded to fp16
+    scales and zero points: key channels at their own levels (outlier channels OUTLIER_BITS, the others the mode's
+    bits or one more in the layers `up[0]`), values at their layer's."""
+    names = list(split_layout(mode, dims, group, variant, (0, 0, 0, 0, len(up[0]), len(up[1]))))
+    sec = dict(zip(names, parts, strict=True))
+    bits = BITS[mode]
+
+    def levels(raised: tuple[int, ...]) -> torch.Tensor:
+        per_layer = torch.full((dims.layers, 1, 1, 1, 1), float((1 << bits) - 1), device=parts[0].device)
+        per_layer[list(raised)] = float((2 << bits) - 1)
+        return per_layer
+
+    key_levels = levels(up[0])
+    if variant.outlier_keys:
+        mask = unpack_mask(sec["mask"], dims.head_dim).unsqueeze(3)  # [L, H, groups, 1, D]
+        key_levels = torch.where(mask, float((1 << OUTLIER_BITS[mode]) - 1), key_levels)
+    sec["sk"], sec["zk"] = scalecodes.expand(sec["sk"], sec["zk"], scalecodes.KEY_AXIS, key_levels)
+    if variant.sym_values:
+        sec["sv"] = scalecodes.sym_expand(sec["sv"], sec["svc"])
+    else:
+        sec["sv"], sec["zv"] = scalecodes.expand(sec["sv"], sec["zv"], scalecodes.VALUE_AXIS, levels(up[1]))
+    return [sec[name] for name in names]
 
 
 def _layer_codes(packed: torch.Tensor, bits: int, layers: int, per_layer: int) -> torch.Tensor:

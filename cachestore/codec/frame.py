@@ -243,8 +243,9 @@ def parse_header(buf: bytes | memoryview, *, max_elements: int) -> FrameHeader:
         raise CodecError(f"inconsistent frame: transform {transform:#x} in version {version}")
     if transform & ~_KNOWN_TRANSFORMS or (transform and mode_name not in GROUPED_MODES):
         raise CodecError(f"unknown transform {transform:#x} for mode {mode_name}")
-    if (bool(transform & SCALE8) != (version == 5) or bool(transform & SPLIT) != (version == 4)
-            or (version != 5 and bool(transform & LAYER_TABLE) != (version == 3))):
+    if (bool(transform & SCALE8) != (version == 5)
+            or (version != 5 and (bool(transform & SPLIT) != (version == 4)
+                                  or bool(transform & LAYER_TABLE) != (version == 3)))):
         raise CodecError(f"inconsistent frame: transform {transform:#x} in version {version}")
     if transform & OUTLIER_KEYS and not outlier_fits(mode_name, dim):
         raise CodecError(f"inconsistent frame: outlier key channels with head_dim {dim}")
@@ -263,7 +264,8 @@ def parse_header(buf: bytes | memoryview, *, max_elements: int) -> FrameHeader:
                                ("tokens", tokens, MAX_TOKENS), ("head_dim", dim, MAX_DIM)):
         if not 1 <= value < limit:
             raise CodecError(f"{name} = {value} outside 1..{limit - 1}")
-    table = _layer_table(buf, mode_name, layers, payload_len) if transform & LAYER_TABLE else b""
+    table = (_layer_table(buf, mode_name, layers, payload_len, bool(transform & SPLIT)) if transform & LAYER_TABLE
+             else b"")
     header = FrameHeader(version, mode_name, _COMPRESSOR_NAMES[comp], _DTYPE_NAMES[dtype], flags,
                          group, layers, heads, tokens, dim, raw_len, payload_len, digest, transform, table)
     if header.elements > max_elements:
@@ -271,12 +273,13 @@ def parse_header(buf: bytes | memoryview, *, max_elements: int) -> FrameHeader:
     return header
 
 
-def _layer_table(buf: bytes | memoryview, mode: str, layers: int, payload_len: int) -> bytes:
-    """The layer table (versions 3 and 5) that follows the header, checked byte by byte."""
+def _layer_table(buf: bytes | memoryview, mode: str, layers: int, payload_len: int, split: bool = False) -> bytes:
+    """The layer table (versions 3 and 5) that follows the header, checked byte by byte (a frame with outlier key
+    channels or symmetric values may give layers one bit more, nothing else)."""
     if payload_len < layers or len(buf) < HEADER_SIZE + layers:
         raise CodecError(f"truncated frame: the layer table needs {layers} bytes after the header")
     table = bytes(buf[HEADER_SIZE:HEADER_SIZE + layers])
-    allowed = {MODE_BITS[mode], ALT_BITS[mode], UP_BITS[mode], HI_BITS}
+    allowed = {MODE_BITS[mode], UP_BITS[mode]} if split else {MODE_BITS[mode], ALT_BITS[mode], UP_BITS[mode], HI_BITS}
     for layer, entry in enumerate(table):
         if entry & 0xF not in allowed or entry >> 4 not in allowed:
             raise CodecError(f"layer table: layer {layer} has key/value bits {entry & 0xF}/{entry >> 4}, "

@@ -98,7 +98,7 @@ def layout(mode: str, dims: Dims, group: int, dtype: torch.dtype,
     With `variant.scale8` every grouped (scale, zero) pair is stored as 8-bit range codes (`scalecodes`)."""
     n_layers, h, t, d = dims
     if variant is not None and variant.split:
-        return list(split_layout(mode, dims, group, variant).values())
+        return list(split_layout(mode, dims, group, variant, hi_counts).values())
     s8 = variant is not None and variant.scale8
     if any(hi_counts):
         return _mixed_layout(mode, dims, group, (*hi_counts, 0, 0, 0, 0, 0, 0)[:6], s8)
@@ -151,22 +151,42 @@ def scale_pairs(mode: str, hi_counts: tuple[int, ...]) -> list[tuple[int, int, i
             for pair in ((at, KEY_AXIS, (1 << bits) - 1), (at + 2, VALUE_AXIS, (1 << bits) - 1))]
 
 
-def split_layout(mode: str, dims: Dims, group: int, variant: Variant) -> dict[str, Section]:
+def split_layout(mode: str, dims: Dims, group: int, variant: Variant,
+                 hi_counts: tuple[int, ...] = (0, 0, 0, 0, 0, 0)) -> dict[str, Section]:
     """Format 4's sections of a grouped mode by name, in payload order, every one layers first (packed codes are
     padded to a whole byte per layer, so a frame's layers dequantize apart): key scales and zero points
     [L, H, key groups, 1, D]; value scales [L, H, T, value groups, 1] and, unless `sym_values`, their zero points;
     with `outlier_keys` a bit mask [L, H, key groups, D / 8] of each key group's outlier channels (bit c of byte
     c // 8: channel c), the other channels' codes in channel order, then the outlier channels' codes
-    (OUTLIER_BITS); the value codes."""
+    (OUTLIER_BITS); the value codes.
+
+    Format 5 (`variant.scale8`): each (scale, zero) pair as range codes (`scalecodes`; symmetric value scales as
+    extremes "sv" [L, H, 1, value groups, 1] and 8-bit codes "svc" [L, H, T, value groups, 1], each scale
+    extreme * code / 255), and a layer table may give layers one bit more (`hi_counts[4:6]`, UP_BITS): their keys'
+    non-outlier channels (values) keep the mode's bits of each code in "pk" ("pv") like every layer, and put the
+    top bits in "pkt" ("pvt"), packed per layer, those layers only."""
     if mode not in BITS:
         raise CodecError(f"outlier key channels and symmetric values apply to int4/int2 only, not {mode}")
     n_layers, h, t, d = dims
     gk, nk, gv, nv = groups(dims, group)
     bits = BITS[mode]
+    counts = (*hi_counts, 0, 0, 0, 0, 0, 0)[:6]
+    if any(counts[:4]) or (any(counts) and not variant.scale8) or max(counts[4:]) > n_layers:
+        raise CodecError(f"outlier key channels and symmetric values take a layer table of one bit more layers "
+                         f"with range codes only, not {counts}")
+    nk_up, nv_up = counts[4:]
     kshape, vshape = (n_layers, h, nk, 1, d), (n_layers, h, t, nv, 1)
-    sections: dict[str, Section] = {"sk": (F16, kshape), "zk": (F16, kshape), "sv": (F16, vshape)}
-    if not variant.sym_values:
-        sections["zv"] = (F16, vshape)
+    if variant.scale8:
+        sections: dict[str, Section] = {"sk": (F16, (n_layers, h, nk, 2, 1)),
+                                        "zk": (torch.uint8, (n_layers, h, nk, 2, d))}
+        if variant.sym_values:
+            sections |= {"sv": (F16, (n_layers, h, 1, nv, 1)), "svc": (torch.uint8, vshape)}
+        else:
+            sections |= {"sv": (F16, (n_layers, h, 1, nv, 2)), "zv": (torch.uint8, (n_layers, h, t, nv, 2))}
+    else:
+        sections = {"sk": (F16, kshape), "zk": (F16, kshape), "sv": (F16, vshape)}
+        if not variant.sym_values:
+            sections["zv"] = (F16, vshape)
     per_group = d  # key channels per (layer, head, group) at the mode's bits
     if variant.outlier_keys:
         if not outlier_fits(mode, d):
@@ -178,7 +198,11 @@ def split_layout(mode: str, dims: Dims, group: int, variant: Variant) -> dict[st
     sections["pk"] = (torch.uint8, (n_layers * ceil_div(h * nk * gk * per_group * bits, 8),))
     if variant.outlier_keys:
         sections["pko"] = (torch.uint8, (n_layers * ceil_div(h * nk * gk * c * OUTLIER_BITS[mode], 8),))
+    if nk_up:
+        sections["pkt"] = (torch.uint8, (nk_up * ceil_div(h * nk * gk * per_group, 8),))
     sections["pv"] = (torch.uint8, (n_layers * ceil_div(h * t * nv * gv * bits, 8),))
+    if nv_up:
+        sections["pvt"] = (torch.uint8, (nv_up * ceil_div(h * t * nv * gv, 8),))
     return sections
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -39,7 +40,8 @@ FP8_MAX = 448.0
 CLIP_RATIOS = {2: (1.0, 0.9, 0.8, 0.7, 0.6, 0.5), 3: (1.0, 0.95, 0.9, 0.8, 0.7, 0.6), 4: (1.0, 0.95, 0.9, 0.85, 0.8),
                5: (1.0, 0.97, 0.94, 0.9), 8: (1.0,)}
 # Fractions of a group's largest magnitude the symmetric value encoder tries as its outermost level (`sym_values`)
-SYM_RATIOS = {2: (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4), 4: (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)}
+SYM_RATIOS = {2: (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4), 3: (1.0, 0.9, 0.85, 0.8, 0.75, 0.7, 0.6, 0.5),
+              4: (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7), 5: (1.0, 0.95, 0.9, 0.85, 0.8)}
 
 
 def _outward(x: torch.Tensor, up: bool) -> torch.Tensor:
@@ -71,16 +73,16 @@ def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 
 def _asym(x: torch.Tensor, dim: int, levels: int, ratios: tuple[float, ...] = (1.0,),
-          span: int | None = None) -> tuple[torch.Tensor, ...]:
+          span: int | None = None, extremes: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Asymmetric quantization of x (fp32) with one (scale, zero) per slice along `dim`.
 
     With several `ratios`, each slice's range is also tried shrunk about its middle by each
     ratio, and the (scale, zero, codes) of the smallest squared error are kept per slice.
     With `span` (8-bit range codes, `scalecodes`) the ranges are coded between the extremes of the
-    slices across `span`, and (extremes, range codes, codes) are returned instead.
+    slices across `span` (or between `extremes` given), and (extremes, range codes, codes) are returned instead.
     """
     lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
-    ext = scalecodes.extremes_of(lo, hi, dim, span) if span is not None else None
+    ext = extremes if extremes is not None else scalecodes.extremes_of(lo, hi, dim, span) if span is not None else None
     best: list[torch.Tensor] = []
     for ratio in ratios:
         mid, half = (lo + hi) * 0.5, (hi - lo) * (0.5 * ratio)
@@ -167,11 +169,10 @@ def quantize(mode: str, kv: torch.Tensor, group: int, variant: Variant = PLAIN,
     if mode not in BITS:
         raise CodecError(f"unknown mode {mode!r}")
     if variant.split:
-        if variant.scale8:
-            raise CodecError("8-bit range codes do not combine with outlier key channels or symmetric values")
-        if hi != NO_HI:
-            raise CodecError("outlier key channels and symmetric values take no layer table")
-        return _quantize_split(mode, k, v, group, variant)
+        if hi != NO_HI and (hi.counts[:4] != (0, 0, 0, 0) or not variant.scale8):
+            raise CodecError("outlier key channels and symmetric values take a layer table of one bit more layers "
+                             "with range codes only")
+        return _quantize_split(mode, k, v, group, variant, hi)
     if hi != NO_HI:
         return _quantize_mixed(mode, k, v, group, variant, hi)
     sk, zk, qk = _grouped_keys(k, group, BITS[mode], variant)
@@ -250,54 +251,92 @@ def pack_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
     return pack(rows, bits)
 
 
-def _quantize_split(mode: str, k: torch.Tensor, v: torch.Tensor, group: int, variant: Variant) -> list[torch.Tensor]:
-    """The sections of `split_layout` (format 4), in its order."""
+def _quantize_split(mode: str, k: torch.Tensor, v: torch.Tensor, group: int, variant: Variant,
+                    hi: HiLayers = NO_HI) -> list[torch.Tensor]:
+    """The sections of `split_layout` (formats 4 and 5), in its order: `hi` may give layers one bit more (up_keys,
+    up_values) with range codes."""
     n_layers, h, t, d = k.shape
     bits = BITS[mode]
+    low = (1 << bits) - 1
     out: dict[str, torch.Tensor] = {}
     if variant.outlier_keys:
-        out["sk"], out["zk"], out["mask"], out["pk"], out["pko"] = _outlier_keys(k, group, mode, variant)
+        sk, zk, mask, qk, qko = _by_layers(lambda x, b: _outlier_keys(x, group, mode, variant, b), k, hi.up_keys,
+                                           bits)
+        hi_bits = OUTLIER_BITS[mode]
+        out["mask"], out["pko"] = pack_mask(mask), pack_rows(qko, hi_bits) if hi_bits < 8 else qko.reshape(-1)
     else:
-        sk, zk, qk = _grouped_keys(k, group, bits, variant)
-        out["sk"], out["zk"], out["pk"] = sk, zk, pack_rows(qk, bits)
+        sk, zk, qk = _by_layers(lambda x, b: _grouped_keys(x, group, b, variant), k, hi.up_keys, bits)
+    out["sk"], out["zk"] = sk, zk
+    out["pk"] = pack_rows(qk & low, bits)
+    if hi.up_keys:
+        out["pkt"] = pack_rows(qk[list(hi.up_keys)] >> bits, 1)
     if variant.sym_values:
-        out["sv"], qv = _sym_values(v, group, bits, variant)
+        sv, svc, qv = _by_layers(lambda x, b: _sym_values(x, group, b, variant), v, hi.up_values, bits)
+        out["sv"], out["svc"] = sv, svc
     else:
-        out["sv"], out["zv"], qv = _grouped_values(v, group, bits, variant)
-    out["pv"] = pack_rows(qv, bits)
-    return [out[name] for name in split_layout(mode, Dims(n_layers, h, t, d), group, variant)]
+        out["sv"], out["zv"], qv = _by_layers(lambda x, b: _grouped_values(x, group, b, variant), v, hi.up_values,
+                                              bits)
+    out["pv"] = pack_rows(qv & low, bits)
+    if hi.up_values:
+        out["pvt"] = pack_rows(qv[list(hi.up_values)] >> bits, 1)
+    return [out[name] for name in split_layout(mode, Dims(n_layers, h, t, d), group, variant, hi.counts)]
 
 
-def _outlier_keys(k: torch.Tensor, group: int, mode: str, variant: Variant) -> tuple[torch.Tensor, ...]:
-    """Keys [L, H, T, D] (fp32) with each key group's `outlier_channels` widest channels at OUTLIER_BITS: scale and zero
-    [L, H, groups, 1, D] (each channel's at its own precision), the channel mask [L, H, groups, D / 8], the other
-    channels' codes and the outlier channels' codes, each packed per layer."""
+def _by_layers(quantize_at: Callable[[torch.Tensor, int], tuple[torch.Tensor, ...]], x: torch.Tensor,
+               up: tuple[int, ...], bits: int) -> tuple[torch.Tensor, ...]:
+    """`quantize_at(x, bits)`, but the layers `up` at bits + 1: every result is layers first, so the two are
+    merged layer by layer."""
+    if not up:
+        return quantize_at(x, bits)
+    rest = [layer for layer in range(x.shape[0]) if layer not in set(up)]
+    raised = quantize_at(x[list(up)], bits + 1)
+    own = quantize_at(x[rest], bits) if rest else raised
+    merged = []
+    for mine, more in zip(own, raised, strict=True):
+        whole = more.new_empty((x.shape[0], *more.shape[1:]))
+        if rest:
+            whole[rest] = mine
+        whole[list(up)] = more
+        merged.append(whole)
+    return tuple(merged)
+
+
+def _outlier_keys(k: torch.Tensor, group: int, mode: str, variant: Variant,
+                  bits: int | None = None) -> tuple[torch.Tensor, ...]:
+    """Keys [L, H, T, D] (fp32) with each key group's `outlier_channels` widest channels at OUTLIER_BITS, the others
+    at `bits` (the mode's by default): scale and zero [L, H, groups, 1, D] (each channel's at its own precision; with
+    range codes their extremes [L, H, groups, 2, 1] and codes [L, H, groups, 2, D]), the channel mask
+    [L, H, groups, D], the other channels' codes [L, n] and the outlier channels' codes [L, m]."""
     n_layers, h, t, d = k.shape
     gk, nk, _, _ = groups(Dims(n_layers, h, t, d), group)
     k = rotate(k) if variant.rot_keys else k
     kg = _pad(k, 2, nk * gk).view(n_layers, h, nk, gk, d)
-    bits, hi_bits = BITS[mode], OUTLIER_BITS[mode]
+    bits, hi_bits = bits or BITS[mode], OUTLIER_BITS[mode]
     clip = variant.clip
     width = (kg.amax(3) - kg.amin(3)).float()  # [L, H, groups, D]
     c = outlier_channels(mode, d)
     picked = width.topk(c, dim=-1).indices.sort(-1).values  # in channel order, as the mask lists them
     mask = torch.zeros_like(width, dtype=torch.bool).scatter_(-1, picked, True).unsqueeze(3)  # [L, H, groups, 1, D]
     at = picked.unsqueeze(3)  # [L, H, groups, 1, C]
-    sl, zl, ql = _asym(kg, 3, (1 << bits) - 1, CLIP_RATIOS[bits] if clip else (1.0,))
+    ext = (scalecodes.extremes_of(kg.amin(3, keepdim=True), kg.amax(3, keepdim=True), 3, scalecodes.KEY_SPAN)
+           if variant.scale8 else None)
+    sl, zl, ql = _asym(kg, 3, (1 << bits) - 1, CLIP_RATIOS[bits] if clip else (1.0,), extremes=ext)
     # only the outlier channels at the higher precision: ranges are per channel, so they are what the whole would give
     sh, zh, qh = _asym(kg.gather(4, at.expand(n_layers, h, nk, gk, c)), 3, (1 << hi_bits) - 1,
-                       CLIP_RATIOS[hi_bits] if clip else (1.0,))
-    scale, zero = sl.scatter(4, at, sh), zl.scatter(4, at, zh)
+                       CLIP_RATIOS[hi_bits] if clip else (1.0,), extremes=ext)
+    if ext is None:
+        scale, zero = sl.scatter(4, at, sh), zl.scatter(4, at, zh)
+    else:  # the same extremes; the codes of the outlier channels into theirs
+        scale, zero = ext, zl.scatter(4, at.expand(n_layers, h, nk, 2, c), zh)
     lo = ql.masked_select(~mask.expand_as(ql)).view(n_layers, -1)
-    hi = qh.reshape(n_layers, -1)
-    packed_hi = pack_rows(hi, hi_bits) if hi_bits < 8 else hi.reshape(-1)
-    return scale, zero, pack_mask(mask.squeeze(3)), pack_rows(lo, bits), packed_hi
+    return scale, zero, mask.squeeze(3), lo, qh.reshape(n_layers, -1)
 
 
-def _sym_values(v: torch.Tensor, group: int, bits: int, variant: Variant) -> tuple[torch.Tensor, torch.Tensor]:
-    """Values [L, H, T, D] (fp32) -> scale [L, H, T, groups, 1] and codes [L, H, T, groups, group]: value =
-    (code - (2**bits - 1) / 2) * scale, the scale chosen per group among SYM_RATIOS of its largest magnitude for the
-    smallest squared error."""
+def _sym_values(v: torch.Tensor, group: int, bits: int, variant: Variant) -> tuple[torch.Tensor, ...]:
+    """Values [L, H, T, D] (fp32) -> scale [L, H, T, groups, 1], the scales' range codes (with `variant.scale8`: the
+    scale is then their extremes [L, H, 1, groups, 1], each scale extreme * code / 255; else the scale again) and
+    codes [L, H, T, groups, group]: value = (code - (2**bits - 1) / 2) * scale, the scale chosen per group among
+    SYM_RATIOS of its largest magnitude for the smallest squared error."""
     n_layers, h, t, d = v.shape
     _, _, gv, nv = groups(Dims(n_layers, h, t, d), group)
     v = rotate(v) if variant.rot_values else v
@@ -305,18 +344,23 @@ def _sym_values(v: torch.Tensor, group: int, bits: int, variant: Variant) -> tup
     top = (1 << bits) - 1
     mid = top / 2
     amax = vg.abs().amax(4, keepdim=True)
+    ext = scalecodes.sym_extremes(amax / mid, 2) if variant.scale8 else None
     best: list[torch.Tensor] = []
     for ratio in SYM_RATIOS[bits] if variant.clip else (1.0,):
-        scale = _outward(amax * (ratio / mid), up=True)
+        if ext is None:
+            scale = kept = _outward(amax * (ratio / mid), up=True)
+        else:
+            kept = scalecodes.sym_codes(ext, amax * (ratio / mid))
+            scale = scalecodes.sym_expand(ext, kept)
         s32 = _safe(scale)
         q = (vg / s32 + mid).round_().clamp_(0, top)
         err = (q - mid).mul_(s32).sub_(vg).square_().sum(4, keepdim=True)
         if not best:
-            best = [scale, q, err]
+            best = [scale, kept, q, err]
             continue
-        better = err < best[2]
-        best = [torch.where(better, new, old) for new, old in zip((scale, q, err), best, strict=True)]
-    return best[0], best[1].to(torch.uint8)
+        better = err < best[3]
+        best = [torch.where(better, new, old) for new, old in zip((scale, kept, q, err), best, strict=True)]
+    return (best[0] if ext is None else ext), best[1], best[2].to(torch.uint8)
 
 
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:

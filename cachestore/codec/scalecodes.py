@@ -28,8 +28,10 @@ KEY_AXIS, VALUE_AXIS = 3, 4
 KEY_SPAN, VALUE_SPAN = 4, 2  # the axis the extremes are taken across: channels (keys), tokens (values)
 
 
-def expand(extremes: torch.Tensor, codes: torch.Tensor, axis: int, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(extremes, codes) of one half -> its fp16 (scale, zero), for codes of `levels` + 1 levels: the zero point
+def expand(extremes: torch.Tensor, codes: torch.Tensor, axis: int,
+           levels: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(extremes, codes) of one half -> its fp16 (scale, zero), for codes of `levels` + 1 levels (a number, or a
+    tensor that broadcasts to the scale's shape: levels per layer or channel): the zero point
     rounded down to fp16 and the scale up, so the coded range covers what the codes say. Separate multiplies and adds
     (no fused multiply-add), so every machine computes the same bits."""
     lo = extremes.narrow(axis, 0, 1).float()
@@ -72,3 +74,24 @@ def expand_parts(parts: list[torch.Tensor], pairs: list[tuple[int, int, int]]) -
     for i, axis, levels in pairs:
         out[i], out[i + 1] = expand(parts[i], parts[i + 1], axis, levels)
     return out
+
+
+def sym_extremes(scale: torch.Tensor, span: int) -> torch.Tensor:
+    """The fp16 extreme (largest) of symmetric scales `scale` (fp32) across `span`, rounded up; CodecError unless
+    finite."""
+    ext = _fp16(scale.amax(span, keepdim=True), up=True)
+    if not bool(torch.isfinite(ext).all()):
+        raise CodecError("KV holds NaN/Inf or values beyond the fp16 range of range codes")
+    return ext
+
+
+def sym_codes(extreme: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The 8-bit codes of symmetric scales `scale` (fp32) under their `extreme`, rounded up."""
+    top = extreme.float()
+    safe = torch.where(top > 0, top, torch.ones_like(top))
+    return (scale / safe * LEVELS).ceil_().clamp_(0, LEVELS).to(torch.uint8)
+
+
+def sym_expand(extreme: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """Symmetric scales from their extreme and codes: extreme * code / 255, rounded up to fp16."""
+    return _fp16(extreme.float() * codes.float() / LEVELS, up=True)

@@ -101,11 +101,10 @@ class CodecSpec:
             object.__setattr__(self, "hi", NO_HI)
         elif self.variant is None:
             object.__setattr__(self, "variant", DEFAULT_VARIANTS[self.mode])
-        if self.variant is not None and self.variant.split and self.hi != NO_HI:
-            raise ConfigError("/outk and /symv take no per-layer bits (/k8=, /v8=, /k4=, /v4=, /k2=, /v2=, /k5=, "
-                              "/v5=, /k3=, /v3=)")
-        if self.variant is not None and self.variant.split and self.variant.scale8:
-            raise ConfigError("/s8 does not combine with /outk or /symv")
+        if self.variant is not None and self.variant.split and self.hi != NO_HI and (
+                self.hi.counts[:4] != (0, 0, 0, 0) or not self.variant.scale8):
+            raise ConfigError("/outk and /symv take per-layer bits only one bit more (/k5=, /v5= in int4, /k3=, /v3= "
+                              "in int2) and only with /s8; no /k8=, /v8=, /k4=, /v4=, /k2=, /v2=")
         _check_recent(self.mode, self.recent)
 
     @classmethod

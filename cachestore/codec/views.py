@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from cachestore.codec import scalecodes
-from cachestore.codec.dequant import dequantize, dequantize_mixed, int8_codes_into
+from cachestore.codec.dequant import dequantize, dequantize_mixed, expand_split, int8_codes_into
 from cachestore.codec.frame import FLOAT_MODES, SCALE8, SPLIT, FrameHeader
-from cachestore.codec.layout import Dims, codes_split_by_layer, scale_pairs
+from cachestore.codec.layout import Dims, Variant, codes_split_by_layer, scale_pairs, split_layout
 from cachestore.codec.plan import DTYPES, hi_of, kind_of, layer_slice, nbytes, plan, stored_shape, variant_of
 from cachestore.errors import CodecError
 
@@ -40,7 +40,11 @@ class OpenFrame:
         if self.device.type != "cpu":
             parts = [part.to(self.device) for part in parts]
         h = self.header
-        if h.transform & SCALE8:  # 8-bit range codes -> the fp16 scales and zero points every decoder takes
+        if h.transform & SCALE8 and h.transform & SPLIT:  # range codes -> fp16 scales and zero points
+            hi = hi_of(h)
+            parts = expand_split(h.mode, parts, Dims(h.layers, h.kv_heads, h.tokens, h.head_dim), h.group_size,
+                                 variant_of(h), (hi.up_keys, hi.up_values))
+        elif h.transform & SCALE8:
             parts = scalecodes.expand_parts(parts, scale_pairs(h.mode, h.hi_counts))
         return parts
 
@@ -71,6 +75,8 @@ class OpenFrame:
         variant = variant_of(h)
         if out is None and (self.borrowed or h.rows) and h.mode in FLOAT_MODES:  # else it would alias the frame
             out = torch.empty(shape, dtype=DTYPES[h.dtype], device=self.parts[0].device)
+        if h.layer_bits and h.transform & SPLIT:  # one bit more in some layers: their top bits apart
+            return self._split_into(out, first, count, variant)
         if h.layer_bits:
             if out is None:
                 out = torch.empty(shape, dtype=DTYPES[h.dtype], device=self.parts[0].device)
@@ -83,6 +89,28 @@ class OpenFrame:
         else:
             parts = self.parts
         return dequantize(h.mode, parts, dims, h.group_size, DTYPES[h.dtype], out, variant)
+
+    def _split_into(self, out: torch.Tensor | None, first: int, count: int, variant: Variant) -> torch.Tensor:
+        """`decode_into` of layers [first, first + count) of a split frame whose table gives layers one bit more:
+        every section is layers first but the top bits, which hold the raised layers only."""
+        h = self.header
+        hi = hi_of(h)
+        full = Dims(h.layers, h.kv_heads, h.tokens, h.head_dim)
+        names = list(split_layout(h.mode, full, h.group_size, variant, h.hi_counts))
+        parts = []
+        for name, part in zip(names, self.parts, strict=True):
+            raised = {"pkt": hi.up_keys, "pvt": hi.up_values}.get(name)
+            if raised is None:
+                parts.append(layer_slice(part, first, count, h.layers))
+            else:  # the raised layers' rank among them; none in these layers: no such section
+                below = sum(1 for n in raised if n < first)
+                inside = sum(1 for n in raised if first <= n < first + count)
+                if inside:
+                    parts.append(layer_slice(part, below, inside, len(raised)))
+        up = tuple(tuple(n - first for n in raised if first <= n < first + count)
+                   for raised in (hi.up_keys, hi.up_values))
+        dims = Dims(count, h.kv_heads, h.tokens, h.head_dim)
+        return dequantize(h.mode, parts, dims, h.group_size, DTYPES[h.dtype], out, variant, (up[0], up[1]))
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,8 @@ CASES: dict[str, tuple[str, torch.dtype, tuple[int, int, int, int, int]]] = {
     "int4_fp32_none_g4_s8": ("int4+none/g4/s8", torch.float32, (2, 2, 2, 6, 8)),
     "int2_bf16_lz4_g4_rotv_clip_s8": ("int2+lz4/g4/rotv/clip/s8", torch.bfloat16, (1, 2, 2, 9, 8)),
     "int4_fp16_zstd_g8_s8_k8k5": ("int4+zstd:3/g8/s8/k8=1/v2=2/k5=0.2", torch.float16, (3, 2, 1, 9, 8)),
+    # format 5 with outlier key channels and symmetric values, some layers one bit more (top bits apart)
+    "int2_fp32_none_g4_outk_symv_s8_k3": ("int2+none/g4/outk/symv/s8/k3=1/v3=0", torch.float32, (2, 2, 2, 10, 8)),
     # format 1: the int8 frame of a partial last block under int4/int2+zstd/recent=int8 (tests/test_codec_recent.py)
     "int8_fp32_zstd_partial": ("int8+zstd:3", torch.float32, (2, 2, 1, 5, 8)),
 }
