@@ -24,7 +24,8 @@ Modes and their loss (see DESIGN.md, "Codec"):
            /k5= and /v5= give the keys / values of those layers of an int4 frame 5 bits, /k3= and
            /v3= those of an int2 frame 3 bits. /s8 stores every group's range as two 8-bit codes
            between its block's extremes instead of an fp16 scale and zero point, a quarter bit a
-           value less (frame format 5; not with /outk or /symv).
+           value less (frame format 5; with /outk or /symv too, whose frames then take
+           /k5= /v5= or /k3= /v3= layers, nothing else, in their table).
            /recent=int8 (or int4 under int2) encodes a sequence's partial last block, its most
            recent tokens (a session's partial block, a tail), with that mode instead (`recent_spec`;
            cachestore.codec.blockcodec); full blocks are unchanged.

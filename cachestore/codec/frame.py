@@ -21,12 +21,13 @@ A frame is a fixed 52-byte little-endian header followed by the payload:
                                  the rotation bits as in 2, LAYER_TABLE clear: each key group's
                                  widest channels at higher precision (`outlier_channels`), values
                                  quantized symmetrically (a scale and no zero point per group)
-                                 Version 5: SCALE8 (bit 5) set, LAYER_TABLE and the rotation bits
-                                 as in 3, OUTLIER_KEYS and SYM_VALUES clear: every group's range of
-                                 the grouped layers is stored as two 8-bit codes (its minimum
-                                 rounded down, its maximum rounded up) between the fp16 extremes
-                                 of its block (`cachestore.codec.scalecodes`), not as an fp16
-                                 scale and zero point
+                                 Version 5: SCALE8 (bit 5) set, the other bits as in 2, 3 or 4:
+                                 every group's range of the grouped layers is stored as two 8-bit
+                                 codes (its minimum rounded down, its maximum rounded up) between
+                                 the fp16 extremes of its block (`cachestore.codec.scalecodes`),
+                                 not as an fp16 scale and zero point (a symmetric scale: one code
+                                 of its block's largest). With OUTLIER_KEYS or SYM_VALUES its
+                                 layer table may give layers one bit more (UP_BITS), nothing else
         10    2 group size       int4/int2 only, else zero
         12    4 layers
         16    4 kv heads
