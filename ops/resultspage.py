@@ -107,8 +107,10 @@ BENCHES = (
           "equal), 24 windows spread over each of the four held-out texts, which no codec parameter was chosen on. "
           "The interval is a paired 95% Student-t interval over the windows; sizes of a 2048-token context and of "
           "one ending half-way through a block (details: [Codec fidelity](fidelity.md)).",
-          "kvstash bench quality --modes exact,int4+zstd/k8=18/recent=int8,int4+zstd/rotv/clip/outk/symv/recent=int8,"
-          "int2+zstd/rot/clip/k4=2/recent=int4,int2+zstd:16/rotv/clip/outk/symv/recent=int4 "
+          "kvstash bench quality --modes exact,int4+zstd/k8=18/recent=int8,"
+          "int4+zstd/s8/k5=8.10.14.17.18.20.23.24.26/v5=4.11.15.17.18.23.25/recent=int8,"
+          "int2+zstd:16/rotv/clip/outk/symv/recent=int4,"
+          "int2+zstd:16/rotv/clip/outk/symv/s8/k3=6.9.10.15.16.17/v3=16.20/recent=int4 "
           "--json docs/results/quality.json", _quality),
     Bench("load", "Sessions through a round-robin balancer",
           "Three pods behind nginx's round robin; each session's first turn carries notes unique to it (a miss), "
