@@ -134,8 +134,7 @@ def _dequantize_split(mode: str, parts: list[torch.Tensor], dims: Dims, group: i
     qv = _raised_codes(sec["pv"], sec.get("pvt"), bits, n_layers, h * t * nv * gv, up_v).view(vshape)
     if variant.sym_values:  # (code - mid) * scale: the affine map with zero point -mid * scale
         scale = sec["sv"].float()
-        mid = torch.full((n_layers, 1, 1, 1, 1), ((1 << bits) - 1) / 2, device=scale.device)
-        mid[list(up_v)] = ((2 << bits) - 1) / 2
+        mid = _levels(n_layers, bits, up_v, scale.device) / 2
         _affine_into(out[:, 1], qv, scale, scale * -mid, 3, variant.rot_values)
     else:
         _affine_into(out[:, 1], qv, sec["sv"], sec["zv"], 3, variant.rot_values)
@@ -154,6 +153,13 @@ def _raised_codes(packed: torch.Tensor, top: torch.Tensor | None, bits: int, lay
     return q
 
 
+def _levels(layers: int, bits: int, raised: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The highest code of each layer [layers, 1, 1, 1, 1] (fp32): 2**bits - 1, one bit more in the layers `raised`."""
+    per_layer = torch.full((layers, 1, 1, 1, 1), float((1 << bits) - 1), device=device)
+    per_layer[list(raised)] = float((2 << bits) - 1)
+    return per_layer
+
+
 def expand_split(mode: str, parts: list[torch.Tensor], dims: Dims, group: int, variant: Variant,
                  up: tuple[tuple[int, ...], tuple[int, ...]]) -> list[torch.Tensor]:
     """A format 5 split frame's sections (`split_layout`, the whole frame) with its range codes expanded to fp16
@@ -163,12 +169,7 @@ def expand_split(mode: str, parts: list[torch.Tensor], dims: Dims, group: int, v
     sec = dict(zip(names, parts, strict=True))
     bits = BITS[mode]
 
-    def levels(raised: tuple[int, ...]) -> torch.Tensor:
-        per_layer = torch.full((dims.layers, 1, 1, 1, 1), float((1 << bits) - 1), device=parts[0].device)
-        per_layer[list(raised)] = float((2 << bits) - 1)
-        return per_layer
-
-    key_levels = levels(up[0])
+    key_levels = _levels(dims.layers, bits, up[0], parts[0].device)
     if variant.outlier_keys:
         mask = unpack_mask(sec["mask"], dims.head_dim).unsqueeze(3)  # [L, H, groups, 1, D]
         key_levels = torch.where(mask, float((1 << OUTLIER_BITS[mode]) - 1), key_levels)
@@ -176,7 +177,8 @@ def expand_split(mode: str, parts: list[torch.Tensor], dims: Dims, group: int, v
     if variant.sym_values:
         sec["sv"] = scalecodes.sym_expand(sec["sv"], sec["svc"])
     else:
-        sec["sv"], sec["zv"] = scalecodes.expand(sec["sv"], sec["zv"], scalecodes.VALUE_AXIS, levels(up[1]))
+        sec["sv"], sec["zv"] = scalecodes.expand(sec["sv"], sec["zv"], scalecodes.VALUE_AXIS,
+                                                 _levels(dims.layers, bits, up[1], parts[0].device))
     return [sec[name] for name in names]
 
 
@@ -269,18 +271,15 @@ def dequantize_mixed(mode: str, parts: list[torch.Tensor], dims: Dims, group: in
             tier_bits, sizes, sections, tops = tiers[tier]
             nbytes, (scale, zero, packed) = sizes[half], sections[half][:3]
             r0, r1 = runs[0][2], runs[-1][2] + runs[-1][1]
-            q = _tier_codes(packed, r0, r1, nbytes, bits if tier == 2 else tier_bits, shape)
+            count = math.prod(shape)  # [their count, *shape]; a copy only if codes end mid-byte
+            q = _layer_codes(packed[r0 * nbytes:r1 * nbytes], bits if tier == 2 else tier_bits, r1 - r0, count)
+            q = q.view(r1 - r0, *shape)
             if tier == 2:  # one bit more: the top bits, in their own section
-                q |= _tier_codes(sections[half][3], r0, r1, tops[half], 1, shape) << bits
+                top = sections[half][3][r0 * tops[half]:r1 * tops[half]]
+                q |= _layer_codes(top, 1, r1 - r0, count).view(r1 - r0, *shape) << bits
             for target, n, rank in runs:
                 _affine_into(target, q[rank - r0:rank - r0 + n], scale[rank:rank + n], zero[rank:rank + n], dim, rot)
     return out
-
-
-def _tier_codes(packed: torch.Tensor, r0: int, r1: int, nbytes: int, bits: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """The codes of layers [r0, r1) of one precision, packed `nbytes` a layer at `bits` bits: [r1 - r0, *shape]."""
-    q = unpack(packed[r0 * nbytes:r1 * nbytes], bits, (r1 - r0) * nbytes * (8 // bits))
-    return q.view(r1 - r0, -1)[:, :math.prod(shape)].reshape(r1 - r0, *shape)  # a copy only if codes end mid-byte
 
 
 def _runs(first: int, stop: int, hi_layers: tuple[int, ...], alt_layers: tuple[int, ...] = (),

@@ -175,18 +175,12 @@ def split_layout(mode: str, dims: Dims, group: int, variant: Variant,
         raise CodecError(f"outlier key channels and symmetric values take a layer table of one bit more layers "
                          f"with range codes only, not {counts}")
     nk_up, nv_up = counts[4:]
-    kshape, vshape = (n_layers, h, nk, 1, d), (n_layers, h, t, nv, 1)
-    if variant.scale8:
-        sections: dict[str, Section] = {"sk": (F16, (n_layers, h, nk, 2, 1)),
-                                        "zk": (torch.uint8, (n_layers, h, nk, 2, d))}
-        if variant.sym_values:
-            sections |= {"sv": (F16, (n_layers, h, 1, nv, 1)), "svc": (torch.uint8, vshape)}
-        else:
-            sections |= {"sv": (F16, (n_layers, h, 1, nv, 2)), "zv": (torch.uint8, (n_layers, h, t, nv, 2))}
-    else:
-        sections = {"sk": (F16, kshape), "zk": (F16, kshape), "sv": (F16, vshape)}
-        if not variant.sym_values:
-            sections["zv"] = (F16, vshape)
+    sk, zk, sv, zv = _ranges(dims, group, n_layers, n_layers, variant.scale8)
+    sections: dict[str, Section] = {"sk": sk, "zk": zk, "sv": sv, "zv": zv}
+    if variant.sym_values:  # one scale a group, no zero point; as range codes its extreme and a code
+        del sections["zv"]
+        if variant.scale8:
+            sections |= {"sv": (F16, (n_layers, h, 1, nv, 1)), "svc": (torch.uint8, (n_layers, h, t, nv, 1))}
     per_group = d  # key channels per (layer, head, group) at the mode's bits
     if variant.outlier_keys:
         if not outlier_fits(mode, d):

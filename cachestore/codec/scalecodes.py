@@ -51,10 +51,8 @@ def _fp16(x: torch.Tensor, up: bool) -> torch.Tensor:
 def extremes_of(lo: torch.Tensor, hi: torch.Tensor, axis: int, span: int) -> torch.Tensor:
     """The fp16 extremes of groups whose minima are `lo` and maxima `hi` (fp32, the scale's shape), taken across `span`
     and rounded outward, stacked along `axis`; CodecError unless they are finite."""
-    ext = torch.cat([_fp16(lo.amin(span, keepdim=True), up=False), _fp16(hi.amax(span, keepdim=True), up=True)], axis)
-    if not bool(torch.isfinite(ext).all()):
-        raise CodecError("KV holds NaN/Inf or values beyond the fp16 range of range codes")
-    return ext
+    return _finite(torch.cat([_fp16(lo.amin(span, keepdim=True), up=False),
+                              _fp16(hi.amax(span, keepdim=True), up=True)], axis))
 
 
 def codes_of(extremes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, axis: int) -> torch.Tensor:
@@ -79,10 +77,14 @@ def expand_parts(parts: list[torch.Tensor], pairs: list[tuple[int, int, int]]) -
 def sym_extremes(scale: torch.Tensor, span: int) -> torch.Tensor:
     """The fp16 extreme (largest) of symmetric scales `scale` (fp32) across `span`, rounded up; CodecError unless
     finite."""
-    ext = _fp16(scale.amax(span, keepdim=True), up=True)
-    if not bool(torch.isfinite(ext).all()):
+    return _finite(_fp16(scale.amax(span, keepdim=True), up=True))
+
+
+def _finite(extremes: torch.Tensor) -> torch.Tensor:
+    """`extremes`, unless one is not finite (KV with NaN/Inf or beyond the fp16 range): CodecError."""
+    if not bool(torch.isfinite(extremes).all()):
         raise CodecError("KV holds NaN/Inf or values beyond the fp16 range of range codes")
-    return ext
+    return extremes
 
 
 def sym_codes(extreme: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
