@@ -4,9 +4,10 @@ codec's test inputs and error bounds."""
 from __future__ import annotations
 
 import shutil
+import struct
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -168,6 +169,28 @@ def kv_sample(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torc
     # per-channel magnitudes differ, as in real keys
     scale = torch.rand(shape[0], 2, shape[2], 1, shape[4], generator=gen) * 4 + 0.1
     return (torch.randn(*shape, generator=gen) * scale + 0.5).to(dtype)
+
+
+def resealed(frame: bytes | bytearray) -> bytes:
+    """The frame with its checksum recomputed, so what is checked is the edit, not the checksum."""
+    from cachestore.codec.frame import HEADER_SIZE, checksum  # noqa: PLC0415
+
+    digest = checksum(bytes(frame[:HEADER_SIZE]), bytes(frame[HEADER_SIZE:]))
+    return bytes(frame[:HEADER_SIZE - 8]) + struct.pack("<Q", digest) + bytes(frame[HEADER_SIZE:])
+
+
+def check_gate_refuses_others(mine: str, others: Iterable[str], shape: tuple[int, ...]) -> None:
+    """A pod whose codec is `mine` passes its own frame of KV `shape` and refuses, for their codec, those of each of
+    `others` before decoding them (`service.framegate`)."""
+    from cachestore.codec import Codec  # noqa: PLC0415
+    from service.framegate import frame_problem  # noqa: PLC0415
+
+    kv = kv_sample(shape, torch.float32)
+    codec = Codec(mine)
+    assert frame_problem(codec.encode(kv), codec.spec, list(shape), torch.float32) is None
+    for other in others:
+        problem = frame_problem(Codec(other).encode(kv), codec.spec, list(shape), torch.float32)
+        assert problem is not None and problem.reason == "codec", other
 
 
 def grouped_extreme(x: torch.Tensor, dim: int, group: int, fn: str) -> torch.Tensor:

@@ -3,24 +3,17 @@
 
 from __future__ import annotations
 
-import struct
-
 import pytest
 import torch
 
 from cachestore.codec import Codec, CodecSpec, read_header
 from cachestore.codec.blockcodec import BlockCodecs
-from cachestore.codec.frame import HEADER_SIZE, LAYER_TABLE, checksum
+from cachestore.codec.frame import HEADER_SIZE, LAYER_TABLE
 from cachestore.codec.layout import HiLayers
 from cachestore.errors import CodecError, ConfigError
-from tests.support import check_layers_decode_apart, error_bound, kv_sample
+from tests.support import check_gate_refuses_others, check_layers_decode_apart, error_bound, kv_sample, resealed
 
 SHAPE = (4, 2, 3, 40, 16)  # [layers, 2, kv_heads, tokens, head_dim]
-
-
-def _resealed(frame: bytes | bytearray) -> bytes:
-    digest = checksum(bytes(frame[:HEADER_SIZE]), bytes(frame[HEADER_SIZE:]))
-    return bytes(frame[:HEADER_SIZE - 8]) + struct.pack("<Q", digest) + bytes(frame[HEADER_SIZE:])
 
 
 def test_spec_names_the_other_precision_and_parses_back() -> None:
@@ -102,7 +95,7 @@ def test_bad_tables_of_other_precisions_are_refused_cleanly(edit: dict[int, int]
     for offset, value in edit.items():
         frame[offset] = value
     with pytest.raises(CodecError, match=match):
-        Codec().decode(_resealed(frame))
+        Codec().decode(resealed(frame))
 
 
 def test_a_layer_the_kv_lacks_is_refused() -> None:
@@ -113,12 +106,5 @@ def test_a_layer_the_kv_lacks_is_refused() -> None:
 
 
 def test_a_pod_refuses_frames_of_another_bit_allocation_before_decoding() -> None:
-    from service.framegate import frame_problem  # noqa: PLC0415
-
-    kv = kv_sample(SHAPE, torch.float32)
-    mine = Codec("int2+zstd/rot/clip/k4=1")
-    assert frame_problem(mine.encode(kv), mine.spec, list(SHAPE), torch.float32) is None
-    for other in ("int2+zstd/rot/clip/k4=2", "int2+zstd/rot/clip/v4=1", "int2+zstd/rot/clip/k8=1",
-                  "int2+zstd/rot/clip"):
-        problem = frame_problem(Codec(other).encode(kv), mine.spec, list(SHAPE), torch.float32)
-        assert problem is not None and problem.reason == "codec", other
+    check_gate_refuses_others("int2+zstd/rot/clip/k4=1", ("int2+zstd/rot/clip/k4=2", "int2+zstd/rot/clip/v4=1",
+                                                         "int2+zstd/rot/clip/k8=1", "int2+zstd/rot/clip"), SHAPE)

@@ -9,18 +9,12 @@ import torch
 
 from cachestore.codec import Codec, CodecSpec, read_header
 from cachestore.codec.blockcodec import BlockCodecs
-from cachestore.codec.frame import HEADER_SIZE, LAYER_TABLE, checksum
+from cachestore.codec.frame import HEADER_SIZE, LAYER_TABLE
 from cachestore.codec.layout import NO_HI, HiLayers
 from cachestore.errors import CodecError, ConfigError
-from tests.support import check_layers_decode_apart, error_bound, kv_sample
+from tests.support import check_gate_refuses_others, check_layers_decode_apart, error_bound, kv_sample, resealed
 
 SHAPE = (4, 2, 3, 40, 16)  # [layers, 2, kv_heads, tokens, head_dim]
-
-
-def _resealed(frame: bytes | bytearray) -> bytes:
-    """The frame with its checksum recomputed, so what is checked is the edit, not the checksum."""
-    digest = checksum(bytes(frame[:HEADER_SIZE]), bytes(frame[HEADER_SIZE:]))
-    return bytes(frame[:HEADER_SIZE - 8]) + struct.pack("<Q", digest) + bytes(frame[HEADER_SIZE:])
 
 
 def test_spec_names_the_int8_layers_and_parses_back() -> None:
@@ -137,7 +131,7 @@ def test_bad_layer_tables_are_refused_cleanly(edit: dict[int, int], match: str) 
     for offset, value in edit.items():
         frame[offset] = value
     with pytest.raises(CodecError, match=match):
-        Codec().decode(_resealed(frame))
+        Codec().decode(resealed(frame))
 
 
 def test_a_frame_cut_inside_its_layer_table_is_refused() -> None:
@@ -146,18 +140,11 @@ def test_a_frame_cut_inside_its_layer_table_is_refused() -> None:
         read_header(bytes(frame[:HEADER_SIZE + 1]))
     frame[36:44] = struct.pack("<Q", 1)  # a payload too short to hold the table, sealed
     with pytest.raises(CodecError, match="layer table"):
-        Codec().decode(_resealed(frame[:HEADER_SIZE + 1]))
+        Codec().decode(resealed(frame[:HEADER_SIZE + 1]))
 
 
 def test_a_frame_with_other_int8_layers_is_refused_before_decoding() -> None:
-    from service.framegate import frame_problem  # noqa: PLC0415
-
-    kv = kv_sample(SHAPE, torch.float32)
-    mine, other = Codec("int4/k8=1"), Codec("int4/k8=2")
-    assert frame_problem(mine.encode(kv), mine.spec, list(SHAPE), torch.float32) is None
-    for codec in (other, Codec("int4/v8=1"), Codec("int4")):
-        problem = frame_problem(codec.encode(kv), mine.spec, list(SHAPE), torch.float32)
-        assert problem is not None and problem.reason == "codec", codec
+    check_gate_refuses_others("int4/k8=1", ("int4/k8=2", "int4/v8=1", "int4"), SHAPE)
 
 
 def test_a_pod_refuses_int8_layers_its_model_lacks_in_one_line() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,20 +10,15 @@ import torch
 from starlette.testclient import TestClient
 
 from cachestore.codec import Codec, CodecSpec, read_header
-from cachestore.codec.frame import HEADER_SIZE, OUTLIER_KEYS, SYM_VALUES, checksum, outlier_channels
+from cachestore.codec.frame import HEADER_SIZE, OUTLIER_KEYS, SYM_VALUES, outlier_channels
 from cachestore.codec.plan import plan
 from cachestore.errors import CodecError, ConfigError
 from ops.redisproc import RedisProcess
 from service.app import create_app
 from service.settings import PodSettings
-from tests.support import check_layers_decode_apart, kv_sample, wait_written
+from tests.support import check_gate_refuses_others, check_layers_decode_apart, kv_sample, resealed, wait_written
 
 SHAPE = (3, 2, 2, 40, 16)  # [layers, 2, kv_heads, tokens, head_dim]
-
-
-def _resealed(frame: bytes | bytearray) -> bytes:
-    digest = checksum(bytes(frame[:HEADER_SIZE]), bytes(frame[HEADER_SIZE:]))
-    return bytes(frame[:HEADER_SIZE - 8]) + struct.pack("<Q", digest) + bytes(frame[HEADER_SIZE:])
 
 
 def _keys_with_outliers(seed: int = 0) -> torch.Tensor:
@@ -141,18 +135,12 @@ def test_a_mask_that_marks_the_wrong_number_of_channels_is_refused_cleanly() -> 
         edited = bytearray(frame)
         edited[at] = byte
         with pytest.raises(CodecError, match="outlier key mask"):
-            Codec().decode(_resealed(edited))
+            Codec().decode(resealed(edited))
 
 
 def test_a_frame_of_format_4_under_another_spec_is_refused_before_decoding() -> None:
-    from service.framegate import frame_problem  # noqa: PLC0415
-
-    kv = kv_sample(SHAPE, torch.float32)
-    mine = Codec("int2+zstd/rotv/clip/outk/symv")
-    assert frame_problem(mine.encode(kv), mine.spec, list(SHAPE), torch.float32) is None
-    for other in ("int2+zstd/rotv/clip", "int2+zstd/rotv/clip/outk", "int2+zstd/rotv/clip/symv"):
-        problem = frame_problem(Codec(other).encode(kv), mine.spec, list(SHAPE), torch.float32)
-        assert problem is not None and problem.reason == "codec", other
+    check_gate_refuses_others("int2+zstd/rotv/clip/outk/symv",
+                              ("int2+zstd/rotv/clip", "int2+zstd/rotv/clip/outk", "int2+zstd/rotv/clip/symv"), SHAPE)
 
 
 HISTORY = [{"role": "system", "content": "You answer briefly. " * 3}, {"role": "user", "content": "Hello there!"}]
