@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from cachestore.codec import CodecSpec
+from ops.bench.layers import RANK_FIELD
 from ops.bench.quality import pareto_intervals, pareto_points
 from ops.cli import main
 
@@ -16,7 +17,8 @@ ARGS = ["bench", "layers", "--model", "tiny-random", "--text", "ops/data/sample.
         "--prefix", "32", "--continuation", "8", "--block-tokens", "8", "--size-tokens", "64"]
 
 
-@pytest.mark.parametrize(("base", "flag", "upgrade"), [("int4+zstd/rot", "k8", []), ("int2+zstd", "k4", []),
+@pytest.mark.parametrize(("base", "flag", "upgrade"), [("int4+zstd/rot", "k8", ["--rank", "mean"]),
+                                                       ("int2+zstd", "k4", []),
                                                        ("int4+zstd/s8", "k5", ["--upgrade", "bit"]),
                                                        ("int2+zstd/s8", "k3", ["--upgrade", "bit"])])
 def test_bench_layers_ranks_every_half_and_suggests_a_spec(tmp_path: Path, base: str, flag: str, upgrade: list[str],
@@ -26,16 +28,18 @@ def test_bench_layers_ranks_every_half_and_suggests_a_spec(tmp_path: Path, base:
     report = json.loads(out.read_text())
     layers = 2  # the tiny model's
     assert sorted((r["layer"], r["part"]) for r in report["ranked"]) == [(n, p) for n in range(layers) for p in "KV"]
-    gains = [r["kl_gain"] for r in report["ranked"]]
-    assert gains == sorted(gains, reverse=True) and [r["rank"] for r in report["ranked"]] == [1, 2, 3, 4]
+    field = RANK_FIELD[report["rank"]]
+    assert report["rank"] == ("mean" if "mean" in upgrade else "relative")
+    scores = [r[field] for r in report["ranked"]]
+    assert scores == sorted(scores, reverse=True) and [r["rank"] for r in report["ranked"]] == [1, 2, 3, 4]
     for r in report["ranked"]:
-        assert r["kl_gain_lo"] <= r["kl_gain"] <= r["kl_gain_hi"] and r["kl"] >= 0
+        assert r["kl_gain_lo"] <= r["kl_gain"] <= r["kl_gain_hi"] and r["kl"] >= 0 and r["window_share_pct"] <= 100
     suggested = CodecSpec.parse(report["suggested"])
     assert (suggested.mode, suggested.variant) == (CodecSpec.parse(base).mode, CodecSpec.parse(base).variant)
     raised = [n for layers in suggested.hi for n in layers]
     assert len(raised) <= 2 and all(0 <= n < layers for n in raised)
     # exactly the best halves with a positive gain, up to the cap
-    want = sorted((r["layer"], r["half"]) for r in report["ranked"][:2] if r["kl_gain"] > 0)
+    want = sorted((r["layer"], r["half"]) for r in report["ranked"][:2] if r[field] > 0)
     hi = suggested.hi
     got = sorted([(n, 0) for n in (*hi.keys, *hi.alt_keys, *hi.up_keys)]
                  + [(n, 1) for n in (*hi.values, *hi.alt_values, *hi.up_values)])

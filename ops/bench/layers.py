@@ -31,6 +31,7 @@ from ops.bench.quality import FP16_BYTES, SCORERS, SIZE_TARGETS, _round_trip, _w
 UPGRADE = {"int4": "int8", "int2": "int4"}  # the precision a layer's half is raised to by default, by base mode
 # --upgrade: int8, the other grouped precision (int4 in int2, int2 in int4), one bit more
 UPGRADES = ("int8", "other", "bit")
+RANK_FIELD = {"relative": "window_share_pct", "mean": "kl_gain"}  # --rank: the field halves are ranked by
 
 
 def register(bench_subparsers: Any) -> None:
@@ -48,6 +49,10 @@ def register(bench_subparsers: Any) -> None:
                         "int2), bit (one bit more: /k5= /v5= in int4, /k3= /v3= in int2); default int8 for int4, "
                         "other for int2")
     p.add_argument("--windows", type=int, default=3, help="windows spread over each text (default 3)")
+    p.add_argument("--rank", choices=sorted(RANK_FIELD), default="relative",
+                   help="relative (default): rank halves by their mean share of each window's base KL, so that "
+                        "every window weighs the same; mean: by their mean KL gain, where the windows of "
+                        "largest KL weigh most")
     p.add_argument("--prefix", type=int, default=512, help="tokens in the cache (default 512)")
     p.add_argument("--continuation", type=int, default=64, help="tokens scored after it (default 64)")
     p.add_argument("--block-tokens", type=int, default=64, help="tokens per encoded block, as the pod (default 64)")
@@ -107,7 +112,7 @@ def _suggest(ranked: list[dict[str, Any]], base: Any, size_kv: Any, args: argpar
     chosen: list[tuple[int, int]] = []
     spec, ratio = base, fp16 / _size(size_kv, base, args.block_tokens)
     for r in ranked:
-        if r["kl_gain"] <= 0 or (args.max_layers is not None and len(chosen) >= args.max_layers):
+        if r[RANK_FIELD[args.rank]] <= 0 or (args.max_layers is not None and len(chosen) >= args.max_layers):
             break
         trial = _with_layers(base, [*chosen, (r["layer"], r["half"])], args.upgrade)
         trial_ratio = fp16 / _size(size_kv, trial, args.block_tokens)
@@ -181,10 +186,12 @@ def run(args: argparse.Namespace) -> int:
     for (layer, half), kls in half_kl.items():
         gains = [b - k for b, k in zip(base_kl, kls, strict=True)]
         gain, lo_g, hi_g = qstats.t_interval(gains)
+        shares = [g / b if b > 0 else 0.0 for g, b in zip(gains, base_kl, strict=True)]
         ranked.append({"layer": layer, "half": half, "part": "KV"[half], "kl": qstats.mean(kls), "kl_gain": gain,
                        "kl_gain_lo": lo_g, "kl_gain_hi": hi_g, "kl_windows": kls,
-                       "share_pct": 100 * gain / base_mean if base_mean > 0 else 0.0})
-    ranked.sort(key=lambda r: r["kl_gain"], reverse=True)
+                       "share_pct": 100 * gain / base_mean if base_mean > 0 else 0.0,
+                       "window_share_pct": 100 * qstats.mean(shares)})
+    ranked.sort(key=lambda r: r[RANK_FIELD[args.rank]], reverse=True)
     for rank, r in enumerate(ranked, 1):
         r["rank"] = rank
     suggested, ratio = _suggest(ranked, base, size_kv, args, min_ratio)
@@ -202,10 +209,11 @@ def run(args: argparse.Namespace) -> int:
     b_pct = qstats.ppl_delta_interval(base_d, exact_nll)[0]
     print(f"{args.engine} {args.model}, base {base.name()}, upgrade to {up_name}; {len(windows)} windows of "
           f"{', '.join(t.name for t in chosen_texts)}, {n}-token prefix, next {m} tokens; KL gain of raising one "
-          f"half alone (95% t-interval over windows)")
+          f"half alone (95% t-interval over windows); ranked by {args.rank}")
     print_table(ranked, [("rank", "rank", "d"), ("layer", "layer", "d"), ("part", "half", ""),
                          ("kl_gain", "KL gain", ".3e"), ("kl_gain_lo", "lo", ".2e"), ("kl_gain_hi", "hi", ".2e"),
-                         ("share_pct", "% of base KL", ".1f"), ("kl", "KL then", ".3e")])
+                         ("share_pct", "% of base KL", ".1f"), ("window_share_pct", "% per window", ".1f"),
+                         ("kl", "KL then", ".3e")])
     flag = {"int8": "8", "other": str(ALT_BITS[base.mode]), "bit": str(UP_BITS[base.mode])}[args.upgrade]
     print(f"base       {base.name()}: KL {base_mean:.3e}, ppl {b_pct:+.3f}% [{b_lo:+.3f}, {b_hi:+.3f}], "
           f"{base_ratio:.2f}x fp16")
@@ -215,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     print("confirm it on held-out text: kvstash bench quality --modes exact," + suggested.name())
     if args.json:
         write_json(args.json, {
-            "ranked": ranked, "base": base.name(), "upgrade": up_name, "base_kl": base_mean,
+            "ranked": ranked, "rank": args.rank, "base": base.name(), "upgrade": up_name, "base_kl": base_mean,
             "base_kl_windows": base_kl, "suggested_kl_windows": sug_kl, "all_up_kl":
             qstats.mean(up_kl), "suggested": suggested.name(), "suggested_kl": qstats.mean(sug_kl),
             "suggested_ppl_delta_pct": s_pct, "suggested_ppl_delta_lo": s_lo, "suggested_ppl_delta_hi": s_hi,
