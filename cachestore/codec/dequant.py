@@ -13,9 +13,11 @@ from cachestore.codec import kernels, scalecodes
 from cachestore.codec.frame import MODE_BITS as BITS
 from cachestore.codec.frame import OUTLIER_BITS, UP_BITS, outlier_channels
 from cachestore.codec.layout import (
+    ALT_AT,
     ALT_MODE,
     F16,
     PLAIN,
+    UP_AT,
     Dims,
     HiLayers,
     Variant,
@@ -236,19 +238,19 @@ def dequantize_mixed(mode: str, parts: list[torch.Tensor], dims: Dims, group: in
     layers, 2, heads, tokens, dim], run by run of layers of one precision."""
     _, h, t, d = dims
     gk, nk, gv, nv = groups(dims, group)
-    sk, zk, sv, zv, pk, pv, sk8, sv8, qk8, qv8 = parts[:10]
+    sk, zk, sv, zv, pk, pv, sk8, sv8, qk8, qv8 = parts[:ALT_AT]
     bits = BITS[mode]
     # per tier (the mode's bits, the other grouped precision, one bit more): bits, a layer's code bytes per half, the
     # sections per half (scale, zero, codes[, top bits]) and a layer's top-bit bytes per half
     tiers: list[tuple[int, tuple[int, int], tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]],
                       tuple[int, int]]] = [
         (bits, layer_code_bytes(mode, dims, group), ((sk, zk, pk), (sv, zv, pv)), (0, 0))]
-    if len(parts) > 10:
-        ska, zka, sva, zva, pka, pva = parts[10:16]
+    if len(parts) > ALT_AT:
+        ska, zka, sva, zva, pka, pva = parts[ALT_AT:UP_AT]
         alt = ALT_MODE[mode]
         tiers.append((BITS[alt], layer_code_bytes(alt, dims, group), ((ska, zka, pka), (sva, zva, pva)), (0, 0)))
-    if len(parts) > 16:
-        sku, zku, svu, zvu, pku, pvu, tku, tvu = parts[16:]
+    if len(parts) > UP_AT:
+        sku, zku, svu, zvu, pku, pvu, tku, tvu = parts[UP_AT:]
         tiers.append((UP_BITS[mode], layer_code_bytes(mode, dims, group), ((sku, zku, pku, tku), (svu, zvu, pvu, tvu)),
                       code_bytes(1, dims, group)))
     halves = ((hi.keys, hi.alt_keys, hi.up_keys, (h, nk, gk, d), 2, variant.rot_keys, sk8, qk8),

@@ -62,6 +62,9 @@ class HiLayers(NamedTuple):
 NO_HI = HiLayers()
 ALT_BITS = {"int4": 2, "int2": 4}  # the other grouped precision a layer of a grouped frame may take
 ALT_MODE = {"int4": "int2", "int2": "int4"}
+# where `_mixed_layout`'s tiers start: the mode's own layers (4 ranges, 2 codes, then int8's 4 sections), the layers
+# at the other grouped precision (4 ranges, 2 codes), the layers one bit more (4 ranges, 2 codes, 2 of top bits)
+ALT_AT, UP_AT = 10, 16
 
 
 class Dims(NamedTuple):
@@ -144,9 +147,9 @@ def scale_pairs(mode: str, hi_counts: tuple[int, ...]) -> list[tuple[int, int, i
     tiers = [(0, BITS[mode])]
     counts = (*hi_counts, 0, 0, 0, 0, 0, 0)[:6]
     if any(counts[2:]):
-        tiers.append((10, ALT_BITS[mode]))
+        tiers.append((ALT_AT, ALT_BITS[mode]))
     if any(counts[4:]):
-        tiers.append((16, UP_BITS[mode]))
+        tiers.append((UP_AT, UP_BITS[mode]))
     return [pair for at, bits in tiers
             for pair in ((at, KEY_AXIS, (1 << bits) - 1), (at + 2, VALUE_AXIS, (1 << bits) - 1))]
 
