@@ -32,6 +32,13 @@ def test_ppl_delta_is_paired_and_maps_through_exp() -> None:
         qstats.ppl_delta_interval([1.0], [1.0, 2.0])
 
 
+def test_autocorrelation_of_alike_neighbours_alternation_and_constants() -> None:
+    assert qstats.autocorrelation([1.0, 2.0, 3.0, 4.0]) == pytest.approx(0.25)  # (−1.5·−0.5 + ... ) / 5
+    assert qstats.autocorrelation([1.0, -1.0] * 4) == pytest.approx(-7 / 8)
+    assert qstats.autocorrelation([1.0, 2.0, 1.0, 2.0], lag=2) == pytest.approx(0.5)
+    assert qstats.autocorrelation([3.0] * 5) == 0.0 and qstats.autocorrelation([1.0], lag=1) == 0.0
+
+
 def test_quantiles_and_distribution_follow_numpy_linear() -> None:
     xs = [32, 0, 10, 20, 30]
     dist = qstats.distribution(xs)

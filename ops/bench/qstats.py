@@ -50,6 +50,17 @@ def ppl_delta_interval(nll_mode: Sequence[float], nll_exact: Sequence[float]) ->
     return tuple((math.exp(v) - 1) * 100 for v in (m, lo, hi))  # type: ignore[return-value]
 
 
+def autocorrelation(xs: Sequence[float], lag: int = 1) -> float:
+    """The sample autocorrelation of `xs` (in text order) at `lag`; 0.0 when they do not vary. Windows that
+    overlap on a short text could make neighbouring differences alike, and then the t-interval too narrow: a
+    clearly positive value says so."""
+    n, m = len(xs), mean(xs)
+    var = sum((x - m) ** 2 for x in xs)
+    if n <= lag or var == 0:
+        return 0.0
+    return sum((xs[i] - m) * (xs[i + lag] - m) for i in range(n - lag)) / var
+
+
 def quantile(xs: Sequence[float], q: float) -> float:
     """Linear-interpolated quantile (numpy's default), q in [0, 1]."""
     s = sorted(xs)

@@ -279,8 +279,10 @@ def _aggregate(per_window: list[dict[str, Any]], modes: list[str]) -> list[dict[
     exact_nll = [r["nll"] for r in per_window if r["mode"] == "exact"]
     for r in rows:
         r["ppl_delta_pct"] = (r["ppl"] / exact["ppl"] - 1) * 100
-        _, r["ppl_delta_lo"], r["ppl_delta_hi"] = qstats.ppl_delta_interval(
-            [w["nll"] for w in per_window if w["mode"] == r["mode"]], exact_nll)
+        nll = [w["nll"] for w in per_window if w["mode"] == r["mode"]]
+        _, r["ppl_delta_lo"], r["ppl_delta_hi"] = qstats.ppl_delta_interval(nll, exact_nll)
+        # neighbouring windows' differences alike (overlap on a short text) would make that interval too narrow
+        r["nll_delta_autocorr"] = qstats.autocorrelation([a - b for a, b in zip(nll, exact_nll, strict=True)])
     return rows
 
 
