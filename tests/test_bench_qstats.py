@@ -32,6 +32,21 @@ def test_ppl_delta_is_paired_and_maps_through_exp() -> None:
         qstats.ppl_delta_interval([1.0], [1.0, 2.0])
 
 
+def test_alike_neighbours_widen_the_interval_and_alternating_ones_narrow_nothing() -> None:
+    exact = [0.0] * 8
+    alike = [0.01, 0.012, 0.011, 0.02, 0.021, 0.019, 0.03, 0.031]  # neighbours alike: r > 0
+    alternating = [0.01, 0.03, 0.011, 0.029, 0.012, 0.031, 0.009, 0.03]  # r < 0
+    for diffs in (alike, alternating):
+        m, lo, hi = qstats.t_interval(diffs)
+        r = qstats.autocorrelation(diffs)
+        widen = math.sqrt((1 + r) / (1 - r)) if r > 0 else 1.0
+        d, dlo, dhi = qstats.ppl_delta_interval(diffs, exact)
+        assert d == pytest.approx((math.exp(m) - 1) * 100)
+        assert dhi == pytest.approx((math.exp(m + (hi - m) * widen) - 1) * 100)
+        assert dlo == pytest.approx((math.exp(m - (m - lo) * widen) - 1) * 100)
+    assert qstats.autocorrelation(alike) > 0.3 and qstats.autocorrelation(alternating) < 0
+
+
 def test_autocorrelation_of_alike_neighbours_alternation_and_constants() -> None:
     assert qstats.autocorrelation([1.0, 2.0, 3.0, 4.0]) == pytest.approx(0.25)  # (−1.5·−0.5 + ... ) / 5
     assert qstats.autocorrelation([1.0, -1.0] * 4) == pytest.approx(-7 / 8)
