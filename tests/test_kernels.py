@@ -184,11 +184,13 @@ def test_int4_into_is_bit_identical_to_torch(dtype: torch.dtype, half: str, widt
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("spec", ["int4", "int4/g32", "int4/rotv", "int4/g16", "int4/k8=0.2", "int4+zstd/rotk/v8=1",
-                                  "int2/k8=1"])
+                                  "int2/k8=1", "int4/s8/k5=0.2/v5=1", "int4/k5=1/v5=0.1.2", "int4/g32/s8/k8=0/k5=1",
+                                  "int4/rotk/s8/k5=0.1"])
 def test_int4_frames_decode_the_same_with_and_without_the_kernel(dtype: torch.dtype, spec: str,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the codec (rotated halves, padded groups and int2 stay torch's; layers kept at int8 go through the
-    int8 kernel, the others through int4's, run by run): the kernel changes no value."""
+    int8 kernel, the others through int4's, run by run, between runs of 5-bit layers, which stay torch's): the
+    kernel changes no value."""
     kv = torch.randn(3, 2, 2, 48, 64, generator=torch.Generator().manual_seed(5)) * 3
     frame = Codec(spec).encode(kv)
     native = Codec(spec).decode_into(frame, torch.empty(kv.shape, dtype=dtype))
