@@ -104,13 +104,13 @@ BENCHES = (
           "Each window's 512-token prefix goes through the codec's round trip into the cache, block by block as a pod "
           "stores it, the cache ending at another point within a block in each window (`--ends spread`); the next "
           "256 tokens are scored against the model's own predictions (perplexity, top-1 agreement, greedy tokens "
-          "equal), 24 windows spread over each of the four held-out texts, which no codec parameter was chosen on. "
+          "equal), 48 windows spread over each of the four held-out texts, which no codec parameter was chosen on. "
           "The interval is a paired 95% Student-t interval over the windows; sizes of a 2048-token context and of "
           "one ending half-way through a block (details: [Codec fidelity](fidelity.md)).",
-          "kvstash bench quality --modes exact,int4+zstd/k8=18/recent=int8,"
+          "kvstash bench quality --windows 48 --modes exact,"
           "int4+zstd/s8/k5=8.10.14.17.18.20.23.24.26/v5=4.11.15.17.18.23.25/recent=int8,"
-          "int2+zstd:16/rotv/clip/outk/symv/recent=int4,"
-          "int2+zstd:16/rotv/clip/outk/symv/s8/k3=6.9.10.15.16.17/v3=16.20/recent=int4 "
+          "int2+zstd:16/rotv/clip/outk/symv/s8/k3=6.9.10.15.16.17/v3=16.20/recent=int4,"
+          "int2+zstd:16/rotv/clip/outk/symv/s8/k3=1.2.15.17.20.23/v3=0.1.20/recent=int4 "
           "--json docs/results/quality.json", _quality),
     Bench("load", "Sessions through a round-robin balancer",
           "Three pods behind nginx's round robin; each session's first turn carries notes unique to it (a miss), "
@@ -222,7 +222,8 @@ def codec_table() -> list[str]:
         out.append(_row([f"`{mode}`", f"{_span(ratios)} / {_span(mids)}",
                          *(f"{by[t]['ppl_delta_hi']:+.2f}%" if t in by else "" for t in texts)]))
     counts = " or ".join(map(str, windows))
-    out += ["", *textwrap.wrap(f"Perplexity change at the upper end of its 95% interval over {counts} windows a text, "
+    out += ["", *textwrap.wrap(f"Perplexity change at the upper end of its 95% interval over {counts} windows a "
+            f"text (widened where neighbouring windows' differences are alike), "
             f"{d.get('prefix', 512)}-token prefix, next "
             f"{d.get('continuation', 128)} tokens scored, the cache ending at "
             f"{'every point of a block' if d.get('ends') == 'spread' else 'the prefix'}; {machine_line(d)}.", 110,
