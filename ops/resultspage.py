@@ -105,7 +105,8 @@ BENCHES = (
           "stores it, the cache ending at another point within a block in each window (`--ends spread`); the next "
           "256 tokens are scored against the model's own predictions (perplexity, top-1 agreement, greedy tokens "
           "equal), 48 windows spread over each of the four held-out texts, which no codec parameter was chosen on. "
-          "The interval is a paired 95% Student-t interval over the windows; sizes of a 2048-token context and of "
+          "The interval is a paired 95% Student-t interval over the windows, widened where neighbouring windows' "
+          "differences are alike; sizes of a 2048-token context and of "
           "one ending half-way through a block (details: [Codec fidelity](fidelity.md)).",
           "kvstash bench quality --windows 48 --modes exact,"
           "int4+zstd/s8/k5=8.10.14.17.18.20.23.24.26/v5=4.11.15.17.18.23.25/recent=int8,"
