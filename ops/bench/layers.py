@@ -204,9 +204,8 @@ def run(args: argparse.Namespace) -> int:
         sug_d.append(nll_of(mixed, window))
         exact_nll.append(nll_of(kv, window))
     base_d = [nll_of(trip(base, kv), window) for kv, window, _ in windows]
-    _, b_lo, b_hi = qstats.ppl_delta_interval(base_d, exact_nll)
+    b_pct, b_lo, b_hi = qstats.ppl_delta_interval(base_d, exact_nll)
     s_pct, s_lo, s_hi = qstats.ppl_delta_interval(sug_d, exact_nll)
-    b_pct = qstats.ppl_delta_interval(base_d, exact_nll)[0]
     print(f"{args.engine} {args.model}, base {base.name()}, upgrade to {up_name}; {len(windows)} windows of "
           f"{', '.join(t.name for t in chosen_texts)}, {n}-token prefix, next {m} tokens; KL gain of raising one "
           f"half alone (95% t-interval over windows); ranked by {args.rank}")

@@ -49,13 +49,18 @@ def ppl_delta_interval(nll_mode: Sequence[float], nll_exact: Sequence[float]) ->
     independent windows is too narrow. Where the lag-1 autocorrelation r of the differences is positive, the
     half-width is widened by sqrt((1 + r) / (1 - r)), what an AR(1) series' mean needs (r capped at 0.9); a
     negative r narrows nothing."""
-    if len(nll_mode) != len(nll_exact):
-        raise ValueError("paired windows differ in number")
-    diffs = [a - b for a, b in zip(nll_mode, nll_exact, strict=True)]
+    diffs = paired_deltas(nll_mode, nll_exact)
     m, lo, _ = t_interval(diffs)
     r = min(max(autocorrelation(diffs), 0.0), 0.9)
     half = (m - lo) * math.sqrt((1 + r) / (1 - r))
     return tuple((math.exp(v) - 1) * 100 for v in (m, m - half, m + half))  # type: ignore[return-value]
+
+
+def paired_deltas(nll_mode: Sequence[float], nll_exact: Sequence[float]) -> list[float]:
+    """Each window's nll under the codec less its nll under the exact cache (same windows, same order)."""
+    if len(nll_mode) != len(nll_exact):
+        raise ValueError("paired windows differ in number")
+    return [a - b for a, b in zip(nll_mode, nll_exact, strict=True)]
 
 
 def autocorrelation(xs: Sequence[float], lag: int = 1) -> float:

@@ -282,7 +282,7 @@ def _aggregate(per_window: list[dict[str, Any]], modes: list[str]) -> list[dict[
         nll = [w["nll"] for w in per_window if w["mode"] == r["mode"]]
         _, r["ppl_delta_lo"], r["ppl_delta_hi"] = qstats.ppl_delta_interval(nll, exact_nll)
         # neighbouring windows' differences alike (overlap on a short text) would make that interval too narrow
-        r["nll_delta_autocorr"] = qstats.autocorrelation([a - b for a, b in zip(nll, exact_nll, strict=True)])
+        r["nll_delta_autocorr"] = qstats.autocorrelation(qstats.paired_deltas(nll, exact_nll))
     return rows
 
 
