@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cachestore.codec import CodecSpec
-from ops.bench.layers import RANK_FIELD
+from ops.bench.layers import RANK_FIELD, _rank
 from ops.bench.quality import pareto_intervals, pareto_points
 from ops.cli import main
 
@@ -50,6 +50,19 @@ def test_bench_layers_ranks_every_half_and_suggests_a_spec(tmp_path: Path, base:
         "int8", "int4", "int4 + 1 bit", "int2 + 1 bit")
     text = capsys.readouterr().out
     assert "suggested  " + report["suggested"] in text and "bench quality --modes exact," in text
+
+
+def test_relative_ranking_weighs_every_window_alike_and_mean_follows_the_largest() -> None:
+    # window 1's KL is 100x window 2's: (0, K) removes half of window 1's, (0, V) all of window 2's and 1% of 1's
+    base = [1.0, 0.01]
+    half_kl = {(0, 0): [0.5, 0.01], (0, 1): [0.99, 0.0]}
+    mean = _rank(half_kl, base, "mean")
+    relative = _rank(half_kl, base, "relative")
+    assert [(r["layer"], r["part"]) for r in mean] == [(0, "K"), (0, "V")]
+    assert [(r["layer"], r["part"]) for r in relative] == [(0, "V"), (0, "K")]
+    shares = {r["part"]: r["window_share_pct"] for r in relative}
+    assert shares == pytest.approx({"K": 25.0, "V": 50.5}) and [r["rank"] for r in relative] == [1, 2]
+    assert {r["part"]: r["kl_gain"] for r in mean} == pytest.approx({"K": 0.25, "V": 0.01})
 
 
 def test_bench_layers_keeps_to_the_size_budget(tmp_path: Path) -> None:

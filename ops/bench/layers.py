@@ -105,6 +105,25 @@ def _size(kv: Any, spec: Any, block_tokens: int) -> float:
     return sum(map(len, _round_trip(BlockCodecs.for_spec(spec), kv, block_tokens))) / kv.shape[3]
 
 
+def _rank(half_kl: dict[tuple[int, int], list[float]], base_kl: list[float], by: str) -> list[dict[str, Any]]:
+    """Every (layer, half) with its KL per window once raised alone, its gain over the all-base KL `base_kl` (mean,
+    t-interval, share of the mean base KL, mean share of each window's), best first by `by` (RANK_FIELD)."""
+    base_mean = qstats.mean(base_kl)
+    ranked = []
+    for (layer, half), kls in half_kl.items():
+        gains = [b - k for b, k in zip(base_kl, kls, strict=True)]
+        gain, lo_g, hi_g = qstats.t_interval(gains)
+        shares = [g / b if b > 0 else 0.0 for g, b in zip(gains, base_kl, strict=True)]
+        ranked.append({"layer": layer, "half": half, "part": "KV"[half], "kl": qstats.mean(kls), "kl_gain": gain,
+                       "kl_gain_lo": lo_g, "kl_gain_hi": hi_g, "kl_windows": kls,
+                       "share_pct": 100 * gain / base_mean if base_mean > 0 else 0.0,
+                       "window_share_pct": 100 * qstats.mean(shares)})
+    ranked.sort(key=lambda r: r[RANK_FIELD[by]], reverse=True)
+    for rank, r in enumerate(ranked, 1):
+        r["rank"] = rank
+    return ranked
+
+
 def _suggest(ranked: list[dict[str, Any]], base: Any, size_kv: Any, args: argparse.Namespace,
              min_ratio: float) -> tuple[Any, float]:
     """The spec of the best-ranked halves (positive gain only) whose context stays >= min_ratio x fp16."""
@@ -182,18 +201,7 @@ def run(args: argparse.Namespace) -> int:
             kls.append(kl_of(mixed, window, ref))
         print(f"window {i + 1}/{len(windows)}: base KL {base_kl[-1]:.3e}, all {up_name} {up_kl[-1]:.3e}", flush=True)
     base_mean = qstats.mean(base_kl)
-    ranked = []
-    for (layer, half), kls in half_kl.items():
-        gains = [b - k for b, k in zip(base_kl, kls, strict=True)]
-        gain, lo_g, hi_g = qstats.t_interval(gains)
-        shares = [g / b if b > 0 else 0.0 for g, b in zip(gains, base_kl, strict=True)]
-        ranked.append({"layer": layer, "half": half, "part": "KV"[half], "kl": qstats.mean(kls), "kl_gain": gain,
-                       "kl_gain_lo": lo_g, "kl_gain_hi": hi_g, "kl_windows": kls,
-                       "share_pct": 100 * gain / base_mean if base_mean > 0 else 0.0,
-                       "window_share_pct": 100 * qstats.mean(shares)})
-    ranked.sort(key=lambda r: r[RANK_FIELD[args.rank]], reverse=True)
-    for rank, r in enumerate(ranked, 1):
-        r["rank"] = rank
+    ranked = _rank(half_kl, base_kl, args.rank)
     suggested, ratio = _suggest(ranked, base, size_kv, args, min_ratio)
     fp16 = size_kv.shape[0] * 2 * size_kv.shape[2] * size_kv.shape[4] * FP16_BYTES
     base_ratio = fp16 / _size(size_kv, base, args.block_tokens)
