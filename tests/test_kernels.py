@@ -163,19 +163,26 @@ def _int4_reference(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("half", ["keys", "values"])
 @pytest.mark.parametrize("width", [16, 64])
-def test_int4_into_is_bit_identical_to_torch(dtype: torch.dtype, half: str, width: int) -> None:
+@pytest.mark.parametrize("bits", [4, 5])
+def test_int4_into_is_bit_identical_to_torch(dtype: torch.dtype, half: str, width: int, bits: int) -> None:
     """Keys: [L, H, groups, group, D], a scale and offset per group and channel; values: [L, H, T, groups, group],
-    one per token and group. Written into a permuted view of a larger context, as FrameRun does."""
+    one per token and group. Written into a permuted view of a larger context, as FrameRun does. 5-bit codes: the
+    low four bits packed as int4's, the fifth in a plane of its own, eight a byte (a layer table's one bit more)."""
     gen = torch.Generator().manual_seed(width)
     shape = (3, 2, 4, 2, width) if half == "keys" else (3, 2, 8, 2, width)
-    codes = torch.randint(0, 16, shape, dtype=torch.uint8, generator=gen)
-    packed = (codes.view(-1, 2)[:, 0] | (codes.view(-1, 2)[:, 1] << 4)).contiguous()
+    codes = torch.randint(0, 1 << bits, shape, dtype=torch.uint8, generator=gen)
+    low = codes & 15
+    packed = (low.view(-1, 2)[:, 0] | (low.view(-1, 2)[:, 1] << 4)).contiguous()
+    top = None
+    if bits == 5:
+        weights = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8)
+        top = ((codes >> 4).view(-1, 8) * weights).sum(1, dtype=torch.uint8).contiguous()
     per = (*shape[:3], 1, width) if half == "keys" else (*shape[:4], 1)
     scale, zero = _scales(per, gen), -_scales(per, gen)
     context = torch.full((shape[1], shape[0] * shape[2] + 3, *shape[3:]), float("nan"), dtype=dtype)
     out = context[:, :shape[0] * shape[2]].view(shape[1], shape[0], *shape[2:]).permute(1, 0, 2, 3, 4)
     want = _int4_reference(out, codes, scale, zero)
-    assert kernels.int4_into(out, packed, scale, zero)
+    assert kernels.int4_into(out, packed, scale, zero, top)
     bits = torch.int16 if dtype == torch.float16 else torch.int32
     assert out.contiguous().view(bits).equal(want.view(bits))
     assert torch.isnan(context[:, shape[0] * shape[2]:]).all()
@@ -189,8 +196,8 @@ def test_int4_into_is_bit_identical_to_torch(dtype: torch.dtype, half: str, widt
 def test_int4_frames_decode_the_same_with_and_without_the_kernel(dtype: torch.dtype, spec: str,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the codec (rotated halves, padded groups and int2 stay torch's; layers kept at int8 go through the
-    int8 kernel, the others through int4's, run by run, between runs of 5-bit layers, which stay torch's): the
-    kernel changes no value."""
+    int8 kernel, the others through int4's, run by run, 5-bit layers with their top bits): the kernel changes no
+    value."""
     kv = torch.randn(3, 2, 2, 48, 64, generator=torch.Generator().manual_seed(5)) * 3
     frame = Codec(spec).encode(kv)
     native = Codec(spec).decode_into(frame, torch.empty(kv.shape, dtype=dtype))

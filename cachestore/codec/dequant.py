@@ -199,7 +199,7 @@ def unpack_mask(packed: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _int4_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-               shape: tuple[int, ...], dim: int) -> bool:
+               shape: tuple[int, ...], dim: int, top: torch.Tensor | None = None) -> bool:
     """`_affine_into` of int4 codes still packed ([L, H, groups, group, D] for keys, dim 2; [L, H, T, groups, group]
     for values, dim 3), unpacked, scaled and offset in one pass (cachestore.codec.kernels); False where that does not
     apply (codes padded past out's size, or no kernel): nothing written."""
@@ -209,7 +209,7 @@ def _int4_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zer
         grouped = _grouped(out, shape, dim)
     except RuntimeError:
         return False
-    return kernels.int4_into(grouped, packed, scale, zero)
+    return kernels.int4_into(grouped, packed, scale, zero, top)
 
 
 def _grouped(out: torch.Tensor, shape: Sequence[int], dim: int) -> torch.Tensor:
@@ -262,12 +262,14 @@ def dequantize_mixed(mode: str, parts: list[torch.Tensor], dims: Dims, group: in
             if tier < 0:
                 int8_codes_into(target, q8[rank:rank + n], scale8[rank:rank + n])
                 continue
-            tier_bits, sizes, sections, _ = tiers[tier]
+            tier_bits, sizes, sections, tops = tiers[tier]
             nbytes, (scale, zero, packed) = sizes[half], sections[half][:3]
-            # a run's codes lie whole, in C order
-            native = tier_bits == 4 and not rot and 2 * nbytes == math.prod(shape)
+            # a run's codes (and a 5-bit run's top bits) lie whole, in C order
+            count = math.prod(shape)
+            native = not rot and 2 * nbytes == count and (tier_bits == 4 or tier_bits == 5 and 8 * tops[half] == count)
+            top = sections[half][3][rank * tops[half]:(rank + n) * tops[half]] if tier_bits == 5 else None
             if not (native and _int4_into(target, packed[rank * nbytes:(rank + n) * nbytes], scale[rank:rank + n],
-                                          zero[rank:rank + n], (n, *shape), dim)):
+                                          zero[rank:rank + n], (n, *shape), dim, top)):
                 pending.setdefault(tier, []).append((target, n, rank))
         for tier, runs in pending.items():  # each tier's codes unpacked at once: [their count, *shape]
             tier_bits, sizes, sections, tops = tiers[tier]
