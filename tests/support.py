@@ -216,14 +216,15 @@ def error_bound(mode: str, x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def check_layers_decode_apart(spec: str, shapes: tuple[tuple[int, ...], ...],
-                              context_dtype: torch.dtype = torch.float32) -> None:
-    """Frames of `spec` of each shape [4 layers, 2, H, T, D]: any range of layers decodes to the whole frame's, and
-    the frame decodes into a slice of a larger context of `context_dtype`, leaving the rest untouched."""
+                              context_dtype: torch.dtype = torch.float32, rope: Any = None) -> None:
+    """Frames of `spec` (encoded with the model's `rope`, if given) of each shape [4 layers, 2, H, T, D]: any range of
+    layers decodes to the whole frame's, and the frame decodes into a slice of a larger context of `context_dtype`,
+    leaving the rest untouched."""
     from cachestore.codec import Codec  # noqa: PLC0415
 
     for shape in shapes:
         kv = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
-        frame = Codec(spec).encode(kv)
+        frame = Codec(spec, rope).encode(kv)
         whole = Codec().decode(frame)
         opened = Codec().open(frame)
         assert opened.splits_by_layer

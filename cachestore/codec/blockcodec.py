@@ -25,7 +25,9 @@ from dataclasses import dataclass, replace
 
 from cachestore.codec.codec import Codec
 from cachestore.codec.frame import FLOAT_MODES
+from cachestore.codec.rope import Rope
 from cachestore.codec.spec import CodecSpec, recent_spec
+from cachestore.errors import ConfigError
 
 SINK_BLOCK_MODES = frozenset({"int4", "int2"})
 SINK_MODE = "int8"
@@ -38,16 +40,21 @@ class BlockCodecs:
     recent: Codec  # the codec of a partial last block after block 0 (main unless the spec names /recent=)
 
     @classmethod
-    def for_spec(cls, spec: CodecSpec | str | Codec, rows: bool = False) -> BlockCodecs:
+    def for_spec(cls, spec: CodecSpec | str | Codec, rows: bool = False, rope: Rope | None = None) -> BlockCodecs:
         """With `rows`, exact and fp16 frames hold token rows (`CodecSpec.rows`: an engine that takes llama.cpp
-        sequence states receives them where the state holds them); other modes are unchanged."""
-        main = spec if isinstance(spec, Codec) else Codec(spec)
+        sequence states receives them where the state holds them); other modes are unchanged. `rope`: the model's
+        (its engine's `KvLayout.rope`), which /unrope needs; ConfigError if it needs it and has none."""
+        main = spec if isinstance(spec, Codec) else Codec(spec, rope)
+        if main.spec.variant is not None and main.spec.variant.unrope and main.rope is None:
+            raise ConfigError(f"codec {main.spec.name()} stores keys without their RoPE (/unrope), but the engine "
+                              f"does not declare its model's RoPE (a plain rotation of the whole head, alike in every "
+                              f"layer)")
         if rows and main.spec.mode in FLOAT_MODES and not main.spec.rows:
-            main = Codec(replace(main.spec, rows=True))
+            main = Codec(replace(main.spec, rows=True), main.rope)
         if main.spec.mode not in SINK_BLOCK_MODES:
             return cls(main, main, main)
         sink = Codec(replace(main.spec, mode=SINK_MODE, group_size=CodecSpec().group_size, recent=""))
-        return cls(main, sink, Codec(recent_spec(main.spec)) if main.spec.recent else main)
+        return cls(main, sink, Codec(recent_spec(main.spec), main.rope) if main.spec.recent else main)
 
     def at(self, block_index: int) -> Codec:
         """The codec of full block `block_index`."""

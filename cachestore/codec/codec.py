@@ -26,6 +26,11 @@ Modes and their loss (see DESIGN.md, "Codec"):
            between its block's extremes instead of an fp16 scale and zero point, a quarter bit a
            value less (frame format 5; with /outk or /symv too, whose frames then take
            /k5= /v5= or /k3= /v3= layers, nothing else, in their table).
+           /kbits (int2, with /s8; frame format 6) gives each key channel of a group 0, 2, 3 or 4
+           bits by its importance, its mean square (over its RoPE pair) times its range squared,
+           in fixed counts (13/17/26/8 of 64): 0 bits decode to the group's mean. /unrope stores
+           keys with RoPE undone relative to their block's first token (the model's RoPE, which
+           the engine declares, recorded in the frame) and redoes it on decoding.
            /recent=int8 (or int4 under int2) encodes a sequence's partial last block, its most
            recent tokens (a session's partial block, a tail), with that mode instead (`recent_spec`;
            cachestore.codec.blockcodec); full blocks are unchanged.
@@ -60,6 +65,7 @@ from cachestore.codec.frame import (
     MAX_TOKENS,
     SCALE8,
     SPLIT,
+    V6,
     FrameHeader,
     checksum,
     pack_header,
@@ -67,6 +73,7 @@ from cachestore.codec.frame import (
 from cachestore.codec.layout import PLAIN, Dims, layout
 from cachestore.codec.plan import DTYPE_NAMES, DTYPES, as_bytes, itemsize, plan_of, section_offsets
 from cachestore.codec.quant import quantize
+from cachestore.codec.rope import Rope
 from cachestore.codec.spec import CodecSpec
 from cachestore.codec.verify import DEFAULT_MAX_ELEMENTS, verify_frame
 from cachestore.codec.views import OpenFrame
@@ -80,8 +87,11 @@ _DEFAULT_SPEC = CodecSpec()
 class Codec:
     """Encodes KV tensors with one spec; decodes frames of any spec."""
 
-    def __init__(self, spec: CodecSpec | str = _DEFAULT_SPEC) -> None:
+    def __init__(self, spec: CodecSpec | str = _DEFAULT_SPEC, rope: Rope | None = None) -> None:
+        """`rope`: the model's (its engine's `KvLayout.rope`), which a spec with /unrope needs to encode; every
+        frame records what its decoding needs."""
         self.spec = CodecSpec.parse(spec) if isinstance(spec, str) else spec
+        self.rope = rope
 
     def __repr__(self) -> str:
         return f"Codec({self.spec.name()!r})"
@@ -92,7 +102,7 @@ class Codec:
         spec = self.spec
         group = spec.group_size if spec.mode in GROUPED_MODES else 0
         sections = layout(spec.mode, dims, group, dtype, spec.hi.counts, spec.variant)
-        parts = quantize(spec.mode, kv.detach(), group, spec.variant or PLAIN, spec.hi)
+        parts = quantize(spec.mode, kv.detach(), group, spec.variant or PLAIN, spec.hi, self.rope)
         offsets, raw_len = section_offsets(sections)
         raw = torch.zeros(raw_len, dtype=torch.uint8)
         for (sec_dtype, shape), part, start in zip(sections, parts, offsets, strict=True):
@@ -109,11 +119,11 @@ class Codec:
             # skips a decompression that would buy nothing. The frame says so itself.
             comp, shuffled, payload = "none", False, bytes(memoryview(raw.numpy()))  # type: ignore[arg-type]
         # The oldest version that holds the frame (1: nothing transformed, 2: rotations, 3: a layer
-        # table, 4: outlier channels or symmetric values, 5: range codes): older readers keep reading the frames
-        # they can.
+        # table, 4: outlier channels or symmetric values, 5: range codes, 6: key classes or keys without their RoPE):
+        # older readers keep reading the frames they can.
         table = spec.layer_table(dims.layers)
-        version = (5 if spec.transform & SCALE8 else 4 if spec.transform & SPLIT else 3 if table
-                   else 2 if spec.transform else 1)
+        version = (6 if spec.transform & V6 else 5 if spec.transform & SCALE8 else 4 if spec.transform & SPLIT
+                   else 3 if table else 2 if spec.transform else 1)
         stored = table + payload
         flags = (FLAG_SHUFFLE if shuffled else 0) | (FLAG_ROWS if spec.rows else 0)
         header = FrameHeader(version, spec.mode, comp, DTYPE_NAMES[dtype], flags, group, dims.layers, dims.heads,

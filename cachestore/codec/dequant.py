@@ -10,8 +10,8 @@ from collections.abc import Sequence
 import torch
 
 from cachestore.codec import kernels, scalecodes
+from cachestore.codec.frame import KEY_CLASS_BITS, OUTLIER_BITS, UP_BITS, key_classes, outlier_channels
 from cachestore.codec.frame import MODE_BITS as BITS
-from cachestore.codec.frame import OUTLIER_BITS, UP_BITS, outlier_channels
 from cachestore.codec.layout import (
     ALT_AT,
     ALT_MODE,
@@ -28,6 +28,7 @@ from cachestore.codec.layout import (
 )
 from cachestore.codec.q8 import Q8_BLOCK, Q8_BYTES, q8_rows_into
 from cachestore.codec.quant import hadamard_cpu, rotate
+from cachestore.codec.rope import Rope, turn
 from cachestore.errors import CodecError
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
@@ -108,9 +109,9 @@ def dequantize(mode: str, parts: list[torch.Tensor], dims: Dims, group: int,
 
 def _dequantize_split(mode: str, parts: list[torch.Tensor], dims: Dims, group: int, out: torch.Tensor,
                       variant: Variant, up: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> torch.Tensor:
-    """The sections of `split_layout` (formats 4 and 5, range codes expanded; `dims` the layers they hold, `up` the
+    """The sections of `split_layout` (formats 4 to 6, range codes expanded; `dims` the layers they hold, `up` the
     layers of them one bit more) -> out [layers, 2, heads, tokens, dim]. A mask that does not mark exactly
-    `outlier_channels` channels of every key group raises CodecError."""
+    `outlier_channels` channels of every key group, or a class map without each class's count, raises CodecError."""
     n_layers, h, t, d = dims
     gk, nk, gv, nv = groups(dims, group)
     bits = BITS[mode]
@@ -118,8 +119,10 @@ def _dequantize_split(mode: str, parts: list[torch.Tensor], dims: Dims, group: i
     sec = dict(zip(split_layout(mode, dims, group, variant, (0, 0, 0, 0, len(up_k), len(up_v))), parts, strict=True))
     kshape = (n_layers, h, nk, gk, d)
     c = outlier_channels(mode, d) if variant.outlier_keys else 0
-    lo = _raised_codes(sec["pk"], sec.get("pkt"), bits, n_layers, h * nk * gk * (d - c), up_k)
-    if variant.outlier_keys:
+    if variant.key_classes:
+        codes = _class_codes(sec, n_layers, kshape)
+    elif variant.outlier_keys:
+        lo = _raised_codes(sec["pk"], sec.get("pkt"), bits, n_layers, h * nk * gk * (d - c), up_k)
         mask = unpack_mask(sec["mask"], d)  # [L, H, groups, D]
         if not bool((mask.sum(-1) == c).all()):
             raise CodecError(f"outlier key mask does not mark {c} channels in every key group")
@@ -130,8 +133,10 @@ def _dequantize_split(mode: str, parts: list[torch.Tensor], dims: Dims, group: i
         codes.masked_scatter_(~where, lo)
         codes.masked_scatter_(where, hi)
     else:
-        codes = lo.view(kshape)
+        codes = _raised_codes(sec["pk"], sec.get("pkt"), bits, n_layers, h * nk * gk * d, up_k).view(kshape)
     _affine_into(out[:, 0], codes, sec["sk"], sec["zk"], 2, variant.rot_keys)
+    if variant.unrope:  # the keys' RoPE, undone within the block, redone
+        out[:, 0] = turn(out[:, 0], Rope.from_section(sec["rope"]), 1)
     vshape = (n_layers, h, t, nv, gv)
     qv = _raised_codes(sec["pv"], sec.get("pvt"), bits, n_layers, h * t * nv * gv, up_v).view(vshape)
     if variant.sym_values:  # (code - mid) * scale: the affine map with zero point -mid * scale
@@ -141,6 +146,30 @@ def _dequantize_split(mode: str, parts: list[torch.Tensor], dims: Dims, group: i
     else:
         _affine_into(out[:, 1], qv, sec["sv"], sec["zv"], 3, variant.rot_values)
     return out
+
+
+def key_class_map(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """A KEY_CLASSES frame's "kcls" [L, H, groups, D / 4] -> each key channel's class [L, H, groups, D] (uint8, an
+    index into KEY_CLASS_BITS); CodecError unless every group holds each class's `key_classes` count."""
+    cls = unpack(packed.reshape(-1), 2, packed.numel() * 4).view(*packed.shape[:-1], dim)
+    for c, count in enumerate(key_classes(dim)):
+        if not bool(((cls == c).sum(-1) == count).all()):
+            raise CodecError(f"key channel classes: a group without {count} channels of {KEY_CLASS_BITS[c]} bits")
+    return cls
+
+
+def _class_codes(sec: dict[str, torch.Tensor], layers: int, kshape: tuple[int, ...]) -> torch.Tensor:
+    """A KEY_CLASSES frame's key codes [L, H, groups, group, D] from its class map and code sections."""
+    d = kshape[-1]
+    where = key_class_map(sec["kcls"], d).unsqueeze(3).expand(kshape)
+    per = math.prod(kshape[1:4])  # codes of one channel class position per layer: heads x groups x group
+    _, n2, n3, n4 = key_classes(d)
+    codes = torch.zeros(kshape, dtype=torch.uint8, device=where.device)
+    codes.masked_scatter_((where == 1) | (where == 2), _layer_codes(sec["pk"], 2, layers, per * (n2 + n3)))
+    top = torch.zeros_like(codes).masked_scatter_(where == 2, _layer_codes(sec["pkt"], 1, layers, per * n3))
+    codes |= top << 2
+    codes.masked_scatter_(where == 3, _layer_codes(sec["pko"], OUTLIER_BITS["int2"], layers, per * n4))
+    return codes
 
 
 def _raised_codes(packed: torch.Tensor, top: torch.Tensor | None, bits: int, layers: int, per_layer: int,
@@ -172,7 +201,12 @@ def expand_split(mode: str, parts: list[torch.Tensor], dims: Dims, group: int, v
     bits = BITS[mode]
 
     key_levels = _levels(dims.layers, bits, up[0], parts[0].device)
-    if variant.outlier_keys:
+    if variant.key_classes:  # 0 bits: one level (the zero point alone)
+        levels = torch.tensor([max(1, (1 << b) - 1) for b in KEY_CLASS_BITS], dtype=torch.float32,
+                              device=parts[0].device)
+        key_levels = levels[unpack(sec["kcls"].reshape(-1), 2, sec["kcls"].numel() * 4).long()].view(
+            *sec["kcls"].shape[:-1], 1, dims.head_dim)
+    elif variant.outlier_keys:
         mask = unpack_mask(sec["mask"], dims.head_dim).unsqueeze(3)  # [L, H, groups, 1, D]
         key_levels = torch.where(mask, float((1 << OUTLIER_BITS[mode]) - 1), key_levels)
     sec["sk"], sec["zk"] = scalecodes.expand(sec["sk"], sec["zk"], scalecodes.KEY_AXIS, key_levels)

@@ -4,7 +4,7 @@ A frame is a fixed 52-byte little-endian header followed by the payload:
 
     offset size field
          0    4 magic            b"KVS1"
-         4    1 format version   1, 2, 3, 4 or 5
+         4    1 format version   1, 2, 3, 4, 5 or 6
          5    1 mode             MODES code
          6    1 compressor       COMPRESSORS code
          7    1 dtype            DTYPES code (the tensor's dtype before encoding)
@@ -28,6 +28,14 @@ A frame is a fixed 52-byte little-endian header followed by the payload:
                                  not as an fp16 scale and zero point (a symmetric scale: one code
                                  of its block's largest). With OUTLIER_KEYS or SYM_VALUES its
                                  layer table may give layers one bit more (UP_BITS), nothing else
+                                 Version 6: KEY_CLASSES (bit 6) and/or UNROPE (bit 7) set, with
+                                 SCALE8 and the bits of version 4 as in 5. KEY_CLASSES (int2, not
+                                 with OUTLIER_KEYS): each key group's channels in four classes of
+                                 fixed counts (`key_classes`), 0, 2, 3 or 4 bits a code; its layer
+                                 table may give values one bit more, keys nothing. UNROPE: keys
+                                 stored with RoPE undone relative to the block's first token, the
+                                 inverse frequencies and pairing in the payload's first section
+                                 (`cachestore.codec.rope`)
         10    2 group size       int4/int2 only, else zero
         12    4 layers
         16    4 kv heads
@@ -51,7 +59,8 @@ Version 3 does the same for the layer table: only frames that keep some layers a
 that give a layer the other grouped precision (4 bits in an int2 frame, 2 in an int4 frame) came later within
 version 3: a reader from before them refuses such a frame cleanly, for its table's unknown bits.
 Version 4 likewise holds the frames with outlier key channels or symmetric values, which a reader from before
-them refuses by their version, and version 5 the frames with 8-bit range codes. Layer tables that give a layer
+them refuses by their version, version 5 the frames with 8-bit range codes, and version 6 those with key channel
+classes or keys stored without their block's RoPE. Layer tables that give a layer
 one bit more than the mode's (UP_BITS) are refused by a reader from before them for their table's unknown bits.
 FLAG_ROWS needs no version of its own: a reader from before it refuses such a frame, cleanly, for its unknown flag;
 one from before q8 refuses q8 frames for their unknown mode code.
@@ -68,8 +77,8 @@ import xxhash
 from cachestore.errors import CodecError
 
 MAGIC = b"KVS1"
-FORMAT_VERSION = 5  # the newest this module reads and writes
-VERSIONS = (1, 2, 3, 4, 5)
+FORMAT_VERSION = 6  # the newest this module reads and writes
+VERSIONS = (1, 2, 3, 4, 5, 6)
 HEADER = struct.Struct("<4sBBBBBBHIIIIQQQ")
 HEADER_SIZE = HEADER.size  # 52
 _CHECKED = HEADER_SIZE - 8  # the checksum covers the header up to the checksum itself
@@ -85,8 +94,10 @@ FLAG_SHUFFLE = 1
 FLAG_ROWS = 2
 _KNOWN_FLAGS = FLAG_SHUFFLE | FLAG_ROWS
 ROT_KEYS, ROT_VALUES, LAYER_TABLE, OUTLIER_KEYS, SYM_VALUES, SCALE8 = 1, 2, 4, 8, 16, 32
-SPLIT = OUTLIER_KEYS | SYM_VALUES  # the transforms of version 4
-_KNOWN_TRANSFORMS = ROT_KEYS | ROT_VALUES | LAYER_TABLE | SPLIT | SCALE8
+KEY_CLASSES, UNROPE = 64, 128
+SPLIT = OUTLIER_KEYS | SYM_VALUES | KEY_CLASSES  # the transforms that take `split_layout` (versions 4 and 6)
+V6 = KEY_CLASSES | UNROPE  # the transforms of version 6
+_KNOWN_TRANSFORMS = ROT_KEYS | ROT_VALUES | LAYER_TABLE | SPLIT | SCALE8 | UNROPE
 HI_BITS = 8  # the precision a layer table may raise a layer's keys or values to
 MODE_BITS = {"int4": 4, "int2": 2}  # bits per code of the grouped modes
 # OUTLIER_KEYS: in every key group, head_dim // OUTLIER_SHARE[mode] channels (the widest) take OUTLIER_BITS[mode]; the
@@ -95,6 +106,12 @@ OUTLIER_SHARE = {"int4": 16, "int2": 8}
 OUTLIER_BITS = {"int4": 8, "int2": 4}
 ALT_BITS = {"int4": 2, "int2": 4}  # the other grouped precision a layer table may give a layer's keys or values
 UP_BITS = {"int4": 5, "int2": 3}  # one bit more than the mode's, which a layer table may give a layer's keys or values
+# KEY_CLASSES: of every 64 key channels of a group, how many take 0 bits (the group's zero point alone), the mode's 2,
+# one more (3) and OUTLIER_BITS (4), ranked by importance (`quant._class_keys`): the counts keep every section's size
+# a function of the header. 13/17/26/8 cost 144 bits a token and 64 channels, as int2's 8 outlier channels do.
+KEY_CLASS_BITS = (0, 2, 3, 4)
+KEY_CLASS_COUNTS = (13, 17, 26, 8)
+KEY_CLASS_SPAN = 64
 
 MIN_GROUP, MAX_GROUP = 4, 1024
 MAX_DIM = 1 << 16  # layers, kv heads and head dim each stay below this
@@ -171,6 +188,16 @@ def outlier_channels(mode: str, head_dim: int) -> int:
     return head_dim // OUTLIER_SHARE[mode]
 
 
+def key_classes(head_dim: int) -> tuple[int, ...]:
+    """How many channels of each key group of a KEY_CLASSES frame take each of KEY_CLASS_BITS."""
+    return tuple(n * (head_dim // KEY_CLASS_SPAN) for n in KEY_CLASS_COUNTS)
+
+
+def key_classes_fit(mode: str, head_dim: int) -> bool:
+    """Whether KV of `head_dim` channels can take KEY_CLASSES under `mode`."""
+    return mode == "int2" and head_dim % KEY_CLASS_SPAN == 0
+
+
 def outlier_fits(mode: str, head_dim: int) -> bool:
     """Whether KV of `head_dim` channels can take OUTLIER_KEYS under `mode`: its share divides head_dim."""
     return head_dim % OUTLIER_SHARE[mode] == 0
@@ -244,12 +271,18 @@ def parse_header(buf: bytes | memoryview, *, max_elements: int) -> FrameHeader:
         raise CodecError(f"inconsistent frame: transform {transform:#x} in version {version}")
     if transform & ~_KNOWN_TRANSFORMS or (transform and mode_name not in GROUPED_MODES):
         raise CodecError(f"unknown transform {transform:#x} for mode {mode_name}")
-    if (bool(transform & SCALE8) != (version == 5)
-            or (version != 5 and (bool(transform & SPLIT) != (version == 4)
-                                  or bool(transform & LAYER_TABLE) != (version == 3)))):
+    if (bool(transform & SCALE8) != (version >= 5) or bool(transform & V6) != (version == 6)
+            or (version < 5 and (bool(transform & SPLIT) != (version == 4)
+                                 or bool(transform & LAYER_TABLE) != (version == 3)))):
         raise CodecError(f"inconsistent frame: transform {transform:#x} in version {version}")
     if transform & OUTLIER_KEYS and not outlier_fits(mode_name, dim):
         raise CodecError(f"inconsistent frame: outlier key channels with head_dim {dim}")
+    if transform & KEY_CLASSES and (transform & OUTLIER_KEYS or not key_classes_fit(mode_name, dim)):
+        raise CodecError(f"inconsistent frame: key channel classes in {mode_name} with head_dim {dim}"
+                         f"{' and outlier channels' if transform & OUTLIER_KEYS else ''}")
+    if transform & UNROPE and (not transform & SPLIT or dim % 2):
+        raise CodecError(f"inconsistent frame: keys without their RoPE need a split layout and an even head_dim, "
+                         f"not transform {transform:#x} and head_dim {dim}")
     if flags & FLAG_SHUFFLE and mode_name not in FLOAT_MODES:
         raise CodecError(f"inconsistent frame: byte shuffle flag on mode {mode_name}")
     if flags & FLAG_ROWS and mode_name not in ROWS_MODES:
@@ -265,8 +298,8 @@ def parse_header(buf: bytes | memoryview, *, max_elements: int) -> FrameHeader:
                                ("tokens", tokens, MAX_TOKENS), ("head_dim", dim, MAX_DIM)):
         if not 1 <= value < limit:
             raise CodecError(f"{name} = {value} outside 1..{limit - 1}")
-    table = (_layer_table(buf, mode_name, layers, payload_len, bool(transform & SPLIT)) if transform & LAYER_TABLE
-             else b"")
+    table = (_layer_table(buf, mode_name, layers, payload_len, bool(transform & SPLIT), bool(transform & KEY_CLASSES))
+             if transform & LAYER_TABLE else b"")
     header = FrameHeader(version, mode_name, _COMPRESSOR_NAMES[comp], _DTYPE_NAMES[dtype], flags,
                          group, layers, heads, tokens, dim, raw_len, payload_len, digest, transform, table)
     if header.elements > max_elements:
@@ -274,15 +307,16 @@ def parse_header(buf: bytes | memoryview, *, max_elements: int) -> FrameHeader:
     return header
 
 
-def _layer_table(buf: bytes | memoryview, mode: str, layers: int, payload_len: int, split: bool = False) -> bytes:
-    """The layer table (versions 3 and 5) that follows the header, checked byte by byte (a frame with outlier key
-    channels or symmetric values may give layers one bit more, nothing else)."""
+def _layer_table(buf: bytes | memoryview, mode: str, layers: int, payload_len: int, split: bool = False,
+                 classes: bool = False) -> bytes:
+    """The layer table (versions 3, 5 and 6) that follows the header, checked byte by byte (a frame with outlier key
+    channels or symmetric values may give layers one bit more, nothing else; one with key classes only its values)."""
     if payload_len < layers or len(buf) < HEADER_SIZE + layers:
         raise CodecError(f"truncated frame: the layer table needs {layers} bytes after the header")
     table = bytes(buf[HEADER_SIZE:HEADER_SIZE + layers])
     allowed = {MODE_BITS[mode], UP_BITS[mode]} if split else {MODE_BITS[mode], ALT_BITS[mode], UP_BITS[mode], HI_BITS}
     for layer, entry in enumerate(table):
-        if entry & 0xF not in allowed or entry >> 4 not in allowed:
+        if entry & 0xF not in ({MODE_BITS[mode]} if classes else allowed) or entry >> 4 not in allowed:
             raise CodecError(f"layer table: layer {layer} has key/value bits {entry & 0xF}/{entry >> 4}, "
                              f"{mode} frames allow {', '.join(map(str, sorted(allowed)))}")
     if all(entry == MODE_BITS[mode] * 0x11 for entry in table):

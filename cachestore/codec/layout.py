@@ -8,7 +8,15 @@ from typing import NamedTuple
 import torch
 
 from cachestore.codec.frame import MODE_BITS as BITS
-from cachestore.codec.frame import OUTLIER_BITS, OUTLIER_SHARE, UP_BITS, outlier_channels, outlier_fits
+from cachestore.codec.frame import (
+    OUTLIER_BITS,
+    OUTLIER_SHARE,
+    UP_BITS,
+    key_classes,
+    key_classes_fit,
+    outlier_channels,
+    outlier_fits,
+)
 from cachestore.codec.q8 import Q8_BLOCK, Q8_BYTES
 from cachestore.codec.scalecodes import KEY_AXIS, VALUE_AXIS
 from cachestore.errors import CodecError
@@ -28,11 +36,13 @@ class Variant(NamedTuple):
     outlier_keys: bool = False  # each key group's widest channels at higher precision (format 4, in the frame)
     sym_values: bool = False  # values quantized symmetrically: a scale, no zero point (format 4, in the frame)
     scale8: bool = False  # group ranges as 8-bit codes between their block's extremes (format 5, in the frame)
+    key_classes: bool = False  # each key group's channels at 0, 2, 3 or 4 bits by importance (format 6, in the frame)
+    unrope: bool = False  # keys stored with RoPE undone within their block (format 6, in the frame)
 
     @property
     def split(self) -> bool:
         """Whether frames of this variant take format 4's layout (`split_layout`)."""
-        return self.outlier_keys or self.sym_values
+        return self.outlier_keys or self.sym_values or self.key_classes
 
 
 PLAIN = Variant()
@@ -167,7 +177,14 @@ def split_layout(mode: str, dims: Dims, group: int, variant: Variant,
     extremes "sv" [L, H, 1, value groups, 1] and 8-bit codes "svc" [L, H, T, value groups, 1], each scale
     extreme * code / 255), and a layer table may give layers one bit more (`hi_counts[4:6]`, UP_BITS): their keys'
     non-outlier channels (values) keep the mode's bits of each code in "pk" ("pv") like every layer, and put the
-    top bits in "pkt" ("pvt"), packed per layer, those layers only."""
+    top bits in "pkt" ("pvt"), packed per layer, those layers only.
+
+    Format 6: with `unrope` a first section "rope", fp32 [head_dim / 2 + 1] (`cachestore.codec.rope`); with
+    `key_classes` (int2, range codes, no outlier channels) each key group's channel classes "kcls" [L, H, key groups,
+    D / 4] (2 bits a channel, low bits first: an index into KEY_CLASS_BITS) instead of the mask, the low two bits of
+    the 2- and 3-bit channels' codes in "pk", the 4-bit channels' in "pko" and the 3-bit channels' top bits in "pkt",
+    every layer's (each class's channels in channel order, as "pk" holds the non-outlier channels'); its layer table
+    may give values one bit more, keys nothing."""
     if mode not in BITS:
         raise CodecError(f"outlier key channels and symmetric values apply to int4/int2 only, not {mode}")
     n_layers, h, t, d = dims
@@ -179,20 +196,35 @@ def split_layout(mode: str, dims: Dims, group: int, variant: Variant,
                          f"with range codes only, not {counts}")
     nk_up, nv_up = counts[4:]
     sk, zk, sv, zv = _ranges(dims, group, n_layers, n_layers, variant.scale8)
-    sections: dict[str, Section] = {"sk": sk, "zk": zk, "sv": sv, "zv": zv}
+    sections: dict[str, Section] = {}
+    if variant.unrope:
+        if d % 2:
+            raise CodecError(f"keys without their RoPE need an even head_dim, not {d}")
+        sections["rope"] = (torch.float32, (d // 2 + 1,))
+    sections |= {"sk": sk, "zk": zk, "sv": sv, "zv": zv}
     if variant.sym_values:  # one scale a group, no zero point; as range codes its extreme and a code
         del sections["zv"]
         if variant.scale8:
             sections |= {"sv": (F16, (n_layers, h, 1, nv, 1)), "svc": (torch.uint8, (n_layers, h, t, nv, 1))}
     per_group = d  # key channels per (layer, head, group) at the mode's bits
-    if variant.outlier_keys:
+    if variant.key_classes:
+        if variant.outlier_keys or not variant.scale8 or nk_up or not key_classes_fit(mode, d):
+            raise CodecError(f"key channel classes apply to int2 with range codes, a head_dim that is a multiple of "
+                             f"64 and no outlier channels or key layers one bit more, not {mode} with head_dim {d}")
+        _, n2, n3, n4 = key_classes(d)
+        sections["kcls"] = (torch.uint8, (n_layers, h, nk, d // 4))
+        sections["pk"] = (torch.uint8, (n_layers * ceil_div(h * nk * gk * (n2 + n3) * bits, 8),))
+        sections["pko"] = (torch.uint8, (n_layers * ceil_div(h * nk * gk * n4 * OUTLIER_BITS[mode], 8),))
+        sections["pkt"] = (torch.uint8, (n_layers * ceil_div(h * nk * gk * n3, 8),))
+    elif variant.outlier_keys:
         if not outlier_fits(mode, d):
             raise CodecError(f"outlier key channels of {mode} need a head_dim that is a multiple of "
                              f"{OUTLIER_SHARE[mode]}, not {d}")
         c = outlier_channels(mode, d)
         per_group = d - c
         sections["mask"] = (torch.uint8, (n_layers, h, nk, d // 8))
-    sections["pk"] = (torch.uint8, (n_layers * ceil_div(h * nk * gk * per_group * bits, 8),))
+    if not variant.key_classes:
+        sections["pk"] = (torch.uint8, (n_layers * ceil_div(h * nk * gk * per_group * bits, 8),))
     if variant.outlier_keys:
         sections["pko"] = (torch.uint8, (n_layers * ceil_div(h * nk * gk * c * OUTLIER_BITS[mode], 8),))
     if nk_up:

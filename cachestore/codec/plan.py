@@ -8,11 +8,13 @@ import torch
 
 from cachestore.codec.frame import (
     GROUPED_MODES,
+    KEY_CLASSES,
     OUTLIER_KEYS,
     ROT_KEYS,
     ROT_VALUES,
     SCALE8,
     SYM_VALUES,
+    UNROPE,
     UP_BITS,
     FrameHeader,
 )
@@ -52,7 +54,8 @@ def variant_of(h: FrameHeader) -> Variant:
     """The options a decoder must know, from the header's transform bits (clipping is the encoder's alone)."""
     t = h.transform
     return Variant(rot_keys=bool(t & ROT_KEYS), rot_values=bool(t & ROT_VALUES), outlier_keys=bool(t & OUTLIER_KEYS),
-                   sym_values=bool(t & SYM_VALUES), scale8=bool(t & SCALE8))
+                   sym_values=bool(t & SYM_VALUES), scale8=bool(t & SCALE8), key_classes=bool(t & KEY_CLASSES),
+                   unrope=bool(t & UNROPE))
 
 
 @functools.lru_cache(maxsize=256)

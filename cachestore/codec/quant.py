@@ -28,10 +28,11 @@ from collections.abc import Callable
 import torch
 
 from cachestore.codec import scalecodes
+from cachestore.codec.frame import KEY_CLASS_BITS, OUTLIER_BITS, UP_BITS, key_classes, outlier_channels
 from cachestore.codec.frame import MODE_BITS as BITS
-from cachestore.codec.frame import OUTLIER_BITS, UP_BITS, outlier_channels
 from cachestore.codec.layout import ALT_BITS, F16, FP8, NO_HI, PLAIN, Dims, HiLayers, Variant, groups, split_layout
 from cachestore.codec.q8 import q8_rows
+from cachestore.codec.rope import Rope, pair_mean, turn
 from cachestore.errors import CodecError
 
 FP8_MAX = 448.0
@@ -144,8 +145,10 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def quantize(mode: str, kv: torch.Tensor, group: int, variant: Variant = PLAIN,
-             hi: HiLayers = NO_HI) -> list[torch.Tensor]:
-    """kv [layers, 2, heads, tokens, dim] -> the payload sections of `layout`, on kv's device."""
+             hi: HiLayers = NO_HI, rope: Rope | None = None) -> list[torch.Tensor]:
+    """kv [layers, 2, heads, tokens, dim] -> the payload sections of `layout`, on kv's device. `rope`: the model's,
+    which `variant.unrope` needs (the keys' rotation is undone within the block before quantizing) and `key_classes`
+    uses to rank channels by their RoPE pair."""
     if mode == "exact":
         return [kv.contiguous()]
     if mode == "fp16":
@@ -172,7 +175,11 @@ def quantize(mode: str, kv: torch.Tensor, group: int, variant: Variant = PLAIN,
         if hi != NO_HI and (hi.counts[:4] != (0, 0, 0, 0) or not variant.scale8):
             raise CodecError("outlier key channels and symmetric values take a layer table of one bit more layers "
                              "with range codes only")
-        return _quantize_split(mode, k, v, group, variant, hi)
+        if variant.unrope:
+            if rope is None:
+                raise CodecError("keys without their RoPE (/unrope) need the model's RoPE, which this encoder lacks")
+            k = turn(k, rope, -1)
+        return _quantize_split(mode, k, v, group, variant, hi, rope)
     if hi != NO_HI:
         return _quantize_mixed(mode, k, v, group, variant, hi)
     sk, zk, qk = _grouped_keys(k, group, BITS[mode], variant)
@@ -252,22 +259,30 @@ def pack_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _quantize_split(mode: str, k: torch.Tensor, v: torch.Tensor, group: int, variant: Variant,
-                    hi: HiLayers = NO_HI) -> list[torch.Tensor]:
-    """The sections of `split_layout` (formats 4 and 5), in its order: `hi` may give layers one bit more (up_keys,
-    up_values) with range codes."""
+                    hi: HiLayers = NO_HI, rope: Rope | None = None) -> list[torch.Tensor]:
+    """The sections of `split_layout` (formats 4 to 6), in its order: `hi` may give layers one bit more (up_keys,
+    up_values) with range codes; keys already without their RoPE where `variant.unrope`."""
     n_layers, h, t, d = k.shape
     bits = BITS[mode]
     low = (1 << bits) - 1
     out: dict[str, torch.Tensor] = {}
-    if variant.outlier_keys:
+    if variant.unrope:
+        assert rope is not None
+        out["rope"] = rope.section().to(k.device)
+    if variant.key_classes:
+        if hi.up_keys:
+            raise CodecError("key channel classes take no key layers one bit more")
+        out |= _class_keys(k, group, variant, rope)
+    elif variant.outlier_keys:
         sk, zk, mask, qk, qko = _by_layers(lambda x, b: _outlier_keys(x, group, mode, variant, b), k, hi.up_keys,
                                            bits)
         hi_bits = OUTLIER_BITS[mode]
         out["mask"], out["pko"] = pack_mask(mask), pack_rows(qko, hi_bits) if hi_bits < 8 else qko.reshape(-1)
     else:
         sk, zk, qk = _by_layers(lambda x, b: _grouped_keys(x, group, b, variant), k, hi.up_keys, bits)
-    out["sk"], out["zk"] = sk, zk
-    out["pk"] = pack_rows(qk & low, bits)
+    if not variant.key_classes:
+        out["sk"], out["zk"] = sk, zk
+        out["pk"] = pack_rows(qk & low, bits)
     if hi.up_keys:
         out["pkt"] = pack_rows(qk[list(hi.up_keys)] >> bits, 1)
     if variant.sym_values:
@@ -330,6 +345,40 @@ def _outlier_keys(k: torch.Tensor, group: int, mode: str, variant: Variant,
         scale, zero = ext, zl.scatter(4, at.expand(n_layers, h, nk, 2, c), zh)
     lo = ql.masked_select(~mask.expand_as(ql)).view(n_layers, -1)
     return scale, zero, mask.squeeze(3), lo, qh.reshape(n_layers, -1)
+
+
+def _class_keys(k: torch.Tensor, group: int, variant: Variant, rope: Rope | None) -> dict[str, torch.Tensor]:
+    """int2 keys [L, H, T, D] (fp32) in channel classes (`KEY_CLASS_BITS`, `key_classes` of each): in every key group
+    the channels ranked by importance, their mean square over the group's tokens (averaged over each RoPE pair where
+    the model's RoPE is known: a query's energy lies in the same pairs) times their range squared, the error a
+    channel's step leaves; the most important take 4 bits, the least none (their group's mean alone, as range codes
+    of [mean, mean]). The sections "sk", "zk" (range codes), "kcls", "pk", "pko" and "pkt" of `split_layout`."""
+    n_layers, h, t, d = k.shape
+    gk, nk, _, _ = groups(Dims(n_layers, h, t, d), group)
+    k = rotate(k) if variant.rot_keys else k
+    kg = _pad(k, 2, nk * gk).view(n_layers, h, nk, gk, d)
+    lo, top = kg.amin(3, keepdim=True), kg.amax(3, keepdim=True)
+    ext = scalecodes.extremes_of(lo, top, 3, scalecodes.KEY_SPAN)
+    energy = kg.square().mean(3)  # [L, H, groups, D]
+    weight = pair_mean(energy, rope.pairing) if rope is not None else energy
+    score = weight * (top - lo).squeeze(3).square()
+    counts = key_classes(d)  # channels of class 0 (0 bits), 1 (2 bits), 2 (3 bits), 3 (4 bits)
+    by_rank = torch.tensor([c for c in (3, 2, 1, 0) for _ in range(counts[c])], dtype=torch.uint8, device=k.device)
+    order = score.argsort(dim=-1, descending=True, stable=True)
+    cls = torch.empty_like(order, dtype=torch.uint8).scatter_(-1, order, by_rank.expand_as(order).contiguous())
+    where = cls.unsqueeze(3)  # [L, H, groups, 1, D]
+    codes = scalecodes.codes_of(ext, kg.mean(3, keepdim=True), kg.mean(3, keepdim=True), 3)  # class 0
+    q = torch.zeros(kg.shape, dtype=torch.uint8, device=k.device)
+    for c in (1, 2, 3):
+        b = KEY_CLASS_BITS[c]
+        _, kept, qc = _asym(kg, 3, (1 << b) - 1, CLIP_RATIOS[b] if variant.clip else (1.0,), extremes=ext)
+        codes = torch.where(where == c, kept, codes)
+        q = torch.where(where == c, qc, q)
+    mid, outl, three = (where == 1) | (where == 2), where == 3, where == 2
+    return {"sk": ext, "zk": codes, "kcls": pack(cls, 2).view(n_layers, h, nk, d // 4),
+            "pk": pack_rows(q.masked_select(mid.expand_as(q)).view(n_layers, -1) & 3, 2),
+            "pko": pack_rows(q.masked_select(outl.expand_as(q)).view(n_layers, -1), OUTLIER_BITS["int2"]),
+            "pkt": pack_rows(q.masked_select(three.expand_as(q)).view(n_layers, -1) >> 2, 1)}
 
 
 def _sym_values(v: torch.Tensor, group: int, bits: int, variant: Variant) -> tuple[torch.Tensor, ...]:

@@ -11,6 +11,7 @@ from cachestore.codec.frame import (
     FLOAT_MODES,
     GROUPED_MODES,
     HI_BITS,
+    KEY_CLASSES,
     LAYER_TABLE,
     MAX_DIM,
     MAX_GROUP,
@@ -23,7 +24,9 @@ from cachestore.codec.frame import (
     ROWS_MODES,
     SCALE8,
     SYM_VALUES,
+    UNROPE,
     UP_BITS,
+    key_classes_fit,
     outlier_fits,
 )
 from cachestore.codec.frame import MODE_BITS as BITS
@@ -43,7 +46,8 @@ _SPEC = re.compile(r"(?P<mode>[a-z0-9]+)(?:\+(?P<comp>[a-z0-9]+)(?::(?P<level>-?
 # int4/int2 options as spec text; "rot" is "rotk" and "rotv" together.
 _OPTIONS = {"rot": Variant(True, True), "rotk": Variant(rot_keys=True),
             "rotv": Variant(rot_values=True), "clip": Variant(clip=True), "plain": PLAIN,
-            "outk": Variant(outlier_keys=True), "symv": Variant(sym_values=True), "s8": Variant(scale8=True)}
+            "outk": Variant(outlier_keys=True), "symv": Variant(sym_values=True), "s8": Variant(scale8=True),
+            "kbits": Variant(key_classes=True), "unrope": Variant(unrope=True)}
 # What a bare "int4" / "int2" means, chosen with `kvstash bench quality` on SmolLM2's calibration texts.
 # int2 needs clipping above all and rotated values: with both its perplexity change fell by about an order
 # of magnitude. int4 stays plain: /rot lowers its KL but not its perplexity change (within noise), and its
@@ -105,6 +109,7 @@ class CodecSpec:
                 self.hi.counts[:4] != (0, 0, 0, 0) or not self.variant.scale8):
             raise ConfigError("/outk and /symv take per-layer bits only one bit more (/k5=, /v5= in int4, /k3=, /v3= "
                               "in int2) and only with /s8; no /k8=, /v8=, /k4=, /v4=, /k2=, /v2=")
+        _check_format6(self.mode, self.variant or PLAIN, self.hi)
         _check_recent(self.mode, self.recent)
 
     @classmethod
@@ -174,6 +179,9 @@ class CodecSpec:
         multiple (a pod that could not encode would drop every write)."""
         self.check_layers(num_layers)
         v = self.variant or PLAIN
+        if v.key_classes and not key_classes_fit(self.mode, head_dim):
+            raise ConfigError(f"codec {self.name()} sets the bits of each key channel in groups of 64, which needs a "
+                              f"head_dim that is a multiple of 64, not {head_dim}")
         if v.outlier_keys and not outlier_fits(self.mode, head_dim):
             share = OUTLIER_SHARE[self.mode]
             raise ConfigError(f"codec {self.name()} keeps 1 key channel in {share} apart, which needs a head_dim that "
@@ -188,7 +196,8 @@ class CodecSpec:
         v = self.variant or PLAIN
         return ((ROT_KEYS if v.rot_keys else 0) | (ROT_VALUES if v.rot_values else 0)
                 | (LAYER_TABLE if self.hi != NO_HI else 0) | (OUTLIER_KEYS if v.outlier_keys else 0)
-                | (SYM_VALUES if v.sym_values else 0) | (SCALE8 if v.scale8 else 0))
+                | (SYM_VALUES if v.sym_values else 0) | (SCALE8 if v.scale8 else 0)
+                | (KEY_CLASSES if v.key_classes else 0) | (UNROPE if v.unrope else 0))
 
     def layer_table(self, layers: int) -> bytes:
         """The frame's layer table (format versions 3 and 5) for KV of `layers` layers; empty when no layer is
@@ -209,6 +218,15 @@ class CodecSpec:
         return self.mode == "exact"
 
 
+def _check_format6(mode: str, v: Variant, hi: HiLayers) -> None:
+    """ConfigError unless /kbits and /unrope (frame format 6) come as that format holds them."""
+    if v.key_classes and (mode != "int2" or v.outlier_keys or not v.scale8 or hi.up_keys):
+        raise ConfigError("/kbits (key channels at 0, 2, 3 or 4 bits) applies to int2 with /s8, without /outk or "
+                          "/k3= (it sets every key channel's bits itself)")
+    if v.unrope and not (v.split and v.scale8):
+        raise ConfigError("/unrope (keys stored without their RoPE) takes /s8 and one of /kbits, /outk, /symv")
+
+
 def _check_recent(mode: str, recent: str) -> None:
     """ConfigError unless `recent` ("" or a mode) may encode the partial last block of a `mode` codec: int8 under
     int4 and int2, or int4 under int2 (more bits than the blocks before it, never fewer)."""
@@ -227,8 +245,11 @@ def recent_spec(spec: CodecSpec) -> CodecSpec:
     int2, the same group and options, no layer table). A spec without /recent= is its own."""
     if not spec.recent:
         return spec
-    if spec.recent in GROUPED_MODES:
-        return replace(spec, mode=spec.recent, hi=NO_HI, recent="")
+    if spec.recent in GROUPED_MODES:  # int4 under int2: its outlier channels where int2 has key classes
+        v = spec.variant or PLAIN
+        if v.key_classes:
+            v = v._replace(key_classes=False, outlier_keys=True)
+        return replace(spec, mode=spec.recent, hi=NO_HI, recent="", variant=v)
     return CodecSpec(mode=spec.recent, compressor=spec.compressor, level=spec.level)
 
 
@@ -262,7 +283,8 @@ def _options_text(v: Variant) -> str:
     """The canonical option suffix of a Variant: "/rot/clip", "/rotv", "/plain" ..."""
     rot = {(True, True): "/rot", (True, False): "/rotk", (False, True): "/rotv"}
     text = (rot.get((v.rot_keys, v.rot_values), "") + ("/clip" if v.clip else "") + ("/outk" if v.outlier_keys else "")
-            + ("/symv" if v.sym_values else "") + ("/s8" if v.scale8 else ""))
+            + ("/kbits" if v.key_classes else "") + ("/symv" if v.sym_values else "") + ("/s8" if v.scale8 else "")
+            + ("/unrope" if v.unrope else ""))
     return text or "/plain"
 
 

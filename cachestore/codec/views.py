@@ -11,7 +11,7 @@ import torch
 
 from cachestore.codec import scalecodes
 from cachestore.codec.dequant import dequantize, dequantize_mixed, expand_split, int8_codes_into
-from cachestore.codec.frame import FLOAT_MODES, SCALE8, SPLIT, FrameHeader
+from cachestore.codec.frame import FLOAT_MODES, SCALE8, SPLIT, V6, FrameHeader
 from cachestore.codec.layout import Dims, Variant, codes_split_by_layer, scale_pairs, split_layout
 from cachestore.codec.plan import DTYPES, hi_of, kind_of, layer_slice, nbytes, plan, stored_shape, variant_of
 from cachestore.errors import CodecError
@@ -75,7 +75,7 @@ class OpenFrame:
         variant = variant_of(h)
         if out is None and (self.borrowed or h.rows) and h.mode in FLOAT_MODES:  # else it would alias the frame
             out = torch.empty(shape, dtype=DTYPES[h.dtype], device=self.parts[0].device)
-        if h.layer_bits and h.transform & SPLIT:  # one bit more in some layers: their top bits apart
+        if h.transform & SPLIT and (h.layer_bits or h.transform & V6):  # sections not all layers first
             return self._split_into(out, first, count, variant)
         if h.layer_bits:
             if out is None:
@@ -91,16 +91,19 @@ class OpenFrame:
         return dequantize(h.mode, parts, dims, h.group_size, DTYPES[h.dtype], out, variant)
 
     def _split_into(self, out: torch.Tensor | None, first: int, count: int, variant: Variant) -> torch.Tensor:
-        """`decode_into` of layers [first, first + count) of a split frame whose table gives layers one bit more:
-        every section is layers first but the top bits, which hold the raised layers only."""
+        """`decode_into` of layers [first, first + count) of a split frame whose table gives layers one bit more, or of
+        format 6: every section is layers first but the top bits, which hold the raised layers only (a key class
+        frame's "pkt" holds every layer's), and "rope", which holds no layer."""
         h = self.header
         hi = hi_of(h)
         full = Dims(h.layers, h.kv_heads, h.tokens, h.head_dim)
         names = list(split_layout(h.mode, full, h.group_size, variant, h.hi_counts))
         parts = []
         for name, part in zip(names, self.parts, strict=True):
-            raised = {"pkt": hi.up_keys, "pvt": hi.up_values}.get(name)
-            if raised is None:
+            raised = {"pkt": None if variant.key_classes else hi.up_keys, "pvt": hi.up_values}.get(name)
+            if name == "rope":
+                parts.append(part)
+            elif raised is None:
                 parts.append(layer_slice(part, first, count, h.layers))
             else:  # the raised layers' rank among them; none in these layers: no such section
                 below = sum(1 for n in raised if n < first)

@@ -5,10 +5,11 @@ byte-identical; format 2 added the rotated int4/int2 frames, format 3 those with
 /v8), and later within format 3 tables giving layers the other grouped precision (/k4, /v4 in int2 frames,
 /k2, /v2 in int4: an older format 3 reader refuses them for their table's bits); format 4 the frames with outlier
 key channels or symmetric values (/outk, /symv); later within format 3, tables giving layers one bit more (/k5,
-/v5 in int4 frames, /k3, /v3 in int2); format 5 the frames with 8-bit range codes (/s8). The token-rows flag (/rows,
-format 1 or later) and mode q8 came later: an older reader refuses the flag as unknown, and q8 by its unknown mode
-code. Write only new cases, deliberately (a changed format bumps FORMAT_VERSION and keeps reading, or cleanly
-refuses, the old files):
+/v5 in int4 frames, /k3, /v3 in int2); format 5 the frames with 8-bit range codes (/s8); format 6 those with key
+channel classes (/kbits) or keys stored without their block's RoPE (/unrope, encoded by `golden_codec`). The
+token-rows flag (/rows, format 1 or later) and mode q8 came later: an older reader refuses the flag as unknown, and
+q8 by its unknown mode code. Write only new cases, deliberately (a changed format bumps FORMAT_VERSION and keeps
+reading, or cleanly refuses, the old files):
     .venv/bin/python -m tests.golden.cases --write NAME [NAME ...]
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -61,9 +63,21 @@ CASES: dict[str, tuple[str, torch.dtype, tuple[int, int, int, int, int]]] = {
     "int4_fp16_zstd_g8_s8_k8k5": ("int4+zstd:3/g8/s8/k8=1/v2=2/k5=0.2", torch.float16, (3, 2, 1, 9, 8)),
     # format 5 with outlier key channels and symmetric values, some layers one bit more (top bits apart)
     "int2_fp32_none_g4_outk_symv_s8_k3": ("int2+none/g4/outk/symv/s8/k3=1/v3=0", torch.float32, (2, 2, 2, 10, 8)),
+    # format 6: key channel classes (0, 2, 3 or 4 bits; head_dim 64), and with keys stored without their RoPE
+    "int2_fp32_none_g8_kbits_symv_s8": ("int2+none/g8/kbits/symv/s8", torch.float32, (2, 2, 1, 9, 64)),
+    "int2_fp16_zstd_g8_kbits_unrope_v3": ("int2+zstd:3/g8/rotv/clip/kbits/symv/s8/unrope/v3=1", torch.float16,
+                                          (2, 2, 2, 9, 64)),
     # format 1: the int8 frame of a partial last block under int4/int2+zstd/recent=int8 (tests/test_codec_recent.py)
     "int8_fp32_zstd_partial": ("int8+zstd:3", torch.float32, (2, 2, 1, 5, 8)),
 }
+
+
+def golden_codec(spec: str) -> Any:
+    """The encoder of a case: with `ROPE` where the spec stores keys without their RoPE."""
+    from cachestore.codec import Codec  # noqa: PLC0415
+    from cachestore.codec.rope import HALVES, Rope  # noqa: PLC0415
+
+    return Codec(spec, Rope(HALVES, tuple(10000.0 ** (-i / 32) for i in range(32))) if "/unrope" in spec else None)
 
 
 def make_input(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -99,7 +113,7 @@ def write(names: list[str]) -> None:
 
     for name in names:
         spec, dtype, shape = CASES[name]
-        frame = Codec(spec).encode(make_input(dtype, shape))
+        frame = golden_codec(spec).encode(make_input(dtype, shape))
         frame_path(name).write_bytes(frame)
         expected_path(name).write_bytes(tensor_bytes(Codec().decode(frame)))
         print(f"wrote {name}: {len(frame)} bytes")
