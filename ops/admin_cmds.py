@@ -170,7 +170,8 @@ def _chain(args: argparse.Namespace, tenant: str) -> transfer.Chain:
                          flash_attn=pod.flash_attn)  # llama.cpp's V layout decides a pod's /rows
     try:
         # the name the pods put in their fingerprint: the block-codec policy (sink block included)
-        codecs = BlockCodecs.for_spec(Codec(pod.codec), rows=engine.kv_layout.row_frames)  # a llama.cpp pod's /rows too
+        codecs = BlockCodecs.for_spec(Codec(pod.codec, engine.kv_layout.rope),  # a llama.cpp pod's /rows too
+                                      rows=engine.kv_layout.row_frames)
         fingerprint = engine.fingerprint(pod.block_tokens, codecs.name())
     finally:
         engine.close()

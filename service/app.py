@@ -114,7 +114,8 @@ class RouteMetrics(BaseHTTPMiddleware):
 def build_state(settings: PodSettings, engine: Engine) -> PodState:
     """Wire engine, store, codec, writer and pipeline (no I/O; the store connects lazily)."""
     state = PodState(settings=settings, metrics=PodMetrics(lambda: _store_stats(state)))
-    codec = BlockCodecs.for_spec(settings.codec, rows=engine.kv_layout.row_frames)  # the writer's and the pipeline's
+    codec = BlockCodecs.for_spec(settings.codec, rows=engine.kv_layout.row_frames,  # the writer's and the pipeline's
+                                 rope=engine.kv_layout.rope)
     state.engine = engine
     if settings.cache_enabled:
         metrics = state.metrics

@@ -56,7 +56,8 @@ class Pipeline:
         self.store = store if settings.cache_enabled else None
         # an engine that takes sequence states gets exact and fp16 frames as token rows: a hit is received in place
         self.codecs = (codec if isinstance(codec, BlockCodecs)
-                       else BlockCodecs.for_spec(codec, rows=engine.kv_layout.row_frames))
+                       else BlockCodecs.for_spec(codec, rows=engine.kv_layout.row_frames,
+                                                 rope=engine.kv_layout.rope))
         self.codecs.main.spec.check_model(geo.num_layers, geo.head_dim)  # refuse to start rather than drop writes
         self.metrics = metrics
         self.writer = writer

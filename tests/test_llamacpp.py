@@ -632,3 +632,23 @@ def test_flash_attention_is_a_setting_of_the_llama_cpp_engines_only() -> None:
         settings_from_env({"KVSTASH_ENGINE": "llamacpp", "KVSTASH_FLASH_ATTN": "1"})
     with pytest.raises(ConfigError, match="llama.cpp engines"):
         load_engine("hf", "tiny-random", flash_attn="off")
+
+
+def test_the_engine_declares_the_rope_its_keys_carry(engine: LlamaCppEngine) -> None:
+    """Golden: layer 0's keys before RoPE depend on the token alone, so the same token at several positions gives one
+    key (to fp16's precision) once the declared RoPE (LLAMA: channels 2i and 2i + 1) is undone from position 0 on;
+    with transformers' pairing it does not."""
+    from cachestore.codec.rope import ADJACENT, HALVES, Rope, turn  # noqa: PLC0415
+
+    rope = engine.kv_layout.rope
+    assert rope is not None and rope.pairing == ADJACENT and rope.head_dim == 64
+    ids = [17, 400, 23, 999, 5, 17, 61, 17]
+    kv = engine.generate(ids, None, GenParams(max_tokens=1)).kv
+    keys = kv[0, 0].float()  # layer 0 [H, T, D]
+    plain = turn(keys, rope, -1)
+    scale = float(keys.abs().max())
+    assert torch.allclose(plain[:, 0], plain[:, 5], atol=scale * 4e-3)
+    assert torch.allclose(plain[:, 0], plain[:, 7], atol=scale * 4e-3)
+    assert not torch.allclose(keys[:, 0], keys[:, 5], atol=scale * 4e-2)
+    other = turn(keys, Rope(HALVES, rope.inv_freq), -1)
+    assert not torch.allclose(other[:, 0], other[:, 5], atol=scale * 4e-2)

@@ -98,11 +98,11 @@ def _with_layers(base: Any, halves: list[tuple[int, int]], upgrade: str) -> Any:
     return replace(base, hi=hi)
 
 
-def _size(kv: Any, spec: Any, block_tokens: int) -> float:
-    """Bytes per token of `kv` encoded as a pod stores it (sink block, headers)."""
+def _size(kv: Any, spec: Any, block_tokens: int, rope: Any = None) -> float:
+    """Bytes per token of `kv` encoded as a pod stores it (sink block, headers); `rope` the model's."""
     from cachestore.codec.blockcodec import BlockCodecs  # noqa: PLC0415
 
-    return sum(map(len, _round_trip(BlockCodecs.for_spec(spec), kv, block_tokens))) / kv.shape[3]
+    return sum(map(len, _round_trip(BlockCodecs.for_spec(spec, rope=rope), kv, block_tokens))) / kv.shape[3]
 
 
 def _rank(half_kl: dict[tuple[int, int], list[float]], base_kl: list[float], by: str) -> list[dict[str, Any]]:
@@ -125,16 +125,16 @@ def _rank(half_kl: dict[tuple[int, int], list[float]], base_kl: list[float], by:
 
 
 def _suggest(ranked: list[dict[str, Any]], base: Any, size_kv: Any, args: argparse.Namespace,
-             min_ratio: float) -> tuple[Any, float]:
+             min_ratio: float, rope: Any = None) -> tuple[Any, float]:
     """The spec of the best-ranked halves (positive gain only) whose context stays >= min_ratio x fp16."""
     fp16 = size_kv.shape[0] * 2 * size_kv.shape[2] * size_kv.shape[4] * FP16_BYTES
     chosen: list[tuple[int, int]] = []
-    spec, ratio = base, fp16 / _size(size_kv, base, args.block_tokens)
+    spec, ratio = base, fp16 / _size(size_kv, base, args.block_tokens, rope)
     for r in ranked:
         if r[RANK_FIELD[args.rank]] <= 0 or (args.max_layers is not None and len(chosen) >= args.max_layers):
             break
         trial = _with_layers(base, [*chosen, (r["layer"], r["half"])], args.upgrade)
-        trial_ratio = fp16 / _size(size_kv, trial, args.block_tokens)
+        trial_ratio = fp16 / _size(size_kv, trial, args.block_tokens, rope)
         if trial_ratio < min_ratio:
             continue  # a later half may still fit (every half of one kind costs the same, so rarely)
         chosen.append((r["layer"], r["half"]))
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     n, m = args.prefix, args.continuation
 
     def trip(spec: Any, kv: Any) -> Any:
-        codecs = BlockCodecs.for_spec(spec)
+        codecs = BlockCodecs.for_spec(spec, rope=scorer.rope)
         return torch.cat([codecs.main.decode(f) for f in _round_trip(codecs, kv, args.block_tokens)], dim=3)
 
     windows: list[tuple[Any, list[int], Any]] = []  # (kv, window ids, exact log-probs)
@@ -202,9 +202,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"window {i + 1}/{len(windows)}: base KL {base_kl[-1]:.3e}, all {up_name} {up_kl[-1]:.3e}", flush=True)
     base_mean = qstats.mean(base_kl)
     ranked = _rank(half_kl, base_kl, args.rank)
-    suggested, ratio = _suggest(ranked, base, size_kv, args, min_ratio)
+    suggested, ratio = _suggest(ranked, base, size_kv, args, min_ratio, scorer.rope)
     fp16 = size_kv.shape[0] * 2 * size_kv.shape[2] * size_kv.shape[4] * FP16_BYTES
-    base_ratio = fp16 / _size(size_kv, base, args.block_tokens)
+    base_ratio = fp16 / _size(size_kv, base, args.block_tokens, scorer.rope)
     sug_kl, sug_d, exact_nll = [], [], []
     for kv, window, ref in windows:
         mixed = trip(suggested, kv)

@@ -39,7 +39,9 @@ FP16_BYTES = 2  # per KV value
 
 
 class Scorer(Protocol):
-    """What the bench needs from an engine."""
+    """What the bench needs from an engine, and its `rope` (`KvLayout.rope`: what /unrope codecs encode with)."""
+
+    rope: Any
 
     def text_ids(self, text: str) -> list[int]: ...
 
@@ -61,6 +63,7 @@ class HfScorer:
 
         self.engine = HfEngine.load(model)
         self.model = self.engine.loaded.model
+        self.rope = self.engine.kv_layout.rope
 
     def text_ids(self, text: str) -> list[int]:
         return [int(i) for i in self.engine.text_ids(text)]
@@ -97,6 +100,7 @@ class LlamaCppScorer:
         from service.engines.llama.llamacpp import LlamaCppEngine  # noqa: PLC0415
 
         self.engine = LlamaCppEngine.load(model, parallel=1)
+        self.rope = self.engine.kv_layout.rope
 
     def text_ids(self, text: str) -> list[int]:
         return self.engine.text_ids(text)
@@ -194,7 +198,7 @@ def _sizes(scorer: Scorer, ids: list[int], modes: list[str],
     kv = scorer.prefill((ids * -(-mid // len(ids)))[:mid])  # [L, 2, H, mid, D]
 
     def per_token(mode: str) -> tuple[float, float]:
-        codecs = BlockCodecs.for_spec(mode)
+        codecs = BlockCodecs.for_spec(mode, rope=scorer.rope)
         frames = [len(f) for f in _round_trip(codecs, kv, args.block_tokens)]
         if tokens % args.block_tokens:  # else the context's frames are the first ones of the longer context's
             whole = sum(map(len, _round_trip(codecs, kv[:, :, :, :tokens], args.block_tokens)))
@@ -226,7 +230,7 @@ def _measure(args: argparse.Namespace, scorer: Scorer, text: str) -> tuple[list[
         ref_logp = ref_greedy = None
         seen: dict[bytes, tuple[Any, list[int]]] = {}  # decoded KV -> (logp, greedy)
         for mode in modes:
-            codecs = BlockCodecs.for_spec(mode)
+            codecs = BlockCodecs.for_spec(mode, rope=scorer.rope)
             frames = _round_trip(codecs, kv, args.block_tokens)
             kv_mode = torch.cat([codecs.main.decode(f) for f in frames], dim=3)  # [L, 2, H, cut, D]
             # modes that differ only in the compressor decode to the same bits: score those once

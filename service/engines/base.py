@@ -31,6 +31,7 @@ import torch
 
 from cachestore.codec import PlacedFrame
 from cachestore.codec.frame import FrameHeader
+from cachestore.codec.rope import Rope
 from cachestore.hashing import ModelFingerprint
 from cachestore.wire import Target
 from service.engines.gate import LayerGate
@@ -64,6 +65,7 @@ class KvLayout:
     window: int = 0  # tokens a sliding layer keeps
     recurrent: tuple[int, ...] | None = ()  # layers that keep one recurrent state a sequence
     tag: str = ""  # what the fingerprint adds for this layout ("" for full attention only: fingerprints stay)
+    rope: Rope | None = None  # the RoPE the cached keys carry, every layer alike (codec /unrope); None: not declared
 
     @property
     def row_frames(self) -> bool:

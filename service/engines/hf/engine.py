@@ -14,6 +14,7 @@ from service.engines.gate import LayerGate
 from service.engines.generation import Generation, GenParams
 from service.engines.hf import PARALLEL, boundarystate
 from service.engines.hf.batch import DecodeBatcher
+from service.engines.hf.layout import rope_of
 from service.engines.hf.models import LoadedModel, load_model
 from service.engines.hf.runner import ModelRunner
 
@@ -42,7 +43,7 @@ class HfEngine(Engine):
         layout = self.layout = loaded.layout
         self.boundary_records = layout.boundary_records
         self.kv_layout = KvLayout(sliding=layout.sliding, window=layout.window, recurrent=layout.recurrent,
-                                  tag=layout.tag())
+                                  tag=layout.tag(), rope=rope_of(loaded.model, loaded.head_dim))
 
     @classmethod
     def load(cls, model: str, *, device: str = "cpu", parallel: int = PARALLEL) -> HfEngine:

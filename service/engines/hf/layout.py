@@ -17,7 +17,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
-from cachestore.errors import ConfigError
+from cachestore.codec.rope import HALVES, Rope
+from cachestore.errors import CodecError, ConfigError
 
 WINDOW, CONV, RECURRENT = 1, 2, 3  # what a boundary state's slot holds
 _KIND_NAMES = {WINDOW: "window", CONV: "conv", RECURRENT: "recurrent"}
@@ -163,3 +164,20 @@ def _probe_cache(model: PreTrainedModel) -> DynamicCache:
         _, cache = forward(model, list(range(1, _PROBE_TOKENS + 1)), None)
     assert isinstance(cache, DynamicCache)
     return cache
+
+
+def rope_of(model: PreTrainedModel, head_dim: int) -> Rope | None:
+    """The RoPE transformers gives the cached keys (`rotate_half`: channel i turns with i + head_dim / 2), when one
+    rotary embedding turns every layer's whole head by a plain rotation; else None (partial rotary dims, attention
+    scaling such as YaRN's, per-layer rotaries as Gemma 3's local and global ones, no rotary at all)."""
+    inner = getattr(model, "model", None)
+    rotary = getattr(inner, "rotary_emb", None)
+    inv_freq = getattr(rotary, "inv_freq", None)
+    if not isinstance(inv_freq, torch.Tensor) or inv_freq.numel() * 2 != head_dim:
+        return None
+    if float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
+        return None
+    try:
+        return Rope(HALVES, tuple(float(f) for f in inv_freq.float().tolist()))
+    except CodecError:
+        return None

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from cachestore.errors import ConfigError
+from cachestore.codec.rope import ADJACENT, HALVES, Rope
+from cachestore.errors import CodecError, ConfigError
 from cachestore.hashing import ModelFingerprint
 from service.engines.base import KvGeometry
 from service.engines.llama import ggufmeta
@@ -89,3 +90,27 @@ def gguf_geometry(path: Path, max_context: int) -> KvGeometry:
     kv_heads = _most(facts["attention.head_count_kv"]) or heads
     head_dim = int(facts["attention.key_length"] or _most(facts["embedding_length"]) // heads)
     return KvGeometry(int(facts["block_count"]), kv_heads, head_dim, torch.float16, max_context)
+
+
+# How llama.cpp pairs the channels its RoPE turns, by architecture (llama.cpp's llama_model_rope_type): LLAMA_ROPE_TYPE
+# NORM turns channels 2i and 2i + 1 (the converter permuted Q and K to match), NEOX turns i with i + head_dim / 2.
+# Architectures not listed declare no RoPE: a codec with /unrope is refused for them.
+ROPE_PAIRING = {"llama": ADJACENT, "qwen2": HALVES, "qwen3": HALVES}
+
+
+def gguf_rope(path: Path, head_dim: int) -> Rope | None:
+    """The RoPE llama.cpp gives this model's cached keys, from its GGUF: a listed architecture, the whole head turned
+    (`rope.dimension_count`), no frequency scaling; else None."""
+    arch = str(ggufmeta.read_meta(path, ["general.architecture"]).get("general.architecture", ""))
+    keys = [f"{arch}.rope.{key}" for key in ("freq_base", "dimension_count", "scaling.type", "scaling.factor")]
+    base, dims, scaling, factor = (ggufmeta.read_meta(path, keys).get(key) for key in keys)
+    if arch not in ROPE_PAIRING or (dims is not None and int(dims) != head_dim) or head_dim % 2:  # type: ignore[arg-type]
+        return None
+    if scaling not in (None, "none") or factor not in (None, 0, 0.0, 1, 1.0):
+        return None
+    theta = float(base) if base is not None else 10000.0  # type: ignore[arg-type]
+    try:
+        return Rope(ROPE_PAIRING[arch], tuple(theta ** (-2 * i / head_dim) for i in range(head_dim // 2)))
+    except CodecError:
+        return None
+

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cachestore.codec.rope import Rope
 from cachestore.wire import Target
 from service.contextpool import IdlePool
 from service.engines.base import Engine, KvGeometry, KvLayout
@@ -35,12 +36,13 @@ from service.engines.llama.targets import row_targets
 STATE_ROUND_BYTES = 4 << 20  # pooled state buffers are rounded up so that one also fits later, longer states
 
 
-def kv_layout(state_geometry: llamastate.StateGeometry, layout: ModelLayout) -> KvLayout:
+def kv_layout(state_geometry: llamastate.StateGeometry, layout: ModelLayout, rope: Rope | None = None) -> KvLayout:
     """What a llama.cpp sequence state says of its KV, as the seam's data: token rows, V transposed without flash
-    attention, rows apart from the tensor lent beside a q8_0 state (no float view of it), and the layers."""
+    attention, rows apart from the tensor lent beside a q8_0 state (no float view of it), the layers, and the RoPE
+    its keys carry (`gguf.gguf_rope`)."""
     return KvLayout(token_rows=True, v_transposed=state_geometry.v_trans,
                     rows_apart=state_geometry.kv_type != llamastate.GGML_TYPE_F16, sliding=layout.sliding,
-                    window=layout.n_swa, recurrent=layout.recurrent, tag=layout.tag())
+                    window=layout.n_swa, recurrent=layout.recurrent, tag=layout.tag(), rope=rope)
 
 
 def state_buffers(keep: int) -> IdlePool[bytearray]:

@@ -40,7 +40,14 @@ from service.engines.gate import LayerGate
 from service.engines.generation import Choice, Generation, GenParams, TextStream, reply_ids
 from service.engines.guides import GbnfGuide
 from service.engines.llama import PARALLEL, boundarystate, llamastate, statewrite
-from service.engines.llama.gguf import FLASH_ATTN, check_flash_attn, file_digest, gguf_fingerprint, resolve_gguf
+from service.engines.llama.gguf import (
+    FLASH_ATTN,
+    check_flash_attn,
+    file_digest,
+    gguf_fingerprint,
+    gguf_rope,
+    resolve_gguf,
+)
 from service.engines.llama.lending import LendsStates, StateLender, kv_layout, state_buffers
 from service.engines.llama.modelprobe import PINNED_VERSION, ModelProbe
 from service.engines.llama.scheduler import N_BATCH, SeqRequest, StreamClosedError, prefill_chunk
@@ -127,7 +134,7 @@ class LlamaCppEngine(ModelProbe, LendsStates):
             self.geometry = self._attention_geometry(head_dim, per_seq)
         self.state_geometry = self._probe_layout()
         # exact and fp16 frames as token rows, the order the state holds K and V in: a hit lands in the state itself
-        self.kv_layout = kv_layout(self.state_geometry, self.layout)
+        self.kv_layout = kv_layout(self.state_geometry, self.layout, gguf_rope(path, head_dim))
         self._digest = file_digest(path)
         self.restore_failures = 0
         self._inbox: queue.Queue[SeqRequest] = queue.Queue()

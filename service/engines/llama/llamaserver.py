@@ -38,6 +38,7 @@ from service.engines.llama.gguf import (
     gguf_facts,
     gguf_fingerprint,
     gguf_geometry,
+    gguf_rope,
     resolve_gguf,
 )
 from service.engines.llama.lending import LendsStates, StateLender, kv_layout, state_buffers
@@ -106,7 +107,7 @@ class LlamaServerEngine(ServerHttp, LendsStates):
         # a hit lands in the sequence state of the slot file it is restored from (lending): exact and
         # fp16 frames as token rows, the order the state holds K and V in, and q8 frames (always rows) are received
         # there as they are; nothing is dequantized into a tensor and assembled again
-        self.kv_layout = kv_layout(self.state_geometry, self.layout)
+        self.kv_layout = kv_layout(self.state_geometry, self.layout, gguf_rope(self.path, self.geometry.head_dim))
         self._lender = StateLender(self.state_geometry, self.geometry, state_buffers(keep=self.parallel),
                                    self.kv_layout)
 
