@@ -27,7 +27,7 @@ import math
 from pathlib import Path
 from typing import Any, Protocol
 
-from ops.bench import qstats, texts
+from ops.bench import qmerge, qstats, texts
 from ops.bench.common import machine, plot_pareto, print_table, write_json
 
 # /plain rows are the codecs as they were before format 2 (same bits), for the before/after table
@@ -153,6 +153,9 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--size-tokens", type=int, default=2048,
                    help="context whose encoded bytes per token are reported (default 2048; the text repeats if short)")
     p.add_argument("--json", type=Path, help="write rows and targets as JSON here")
+    p.add_argument("--merge", action="store_true",
+                   help="add this run's codec rows to the --json file's (same texts and settings), in place of any of "
+                        "the same codec and text (ops/bench/qmerge.py)")
     p.add_argument("--plot", type=Path, help="Pareto chart: perplexity change vs bytes per token, every mode (PNG)")
     p.set_defaults(func=run)
 
@@ -317,6 +320,8 @@ def _targets(rows: list[dict[str, Any]], greedy_tokens: int) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.merge and (args.json is None or not args.json.is_file()):
+        raise SystemExit("--merge adds to an existing --json file; name one")
     before = machine()
     chosen = texts.resolve(args.text or ["held-out"])
     scorer: Scorer = SCORERS[args.engine](args.model)
@@ -347,12 +352,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"target {name}: {t['ppl_delta_pct']:+.3f}% (hi {t['ppl_delta_hi']:+.3f}% <= +{t['ppl_target']}%), "
               f"{t['ratio_vs_fp16']:.2f}x fp16 (>= {t['ratio_target']}) {'met' if t['met'] else 'MISSED'}")
     if args.json:
-        write_json(args.json, {"rows": rows, "windows": per_window, "targets": targets, "engine": args.engine,
-                               "model": args.model, "texts": [vars(t) for t in chosen],
-                               "python": texts.python_version(), "prefix": args.prefix,
-                               "continuation": args.continuation, "greedy": args.greedy, "ends": args.ends,
-                               "block_tokens": args.block_tokens,
-                               "size_tokens": args.size_tokens, "machine": before})
+        report = {"rows": rows, "windows": per_window, "targets": targets, "engine": args.engine,
+                  "model": args.model, "texts": [vars(t) for t in chosen], "python": texts.python_version(),
+                  "prefix": args.prefix, "continuation": args.continuation, "greedy": args.greedy, "ends": args.ends,
+                  "block_tokens": args.block_tokens, "size_tokens": args.size_tokens, "machine": before}
+        write_json(args.json, qmerge.merged(args.json, report) if args.merge else report)
     if args.plot:
         plot_pareto(args.plot, pareto_points(rows),
                     title=f"Perplexity change vs size ({args.engine} {args.model}; bars: 95% interval over "

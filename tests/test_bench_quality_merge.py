@@ -1,0 +1,47 @@
+"""`bench quality --merge`: a later codec's rows join a published run's, the others' and the exact rows kept."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ops.bench.qmerge import merged
+
+SETTINGS = {"engine": "hf", "model": "smollm2", "prefix": 512, "continuation": 256, "ends": "spread",
+            "block_tokens": 64, "size_tokens": 2048}
+
+
+def _run(modes: list[str], texts: list[str], windows: int, hi: float) -> dict[str, Any]:
+    rows = [{"text": t, "mode": m, "windows": windows, "ppl_delta_hi": 0.0 if m == "exact" else hi}
+            for t in texts for m in modes]
+    return {**SETTINGS, "rows": rows, "windows": [{"text": r["text"], "mode": r["mode"], "nll": 1.0} for r in rows],
+            "targets": {f"{r['text']}: {r['mode']}": {"met": hi < 3} for r in rows if r["mode"] != "exact"},
+            "texts": [{"name": t} for t in texts], "machine": {"date": "d"}}
+
+
+def test_a_later_codec_joins_and_replaces_only_its_own_rows(tmp_path: Path) -> None:
+    path = tmp_path / "quality.json"
+    path.write_text(json.dumps(_run(["exact", "a", "b"], ["alice", "difflib.py"], 48, 4.0)))
+    out = merged(path, _run(["exact", "b", "c"], ["alice", "difflib.py"], 24, 2.0))
+    by = {(r["text"], r["mode"]): r for r in out["rows"]}
+    assert sorted(by) == sorted((t, m) for t in ("alice", "difflib.py") for m in ("exact", "a", "b", "c"))
+    assert by["alice", "exact"]["windows"] == 48 and by["alice", "a"]["ppl_delta_hi"] == 4.0  # the file's
+    assert by["alice", "b"]["windows"] == 24 and by["alice", "b"]["ppl_delta_hi"] == 2.0  # replaced by the run's
+    assert len(out["windows"]) == len(out["rows"])
+    assert out["targets"]["alice: a"]["met"] is False and out["targets"]["alice: c"]["met"] is True
+    assert out["merged"] == [{"machine": {"date": "d"}, "windows": [24], "modes": ["b", "c"]}]
+
+
+def test_runs_measured_otherwise_or_files_of_another_kind_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "quality.json"
+    path.write_text(json.dumps({**_run(["exact", "a"], ["alice"], 48, 1.0), "prefix": 1024}))
+    with pytest.raises(SystemExit, match="prefix"):
+        merged(path, _run(["exact", "b"], ["alice"], 24, 1.0))
+    path.write_text("[1, 2]")
+    with pytest.raises(SystemExit, match="not a bench quality JSON"):
+        merged(path, _run(["exact", "b"], ["alice"], 24, 1.0))
+    with pytest.raises(SystemExit, match="cannot read"):
+        merged(tmp_path / "missing.json", _run(["exact", "b"], ["alice"], 24, 1.0))
