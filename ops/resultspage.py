@@ -104,7 +104,8 @@ BENCHES = (
           "Each window's 512-token prefix goes through the codec's round trip into the cache, block by block as a pod "
           "stores it, the cache ending at another point within a block in each window (`--ends spread`); the next "
           "256 tokens are scored against the model's own predictions (perplexity, top-1 agreement, greedy tokens "
-          "equal), 48 windows spread over each of the four held-out texts, which no codec parameter was chosen on. "
+          "equal), 48 windows spread over each of the four held-out texts (24 for the key-class int2, measured later "
+          "and merged in: `--merge`), which no codec parameter was chosen on. "
           "The interval is a paired 95% Student-t interval over the windows, widened where neighbouring windows' "
           "differences are alike; sizes of a 2048-token context and of "
           "one ending half-way through a block (details: [Codec fidelity](fidelity.md)).",
@@ -112,7 +113,10 @@ BENCHES = (
           "int4+zstd/s8/k5=8.10.14.17.18.20.23.24.26/v5=4.11.15.17.18.23.25/recent=int8,"
           "int2+zstd:16/rotv/clip/outk/symv/s8/k3=6.9.10.15.16.17/v3=16.20/recent=int4,"
           "int2+zstd:16/rotv/clip/outk/symv/s8/k3=1.2.15.17.20.23/v3=0.1.20/recent=int4 "
-          "--json docs/results/quality.json", _quality),
+          "--json docs/results/quality.json\n"
+          "kvstash bench quality --windows 24 --modes exact,"
+          "int2+zstd:16/rotv/clip/kbits/symv/s8/unrope/v3=0.1.20/recent=int4 "
+          "--json docs/results/quality.json --merge", _quality),
     Bench("load", "Sessions through a round-robin balancer",
           "Three pods behind nginx's round robin; each session's first turn carries notes unique to it (a miss), "
           "every later turn resends the whole conversation and lands on another pod. The same run with the cache "
@@ -220,7 +224,9 @@ def codec_table() -> list[str]:
         by = {r["text"]: r for r in rows if r["mode"] == mode}
         ratios = [r["ratio_vs_fp16_ctx"] for r in by.values()]
         mids = [r.get("ratio_vs_fp16_mid", r["ratio_vs_fp16_ctx"]) for r in by.values()]
-        out.append(_row([f"`{mode}`", f"{_span(ratios)} / {_span(mids)}",
+        count = "/".join(map(str, sorted({r["windows"] for r in by.values()})))  # said where runs differ in it
+        out.append(_row([f"`{mode}`" + (f" ({count} windows)" if len(windows) > 1 else ""),
+                         f"{_span(ratios)} / {_span(mids)}",
                          *(f"{by[t]['ppl_delta_hi']:+.2f}%" if t in by else "" for t in texts)]))
     counts = " or ".join(map(str, windows))
     out += ["", *textwrap.wrap(f"Perplexity change at the upper end of its 95% interval over {counts} windows a "
