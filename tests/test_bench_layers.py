@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cachestore.codec import CodecSpec
-from ops.bench.layers import RANK_FIELD, _rank
+from ops.bench.layers import RANK_FIELD, _halves, _rank
 from ops.bench.quality import pareto_intervals, pareto_points
 from ops.cli import main
 
@@ -86,3 +86,17 @@ def test_the_quality_chart_bars_follow_its_points() -> None:
              "ppl_delta_pct": 0.1, "ppl_delta_lo": -0.2, "ppl_delta_hi": 0.4}]
     assert set(pareto_intervals(rows)) == set(pareto_points(rows)) == {"alice: int4+zstd:3/g64/rot/clip"}
     assert pareto_intervals(rows)["alice: int4+zstd:3/g64/rot/clip"] == (-0.2, 0.4)
+
+
+def test_bench_layers_ranks_one_kind_of_half_when_asked(tmp_path: Path) -> None:
+    """--halves values ranks and raises value halves only (the default over /kbits, whose keys it must not touch)."""
+    out = tmp_path / "layers.json"
+    assert main([*ARGS, "--base", "int2+zstd/s8", "--upgrade", "bit", "--halves", "values", "--min-ratio", "1",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert sorted((r["layer"], r["part"]) for r in report["ranked"]) == [(0, "V"), (1, "V")]
+    assert not CodecSpec.parse(report["suggested"]).hi.up_keys
+    with pytest.raises(SystemExit, match="kbits"):
+        _halves("both", CodecSpec.parse("int2+zstd/kbits/symv/s8"))
+    assert _halves(None, CodecSpec.parse("int2+zstd/kbits/symv/s8")) == (1,)
+    assert _halves(None, CodecSpec.parse("int2+zstd/s8")) == (0, 1)

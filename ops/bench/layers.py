@@ -49,6 +49,9 @@ def register(bench_subparsers: Any) -> None:
                         "int2), bit (one bit more: /k5= /v5= in int4, /k3= /v3= in int2); default int8 for int4, "
                         "other for int2")
     p.add_argument("--windows", type=int, default=3, help="windows spread over each text (default 3)")
+    p.add_argument("--halves", choices=("both", "keys", "values"), default=None,
+                   help="which halves to rank: both (default), or keys or values alone (values alone by default over a "
+                        "base with /kbits, which sets every key channel's bits itself)")
     p.add_argument("--rank", choices=sorted(RANK_FIELD), default="relative",
                    help="relative (default): rank halves by their mean share of each window's base KL, so that "
                         "every window weighs the same; mean: by their mean KL gain, where the windows of "
@@ -85,6 +88,15 @@ def _upgrade_of(base: Any, upgrade: str | None) -> str:
     if chosen == "other" and base.mode == "int4":
         raise SystemExit("the other grouped precision of int4 is int2, fewer bits: --upgrade int8 or bit")
     return chosen
+
+
+def _halves(which: str | None, base: Any) -> tuple[int, ...]:
+    """The halves (0 keys, 1 values) `--halves` ranks; SystemExit with one line for keys over a base with /kbits."""
+    classes = base.variant is not None and base.variant.key_classes
+    which = which or ("values" if classes else "both")
+    if classes and which != "values":
+        raise SystemExit(f"--halves {which}: {base.name()} sets every key channel's bits itself (/kbits); rank values")
+    return {"both": (0, 1), "keys": (0,), "values": (1,)}[which]
 
 
 def _with_layers(base: Any, halves: list[tuple[int, int]], upgrade: str) -> Any:
@@ -186,11 +198,12 @@ def run(args: argparse.Namespace) -> int:
         return float(-logp.gather(1, torch.tensor(window[n:]).unsqueeze(1)).mean())
 
     layers = windows[0][0].shape[0]
+    kinds = _halves(args.halves, base)
     # every layer at the upgrade: same group, options and compressor
     up = (replace(base, mode=UPGRADE[base.mode]) if args.upgrade != "bit"
-          else _with_layers(base, [(layer, half) for layer in range(layers) for half in (0, 1)], "bit"))
+          else _with_layers(base, [(layer, half) for layer in range(layers) for half in kinds], "bit"))
     base_kl, up_kl = [], []
-    half_kl: dict[tuple[int, int], list[float]] = {(layer, half): [] for layer in range(layers) for half in (0, 1)}
+    half_kl: dict[tuple[int, int], list[float]] = {(layer, half): [] for layer in range(layers) for half in kinds}
     for i, (kv, window, ref) in enumerate(windows):
         lo, hi = trip(base, kv), trip(up, kv)
         base_kl.append(kl_of(lo, window, ref))
