@@ -106,16 +106,21 @@ def test_each_key_group_holds_every_class_in_its_count_the_most_important_at_4_b
 
 
 def _section(opened: Any, name: str) -> torch.Tensor:
+    """Section `name` of an opened frame's payload as stored (before its ranges or class map are expanded)."""
+    from cachestore.codec.plan import plan  # noqa: PLC0415
+
+    start, i = _offset(opened, name), _names(opened).index(name)
+    dtype, shape = plan(opened.header)[0][i]
+    return opened.raw[start:start + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
+
+def _names(opened: Any) -> list[str]:
     from cachestore.codec.layout import Dims, split_layout  # noqa: PLC0415
-    from cachestore.codec.plan import plan, variant_of  # noqa: PLC0415
+    from cachestore.codec.plan import variant_of  # noqa: PLC0415
 
     h = opened.header
-    names = list(split_layout(h.mode, Dims(h.layers, h.kv_heads, h.tokens, h.head_dim), h.group_size, variant_of(h),
-                              h.hi_counts))
-    sections, offsets, _ = plan(h)
-    i = names.index(name)
-    dtype, shape = sections[i]
-    return opened.raw[offsets[i]:offsets[i] + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+    return list(split_layout(h.mode, Dims(h.layers, h.kv_heads, h.tokens, h.head_dim), h.group_size, variant_of(h),
+                             h.hi_counts))
 
 
 def test_a_class_map_without_each_class_count_is_refused() -> None:
@@ -128,13 +133,9 @@ def test_a_class_map_without_each_class_count_is_refused() -> None:
 
 
 def _offset(opened: Any, name: str) -> int:
-    from cachestore.codec.layout import Dims, split_layout  # noqa: PLC0415
-    from cachestore.codec.plan import plan, variant_of  # noqa: PLC0415
+    from cachestore.codec.plan import plan  # noqa: PLC0415
 
-    h = opened.header
-    names = list(split_layout(h.mode, Dims(h.layers, h.kv_heads, h.tokens, h.head_dim), h.group_size, variant_of(h),
-                              h.hi_counts))
-    return plan(h)[1][names.index(name)]
+    return plan(opened.header)[1][_names(opened).index(name)]
 
 
 def test_a_rope_section_a_frame_must_not_hold_is_refused() -> None:

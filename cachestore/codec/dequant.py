@@ -159,9 +159,10 @@ def key_class_map(packed: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _class_codes(sec: dict[str, torch.Tensor], layers: int, kshape: tuple[int, ...]) -> torch.Tensor:
-    """A KEY_CLASSES frame's key codes [L, H, groups, group, D] from its class map and code sections."""
+    """A KEY_CLASSES frame's key codes [L, H, groups, group, D] from its class map (as `expand_split` leaves it:
+    [L, H, groups, D]) and code sections."""
     d = kshape[-1]
-    where = key_class_map(sec["kcls"], d).unsqueeze(3).expand(kshape)
+    where = sec["kcls"].unsqueeze(3).expand(kshape)  # unpacked and checked by `expand_split`
     per = math.prod(kshape[1:4])  # codes of one channel class position per layer: heads x groups x group
     _, n2, n3, n4 = key_classes(d)
     codes = torch.zeros(kshape, dtype=torch.uint8, device=where.device)
@@ -193,19 +194,20 @@ def _levels(layers: int, bits: int, raised: tuple[int, ...], device: torch.devic
 
 def expand_split(mode: str, parts: list[torch.Tensor], dims: Dims, group: int, variant: Variant,
                  up: tuple[tuple[int, ...], tuple[int, ...]]) -> list[torch.Tensor]:
-    """A format 5 split frame's sections (`split_layout`, the whole frame) with its range codes expanded to fp16
-    scales and zero points: key channels at their own levels (outlier channels OUTLIER_BITS, the others the mode's
-    bits or one more in the layers `up[0]`), values at their layer's."""
+    """A format 5 or 6 split frame's sections (`split_layout`, the whole frame) with its range codes expanded to fp16
+    scales and zero points: key channels at their own levels (outlier channels OUTLIER_BITS, those of a key class
+    its bits, the others the mode's bits or one more in the layers `up[0]`), values at their layer's. A key class
+    map comes back unpacked, [L, H, groups, D] (`key_class_map`: CodecError unless each class has its count)."""
     names = list(split_layout(mode, dims, group, variant, (0, 0, 0, 0, len(up[0]), len(up[1]))))
     sec = dict(zip(names, parts, strict=True))
     bits = BITS[mode]
 
     key_levels = _levels(dims.layers, bits, up[0], parts[0].device)
-    if variant.key_classes:  # 0 bits: one level (the zero point alone)
+    if variant.key_classes:  # the class map unpacked (and checked) once, for the levels here and the codes' places
+        sec["kcls"] = key_class_map(sec["kcls"], dims.head_dim)  # [L, H, groups, D]
         levels = torch.tensor([max(1, (1 << b) - 1) for b in KEY_CLASS_BITS], dtype=torch.float32,
-                              device=parts[0].device)
-        key_levels = levels[unpack(sec["kcls"].reshape(-1), 2, sec["kcls"].numel() * 4).long()].view(
-            *sec["kcls"].shape[:-1], 1, dims.head_dim)
+                              device=parts[0].device)  # 0 bits: one level (the zero point alone)
+        key_levels = levels[sec["kcls"].long()].unsqueeze(3)
     elif variant.outlier_keys:
         mask = unpack_mask(sec["mask"], dims.head_dim).unsqueeze(3)  # [L, H, groups, 1, D]
         key_levels = torch.where(mask, float((1 << OUTLIER_BITS[mode]) - 1), key_levels)

@@ -367,7 +367,8 @@ def _class_keys(k: torch.Tensor, group: int, variant: Variant, rope: Rope | None
     order = score.argsort(dim=-1, descending=True, stable=True)
     cls = torch.empty_like(order, dtype=torch.uint8).scatter_(-1, order, by_rank.expand_as(order).contiguous())
     where = cls.unsqueeze(3)  # [L, H, groups, 1, D]
-    codes = scalecodes.codes_of(ext, kg.mean(3, keepdim=True), kg.mean(3, keepdim=True), 3)  # class 0
+    mean = kg.mean(3, keepdim=True)
+    codes = scalecodes.codes_of(ext, mean, mean, 3)  # class 0
     q = torch.zeros(kg.shape, dtype=torch.uint8, device=k.device)
     for c in (1, 2, 3):
         b = KEY_CLASS_BITS[c]
