@@ -160,16 +160,20 @@ def key_class_map(packed: torch.Tensor, dim: int) -> torch.Tensor:
 
 def _class_codes(sec: dict[str, torch.Tensor], layers: int, kshape: tuple[int, ...]) -> torch.Tensor:
     """A KEY_CLASSES frame's key codes [L, H, groups, group, D] from its class map (as `expand_split` leaves it:
-    [L, H, groups, D]) and code sections."""
-    d = kshape[-1]
-    where = sec["kcls"].unsqueeze(3).expand(kshape)  # unpacked and checked by `expand_split`
-    per = math.prod(kshape[1:4])  # codes of one channel class position per layer: heads x groups x group
+    [L, H, groups, D]) and code sections. Every token of a group has its classes' codes in channel order, so each
+    channel's code is one gather from that token's row of codes, at the channel's place among its class's channels."""
+    n_layers, h, g, t, d = kshape
+    cls = sec["kcls"].long()  # unpacked and checked by `expand_split`
     _, n2, n3, n4 = key_classes(d)
-    codes = torch.zeros(kshape, dtype=torch.uint8, device=where.device)
-    codes.masked_scatter_((where == 1) | (where == 2), _layer_codes(sec["pk"], 2, layers, per * (n2 + n3)))
-    top = torch.zeros_like(codes).masked_scatter_(where == 2, _layer_codes(sec["pkt"], 1, layers, per * n3))
-    codes |= top << 2
-    codes.masked_scatter_(where == 3, _layer_codes(sec["pko"], OUTLIER_BITS["int2"], layers, per * n4))
+    per = h * g * t  # tokens of a layer; each holds n2 + n3 two-bit codes, n3 top bits and n4 outlier codes
+    low = _layer_codes(sec["pk"], 2, layers, per * (n2 + n3)).view(n_layers, h, g, t, n2 + n3)
+    top = _layer_codes(sec["pkt"], 1, layers, per * n3).view(n_layers, h, g, t, n3)
+    hi = _layer_codes(sec["pko"], OUTLIER_BITS["int2"], layers, per * n4).view(n_layers, h, g, t, n4)
+    none = low.new_zeros(n_layers, h, g, t, 1)  # place 0 of each row: a 0-bit channel's code, or no top bit
+    mid, out, up = (cls == 1) | (cls == 2), cls == 3, cls == 2
+    place = torch.where(mid, mid.cumsum(-1), torch.where(out, n2 + n3 + out.cumsum(-1), 0))
+    codes = torch.cat((none, low, hi), -1).gather(-1, place.unsqueeze(3).expand(kshape))
+    codes |= torch.cat((none, top), -1).gather(-1, torch.where(up, up.cumsum(-1), 0).unsqueeze(3).expand(kshape)) << 2
     return codes
 
 
