@@ -109,9 +109,10 @@ def _section(opened: Any, name: str) -> torch.Tensor:
     """Section `name` of an opened frame's payload as stored (before its ranges or class map are expanded)."""
     from cachestore.codec.plan import plan  # noqa: PLC0415
 
-    start, i = _offset(opened, name), _names(opened).index(name)
-    dtype, shape = plan(opened.header)[0][i]
-    return opened.raw[start:start + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+    sections, offsets, _ = plan(opened.header)
+    i = _names(opened).index(name)
+    dtype, shape = sections[i]
+    return opened.raw[offsets[i]:offsets[i] + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
 
 def _names(opened: Any) -> list[str]:
