@@ -36,6 +36,7 @@ from cachestore.codec.frame import FrameHeader
 from cachestore.errors import CodecError, KvstashError, StoreError
 from cachestore.hashing import BlockHash, ModelFingerprint, chain_hashes, root_hash
 from cachestore.inspect import read_session
+from cachestore.jsondepth import MAX_JSON_DEPTH, nesting_depth
 from cachestore.keys import KeySpace
 from cachestore.sessions import MAX_MESSAGES_BYTES, MAX_TOKENS, SessionRecord, to_fields
 from cachestore.settings import StoreSettings
@@ -219,9 +220,10 @@ def _fingerprint(value: Any) -> ModelFingerprint:
 def parse_document(data: bytes, *, max_value_bytes: int = StoreSettings.max_value_bytes) -> SessionExport:
     """Validate a session file completely (it is untrusted input) and return what it holds."""
     _need(len(data) <= MAX_FILE_BYTES, f"larger than {MAX_FILE_BYTES} bytes")
+    _need(nesting_depth(data) <= MAX_JSON_DEPTH, f"nests deeper than {MAX_JSON_DEPTH} levels")
     try:
         doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise TransferError(f"invalid session file: not JSON ({exc})") from exc
     _need(isinstance(doc, dict) and doc.get("format") == FORMAT, f"not a {FORMAT} file")
     _need(doc.get("version") == VERSION, f"unsupported version {doc.get('version')!r} (this reader knows {VERSION})")

@@ -11,6 +11,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from cachestore.jsondepth import MAX_JSON_DEPTH, nesting_depth
 from cachestore.keys import SESSION_ID_PATTERN, SESSION_ID_RULE
 from service.engines import GenParams
 from service.errors import ApiError, bad_request
@@ -20,7 +21,6 @@ SESSION_ID_RE = re.compile(SESSION_ID_PATTERN)
 ROLES = ("system", "user", "assistant", "tool", "developer")  # the one list (validation and OpenAPI)
 MAX_MESSAGES = 1024
 MAX_TOOL_CALLS = 64
-MAX_JSON_DEPTH = 32
 DRAIN_MAX_BYTES = 32 << 20  # of a body over the limit, read (and dropped) at most this much so the client sees 413
 
 
@@ -52,21 +52,6 @@ def _token_ids(raw: list[Any]) -> list[int] | None:
     if len(raw) > MAX_PROMPT_IDS or min(raw) < 0 or max(raw) >= 2**31:
         raise bad_request(f"a token-id prompt holds 1..{MAX_PROMPT_IDS} ids in [0, 2**31)", param="prompt")
     return [int(t) for t in raw]
-
-
-def _depth(value: Any, limit: int) -> int:
-    stack = [(value, 1)]
-    deepest = 0
-    while stack:
-        item, depth = stack.pop()
-        deepest = max(deepest, depth)
-        if deepest > limit:
-            return deepest
-        if isinstance(item, dict):
-            stack.extend((v, depth + 1) for v in item.values())
-        elif isinstance(item, list):
-            stack.extend((v, depth + 1) for v in item)
-    return deepest
 
 
 async def _drain(stream: AsyncIterator[bytes], max_bytes: int, timeout_s: float) -> None:
@@ -133,14 +118,14 @@ async def read_json(request: Request, max_bytes: int, timeout_s: float = 10.0,
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise bad_request("request body is not valid UTF-8", code="invalid_json") from None
+    if nesting_depth(raw) > MAX_JSON_DEPTH:  # before parsing: the parser recurses once a level
+        raise bad_request(f"request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
     try:
         body = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
+    except json.JSONDecodeError:
         raise bad_request("request body is not valid JSON", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
-    if _depth(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
-        raise bad_request(f"request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
     return body
 
 

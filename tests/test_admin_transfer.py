@@ -143,6 +143,7 @@ def test_import_rejects_malformed_files(tiny_model: Any, mutate: Any) -> None:
 
 
 def test_import_rejects_garbage_bytes() -> None:
-    for data in (b"", b"\xff\xfe", b"[1,2]", b"{" * 100_000, b'{"format": "kvstash-session"}'):
+    for data in (b"", b"\xff\xfe", b"[1,2]", b"{" * 100_000, b'{"session": ' + b"[" * 50 + b"]" * 50 + b"}",
+                 b'{"format": "kvstash-session"}'):
         with pytest.raises(KvstashError):
             transfer.parse_document(data)

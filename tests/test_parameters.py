@@ -118,6 +118,19 @@ def test_agent_history_is_rendered(client: TestClient, tiny_model: Any) -> None:
     assert "RAINY-17C" in prompt and '"city": "Oslo"' in prompt and "weather" in prompt
 
 
+def test_deeply_nested_call_arguments_are_rendered_as_text(client: TestClient, tiny_model: Any) -> None:
+    """A history's `arguments` string that nests past the JSON depth limit is not parsed (the parser would recurse
+    to the interpreter's limit): it reaches the template as the string it is."""
+    deep = "[" * 1_200 + "]" * 1_200  # past the parser's recursion limit, within the tiny model's context
+    messages = [*HISTORY, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": deep}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "RAINY-17C"}]
+    r = client.post("/v1/chat/completions", json={"model": "tiny-random", "messages": messages, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    state = client.app.state.pod  # type: ignore[attr-defined]
+    assert deep in state.engine.decode(state.engine.chat_ids(messages, None, None))
+
+
 WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
     "additionalProperties": False}}}

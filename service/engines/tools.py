@@ -15,6 +15,7 @@ import secrets
 from collections.abc import Iterable
 from typing import Any
 
+from cachestore import jsondepth
 from service.engines.generation import ParamError
 
 Message = dict[str, Any]
@@ -40,7 +41,7 @@ def _arguments(call: dict[str, Any]) -> Any:
     raw = call["function"].get("arguments")
     if isinstance(raw, str):
         try:
-            return json.loads(raw) if raw.strip() else {}
+            return jsondepth.loads(raw) if raw.strip() else {}
         except json.JSONDecodeError:
             return raw
     return raw if raw is not None else {}
@@ -122,7 +123,7 @@ def parse_calls(text: str, parallel: bool = True) -> tuple[str | None, list[dict
     at = 0
     for match in _CALL.finditer(text):
         try:
-            call = json.loads(match.group(1))
+            call = jsondepth.loads(match.group(1))
         except json.JSONDecodeError:
             continue
         if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
