@@ -7,7 +7,7 @@ import torch
 
 from cachestore.codec import Codec, read_header
 from cachestore.codec.compress import decompress
-from cachestore.codec.frame import HEADER_SIZE
+from cachestore.codec.frame import HEADER_SIZE, UNROPE
 from cachestore.errors import CodecError
 from tests.golden.cases import CASES, expected_path, frame_path, golden_codec, make_input, tensor_bytes
 
@@ -58,7 +58,8 @@ def test_rotated_golden_frames_decode_and_reencode_to_the_golden_tensor(name: st
     spec, dtype, shape = CASES[name]
     golden = frame_path(name).read_bytes()
     expected = torch.frombuffer(bytearray(expected_path(name).read_bytes()), dtype=dtype).view(shape)
-    assert read_header(golden).version in (2, 5, 6) and read_header(golden).transform & 3  # rotated keys or values
+    header = read_header(golden)
+    assert header.version in (2, 5, 6) and header.transform & (3 | UNROPE)  # rotated keys or values, unroped keys
     assert _close(Codec().decode(golden), expected)
     frame = golden_codec(spec).encode(make_input(dtype, shape))
     assert _header_fields(frame) == _header_fields(golden)
@@ -79,7 +80,7 @@ def test_golden_frames_cover_every_mode_and_compressor() -> None:
     headers = [read_header(frame_path(name).read_bytes()) for name in NAMES]
     assert {h.mode for h in headers} == {"exact", "fp16", "int8", "int4", "int2", "fp8", "q8"}
     assert {h.version for h in headers} == {1, 2, 3, 4, 5, 6}
-    assert {h.transform for h in headers} == {0, 1, 2, 3, 4, 8, 16, 24, 32, 34, 36, 60, 112, 246}
+    assert {h.transform for h in headers} == {0, 1, 2, 3, 4, 8, 16, 24, 32, 34, 36, 60, 96, 112, 228, 246}
     assert {h.compressor for h in headers} == {"none", "lz4", "zstd"}
     assert {h.dtype for h in headers} == {"float32", "float16", "bfloat16"}
     assert any(h.shuffled for h in headers)

@@ -10,7 +10,14 @@ from collections.abc import Sequence
 import torch
 
 from cachestore.codec import kernels, scalecodes
-from cachestore.codec.frame import KEY_CLASS_BITS, OUTLIER_BITS, UP_BITS, key_classes, outlier_channels
+from cachestore.codec.frame import (
+    KEY_CLASS_BITS,
+    OUTLIER_BITS,
+    UP_BITS,
+    key_class_pieces,
+    key_classes,
+    outlier_channels,
+)
 from cachestore.codec.frame import MODE_BITS as BITS
 from cachestore.codec.layout import (
     ALT_AT,
@@ -23,6 +30,7 @@ from cachestore.codec.layout import (
     Variant,
     code_bytes,
     groups,
+    key_streams,
     layer_code_bytes,
     split_layout,
 )
@@ -120,7 +128,7 @@ def _dequantize_split(mode: str, parts: list[torch.Tensor], dims: Dims, group: i
     kshape = (n_layers, h, nk, gk, d)
     c = outlier_channels(mode, d) if variant.outlier_keys else 0
     if variant.key_classes:
-        codes = _class_codes(sec, n_layers, kshape)
+        codes = _class_codes(sec, mode, n_layers, kshape)
     elif variant.outlier_keys:
         lo = _raised_codes(sec["pk"], sec.get("pkt"), bits, n_layers, h * nk * gk * (d - c), up_k)
         mask = unpack_mask(sec["mask"], d)  # [L, H, groups, D]
@@ -148,32 +156,53 @@ def _dequantize_split(mode: str, parts: list[torch.Tensor], dims: Dims, group: i
     return out
 
 
-def key_class_map(packed: torch.Tensor, dim: int) -> torch.Tensor:
+def key_class_map(packed: torch.Tensor, mode: str, dim: int) -> torch.Tensor:
     """A KEY_CLASSES frame's "kcls" [L, H, groups, D / 4] -> each key channel's class [L, H, groups, D] (uint8, an
-    index into KEY_CLASS_BITS); CodecError unless every group holds each class's `key_classes` count."""
+    index into the mode's KEY_CLASS_BITS); CodecError unless every group holds each class's `key_classes` count."""
     cls = unpack(packed.reshape(-1), 2, packed.numel() * 4).view(*packed.shape[:-1], dim)
-    for c, count in enumerate(key_classes(dim)):
+    for c, count in enumerate(key_classes(mode, dim)):
         if not bool(((cls == c).sum(-1) == count).all()):
-            raise CodecError(f"key channel classes: a group without {count} channels of {KEY_CLASS_BITS[c]} bits")
+            raise CodecError(f"key channel classes: a group without {count} channels of {KEY_CLASS_BITS[mode][c]} "
+                             f"bits")
     return cls
 
 
-def _class_codes(sec: dict[str, torch.Tensor], layers: int, kshape: tuple[int, ...]) -> torch.Tensor:
+def _class_codes(sec: dict[str, torch.Tensor], mode: str, layers: int, kshape: tuple[int, ...]) -> torch.Tensor:
     """A KEY_CLASSES frame's key codes [L, H, groups, group, D] from its class map (as `expand_split` leaves it:
-    [L, H, groups, D]) and code sections. Every token of a group has its classes' codes in channel order, so each
-    channel's code is one gather from that token's row of codes, at the channel's place among its class's channels."""
+    [L, H, groups, D]) and code pieces. Every token of a group has each width's pieces in channel order, so a
+    channel's piece is one gather from that token's pieces (all widths side by side), at the channel's place among
+    the channels with a piece of that width: one gather for the low pieces, one for the pieces above them."""
     n_layers, h, g, t, d = kshape
     cls = sec["kcls"].long()  # unpacked and checked by `expand_split`
-    _, n2, n3, n4 = key_classes(d)
-    per = h * g * t  # tokens of a layer; each holds n2 + n3 two-bit codes, n3 top bits and n4 outlier codes
-    low = _layer_codes(sec["pk"], 2, layers, per * (n2 + n3)).view(n_layers, h, g, t, n2 + n3)
-    top = _layer_codes(sec["pkt"], 1, layers, per * n3).view(n_layers, h, g, t, n3)
-    hi = _layer_codes(sec["pko"], OUTLIER_BITS["int2"], layers, per * n4).view(n_layers, h, g, t, n4)
-    none = low.new_zeros(n_layers, h, g, t, 1)  # place 0 of each row: a 0-bit channel's code, or no top bit
-    mid, out, up = (cls == 1) | (cls == 2), cls == 3, cls == 2
-    place = torch.where(mid, mid.cumsum(-1), torch.where(out, n2 + n3 + out.cumsum(-1), 0))
-    codes = torch.cat((none, low, hi), -1).gather(-1, place.unsqueeze(3).expand(kshape))
-    codes |= torch.cat((none, top), -1).gather(-1, torch.where(up, up.cumsum(-1), 0).unsqueeze(3).expand(kshape)) << 2
+    class_bits = KEY_CLASS_BITS[mode]
+    per = h * g * t  # tokens of a layer
+    rows = [torch.zeros(n_layers, h, g, t, 1, dtype=torch.uint8, device=cls.device)]
+    ranks: dict[int, tuple[int, torch.Tensor]] = {}  # width -> (its first column in rows, each channel's place)
+    offset = 1  # column 0 of the rows: no piece (a 0-bit channel's code, or nothing above the low piece)
+    for name, width, n in key_streams(mode, d):
+        rows.append(_layer_codes(sec[name], width, layers, per * n).view(n_layers, h, g, t, n))
+        has = torch.tensor([any(w == width for w, _ in key_class_pieces(b)) for b in class_bits],
+                           device=cls.device)[cls]
+        ranks[width] = (offset, has.cumsum(-1))
+        offset += n
+    pieces = torch.cat(rows, -1)
+    codes = rows[0]
+    for level in range(max(len(key_class_pieces(b)) for b in class_bits)):
+        place = torch.zeros_like(cls)
+        shift = torch.zeros(len(class_bits), dtype=torch.uint8)
+        for c, b in enumerate(class_bits):
+            if level < len(key_class_pieces(b)):
+                width, shift[c] = key_class_pieces(b)[level]
+                first, rank = ranks[width]
+                place = torch.where(cls == c, first - 1 + rank, place)
+        got = pieces.gather(-1, place.unsqueeze(3).expand(kshape))
+        shifts = set(shift.tolist()) - {0}
+        if level == 0:
+            codes = got
+        elif len(shifts) == 1:  # int2: every piece above the low one sits at the same place (no piece gathers 0)
+            codes = codes | (got << shifts.pop())
+        else:
+            codes = codes | (got << shift.to(cls.device)[cls].unsqueeze(3))
     return codes
 
 
@@ -208,8 +237,8 @@ def expand_split(mode: str, parts: list[torch.Tensor], dims: Dims, group: int, v
 
     key_levels = _levels(dims.layers, bits, up[0], parts[0].device)
     if variant.key_classes:  # the class map unpacked (and checked) once, for the levels here and the codes' places
-        sec["kcls"] = key_class_map(sec["kcls"], dims.head_dim)  # [L, H, groups, D]
-        levels = torch.tensor([max(1, (1 << b) - 1) for b in KEY_CLASS_BITS], dtype=torch.float32,
+        sec["kcls"] = key_class_map(sec["kcls"], mode, dims.head_dim)  # [L, H, groups, D]
+        levels = torch.tensor([max(1, (1 << b) - 1) for b in KEY_CLASS_BITS[mode]], dtype=torch.float32,
                               device=parts[0].device)  # 0 bits: one level (the zero point alone)
         key_levels = levels[sec["kcls"].long()].unsqueeze(3)
     elif variant.outlier_keys:

@@ -29,10 +29,11 @@ A frame is a fixed 52-byte little-endian header followed by the payload:
                                  of its block's largest). With OUTLIER_KEYS or SYM_VALUES its
                                  layer table may give layers one bit more (UP_BITS), nothing else
                                  Version 6: KEY_CLASSES (bit 6) and/or UNROPE (bit 7) set, with
-                                 SCALE8 and the bits of version 4 as in 5. KEY_CLASSES (int2, not
-                                 with OUTLIER_KEYS): each key group's channels in four classes of
-                                 fixed counts (`key_classes`), 0, 2, 3 or 4 bits a code; its layer
-                                 table may give values one bit more, keys nothing. UNROPE: keys
+                                 SCALE8 and the bits of version 4 as in 5. KEY_CLASSES (not with
+                                 OUTLIER_KEYS): each key group's channels in four classes of fixed
+                                 counts (`key_classes`): int2 0, 2, 3 or 4 bits a code, int4 3, 4,
+                                 5 or 6; its layer table may give values one bit more, keys
+                                 nothing. UNROPE: keys
                                  stored with RoPE undone relative to the block's first token, the
                                  inverse frequencies and pairing in the payload's first section
                                  (`cachestore.codec.rope`)
@@ -106,11 +107,13 @@ OUTLIER_SHARE = {"int4": 16, "int2": 8}
 OUTLIER_BITS = {"int4": 8, "int2": 4}
 ALT_BITS = {"int4": 2, "int2": 4}  # the other grouped precision a layer table may give a layer's keys or values
 UP_BITS = {"int4": 5, "int2": 3}  # one bit more than the mode's, which a layer table may give a layer's keys or values
-# KEY_CLASSES: of every 64 key channels of a group, how many take 0 bits (the group's zero point alone), the mode's 2,
-# one more (3) and OUTLIER_BITS (4), ranked by importance (`quant._class_keys`): the counts keep every section's size
-# a function of the header. 13/17/26/8 cost 144 bits a token and 64 channels, as int2's 8 outlier channels do.
-KEY_CLASS_BITS = (0, 2, 3, 4)
-KEY_CLASS_COUNTS = (13, 17, 26, 8)
+# KEY_CLASSES: of every 64 key channels of a group, how many take each class's bits, ranked by importance
+# (`quant._class_keys`): the counts keep every section's size a function of the header. int2: 0 bits (the group's
+# zero point alone), the mode's 2, one more and OUTLIER_BITS; 13/17/26/8 cost 144 bits a token and 64 channels, as
+# int2's 8 outlier channels do. int4: one bit less than the mode's to two more; 24/24/8/8 cost 256 bits, as 64
+# channels at 4 bits do.
+KEY_CLASS_BITS = {"int2": (0, 2, 3, 4), "int4": (3, 4, 5, 6)}
+KEY_CLASS_COUNTS = {"int2": (13, 17, 26, 8), "int4": (24, 24, 8, 8)}
 KEY_CLASS_SPAN = 64
 
 MIN_GROUP, MAX_GROUP = 4, 1024
@@ -188,14 +191,33 @@ def outlier_channels(mode: str, head_dim: int) -> int:
     return head_dim // OUTLIER_SHARE[mode]
 
 
-def key_classes(head_dim: int) -> tuple[int, ...]:
-    """How many channels of each key group of a KEY_CLASSES frame take each of KEY_CLASS_BITS."""
-    return tuple(n * (head_dim // KEY_CLASS_SPAN) for n in KEY_CLASS_COUNTS)
+def key_classes(mode: str, head_dim: int) -> tuple[int, ...]:
+    """How many channels of each key group of a KEY_CLASSES frame of `mode` take each of its KEY_CLASS_BITS."""
+    return tuple(n * (head_dim // KEY_CLASS_SPAN) for n in KEY_CLASS_COUNTS[mode])
 
 
 def key_classes_fit(mode: str, head_dim: int) -> bool:
     """Whether KV of `head_dim` channels can take KEY_CLASSES under `mode`."""
-    return mode == "int2" and head_dim % KEY_CLASS_SPAN == 0
+    return mode in KEY_CLASS_BITS and head_dim % KEY_CLASS_SPAN == 0
+
+
+def key_class_pieces(bits: int) -> tuple[tuple[int, int], ...]:
+    """A class's codes of `bits` as stored: (width, shift) pieces, the widest the low bits (3: 2 + 1 above them)."""
+    pieces, shift = [], 0
+    for width in (8, 4, 2, 1):
+        if bits & width:
+            pieces.append((width, shift))
+            shift += width
+    return tuple(pieces)
+
+
+def key_class_streams(mode: str) -> tuple[int, ...]:
+    """The code widths a KEY_CLASSES frame of `mode` stores, in section order ("pk", "pko", "pkt" of
+    `layout.split_layout`): the mode's bits, then the other widths, 1 last. Each holds, token by token, the piece of
+    that width of every channel that has one (`key_class_pieces`), in channel order."""
+    widths = {w for b in KEY_CLASS_BITS[mode] for w, _ in key_class_pieces(b)}
+    others = sorted(widths - {MODE_BITS[mode], 1}, reverse=True)
+    return (MODE_BITS[mode], *others, *([1] if 1 in widths else []))
 
 
 def outlier_fits(mode: str, head_dim: int) -> bool:

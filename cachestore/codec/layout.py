@@ -7,16 +7,19 @@ from typing import NamedTuple
 
 import torch
 
-from cachestore.codec.frame import MODE_BITS as BITS
 from cachestore.codec.frame import (
+    KEY_CLASS_BITS,
     OUTLIER_BITS,
     OUTLIER_SHARE,
     UP_BITS,
+    key_class_pieces,
+    key_class_streams,
     key_classes,
     key_classes_fit,
     outlier_channels,
     outlier_fits,
 )
+from cachestore.codec.frame import MODE_BITS as BITS
 from cachestore.codec.q8 import Q8_BLOCK, Q8_BYTES
 from cachestore.codec.scalecodes import KEY_AXIS, VALUE_AXIS
 from cachestore.errors import CodecError
@@ -164,6 +167,15 @@ def scale_pairs(mode: str, hi_counts: tuple[int, ...]) -> list[tuple[int, int, i
             for pair in ((at, KEY_AXIS, (1 << bits) - 1), (at + 2, VALUE_AXIS, (1 << bits) - 1))]
 
 
+def key_streams(mode: str, head_dim: int) -> list[tuple[str, int, int]]:
+    """(section, width, pieces a token) of each key code section of a KEY_CLASSES frame, in `key_class_streams`
+    order: "pk" the mode's width, "pkt" the 1-bit pieces, "pko" the other."""
+    counts = key_classes(mode, head_dim)
+    return [("pk" if w == BITS[mode] else "pkt" if w == 1 else "pko", w,
+             sum(n for b, n in zip(KEY_CLASS_BITS[mode], counts, strict=True)
+                 if any(pw == w for pw, _ in key_class_pieces(b)))) for w in key_class_streams(mode)]
+
+
 def split_layout(mode: str, dims: Dims, group: int, variant: Variant,
                  hi_counts: tuple[int, ...] = (0, 0, 0, 0, 0, 0)) -> dict[str, Section]:
     """Format 4's sections of a grouped mode by name, in payload order, every one layers first (packed codes are
@@ -180,11 +192,12 @@ def split_layout(mode: str, dims: Dims, group: int, variant: Variant,
     top bits in "pkt" ("pvt"), packed per layer, those layers only.
 
     Format 6: with `unrope` a first section "rope", fp32 [head_dim / 2 + 1] (`cachestore.codec.rope`); with
-    `key_classes` (int2, range codes, no outlier channels) each key group's channel classes "kcls" [L, H, key groups,
-    D / 4] (2 bits a channel, low bits first: an index into KEY_CLASS_BITS) instead of the mask, the low two bits of
-    the 2- and 3-bit channels' codes in "pk", the 4-bit channels' in "pko" and the 3-bit channels' top bits in "pkt",
-    every layer's (each class's channels in channel order, as "pk" holds the non-outlier channels'); its layer table
-    may give values one bit more, keys nothing."""
+    `key_classes` (range codes, no outlier channels) each key group's channel classes "kcls" [L, H, key groups,
+    D / 4] (2 bits a channel, low bits first: an index into the mode's KEY_CLASS_BITS) instead of the mask, then the
+    key codes in pieces (`key_class_pieces`), one section a width (`key_class_streams`: "pk" the mode's, "pko" the
+    other, "pkt" the 1-bit pieces), every layer's, each token's pieces in channel order (int2: the low two bits of
+    the 2- and 3-bit channels' codes in "pk", the 4-bit channels' in "pko", the 3-bit channels' top bits in "pkt");
+    its layer table may give values one bit more, keys nothing."""
     if mode not in BITS:
         raise CodecError(f"outlier key channels and symmetric values apply to int4/int2 only, not {mode}")
     n_layers, h, t, d = dims
@@ -209,13 +222,12 @@ def split_layout(mode: str, dims: Dims, group: int, variant: Variant,
     per_group = d  # key channels per (layer, head, group) at the mode's bits
     if variant.key_classes:
         if variant.outlier_keys or not variant.scale8 or nk_up or not key_classes_fit(mode, d):
-            raise CodecError(f"key channel classes apply to int2 with range codes, a head_dim that is a multiple of "
-                             f"64 and no outlier channels or key layers one bit more, not {mode} with head_dim {d}")
-        _, n2, n3, n4 = key_classes(d)
+            raise CodecError(f"key channel classes apply to int4/int2 with range codes, a head_dim that is a "
+                             f"multiple of 64 and no outlier channels or key layers one bit more, not {mode} with "
+                             f"head_dim {d}")
         sections["kcls"] = (torch.uint8, (n_layers, h, nk, d // 4))
-        sections["pk"] = (torch.uint8, (n_layers * ceil_div(h * nk * gk * (n2 + n3) * bits, 8),))
-        sections["pko"] = (torch.uint8, (n_layers * ceil_div(h * nk * gk * n4 * OUTLIER_BITS[mode], 8),))
-        sections["pkt"] = (torch.uint8, (n_layers * ceil_div(h * nk * gk * n3, 8),))
+        for name, width, per_token in key_streams(mode, d):
+            sections[name] = (torch.uint8, (n_layers * ceil_div(h * nk * gk * per_token * width, 8),))
     elif variant.outlier_keys:
         if not outlier_fits(mode, d):
             raise CodecError(f"outlier key channels of {mode} need a head_dim that is a multiple of "

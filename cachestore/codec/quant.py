@@ -28,9 +28,28 @@ from collections.abc import Callable
 import torch
 
 from cachestore.codec import scalecodes
-from cachestore.codec.frame import KEY_CLASS_BITS, OUTLIER_BITS, UP_BITS, key_classes, outlier_channels
+from cachestore.codec.frame import (
+    KEY_CLASS_BITS,
+    OUTLIER_BITS,
+    UP_BITS,
+    key_class_pieces,
+    key_classes,
+    outlier_channels,
+)
 from cachestore.codec.frame import MODE_BITS as BITS
-from cachestore.codec.layout import ALT_BITS, F16, FP8, NO_HI, PLAIN, Dims, HiLayers, Variant, groups, split_layout
+from cachestore.codec.layout import (
+    ALT_BITS,
+    F16,
+    FP8,
+    NO_HI,
+    PLAIN,
+    Dims,
+    HiLayers,
+    Variant,
+    groups,
+    key_streams,
+    split_layout,
+)
 from cachestore.codec.q8 import q8_rows
 from cachestore.codec.rope import Rope, pair_mean, turn
 from cachestore.errors import CodecError
@@ -39,7 +58,7 @@ FP8_MAX = 448.0
 # Range fractions the encoder tries per group with `clip` (the first is no clipping): for few
 # levels a group's extremes waste most of the steps, for many levels clipping buys little.
 CLIP_RATIOS = {2: (1.0, 0.9, 0.8, 0.7, 0.6, 0.5), 3: (1.0, 0.95, 0.9, 0.8, 0.7, 0.6), 4: (1.0, 0.95, 0.9, 0.85, 0.8),
-               5: (1.0, 0.97, 0.94, 0.9), 8: (1.0,)}
+               5: (1.0, 0.97, 0.94, 0.9), 6: (1.0, 0.98, 0.96), 8: (1.0,)}
 # Fractions of a group's largest magnitude the symmetric value encoder tries as its outermost level (`sym_values`)
 SYM_RATIOS = {2: (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4), 3: (1.0, 0.9, 0.85, 0.8, 0.75, 0.7, 0.6, 0.5),
               4: (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7), 5: (1.0, 0.95, 0.9, 0.85, 0.8)}
@@ -272,7 +291,7 @@ def _quantize_split(mode: str, k: torch.Tensor, v: torch.Tensor, group: int, var
     if variant.key_classes:
         if hi.up_keys:
             raise CodecError("key channel classes take no key layers one bit more")
-        out |= _class_keys(k, group, variant, rope)
+        out |= _class_keys(k, mode, group, variant, rope)
     elif variant.outlier_keys:
         sk, zk, mask, qk, qko = _by_layers(lambda x, b: _outlier_keys(x, group, mode, variant, b), k, hi.up_keys,
                                            bits)
@@ -347,12 +366,14 @@ def _outlier_keys(k: torch.Tensor, group: int, mode: str, variant: Variant,
     return scale, zero, mask.squeeze(3), lo, qh.reshape(n_layers, -1)
 
 
-def _class_keys(k: torch.Tensor, group: int, variant: Variant, rope: Rope | None) -> dict[str, torch.Tensor]:
-    """int2 keys [L, H, T, D] (fp32) in channel classes (`KEY_CLASS_BITS`, `key_classes` of each): in every key group
-    the channels ranked by importance, their mean square over the group's tokens (averaged over each RoPE pair where
-    the model's RoPE is known: a query's energy lies in the same pairs) times their range squared, the error a
-    channel's step leaves; the most important take 4 bits, the least none (their group's mean alone, as range codes
-    of [mean, mean]). The sections "sk", "zk" (range codes), "kcls", "pk", "pko" and "pkt" of `split_layout`."""
+def _class_keys(k: torch.Tensor, mode: str, group: int, variant: Variant,
+                rope: Rope | None) -> dict[str, torch.Tensor]:
+    """Keys [L, H, T, D] (fp32) in channel classes (the mode's `KEY_CLASS_BITS`, `key_classes` of each): in every key
+    group the channels ranked by importance, their mean square over the group's tokens (averaged over each RoPE pair
+    where the model's RoPE is known: a query's energy lies in the same pairs) times their range squared, the error a
+    channel's step leaves; the most important take the most bits, the least the fewest (0 bits: their group's mean
+    alone, as range codes of [mean, mean]). The sections "sk", "zk" (range codes), "kcls" and the code pieces
+    (`layout.key_streams`) of `split_layout`."""
     n_layers, h, t, d = k.shape
     gk, nk, _, _ = groups(Dims(n_layers, h, t, d), group)
     k = rotate(k) if variant.rot_keys else k
@@ -362,24 +383,42 @@ def _class_keys(k: torch.Tensor, group: int, variant: Variant, rope: Rope | None
     energy = kg.square().mean(3)  # [L, H, groups, D]
     weight = pair_mean(energy, rope.pairing) if rope is not None else energy
     score = weight * (top - lo).squeeze(3).square()
-    counts = key_classes(d)  # channels of class 0 (0 bits), 1 (2 bits), 2 (3 bits), 3 (4 bits)
-    by_rank = torch.tensor([c for c in (3, 2, 1, 0) for _ in range(counts[c])], dtype=torch.uint8, device=k.device)
+    class_bits, counts = KEY_CLASS_BITS[mode], key_classes(mode, d)
+    by_rank = torch.tensor([c for c in reversed(range(len(counts))) for _ in range(counts[c])], dtype=torch.uint8,
+                           device=k.device)
     order = score.argsort(dim=-1, descending=True, stable=True)
     cls = torch.empty_like(order, dtype=torch.uint8).scatter_(-1, order, by_rank.expand_as(order).contiguous())
-    where = cls.unsqueeze(3)  # [L, H, groups, 1, D]
-    mean = kg.mean(3, keepdim=True)
-    codes = scalecodes.codes_of(ext, mean, mean, 3)  # class 0
-    q = torch.zeros(kg.shape, dtype=torch.uint8, device=k.device)
-    for c in (1, 2, 3):
-        b = KEY_CLASS_BITS[c]
-        _, kept, qc = _asym(kg, 3, (1 << b) - 1, CLIP_RATIOS[b] if variant.clip else (1.0,), extremes=ext)
-        codes = torch.where(where == c, kept, codes)
-        q = torch.where(where == c, qc, q)
-    mid, outl, three = (where == 1) | (where == 2), where == 3, where == 2
-    return {"sk": ext, "zk": codes, "kcls": pack(cls, 2).view(n_layers, h, nk, d // 4),
-            "pk": pack_rows(q.masked_select(mid.expand_as(q)).view(n_layers, -1) & 3, 2),
-            "pko": pack_rows(q.masked_select(outl.expand_as(q)).view(n_layers, -1), OUTLIER_BITS["int2"]),
-            "pkt": pack_rows(q.masked_select(three.expand_as(q)).view(n_layers, -1) >> 2, 1)}
+    # each class's channels quantized apart (every group holds the same count of each): gathered, then put back
+    by_class = cls.argsort(dim=-1, stable=True)  # [L, H, groups, D]: class 0's channels first, in channel order
+    codes = torch.empty((n_layers, h, nk, 2, d), dtype=torch.uint8, device=k.device)
+    q = torch.empty(kg.shape, dtype=torch.uint8, device=k.device)
+    start = 0
+    for c, b in enumerate(class_bits):
+        n = counts[c]
+        at = by_class[..., start:start + n].unsqueeze(3)  # [L, H, groups, 1, n]
+        start += n
+        if not n:
+            continue
+        part = kg.gather(4, at.expand(n_layers, h, nk, gk, n))
+        if b:
+            _, kept, qc = _asym(part, 3, (1 << b) - 1, CLIP_RATIOS[b] if variant.clip else (1.0,), extremes=ext)
+        else:
+            mean = part.mean(3, keepdim=True)
+            kept, qc = scalecodes.codes_of(ext, mean, mean, 3), torch.zeros_like(part, dtype=torch.uint8)
+        codes.scatter_(4, at.expand(n_layers, h, nk, 2, n), kept)
+        q.scatter_(4, at.expand(n_layers, h, nk, gk, n), qc)
+    out = {"sk": ext, "zk": codes, "kcls": pack(cls, 2).view(n_layers, h, nk, d // 4)}
+    for name, width, _ in key_streams(mode, d):
+        has = torch.zeros(len(class_bits), dtype=torch.bool)
+        shift = torch.zeros(len(class_bits), dtype=torch.uint8)
+        for c, b in enumerate(class_bits):
+            for w, sh in key_class_pieces(b):
+                if w == width:
+                    has[c], shift[c] = True, sh
+        at = has.to(k.device)[cls.long()].unsqueeze(3).expand_as(q)
+        pieces = (q >> shift.to(k.device)[cls.long()].unsqueeze(3)) & ((1 << width) - 1)
+        out[name] = pack_rows(pieces.masked_select(at).view(n_layers, -1), width)
+    return out
 
 
 def _sym_values(v: torch.Tensor, group: int, bits: int, variant: Variant) -> tuple[torch.Tensor, ...]:

@@ -11,6 +11,7 @@ from cachestore.codec.frame import (
     FLOAT_MODES,
     GROUPED_MODES,
     HI_BITS,
+    KEY_CLASS_BITS,
     KEY_CLASSES,
     LAYER_TABLE,
     MAX_DIM,
@@ -218,11 +219,18 @@ class CodecSpec:
         return self.mode == "exact"
 
 
+def key_class_text(mode: str) -> str:
+    """"0, 2, 3 or 4": the bits a key channel of a /kbits codec of `mode` may take."""
+    *most, last = map(str, KEY_CLASS_BITS[mode])
+    return f"{', '.join(most)} or {last}"
+
+
 def _check_format6(mode: str, v: Variant, hi: HiLayers) -> None:
     """ConfigError unless /kbits and /unrope (frame format 6) come as that format holds them."""
-    if v.key_classes and (mode != "int2" or v.outlier_keys or not v.scale8 or hi.up_keys):
-        raise ConfigError("/kbits (key channels at 0, 2, 3 or 4 bits) applies to int2 with /s8, without /outk or "
-                          "/k3= (it sets every key channel's bits itself)")
+    if v.key_classes and (mode not in KEY_CLASS_BITS or v.outlier_keys or not v.scale8 or hi.up_keys):
+        raise ConfigError(f"/kbits (key channels at {key_class_text('int2')} bits under int2, "
+                          f"{key_class_text('int4')} under int4) applies to int4 and int2 with /s8, without /outk or "
+                          f"a key layer one bit more (/k3=, /k5=: it sets every key channel's bits itself)")
     if v.unrope and not (v.split and v.scale8):
         raise ConfigError("/unrope (keys stored without their RoPE) takes /s8 and one of /kbits, /outk, /symv")
 

@@ -63,8 +63,11 @@ CASES: dict[str, tuple[str, torch.dtype, tuple[int, int, int, int, int]]] = {
     "int4_fp16_zstd_g8_s8_k8k5": ("int4+zstd:3/g8/s8/k8=1/v2=2/k5=0.2", torch.float16, (3, 2, 1, 9, 8)),
     # format 5 with outlier key channels and symmetric values, some layers one bit more (top bits apart)
     "int2_fp32_none_g4_outk_symv_s8_k3": ("int2+none/g4/outk/symv/s8/k3=1/v3=0", torch.float32, (2, 2, 2, 10, 8)),
-    # format 6: key channel classes (0, 2, 3 or 4 bits; head_dim 64), and with keys stored without their RoPE
+    # format 6: key channel classes (int2 0, 2, 3 or 4 bits, int4 3 to 6; head_dim 64), and with keys stored without
+    # their RoPE
     "int2_fp32_none_g8_kbits_symv_s8": ("int2+none/g8/kbits/symv/s8", torch.float32, (2, 2, 1, 9, 64)),
+    "int4_fp32_none_g8_kbits_s8": ("int4+none/g8/kbits/s8", torch.float32, (2, 2, 1, 9, 64)),
+    "int4_fp16_zstd_g8_kbits_unrope_v5": ("int4+zstd:3/g8/kbits/s8/unrope/v5=1", torch.float16, (2, 2, 2, 12, 64)),
     "int2_fp16_zstd_g8_kbits_unrope_v3": ("int2+zstd:3/g8/rotv/clip/kbits/symv/s8/unrope/v3=1", torch.float16,
                                           (2, 2, 2, 9, 64)),
     # format 1: the int8 frame of a partial last block under int4/int2+zstd/recent=int8 (tests/test_codec_recent.py)
