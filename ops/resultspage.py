@@ -104,7 +104,7 @@ BENCHES = (
           "Each window's 512-token prefix goes through the codec's round trip into the cache, block by block as a pod "
           "stores it, the cache ending at another point within a block in each window (`--ends spread`); the next "
           "256 tokens are scored against the model's own predictions (perplexity, top-1 agreement, greedy tokens "
-          "equal), 48 windows spread over each of the four held-out texts (the key-class int2s measured later and "
+          "equal), 48 windows spread over each of the four held-out texts (the key-class codecs measured later and "
           "merged in: `--merge`), which no codec parameter was chosen on. "
           "The interval is a paired 95% Student-t interval over the windows, widened where neighbouring windows' "
           "differences are alike; sizes of a 2048-token context and of "
@@ -118,6 +118,9 @@ BENCHES = (
           "--json docs/results/quality.json --merge\n"
           "kvstash bench quality --windows 48 --modes exact,"
           "int2+zstd:16/rotv/clip/kbits/symv/s8/unrope/v3=0.1.18.20.23.24/recent=int4 "
+          "--json docs/results/quality.json --merge\n"
+          "kvstash bench quality --windows 48 --modes exact,"
+          "int4+zstd/kbits/s8/unrope/v5=4.11.15.17.18.23.25/recent=int8 "
           "--json docs/results/quality.json --merge", _quality),
     Bench("load", "Sessions through a round-robin balancer",
           "Three pods behind nginx's round robin; each session's first turn carries notes unique to it (a miss), "
@@ -235,9 +238,20 @@ def codec_table() -> list[str]:
             f"text (widened where neighbouring windows' differences are alike), "
             f"{d.get('prefix', 512)}-token prefix, next "
             f"{d.get('continuation', 128)} tokens scored, the cache ending at "
-            f"{'every point of a block' if d.get('ends') == 'spread' else 'the prefix'}; {machine_line(d)}.", 110,
-                                 break_on_hyphens=False)]
+            f"{'every point of a block' if d.get('ends') == 'spread' else 'the prefix'}; {machine_line(d)}"
+            f"{_merged_line(d)}.", 110, break_on_hyphens=False)]
     return out
+
+
+def _merged_line(d: dict[str, Any]) -> str:
+    """' (codecs merged in later: 2026-12-06, the same CPU)': when the rows `--merge` added were measured."""
+    first = d.get("machine") or {}
+    runs = [m.get("machine") or {} for m in d.get("merged", [])]
+    dates = sorted({m.get("date", "date not recorded") for m in runs} - {first.get("date")})
+    if not dates:
+        return ""
+    same = all(m.get("cpu") == first.get("cpu") for m in runs)
+    return f" (codecs merged in later: {', '.join(dates)}{', the same CPU' if same else ''})"
 
 
 def _span(values: list[float]) -> str:

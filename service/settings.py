@@ -159,7 +159,7 @@ SETTING_HELP: Mapping[str, str] = {
     "cache_enabled": "read and write the cache (KVSTASH_NO_CACHE=1 or --no-cache turns it off, for comparisons)",
     "codec": "exact (lossless), fp16, int8, int4, int2, fp8, q8 (llamacpp: a q8_0 KV cache, stored exactly); "
              "+zstd/+lz4/+none picks the compressor; int4/int2 take options such as /outk (each block's widest key "
-             "channels at more bits), /kbits (int2: each key channel's bits by importance), /unrope (keys without "
+             "channels at more bits), /kbits (each key channel's bits by importance), /unrope (keys without "
              "their RoPE), /symv (values without zero points), /s8 (8-bit group ranges), /k8=L.L (layers at int8), "
              "/k5=L.L (int4 layers at 5 bits) and /recent=int8 (the partial last block at int8; "
              "docs/engines-codecs.md)",

@@ -45,3 +45,15 @@ def test_runs_measured_otherwise_or_files_of_another_kind_are_refused(tmp_path: 
         merged(path, _run(["exact", "b"], ["alice"], 24, 1.0))
     with pytest.raises(SystemExit, match="cannot read"):
         merged(tmp_path / "missing.json", _run(["exact", "b"], ["alice"], 24, 1.0))
+
+
+def test_the_codec_table_says_when_merged_codecs_ran() -> None:
+    from ops.resultspage import _merged_line  # noqa: PLC0415
+
+    first = {"date": "2026-12-05", "cpu": "X"}
+    assert _merged_line({"machine": first, "merged": [{"machine": {"date": "2026-12-05", "cpu": "X"}}]}) == ""
+    assert _merged_line({"machine": first, "merged": [{"machine": {"date": "2026-12-06", "cpu": "X"}}]}) == (
+        " (codecs merged in later: 2026-12-06, the same CPU)")
+    assert _merged_line({"machine": first, "merged": [{"machine": {"date": "2026-12-07", "cpu": "Y"}}]}) == (
+        " (codecs merged in later: 2026-12-07)")
+    assert _merged_line({"machine": first}) == ""
