@@ -15,6 +15,7 @@ from cachestore.codec.frame import (
     OUTLIER_BITS,
     UP_BITS,
     key_class_pieces,
+    key_class_shifts,
     key_classes,
     outlier_channels,
 )
@@ -181,28 +182,27 @@ def _class_codes(sec: dict[str, torch.Tensor], mode: str, layers: int, kshape: t
     offset = 1  # column 0 of the rows: no piece (a 0-bit channel's code, or nothing above the low piece)
     for name, width, n in key_streams(mode, d):
         rows.append(_layer_codes(sec[name], width, layers, per * n).view(n_layers, h, g, t, n))
-        has = torch.tensor([any(w == width for w, _ in key_class_pieces(b)) for b in class_bits],
-                           device=cls.device)[cls]
+        has = torch.tensor([s is not None for s in key_class_shifts(mode, width)], device=cls.device)[cls]
         ranks[width] = (offset, has.cumsum(-1))
         offset += n
     pieces = torch.cat(rows, -1)
     codes = rows[0]
     for level in range(max(len(key_class_pieces(b)) for b in class_bits)):
         place = torch.zeros_like(cls)
-        shift = torch.zeros(len(class_bits), dtype=torch.uint8)
+        shift = [0] * len(class_bits)
         for c, b in enumerate(class_bits):
             if level < len(key_class_pieces(b)):
                 width, shift[c] = key_class_pieces(b)[level]
                 first, rank = ranks[width]
                 place = torch.where(cls == c, first - 1 + rank, place)
         got = pieces.gather(-1, place.unsqueeze(3).expand(kshape))
-        shifts = set(shift.tolist()) - {0}
+        distinct = set(shift) - {0}
         if level == 0:
             codes = got
-        elif len(shifts) == 1:  # int2: every piece above the low one sits at the same place (no piece gathers 0)
-            codes = codes | (got << shifts.pop())
+        elif len(distinct) == 1:  # int2: every piece above the low one sits at the same place (no piece gathers 0)
+            codes = codes | (got << distinct.pop())
         else:
-            codes = codes | (got << shift.to(cls.device)[cls].unsqueeze(3))
+            codes = codes | (got << torch.tensor(shift, dtype=torch.uint8, device=cls.device)[cls].unsqueeze(3))
     return codes
 
 

@@ -211,6 +211,12 @@ def key_class_pieces(bits: int) -> tuple[tuple[int, int], ...]:
     return tuple(pieces)
 
 
+def key_class_shifts(mode: str, width: int) -> tuple[int | None, ...]:
+    """For each of the mode's key classes, where its piece of `width` bits sits in its codes (its shift), or None
+    where it has no piece of that width."""
+    return tuple(next((shift for w, shift in key_class_pieces(b) if w == width), None) for b in KEY_CLASS_BITS[mode])
+
+
 def key_class_streams(mode: str) -> tuple[int, ...]:
     """The code widths a KEY_CLASSES frame of `mode` stores, in section order ("pk", "pko", "pkt" of
     `layout.split_layout`): the mode's bits, then the other widths, 1 last. Each holds, token by token, the piece of

@@ -7,19 +7,18 @@ from typing import NamedTuple
 
 import torch
 
+from cachestore.codec.frame import MODE_BITS as BITS
 from cachestore.codec.frame import (
-    KEY_CLASS_BITS,
     OUTLIER_BITS,
     OUTLIER_SHARE,
     UP_BITS,
-    key_class_pieces,
+    key_class_shifts,
     key_class_streams,
     key_classes,
     key_classes_fit,
     outlier_channels,
     outlier_fits,
 )
-from cachestore.codec.frame import MODE_BITS as BITS
 from cachestore.codec.q8 import Q8_BLOCK, Q8_BYTES
 from cachestore.codec.scalecodes import KEY_AXIS, VALUE_AXIS
 from cachestore.errors import CodecError
@@ -172,8 +171,8 @@ def key_streams(mode: str, head_dim: int) -> list[tuple[str, int, int]]:
     order: "pk" the mode's width, "pkt" the 1-bit pieces, "pko" the other."""
     counts = key_classes(mode, head_dim)
     return [("pk" if w == BITS[mode] else "pkt" if w == 1 else "pko", w,
-             sum(n for b, n in zip(KEY_CLASS_BITS[mode], counts, strict=True)
-                 if any(pw == w for pw, _ in key_class_pieces(b)))) for w in key_class_streams(mode)]
+             sum(n for n, shift in zip(counts, key_class_shifts(mode, w), strict=True) if shift is not None))
+            for w in key_class_streams(mode)]
 
 
 def split_layout(mode: str, dims: Dims, group: int, variant: Variant,

@@ -32,7 +32,7 @@ from cachestore.codec.frame import (
     KEY_CLASS_BITS,
     OUTLIER_BITS,
     UP_BITS,
-    key_class_pieces,
+    key_class_shifts,
     key_classes,
     outlier_channels,
 )
@@ -409,14 +409,11 @@ def _class_keys(k: torch.Tensor, mode: str, group: int, variant: Variant,
         q.scatter_(4, at.expand(n_layers, h, nk, gk, n), qc)
     out = {"sk": ext, "zk": codes, "kcls": pack(cls, 2).view(n_layers, h, nk, d // 4)}
     for name, width, _ in key_streams(mode, d):
-        has = torch.zeros(len(class_bits), dtype=torch.bool)
-        shift = torch.zeros(len(class_bits), dtype=torch.uint8)
-        for c, b in enumerate(class_bits):
-            for w, sh in key_class_pieces(b):
-                if w == width:
-                    has[c], shift[c] = True, sh
-        at = has.to(k.device)[cls.long()].unsqueeze(3).expand_as(q)
-        pieces = (q >> shift.to(k.device)[cls.long()].unsqueeze(3)) & ((1 << width) - 1)
+        shifts = key_class_shifts(mode, width)
+        has = torch.tensor([s is not None for s in shifts], device=k.device)
+        shift = torch.tensor([s or 0 for s in shifts], dtype=torch.uint8, device=k.device)
+        at = has[cls.long()].unsqueeze(3).expand_as(q)
+        pieces = (q >> shift[cls.long()].unsqueeze(3)) & ((1 << width) - 1)
         out[name] = pack_rows(pieces.masked_select(at).view(n_layers, -1), width)
     return out
 
