@@ -23,8 +23,8 @@ import struct
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from cachestore import jsondepth
 from cachestore.errors import StoreError
-from cachestore.jsondepth import MAX_JSON_DEPTH, nesting_depth
 from cachestore.keys import check_model, check_session_id, check_tenant
 
 FORMAT = "1"
@@ -126,9 +126,9 @@ def from_fields(raw: dict[Any, Any], tenant: str, session_id: str) -> SessionRec
         if len(packed) != 4 * n_tokens:
             return None
         messages_raw = raw[b"messages"]
-        if len(messages_raw) > MAX_MESSAGES_BYTES or nesting_depth(messages_raw) > MAX_JSON_DEPTH:
+        if len(messages_raw) > MAX_MESSAGES_BYTES:
             return None
-        messages = json.loads(messages_raw)
+        messages = jsondepth.loads(messages_raw)  # too deep: a JSONDecodeError, a ValueError (malformed)
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             return None
         partial = raw[b"partial"]
