@@ -6,8 +6,10 @@ import itertools
 
 import pytest
 import torch
+import zstandard
 
 from cachestore.codec import DEFAULT_VARIANTS, Codec, CodecSpec, read_header, verify_frame, verify_placed
+from cachestore.codec.compress import compress, compress_sections, decompress
 from cachestore.codec.layout import PLAIN, Variant
 from cachestore.codec.quant import rotate
 from cachestore.errors import CodecError, ConfigError
@@ -341,3 +343,19 @@ def test_a_placed_frame_dequantizes_into_nothing_and_only_where_it_lies() -> Non
             placed.decode_into(elsewhere, layers)
     with pytest.raises(CodecError, match="elsewhere"):
         placed.decode_into()
+
+
+def test_zstd_cuts_its_blocks_at_sections_in_one_standard_frame() -> None:
+    gen = torch.Generator().manual_seed(7)
+    uniform = torch.randint(0, 256, (100_000,), dtype=torch.uint8, generator=gen)  # as key pieces
+    nibbles = (torch.randn(2, 200_000, generator=gen) * 3.5 + 8).round().clamp(0, 15).to(torch.uint8)
+    skewed = nibbles[0] | nibbles[1] << 4  # as 4-bit value codes, a few percent compressible
+    raw = memoryview(torch.cat([uniform, skewed]).numpy().tobytes())
+    cut = compress_sections(raw, "zstd", 3, [0, len(uniform)])
+    assert len(cut) < len(compress(raw, "zstd", 3))  # fixed-size blocks mix the sections
+    assert zstandard.ZstdDecompressor().decompress(cut) == bytes(raw)  # any zstd reader, one frame
+    assert bytes(decompress(memoryview(cut), "zstd", len(raw))) == bytes(raw)
+    small = memoryview(bytes(range(200)) * 4)  # sections under MIN_SECTION_BLOCK are not cut apart
+    assert compress_sections(small, "zstd", 3, [0, 100, 300]) == compress(small, "zstd", 3)
+    assert compress_sections(raw, "lz4", 0, [0, len(raw) // 2]) == compress(raw, "lz4", 0)
+

@@ -42,8 +42,10 @@ Modes and their loss (see DESIGN.md, "Codec"):
 
 Storage policy (measured with `kvstash bench codec` on SmolLM2 KV): byte shuffle is used
 for exact/fp16 payloads under zstd only (fp16 KV: zstd ratio 1.09 -> 1.18; lz4 gains
-nothing). A compressed payload that saves under 3% is stored raw and its frame says
-compressor "none" (int8 and fp16 KV under lz4), so decoding skips a useless pass.
+nothing). Otherwise zstd cuts its blocks where the payload's sections start (`compress_sections`: each block
+has its own entropy tables, and a near-uniform key section beside skewed value codes costs a fixed-size block its
+gain). A compressed payload that saves under 2% is stored raw and its frame says compressor "none" (int8 and fp16
+KV under lz4), so decoding skips a useless pass.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from typing import TypeVar
 
 import torch
 
-from cachestore.codec.compress import compress, decompress, shuffle, unshuffle
+from cachestore.codec.compress import compress, compress_sections, decompress, shuffle, unshuffle
 from cachestore.codec.frame import (
     FLAG_ROWS,
     FLAG_SHUFFLE,
@@ -81,7 +83,7 @@ from cachestore.codec.views import OpenFrame
 from cachestore.errors import CodecError
 
 T = TypeVar("T")
-_WORTH = 0.97  # a compressed payload must save 3% or the raw bytes are stored instead
+_WORTH = 0.98  # a compressed payload must save 2% or the raw bytes are stored instead
 _DEFAULT_SPEC = CodecSpec()
 
 
@@ -114,7 +116,9 @@ class Codec:
                 part.contiguous().view(-1).view(torch.uint8))  # copies device -> cpu if needed
         comp, shuffled = spec.compressor, spec.mode in FLOAT_MODES and spec.compressor == "zstd"
         packed = shuffle(raw, itemsize(spec.mode, dtype)) if shuffled else raw
-        payload = compress(memoryview(packed.numpy()), comp, spec.level)  # type: ignore[arg-type]
+        data = memoryview(packed.numpy())  # type: ignore[arg-type]
+        # a shuffled payload interleaves its sections' bytes; otherwise zstd starts a block at each section
+        payload = compress(data, comp, spec.level) if shuffled else compress_sections(data, comp, spec.level, offsets)
         if comp != "none" and len(payload) > raw_len * _WORTH:
             # Incompressible (int8 and fp16 KV under lz4): store it plainly, so decoding
             # skips a decompression that would buy nothing. The frame says so itself.

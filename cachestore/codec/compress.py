@@ -8,6 +8,9 @@ worst-case bound for the raw length is rejected before any work.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+
 import lz4.block
 import torch
 import zstandard
@@ -15,6 +18,7 @@ import zstandard
 from cachestore.errors import CodecError
 
 LZ4_MAX_INPUT = 0x7E000000  # LZ4_MAX_INPUT_SIZE of the block format
+MIN_SECTION_BLOCK = 4096  # `compress_sections` cuts no block shorter (a block costs a header, maybe tables)
 
 
 def compress_bound(compressor: str, raw_len: int) -> int:
@@ -39,6 +43,32 @@ def compress(raw: bytes | bytearray | memoryview, compressor: str, level: int) -
     if compressor == "zstd":
         return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(raw)
     raise CodecError(f"unknown compressor {compressor!r}")
+
+
+def compress_sections(raw: bytes | bytearray | memoryview, compressor: str, level: int,
+                      starts: Sequence[int]) -> bytes:
+    """`compress`, with zstd ending a block at each of `starts` (byte offsets into `raw`).
+
+    Still one standard zstd frame, which any reader decompresses as before. Each block has its own entropy
+    tables and zstd stores a block raw when they would save little, so a payload whose sections differ (key
+    codes near uniform, value codes skewed) compresses much better with its blocks cut where the sections are
+    than with blocks of a fixed size that mix them."""
+    if compressor != "zstd" or len(starts) < 2:
+        return compress(raw, compressor, level)
+    view = memoryview(raw)
+    cuts = [0]
+    for start in sorted(starts):  # a block of its own for every section that is not small, the small ones joined
+        if start - cuts[-1] >= MIN_SECTION_BLOCK and len(view) - start >= MIN_SECTION_BLOCK:
+            cuts.append(start)
+    if len(cuts) == 1:
+        return compress(raw, compressor, level)
+    cobj = zstandard.ZstdCompressor(level=level, write_content_size=True).compressobj(size=len(view))
+    out = []
+    for lo, hi in itertools.pairwise([*cuts, len(view)]):
+        out.append(cobj.compress(view[lo:hi]))
+        out.append(cobj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
+    out.append(cobj.flush())
+    return b"".join(out)
 
 
 def decompress(payload: memoryview, compressor: str, raw_len: int) -> bytearray:
