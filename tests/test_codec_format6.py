@@ -16,6 +16,7 @@ from cachestore.codec.frame import HEADER_SIZE, KEY_CLASS_BITS, KEY_CLASSES, OUT
 from cachestore.codec.rope import ADJACENT, HALVES, Rope, turn
 from cachestore.codec.spec import CodecSpec, recent_spec
 from cachestore.errors import CodecError, ConfigError
+from tests.golden.cases import frame_path
 from tests.support import check_layers_decode_apart, kv_sample, resealed
 
 KBITS = "int2+none/g64/rotv/clip/kbits/symv/s8"
@@ -67,7 +68,7 @@ def test_format6_frames_round_trip_and_decode_a_layer_range_alike(spec: str, bou
     rope = _rope(64)
     kv = _roped(kv_sample((3, 2, 2, 64, 64), torch.float32, seed=4), rope, start=320)
     frame = Codec(spec, rope).encode(kv)
-    assert frame[4] == 6  # the format version
+    assert frame[4] == (7 if "int4" in spec and "/kbits" in spec else 6)  # the format version: int4's classes 7
     out = Codec().decode(frame)
     keys, values = kv[:, 0], kv[:, 1]
     key_err = (out[:, 0] - keys).square().sum() / keys.square().sum()
@@ -112,7 +113,7 @@ def test_each_key_group_holds_every_class_in_its_count_the_most_important_at_4_b
 def test_int4_classes_put_the_bits_where_the_error_is() -> None:
     """int4 /kbits: 3, 4, 5 or 6 bits a key channel in their counts, the most important channel at 6 bits (decoded
     within half its step), and on keys whose channels differ in scale (as a model's do) less squared error than every
-    channel at 4 bits, at the same bits a channel."""
+    channel at 4 bits, for a quarter of a bit more a channel (format 7's counts)."""
     gen = torch.Generator().manual_seed(11)
     kv = torch.randn(2, 2, 2, 64, 128, generator=gen)
     kv[:, 0] *= torch.randn(2, 2, 1, 128, generator=gen).exp()  # channel scales across an order of magnitude
@@ -129,6 +130,18 @@ def test_int4_classes_put_the_bits_where_the_error_is() -> None:
     plain = Codec().decode(Codec("int4+none/g64/s8").encode(kv)).float()
     err = float((out[:, 0] - kv[:, 0]).square().sum())
     assert err < 0.6 * float((plain[:, 0] - kv[:, 0]).square().sum())
+
+
+def test_int4_classes_of_one_format_version_are_not_read_as_the_other() -> None:
+    """Format 6 and 7 int4 class frames differ in their counts, so in their sections' sizes: relabelled, either is
+    refused (a miss for the pod), never decoded with the other's counts."""
+    frame = bytearray(Codec(KBITS4).encode(kv_sample((1, 2, 1, 64, 64), torch.float32, seed=9)))
+    former = bytearray(frame_path("int4_fp32_none_g8_kbits_s8").read_bytes())
+    assert (frame[4], former[4]) == (7, 6)
+    frame[4], former[4] = 6, 7
+    for bad in (frame, former):
+        with pytest.raises(CodecError, match="raw length"):
+            Codec().decode(resealed(bad))
 
 
 def _section(opened: Any, name: str) -> torch.Tensor:
@@ -265,7 +278,7 @@ def test_pods_store_int4_key_classes_without_rope_and_another_pod_hits_them(redi
         wait_written(a)
         raw = redis_server.client()
         headers = {(h.mode, h.version, h.transform) for h in map(read_header, map(raw.get, raw.scan_iter("*:blk:*")))}
-        assert ("int4", 6, KEY_CLASSES | UNROPE | SCALE8 | LAYER_TABLE) in headers
+        assert ("int4", 7, KEY_CLASSES | UNROPE | SCALE8 | LAYER_TABLE) in headers
         follow = [*history, {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
                   {"role": "user", "content": "And?"}]
         second = chat(b, follow)

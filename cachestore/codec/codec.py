@@ -64,6 +64,7 @@ from cachestore.codec.frame import (
     FLOAT_MODES,
     GROUPED_MODES,
     HEADER_SIZE,
+    KEY_CLASSES,
     MAX_DIM,
     MAX_TOKENS,
     SCALE8,
@@ -71,6 +72,7 @@ from cachestore.codec.frame import (
     V6,
     FrameHeader,
     checksum,
+    key_class_version,
     pack_header,
 )
 from cachestore.codec.layout import PLAIN, Dims, layout
@@ -124,10 +126,11 @@ class Codec:
             # skips a decompression that would buy nothing. The frame says so itself.
             comp, shuffled, payload = "none", False, bytes(memoryview(raw.numpy()))  # type: ignore[arg-type]
         # The oldest version that holds the frame (1: nothing transformed, 2: rotations, 3: a layer
-        # table, 4: outlier channels or symmetric values, 5: range codes, 6: key classes or keys without their RoPE):
-        # older readers keep reading the frames they can.
+        # table, 4: outlier channels or symmetric values, 5: range codes, 6: key classes or keys without their RoPE,
+        # key classes that of the mode's newest counts, 7 for int4): older readers keep reading the frames they can.
         table = spec.layer_table(dims.layers)
-        version = (6 if spec.transform & V6 else 5 if spec.transform & SCALE8 else 4 if spec.transform & SPLIT
+        version = (key_class_version(spec.mode) if spec.transform & KEY_CLASSES else 6 if spec.transform & V6
+                   else 5 if spec.transform & SCALE8 else 4 if spec.transform & SPLIT
                    else 3 if table else 2 if spec.transform else 1)
         stored = table + payload
         flags = (FLAG_SHUFFLE if shuffled else 0) | (FLAG_ROWS if spec.rows else 0)

@@ -129,7 +129,7 @@ def _dequantize_split(mode: str, parts: list[torch.Tensor], dims: Dims, group: i
     kshape = (n_layers, h, nk, gk, d)
     c = outlier_channels(mode, d) if variant.outlier_keys else 0
     if variant.key_classes:
-        codes = _class_codes(sec, mode, n_layers, kshape)
+        codes = _class_codes(sec, mode, n_layers, kshape, variant.class_version)
     elif variant.outlier_keys:
         lo = _raised_codes(sec["pk"], sec.get("pkt"), bits, n_layers, h * nk * gk * (d - c), up_k)
         mask = unpack_mask(sec["mask"], d)  # [L, H, groups, D]
@@ -157,18 +157,20 @@ def _dequantize_split(mode: str, parts: list[torch.Tensor], dims: Dims, group: i
     return out
 
 
-def key_class_map(packed: torch.Tensor, mode: str, dim: int) -> torch.Tensor:
+def key_class_map(packed: torch.Tensor, mode: str, dim: int, version: int = 0) -> torch.Tensor:
     """A KEY_CLASSES frame's "kcls" [L, H, groups, D / 4] -> each key channel's class [L, H, groups, D] (uint8, an
-    index into the mode's KEY_CLASS_BITS); CodecError unless every group holds each class's `key_classes` count."""
+    index into the mode's KEY_CLASS_BITS); CodecError unless every group holds each class's `key_classes` count
+    (of frame format `version`, 0: a writer's)."""
     cls = unpack(packed.reshape(-1), 2, packed.numel() * 4).view(*packed.shape[:-1], dim)
-    for c, count in enumerate(key_classes(mode, dim)):
+    for c, count in enumerate(key_classes(mode, dim, version)):
         if not bool(((cls == c).sum(-1) == count).all()):
             raise CodecError(f"key channel classes: a group without {count} channels of {KEY_CLASS_BITS[mode][c]} "
                              f"bits")
     return cls
 
 
-def _class_codes(sec: dict[str, torch.Tensor], mode: str, layers: int, kshape: tuple[int, ...]) -> torch.Tensor:
+def _class_codes(sec: dict[str, torch.Tensor], mode: str, layers: int, kshape: tuple[int, ...],
+                 version: int = 0) -> torch.Tensor:
     """A KEY_CLASSES frame's key codes [L, H, groups, group, D] from its class map (as `expand_split` leaves it:
     [L, H, groups, D]) and code pieces. Every token of a group has each width's pieces in channel order, so a
     channel's piece is one gather from that token's pieces (all widths side by side), at the channel's place among
@@ -180,7 +182,7 @@ def _class_codes(sec: dict[str, torch.Tensor], mode: str, layers: int, kshape: t
     rows = [torch.zeros(n_layers, h, g, t, 1, dtype=torch.uint8, device=cls.device)]
     ranks: dict[int, tuple[int, torch.Tensor]] = {}  # width -> (its first column in rows, each channel's place)
     offset = 1  # column 0 of the rows: no piece (a 0-bit channel's code, or nothing above the low piece)
-    for name, width, n in key_streams(mode, d):
+    for name, width, n in key_streams(mode, d, version):
         rows.append(_layer_codes(sec[name], width, layers, per * n).view(n_layers, h, g, t, n))
         has = torch.tensor([s is not None for s in key_class_shifts(mode, width)], device=cls.device)[cls]
         ranks[width] = (offset, has.cumsum(-1))
@@ -237,7 +239,7 @@ def expand_split(mode: str, parts: list[torch.Tensor], dims: Dims, group: int, v
 
     key_levels = _levels(dims.layers, bits, up[0], parts[0].device)
     if variant.key_classes:  # the class map unpacked (and checked) once, for the levels here and the codes' places
-        sec["kcls"] = key_class_map(sec["kcls"], mode, dims.head_dim)  # [L, H, groups, D]
+        sec["kcls"] = key_class_map(sec["kcls"], mode, dims.head_dim, variant.class_version)  # [L, H, groups, D]
         levels = torch.tensor([max(1, (1 << b) - 1) for b in KEY_CLASS_BITS[mode]], dtype=torch.float32,
                               device=parts[0].device)  # 0 bits: one level (the zero point alone)
         key_levels = levels[sec["kcls"].long()].unsqueeze(3)

@@ -4,7 +4,7 @@ A frame is a fixed 52-byte little-endian header followed by the payload:
 
     offset size field
          0    4 magic            b"KVS1"
-         4    1 format version   1, 2, 3, 4, 5 or 6
+         4    1 format version   1, 2, 3, 4, 5, 6 or 7
          5    1 mode             MODES code
          6    1 compressor       COMPRESSORS code
          7    1 dtype            DTYPES code (the tensor's dtype before encoding)
@@ -37,6 +37,8 @@ A frame is a fixed 52-byte little-endian header followed by the payload:
                                  stored with RoPE undone relative to the block's first token, the
                                  inverse frequencies and pairing in the payload's first section
                                  (`cachestore.codec.rope`)
+                                 Version 7: as 6, with KEY_CLASSES set and int4's class
+                                 counts of version 7 (`KEY_CLASS_COUNTS`, 4.25 bits a key)
         10    2 group size       int4/int2 only, else zero
         12    4 layers
         16    4 kv heads
@@ -61,7 +63,8 @@ that give a layer the other grouped precision (4 bits in an int2 frame, 2 in an 
 version 3: a reader from before them refuses such a frame cleanly, for its table's unknown bits.
 Version 4 likewise holds the frames with outlier key channels or symmetric values, which a reader from before
 them refuses by their version, version 5 the frames with 8-bit range codes, and version 6 those with key channel
-classes or keys stored without their block's RoPE. Layer tables that give a layer
+classes or keys stored without their block's RoPE, version 7 int4's key classes in new counts (a version 6 int4
+frame keeps its own). Layer tables that give a layer
 one bit more than the mode's (UP_BITS) are refused by a reader from before them for their table's unknown bits.
 FLAG_ROWS needs no version of its own: a reader from before it refuses such a frame, cleanly, for its unknown flag;
 one from before q8 refuses q8 frames for their unknown mode code.
@@ -78,8 +81,8 @@ import xxhash
 from cachestore.errors import CodecError
 
 MAGIC = b"KVS1"
-FORMAT_VERSION = 6  # the newest this module reads and writes
-VERSIONS = (1, 2, 3, 4, 5, 6)
+FORMAT_VERSION = 7  # the newest this module reads and writes
+VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 HEADER = struct.Struct("<4sBBBBBBHIIIIQQQ")
 HEADER_SIZE = HEADER.size  # 52
 _CHECKED = HEADER_SIZE - 8  # the checksum covers the header up to the checksum itself
@@ -97,7 +100,7 @@ _KNOWN_FLAGS = FLAG_SHUFFLE | FLAG_ROWS
 ROT_KEYS, ROT_VALUES, LAYER_TABLE, OUTLIER_KEYS, SYM_VALUES, SCALE8 = 1, 2, 4, 8, 16, 32
 KEY_CLASSES, UNROPE = 64, 128
 SPLIT = OUTLIER_KEYS | SYM_VALUES | KEY_CLASSES  # the transforms that take `split_layout` (versions 4 and 6)
-V6 = KEY_CLASSES | UNROPE  # the transforms of version 6
+V6 = KEY_CLASSES | UNROPE  # the transforms of versions 6 and 7
 _KNOWN_TRANSFORMS = ROT_KEYS | ROT_VALUES | LAYER_TABLE | SPLIT | SCALE8 | UNROPE
 HI_BITS = 8  # the precision a layer table may raise a layer's keys or values to
 MODE_BITS = {"int4": 4, "int2": 2}  # bits per code of the grouped modes
@@ -108,12 +111,13 @@ OUTLIER_BITS = {"int4": 8, "int2": 4}
 ALT_BITS = {"int4": 2, "int2": 4}  # the other grouped precision a layer table may give a layer's keys or values
 UP_BITS = {"int4": 5, "int2": 3}  # one bit more than the mode's, which a layer table may give a layer's keys or values
 # KEY_CLASSES: of every 64 key channels of a group, how many take each class's bits, ranked by importance
-# (`quant._class_keys`): the counts keep every section's size a function of the header. int2: 0 bits (the group's
-# zero point alone), the mode's 2, one more and OUTLIER_BITS; 13/17/26/8 cost 144 bits a token and 64 channels, as
-# int2's 8 outlier channels do. int4: one bit less than the mode's to two more; 24/24/8/8 cost 256 bits, as 64
-# channels at 4 bits do.
+# (`quant._class_keys`), by the frame version that fixes them: the counts keep every section's size a function of
+# the header. int2: 0 bits (the group's zero point alone), the mode's 2, one more and OUTLIER_BITS; 13/17/26/8 cost
+# 144 bits a token and 64 channels, as int2's 8 outlier channels do. int4: one bit less than the mode's to two
+# more; version 6's 24/24/8/8 cost 256 bits, as 64 channels at 4 bits do, version 7's 16/24/16/8 272 (4.25 bits a
+# channel). A writer uses the mode's newest table (`key_class_version`).
 KEY_CLASS_BITS = {"int2": (0, 2, 3, 4), "int4": (3, 4, 5, 6)}
-KEY_CLASS_COUNTS = {"int2": (13, 17, 26, 8), "int4": (24, 24, 8, 8)}
+KEY_CLASS_COUNTS = {"int2": {6: (13, 17, 26, 8)}, "int4": {6: (24, 24, 8, 8), 7: (16, 24, 16, 8)}}
 KEY_CLASS_SPAN = 64
 
 MIN_GROUP, MAX_GROUP = 4, 1024
@@ -191,9 +195,16 @@ def outlier_channels(mode: str, head_dim: int) -> int:
     return head_dim // OUTLIER_SHARE[mode]
 
 
-def key_classes(mode: str, head_dim: int) -> tuple[int, ...]:
-    """How many channels of each key group of a KEY_CLASSES frame of `mode` take each of its KEY_CLASS_BITS."""
-    return tuple(n * (head_dim // KEY_CLASS_SPAN) for n in KEY_CLASS_COUNTS[mode])
+def key_class_version(mode: str) -> int:
+    """The frame version a writer gives KEY_CLASSES frames of `mode`: that of the mode's newest class table."""
+    return max(KEY_CLASS_COUNTS[mode])
+
+
+def key_classes(mode: str, head_dim: int, version: int = 0) -> tuple[int, ...]:
+    """How many channels of each key group of a KEY_CLASSES frame of `mode` and format `version` (0: the one a
+    writer uses) take each of its KEY_CLASS_BITS."""
+    counts = KEY_CLASS_COUNTS[mode][version or key_class_version(mode)]
+    return tuple(n * (head_dim // KEY_CLASS_SPAN) for n in counts)
 
 
 def key_classes_fit(mode: str, head_dim: int) -> bool:
@@ -299,10 +310,13 @@ def parse_header(buf: bytes | memoryview, *, max_elements: int) -> FrameHeader:
         raise CodecError(f"inconsistent frame: transform {transform:#x} in version {version}")
     if transform & ~_KNOWN_TRANSFORMS or (transform and mode_name not in GROUPED_MODES):
         raise CodecError(f"unknown transform {transform:#x} for mode {mode_name}")
-    if (bool(transform & SCALE8) != (version >= 5) or bool(transform & V6) != (version == 6)
+    if (bool(transform & SCALE8) != (version >= 5) or bool(transform & V6) != (version >= 6)
             or (version < 5 and (bool(transform & SPLIT) != (version == 4)
                                  or bool(transform & LAYER_TABLE) != (version == 3)))):
         raise CodecError(f"inconsistent frame: transform {transform:#x} in version {version}")
+    if ((version == 7 and not transform & KEY_CLASSES)
+            or (transform & KEY_CLASSES and version not in KEY_CLASS_COUNTS.get(mode_name, {}))):
+        raise CodecError(f"inconsistent frame: version {version} has no key channel classes for {mode_name}")
     if transform & OUTLIER_KEYS and not outlier_fits(mode_name, dim):
         raise CodecError(f"inconsistent frame: outlier key channels with head_dim {dim}")
     if transform & KEY_CLASSES and (transform & OUTLIER_KEYS or not key_classes_fit(mode_name, dim)):

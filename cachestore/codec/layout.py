@@ -39,6 +39,7 @@ class Variant(NamedTuple):
     sym_values: bool = False  # values quantized symmetrically: a scale, no zero point (format 4, in the frame)
     scale8: bool = False  # group ranges as 8-bit codes between their block's extremes (format 5, in the frame)
     key_classes: bool = False  # each key group's channels at 0, 2, 3 or 4 bits by importance (format 6, in the frame)
+    class_version: int = 0  # the frame version whose class counts apply (`frame.key_classes`; 0: a writer's)
     unrope: bool = False  # keys stored with RoPE undone within their block (format 6, in the frame)
 
     @property
@@ -166,10 +167,10 @@ def scale_pairs(mode: str, hi_counts: tuple[int, ...]) -> list[tuple[int, int, i
             for pair in ((at, KEY_AXIS, (1 << bits) - 1), (at + 2, VALUE_AXIS, (1 << bits) - 1))]
 
 
-def key_streams(mode: str, head_dim: int) -> list[tuple[str, int, int]]:
-    """(section, width, pieces a token) of each key code section of a KEY_CLASSES frame, in `key_class_streams`
-    order: "pk" the mode's width, "pkt" the 1-bit pieces, "pko" the other."""
-    counts = key_classes(mode, head_dim)
+def key_streams(mode: str, head_dim: int, version: int = 0) -> list[tuple[str, int, int]]:
+    """(section, width, pieces a token) of each key code section of a KEY_CLASSES frame of format `version` (0: a
+    writer's), in `key_class_streams` order: "pk" the mode's width, "pkt" the 1-bit pieces, "pko" the other."""
+    counts = key_classes(mode, head_dim, version)
     return [("pk" if w == BITS[mode] else "pkt" if w == 1 else "pko", w,
              sum(n for n, shift in zip(counts, key_class_shifts(mode, w), strict=True) if shift is not None))
             for w in key_class_streams(mode)]
@@ -225,7 +226,7 @@ def split_layout(mode: str, dims: Dims, group: int, variant: Variant,
                              f"multiple of 64 and no outlier channels or key layers one bit more, not {mode} with "
                              f"head_dim {d}")
         sections["kcls"] = (torch.uint8, (n_layers, h, nk, d // 4))
-        for name, width, per_token in key_streams(mode, d):
+        for name, width, per_token in key_streams(mode, d, variant.class_version):
             sections[name] = (torch.uint8, (n_layers * ceil_div(h * nk * gk * per_token * width, 8),))
     elif variant.outlier_keys:
         if not outlier_fits(mode, d):

@@ -55,7 +55,7 @@ def variant_of(h: FrameHeader) -> Variant:
     t = h.transform
     return Variant(rot_keys=bool(t & ROT_KEYS), rot_values=bool(t & ROT_VALUES), outlier_keys=bool(t & OUTLIER_KEYS),
                    sym_values=bool(t & SYM_VALUES), scale8=bool(t & SCALE8), key_classes=bool(t & KEY_CLASSES),
-                   unrope=bool(t & UNROPE))
+                   class_version=h.version if t & KEY_CLASSES else 0, unrope=bool(t & UNROPE))
 
 
 @functools.lru_cache(maxsize=256)

@@ -383,7 +383,7 @@ def _class_keys(k: torch.Tensor, mode: str, group: int, variant: Variant,
     energy = kg.square().mean(3)  # [L, H, groups, D]
     weight = pair_mean(energy, rope.pairing) if rope is not None else energy
     score = weight * (top - lo).squeeze(3).square()
-    class_bits, counts = KEY_CLASS_BITS[mode], key_classes(mode, d)
+    class_bits, counts = KEY_CLASS_BITS[mode], key_classes(mode, d, variant.class_version)
     by_rank = torch.tensor([c for c in reversed(range(len(counts))) for _ in range(counts[c])], dtype=torch.uint8,
                            device=k.device)
     order = score.argsort(dim=-1, descending=True, stable=True)
@@ -408,7 +408,7 @@ def _class_keys(k: torch.Tensor, mode: str, group: int, variant: Variant,
         codes.scatter_(4, at.expand(n_layers, h, nk, 2, n), kept)
         q.scatter_(4, at.expand(n_layers, h, nk, gk, n), qc)
     out = {"sk": ext, "zk": codes, "kcls": pack(cls, 2).view(n_layers, h, nk, d // 4)}
-    for name, width, _ in key_streams(mode, d):
+    for name, width, _ in key_streams(mode, d, variant.class_version):
         shifts = key_class_shifts(mode, width)
         has = torch.tensor([s is not None for s in shifts], device=k.device)
         shift = torch.tensor([s or 0 for s in shifts], dtype=torch.uint8, device=k.device)

@@ -6,7 +6,8 @@ byte-identical; format 2 added the rotated int4/int2 frames, format 3 those with
 /k2, /v2 in int4: an older format 3 reader refuses them for their table's bits); format 4 the frames with outlier
 key channels or symmetric values (/outk, /symv); later within format 3, tables giving layers one bit more (/k5,
 /v5 in int4 frames, /k3, /v3 in int2); format 5 the frames with 8-bit range codes (/s8); format 6 those with key
-channel classes (/kbits) or keys stored without their block's RoPE (/unrope, encoded by `golden_codec`). The
+channel classes (/kbits) or keys stored without their block's RoPE (/unrope, encoded by `golden_codec`); format 7
+int4's key classes in new counts, the format 6 int4 ones staying as `FORMER` cases. The
 token-rows flag (/rows, format 1 or later) and mode q8 came later: an older reader refuses the flag as unknown, and
 q8 by its unknown mode code. Write only new cases, deliberately (a changed format bumps FORMAT_VERSION and keeps
 reading, or cleanly refuses, the old files):
@@ -70,9 +71,16 @@ CASES: dict[str, tuple[str, torch.dtype, tuple[int, int, int, int, int]]] = {
     "int4_fp16_zstd_g8_kbits_unrope_v5": ("int4+zstd:3/g8/kbits/s8/unrope/v5=1", torch.float16, (2, 2, 2, 12, 64)),
     "int2_fp16_zstd_g8_kbits_unrope_v3": ("int2+zstd:3/g8/rotv/clip/kbits/symv/s8/unrope/v3=1", torch.float16,
                                           (2, 2, 2, 9, 64)),
+    # format 7: int4's key channel classes in the counts of version 7 (the two int4 cases above are format 6's)
+    "int4_fp32_none_g8_kbits7_s8": ("int4+none/g8/kbits/s8", torch.float32, (2, 2, 1, 9, 64)),
+    "int4_fp16_zstd_g8_kbits7_unrope_v5": ("int4+zstd:3/g8/kbits/s8/unrope/v5=1", torch.float16, (2, 2, 2, 12, 64)),
     # format 1: the int8 frame of a partial last block under int4/int2+zstd/recent=int8 (tests/test_codec_recent.py)
     "int8_fp32_zstd_partial": ("int8+zstd:3", torch.float32, (2, 2, 1, 5, 8)),
 }
+
+# Frames of a format this encoder no longer writes for their spec (int4's key classes of version 6, written by the
+# release before version 7): they must keep decoding to their tensor, and are not encoded again.
+FORMER = frozenset({"int4_fp32_none_g8_kbits_s8", "int4_fp16_zstd_g8_kbits_unrope_v5"})
 
 
 def golden_codec(spec: str) -> Any:
