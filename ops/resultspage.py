@@ -239,7 +239,7 @@ def codec_table() -> list[str]:
             f"{d.get('prefix', 512)}-token prefix, next "
             f"{d.get('continuation', 128)} tokens scored, the cache ending at "
             f"{'every point of a block' if d.get('ends') == 'spread' else 'the prefix'}; {machine_line(d)}"
-            f"{_merged_line(d)}.", 110, break_on_hyphens=False)]
+            f"{_merged_line(d)}{_resized_line(d)}.", 110, break_on_hyphens=False)]
     return out
 
 
@@ -252,6 +252,12 @@ def _merged_line(d: dict[str, Any]) -> str:
         return ""
     same = all(m.get("cpu") == first.get("cpu") for m in runs)
     return f" (codecs merged in later: {', '.join(dates)}{', the same CPU' if same else ''})"
+
+
+def _resized_line(d: dict[str, Any]) -> str:
+    """'; sizes measured again on 2026-12-06 (`--resize`)': where the sizes are newer than the scores."""
+    date = ((d.get("resized") or {}).get("machine") or {}).get("date")
+    return f"; sizes measured again on {date} (`--resize`)" if date else ""
 
 
 def _span(values: list[float]) -> str:

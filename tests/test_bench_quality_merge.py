@@ -57,3 +57,33 @@ def test_the_codec_table_says_when_merged_codecs_ran() -> None:
     assert _merged_line({"machine": first, "merged": [{"machine": {"date": "2026-12-07", "cpu": "Y"}}]}) == (
         " (codecs merged in later: 2026-12-07)")
     assert _merged_line({"machine": first}) == ""
+    from ops.resultspage import _resized_line  # noqa: PLC0415
+
+    assert _resized_line({"resized": {"machine": {"date": "2026-12-07"}}}) == (
+        "; sizes measured again on 2026-12-07 (`--resize`)")
+    assert _resized_line({"machine": first}) == ""
+
+
+def test_resize_measures_the_sizes_again_and_keeps_the_scores(tmp_path: Path) -> None:
+    from ops.cli import main  # noqa: PLC0415
+
+    modes = ["exact", "int8+zstd", "int4+zstd/s8"]
+    run = {**_run(modes, ["alice"], 48, 0.1), "model": "tiny-random", "size_tokens": 128, "greedy": 32}
+    for r in run["rows"]:
+        r |= {"ratio_vs_fp16_ctx": 1.0, "ratio_vs_fp16_mid": 1.0, "bytes_per_token_ctx": 1.0, "kl_mean": 0.5}
+    run["targets"] = {f"alice: {m}": {"ppl_delta_hi": 0.1, "ppl_target": 0.25, "ratio_vs_fp16": 1.0,
+                                      "ratio_target": 3.5, "met": False} for m in modes[1:]}
+    path = tmp_path / "quality.json"
+    path.write_text(json.dumps(run))
+    assert main(["bench", "quality", "--resize", "--json", str(path)]) == 0
+    out = json.loads(path.read_text())
+    by = {r["mode"]: r for r in out["rows"]}
+    assert 0.45 < by["exact"]["ratio_vs_fp16_ctx"] < 0.6  # fp32 KV (the default exact+lz4 saves a little)
+    assert 1.8 < by["int8+zstd"]["ratio_vs_fp16_mid"] < by["int4+zstd/s8"]["ratio_vs_fp16_mid"]
+    assert all(r["kl_mean"] == 0.5 and r["windows"] == 48 for r in out["rows"])  # the scores as they were
+    t = out["targets"]["alice: int4+zstd/s8"]
+    assert t["ratio_vs_fp16"] == min(by["int4+zstd/s8"]["ratio_vs_fp16_ctx"], by["int4+zstd/s8"]["ratio_vs_fp16_mid"])
+    assert t["met"] == (t["ratio_vs_fp16"] >= 3.5) and "date" in out["resized"]["machine"]
+    path.write_text("{}")
+    with pytest.raises(SystemExit, match="not a bench quality JSON"):
+        main(["bench", "quality", "--resize", "--json", str(path)])

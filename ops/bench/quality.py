@@ -156,6 +156,9 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--merge", action="store_true",
                    help="add this run's codec rows to the --json file's (same texts and settings), in place of any of "
                         "the same codec and text (ops/bench/qmerge.py)")
+    p.add_argument("--resize", action="store_true",
+                   help="score nothing: recompute the sizes (x fp16) of every row of the --json file with this "
+                        "build's codecs, after a change to how frames are stored")
     p.add_argument("--plot", type=Path, help="Pareto chart: perplexity change vs bytes per token, every mode (PNG)")
     p.set_defaults(func=run)
 
@@ -191,7 +194,7 @@ def _cache_ends(prefix: int, block_tokens: int, count: int, ends: str) -> list[i
     return out
 
 
-def _sizes(scorer: Scorer, ids: list[int], modes: list[str],
+def measure_sizes(scorer: Scorer, ids: list[int], modes: list[str],
            args: argparse.Namespace) -> dict[str, tuple[float, float]]:
     """Bytes per token of a --size-tokens context per mode, and of one that ends half-way through the block after
     it (the partial block as the pod stores it), every frame (headers, sink block) included: {mode: (whole, mid)}."""
@@ -257,12 +260,8 @@ def _measure(args: argparse.Namespace, scorer: Scorer, text: str) -> tuple[list[
         print(f"window at token {start}: " + ", ".join(
             f"{r['mode']} ppl {math.exp(r['nll']):.3f}" for r in per_window if r["window_start"] == start), flush=True)
     rows = _aggregate(per_window, modes)
-    sizes = _sizes(scorer, ids, modes, args)
-    geometry = kv.shape[0] * 2 * kv.shape[2] * kv.shape[4]  # KV values per token
-    for r in rows:
-        r["bytes_per_token_ctx"], r["bytes_per_token_mid"] = sizes[r["mode"]]
-        r["ratio_vs_fp16_ctx"] = geometry * FP16_BYTES / r["bytes_per_token_ctx"]
-        r["ratio_vs_fp16_mid"] = geometry * FP16_BYTES / r["bytes_per_token_mid"]
+    geometry = kv.shape[0] * 2 * kv.shape[2] * kv.shape[4]  # KV values a token
+    set_sizes(rows, measure_sizes(scorer, ids, modes, args), geometry)
     return rows, per_window
 
 
@@ -319,7 +318,19 @@ def _targets(rows: list[dict[str, Any]], greedy_tokens: int) -> dict[str, Any]:
     return out
 
 
+def set_sizes(rows: list[dict[str, Any]], sizes: dict[str, tuple[float, float]], geometry: int) -> None:
+    """Each row's bytes a token and ratios to fp16 of a --size-tokens context and of the mid-block one."""
+    for r in rows:
+        r["bytes_per_token_ctx"], r["bytes_per_token_mid"] = sizes[r["mode"]]
+        r["ratio_vs_fp16_ctx"] = geometry * FP16_BYTES / r["bytes_per_token_ctx"]
+        r["ratio_vs_fp16_mid"] = geometry * FP16_BYTES / r["bytes_per_token_mid"]
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.resize:
+        from ops.bench.qresize import resize  # noqa: PLC0415
+
+        return resize(args)
     if args.merge and (args.json is None or not args.json.is_file()):
         raise SystemExit("--merge adds to an existing --json file; name one")
     before = machine()
