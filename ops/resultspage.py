@@ -120,8 +120,9 @@ BENCHES = (
           "int2+zstd:16/rotv/clip/kbits/symv/s8/unrope/v3=0.1.18.20.23.24/recent=int4 "
           "--json docs/results/quality.json --merge\n"
           "kvstash bench quality --windows 48 --modes exact,"
-          "int4+zstd/kbits/s8/unrope/v5=4.11.15.17.18.23.25/recent=int8 "
-          "--json docs/results/quality.json --merge", _quality),
+          "int4+zstd/kbits/s8/unrope/v5=11.15.17.18.23.25/recent=int8 "
+          "--json docs/results/quality.json --merge\n"
+          "kvstash bench quality --resize --json docs/results/quality.json", _quality),
     Bench("load", "Sessions through a round-robin balancer",
           "Three pods behind nginx's round robin; each session's first turn carries notes unique to it (a miss), "
           "every later turn resends the whole conversation and lands on another pod. The same run with the cache "

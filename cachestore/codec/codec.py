@@ -26,10 +26,10 @@ Modes and their loss (see DESIGN.md, "Codec"):
            between its block's extremes instead of an fp16 scale and zero point, a quarter bit a
            value less (frame format 5; with /outk or /symv too, whose frames then take
            /k5= /v5= or /k3= /v3= layers, nothing else, in their table).
-           /kbits (with /s8; frame format 6) gives each key channel of a group its bits by its
-           importance, its mean square (over its RoPE pair) times its range squared, in fixed
+           /kbits (with /s8; frame format 6, int4 7) gives each key channel of a group its bits by
+           its importance, its mean square (over its RoPE pair) times its range squared, in fixed
            counts: int2 0, 2, 3 or 4 bits (13/17/26/8 of 64; 0 bits decode to the group's mean),
-           int4 3, 4, 5 or 6 (24/24/8/8 of 64). /unrope stores
+           int4 3, 4, 5 or 6 (16/24/16/8 of 64; format 6's 24/24/8/8 still decode). /unrope stores
            keys with RoPE undone relative to their block's first token (the model's RoPE, which
            the engine declares, recorded in the frame) and redoes it on decoding.
            /recent=int8 (or int4 under int2) encodes a sequence's partial last block, its most
