@@ -53,7 +53,7 @@ def compress_sections(raw: bytes | bytearray | memoryview, compressor: str, leve
     tables and zstd stores a block raw when they would save little, so a payload whose sections differ (key
     codes near uniform, value codes skewed) compresses much better with its blocks cut where the sections are
     than with blocks of a fixed size that mix them."""
-    if compressor != "zstd" or len(starts) < 2:
+    if compressor != "zstd":
         return compress(raw, compressor, level)
     view = memoryview(raw)
     cuts = [0]

@@ -12,7 +12,7 @@ import json
 
 from ops.bench import texts
 from ops.bench.common import machine, write_json
-from ops.bench.quality import SCORERS, Scorer, measure_sizes, set_sizes
+from ops.bench.quality import SCORERS, Scorer, measure_sizes, set_sizes, target_met
 
 
 def resize(args: argparse.Namespace) -> int:
@@ -41,7 +41,7 @@ def resize(args: argparse.Namespace) -> int:
         row = next((r for r in rows if f"{r['text']}: {r['mode']}" == key), None)
         if row is not None and "ratio_target" in t:
             t["ratio_vs_fp16"] = min(row["ratio_vs_fp16_ctx"], row["ratio_vs_fp16_mid"])
-            t["met"] = t["ppl_delta_hi"] <= t["ppl_target"] and t["ratio_vs_fp16"] >= t["ratio_target"]
+            t["met"] = target_met(t)
     d["resized"] = {"machine": before}
     write_json(args.json, d)
     return 0

@@ -292,6 +292,11 @@ def _aggregate(per_window: list[dict[str, Any]], modes: list[str]) -> list[dict[
     return rows
 
 
+def target_met(t: dict[str, Any]) -> bool:
+    """A codec's target: its perplexity change's upper end and its smaller size ratio both within it."""
+    return bool(t["ppl_delta_hi"] <= t["ppl_target"] and t["ratio_vs_fp16"] >= t["ratio_target"])
+
+
 def _targets(rows: list[dict[str, Any]], greedy_tokens: int) -> dict[str, Any]:
     """Per int8/int4/int2 row: its perplexity (and size) target; the best greedy-keeping mode."""
     from cachestore.codec import CodecSpec  # noqa: PLC0415
@@ -307,7 +312,7 @@ def _targets(rows: list[dict[str, Any]], greedy_tokens: int) -> dict[str, Any]:
              "ratio_target": SIZE_TARGETS.get(mode, 0.0)}
         # the conservative end: the upper end of the 95% interval over windows (a codec that lowers perplexity
         # costs no fidelity by this measure; its KL, reported beside, still counts the change)
-        t["met"] = r["ppl_delta_hi"] <= t["ppl_target"] and t["ratio_vs_fp16"] >= t["ratio_target"]
+        t["met"] = target_met(t)
         out[f"{r['text']}: {r['mode']}"] = t
     need, ratio = GREEDY_TARGET[0] * greedy_tokens / 32, GREEDY_TARGET[1]
     keeping = [r for r in rows if r["text"] == rows[0]["text"]  # the first text's rows
