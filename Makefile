@@ -53,11 +53,11 @@ test-faults: setup
 		tests/test_security.py tests/test_hostile_writer.py tests/test_signed_pods.py tests/test_tenant_pods.py \
 		tests/test_tenant_quotas.py
 
-# ruff on the whole tree (config in pyproject.toml), mypy on the cache library and the service (config in
-# pyproject.toml); a few seconds once mypy's cache is warm.
+# ruff on the whole tree (config in pyproject.toml), mypy on the cache library, the service and ops/ (config
+# in pyproject.toml); a few seconds once mypy's cache is warm.
 lint: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy cachestore service
+	$(VENV)/bin/mypy cachestore service ops
 
 # the hf engine only: `make setup` first for `kvstash demo --engine llamacpp`
 demo: $(BASE)

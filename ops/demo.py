@@ -62,7 +62,8 @@ def _cluster(args: argparse.Namespace) -> Iterator[tuple[str, list[Any], Any, An
             started.append(redis_proc.start())
             redis_url = redis_proc.url
             _say(f"redis        {redis_url} (private, started for the demo)")
-        extra = ("--engine", args.engine, "--codec", args.codec, "--block-tokens", str(args.block_tokens))
+        extra: tuple[str, ...] = ("--engine", args.engine, "--codec", args.codec,
+                                  "--block-tokens", str(args.block_tokens))
         pod_class: Any = PodProcess
         if args.engine == "llama-server":  # every pod a sidecar beside its own llama-server
             from ops.sidecarproc import SidecarProcess  # noqa: PLC0415

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import redis
 
@@ -342,7 +343,7 @@ class RedisSentinel:
         for port in self.sentinel_ports:
             sentinel = redis.Redis(port=port, socket_timeout=1, decode_responses=True, password=self.sentinel_password)
             try:
-                master = sentinel.sentinel_masters().get(self.master_name)
+                master = cast(dict[str, Any], sentinel.sentinel_masters()).get(self.master_name)
                 if not master or int(master.get("num-slaves", 0)) < self.replicas \
                         or int(master.get("num-other-sentinels", 0)) < self.sentinels - 1:
                     return False
@@ -368,7 +369,7 @@ class RedisSentinel:
         for port in self.sentinel_ports:
             sentinel = redis.Redis(port=port, socket_timeout=1, password=self.sentinel_password)
             try:
-                _, primary_port = sentinel.sentinel_get_master_addr_by_name(self.master_name)
+                _, primary_port = cast(tuple[str, int], sentinel.sentinel_get_master_addr_by_name(self.master_name))
             except (redis.RedisError, TypeError):
                 continue
             finally:

@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
@@ -138,7 +138,7 @@ def _as_engine(model: Engine | LoadedModel) -> Engine:
 
 
 def create_app(settings: PodSettings, engine: Engine | LoadedModel | None = None,
-               api_routes: list[BaseRoute] | None = None) -> Starlette:
+               api_routes: Sequence[BaseRoute] | None = None) -> Starlette:
     """The app; `engine` lets tests and benchmarks share one loaded model between several apps. `api_routes` replace
     kvstash's completions and model list (the sidecar passes llama-server's API through: service.passthrough)."""
 

@@ -46,7 +46,7 @@ class Pipeline:
         settings: PodSettings,
         engine: Engine,
         store: BlockStore | None,
-        codec: Codec | BlockCodecs,
+        codec: Codec | BlockCodecs | str,
         metrics: PodMetrics,
         writer: BackgroundWriter | None,
     ) -> None:

@@ -7,7 +7,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +96,7 @@ def _save(fig: Any, path: Path | str) -> None:
     print(f"wrote {out}")
 
 
-def plot_lines(path: Path | str, series: dict[str, tuple[Sequence[float], Sequence[float]]], *, title: str,
+def plot_lines(path: Path | str, series: Mapping[str, tuple[Sequence[float], Sequence[float]]], *, title: str,
                xlabel: str, ylabel: str, logx: bool = False, logy: bool = False) -> None:
     """One PNG line plot: {label: (xs, ys)} drawn with markers (matplotlib, Agg backend)."""
     import matplotlib  # noqa: PLC0415
@@ -166,7 +166,7 @@ def plot_pareto(path: Path | str, points: dict[str, tuple[float, float]], *, tit
     _save(fig, path)
 
 
-def plot_bars(path: Path | str, labels: Sequence[str], groups: dict[str, Sequence[float]], *, title: str,
+def plot_bars(path: Path | str, labels: Sequence[str], groups: Mapping[str, Sequence[float]], *, title: str,
               ylabel: str, logy: bool = False) -> None:
     """One PNG grouped bar chart: for each label a bar per group ({group: values by label})."""
     import matplotlib  # noqa: PLC0415

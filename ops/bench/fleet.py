@@ -124,7 +124,7 @@ class _Fleet:
         self.pod_urls = [p.url for p in pods]
         return str(balancer.url)
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self._cm.__exit__(*exc)
 
 

@@ -121,7 +121,7 @@ def _rank(half_kl: dict[tuple[int, int], list[float]], base_kl: list[float], by:
     """Every (layer, half) with its KL per window once raised alone, its gain over the all-base KL `base_kl` (mean,
     t-interval, share of the mean base KL, mean share of each window's), best first by `by` (RANK_FIELD)."""
     base_mean = qstats.mean(base_kl)
-    ranked = []
+    ranked: list[dict[str, Any]] = []
     for (layer, half), kls in half_kl.items():
         gains = [b - k for b, k in zip(base_kl, kls, strict=True)]
         gain, lo_g, hi_g = qstats.t_interval(gains)

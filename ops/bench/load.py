@@ -209,7 +209,7 @@ def fleet_pods(
     from ops.pods import NginxProcess, PodProcess, ProcessError, nginx_binary  # noqa: PLC0415
 
     threads = args.threads_per_pod or max(1, (os.cpu_count() or 1) // args.pods)
-    extra = ("--codec", args.codec, "--max-queue", str(args.sessions + 4), "--namespace", namespace,
+    extra: tuple[str, ...] = ("--codec", args.codec, "--max-queue", str(args.sessions + 4), "--namespace", namespace,
              "--budget-bytes", str(args.budget_mb << 20), "--redis-timeout-s", "2", "--engine", args.engine,
              "--parallel", str(parallel), "--threads", str(threads))
     if getattr(args, "flash_attn", "auto") != "auto":

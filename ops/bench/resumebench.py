@@ -11,7 +11,7 @@ import itertools
 import statistics
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 from cachestore.boundary import BoundaryRecord, pack_boundary
 from cachestore.signing import TRAILER_SIZE
@@ -32,7 +32,7 @@ class ResumeBench:
 
     def __init__(self, engine: Any, url: str, args: argparse.Namespace) -> None:
         self.engine, self.url, self.args = engine, url, args
-        self.loaded = engine.loaded if engine.kind == "hf" else None  # the transformers model of the hf engine
+        self.loaded: Any = engine.loaded if engine.kind == "hf" else None  # the transformers model of the hf engine
         self._warm = False
         self._beside: Any = None  # the one-core thread that calls an engine that does not run torch
         # llama-server keeps each slot's tokens: emptied before every timed run, so nothing is reused unasked
@@ -160,7 +160,7 @@ class ResumeBench:
                 if lent:
                     self.engine.give_context(decoded)
                 if self.args.frame_key:
-                    assert signed_store.stats().rejected_mac == 0
+                    assert signed_store is not None and signed_store.stats().rejected_mac == 0
             rows = [result_row(context, f"kvstash-{mode}", times, nbytes),
                     result_row(context, f"floor-{mode}", floor, nbytes)]
             if self.boundary is not None:
@@ -293,7 +293,7 @@ class ResumeBench:
             times = []
             for rep in range(self.args.repeat + 1):
                 t0 = time.perf_counter()
-                blob = raw.get(key)
+                blob = cast(bytes, raw.get(key))
                 # The one torch.load in kvstash: bytes this benchmark itself wrote a moment ago, to
                 # measure the naive method; never on bytes from a Redis anyone else can write.
                 loaded = torch.load(io.BytesIO(blob), weights_only=True)

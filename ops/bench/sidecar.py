@@ -56,7 +56,7 @@ def _stream(url: str, body: dict[str, Any]) -> dict[str, Any]:
     """One streamed chat completion: TTFT, the reply, llama-server's timings and the X-KV-* headers."""
     started = time.perf_counter()
     ttft = None
-    text, timings, usage = "", {}, {}
+    text, timings, usage = "", dict[str, Any](), dict[str, Any]()
     with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True,
                                                                    "stream_options": {"include_usage": True}},
                       timeout=600) as r:

@@ -27,7 +27,8 @@ import asyncio
 import os
 import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any
 
 import redis
@@ -36,6 +37,7 @@ import redis.asyncio as aioredis
 from cachestore.hashing import BlockHash
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
+from cachestore.wire import Target
 from ops.bench.common import machine, percentile, write_json
 
 SMOLLM2_KV_BYTES_PER_TOKEN = 23_040  # fp16: 30 layers x 2 (K, V) x 3 kv heads x 64 dims x 2 bytes
@@ -169,14 +171,14 @@ async def bench_block_size(url: str, payload: bytes, block_bytes: int, reps: int
             pipe.get(key)
         return pipe.execute()
 
-    def reader_get() -> list[bytes]:
+    def reader_get() -> list[bytes | Target]:
         return reader.fetch_blocking(MODEL, read_hashes).value
 
     landing = bytearray(sum(len(f) for f in frames))  # each frame's slot, side by side
     offsets = [sum(len(f) for f in frames[:i]) for i in range(len(frames))]
     slots = [memoryview(landing)[at:at + len(f)] for at, f in zip(offsets, frames, strict=True)]
 
-    def landing_get() -> list[bytes | memoryview]:
+    def landing_get() -> list[bytes | Target]:
         return reader.fetch_blocking(MODEL, read_hashes, slots).value
 
     try:
@@ -197,7 +199,8 @@ async def bench_block_size(url: str, payload: bytes, block_bytes: int, reps: int
             gets = [("get", lambda: reader.fetch(MODEL, read_hashes)), ("raw_get", raw_get)]
             for name, call in gets[::1 if rep % 2 else -1]:  # alternate who goes first
                 times[name].append(await timed(call))
-            blocking = [("get_reader", reader_get), ("raw_get_blocking", raw_get_blocking)]
+            blocking: list[tuple[str, Callable[[], Sequence[object]]]] = [
+                ("get_reader", reader_get), ("raw_get_blocking", raw_get_blocking)]
             for name, fn in blocking[::1 if rep % 2 else -1]:
                 times[name].append(await asyncio.to_thread(timed_blocking, fn))
             blocking = [("get_landing", landing_get), ("raw_get_landing", raw_get_blocking)]  # a pair of its own
@@ -205,10 +208,10 @@ async def bench_block_size(url: str, payload: bytes, block_bytes: int, reps: int
                 times[name].append(await asyncio.to_thread(timed_blocking, fn))
             await raw.unlink(*raw_keys)  # untimed
             hashes = fresh_hashes(len(frames))
-            times["put"].append(await timed(lambda hashes=hashes: budgeted.store_blocks(MODEL, hashes, frames)))
+            times["put"].append(await timed(partial(budgeted.store_blocks, MODEL, hashes, frames)))
             hashes = fresh_hashes(len(frames))
             times["put_nobudget"].append(
-                await timed(lambda hashes=hashes: unbudgeted.store_blocks(MODEL, hashes, frames)))
+                await timed(partial(unbudgeted.store_blocks, MODEL, hashes, frames)))
             times["raw_put"].append(await timed(raw_put))
             if old_unbudgeted:  # untimed: keep the unbudgeted namespace from growing
                 await raw.unlink(*(unbudgeted.keys.block(MODEL, h)[1] for h in old_unbudgeted))
