@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from ops.bench.qmerge import WITHHELD, row_name
 from ops.resulttables import (
     Bench,
     _fleet,
@@ -226,12 +227,14 @@ def codec_table() -> list[str]:
     size, mid = d.get("size_tokens", 2048), d.get("size_tokens", 2048) + d.get("block_tokens", 64) // 2
     out = [_row(["codec (SmolLM2-135M)", f"x fp16 at {size:,} / {mid:,} tokens",
                  *(f"{t} ({kinds[t]})" for t in texts)]), "|---|---:|" + "---:|" * len(texts)]
-    for mode in dict.fromkeys(r["mode"] for r in rows):
-        by = {r["text"]: r for r in rows if r["mode"] == mode}
+    for name in dict.fromkeys(row_name(r) for r in rows):
+        by = {r["text"]: r for r in rows if row_name(r) == name}
         ratios = [r["ratio_vs_fp16_ctx"] for r in by.values()]
         mids = [r.get("ratio_vs_fp16_mid", r["ratio_vs_fp16_ctx"]) for r in by.values()]
         count = "/".join(map(str, sorted({r["windows"] for r in by.values()})))  # said where runs differ in it
-        out.append(_row([f"`{mode}`" + (f" ({count} windows)" if len(windows) > 1 else ""),
+        first = next(iter(by.values()))
+        out.append(_row([f"`{first['mode']}`" + (WITHHELD if first.get("rope") == "withheld" else "")
+                         + (f" ({count} windows)" if len(windows) > 1 else ""),
                          f"{_span(ratios)} / {_span(mids)}",
                          *(f"{by[t]['ppl_delta_hi']:+.2f}%" if t in by else "" for t in texts)]))
     counts = " or ".join(map(str, windows))

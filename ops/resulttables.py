@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ops import svgchart
+from ops.bench.qmerge import WITHHELD, row_name
 
 Table = list[str]
 
@@ -161,15 +162,16 @@ def _quality(d: dict[str, Any]) -> tuple[Table, str]:
              f"change % [95% interval] | top-1 agree | greedy tokens equal (of {greedy}): min / median / mean |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        table.append(_row([r["text"], f"`{r['spec']}`", str(r["windows"]),
+        table.append(_row([r["text"], f"`{r['spec']}`" + (WITHHELD if r.get("rope") == "withheld" else ""),
+                           str(r["windows"]),
                            f"{r['ratio_vs_fp16_ctx']:.2f} / {r.get('ratio_vs_fp16_mid', r['ratio_vs_fp16_ctx']):.2f}",
                            f"{r['ppl']:.2f}",
                            f"{r['ppl_delta_pct']:+.2f} [{r['ppl_delta_lo']:+.2f}, {r['ppl_delta_hi']:+.2f}]",
                            f"{r['top1_agree']:.3f}",
                            f"{r['greedy_match_min']} / {r['greedy_match_median']:.1f} / {r['greedy_match_mean']:.1f}"]))
     texts = list(dict.fromkeys(r["text"] for r in rows))
-    modes = [m for m in dict.fromkeys(r["mode"] for r in rows) if m != "exact"]
-    series = {m: [next((max(r["ppl_delta_hi"], 1e-3) for r in rows if r["text"] == t and r["mode"] == m), None)
+    modes = [m for m in dict.fromkeys(row_name(r) for r in rows) if m != "exact"]
+    series = {m: [next((max(r["ppl_delta_hi"], 1e-3) for r in rows if r["text"] == t and row_name(r) == m), None)
                   for t in texts] for m in modes}
     chart = svgchart.bars(texts, series, title="Perplexity change, upper end of the 95% interval",
                           ylabel="% (log scale)", log=True)

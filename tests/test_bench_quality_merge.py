@@ -87,3 +87,44 @@ def test_resize_measures_the_sizes_again_and_keeps_the_scores(tmp_path: Path) ->
     path.write_text("{}")
     with pytest.raises(SystemExit, match="not a bench quality JSON"):
         main(["bench", "quality", "--resize", "--json", str(path)])
+
+
+def test_rows_measured_without_the_rope_are_apart_from_the_same_codec_with_it(tmp_path: Path) -> None:
+    """`--no-rope` rows (an engine that declares no RoPE encodes /kbits otherwise) join the file beside the same
+    codec's rows with the RoPE, named apart in targets, and a later such run replaces only them."""
+    path = tmp_path / "quality.json"
+    path.write_text(json.dumps(_run(["exact", "a"], ["alice"], 48, 1.0)))
+    withheld = _run(["exact", "a"], ["alice"], 48, 2.0)
+    for x in withheld["rows"] + withheld["windows"]:
+        if x["mode"] != "exact":
+            x["rope"] = "withheld"
+    withheld["targets"] = {"alice: a (RoPE withheld)": {"met": True}}
+    out = merged(path, withheld)
+    by = {(r["mode"], r.get("rope")): r["ppl_delta_hi"] for r in out["rows"]}
+    assert by == {("exact", None): 0.0, ("a", None): 1.0, ("a", "withheld"): 2.0}
+    assert set(out["targets"]) == {"alice: a", "alice: a (RoPE withheld)"} and len(out["windows"]) == 3
+    path.write_text(json.dumps(out))
+    withheld["rows"][1]["ppl_delta_hi"] = 3.0
+    again = merged(path, withheld)
+    assert {(r["mode"], r.get("rope")): r["ppl_delta_hi"] for r in again["rows"]} == {
+        ("exact", None): 0.0, ("a", None): 1.0, ("a", "withheld"): 3.0}
+
+
+def test_no_rope_runs_say_so_and_refuse_unrope(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from ops.cli import main  # noqa: PLC0415
+    from ops.resulttables import _quality  # noqa: PLC0415
+
+    out = tmp_path / "quality.json"
+    tiny = ["--text", "declaration", "--model", "tiny-random", "--prefix", "32", "--continuation", "16",
+            "--windows", "2", "--greedy", "3", "--block-tokens", "8", "--size-tokens", "64"]
+    assert main(["bench", "quality", "--no-rope", *tiny, "--modes", "exact,int4+zstd/s8", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r.get("rope") for r in report["rows"]] == [None, "withheld"]
+    assert "declaration: int4+zstd/s8 (RoPE withheld)" in report["targets"]
+    assert "target declaration: int4+zstd/s8 (RoPE withheld):" in capsys.readouterr().out
+    table, _ = _quality(report)
+    assert any("(RoPE withheld)" in line and "int4" in line for line in table)
+    assert main(["bench", "quality", "--resize", "--json", str(out)]) == 0  # its sizes again, encoded as it ran
+    assert json.loads(out.read_text())["rows"][1]["rope"] == "withheld"
+    assert main(["bench", "quality", "--no-rope", *tiny, "--modes", "exact,int4+zstd/s8/symv/unrope"]) == 2
+    assert "does not declare its model's RoPE" in capsys.readouterr().err

@@ -14,6 +14,13 @@ from pathlib import Path
 from typing import Any
 
 SAME = ("engine", "model", "prefix", "continuation", "ends", "block_tokens", "size_tokens")  # what must match
+WITHHELD = " (RoPE withheld)"  # a row `--no-rope` measured: encoded as for an engine that declares no RoPE
+
+
+def row_name(row: dict[str, Any]) -> str:
+    """A row's codec as targets, merges and tables name it: its mode, and WITHHELD where `--no-rope` measured it
+    (the same spec encodes otherwise when the engine declares its model's RoPE)."""
+    return str(row["mode"]) + (WITHHELD if row.get("rope") == "withheld" else "")
 
 
 def merged(path: Path, report: dict[str, Any]) -> dict[str, Any]:
@@ -28,10 +35,10 @@ def merged(path: Path, report: dict[str, Any]) -> dict[str, Any]:
     differ = [k for k in SAME if old.get(k) != report.get(k)]
     if differ:
         raise SystemExit(f"--merge: {path} was measured with other settings ({', '.join(differ)}); rerun both alike")
-    new = {(r["text"], r["mode"]) for r in report["rows"] if r["mode"] != "exact"}
+    new = {(r["text"], row_name(r)) for r in report["rows"] if r["mode"] != "exact"}
 
     def kept(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return [x for x in items if (x.get("text"), x.get("mode")) not in new]
+        return [x for x in items if (x.get("text"), row_name(x)) not in new]
 
     out = dict(old)
     out["rows"] = kept(old["rows"]) + [r for r in report["rows"] if r["mode"] != "exact"]

@@ -12,6 +12,7 @@ import json
 
 from ops.bench import texts
 from ops.bench.common import machine, write_json
+from ops.bench.qmerge import row_name
 from ops.bench.quality import SCORERS, Scorer, measure_sizes, set_sizes, target_met
 
 
@@ -29,16 +30,22 @@ def resize(args: argparse.Namespace) -> int:
     before = machine()
     scorer: Scorer = SCORERS[d.get("engine", args.engine)](d.get("model", args.model))
     by_name = {t.name: t for t in texts.resolve(list(dict.fromkeys(r["text"] for r in rows)))}
+    declared = scorer.rope
     for name, text in by_name.items():
-        mine = [r for r in rows if r["text"] == name]
         ids = scorer.text_ids(texts.read(text))
-        sizes = measure_sizes(scorer, ids, list(dict.fromkeys(r["mode"] for r in mine)), args)
         kv_shape = scorer.prefill(ids[:1]).shape  # [L, 2, H, 1, D]
-        set_sizes(mine, sizes, kv_shape[0] * 2 * kv_shape[2] * kv_shape[4])
-        print(f"{name}: " + ", ".join(f"{r['mode']} {r['ratio_vs_fp16_ctx']:.2f} / {r['ratio_vs_fp16_mid']:.2f}x"
-                                     for r in mine if r["mode"] != "exact"), flush=True)
+        for withheld in (False, True):  # rows --no-rope measured are encoded as it did, without the RoPE
+            mine = [r for r in rows if r["text"] == name and (r.get("rope") == "withheld") == withheld]
+            if not mine:
+                continue
+            scorer.rope = None if withheld else declared
+            sizes = measure_sizes(scorer, ids, list(dict.fromkeys(r["mode"] for r in mine)), args)
+            set_sizes(mine, sizes, kv_shape[0] * 2 * kv_shape[2] * kv_shape[4])
+            print(f"{name}: " + ", ".join(f"{row_name(r)} {r['ratio_vs_fp16_ctx']:.2f} / "
+                                         f"{r['ratio_vs_fp16_mid']:.2f}x" for r in mine if r["mode"] != "exact"),
+                  flush=True)
     for key, t in d.get("targets", {}).items():
-        row = next((r for r in rows if f"{r['text']}: {r['mode']}" == key), None)
+        row = next((r for r in rows if f"{r['text']}: {row_name(r)}" == key), None)
         if row is not None and "ratio_target" in t:
             t["ratio_vs_fp16"] = min(row["ratio_vs_fp16_ctx"], row["ratio_vs_fp16_mid"])
             t["met"] = target_met(t)

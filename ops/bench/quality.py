@@ -155,10 +155,13 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--json", type=Path, help="write rows and targets as JSON here")
     p.add_argument("--merge", action="store_true",
                    help="add this run's codec rows to the --json file's (same texts and settings), in place of any of "
-                        "the same codec and text (ops/bench/qmerge.py)")
+                        "the same codec and text (and --no-rope or not: ops/bench/qmerge.py)")
     p.add_argument("--resize", action="store_true",
                    help="score nothing: recompute the sizes (x fp16) of every row of the --json file with this "
                         "build's codecs, after a change to how frames are stored")
+    p.add_argument("--no-rope", action="store_true",
+                   help="encode as for an engine that declares no RoPE (Gemma 3, gpt-oss, a GGUF with RoPE scaling): "
+                        "/kbits ranks key channels without their RoPE pairs, /unrope is refused; rows say so")
     p.add_argument("--plot", type=Path, help="Pareto chart: perplexity change vs bytes per token, every mode (PNG)")
     p.set_defaults(func=run)
 
@@ -313,7 +316,7 @@ def _targets(rows: list[dict[str, Any]], greedy_tokens: int) -> dict[str, Any]:
         # the conservative end: the upper end of the 95% interval over windows (a codec that lowers perplexity
         # costs no fidelity by this measure; its KL, reported beside, still counts the change)
         t["met"] = target_met(t)
-        out[f"{r['text']}: {r['mode']}"] = t
+        out[f"{r['text']}: {qmerge.row_name(r)}"] = t
     need, ratio = GREEDY_TARGET[0] * greedy_tokens / 32, GREEDY_TARGET[1]
     keeping = [r for r in rows if r["text"] == rows[0]["text"]  # the first text's rows
                and r["greedy_match_mean"] >= need and r["ratio_vs_fp16_ctx"] >= ratio]
@@ -341,11 +344,15 @@ def run(args: argparse.Namespace) -> int:
     before = machine()
     chosen = texts.resolve(args.text or ["held-out"])
     scorer: Scorer = SCORERS[args.engine](args.model)
+    if args.no_rope:
+        scorer.rope = None
     rows, per_window = [], []
     for text in chosen:
         r, w = _measure(args, scorer, texts.read(text))
         for x in r + w:
             x["text"] = text.name
+            if args.no_rope and x["mode"] != "exact":
+                x["rope"] = "withheld"
         rows += r
         per_window += w
     print(f"{args.engine} {args.model}: {args.prefix}-token prefix in the cache, next {args.continuation} tokens "
