@@ -248,14 +248,17 @@ def codec_table() -> list[str]:
 
 
 def _merged_line(d: dict[str, Any]) -> str:
-    """' (codecs merged in later: 2026-12-06, the same CPU)': when the rows `--merge` added were measured."""
+    """' (codecs merged in later: 2026-12-06, the same CPU)': when the rows `--merge` added were measured, and on
+    which CPU where it was not the first run's."""
     first = d.get("machine") or {}
     runs = [m.get("machine") or {} for m in d.get("merged", [])]
     dates = sorted({m.get("date", "date not recorded") for m in runs} - {first.get("date")})
     if not dates:
         return ""
-    same = all(m.get("cpu") == first.get("cpu") for m in runs)
-    return f" (codecs merged in later: {', '.join(dates)}{', the same CPU' if same else ''})"
+    others = sorted({str(m["cpu"]) for m in runs if m.get("cpu") and m.get("cpu") != first.get("cpu")})
+    some = any(m.get("cpu") == first.get("cpu") for m in runs)
+    where = ", the same CPU" if not others else f", {'some on' if some else 'on'} {', '.join(others)}"
+    return f" (codecs merged in later: {', '.join(dates)}{where})"
 
 
 def _resized_line(d: dict[str, Any]) -> str:

@@ -55,7 +55,10 @@ def test_the_codec_table_says_when_merged_codecs_ran() -> None:
     assert _merged_line({"machine": first, "merged": [{"machine": {"date": "2026-12-06", "cpu": "X"}}]}) == (
         " (codecs merged in later: 2026-12-06, the same CPU)")
     assert _merged_line({"machine": first, "merged": [{"machine": {"date": "2026-12-07", "cpu": "Y"}}]}) == (
-        " (codecs merged in later: 2026-12-07)")
+        " (codecs merged in later: 2026-12-07, on Y)")
+    assert _merged_line({"machine": first, "merged": [{"machine": {"date": "2026-12-06", "cpu": "X"}},
+                                                      {"machine": {"date": "2026-12-07", "cpu": "Y"}}]}) == (
+        " (codecs merged in later: 2026-12-06, 2026-12-07, some on Y)")
     assert _merged_line({"machine": first}) == ""
     from ops.resultspage import _resized_line  # noqa: PLC0415
 
