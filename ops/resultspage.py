@@ -106,7 +106,8 @@ BENCHES = (
           "stores it, the cache ending at another point within a block in each window (`--ends spread`); the next "
           "256 tokens are scored against the model's own predictions (perplexity, top-1 agreement, greedy tokens "
           "equal), 48 windows spread over each of the four held-out texts (the key-class codecs measured later and "
-          "merged in: `--merge`), which no codec parameter was chosen on. "
+          "merged in: `--merge`; \"RoPE withheld\": `--no-rope`, as an engine that declares no RoPE encodes), which "
+          "no codec parameter was chosen on. "
           "The interval is a paired 95% Student-t interval over the windows, widened where neighbouring windows' "
           "differences are alike; sizes of a 2048-token context and of "
           "one ending half-way through a block (details: [Codec fidelity](fidelity.md)).",
@@ -122,6 +123,9 @@ BENCHES = (
           "--json docs/results/quality.json --merge\n"
           "kvstash bench quality --windows 48 --modes exact,"
           "int4+zstd/kbits/s8/unrope/v5=11.15.17.18.23.25/recent=int8 "
+          "--json docs/results/quality.json --merge\n"
+          "kvstash bench quality --windows 48 --no-rope --modes exact,"
+          "int4+zstd/kbits/s8/v5=11.15.17.18.23.25/recent=int8 "
           "--json docs/results/quality.json --merge\n"
           "kvstash bench quality --resize --json docs/results/quality.json", _quality),
     Bench("load", "Sessions through a round-robin balancer",
