@@ -13,7 +13,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from ops.bench.qmerge import WITHHELD, row_name
+from ops.bench.qmerge import WITHHELD, row_name, withheld
 from ops.resulttables import (
     Bench,
     _fleet,
@@ -237,7 +237,7 @@ def codec_table() -> list[str]:
         mids = [r.get("ratio_vs_fp16_mid", r["ratio_vs_fp16_ctx"]) for r in by.values()]
         count = "/".join(map(str, sorted({r["windows"] for r in by.values()})))  # said where runs differ in it
         first = next(iter(by.values()))
-        out.append(_row([f"`{first['mode']}`" + (WITHHELD if first.get("rope") == "withheld" else "")
+        out.append(_row([f"`{first['mode']}`" + (WITHHELD if withheld(first) else "")
                          + (f" ({count} windows)" if len(windows) > 1 else ""),
                          f"{_span(ratios)} / {_span(mids)}",
                          *(f"{by[t]['ppl_delta_hi']:+.2f}%" if t in by else "" for t in texts)]))

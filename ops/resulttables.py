@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ops import svgchart
-from ops.bench.qmerge import WITHHELD, row_name
+from ops.bench.qmerge import WITHHELD, row_name, withheld
 
 Table = list[str]
 
@@ -162,7 +162,7 @@ def _quality(d: dict[str, Any]) -> tuple[Table, str]:
              f"change % [95% interval] | top-1 agree | greedy tokens equal (of {greedy}): min / median / mean |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        table.append(_row([r["text"], f"`{r['spec']}`" + (WITHHELD if r.get("rope") == "withheld" else ""),
+        table.append(_row([r["text"], f"`{r['spec']}`" + (WITHHELD if withheld(r) else ""),
                            str(r["windows"]),
                            f"{r['ratio_vs_fp16_ctx']:.2f} / {r.get('ratio_vs_fp16_mid', r['ratio_vs_fp16_ctx']):.2f}",
                            f"{r['ppl']:.2f}",

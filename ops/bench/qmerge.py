@@ -17,10 +17,14 @@ SAME = ("engine", "model", "prefix", "continuation", "ends", "block_tokens", "si
 WITHHELD = " (RoPE withheld)"  # a row `--no-rope` measured: encoded as for an engine that declares no RoPE
 
 
+def withheld(row: dict[str, Any]) -> bool:
+    """Whether `--no-rope` measured this row (the same spec encodes otherwise when the engine declares its RoPE)."""
+    return row.get("rope") == "withheld"
+
+
 def row_name(row: dict[str, Any]) -> str:
-    """A row's codec as targets, merges and tables name it: its mode, and WITHHELD where `--no-rope` measured it
-    (the same spec encodes otherwise when the engine declares its model's RoPE)."""
-    return str(row["mode"]) + (WITHHELD if row.get("rope") == "withheld" else "")
+    """A row's codec as targets, merges and tables name it: its mode, and WITHHELD where `--no-rope` measured it."""
+    return str(row["mode"]) + (WITHHELD if withheld(row) else "")
 
 
 def merged(path: Path, report: dict[str, Any]) -> dict[str, Any]:

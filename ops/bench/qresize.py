@@ -12,7 +12,7 @@ import json
 
 from ops.bench import texts
 from ops.bench.common import machine, write_json
-from ops.bench.qmerge import row_name
+from ops.bench.qmerge import row_name, withheld
 from ops.bench.quality import SCORERS, Scorer, measure_sizes, set_sizes, target_met
 
 
@@ -34,11 +34,11 @@ def resize(args: argparse.Namespace) -> int:
     for name, text in by_name.items():
         ids = scorer.text_ids(texts.read(text))
         kv_shape = scorer.prefill(ids[:1]).shape  # [L, 2, H, 1, D]
-        for withheld in (False, True):  # rows --no-rope measured are encoded as it did, without the RoPE
-            mine = [r for r in rows if r["text"] == name and (r.get("rope") == "withheld") == withheld]
+        for without in (False, True):  # rows --no-rope measured are encoded as it did, without the RoPE
+            mine = [r for r in rows if r["text"] == name and withheld(r) == without]
             if not mine:
                 continue
-            scorer.rope = None if withheld else declared
+            scorer.rope = None if without else declared
             sizes = measure_sizes(scorer, ids, list(dict.fromkeys(r["mode"] for r in mine)), args)
             set_sizes(mine, sizes, kv_shape[0] * 2 * kv_shape[2] * kv_shape[4])
             print(f"{name}: " + ", ".join(f"{row_name(r)} {r['ratio_vs_fp16_ctx']:.2f} / "
