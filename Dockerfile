@@ -40,7 +40,7 @@ ENV KVSTASH_CACHE_DIR=/home/kvstash/models \
 
 ARG CONVERT_MODEL=1
 RUN if [ "$CONVERT_MODEL" = "1" ]; then \
-      python -c "from service.models import load_model; load_model('smollm2')"; \
+      python -c "from service.engines.hf.models import load_model; load_model('smollm2')"; \
     fi
 
 EXPOSE 8000
