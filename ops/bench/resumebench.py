@@ -19,6 +19,7 @@ from ops.bench.common import percentile
 from ops.bench.rawredis import raw_client, raw_get, raw_get_one
 
 SALT = b"bench-resume"
+RAW_TIMEOUT_S = 120.0  # a floor read of 8k tokens over a slow --link-gbit
 
 
 def result_row(context: int, method: str, times_s: list[float], nbytes: int) -> dict[str, Any]:
@@ -111,7 +112,7 @@ class ResumeBench:
         from service.engines import GenParams  # noqa: PLC0415
 
         context = len(prompt) - 1
-        raw = raw_client(self.url)
+        raw = raw_client(self.url, RAW_TIMEOUT_S)
         try:
             async with self._pod("bench-resume", mode) as (pipeline, store), \
                     (self._pod("bench-resume-signed", mode, self.args.frame_key) if self.args.frame_key
@@ -275,7 +276,6 @@ class ResumeBench:
 
     def naive(self, prompt: list[int], kv: Any) -> dict[str, Any]:
         """What people write by hand: torch.save the whole cache into one key, GET it, torch.load it."""
-        import redis  # noqa: PLC0415
         import torch  # noqa: PLC0415
 
         from service.engines.hf import hfcache  # noqa: PLC0415
@@ -287,7 +287,7 @@ class ResumeBench:
         buf = io.BytesIO()
         torch.save(per_layer, buf)
         key = "bench-resume:naive"
-        raw = redis.Redis.from_url(self.url)
+        raw = raw_client(self.url, RAW_TIMEOUT_S)
         try:
             raw.set(key, buf.getvalue())
             times = []
@@ -313,7 +313,6 @@ class ResumeBench:
         into the landing, verifying, handing the frames over, the cache, the forward step dequantizing a layer of
         every block just before that layer's attention; and, for comparison, the same step over that context once
         it is all in place (the floor's step), and the floor's raw GETs of the same frames."""
-        import redis  # noqa: PLC0415
         import torch  # noqa: PLC0415
 
         from service.engines.hf import hfcache  # noqa: PLC0415
@@ -323,7 +322,7 @@ class ResumeBench:
         context, b = len(prompt) - 1, self.args.block_tokens
         names = ("fetch", "verify", "hand_over", "cache_build", "forward_layerwise", "forward_in_memory", "raw_get")
         phases: dict[str, list[float]] = {k: [] for k in names}
-        with contextlib.closing(redis.Redis.from_url(self.url)) as raw:
+        with contextlib.closing(raw_client(self.url, RAW_TIMEOUT_S)) as raw:
             async with self._pod("bench-profile", mode) as (pipeline, store):
                 hashes, _ = await self._store_history(pipeline, store, prompt, kv)
                 keys = [store.keys.block(pipeline.model_key, h)[1] for h in hashes]
