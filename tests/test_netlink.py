@@ -198,3 +198,21 @@ def test_two_pod_conversation_across_a_shaped_link(linked_redis: tuple[NetLink, 
         assert second.status_code == 200 and second.headers["x-kv-cache"] in ("hit", "partial")
         assert cached_tokens(second) >= first.json()["usage"]["prompt_tokens"] // 16 * 16 > 0
         assert link.carried()[server.port][0] > down_before  # the hit's blocks came over the link
+
+
+@needs_link
+def test_bench_resume_reads_its_floor_over_the_link(tmp_path: Path) -> None:
+    """A process of its own: a bench's threads stay in the namespace they were started in."""
+    out = tmp_path / "resume.json"
+    done = subprocess.run([sys.executable, "-m", "ops.cli", "bench", "resume", "--model", "tiny-random", "--contexts",
+                           "64", "--modes", "int8", "--no-naive", "--repeat", "1", "--recompute-repeat", "1",
+                           "--link-gbit", "0.2", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("link: 0.2 Gbit/s each way, 0 ms one-way delay, for Redis port ")
+    result = json.loads(out.read_text())
+    assert result["link"]["gbit"] == 0.2 and result["link"]["links"] == 1
+    floor = next(r for r in result["rows"] if r["method"] == "floor-int8")
+    assert floor["link_gbit"] == 0.2 and 0 < floor["fetch_ms_p50"] <= floor["ttft_ms_p50"]
+    assert floor["link_ms"] == round(floor["bytes"] * 8 / 0.2e9 * 1000, 2)
+    assert result["targets"]["floor_to_link_int8_64"]["value"] == floor["to_link"]

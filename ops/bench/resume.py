@@ -44,7 +44,7 @@ SPEEDUP_MODES = ("int8", "q8")  # q8: llama.cpp's own 8-bit cache (q8_0), the in
 TARGET_FLOOR_CONTEXTS = (TARGET_CONTEXT, LONG_CONTEXT)
 TARGET_SIGNED_RATIO = 1.05  # a signed hit within 5% of an unsigned one, at 2048 and 8128 tokens
 BURST_CONTEXT = 2048
-TARGET_FLOOR_TO_LINK = 1.10  # over --link-gbit: the floor within 10% of the link's bytes x 8 / rate
+TARGET_FLOOR_TO_LINK = 1.10  # over --link-gbit: the floor's reads within 10% of the link's bytes x 8 / rate
 
 
 def register(bench_subparsers: Any) -> None:
@@ -120,9 +120,10 @@ def _targets(rows: list[dict[str, Any]], engine: str) -> dict[str, Any]:
             targets[f"signed_ratio_{r['method'].removeprefix('signed-')}_{r['context']}"] = {
                 "value": r["ratio_to_unsigned"], "target": TARGET_SIGNED_RATIO,
                 "met": r["ratio_to_unsigned"] <= TARGET_SIGNED_RATIO}
-        if r["method"].startswith("floor-") and r.get("to_link") is not None:  # the link is real: the floor is its wire
+        if r["method"].startswith("floor-") and r.get("to_link") is not None:  # the link is real: its reads, the wire
             targets[f"floor_to_link_{r['method'].removeprefix('floor-')}_{r['context']}"] = {
-                "value": r["to_link"], "target": TARGET_FLOOR_TO_LINK, "met": r["to_link"] <= TARGET_FLOOR_TO_LINK}
+                "value": r["to_link"], "target": TARGET_FLOOR_TO_LINK,
+                "met": abs(r["to_link"] - 1) <= TARGET_FLOOR_TO_LINK - 1}  # within 10%, either way
     return targets
 
 
@@ -225,13 +226,14 @@ def run(args: argparse.Namespace) -> int:
             if server is not None:
                 server.cleanup()
     _finish(rows)
-    for r in rows:
+    for r in rows:  # a floor's reads alone against the link's arithmetic (its step is not the wire's)
         if spec is not None and r["method"].startswith(("kvstash-", "floor-")):
-            r.update(netlink.link_fields(spec, r["bytes"], 1, r["ttft_ms_p50"] / 1000))
+            r.update(netlink.link_fields(spec, r["bytes"], 1, r.get("fetch_ms_p50", r["ttft_ms_p50"]) / 1000))
     print_table(rows, [("context", "context", "d"), ("method", "method", ""), ("ttft_ms_p50", "p50 ms", ".1f"),
                        ("ttft_ms_p90", "p90 ms", ".1f"), ("bytes", "bytes", ",d"),
                        ("speedup_vs_recompute", "speedup", ".1f"), ("ratio_to_floor", "vs floor", ".2f"),
-                       *([("link_ms", "link ms", ".1f"), ("to_link", "vs link", ".2f")] if spec else []),
+                       *([("fetch_ms_p50", "GETs ms", ".1f"), ("link_ms", "link ms", ".1f"),
+                          ("to_link", "vs link", ".2f")] if spec else []),
                        *([("ratio_to_unsigned", "vs unsigned", ".3f")] if args.frame_key else [])])
     for name, phases in profile.items():
         print(f"{name} hit, median ms per phase: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))

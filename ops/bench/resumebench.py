@@ -133,6 +133,7 @@ class ResumeBench:
                     decoded = decoded.clone()
                 times: list[float] = []
                 floor: list[float] = []
+                fetched: list[float] = []  # the floor's reads alone: over a --link-gbit, its wire
                 signed_times: list[float] = []
 
                 async def hit(pipe: Any) -> float:
@@ -153,17 +154,19 @@ class ResumeBench:
                     else:
                         elapsed = await hit(pipeline)
                         signed_s = await hit(signed) if self.args.frame_key else 0.0
-                    least = self.compute(self._floor, raw, keys, prompt, decoded)
+                    least, read = self.compute(self._floor, raw, keys, prompt, decoded)
                     if rep:
                         times.append(elapsed)
                         floor.append(least)
+                        fetched.append(read)
                         signed_times.append(signed_s)
                 if lent:
                     self.engine.give_context(decoded)
                 if self.args.frame_key:
                     assert signed_store is not None and signed_store.stats().rejected_mac == 0
             rows = [result_row(context, f"kvstash-{mode}", times, nbytes),
-                    result_row(context, f"floor-{mode}", floor, nbytes)]
+                    {**result_row(context, f"floor-{mode}", floor, nbytes),
+                     "fetch_ms_p50": percentile(fetched, 0.5) * 1000}]
             if self.boundary is not None:
                 rows[0].update(self._bytes_per_token(context, frames, nbytes))
             if self.args.frame_key:
@@ -207,8 +210,9 @@ class ResumeBench:
         return [{**result_row(context, f"burst{n}-{name}", times, 0), "ttft_ms_p99": percentile(times, 0.99) * 1000}
                 for name, times in (("recompute", recompute), (f"kvstash-{mode}", hits))]
 
-    def _floor(self, raw: Any, keys: list[str], prompt: list[int], kv: Any) -> float:
-        """Seconds of one floor run: the raw GETs of the frames, then the step over `kv` already decoded."""
+    def _floor(self, raw: Any, keys: list[str], prompt: list[int], kv: Any) -> tuple[float, float]:
+        """Seconds of one floor run (the raw GETs of the frames, then the step over `kv` already decoded), and of its
+        GETs alone."""
         if self.loaded is None:
             return self._floor_engine(raw, keys, prompt, kv)
         import torch  # noqa: PLC0415
@@ -218,14 +222,15 @@ class ResumeBench:
         cache = hfcache.cache_from_tensor(kv, self.loaded.model)  # in memory before the clock starts
         t0 = time.perf_counter()
         got = raw_get(raw, keys)
+        fetched = time.perf_counter() - t0
         with torch.inference_mode():
             logits, _ = hfcache.forward(self.loaded.model, prompt[len(prompt) - 1:], cache)
             int(torch.argmax(logits[-1]))
         elapsed = time.perf_counter() - t0
         assert all(isinstance(g, bytes) for g in got)
-        return elapsed
+        return elapsed, fetched
 
-    def _floor_engine(self, raw: Any, keys: list[str], prompt: list[int], kv: Any) -> float:
+    def _floor_engine(self, raw: Any, keys: list[str], prompt: list[int], kv: Any) -> tuple[float, float]:
         """The floor of an engine that takes KV as tensors (llama.cpp): the raw GETs of the same frames, then
         the engine's own resume from KV already decoded in memory (state set + one decode step)."""
         from service.engines import GenParams  # noqa: PLC0415
@@ -239,7 +244,7 @@ class ResumeBench:
         gen = self.engine.generate(prompt, kv, GenParams(max_tokens=1), keep_from=int(kv.shape[3]),
                                    boundary=self.boundary)
         assert all(isinstance(g, bytes) for g in got)
-        return fetched + gen.ttft_s
+        return fetched + gen.ttft_s, fetched
 
     def _bytes_per_token(self, context: int, frames: list[bytes], nbytes: int) -> dict[str, float]:
         """What a sliding-window or hybrid model's hit stores a token: its blocks (full-attention layers) and its
