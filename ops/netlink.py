@@ -108,7 +108,8 @@ def check_host() -> None:
 def _run(*cmd: str) -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
     if done.returncode != 0:
-        raise LinkError(f"`{' '.join(cmd)}` failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+        said = (done.stderr or done.stdout).strip().splitlines() or [f"exit status {done.returncode}"]
+        raise LinkError(f"`{' '.join(cmd)}` failed: {said[-1]}")
 
 
 def _setns(fd: int) -> None:

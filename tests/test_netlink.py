@@ -25,9 +25,22 @@ from ops.redisproc import RedisCluster, RedisProcess
 from tests.support import POD_ARGS, cached_tokens, running, settle
 
 ROOT = Path(__file__).resolve().parent.parent
-needs_link = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc") or not shutil.which("ip"),
-                                reason="a shaped link needs root and iproute2's ip and tc")
 RATE = LinkSpec(0.2)  # 200 Mbit/s: slow enough to time on a busy 2-core machine, fast enough to stay lean
+
+
+@pytest.fixture(scope="session")
+def link_host() -> None:
+    """Skip where no link can be made: not root, no iproute2, or a container that may not create a namespace."""
+    if os.geteuid() != 0 or not shutil.which("tc") or not shutil.which("ip"):
+        pytest.skip("a shaped link needs root and iproute2's ip and tc")
+    try:
+        with NetLink(RATE):
+            pass
+    except LinkError as exc:
+        pytest.skip(f"no shaped link on this host: {exc}")
+
+
+needs_link = pytest.mark.usefixtures("link_host")
 
 
 def _namespaces() -> set[str]:
