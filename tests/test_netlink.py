@@ -229,3 +229,19 @@ def test_bench_resume_reads_its_floor_over_the_link(tmp_path: Path) -> None:
     assert floor["link_gbit"] == 0.2 and 0 < floor["fetch_ms_p50"] <= floor["ttft_ms_p50"]
     assert floor["link_ms"] == round(floor["bytes"] * 8 / 0.2e9 * 1000, 2)
     assert result["targets"]["floor_to_link_int8_64"]["value"] == floor["to_link"]
+
+
+@needs_link
+def test_bench_store_puts_each_primary_of_a_cluster_behind_its_own_link(tmp_path: Path) -> None:
+    out = tmp_path / "cluster.json"
+    done = subprocess.run([sys.executable, "-m", "ops.cli", "bench", "store", "--cluster", "3", "--link-gbit", "1",
+                           "--block-sizes", "256K", "--tokens", "256", "--reps", "2", "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("link: 1 Gbit/s each way") and "(a link each)" in done.stdout.splitlines()[0]
+    result = json.loads(out.read_text())
+    assert result["cluster"] == 3 and result["link"]["links"] == 3
+    for row in result["rows"]:  # each read's arithmetic: its busiest primary's bytes over that primary's link
+        assert row["links"] == 3 and row["link_ms"] == round(row["raw_busiest_node_bytes"] * 8 / 1e9 * 1000, 2)
+        assert row["context_bytes"] / 3 <= row["raw_busiest_node_bytes"] <= row["context_bytes"]
+        assert row["kvstash_gbit_s"] > 0 and row["gbit_s"] > 0
