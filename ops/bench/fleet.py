@@ -22,7 +22,9 @@ import argparse
 import statistics
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+from ops import netlink
 from ops.bench import fleetload
 from ops.bench.common import machine, plot_lines, print_table, write_json
 
@@ -49,6 +51,7 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"],
                    help="llamacpp: the pods' flash attention (default auto: llama.cpp decides)")
     p.add_argument("--redis-url", help="an existing Redis (default: a private redis-server on a free port)")
+    netlink.add_link_args(p)
     p.add_argument("--budget-mb", type=int, default=512, help="byte budget of the namespace, MiB (default 512)")
     p.add_argument("--users", type=int, default=4, help="users chatting at once (default 4)")
     p.add_argument("--system-tokens", type=int, default=300, help="system prompt, tokens (default ~300)")
@@ -283,6 +286,7 @@ def merged(path: Path, report: dict[str, Any]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     from ops.bench import fleetreport  # noqa: PLC0415
+    from ops.bench.rawredis import operator_redis  # noqa: PLC0415
     from ops.redisproc import RedisProcess  # noqa: PLC0415
     from service.engines import default_parallel  # noqa: PLC0415
 
@@ -299,33 +303,40 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.parallel <= 64:
         raise SystemExit("--parallel must be in 0..64 (0: the engine's own)")
     args.parallel = args.parallel or default_parallel(args.engine)  # the pods' number, in the report too
-    if args.redis_url and not args.redis_url.startswith(("redis://127.0.0.1", "redis://localhost")):
-        raise SystemExit("bench fleet sends traffic to 127.0.0.1 only: --redis-url must be a local Redis")
+    if args.redis_url:  # any URL a pod takes (redis+cluster://...), on this machine
+        if urlsplit(args.redis_url).hostname not in ("127.0.0.1", "localhost"):
+            raise SystemExit("bench fleet sends traffic to 127.0.0.1 only: --redis-url must be a local Redis")
+        operator_redis(args.redis_url)
     args.model_name = Path(args.model).stem if args.engine == "llamacpp" and args.model != "smollm2" else (
         Path(args.model).name if "/" in args.model else args.model)
+    spec = netlink.spec_of(args)
     before = machine()
-    redis = None if args.redis_url else RedisProcess(extra_args=("--maxmemory", f"{2 * args.budget_mb + 256}mb",
-                                                                  "--maxmemory-policy", "allkeys-lru")).start()
-    redis_url = args.redis_url or redis.url  # type: ignore[union-attr]
-    requests: list[dict[str, Any]] = []
-    runs: list[dict[str, Any]] = []
-    knees: dict[str, float] = {}
-    calibration = None
-    budget: list[dict[str, Any]] = []
-    miss: list[dict[str, Any]] = []
-    try:
-        for kind in fleets:
-            fleet_runs, cal = _sweep(args, redis_url, kind, rates, requests)
-            knees[kind] = find_knee(fleet_runs)
-            runs += fleet_runs
-            calibration = calibration or cal
-        if ratios:
-            budget = _budget_pressure(args, redis_url, args.budget_rate or rates[0], ratios, requests)
-        if args.miss_overhead:
-            miss = _miss_overhead(args, redis_url, args.miss_rate or rates[0], requests)
-    finally:
-        if redis is not None:
-            redis.cleanup()
+    with netlink.opened(spec) as link:
+        redis = None if args.redis_url else RedisProcess(extra_args=("--maxmemory", f"{2 * args.budget_mb + 256}mb",
+                                                                      "--maxmemory-policy", "allkeys-lru")).start()
+        redis_url = args.redis_url or redis.url  # type: ignore[union-attr]
+        if link is not None and redis is not None:
+            link.shape(redis.port)
+            print(link.describe(), flush=True)
+        requests: list[dict[str, Any]] = []
+        runs: list[dict[str, Any]] = []
+        knees: dict[str, float] = {}
+        calibration = None
+        budget: list[dict[str, Any]] = []
+        miss: list[dict[str, Any]] = []
+        try:
+            for kind in fleets:
+                fleet_runs, cal = _sweep(args, redis_url, kind, rates, requests)
+                knees[kind] = find_knee(fleet_runs)
+                runs += fleet_runs
+                calibration = calibration or cal
+            if ratios:
+                budget = _budget_pressure(args, redis_url, args.budget_rate or rates[0], ratios, requests)
+            if args.miss_overhead:
+                miss = _miss_overhead(args, redis_url, args.miss_rate or rates[0], requests)
+        finally:
+            if redis is not None:
+                redis.cleanup()
     targets = fleetreport.targets(runs, knees, calibration)
     print_table(runs, COLUMNS)
     fleetreport.print_summary(knees, calibration, targets, budget, miss)
@@ -334,6 +345,7 @@ def run(args: argparse.Namespace) -> int:
         report = {"engine": args.engine, "runs": runs, "knees": knees, "calibration": calibration,
                   "targets": targets, "budget_pressure": budget, "miss_overhead": miss, "threads_per_pod": threads,
                   "requests": requests, "machine_before": before, "machine_after": machine(),
+                  **({"link": link.as_json()} if link is not None else {}),
                   "args": {k: v for k, v in vars(args).items() if k != "func" and not isinstance(v, Path)}}
         write_json(args.json, merged(args.json, report) if args.merge else report)
     if args.plot:

@@ -6,13 +6,37 @@ import asyncio
 from typing import Any
 
 
-def raw_client(url: str) -> Any:
-    """The floor's blocking redis-py client of `url`: a Cluster client for a Cluster URL (its pipeline reads the
-    nodes one after another: the floor is then plain redis-py's, not the fastest possible read)."""
+def raw_client(url: str, timeout_s: float = 0.5) -> Any:
+    """The floor's blocking redis-py client of `url`, parsed as the service parses it (cachestore's StoreSettings and
+    make_client: redis+cluster://, redis+sentinel://, rediss://, unix://): a Cluster client for a Cluster URL (its
+    pipeline reads the nodes one after another: the floor is then plain redis-py's, not the fastest possible read)."""
     from cachestore.redisclient import make_client  # noqa: PLC0415
     from cachestore.settings import StoreSettings  # noqa: PLC0415
 
-    return make_client(StoreSettings.from_url(url), asynchronous=False)
+    return make_client(StoreSettings.from_url(url, op_timeout_s=timeout_s, write_timeout_s=max(5.0, timeout_s)),
+                       asynchronous=False)
+
+
+def operator_redis(url: str) -> Any:
+    """An operator's --redis-url checked before a bench starts: parsed as the service parses it, and answering PING
+    (a bad URL or an unreachable server is a ConfigError: one line, exit 2). Returns its StoreSettings."""
+    import redis  # noqa: PLC0415
+    import redis.exceptions  # noqa: PLC0415
+
+    from cachestore.errors import ConfigError  # noqa: PLC0415
+    from cachestore.settings import StoreSettings  # noqa: PLC0415
+
+    settings = StoreSettings.from_url(url)
+    try:
+        client = raw_client(url, timeout_s=5.0)
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except (redis.RedisError, redis.exceptions.RedisClusterException, OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[:1] or [type(exc).__name__]
+        raise ConfigError(f"cannot use Redis at {settings.masked_url}: {first[0]}") from None
+    return settings
 
 
 async def raw_get_one(raw: Any, key: str) -> bytes:

@@ -15,6 +15,9 @@ For each context length N the prompt is N + 1 tokens of ops/data/sample.txt: the
     signed-MODE     with --frame-key: kvstash-MODE's hit on a pod that signs its values (cachestore.signing), the
                     same history written signed; timed rep by rep beside the unsigned hit (ratio_to_unsigned: the
                     median of the paired ratios)
+
+With --link-gbit the private Redis sits behind a shaped link (ops/netlink.py), the floor's reads over it too; the hit
+and floor rows then record the link and their time against its arithmetic (bytes x 8 / rate).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from cachestore.signing import MAC
+from ops import netlink
 from ops.bench.common import SAMPLE_TEXT, machine, plot_lines, print_table, write_json
 from ops.bench.resumebench import ResumeBench, result_row
 
@@ -40,6 +44,7 @@ SPEEDUP_MODES = ("int8", "q8")  # q8: llama.cpp's own 8-bit cache (q8_0), the in
 TARGET_FLOOR_CONTEXTS = (TARGET_CONTEXT, LONG_CONTEXT)
 TARGET_SIGNED_RATIO = 1.05  # a signed hit within 5% of an unsigned one, at 2048 and 8128 tokens
 BURST_CONTEXT = 2048
+TARGET_FLOOR_TO_LINK = 1.10  # over --link-gbit: the floor's reads within 10% of the link's bytes x 8 / rate
 
 
 def register(bench_subparsers: Any) -> None:
@@ -64,7 +69,8 @@ def register(bench_subparsers: Any) -> None:
                         "their hits (first mode) and of recomputing them")
     p.add_argument("--profile", action="store_true",
                    help="break each measured hit (every context and mode; hf) into its phases")
-    p.add_argument("--redis-url", help="use this Redis (default: a private redis-server)")
+    p.add_argument("--redis-url", help="use this Redis, any URL a pod takes (default: a private redis-server)")
+    netlink.add_link_args(p)
     p.add_argument("--frame-key", default="", metavar="KEY",
                    help="also time each hit on a pod that signs its values with this frame key (signed-MODE rows)")
     p.add_argument("--json", type=Path, help="write rows and targets as JSON here")
@@ -114,6 +120,10 @@ def _targets(rows: list[dict[str, Any]], engine: str) -> dict[str, Any]:
             targets[f"signed_ratio_{r['method'].removeprefix('signed-')}_{r['context']}"] = {
                 "value": r["ratio_to_unsigned"], "target": TARGET_SIGNED_RATIO,
                 "met": r["ratio_to_unsigned"] <= TARGET_SIGNED_RATIO}
+        if r["method"].startswith("floor-") and r.get("to_link") is not None:  # the link is real: its reads, the wire
+            targets[f"floor_to_link_{r['method'].removeprefix('floor-')}_{r['context']}"] = {
+                "value": r["to_link"], "target": TARGET_FLOOR_TO_LINK,
+                "met": abs(r["to_link"] - 1) <= TARGET_FLOOR_TO_LINK - 1}  # within 10%, either way
     return targets
 
 
@@ -198,23 +208,32 @@ async def _measure_engine(args: argparse.Namespace, bench: ResumeBench, contexts
 
 
 def run(args: argparse.Namespace) -> int:
+    from ops.bench.rawredis import operator_redis  # noqa: PLC0415
     from ops.redisproc import RedisProcess  # noqa: PLC0415
 
+    spec = netlink.spec_of(args)  # every refusal before a model loads
+    if args.redis_url:
+        operator_redis(args.redis_url)
     before = machine()
-    server = None
-    url = args.redis_url
-    if not url:
-        server = RedisProcess().start()
-        url = server.url
-    try:
-        rows, profile = asyncio.run(_measure(args, url))
-    finally:
-        if server is not None:
-            server.cleanup()
+    with netlink.opened(spec) as link:
+        server = None if args.redis_url else RedisProcess().start()
+        try:
+            if link is not None and server is not None:
+                link.shape(server.port)
+                print(link.describe(), flush=True)
+            rows, profile = asyncio.run(_measure(args, args.redis_url or server.url))  # type: ignore[union-attr]
+        finally:
+            if server is not None:
+                server.cleanup()
     _finish(rows)
+    for r in rows:  # a floor's reads alone against the link's arithmetic (its step is not the wire's)
+        if spec is not None and r["method"].startswith(("kvstash-", "floor-")):
+            r.update(netlink.link_fields(spec, r["bytes"], 1, r.get("fetch_ms_p50", r["ttft_ms_p50"]) / 1000))
     print_table(rows, [("context", "context", "d"), ("method", "method", ""), ("ttft_ms_p50", "p50 ms", ".1f"),
                        ("ttft_ms_p90", "p90 ms", ".1f"), ("bytes", "bytes", ",d"),
                        ("speedup_vs_recompute", "speedup", ".1f"), ("ratio_to_floor", "vs floor", ".2f"),
+                       *([("fetch_ms_p50", "GETs ms", ".1f"), ("link_ms", "link ms", ".1f"),
+                          ("to_link", "vs link", ".2f")] if spec else []),
                        *([("ratio_to_unsigned", "vs unsigned", ".3f")] if args.frame_key else [])])
     for name, phases in profile.items():
         print(f"{name} hit, median ms per phase: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
@@ -224,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, {"rows": rows, "targets": targets, "profile": profile, "model": args.model,
                                "engine": args.engine, **({"mac": MAC} if args.frame_key else {}),
+                               **({"link": link.as_json()} if link is not None else {}),
                                "repeat": args.repeat, "recompute_repeat": args.recompute_repeat,
                                "machine_before": before, "machine_after": machine()})
     if args.plot:

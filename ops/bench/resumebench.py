@@ -19,6 +19,7 @@ from ops.bench.common import percentile
 from ops.bench.rawredis import raw_client, raw_get, raw_get_one
 
 SALT = b"bench-resume"
+RAW_TIMEOUT_S = 120.0  # a floor read of 8k tokens over a slow --link-gbit
 
 
 def result_row(context: int, method: str, times_s: list[float], nbytes: int) -> dict[str, Any]:
@@ -111,7 +112,7 @@ class ResumeBench:
         from service.engines import GenParams  # noqa: PLC0415
 
         context = len(prompt) - 1
-        raw = raw_client(self.url)
+        raw = raw_client(self.url, RAW_TIMEOUT_S)
         try:
             async with self._pod("bench-resume", mode) as (pipeline, store), \
                     (self._pod("bench-resume-signed", mode, self.args.frame_key) if self.args.frame_key
@@ -132,6 +133,7 @@ class ResumeBench:
                     decoded = decoded.clone()
                 times: list[float] = []
                 floor: list[float] = []
+                fetched: list[float] = []  # the floor's reads alone: over a --link-gbit, its wire
                 signed_times: list[float] = []
 
                 async def hit(pipe: Any) -> float:
@@ -152,17 +154,19 @@ class ResumeBench:
                     else:
                         elapsed = await hit(pipeline)
                         signed_s = await hit(signed) if self.args.frame_key else 0.0
-                    least = self.compute(self._floor, raw, keys, prompt, decoded)
+                    least, read = self.compute(self._floor, raw, keys, prompt, decoded)
                     if rep:
                         times.append(elapsed)
                         floor.append(least)
+                        fetched.append(read)
                         signed_times.append(signed_s)
                 if lent:
                     self.engine.give_context(decoded)
                 if self.args.frame_key:
                     assert signed_store is not None and signed_store.stats().rejected_mac == 0
             rows = [result_row(context, f"kvstash-{mode}", times, nbytes),
-                    result_row(context, f"floor-{mode}", floor, nbytes)]
+                    {**result_row(context, f"floor-{mode}", floor, nbytes),
+                     "fetch_ms_p50": percentile(fetched, 0.5) * 1000}]
             if self.boundary is not None:
                 rows[0].update(self._bytes_per_token(context, frames, nbytes))
             if self.args.frame_key:
@@ -206,8 +210,9 @@ class ResumeBench:
         return [{**result_row(context, f"burst{n}-{name}", times, 0), "ttft_ms_p99": percentile(times, 0.99) * 1000}
                 for name, times in (("recompute", recompute), (f"kvstash-{mode}", hits))]
 
-    def _floor(self, raw: Any, keys: list[str], prompt: list[int], kv: Any) -> float:
-        """Seconds of one floor run: the raw GETs of the frames, then the step over `kv` already decoded."""
+    def _floor(self, raw: Any, keys: list[str], prompt: list[int], kv: Any) -> tuple[float, float]:
+        """Seconds of one floor run (the raw GETs of the frames, then the step over `kv` already decoded), and of its
+        GETs alone."""
         if self.loaded is None:
             return self._floor_engine(raw, keys, prompt, kv)
         import torch  # noqa: PLC0415
@@ -217,14 +222,15 @@ class ResumeBench:
         cache = hfcache.cache_from_tensor(kv, self.loaded.model)  # in memory before the clock starts
         t0 = time.perf_counter()
         got = raw_get(raw, keys)
+        fetched = time.perf_counter() - t0
         with torch.inference_mode():
             logits, _ = hfcache.forward(self.loaded.model, prompt[len(prompt) - 1:], cache)
             int(torch.argmax(logits[-1]))
         elapsed = time.perf_counter() - t0
         assert all(isinstance(g, bytes) for g in got)
-        return elapsed
+        return elapsed, fetched
 
-    def _floor_engine(self, raw: Any, keys: list[str], prompt: list[int], kv: Any) -> float:
+    def _floor_engine(self, raw: Any, keys: list[str], prompt: list[int], kv: Any) -> tuple[float, float]:
         """The floor of an engine that takes KV as tensors (llama.cpp): the raw GETs of the same frames, then
         the engine's own resume from KV already decoded in memory (state set + one decode step)."""
         from service.engines import GenParams  # noqa: PLC0415
@@ -238,7 +244,7 @@ class ResumeBench:
         gen = self.engine.generate(prompt, kv, GenParams(max_tokens=1), keep_from=int(kv.shape[3]),
                                    boundary=self.boundary)
         assert all(isinstance(g, bytes) for g in got)
-        return fetched + gen.ttft_s
+        return fetched + gen.ttft_s, fetched
 
     def _bytes_per_token(self, context: int, frames: list[bytes], nbytes: int) -> dict[str, float]:
         """What a sliding-window or hybrid model's hit stores a token: its blocks (full-attention layers) and its
@@ -275,7 +281,6 @@ class ResumeBench:
 
     def naive(self, prompt: list[int], kv: Any) -> dict[str, Any]:
         """What people write by hand: torch.save the whole cache into one key, GET it, torch.load it."""
-        import redis  # noqa: PLC0415
         import torch  # noqa: PLC0415
 
         from service.engines.hf import hfcache  # noqa: PLC0415
@@ -287,7 +292,7 @@ class ResumeBench:
         buf = io.BytesIO()
         torch.save(per_layer, buf)
         key = "bench-resume:naive"
-        raw = redis.Redis.from_url(self.url)
+        raw = raw_client(self.url, RAW_TIMEOUT_S)
         try:
             raw.set(key, buf.getvalue())
             times = []
@@ -313,7 +318,6 @@ class ResumeBench:
         into the landing, verifying, handing the frames over, the cache, the forward step dequantizing a layer of
         every block just before that layer's attention; and, for comparison, the same step over that context once
         it is all in place (the floor's step), and the floor's raw GETs of the same frames."""
-        import redis  # noqa: PLC0415
         import torch  # noqa: PLC0415
 
         from service.engines.hf import hfcache  # noqa: PLC0415
@@ -323,7 +327,7 @@ class ResumeBench:
         context, b = len(prompt) - 1, self.args.block_tokens
         names = ("fetch", "verify", "hand_over", "cache_build", "forward_layerwise", "forward_in_memory", "raw_get")
         phases: dict[str, list[float]] = {k: [] for k in names}
-        with contextlib.closing(redis.Redis.from_url(self.url)) as raw:
+        with contextlib.closing(raw_client(self.url, RAW_TIMEOUT_S)) as raw:
             async with self._pod("bench-profile", mode) as (pipeline, store):
                 hashes, _ = await self._store_history(pipeline, store, prompt, kv)
                 keys = [store.keys.block(pipeline.model_key, h)[1] for h in hashes]

