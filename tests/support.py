@@ -207,9 +207,6 @@ def error_bound(mode: str, x: torch.Tensor, group: int) -> torch.Tensor:
         step = torch.stack([k.abs().amax(2, keepdim=True).expand_as(k),
                             v.abs().amax(3, keepdim=True).expand_as(v)], 1) / 127
         return step / 2 * 1.01
-    if mode == "fp8":
-        scale = x.abs().amax(3, keepdim=True) / 448
-        return x.abs() * 2.0**-4 + scale * 2.0**-9 * 1.01
     lo = torch.stack([grouped_extreme(k, 2, group, "amin"), grouped_extreme(v, 3, group, "amin")], 1)
     hi = torch.stack([grouped_extreme(k, 2, group, "amax"), grouped_extreme(v, 3, group, "amax")], 1)
     return (hi - lo) / LEVELS[mode] / 2 * 1.01 + lo.abs() * 2.0**-10
