@@ -16,7 +16,6 @@ from cachestore.codec.frame import HEADER_SIZE, KEY_CLASS_BITS, KEY_CLASSES, OUT
 from cachestore.codec.rope import ADJACENT, HALVES, Rope, turn
 from cachestore.codec.spec import CodecSpec, recent_spec
 from cachestore.errors import CodecError, ConfigError
-from tests.golden.cases import frame_path
 from tests.support import check_layers_decode_apart, kv_sample, resealed
 
 KBITS = "int2+none/g64/rotv/clip/kbits/symv/s8"

@@ -73,7 +73,6 @@ def dequantize(mode: str, parts: list[torch.Tensor], dims: Dims, group: int,
         if out is None:
             return parts[0] if mode == "exact" else parts[0].to(dtype)
         return out.copy_(parts[0])
-    compute = F16 if dtype == F16 else torch.float32
     if out is None:
         out = torch.empty((n_layers, 2, h, t, d), dtype=dtype, device=parts[0].device)
     if mode == "q8":

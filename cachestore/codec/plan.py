@@ -51,8 +51,9 @@ def plan(h: FrameHeader) -> tuple[tuple[Section, ...], tuple[int, ...], int]:
 def variant_of(h: FrameHeader) -> Variant:
     """The options a decoder must know, from the header's transform bits (clipping is the encoder's alone)."""
     t = h.transform
-    return Variant(rot_values=bool(t & ROT_VALUES), outlier_keys=bool(t & OUTLIER_KEYS), sym_values=bool(t & SYM_VALUES),
-                   scale8=bool(t & SCALE8), key_classes=bool(t & KEY_CLASSES), unrope=bool(t & UNROPE))
+    return Variant(rot_values=bool(t & ROT_VALUES), outlier_keys=bool(t & OUTLIER_KEYS),
+                   sym_values=bool(t & SYM_VALUES), scale8=bool(t & SCALE8), key_classes=bool(t & KEY_CLASSES),
+                   unrope=bool(t & UNROPE))
 
 
 @functools.lru_cache(maxsize=256)

@@ -362,8 +362,8 @@ def _class_keys(k: torch.Tensor, mode: str, group: int, variant: Variant,
 
 def _sym_values(v: torch.Tensor, group: int, bits: int, variant: Variant) -> tuple[torch.Tensor, ...]:
     """Values [L, H, T, D] (fp32) -> the scales' extremes [L, H, 1, groups, 1], their range codes [L, H, T, groups, 1]
-    (each scale extreme * code / 255) and codes [L, H, T, groups, group]: value = (code - (2**bits - 1) / 2) * scale, the scale chosen per group among
-    SYM_RATIOS of its largest magnitude for the smallest squared error."""
+    (each scale extreme * code / 255) and codes [L, H, T, groups, group]: value = (code - (2**bits - 1) / 2) * scale,
+    the scale chosen per group among SYM_RATIOS of its largest magnitude for the smallest squared error."""
     n_layers, h, t, d = v.shape
     _, _, gv, nv = groups(Dims(n_layers, h, t, d), group)
     v = rotate(v) if variant.rot_values else v

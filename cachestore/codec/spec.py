@@ -202,14 +202,14 @@ class CodecSpec:
 def _check_options(mode: str, v: Variant, hi: HiLayers) -> None:
     """ConfigError unless the options come as a frame format holds them: the split options with /s8 and /s8 with one
     of them, per-layer bits with them, /kbits and /unrope as format 6 holds them."""
+    if v.unrope and not (v.split and v.scale8):
+        raise ConfigError("/unrope (keys stored without their RoPE) takes /s8 and one of /kbits, /outk, /symv")
+    if v.key_classes and (mode not in KEY_CLASS_BITS or v.outlier_keys or hi.up_keys or not v.scale8):
+        raise ConfigError("/kbits applies to int4 and int2 with /s8, without /outk or a key layer one bit more (/k3=, "
+                          "/k5=: it sets every key channel's bits itself)")
     if v.split != v.scale8 or (hi != NO_HI and not v.split):
         raise ConfigError("/outk, /kbits and /symv take /s8, and /s8 and per-layer bits (/k5=, /v5= in int4, /k3=, "
                           "/v3= in int2) take one of them")
-    if v.key_classes and (mode not in KEY_CLASS_BITS or v.outlier_keys or hi.up_keys):
-        raise ConfigError("/kbits applies to int4 and int2 with /s8, without /outk or a key layer one bit more (/k3=, "
-                          "/k5=: it sets every key channel's bits itself)")
-    if v.unrope and not v.split:
-        raise ConfigError("/unrope (keys stored without their RoPE) takes /s8 and one of /kbits, /outk, /symv")
 
 
 def _check_recent(mode: str, recent: str) -> None:
