@@ -35,6 +35,21 @@ from cachestore.errors import ConfigError
 
 DEFAULT_GROUP = 64  # measured against 32 on SmolLM2 KV: see ops/bench/codec.py --groups
 GRAMMAR = "MODE[+COMPRESSOR[:LEVEL]][/gGROUP][/OPTION...][/kU=L.L...][/vU=L.L...][/recent=MODE]"
+# each part of GRAMMAR, in its order, and what it means (docs/codec-spec.md)
+PARTS = {
+    "MODE": "exact, fp16, int8, q8, int4 or int2 (their loss: `cachestore/codec/codec.py`)",
+    "+COMPRESSOR[:LEVEL]": "lz4 (the default), zstd (level 1-22, 3 by default) or none",
+    "/gGROUP": f"int4/int2: the tokens (keys) or channels (values) one range covers, {MIN_GROUP}-{MAX_GROUP}, "
+               f"{DEFAULT_GROUP} by default",
+    "/OPTION": "int4/int2: the options below, each once, in any order (a bare int4 or int2 takes its "
+               "`DEFAULT_VARIANTS`); /rows, last: exact/fp16 payloads as token rows, a llama.cpp state's layout "
+               "(q8's always are)",
+    "/kU=L.L...": "with /s8: the layers whose keys take one bit more than the mode, U = 5 in int4, 3 in int2 (not "
+                  "with /kbits); layers of one model, found with `kvstash bench layers`",
+    "/vU=L.L...": "the same for values",
+    "/recent=MODE": "int4/int2: the mode of a sequence's partial last block (its most recent tokens): int8, or int4 "
+                    "under int2",
+}
 _LAYERS = r"\d{1,5}(?:\.\d{1,5})*"
 _SPEC = re.compile(r"(?P<mode>[a-z0-9]+)(?:\+(?P<comp>[a-z0-9]+)(?::(?P<level>-?\d+))?)?"
                    r"(?:/g(?P<group>\d+))?(?P<options>(?:/[a-z][a-z0-9]*)*)"

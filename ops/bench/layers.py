@@ -38,8 +38,8 @@ def register(bench_subparsers: Any) -> None:
                         "your own; repeatable. Never the texts you will report on")
     p.add_argument("--engine", default="hf", choices=sorted(SCORERS), help="engine that runs the model (default hf)")
     p.add_argument("--model", default="smollm2", help="smollm2 (default), tiny-random or a local HF directory")
-    p.add_argument("--base", default="int4+zstd", help="the int4 or int2 codec to calibrate (default %(default)s); "
-                                                       "its own /k8= etc. are ignored")
+    p.add_argument("--base", default="int4+zstd/kbits/s8", help="the int4 or int2 codec to calibrate, with /s8 "
+                                                                "(default %(default)s); its own /k5= etc. are ignored")
     p.add_argument("--upgrade", choices=UPGRADES, default=None,
                    help="what a raised half takes: bit (one bit more: /k5= /v5= in int4, /k3= /v3= in int2; the "
                         "default, and the only one: it needs a base with /s8)")
