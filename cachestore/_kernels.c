@@ -1,11 +1,10 @@
 /* Native dequantization for the hot path of a hit: cachestore/kernels.py is its only caller and checks every
  * tensor it hands over (dtypes, shapes, strides; all from live torch tensors, so every address is in bounds).
  *
- * int8 codes times their fp16 scales, and int4 codes (two a byte, low nibble first; 5-bit codes with their fifth bits
- * in a plane of their own) times their fp16 scales plus their fp16 offsets, into fp32 (the transformers context) or
- * fp16 (llama.cpp's sequence state), in one pass: torch unpacks, converts, then scales and offsets in passes of their
- * own over the output, and reaches fp16 only through an fp32 temporary. The product is exact in fp32 (8-, 5- or 4-bit
- * codes, 11-bit scales), the sum rounded once, and fp16 rounded once more, to nearest even: the very values torch
+ * int8 codes times their fp16 scales, and int4 codes (two a byte, low nibble first) times their fp16 scales plus
+ * their fp16 offsets, into fp32 (the transformers context) or fp16 (llama.cpp's sequence state), in one pass: torch
+ * unpacks, converts, then scales and offsets in passes of their own over the output, and reaches fp16 only through an
+ * fp32 temporary. The product is exact in fp32 (8- or 4-bit codes, 11-bit scales), the sum rounded once, and fp16 rounded once more, to nearest even: the very values torch
  * computes. x86-64 with AVX-512F, or AVX2 and F16C, chosen once at import; elsewhere `level` is 0 and the caller uses
  * torch.
  */
