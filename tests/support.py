@@ -179,6 +179,14 @@ def resealed(frame: bytes | bytearray) -> bytes:
     return bytes(frame[:HEADER_SIZE - 8]) + struct.pack("<Q", digest) + bytes(frame[HEADER_SIZE:])
 
 
+def as_retired(frame: bytes) -> bytes:
+    """The frame relabelled as a retired format's (version 3, which only layer tables of int8 layers used) and
+    resealed: what an older release may have left in Redis."""
+    edited = bytearray(frame)
+    edited[4] = 3
+    return resealed(edited)
+
+
 def check_gate_refuses_others(mine: str, others: Iterable[str], shape: tuple[int, ...]) -> None:
     """A pod whose codec is `mine` passes its own frame of KV `shape` and refuses, for their codec, those of each of
     `others` before decoding them (`service.framegate`)."""

@@ -12,9 +12,9 @@ import torch
 from starlette.testclient import TestClient
 
 from cachestore.codec import Codec
-from cachestore.codec.frame import HEADER_SIZE, checksum
 from ops.redisproc import RedisProcess
 from tests.faultkit import QUESTIONS, SYSTEM, chat, metric, pod_client, reference_reply, reply_of, wait_written
+from tests.support import as_retired
 
 REJECTED = "kvstash_cache_rejected_total"
 
@@ -59,15 +59,6 @@ def _other_dtype(value: bytes) -> bytes:
     return Codec("exact+none").encode(kv.to(torch.bfloat16))
 
 
-def _retired(value: bytes) -> bytes:
-    """The block's frame as a retired format's (version 3, which only layer tables of int8 layers used), its checksum
-    valid: what a pod of an older release may have left in Redis."""
-    frame = bytearray(value)
-    frame[4] = 3
-    frame[44:52] = checksum(bytes(frame[:HEADER_SIZE]), bytes(frame[HEADER_SIZE:])).to_bytes(8, "little")
-    return bytes(frame)
-
-
 CORRUPTIONS = {
     "flipped": (_flip, "corrupt"),
     "truncated": (lambda v: v[: len(v) // 2], "corrupt"),
@@ -75,7 +66,7 @@ CORRUPTIONS = {
     "other-codec": (_other_codec, "codec"),
     "other-model": (_other_model, "model"),
     "other-dtype": (_other_dtype, "model"),
-    "retired-format": (_retired, "retired"),
+    "retired-format": (as_retired, "retired"),
 }
 
 
