@@ -1,11 +1,10 @@
 /* Native dequantization for the hot path of a hit: cachestore/kernels.py is its only caller and checks every
  * tensor it hands over (dtypes, shapes, strides; all from live torch tensors, so every address is in bounds).
  *
- * int8 codes times their fp16 scales, and int4 codes (two a byte, low nibble first; 5-bit codes with their fifth bits
- * in a plane of their own) times their fp16 scales plus their fp16 offsets, into fp32 (the transformers context) or
- * fp16 (llama.cpp's sequence state), in one pass: torch unpacks, converts, then scales and offsets in passes of their
- * own over the output, and reaches fp16 only through an fp32 temporary. The product is exact in fp32 (8-, 5- or 4-bit
- * codes, 11-bit scales), the sum rounded once, and fp16 rounded once more, to nearest even: the very values torch
+ * int8 codes times their fp16 scales, and int4 codes (two a byte, low nibble first) times their fp16 scales plus
+ * their fp16 offsets, into fp32 (the transformers context) or fp16 (llama.cpp's sequence state), in one pass: torch
+ * unpacks, converts, then scales and offsets in passes of their own over the output, and reaches fp16 only through an
+ * fp32 temporary. The product is exact in fp32 (8- or 4-bit codes, 11-bit scales), the sum rounded once, and fp16 rounded once more, to nearest even: the very values torch
  * computes. x86-64 with AVX-512F, or AVX2 and F16C, chosen once at import; elsewhere `level` is 0 and the caller uses
  * torch.
  */
@@ -103,13 +102,10 @@ __attribute__((target("avx2,f16c"))) static void int8_avx2(char *out, int half, 
         })
 }
 
-/* One row of 16 int4 codes from 8 bytes: byte i holds code 2i (low nibble) and 2i + 1 (high). With `top` (5-bit
- * codes), bit j of top byte k is the fifth bit (16) of code 8k + j, in the codes' order. */
+/* One row of 16 int4 codes from 8 bytes: byte i holds code 2i (low nibble) and 2i + 1 (high). */
 __attribute__((target("avx512f"))) static void int4_avx512(char *out, int half, const uint8_t *codes,
-                                                            const uint8_t *top, const uint16_t *s,
-                                                            const uint16_t *z, const Shape4 *g) {
+                                                            const uint16_t *s, const uint16_t *z, const Shape4 *g) {
     const __m128i low = _mm_set1_epi8(0x0F);
-    const __m512i sixteen = _mm512_set1_epi32(16);
     INT4_ROWS(g, codes,
         __m512 srow = _mm512_cvtph_ps(_mm256_set1_epi16((short)s[at]));
         __m512 zrow = _mm512_cvtph_ps(_mm256_set1_epi16((short)z[at]));
@@ -120,20 +116,13 @@ __attribute__((target("avx512f"))) static void int4_avx512(char *out, int half, 
             __m512 scale = g->sf ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + at + d))) : srow;
             __m512 zero = g->sf ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(z + at + d))) : zrow;
             __m512i v = _mm512_cvtepu8_epi32(pairs);
-            if (top) {
-                uint16_t bits;
-                memcpy(&bits, top + (ci + d) / 8, 2);
-                v = _mm512_mask_add_epi32(v, (__mmask16)bits, v, sixteen);
-            }
             store16(out, half, o + d, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(v), scale), zero));
         })
 }
 
 __attribute__((target("avx2,f16c"))) static void int4_avx2(char *out, int half, const uint8_t *codes,
-                                                           const uint8_t *top, const uint16_t *s,
-                                                           const uint16_t *z, const Shape4 *g) {
+                                                           const uint16_t *s, const uint16_t *z, const Shape4 *g) {
     const __m128i low = _mm_set1_epi8(0x0F);
-    const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128), sixteen = _mm256_set1_epi32(16);
     INT4_ROWS(g, codes,
         __m256 srow = _mm256_cvtph_ps(_mm_set1_epi16((short)s[at]));
         __m256 zrow = _mm256_cvtph_ps(_mm_set1_epi16((short)z[at]));
@@ -146,10 +135,6 @@ __attribute__((target("avx2,f16c"))) static void int4_avx2(char *out, int half, 
             __m256 scale = g->sf ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + at + d))) : srow;
             __m256 zero = g->sf ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(z + at + d))) : zrow;
             __m256i v = _mm256_cvtepu8_epi32(pairs);
-            if (top) {
-                __m256i bits = _mm256_and_si256(_mm256_set1_epi32(top[(ci + d) / 8]), lane);
-                v = _mm256_add_epi32(v, _mm256_and_si256(_mm256_cmpeq_epi32(bits, lane), sixteen));
-            }
             store8(out, half, o + d, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(v), scale), zero));
         })
 }
@@ -498,11 +483,11 @@ static PyObject *int8_rows(PyObject *self, PyObject *args) {
 }
 
 static PyObject *int4(PyObject *self, PyObject *args) {
-    unsigned long long out, codes, top, s, z;
+    unsigned long long out, codes, s, z;
     int half;
     Shape4 shape, *g = &shape;
     (void)self;
-    if (!PyArg_ParseTuple(args, "KpKKKK(lllll)(llll)(llll)(lllll)", &out, &half, &codes, &top, &s, &z, &g->n[0],
+    if (!PyArg_ParseTuple(args, "KpKKK(lllll)(llll)(llll)(lllll)", &out, &half, &codes, &s, &z, &g->n[0],
                           &g->n[1], &g->n[2], &g->n[3], &g->f, &g->os[0], &g->os[1], &g->os[2], &g->os[3],
                           &g->cs[0], &g->cs[1], &g->cs[2], &g->cs[3], &g->ss[0], &g->ss[1], &g->ss[2], &g->ss[3],
                           &g->sf))
@@ -513,7 +498,7 @@ static PyObject *int4(PyObject *self, PyObject *args) {
     }
     int odd = 0;
     for (int i = 0; i < 4; i++)
-        odd |= g->n[i] < 0 || g->cs[i] % (top ? 8 : 2); /* top bits: every row starts on a byte of them too */
+        odd |= g->n[i] < 0 || g->cs[i] % 2;
     if (odd || g->f % 16 || g->f < 0 || (g->sf != 0 && g->sf != 1)) {
         PyErr_SetString(PyExc_ValueError, "unsupported shape");
         return NULL;
@@ -521,11 +506,11 @@ static PyObject *int4(PyObject *self, PyObject *args) {
 #ifdef KV_X86
     Py_BEGIN_ALLOW_THREADS
     if (level == 2)
-        int4_avx512((char *)(uintptr_t)out, half, (const uint8_t *)(uintptr_t)codes, (const uint8_t *)(uintptr_t)top,
-                    (const uint16_t *)(uintptr_t)s, (const uint16_t *)(uintptr_t)z, g);
+        int4_avx512((char *)(uintptr_t)out, half, (const uint8_t *)(uintptr_t)codes, (const uint16_t *)(uintptr_t)s,
+                    (const uint16_t *)(uintptr_t)z, g);
     else
-        int4_avx2((char *)(uintptr_t)out, half, (const uint8_t *)(uintptr_t)codes, (const uint8_t *)(uintptr_t)top,
-                  (const uint16_t *)(uintptr_t)s, (const uint16_t *)(uintptr_t)z, g);
+        int4_avx2((char *)(uintptr_t)out, half, (const uint8_t *)(uintptr_t)codes, (const uint16_t *)(uintptr_t)s,
+                  (const uint16_t *)(uintptr_t)z, g);
     Py_END_ALLOW_THREADS
 #endif
     Py_RETURN_NONE;
@@ -651,9 +636,8 @@ static PyMethodDef methods[] = {
      "out = codes * scales, where out + l * out_l + a * out_a holds token t's B x D elements at t * B * D; streamed "
      "past the cache"},
     {"int4", int4, METH_VARARGS,
-     "int4(out, half, packed, top, scales, offsets, (A, B, C, E, F), out_strides[4], code_strides[4], "
-     "scale_strides[5]): out = codes * scales + offsets; top (0: none) holds a fifth bit a code, eight a byte; code "
-     "strides in codes (two a byte), the rest in elements"},
+     "int4(out, half, packed, scales, offsets, (A, B, C, E, F), out_strides[4], code_strides[4], "
+     "scale_strides[5]): out = codes * scales + offsets; code strides in codes (two a byte), the rest in elements"},
     {"attend", attend, METH_VARARGS,
      "attend(out, in, codes, scales, offsets, bits, values, (A, H, T, D, M, group), code_strides[3], "
      "scale_strides[3], row_strides[2], score_strides[3]): scores[h, m, a, t] = queries[h, m] . k[a, h, t], or "

@@ -2,6 +2,7 @@
 
     KvstashError
     ├── CodecError        a frame could not be encoded or is not a valid frame
+    │   └── RetiredFrame  a frame of a format kvstash no longer reads (a miss, like any other)
     ├── ConfigError       settings are missing, malformed or inconsistent
     └── StoreError        a store operation was refused (never raised for a miss)
         └── ValueTooLarge a value exceeds the configured maximum size
@@ -14,6 +15,10 @@ class KvstashError(Exception):
 
 class CodecError(KvstashError):
     """A tensor cannot be encoded, or bytes are not a valid kvstash frame."""
+
+
+class RetiredFrame(CodecError):
+    """A frame of a retired format: only codecs kvstash no longer has wrote it."""
 
 
 class ConfigError(KvstashError):

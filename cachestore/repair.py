@@ -9,7 +9,7 @@ from typing import Any
 from cachestore import budget
 from cachestore.boundary import unpack_boundary
 from cachestore.codec import verify_frame
-from cachestore.errors import CodecError
+from cachestore.errors import CodecError, RetiredFrame
 from cachestore.inspect import BlockKey, Progress, classify, parse_block_key, scan_batches, text
 from cachestore.keys import ENTRY_KINDS, INDEX_KEYS, KeySpace
 from cachestore.sessions import FIELDS, from_fields
@@ -27,7 +27,7 @@ class Finding:
     """One problem `verify` found; `fixed` says whether --fix repaired it."""
 
     key: str
-    problem: str  # corrupt_block | unreachable_block | unindexed_block | bad_session | no_ttl | stale_index
+    problem: str  # corrupt_block | retired_block | unreachable_block | unindexed_block | bad_session | no_ttl | ...
     #               | counter_drift | unknown_key | bad_signature (a frame key is set: signed by neither key,
     #               unsigned, or moved or altered) | signed_value (no frame key: verify cannot read it; never fixed)
     detail: str
@@ -164,8 +164,9 @@ class _Verifier:
                     verify_frame(frame, max_elements=VERIFY_MAX_ELEMENTS)
             else:
                 verify_frame(value, max_elements=VERIFY_MAX_ELEMENTS)
-        except CodecError as exc:
-            return f"corrupt_{'block' if parsed.kind == 'blk' else parsed.kind}", str(exc)
+        except CodecError as exc:  # a retired format (an older release wrote it) is no sign of damage: named apart
+            what = "retired" if isinstance(exc, RetiredFrame) else "corrupt"
+            return f"{what}_{'block' if parsed.kind == 'blk' else parsed.kind}", str(exc)
         return None
 
     async def _sessions(self, batch: list[str]) -> None:

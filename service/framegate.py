@@ -17,7 +17,7 @@ import torch
 from cachestore.codec import CodecSpec, OpenFrame, read_header, verify_placed
 from cachestore.codec.blockcodec import BlockCodecs
 from cachestore.codec.frame import GROUPED_MODES, RunningChecksum
-from cachestore.errors import CodecError
+from cachestore.errors import CodecError, RetiredFrame
 from cachestore.tails import unpack_ids, unpack_tail
 from cachestore.wire import Scatter, Target
 from service.engines import Engine
@@ -28,7 +28,7 @@ log = logging.getLogger("kvstash.gate")
 
 @dataclass(frozen=True)
 class Rejection:
-    """Why a cached value was discarded: `reason` is a metric label (corrupt, codec, model)."""
+    """Why a cached value was discarded: `reason` is a metric label (corrupt, retired, codec, model)."""
 
     reason: str
     detail: str
@@ -46,6 +46,8 @@ def frame_problem(
     """
     try:
         header = read_header(frame)
+    except RetiredFrame as exc:  # written by a codec kvstash no longer has: a miss like any other
+        return Rejection("retired", str(exc))
     except CodecError as exc:
         return Rejection("corrupt", str(exc))
     if header.mode != spec.mode or (header.mode in GROUPED_MODES and header.group_size != spec.group_size):
@@ -53,7 +55,7 @@ def frame_problem(
     if header.transform != spec.transform:  # a rotated frame under a plain key, or the other way round
         return Rejection("codec", f"frame with transform bits {header.transform}, this pod's codec "
                                   f"{spec.name()} writes {spec.transform}")
-    if header.layer_bits != spec.layer_table(header.layers):  # other layers kept at int8 (format 3)
+    if header.layer_bits != spec.layer_table(header.layers):  # other layers one bit more
         return Rejection("codec", f"frame with layer table {header.layer_bits.hex()}, this pod uses {spec.name()}")
     want_dtype = str(dtype).removeprefix("torch.")
     if list(header.shape) != list(shape) or header.dtype != want_dtype:

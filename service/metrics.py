@@ -61,8 +61,9 @@ class PodMetrics:
         self.writes_dropped = Counter("kvstash_writes_dropped", "Background writes dropped (queue full or failed)",
                                       ["reason"], registry=r)
         self.cache_rejected = Counter("kvstash_cache_rejected", "Cached values discarded as corrupt or not this "
-                                      "pod's (reason: corrupt, codec, model; mac: not signed under its key "
-                                      "by an accepted frame key)", ["reason"], registry=r)
+                                      "pod's (reason: corrupt, retired: a frame format kvstash no longer reads, codec, "
+                                      "model; mac: not signed under its key by an accepted frame key)", ["reason"],
+                                      registry=r)
         self.frames_rejected = Counter("kvstash_frames_rejected", "Values read back that were not signed under "
                                        "their key by an accepted frame key (reason: mac), a miss; the same events "
                                        "as kvstash_cache_rejected_total{reason=\"mac\"}", ["reason"], registry=r)

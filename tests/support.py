@@ -179,6 +179,14 @@ def resealed(frame: bytes | bytearray) -> bytes:
     return bytes(frame[:HEADER_SIZE - 8]) + struct.pack("<Q", digest) + bytes(frame[HEADER_SIZE:])
 
 
+def as_retired(frame: bytes) -> bytes:
+    """The frame relabelled as a retired format's (version 3, which only layer tables of int8 layers used) and
+    resealed: what an older release may have left in Redis."""
+    edited = bytearray(frame)
+    edited[4] = 3
+    return resealed(edited)
+
+
 def check_gate_refuses_others(mine: str, others: Iterable[str], shape: tuple[int, ...]) -> None:
     """A pod whose codec is `mine` passes its own frame of KV `shape` and refuses, for their codec, those of each of
     `others` before decoding them (`service.framegate`)."""
@@ -207,9 +215,6 @@ def error_bound(mode: str, x: torch.Tensor, group: int) -> torch.Tensor:
         step = torch.stack([k.abs().amax(2, keepdim=True).expand_as(k),
                             v.abs().amax(3, keepdim=True).expand_as(v)], 1) / 127
         return step / 2 * 1.01
-    if mode == "fp8":
-        scale = x.abs().amax(3, keepdim=True) / 448
-        return x.abs() * 2.0**-4 + scale * 2.0**-9 * 1.01
     lo = torch.stack([grouped_extreme(k, 2, group, "amin"), grouped_extreme(v, 3, group, "amin")], 1)
     hi = torch.stack([grouped_extreme(k, 2, group, "amax"), grouped_extreme(v, 3, group, "amax")], 1)
     return (hi - lo) / LEVELS[mode] / 2 * 1.01 + lo.abs() * 2.0**-10

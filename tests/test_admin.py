@@ -16,6 +16,7 @@ from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
 from ops.cli import main
 from ops.redisproc import RedisCluster, RedisProcess, free_port
+from tests.support import as_retired
 
 FP = ModelFingerprint("tiny", "tok", "float32", 2, 2, 8, 16, "int8+lz4/g64")
 OTHER = ModelFingerprint("other", "tok", "float32", 2, 2, 8, 16, "int8+lz4/g64")
@@ -121,12 +122,13 @@ def test_verify_finds_and_fixes(redis_server: RedisProcess, capsys: pytest.Captu
     client.zrem(f"ver:idx:lru:{tag}", blocks[3])
     client.incrby(f"ver:idx:bytes:{tag}", -len(frame()))
     client.delete(blocks[4])  # leaves a stale index entry
+    client.set(blocks[5], as_retired(client.get(blocks[5])), keepttl=True)  # what an older release wrote
     client.hset("ver:sess:default:chat-2", "n_tokens", "7")  # no longer matches token_ids
     client.set("ver:blk:zz:notahash:{ver:s00}", b"x", ex=100)
     rc, report, _ = admin(capsys, redis_server.url, "ver", "verify", "--json")
     assert rc == 1
     assert report["problems"] == {"bad_session": 1, "corrupt_block": 2, "no_ttl": 1, "stale_index": 1,
-                                  "unindexed_block": 1, "unreachable_block": 1}
+                                  "unindexed_block": 1, "unreachable_block": 1, "retired_block": 1}
     corrupt = {f["key"] for f in report["findings"] if f["problem"] == "corrupt_block"}
     assert corrupt == {blocks[0], blocks[1]}
     assert "checksum" in next(f["detail"] for f in report["findings"] if f["key"] == blocks[0])
@@ -135,12 +137,13 @@ def test_verify_finds_and_fixes(redis_server: RedisProcess, capsys: pytest.Captu
     assert rc == 2 and "--yes" in err  # no terminal: refuses
     rc, report, _ = admin(capsys, redis_server.url, "ver", "verify", "--fix", "--yes", "--json")
     assert rc == 0 and all(f["fixed"] for f in report["findings"])
-    assert not client.exists(blocks[0], blocks[1], "ver:sess:default:chat-2", "ver:blk:zz:notahash:{ver:s00}")
+    assert not client.exists(blocks[0], blocks[1], blocks[5], "ver:sess:default:chat-2",
+                             "ver:blk:zz:notahash:{ver:s00}")
     assert client.pttl(blocks[2]) > 0
     rc, report, _ = admin(capsys, redis_server.url, "ver", "verify", "--json")
-    assert rc == 0 and report["problems"] == {} and report["blocks_ok"] == 11
+    assert rc == 0 and report["problems"] == {} and report["blocks_ok"] == 10
     rc, stats, _ = admin(capsys, redis_server.url, "ver", "stats", "--json")
-    assert stats["budget"]["bytes_held"] == stats["budget"]["block_value_bytes"] == 11 * len(frame())
+    assert stats["budget"]["bytes_held"] == stats["budget"]["block_value_bytes"] == 10 * len(frame())
 
 
 def test_evict_and_purge(redis_server: RedisProcess, capsys: pytest.CaptureFixture[str]) -> None:

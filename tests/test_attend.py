@@ -96,9 +96,9 @@ def test_without_the_kernels_nothing_is_attended(monkeypatch: pytest.MonkeyPatch
 
 @needs_kernel
 def test_the_kernels_take_only_what_they_can_read() -> None:
-    """Frame kinds and shapes outside the kernels' (rotated halves, int2, fp8, bf16, head dims not a multiple of 16,
-    a run past the context) are refused before anything is computed."""
-    for spec in ("int4/rotk", "int4/rotv", "int2", "fp8", "int4/k8=1"):
+    """Frame kinds and shapes outside the kernels' (rotated halves, int2, split layouts, bf16, head dims not a multiple
+    of 16, a run past the context) are refused before anything is computed."""
+    for spec in ("int4/rotv", "int2", "int4/symv/s8/v5=1", "int4/kbits/s8"):
         kv = torch.randn(LAYERS, 2, KV_HEADS, BLOCK, 64)
         assert not attend.supports(Codec(spec).open(Codec(spec).encode(kv)).header), spec
     bf16 = Codec("exact").open(Codec("exact").encode(torch.randn(LAYERS, 2, KV_HEADS, BLOCK, 64).bfloat16()))

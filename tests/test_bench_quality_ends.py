@@ -34,8 +34,8 @@ def test_a_target_counts_the_upper_end_of_the_interval_and_the_smaller_size() ->
         return {"text": "t", "mode": spec, "ppl_delta_pct": (lo + hi) / 2, "ppl_delta_lo": lo, "ppl_delta_hi": hi,
                 "ratio_vs_fp16_ctx": mid + 0.05, "ratio_vs_fp16_mid": mid, "greedy_match_mean": 20.0}
 
-    targets = _targets([row("int4+zstd", -0.32, 0.10), row("int4", -0.05, 0.27), row("int4/rot", 0.0, 0.2, 3.48),
+    targets = _targets([row("int4+zstd", -0.32, 0.10), row("int4", -0.05, 0.27), row("int4/rotv", 0.0, 0.2, 3.48),
                         row("int2+zstd", 1.0, 2.9, 6.1)], greedy_tokens=32)
     met = {name.split(": ")[1]: t["met"] for name, t in targets.items() if name != "greedy"}
     # a lower end below −0.25% is no loss; an upper end over the target is; so is a mid-block size under 3.5x
-    assert met == {"int4+zstd": True, "int4": False, "int4/rot": False, "int2+zstd": True}
+    assert met == {"int4+zstd": True, "int4": False, "int4/rotv": False, "int2+zstd": True}

@@ -70,7 +70,7 @@ def test_the_codec_table_says_when_merged_codecs_ran() -> None:
 def test_resize_measures_the_sizes_again_and_keeps_the_scores(tmp_path: Path) -> None:
     from ops.cli import main  # noqa: PLC0415
 
-    modes = ["exact", "int8+zstd", "int4+zstd/s8"]
+    modes = ["exact", "int8+zstd", "int4+zstd/symv/s8", "int4+zstd/rot"]  # the last retired
     run = {**_run(modes, ["alice"], 48, 0.1), "model": "tiny-random", "size_tokens": 128, "greedy": 32}
     for r in run["rows"]:
         r |= {"ratio_vs_fp16_ctx": 1.0, "ratio_vs_fp16_mid": 1.0, "bytes_per_token_ctx": 1.0, "kl_mean": 0.5}
@@ -82,11 +82,14 @@ def test_resize_measures_the_sizes_again_and_keeps_the_scores(tmp_path: Path) ->
     out = json.loads(path.read_text())
     by = {r["mode"]: r for r in out["rows"]}
     assert 0.45 < by["exact"]["ratio_vs_fp16_ctx"] < 0.6  # fp32 KV (the default exact+lz4 saves a little)
-    assert 1.8 < by["int8+zstd"]["ratio_vs_fp16_mid"] < by["int4+zstd/s8"]["ratio_vs_fp16_mid"]
+    assert 1.8 < by["int8+zstd"]["ratio_vs_fp16_mid"] < by["int4+zstd/symv/s8"]["ratio_vs_fp16_mid"]
     assert all(r["kl_mean"] == 0.5 and r["windows"] == 48 for r in out["rows"])  # the scores as they were
-    t = out["targets"]["alice: int4+zstd/s8"]
-    assert t["ratio_vs_fp16"] == min(by["int4+zstd/s8"]["ratio_vs_fp16_ctx"], by["int4+zstd/s8"]["ratio_vs_fp16_mid"])
+    t = out["targets"]["alice: int4+zstd/symv/s8"]
+    split = by["int4+zstd/symv/s8"]
+    assert t["ratio_vs_fp16"] == min(split["ratio_vs_fp16_ctx"], split["ratio_vs_fp16_mid"])
     assert t["met"] == (t["ratio_vs_fp16"] >= 3.5) and "date" in out["resized"]["machine"]
+    assert by["int4+zstd/rot"]["ratio_vs_fp16_mid"] == 1.0  # a retired codec's sizes as published, and said so
+    assert out["resized"]["retired_sizes_kept"] == ["int4+zstd/rot"]
     path.write_text("{}")
     with pytest.raises(SystemExit, match="not a bench quality JSON"):
         main(["bench", "quality", "--resize", "--json", str(path)])
@@ -120,11 +123,11 @@ def test_no_rope_runs_say_so_and_refuse_unrope(tmp_path: Path, capsys: pytest.Ca
     out = tmp_path / "quality.json"
     tiny = ["--text", "declaration", "--model", "tiny-random", "--prefix", "32", "--continuation", "16",
             "--windows", "2", "--greedy", "3", "--block-tokens", "8", "--size-tokens", "64"]
-    assert main(["bench", "quality", "--no-rope", *tiny, "--modes", "exact,int4+zstd/s8", "--json", str(out)]) == 0
+    assert main(["bench", "quality", "--no-rope", *tiny, "--modes", "exact,int4+zstd/symv/s8", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert [r.get("rope") for r in report["rows"]] == [None, "withheld"]
-    assert "declaration: int4+zstd/s8 (RoPE withheld)" in report["targets"]
-    assert "target declaration: int4+zstd/s8 (RoPE withheld):" in capsys.readouterr().out
+    assert "declaration: int4+zstd/symv/s8 (RoPE withheld)" in report["targets"]
+    assert "target declaration: int4+zstd/symv/s8 (RoPE withheld):" in capsys.readouterr().out
     table, _ = _quality(report)
     assert any("(RoPE withheld)" in line and "int4" in line for line in table)
     assert main(["bench", "quality", "--resize", "--json", str(out)]) == 0  # its sizes again, encoded as it ran

@@ -13,7 +13,7 @@ from tests.support import HISTORY, chat, make_client, wait_written
 
 
 @pytest.mark.parametrize(("spec", "sink"), [("int2", "int8+lz4"), ("int4+zstd/g32", "int8+zstd:3"),
-                                            ("int8", "int8+lz4"), ("exact", "exact+lz4"), ("fp8", "fp8+lz4")])
+                                            ("int8", "int8+lz4"), ("exact", "exact+lz4")])
 def test_policy(spec: str, sink: str) -> None:
     codecs = BlockCodecs.for_spec(spec)
     assert codecs.at(0).spec.name() == sink
@@ -22,10 +22,11 @@ def test_policy(spec: str, sink: str) -> None:
 
 
 @pytest.mark.parametrize(("codec", "main"), [("int2", (2, "int2", b"")),
-                                             ("int4+zstd/k8=1/v8=0", (3, "int4", bytes((0x84, 0x48))))])
+                                             ("int4+zstd/symv/s8/v5=0", (5, "int4", bytes((0x54, 0x44))))])
 def test_pod_stores_block_zero_as_int8_and_hits(redis_server: RedisProcess, tiny_model: Any, codec: str,
                                                 main: tuple[int, str, bytes]) -> None:
-    """The other blocks in the main codec: format 3 frames (int8 layers) included, through the pod's whole path."""
+    """The other blocks in the main codec: format 5 frames (a layer one bit more) included, through the pod's whole
+    path."""
     with make_client(redis_server, tiny_model, codec=codec, local_tier_bytes=0) as client:
         first = chat(client, HISTORY)
         assert first.status_code == 200
@@ -52,7 +53,7 @@ def test_a_rotated_frame_under_a_plain_key_is_refused() -> None:
     from service.framegate import frame_problem  # noqa: PLC0415
 
     kv = torch.randn(2, 2, 2, 16, 64)  # [L, 2, H, T, D]
-    plain, rotated = Codec("int4/plain"), Codec("int4/rot")
+    plain, rotated = Codec("int4/plain"), Codec("int4/rotv")
     shape = list(kv.shape)
     assert frame_problem(plain.encode(kv), plain.spec, shape, torch.float32) is None
     assert frame_problem(rotated.encode(kv), rotated.spec, shape, torch.float32) is None

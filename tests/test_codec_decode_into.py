@@ -9,8 +9,8 @@ import torch
 from cachestore.codec import Codec
 from cachestore.errors import CodecError
 
-SPECS = ["exact", "fp16", "int8", "int4/g32", "int2", "fp8", "exact+zstd", "int8+zstd",
-         "int4/g32/rot", "int2/g8/rotk/clip", "int4/plain"]  # rotated keys padded (g32) or not (g8)
+SPECS = ["exact", "fp16", "int8", "int4/g32", "int2", "exact+zstd", "int8+zstd",
+         "int4/g32/rotv", "int2/g8/rotv/clip", "int4/plain", "int2/g8/symv/s8"]
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -59,7 +59,7 @@ def test_a_stored_frame_is_read_in_place_not_copied_first(spec: str) -> None:
     assert torch.equal(Codec(spec).decode(frame).float(), out)
 
 
-@pytest.mark.parametrize("spec", ["int8", "int4+zstd/k8=0.2"])
+@pytest.mark.parametrize("spec", ["int8", "int4+zstd/symv/s8/k5=0.2"])
 def test_an_fp16_context_gets_the_fp32_values_rounded_once(spec: str) -> None:
     """int8 codes times their fp16 scale are exact in fp32; an fp16 output (llama.cpp's context) holds exactly those
     products rounded to fp16, whichever route the decode takes."""

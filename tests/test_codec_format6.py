@@ -16,7 +16,6 @@ from cachestore.codec.frame import HEADER_SIZE, KEY_CLASS_BITS, KEY_CLASSES, OUT
 from cachestore.codec.rope import ADJACENT, HALVES, Rope, turn
 from cachestore.codec.spec import CodecSpec, recent_spec
 from cachestore.errors import CodecError, ConfigError
-from tests.golden.cases import frame_path
 from tests.support import check_layers_decode_apart, kv_sample, resealed
 
 KBITS = "int2+none/g64/rotv/clip/kbits/symv/s8"
@@ -61,7 +60,7 @@ def test_a_rope_record_a_frame_must_not_hold_is_refused() -> None:
 
 @pytest.mark.parametrize(("spec", "bound"), [
     (KBITS, 0.1), (BOTH, 0.1), ("int2+zstd/rotv/clip/outk/symv/s8/unrope", 0.1), (KBITS + "/v3=1", 0.1),
-    (KBITS4, 0.02), (KBITS4 + "/unrope/v5=1", 0.02), ("int4+zstd/rot/clip/kbits/s8/unrope", 0.02)])
+    (KBITS4, 0.02), (KBITS4 + "/unrope/v5=1", 0.02), ("int4+zstd/rotv/clip/kbits/s8/unrope", 0.02)])
 def test_format6_frames_round_trip_and_decode_a_layer_range_alike(spec: str, bound: float) -> None:
     """Random KV (a fifth of its key channels decode to their group's mean under int2's /kbits), the model's RoPE on
     its keys from position 320 on; `bound` the keys' relative squared error (values': int2 0.15, int4 0.02)."""
@@ -127,21 +126,9 @@ def test_int4_classes_put_the_bits_where_the_error_is() -> None:
     wide = kv[:, 0, :, :, 9]
     step = (wide.amax(-1, keepdim=True) - wide.amin(-1, keepdim=True)) / 63
     assert bool(((out[:, 0, :, :, 9] - wide).abs() <= step * 0.51 + wide.abs() * 2.0**-10).all())
-    plain = Codec().decode(Codec("int4+none/g64/s8").encode(kv)).float()
+    plain = Codec().decode(Codec("int4+none/g64/symv/s8").encode(kv)).float()
     err = float((out[:, 0] - kv[:, 0]).square().sum())
     assert err < 0.6 * float((plain[:, 0] - kv[:, 0]).square().sum())
-
-
-def test_int4_classes_of_one_format_version_are_not_read_as_the_other() -> None:
-    """Format 6 and 7 int4 class frames differ in their counts, so in their sections' sizes: relabelled, either is
-    refused (a miss for the pod), never decoded with the other's counts."""
-    frame = bytearray(Codec(KBITS4).encode(kv_sample((1, 2, 1, 64, 64), torch.float32, seed=9)))
-    former = bytearray(frame_path("int4_fp32_none_g8_kbits_s8").read_bytes())
-    assert (frame[4], former[4]) == (7, 6)
-    frame[4], former[4] = 6, 7
-    for bad in (frame, former):
-        with pytest.raises(CodecError, match="raw length"):
-            Codec().decode(resealed(bad))
 
 
 def _section(opened: Any, name: str) -> torch.Tensor:

@@ -8,15 +8,15 @@ import torch
 from cachestore.codec import Codec, read_header
 from cachestore.codec.compress import decompress
 from cachestore.codec.frame import HEADER_SIZE, UNROPE
-from cachestore.errors import CodecError
-from tests.golden.cases import CASES, FORMER, expected_path, frame_path, golden_codec, make_input, tensor_bytes
+from cachestore.errors import CodecError, RetiredFrame
+from tests.golden.cases import CASES, RETIRED, expected_path, frame_path, golden_codec, make_input, tensor_bytes
 
 NAMES = sorted(CASES)
 # Rotated frames go through a matmul, whose rounding may differ in the last bit between BLAS
 # builds (keys without their RoPE through sines and cosines, likewise between math libraries): their decoded tensor
 # is pinned to within that, and their encoding by what it decodes to.
-ROTATED = sorted(n for n in NAMES if ("/rot" in CASES[n][0] or "/unrope" in CASES[n][0]) and n not in FORMER)
-BIT_EXACT = sorted(set(NAMES) - set(ROTATED) - FORMER)
+ROTATED = sorted(n for n in NAMES if "/rot" in CASES[n][0] or "/unrope" in CASES[n][0])
+BIT_EXACT = sorted(set(NAMES) - set(ROTATED))
 
 
 def _header_fields(frame: bytes) -> tuple[object, ...]:
@@ -31,7 +31,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _raw_payload(frame: bytes) -> bytes:
     header = read_header(frame)
-    stored = memoryview(frame)[HEADER_SIZE + header.table_len:]  # format 3: after the layer table
+    stored = memoryview(frame)[HEADER_SIZE + header.table_len:]  # after the layer table
     return bytes(decompress(stored, header.compressor, header.raw_len))
 
 
@@ -59,7 +59,7 @@ def test_rotated_golden_frames_decode_and_reencode_to_the_golden_tensor(name: st
     golden = frame_path(name).read_bytes()
     expected = torch.frombuffer(bytearray(expected_path(name).read_bytes()), dtype=dtype).view(shape)
     header = read_header(golden)
-    assert header.version in (2, 5, 6, 7) and header.transform & (3 | UNROPE)  # rotated keys or values, unroped keys
+    assert header.version in (2, 5, 6, 7) and header.transform & (2 | UNROPE)  # rotated values, unroped keys
     assert _close(Codec().decode(golden), expected)
     frame = golden_codec(spec).encode(make_input(dtype, shape))
     assert _header_fields(frame) == _header_fields(golden)
@@ -76,23 +76,20 @@ def test_decoding_the_golden_frame_gives_the_golden_tensor(name: str) -> None:
         assert torch.equal(out, make_input(dtype, shape))
 
 
-@pytest.mark.parametrize("name", sorted(FORMER))
-def test_frames_of_a_format_no_longer_written_still_decode(name: str) -> None:
-    spec, dtype, shape = CASES[name]
-    golden = frame_path(name).read_bytes()
-    expected = torch.frombuffer(bytearray(expected_path(name).read_bytes()), dtype=dtype).view(shape)
-    assert read_header(golden).version == 6 and read_header(golden_codec(spec).encode(make_input(dtype, shape))
-                                                              ).version == 7
-    out = Codec().decode(golden)
-    assert out.dtype == dtype and tuple(out.shape) == shape
-    assert (tensor_bytes(out) == tensor_bytes(expected)) if "/unrope" not in spec else _close(out, expected)
+@pytest.mark.parametrize("name", sorted(RETIRED))
+def test_frames_of_a_retired_format_are_refused_as_retired(name: str) -> None:
+    frame = frame_path(name).read_bytes()
+    with pytest.raises(RetiredFrame, match="retired format"):
+        read_header(frame)
+    with pytest.raises(RetiredFrame):
+        Codec().decode(frame)
 
 
 def test_golden_frames_cover_every_mode_and_compressor() -> None:
     headers = [read_header(frame_path(name).read_bytes()) for name in NAMES]
-    assert {h.mode for h in headers} == {"exact", "fp16", "int8", "int4", "int2", "fp8", "q8"}
-    assert {h.version for h in headers} == {1, 2, 3, 4, 5, 6, 7}
-    assert {h.transform for h in headers} == {0, 1, 2, 3, 4, 8, 16, 24, 32, 34, 36, 60, 96, 112, 228, 246}
+    assert {h.mode for h in headers} == {"exact", "fp16", "int8", "int4", "int2", "q8"}
+    assert {h.version for h in headers} == {1, 2, 5, 6, 7}
+    assert {h.transform for h in headers} == {0, 2, 60, 96, 112, 228, 246}
     assert {h.compressor for h in headers} == {"none", "lz4", "zstd"}
     assert {h.dtype for h in headers} == {"float32", "float16", "bfloat16"}
     assert any(h.shuffled for h in headers)
@@ -107,24 +104,21 @@ def test_a_future_version_is_rejected_cleanly() -> None:
 
 @pytest.mark.parametrize(("name", "version", "transform", "match"), [
     ("int8_fp16_none", 2, 0, "transform 0x0 in version 2"),  # version 2 without anything needing it
-    ("int8_fp16_none", 1, 1, "transform 0x1 in version 1"),  # the reserved byte of format 1
-    ("int8_fp16_none", 2, 1, "transform 0x1 for mode int8"),  # rotation on a mode that has none
-    ("int4_fp32_none_g4_rot_clip", 2, 4, "transform 0x4"),  # an unknown transform bit
-    ("int4_fp32_none_g4_rot_clip", 2, 9, "transform 0x9 in version 2"),  # outlier keys need format 4
-    ("int2_fp32_none_g4_outk_symv", 4, 0x1c, "transform 0x1c in version 4"),  # a layer table in format 4
-    ("int2_fp32_none_g4_outk_symv", 4, 0x40, "transform 0x40"),  # a format 6 bit in format 4
-    ("int8_fp16_none", 4, 16, "transform 0x10 for mode int8"),  # symmetric values on a mode that has none
-    ("int4_fp32_none_g4_s8", 2, 32, "transform 0x20 in version 2"),  # range codes need format 5
-    ("int4_fp32_none_g4_s8", 5, 0, "transform 0x0 in version 5"),  # format 5 without range codes
-    ("int4_fp32_none_g4_s8", 3, 0x24, "transform 0x24 in version 3"),  # range codes in format 3
-    ("int2_fp32_none_g4_outk_symv", 5, 0x18, "transform 0x18 in version 5"),  # format 5 without range codes
-    ("int4_fp32_none_g4_s8", 5, 0x60, "transform 0x60"),  # a format 6 bit in format 5
+    ("int8_fp16_none", 1, 2, "transform 0x2 for mode int8"),  # the reserved byte of format 1
+    ("int8_fp16_none", 2, 2, "transform 0x2 for mode int8"),  # rotation on a mode that has none
+    ("int2_fp16_none_g8_rotv", 2, 6, "transform 0x6 in version 2"),  # a layer table in format 2
+    ("int2_fp16_none_g8_rotv", 2, 10, "transform 0xa in version 2"),  # outlier keys need format 5
+    ("int2_fp16_none_g8_rotv", 1, 2, "transform 0x2 in version 1"),  # rotated values need format 2
+    ("int8_fp16_none", 5, 48, "transform 0x30 for mode int8"),  # symmetric values on a mode that has none
+    ("int2_fp32_none_g4_outk_symv_s8_k3", 5, 0x1c, "transform 0x1c in version 5"),  # format 5 without range codes
+    ("int2_fp32_none_g4_outk_symv_s8_k3", 5, 0x7c, "transform 0x7c in version 5"),  # a format 6 bit in format 5
     ("int2_fp32_none_g8_kbits_symv_s8", 6, 0x30, "transform 0x30 in version 6"),  # format 6 without its bits
     ("int2_fp32_none_g8_kbits_symv_s8", 6, 0x78, "classes .* and outlier channels"),  # both at once
-    ("int4_fp32_none_g4_s8", 6, 0xa0, "transform 0xa0"),  # keys without their RoPE need a split layout
-    ("int4_fp32_none_g4_s8", 7, 0xa0, "version 7 has no key channel classes for int4"),  # format 7 without them
-    ("int2_fp32_none_g8_kbits_symv_s8", 7, 0x70, "version 7 has no key channel classes for int2"),  # int2 has one
+    ("int2_fp32_none_g8_kbits_symv_s8", 7, 0x70, "transform 0x70 in version 7"),  # int2's classes are format 6's
     ("int4_fp32_none_g8_kbits7_s8", 5, 0x60, "transform 0x60 in version 5"),  # format 7's bits in format 5
+    ("int4_fp32_none_g8_kbits7_s8", 6, 0x60, "retired format"),  # int4's classes of format 6: retired
+    ("int8_fp16_none", 3, 0, "retired format"),  # format 3, whatever it holds
+    ("int2_fp16_none_g8_rotv", 2, 3, "retired format"),  # rotated keys
 ])
 def test_inconsistent_version_and_transform_are_refused(name: str, version: int, transform: int,
                                                         match: str) -> None:

@@ -22,18 +22,18 @@ from service.settings import PodSettings
 from tests.golden.cases import frame_path, make_input
 from tests.support import wait_written
 
-SPEC = "int2+zstd/rot/clip/k4=2/recent=int8"
+SPEC = "int2+zstd/rotv/clip/symv/s8/k3=2/recent=int8"
 HISTORY = [{"role": "system", "content": "You answer briefly. " * 3}, {"role": "user", "content": "Hello there!"}]
 
 
 def test_spec_names_the_recent_mode_and_parses_back() -> None:
     spec = CodecSpec.parse(SPEC)
-    assert (spec.mode, spec.recent, spec.hi) == ("int2", "int8", HiLayers(alt_keys=(2,)))
-    assert spec.name() == "int2+zstd:3/g64/rot/clip/k4=2/recent=int8"
+    assert (spec.mode, spec.recent, spec.hi) == ("int2", "int8", HiLayers(up_keys=(2,)))
+    assert spec.name() == "int2+zstd:3/g64/rotv/clip/symv/s8/k3=2/recent=int8"
     assert CodecSpec.parse(spec.name()) == spec
     assert CodecSpec.parse("int4/recent=int8").name() == "int4+lz4/g64/plain/recent=int8"
     # part of the fingerprint: pods with and without it, or with another recent mode, never share keys
-    pinned = "int2+zstd:3/g64/rot/clip/k4=2/recent=int8,sink=int8+zstd:3"
+    pinned = "int2+zstd:3/g64/rotv/clip/symv/s8/k3=2/recent=int8,sink=int8+zstd:3"
     assert BlockCodecs.for_spec(SPEC).name() == pinned
     names = {BlockCodecs.for_spec(s).name() for s in ("int2", "int2/recent=int8", "int2/recent=int4")}
     assert len(names) == 3
@@ -41,7 +41,7 @@ def test_spec_names_the_recent_mode_and_parses_back() -> None:
 
 @pytest.mark.parametrize("text", ["int8/recent=int8", "int4/recent=int4", "int4/recent=int2", "int2/recent=int2",
                                   "int2/recent=fp16", "exact/recent=int8", "q8/recent=int8", "int2/recent=",
-                                  "int2/recent=int8/k4=1", "int2/recent=int8/recent=int8"])
+                                  "int2/recent=int8/k3=1", "int2/recent=int8/recent=int8"])
 def test_spec_refuses_a_recent_mode_it_cannot_honour(text: str) -> None:
     with pytest.raises(ConfigError):
         CodecSpec.parse(text)
@@ -50,9 +50,9 @@ def test_spec_refuses_a_recent_mode_it_cannot_honour(text: str) -> None:
 
 
 def test_recent_spec_keeps_compressor_and_for_int4_the_group_and_options() -> None:
-    assert recent_spec(CodecSpec.parse("int4+zstd:5/g32/rot/k8=1/recent=int8")) == CodecSpec("int8", "zstd", 5)
-    under = recent_spec(CodecSpec.parse("int2+lz4/g32/rot/clip/k4=1/recent=int4"))
-    assert under == CodecSpec("int4", "lz4", 3, 32, Variant(True, True, True), NO_HI)
+    assert recent_spec(CodecSpec.parse("int4+zstd:5/g32/symv/s8/k5=1/recent=int8")) == CodecSpec("int8", "zstd", 5)
+    under = recent_spec(CodecSpec.parse("int2+lz4/g32/rotv/clip/symv/s8/k3=1/recent=int4"))
+    assert under == CodecSpec("int4", "lz4", 3, 32, Variant(True, True, sym_values=True, scale8=True), NO_HI)
     plain = CodecSpec.parse("int2+zstd")
     assert recent_spec(plain) is plain
 
@@ -63,7 +63,7 @@ def test_block_policy_gives_only_the_partial_block_the_recent_mode() -> None:
     assert codecs.partial_at(0) is codecs.sink  # a partial block from token 0 is the sink block
     assert codecs.partial_at(3).spec == CodecSpec("int8", "zstd")
     assert codecs.sink.spec == CodecSpec("int8", "zstd")
-    without = BlockCodecs.for_spec("int2+zstd/rot/clip/k4=2")
+    without = BlockCodecs.for_spec("int2+zstd/rotv/clip/symv/s8/k3=2")
     assert without.partial_at(3) is without.main
     exact = BlockCodecs.for_spec("exact")
     assert exact.partial_at(2) is exact.main is exact.at(2)

@@ -14,6 +14,7 @@ from starlette.testclient import TestClient
 from cachestore.codec import Codec
 from ops.redisproc import RedisProcess
 from tests.faultkit import QUESTIONS, SYSTEM, chat, metric, pod_client, reference_reply, reply_of, wait_written
+from tests.support import as_retired
 
 REJECTED = "kvstash_cache_rejected_total"
 
@@ -65,6 +66,7 @@ CORRUPTIONS = {
     "other-codec": (_other_codec, "codec"),
     "other-model": (_other_model, "model"),
     "other-dtype": (_other_dtype, "model"),
+    "retired-format": (as_retired, "retired"),
 }
 
 

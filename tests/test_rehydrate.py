@@ -19,8 +19,8 @@ from service.engines.hf.hfcache import ATTEND_MAX_NEW
 from service.lookup import chunk_plan
 from service.rehydrate import Rehydration
 
-MODES = ["exact", "fp16", "int8", "int4", "int2", "int4/rot", "int2+zstd", "int4/g32/clip", "fp8", "fp16+zstd",
-         "q8", "int2+zstd/rotv/clip/outk/symv", "int4/outk"]
+MODES = ["exact", "fp16", "int8", "int4", "int2", "int4/rotv", "int2+zstd", "int4/g32/clip", "fp16+zstd",
+         "q8", "int2+zstd/rotv/clip/outk/symv/s8", "int4/outk/s8"]
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -28,7 +28,7 @@ from cachestore.wire import native as native_wire
 from ops.redisproc import RedisProcess
 from service.rehydrate import Rehydration
 
-MODES = ["exact", "fp16", "int8", "int4+none", "int2+none", "int4+none/rot", "fp8+none"]
+MODES = ["exact", "fp16", "int8", "int4+none", "int2+none", "int4+none/rotv", "int2+none/g8"]
 
 
 class Trickle:
@@ -277,7 +277,7 @@ def test_frames_that_are_no_run() -> None:
     other = Codec("fp16")
     buf2, slots2 = _landed(other, kvs[:1], 50_000)
     assert FrameRun.of(buf, [opened[0], other.open(slots2[0])]) is None  # two kinds
-    mixed = Codec("int4+none/k8=0.1")  # layers kept at int8: codes of two kinds per frame
+    mixed = Codec("int4+none/symv/s8/k5=0.1")  # layers one bit more: codes of two kinds per frame
     buf3, slots3 = _landed(mixed, kvs, 20_480)
     assert FrameRun.of(buf3, [mixed.open(s) for s in slots3]) is None
 

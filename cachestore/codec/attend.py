@@ -21,7 +21,7 @@ from cachestore.codec import kernels
 from cachestore.codec.frame import FrameHeader
 from cachestore.codec.layout import Dims, groups
 
-MODES = ("int8", "int4", "fp16", "exact")  # with no transform, no int8 layers, exact in fp16 or fp32: what they read
+MODES = ("int8", "int4", "fp16", "exact")  # with no transform, exact in fp16 or fp32: what they read
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class Landed:
 
 def supports(header: FrameHeader) -> bool:
     """Whether frames of this kind can be attended over in their codes (on this CPU, under this setting)."""
-    if not kernels.enabled() or header.mode not in MODES or header.transform or header.layer_bits or header.rows:
+    if not kernels.enabled() or header.mode not in MODES or header.transform or header.rows:
         return False
     if header.mode == "exact" and header.dtype not in ("float32", "float16"):
         return False

@@ -8,9 +8,9 @@ block 0 at int8 by 7.7% (int4: +0.40% vs +0.09%). Block 0 is one block per chain
 little to a long context. Frames are self-describing, so decoding needs no policy; the policy is
 part of the model fingerprint, so pods with different policies never share keys.
 
-The rotated and clipped int4/int2 of format 2 still need it (same 3 windows of ops/data/sample.txt,
+The rotated and clipped int2 of format 2 still needs it (same 3 windows of ops/data/sample.txt,
 fake-quantized): int2/rotv/clip without the sink +81% perplexity (KL 0.76), with block 0 at int4 KL
-0.050, at int8 KL 0.034; int4/rot without it KL 0.017, with it 0.0015. At 2048 tokens block 0 costs
+0.050, at int8 KL 0.034. At 2048 tokens block 0 costs
 one block in 32: int4+zstd 3.65x smaller than fp16 with it, int2+zstd 6.08x.
 
 The tokens after a sequence's last full block (a session's partial block, a tail) are the most recent of any hit

@@ -4,38 +4,15 @@
     frame = codec.encode(kv)        # kv: [layers, 2, kv_heads, tokens, head_dim]
     kv2 = codec.decode(frame)       # any mode's frame: frames describe themselves
 
-Modes and their loss (see DESIGN.md, "Codec"):
+Modes and their loss (see DESIGN.md, "Codec"; every part of a spec: docs/codec-spec.md, generated from
+cachestore/codec/spec.py):
     exact  the tensor's own dtype bits; lossless.
     fp16   cast to fp16; lossless only for fp16 input (fp32/bf16 lose mantissa or range).
     int8   symmetric, keys per channel, values per token; error <= half a step per scale.
     int4   asymmetric per group (keys: group_size tokens per channel; values:
     int2   group_size channels per token), fp16 scale and zero; error <= half a step
-           (of the clipped range with /clip). Options, part of the name: /rot (keys and
-           values Hadamard-rotated along head_dim), /rotk, /rotv (one of them), /clip
-           (MSE-chosen group ranges), /plain (none: the format 1 codec). A bare int4 is
-           /plain, a bare int2 /rotv/clip (DEFAULT_VARIANTS). /k8=L.L... and /v8=L.L... keep
-           the keys / values of those layers at int8 (int8's bound there; frame format 3);
-           /k4= and /v4= give those of an int2 frame int4, /k2= and /v2= those of an int4
-           frame int2 (that mode's bound there): a per-layer bit allocation, calibrated with
-           `kvstash bench layers` on texts the claims are not made on (docs/fidelity.md).
-           /outk keeps each key group's widest channels (1 in 8 in int2, 1 in 16 in int4) at
-           int4 / int8, /symv quantizes values about zero with a scale and no zero point
-           (each within half a step of its own scale; frame format 4, no layer table).
-           /k5= and /v5= give the keys / values of those layers of an int4 frame 5 bits, /k3= and
-           /v3= those of an int2 frame 3 bits. /s8 stores every group's range as two 8-bit codes
-           between its block's extremes instead of an fp16 scale and zero point, a quarter bit a
-           value less (frame format 5; with /outk or /symv too, whose frames then take
-           /k5= /v5= or /k3= /v3= layers, nothing else, in their table).
-           /kbits (with /s8; frame format 6, int4 7) gives each key channel of a group its bits by
-           its importance, its mean square (over its RoPE pair) times its range squared, in fixed
-           counts: int2 0, 2, 3 or 4 bits (13/17/26/8 of 64; 0 bits decode to the group's mean),
-           int4 3, 4, 5 or 6 (16/24/16/8 of 64; format 6's 24/24/8/8 still decode). /unrope stores
-           keys with RoPE undone relative to their block's first token (the model's RoPE, which
-           the engine declares, recorded in the frame) and redoes it on decoding.
-           /recent=int8 (or int4 under int2) encodes a sequence's partial last block, its most
-           recent tokens (a session's partial block, a tail), with that mode instead (`recent_spec`;
-           cachestore.codec.blockcodec); full blocks are unchanged.
-    fp8    e4m3 with a per-channel fp16 scale; relative error <= 2**-4.
+           (of the clipped range with /clip), within its own bits where options give a
+           channel or layer more or fewer.
     q8     llama.cpp's q8_0, always as token rows: per token and head, 32 channels share an fp16
            scale (max |x| / 127); error <= half a step. The bytes of a llama.cpp KV cache of type
            q8_0, which a llamacpp pod stores and restores exactly (service.engines.llamastate).
@@ -64,15 +41,14 @@ from cachestore.codec.frame import (
     FLOAT_MODES,
     GROUPED_MODES,
     HEADER_SIZE,
+    KEY_CLASS_VERSION,
     KEY_CLASSES,
     MAX_DIM,
     MAX_TOKENS,
-    SCALE8,
-    SPLIT,
+    ROT_VALUES,
     V6,
     FrameHeader,
     checksum,
-    key_class_version,
     pack_header,
 )
 from cachestore.codec.layout import PLAIN, Dims, layout
@@ -125,13 +101,11 @@ class Codec:
             # Incompressible (int8 and fp16 KV under lz4): store it plainly, so decoding
             # skips a decompression that would buy nothing. The frame says so itself.
             comp, shuffled, payload = "none", False, bytes(memoryview(raw.numpy()))  # type: ignore[arg-type]
-        # The oldest version that holds the frame (1: nothing transformed, 2: rotations, 3: a layer
-        # table, 4: outlier channels or symmetric values, 5: range codes, 6: key classes or keys without their RoPE,
-        # key classes that of the mode's newest counts, 7 for int4): older readers keep reading the frames they can.
-        table = spec.layer_table(dims.layers)
-        version = (key_class_version(spec.mode) if spec.transform & KEY_CLASSES else 6 if spec.transform & V6
-                   else 5 if spec.transform & SCALE8 else 4 if spec.transform & SPLIT
-                   else 3 if table else 2 if spec.transform else 1)
+        # The oldest version that holds the frame (1: nothing transformed, 2: rotated values, 5: a split layout, 6:
+        # keys without their RoPE or int2's key classes, 7: int4's): older readers keep reading the frames they can.
+        table, t = spec.layer_table(dims.layers), spec.transform
+        version = (KEY_CLASS_VERSION[spec.mode] if t & KEY_CLASSES else 6 if t & V6 else 5 if t & ~ROT_VALUES
+                   else 2 if t else 1)
         stored = table + payload
         flags = (FLAG_SHUFFLE if shuffled else 0) | (FLAG_ROWS if spec.rows else 0)
         header = FrameHeader(version, spec.mode, comp, DTYPE_NAMES[dtype], flags, group, dims.layers, dims.heads,

@@ -13,28 +13,13 @@ from cachestore.codec import kernels, scalecodes
 from cachestore.codec.frame import (
     KEY_CLASS_BITS,
     OUTLIER_BITS,
-    UP_BITS,
     key_class_pieces,
     key_class_shifts,
     key_classes,
     outlier_channels,
 )
 from cachestore.codec.frame import MODE_BITS as BITS
-from cachestore.codec.layout import (
-    ALT_AT,
-    ALT_MODE,
-    F16,
-    PLAIN,
-    UP_AT,
-    Dims,
-    HiLayers,
-    Variant,
-    code_bytes,
-    groups,
-    key_streams,
-    layer_code_bytes,
-    split_layout,
-)
+from cachestore.codec.layout import F16, PLAIN, Dims, Variant, groups, key_streams, split_layout
 from cachestore.codec.q8 import Q8_BLOCK, Q8_BYTES, q8_rows_into
 from cachestore.codec.quant import hadamard_cpu, rotate
 from cachestore.codec.rope import Rope, turn
@@ -88,12 +73,8 @@ def dequantize(mode: str, parts: list[torch.Tensor], dims: Dims, group: int,
         if out is None:
             return parts[0] if mode == "exact" else parts[0].to(dtype)
         return out.copy_(parts[0])
-    compute = F16 if dtype == F16 else torch.float32
     if out is None:
         out = torch.empty((n_layers, 2, h, t, d), dtype=dtype, device=parts[0].device)
-    if mode == "fp8":
-        scale, q = parts
-        return torch.mul(q.to(compute), scale.to(compute), out=out)
     if mode == "q8":
         q8_rows_into(out.transpose(2, 3), parts[0].view(n_layers, 2, t, h, d // Q8_BLOCK * Q8_BYTES))
         return out
@@ -107,7 +88,7 @@ def dequantize(mode: str, parts: list[torch.Tensor], dims: Dims, group: int,
     gk, nk, gv, nv = groups(dims, group)
     sk, zk, sv, zv, pk, pv = parts
     bits = BITS[mode]
-    halves = ((pk, sk, zk, (n_layers, h, nk, gk, d), 2, variant.rot_keys),
+    halves = ((pk, sk, zk, (n_layers, h, nk, gk, d), 2, False),
               (pv, sv, zv, (n_layers, h, t, nv, gv), 3, variant.rot_values))
     for half, (packed, scale, zero, shape, dim, rot) in enumerate(halves):
         if not (bits == 4 and not rot and _int4_into(out[:, half], packed, scale, zero, shape, dim)):
@@ -118,18 +99,18 @@ def dequantize(mode: str, parts: list[torch.Tensor], dims: Dims, group: int,
 
 def _dequantize_split(mode: str, parts: list[torch.Tensor], dims: Dims, group: int, out: torch.Tensor,
                       variant: Variant, up: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> torch.Tensor:
-    """The sections of `split_layout` (formats 4 to 6, range codes expanded; `dims` the layers they hold, `up` the
+    """The sections of `split_layout` (formats 5 to 7, range codes expanded; `dims` the layers they hold, `up` the
     layers of them one bit more) -> out [layers, 2, heads, tokens, dim]. A mask that does not mark exactly
     `outlier_channels` channels of every key group, or a class map without each class's count, raises CodecError."""
     n_layers, h, t, d = dims
     gk, nk, gv, nv = groups(dims, group)
     bits = BITS[mode]
     up_k, up_v = up
-    sec = dict(zip(split_layout(mode, dims, group, variant, (0, 0, 0, 0, len(up_k), len(up_v))), parts, strict=True))
+    sec = dict(zip(split_layout(mode, dims, group, variant, (len(up_k), len(up_v))), parts, strict=True))
     kshape = (n_layers, h, nk, gk, d)
     c = outlier_channels(mode, d) if variant.outlier_keys else 0
     if variant.key_classes:
-        codes = _class_codes(sec, mode, n_layers, kshape, variant.class_version)
+        codes = _class_codes(sec, mode, n_layers, kshape)
     elif variant.outlier_keys:
         lo = _raised_codes(sec["pk"], sec.get("pkt"), bits, n_layers, h * nk * gk * (d - c), up_k)
         mask = unpack_mask(sec["mask"], d)  # [L, H, groups, D]
@@ -143,7 +124,7 @@ def _dequantize_split(mode: str, parts: list[torch.Tensor], dims: Dims, group: i
         codes.masked_scatter_(where, hi)
     else:
         codes = _raised_codes(sec["pk"], sec.get("pkt"), bits, n_layers, h * nk * gk * d, up_k).view(kshape)
-    _affine_into(out[:, 0], codes, sec["sk"], sec["zk"], 2, variant.rot_keys)
+    _affine_into(out[:, 0], codes, sec["sk"], sec["zk"], 2, False)
     if variant.unrope:  # the keys' RoPE, undone within the block, redone
         out[:, 0] = turn(out[:, 0], Rope.from_section(sec["rope"]), 1)
     vshape = (n_layers, h, t, nv, gv)
@@ -157,20 +138,18 @@ def _dequantize_split(mode: str, parts: list[torch.Tensor], dims: Dims, group: i
     return out
 
 
-def key_class_map(packed: torch.Tensor, mode: str, dim: int, version: int = 0) -> torch.Tensor:
+def key_class_map(packed: torch.Tensor, mode: str, dim: int) -> torch.Tensor:
     """A KEY_CLASSES frame's "kcls" [L, H, groups, D / 4] -> each key channel's class [L, H, groups, D] (uint8, an
-    index into the mode's KEY_CLASS_BITS); CodecError unless every group holds each class's `key_classes` count
-    (of frame format `version`, 0: a writer's)."""
+    index into the mode's KEY_CLASS_BITS); CodecError unless every group holds each class's `key_classes` count."""
     cls = unpack(packed.reshape(-1), 2, packed.numel() * 4).view(*packed.shape[:-1], dim)
-    for c, count in enumerate(key_classes(mode, dim, version)):
+    for c, count in enumerate(key_classes(mode, dim)):
         if not bool(((cls == c).sum(-1) == count).all()):
             raise CodecError(f"key channel classes: a group without {count} channels of {KEY_CLASS_BITS[mode][c]} "
                              f"bits")
     return cls
 
 
-def _class_codes(sec: dict[str, torch.Tensor], mode: str, layers: int, kshape: tuple[int, ...],
-                 version: int = 0) -> torch.Tensor:
+def _class_codes(sec: dict[str, torch.Tensor], mode: str, layers: int, kshape: tuple[int, ...]) -> torch.Tensor:
     """A KEY_CLASSES frame's key codes [L, H, groups, group, D] from its class map (as `expand_split` leaves it:
     [L, H, groups, D]) and code pieces. Every token of a group has each width's pieces in channel order, so a
     channel's piece is one gather from that token's pieces (all widths side by side), at the channel's place among
@@ -182,7 +161,7 @@ def _class_codes(sec: dict[str, torch.Tensor], mode: str, layers: int, kshape: t
     rows = [torch.zeros(n_layers, h, g, t, 1, dtype=torch.uint8, device=cls.device)]
     ranks: dict[int, tuple[int, torch.Tensor]] = {}  # width -> (its first column in rows, each channel's place)
     offset = 1  # column 0 of the rows: no piece (a 0-bit channel's code, or nothing above the low piece)
-    for name, width, n in key_streams(mode, d, version):
+    for name, width, n in key_streams(mode, d):
         rows.append(_layer_codes(sec[name], width, layers, per * n).view(n_layers, h, g, t, n))
         has = torch.tensor([s is not None for s in key_class_shifts(mode, width)], device=cls.device)[cls]
         ranks[width] = (offset, has.cumsum(-1))
@@ -229,17 +208,17 @@ def _levels(layers: int, bits: int, raised: tuple[int, ...], device: torch.devic
 
 def expand_split(mode: str, parts: list[torch.Tensor], dims: Dims, group: int, variant: Variant,
                  up: tuple[tuple[int, ...], tuple[int, ...]]) -> list[torch.Tensor]:
-    """A format 5 or 6 split frame's sections (`split_layout`, the whole frame) with its range codes expanded to fp16
+    """A split frame's sections (`split_layout`, the whole frame) with its range codes expanded to fp16
     scales and zero points: key channels at their own levels (outlier channels OUTLIER_BITS, those of a key class
     its bits, the others the mode's bits or one more in the layers `up[0]`), values at their layer's. A key class
     map comes back unpacked, [L, H, groups, D] (`key_class_map`: CodecError unless each class has its count)."""
-    names = list(split_layout(mode, dims, group, variant, (0, 0, 0, 0, len(up[0]), len(up[1]))))
+    names = list(split_layout(mode, dims, group, variant, (len(up[0]), len(up[1]))))
     sec = dict(zip(names, parts, strict=True))
     bits = BITS[mode]
 
     key_levels = _levels(dims.layers, bits, up[0], parts[0].device)
     if variant.key_classes:  # the class map unpacked (and checked) once, for the levels here and the codes' places
-        sec["kcls"] = key_class_map(sec["kcls"], mode, dims.head_dim, variant.class_version)  # [L, H, groups, D]
+        sec["kcls"] = key_class_map(sec["kcls"], mode, dims.head_dim)  # [L, H, groups, D]
         levels = torch.tensor([max(1, (1 << b) - 1) for b in KEY_CLASS_BITS[mode]], dtype=torch.float32,
                               device=parts[0].device)  # 0 bits: one level (the zero point alone)
         key_levels = levels[sec["kcls"].long()].unsqueeze(3)
@@ -270,7 +249,7 @@ def unpack_mask(packed: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _int4_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-               shape: tuple[int, ...], dim: int, top: torch.Tensor | None = None) -> bool:
+               shape: tuple[int, ...], dim: int) -> bool:
     """`_affine_into` of int4 codes still packed ([L, H, groups, group, D] for keys, dim 2; [L, H, T, groups, group]
     for values, dim 3), unpacked, scaled and offset in one pass (cachestore.codec.kernels); False where that does not
     apply (codes padded past out's size, or no kernel): nothing written."""
@@ -280,7 +259,7 @@ def _int4_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zer
         grouped = _grouped(out, shape, dim)
     except RuntimeError:
         return False
-    return kernels.int4_into(grouped, packed, scale, zero, top)
+    return kernels.int4_into(grouped, packed, scale, zero)
 
 
 def _grouped(out: torch.Tensor, shape: Sequence[int], dim: int) -> torch.Tensor:
@@ -300,79 +279,6 @@ def int8_codes_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> 
     # fp16 (llama.cpp's context): the exact fp32 product rounded once into out, as an fp16 multiply rounds it; through a
     # frame-sized fp32 temporary, 25% faster here than building fp16 codes from their bits and multiplying in fp16
     out.copy_(q.float().mul_(scale.float()))
-
-
-def dequantize_mixed(mode: str, parts: list[torch.Tensor], dims: Dims, group: int, out: torch.Tensor,
-                     variant: Variant, hi: HiLayers, first: int = 0) -> torch.Tensor:
-    """The sections of a frame with a layer table (`_mixed_layout`, the frame's whole `dims`; a SCALE8 frame's
-    ranges already expanded, `scalecodes.expand_parts`) -> its layers [first, first + out.shape[0]) in out [those
-    layers, 2, heads, tokens, dim], run by run of layers of one precision."""
-    _, h, t, d = dims
-    gk, nk, gv, nv = groups(dims, group)
-    sk, zk, sv, zv, pk, pv, sk8, sv8, qk8, qv8 = parts[:ALT_AT]
-    bits = BITS[mode]
-    # per tier (the mode's bits, the other grouped precision, one bit more): bits, a layer's code bytes per half, the
-    # sections per half (scale, zero, codes[, top bits]) and a layer's top-bit bytes per half
-    tiers: list[tuple[int, tuple[int, int], tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]],
-                      tuple[int, int]]] = [
-        (bits, layer_code_bytes(mode, dims, group), ((sk, zk, pk), (sv, zv, pv)), (0, 0))]
-    if len(parts) > ALT_AT:
-        ska, zka, sva, zva, pka, pva = parts[ALT_AT:UP_AT]
-        alt = ALT_MODE[mode]
-        tiers.append((BITS[alt], layer_code_bytes(alt, dims, group), ((ska, zka, pka), (sva, zva, pva)), (0, 0)))
-    if len(parts) > UP_AT:
-        sku, zku, svu, zvu, pku, pvu, tku, tvu = parts[UP_AT:]
-        tiers.append((UP_BITS[mode], layer_code_bytes(mode, dims, group), ((sku, zku, pku, tku), (svu, zvu, pvu, tvu)),
-                      code_bytes(1, dims, group)))
-    halves = ((hi.keys, hi.alt_keys, hi.up_keys, (h, nk, gk, d), 2, variant.rot_keys, sk8, qk8),
-              (hi.values, hi.alt_values, hi.up_values, (h, t, nv, gv), 3, variant.rot_values, sv8, qv8))
-    for half, (hi_layers, alt_layers, up_layers, shape, dim, rot, scale8, q8) in enumerate(halves):
-        pending: dict[int, list[tuple[torch.Tensor, int, int]]] = {}  # tier -> the runs torch dequantizes
-        for start, stop, tier, rank in _runs(first, first + out.shape[0], hi_layers, alt_layers, up_layers):
-            target, n = out[start - first:stop - first, half], stop - start
-            if tier < 0:
-                int8_codes_into(target, q8[rank:rank + n], scale8[rank:rank + n])
-                continue
-            tier_bits, sizes, sections, tops = tiers[tier]
-            nbytes, (scale, zero, packed) = sizes[half], sections[half][:3]
-            # a run's codes (and a 5-bit run's top bits) lie whole, in C order
-            count = math.prod(shape)
-            native = not rot and 2 * nbytes == count and (tier_bits == 4 or tier_bits == 5 and 8 * tops[half] == count)
-            top = sections[half][3][rank * tops[half]:(rank + n) * tops[half]] if tier_bits == 5 else None
-            if not (native and _int4_into(target, packed[rank * nbytes:(rank + n) * nbytes], scale[rank:rank + n],
-                                          zero[rank:rank + n], (n, *shape), dim, top)):
-                pending.setdefault(tier, []).append((target, n, rank))
-        for tier, runs in pending.items():  # each tier's codes unpacked at once: [their count, *shape]
-            tier_bits, sizes, sections, tops = tiers[tier]
-            nbytes, (scale, zero, packed) = sizes[half], sections[half][:3]
-            r0, r1 = runs[0][2], runs[-1][2] + runs[-1][1]
-            count = math.prod(shape)  # [their count, *shape]; a copy only if codes end mid-byte
-            q = _layer_codes(packed[r0 * nbytes:r1 * nbytes], bits if tier == 2 else tier_bits, r1 - r0, count)
-            q = q.view(r1 - r0, *shape)
-            if tier == 2:  # one bit more: the top bits, in their own section
-                top = sections[half][3][r0 * tops[half]:r1 * tops[half]]
-                q |= _layer_codes(top, 1, r1 - r0, count).view(r1 - r0, *shape) << bits
-            for target, n, rank in runs:
-                _affine_into(target, q[rank - r0:rank - r0 + n], scale[rank:rank + n], zero[rank:rank + n], dim, rot)
-    return out
-
-
-def _runs(first: int, stop: int, hi_layers: tuple[int, ...], alt_layers: tuple[int, ...] = (),
-          up_layers: tuple[int, ...] = ()) -> list[tuple[int, int, int, int]]:
-    """Maximal runs [start, end) of layers first..stop-1 of one precision: (start, end, tier, rank of start among
-    the layers of its precision, i.e. its index in that precision's sections); tier -1 is int8, 0 the mode's own
-    bits, 1 the other grouped precision, 2 one bit more."""
-    runs: list[tuple[int, int, int, int]] = []
-    sets = {-1: set(hi_layers), 1: set(alt_layers), 2: set(up_layers)}
-    for layer in range(first, stop):
-        tier = next((k for k, s in sets.items() if layer in s), 0)
-        if runs and runs[-1][2] == tier:
-            runs[-1] = (runs[-1][0], layer + 1, tier, runs[-1][3])
-            continue
-        below = {k: sum(1 for x in s if x < layer) for k, s in sets.items()}
-        rank = below[tier] if tier else layer - sum(below.values())
-        runs.append((layer, layer + 1, tier, rank))
-    return runs
 
 
 def _affine_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,

@@ -119,16 +119,11 @@ def transposed_into(out: torch.Tensor, src: torch.Tensor) -> bool:
     return True
 
 
-def int4_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-              top: torch.Tensor | None = None) -> bool:
+def int4_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> bool:
     """out [A, B, C, E, F] (fp32 or fp16, any outer strides, rows contiguous) = the int4 codes of `packed` (uint8,
     contiguous, two codes a byte, low nibble first, in out's C order) times fp16 `scale` plus fp16 `zero`, both
-    broadcast to out's shape alike; with `top` (uint8, contiguous, eight bits a byte, low bit first, in the codes'
-    order) 5-bit codes, each bit of `top` adding 16 to its code. False (nothing written) where no kernel applies."""
+    broadcast to out's shape alike. False (nothing written) where no kernel applies."""
     if not enabled() or out.dtype not in _OUT or packed.dtype != torch.uint8 or not packed.is_contiguous():
-        return False
-    if top is not None and (top.dtype != torch.uint8 or not top.is_contiguous() or top.device.type != "cpu"
-                            or 8 * top.numel() < out.numel()):
         return False
     if scale.dtype != torch.float16 or zero.dtype != torch.float16 or out.dim() != 5 or out.shape[4] % 16:
         return False
@@ -142,9 +137,8 @@ def int4_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
         return False
     assert _kernels is not None
     a, b, c, e, f = out.shape
-    _kernels.int4(out.data_ptr(), out.dtype == torch.float16, packed.data_ptr(), 0 if top is None else top.data_ptr(),
-                  scales.data_ptr(), zeros.data_ptr(), (a, b, c, e, f), out.stride()[:4],
-                  (b * c * e * f, c * e * f, e * f, f), scales.stride())
+    _kernels.int4(out.data_ptr(), out.dtype == torch.float16, packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(),
+                  (a, b, c, e, f), out.stride()[:4], (b * c * e * f, c * e * f, e * f, f), scales.stride())
     return True
 
 

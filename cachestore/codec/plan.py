@@ -10,15 +10,13 @@ from cachestore.codec.frame import (
     GROUPED_MODES,
     KEY_CLASSES,
     OUTLIER_KEYS,
-    ROT_KEYS,
     ROT_VALUES,
     SCALE8,
     SYM_VALUES,
     UNROPE,
-    UP_BITS,
     FrameHeader,
 )
-from cachestore.codec.layout import ALT_BITS, NO_HI, Dims, HiLayers, Section, Variant, layout
+from cachestore.codec.layout import Dims, HiLayers, Section, Variant, layout
 from cachestore.errors import CodecError
 
 ALIGN = 8
@@ -53,9 +51,9 @@ def plan(h: FrameHeader) -> tuple[tuple[Section, ...], tuple[int, ...], int]:
 def variant_of(h: FrameHeader) -> Variant:
     """The options a decoder must know, from the header's transform bits (clipping is the encoder's alone)."""
     t = h.transform
-    return Variant(rot_keys=bool(t & ROT_KEYS), rot_values=bool(t & ROT_VALUES), outlier_keys=bool(t & OUTLIER_KEYS),
+    return Variant(rot_values=bool(t & ROT_VALUES), outlier_keys=bool(t & OUTLIER_KEYS),
                    sym_values=bool(t & SYM_VALUES), scale8=bool(t & SCALE8), key_classes=bool(t & KEY_CLASSES),
-                   class_version=h.version if t & KEY_CLASSES else 0, unrope=bool(t & UNROPE))
+                   unrope=bool(t & UNROPE))
 
 
 @functools.lru_cache(maxsize=256)
@@ -69,12 +67,7 @@ def plan_of(mode: str, layers: int, heads: int, tokens: int, dim: int, group: in
 
 
 def hi_of(h: FrameHeader) -> HiLayers:
-    if not h.layer_bits:
-        return NO_HI
-    alt, up = ALT_BITS[h.mode], UP_BITS[h.mode]
-    return HiLayers(h.hi_layers(0), h.hi_layers(1), h.hi_layers(0, alt), h.hi_layers(1, alt), h.hi_layers(0, up),
-                    h.hi_layers(1, up))
-
+    return HiLayers(h.up_layers(0), h.up_layers(1))
 
 
 def itemsize(mode: str, dtype: torch.dtype) -> int:

@@ -1,22 +1,16 @@
-"""Quantizers of the codec modes: KV tensor to payload sections and back, vectorized torch.
+"""Quantizers of the codec modes: KV tensor to payload sections, vectorized torch.
 
 Every function works on the tensor's own device. KV is [layers, 2, kv_heads, tokens,
 head_dim]; keys (index 0) are scaled per channel, values (index 1) per token, as in KIVI.
 Scales and zero points are fp16, rounded outward (scales up, zero points down) so every
 input lies inside its group's range and the error stays within half a step.
 
-int4/int2 take options (`Variant`): `rot_keys` / `rot_values` multiply keys / values by an
-orthonormal block-Hadamard matrix along head_dim before quantizing (and again after: it is its
-own inverse), which spreads outlier channels over the whole head; `clip` lets the encoder
-shrink each group's range where that lowers the group's squared error (decoding is unchanged;
-values beyond the clipped range saturate, everything inside it stays within half a step).
-Only the rotations change what a decoder must do, so only they are recorded in the frame.
-
-A grouped frame may also keep the keys and/or values of some layers at int8 (`HiLayers`, format 3):
-those layers are quantized exactly as mode int8 quantizes them (never rotated), the others as the
-grouped mode; each half's int4/int2 codes are then packed layer by layer, every layer starting on a byte.
-Its layer table may also give some layers' keys or values the other grouped precision (int4 in an int2
-frame, int2 in an int4 frame: `ALT_BITS`), quantized as that mode would (same group, same options).
+int4/int2 take options (`Variant`): `rot_values` multiplies values by an orthonormal
+block-Hadamard matrix along head_dim before quantizing (and again after: it is its own inverse),
+which spreads outlier channels over the whole head; `clip` lets the encoder shrink each group's
+range where that lowers the group's squared error (decoding is unchanged; values beyond the
+clipped range saturate, everything inside it stays within half a step). The split options
+(`split_layout`) and their per-layer bits (`HiLayers`) are quantized by `_quantize_split`.
 """
 
 from __future__ import annotations
@@ -31,16 +25,13 @@ from cachestore.codec import scalecodes
 from cachestore.codec.frame import (
     KEY_CLASS_BITS,
     OUTLIER_BITS,
-    UP_BITS,
     key_class_shifts,
     key_classes,
     outlier_channels,
 )
 from cachestore.codec.frame import MODE_BITS as BITS
 from cachestore.codec.layout import (
-    ALT_BITS,
     F16,
-    FP8,
     NO_HI,
     PLAIN,
     Dims,
@@ -54,7 +45,6 @@ from cachestore.codec.q8 import q8_rows
 from cachestore.codec.rope import Rope, pair_mean, turn
 from cachestore.errors import CodecError
 
-FP8_MAX = 448.0
 # Range fractions the encoder tries per group with `clip` (the first is no clipping): for few
 # levels a group's extremes waste most of the steps, for many levels clipping buys little.
 CLIP_RATIOS = {2: (1.0, 0.9, 0.8, 0.7, 0.6, 0.5), 3: (1.0, 0.95, 0.9, 0.8, 0.7, 0.6), 4: (1.0, 0.95, 0.9, 0.85, 0.8),
@@ -176,11 +166,6 @@ def quantize(mode: str, kv: torch.Tensor, group: int, variant: Variant = PLAIN,
             raise CodecError("KV values overflow fp16; use mode exact")
         return [half]
     x = kv.float()
-    if mode == "fp8":
-        if FP8 is None:
-            raise CodecError("fp8 mode needs torch.float8_e4m3fn, which this torch lacks")
-        scale = _outward(x.abs().amax(dim=3, keepdim=True) / FP8_MAX, up=True)  # [L,2,H,1,D]
-        return [scale, (x / _safe(scale)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)]
     if mode == "q8":  # [L, 2, T, H, D] rows, quantized in blocks of 32 channels: one flat section
         return [q8_rows(x.transpose(2, 3)).reshape(-1)]
     k, v = x[:, 0], x[:, 1]  # [L, H, T, D]
@@ -191,16 +176,16 @@ def quantize(mode: str, kv: torch.Tensor, group: int, variant: Variant = PLAIN,
     if mode not in BITS:
         raise CodecError(f"unknown mode {mode!r}")
     if variant.split:
-        if hi != NO_HI and (hi.counts[:4] != (0, 0, 0, 0) or not variant.scale8):
-            raise CodecError("outlier key channels and symmetric values take a layer table of one bit more layers "
-                             "with range codes only")
+        if any(not 0 <= layer < k.shape[0] for layer in (*hi.up_keys, *hi.up_values)):
+            raise CodecError(f"the codec gives layers {tuple(hi)} (keys, values) one bit more, but the KV has "
+                             f"{k.shape[0]} layers")
         if variant.unrope:
             if rope is None:
                 raise CodecError("keys without their RoPE (/unrope) need the model's RoPE, which this encoder lacks")
             k = turn(k, rope, -1)
         return _quantize_split(mode, k, v, group, variant, hi, rope)
-    if hi != NO_HI:
-        return _quantize_mixed(mode, k, v, group, variant, hi)
+    if hi != NO_HI or variant.scale8:
+        raise CodecError("range codes and per-layer bits take a split layout (/outk, /symv or /kbits)")
     sk, zk, qk = _grouped_keys(k, group, BITS[mode], variant)
     sv, zv, qv = _grouped_values(v, group, BITS[mode], variant)
     return [sk, zk, sv, zv, pack(qk, BITS[mode]), pack(qv, BITS[mode])]
@@ -216,7 +201,6 @@ def _grouped_keys(k: torch.Tensor, group: int, bits: int, variant: Variant) -> t
     """Keys [L, H, T, D] (fp32) -> scale, zero [L, H, groups, 1, D] and codes [L, H, groups, group, D]."""
     n_layers, h, t, d = k.shape
     gk, nk, _, _ = groups(Dims(n_layers, h, t, d), group)
-    k = rotate(k) if variant.rot_keys else k
     kg = _pad(k, 2, nk * gk).view(n_layers, h, nk, gk, d)  # groups of tokens per channel
     return _asym(kg, 3, (1 << bits) - 1, CLIP_RATIOS[bits] if variant.clip else (1.0,),
                  scalecodes.KEY_SPAN if variant.scale8 else None)
@@ -232,42 +216,6 @@ def _grouped_values(v: torch.Tensor, group: int, bits: int, variant: Variant) ->
                  scalecodes.VALUE_SPAN if variant.scale8 else None)
 
 
-def _quantize_mixed(mode: str, k: torch.Tensor, v: torch.Tensor, group: int, variant: Variant,
-                    hi: HiLayers) -> list[torch.Tensor]:
-    """The sections of `_mixed_layout`: grouped keys/values of the mode's layers, int8 of the `hi` ones, then the
-    grouped keys/values of the layers at the other precision and of those one bit more (if any)."""
-    n_layers, bits = k.shape[0], BITS[mode]
-    if any(not 0 <= layer < n_layers for layer in (*hi.keys, *hi.values, *hi.alt_keys, *hi.alt_values,
-                                                   *hi.up_keys, *hi.up_values)):
-        raise CodecError(f"the codec sets the bits of layers {tuple(hi)} (keys, values at int8; keys, values at "
-                         f"{ALT_BITS[mode]} bits; keys, values at {UP_BITS[mode]} bits), but the KV has "
-                         f"{n_layers} layers")
-    key_sets, value_sets = (set(hi.keys), set(hi.alt_keys), set(hi.up_keys)), (set(hi.values), set(hi.alt_values),
-                                                                                 set(hi.up_values))
-    if any(a & b for sets in (key_sets, value_sets) for i, a in enumerate(sets) for b in sets[i + 1:]):
-        raise CodecError("a layer's keys or values are given two precisions")
-    lo_k = [layer for layer in range(n_layers) if not any(layer in s for s in key_sets)]
-    lo_v = [layer for layer in range(n_layers) if not any(layer in s for s in value_sets)]
-    sk, zk, qk = _grouped_keys(k[lo_k], group, bits, variant)
-    sv, zv, qv = _grouped_values(v[lo_v], group, bits, variant)
-    sk8, qk8 = _int8(k[list(hi.keys)], 2)
-    sv8, qv8 = _int8(v[list(hi.values)], 3)
-    parts = [sk, zk, sv, zv, pack_rows(qk, bits), pack_rows(qv, bits), sk8, sv8, qk8, qv8]
-    if hi.alt_keys or hi.alt_values or hi.up_keys or hi.up_values:
-        alt = ALT_BITS[mode]
-        ska, zka, qka = _grouped_keys(k[list(hi.alt_keys)], group, alt, variant)
-        sva, zva, qva = _grouped_values(v[list(hi.alt_values)], group, alt, variant)
-        parts += [ska, zka, sva, zva, pack_rows(qka, alt), pack_rows(qva, alt)]
-    if hi.up_keys or hi.up_values:  # the mode's bits of each code, then its top bit, each packed per layer
-        up = UP_BITS[mode]
-        sku, zku, qku = _grouped_keys(k[list(hi.up_keys)], group, up, variant)
-        svu, zvu, qvu = _grouped_values(v[list(hi.up_values)], group, up, variant)
-        low = (1 << bits) - 1
-        parts += [sku, zku, svu, zvu, pack_rows(qku & low, bits), pack_rows(qvu & low, bits),
-                  pack_rows(qku >> bits, 1), pack_rows(qvu >> bits, 1)]
-    return parts
-
-
 def pack_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
     """`pack` of each q[i] (uint8 codes, leading dim = layers) padded to a whole byte, concatenated."""
     rows = q.reshape(q.shape[0], math.prod(q.shape[1:]))
@@ -279,7 +227,7 @@ def pack_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _quantize_split(mode: str, k: torch.Tensor, v: torch.Tensor, group: int, variant: Variant,
                     hi: HiLayers = NO_HI, rope: Rope | None = None) -> list[torch.Tensor]:
-    """The sections of `split_layout` (formats 4 to 6), in its order: `hi` may give layers one bit more (up_keys,
+    """The sections of `split_layout` (formats 5 to 7), in its order: `hi` may give layers one bit more (up_keys,
     up_values) with range codes; keys already without their RoPE where `variant.unrope`."""
     n_layers, h, t, d = k.shape
     bits = BITS[mode]
@@ -338,12 +286,11 @@ def _by_layers(quantize_at: Callable[[torch.Tensor, int], tuple[torch.Tensor, ..
 def _outlier_keys(k: torch.Tensor, group: int, mode: str, variant: Variant,
                   bits: int | None = None) -> tuple[torch.Tensor, ...]:
     """Keys [L, H, T, D] (fp32) with each key group's `outlier_channels` widest channels at OUTLIER_BITS, the others
-    at `bits` (the mode's by default): scale and zero [L, H, groups, 1, D] (each channel's at its own precision; with
-    range codes their extremes [L, H, groups, 2, 1] and codes [L, H, groups, 2, D]), the channel mask
-    [L, H, groups, D], the other channels' codes [L, n] and the outlier channels' codes [L, m]."""
+    at `bits` (the mode's by default): range extremes [L, H, groups, 2, 1] and codes [L, H, groups, 2, D] (each
+    channel's at its own precision), the channel mask [L, H, groups, D], the other channels' codes [L, n] and the
+    outlier channels' codes [L, m]."""
     n_layers, h, t, d = k.shape
     gk, nk, _, _ = groups(Dims(n_layers, h, t, d), group)
-    k = rotate(k) if variant.rot_keys else k
     kg = _pad(k, 2, nk * gk).view(n_layers, h, nk, gk, d)
     bits, hi_bits = bits or BITS[mode], OUTLIER_BITS[mode]
     clip = variant.clip
@@ -352,18 +299,14 @@ def _outlier_keys(k: torch.Tensor, group: int, mode: str, variant: Variant,
     picked = width.topk(c, dim=-1).indices.sort(-1).values  # in channel order, as the mask lists them
     mask = torch.zeros_like(width, dtype=torch.bool).scatter_(-1, picked, True).unsqueeze(3)  # [L, H, groups, 1, D]
     at = picked.unsqueeze(3)  # [L, H, groups, 1, C]
-    ext = (scalecodes.extremes_of(kg.amin(3, keepdim=True), kg.amax(3, keepdim=True), 3, scalecodes.KEY_SPAN)
-           if variant.scale8 else None)
-    sl, zl, ql = _asym(kg, 3, (1 << bits) - 1, CLIP_RATIOS[bits] if clip else (1.0,), extremes=ext)
+    ext = scalecodes.extremes_of(kg.amin(3, keepdim=True), kg.amax(3, keepdim=True), 3, scalecodes.KEY_SPAN)
+    _, zl, ql = _asym(kg, 3, (1 << bits) - 1, CLIP_RATIOS[bits] if clip else (1.0,), extremes=ext)
     # only the outlier channels at the higher precision: ranges are per channel, so they are what the whole would give
-    sh, zh, qh = _asym(kg.gather(4, at.expand(n_layers, h, nk, gk, c)), 3, (1 << hi_bits) - 1,
+    _, zh, qh = _asym(kg.gather(4, at.expand(n_layers, h, nk, gk, c)), 3, (1 << hi_bits) - 1,
                        CLIP_RATIOS[hi_bits] if clip else (1.0,), extremes=ext)
-    if ext is None:
-        scale, zero = sl.scatter(4, at, sh), zl.scatter(4, at, zh)
-    else:  # the same extremes; the codes of the outlier channels into theirs
-        scale, zero = ext, zl.scatter(4, at.expand(n_layers, h, nk, 2, c), zh)
+    zero = zl.scatter(4, at.expand(n_layers, h, nk, 2, c), zh)  # the outlier channels' codes into theirs
     lo = ql.masked_select(~mask.expand_as(ql)).view(n_layers, -1)
-    return scale, zero, mask.squeeze(3), lo, qh.reshape(n_layers, -1)
+    return ext, zero, mask.squeeze(3), lo, qh.reshape(n_layers, -1)
 
 
 def _class_keys(k: torch.Tensor, mode: str, group: int, variant: Variant,
@@ -376,14 +319,13 @@ def _class_keys(k: torch.Tensor, mode: str, group: int, variant: Variant,
     (`layout.key_streams`) of `split_layout`."""
     n_layers, h, t, d = k.shape
     gk, nk, _, _ = groups(Dims(n_layers, h, t, d), group)
-    k = rotate(k) if variant.rot_keys else k
     kg = _pad(k, 2, nk * gk).view(n_layers, h, nk, gk, d)
     lo, top = kg.amin(3, keepdim=True), kg.amax(3, keepdim=True)
     ext = scalecodes.extremes_of(lo, top, 3, scalecodes.KEY_SPAN)
     energy = kg.square().mean(3)  # [L, H, groups, D]
     weight = pair_mean(energy, rope.pairing) if rope is not None else energy
     score = weight * (top - lo).squeeze(3).square()
-    class_bits, counts = KEY_CLASS_BITS[mode], key_classes(mode, d, variant.class_version)
+    class_bits, counts = KEY_CLASS_BITS[mode], key_classes(mode, d)
     by_rank = torch.tensor([c for c in reversed(range(len(counts))) for _ in range(counts[c])], dtype=torch.uint8,
                            device=k.device)
     order = score.argsort(dim=-1, descending=True, stable=True)
@@ -408,7 +350,7 @@ def _class_keys(k: torch.Tensor, mode: str, group: int, variant: Variant,
         codes.scatter_(4, at.expand(n_layers, h, nk, 2, n), kept)
         q.scatter_(4, at.expand(n_layers, h, nk, gk, n), qc)
     out = {"sk": ext, "zk": codes, "kcls": pack(cls, 2).view(n_layers, h, nk, d // 4)}
-    for name, width, _ in key_streams(mode, d, variant.class_version):
+    for name, width, _ in key_streams(mode, d):
         shifts = key_class_shifts(mode, width)
         has = torch.tensor([s is not None for s in shifts], device=k.device)
         shift = torch.tensor([s or 0 for s in shifts], dtype=torch.uint8, device=k.device)
@@ -419,10 +361,9 @@ def _class_keys(k: torch.Tensor, mode: str, group: int, variant: Variant,
 
 
 def _sym_values(v: torch.Tensor, group: int, bits: int, variant: Variant) -> tuple[torch.Tensor, ...]:
-    """Values [L, H, T, D] (fp32) -> scale [L, H, T, groups, 1], the scales' range codes (with `variant.scale8`: the
-    scale is then their extremes [L, H, 1, groups, 1], each scale extreme * code / 255; else the scale again) and
-    codes [L, H, T, groups, group]: value = (code - (2**bits - 1) / 2) * scale, the scale chosen per group among
-    SYM_RATIOS of its largest magnitude for the smallest squared error."""
+    """Values [L, H, T, D] (fp32) -> the scales' extremes [L, H, 1, groups, 1], their range codes [L, H, T, groups, 1]
+    (each scale extreme * code / 255) and codes [L, H, T, groups, group]: value = (code - (2**bits - 1) / 2) * scale,
+    the scale chosen per group among SYM_RATIOS of its largest magnitude for the smallest squared error."""
     n_layers, h, t, d = v.shape
     _, _, gv, nv = groups(Dims(n_layers, h, t, d), group)
     v = rotate(v) if variant.rot_values else v
@@ -430,14 +371,11 @@ def _sym_values(v: torch.Tensor, group: int, bits: int, variant: Variant) -> tup
     top = (1 << bits) - 1
     mid = top / 2
     amax = vg.abs().amax(4, keepdim=True)
-    ext = scalecodes.sym_extremes(amax / mid, 2) if variant.scale8 else None
+    ext = scalecodes.sym_extremes(amax / mid, 2)
     best: list[torch.Tensor] = []
     for ratio in SYM_RATIOS[bits] if variant.clip else (1.0,):
-        if ext is None:
-            scale = kept = _outward(amax * (ratio / mid), up=True)
-        else:
-            kept = scalecodes.sym_codes(ext, amax * (ratio / mid))
-            scale = scalecodes.sym_expand(ext, kept)
+        kept = scalecodes.sym_codes(ext, amax * (ratio / mid))
+        scale = scalecodes.sym_expand(ext, kept)
         s32 = _safe(scale)
         q = (vg / s32 + mid).round_().clamp_(0, top)
         err = (q - mid).mul_(s32).sub_(vg).square_().sum(4, keepdim=True)
@@ -446,7 +384,7 @@ def _sym_values(v: torch.Tensor, group: int, bits: int, variant: Variant) -> tup
             continue
         better = err < best[3]
         best = [torch.where(better, new, old) for new, old in zip((scale, kept, q, err), best, strict=True)]
-    return (best[0] if ext is None else ext), best[1], best[2].to(torch.uint8)
+    return ext, best[1], best[2].to(torch.uint8)
 
 
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:

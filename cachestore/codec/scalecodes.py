@@ -1,5 +1,5 @@
-"""8-bit range codes (`/s8`, frame format 5): a grouped frame's scales and zero points at a quarter bit a value
-instead of half a bit.
+"""8-bit range codes (`/s8`, frame formats 5 to 7, split layouts): a grouped frame's scales and zero points at a
+quarter bit a value instead of half a bit.
 
 An int4/int2 group normally stores its range as an fp16 scale and an fp16 zero point: 32 bits for 64 values. With
 SCALE8 the groups of one block share two fp16 extremes (keys: the groups of one layer, head and token group across
@@ -63,15 +63,6 @@ def codes_of(extremes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, axis: i
     down = ((lo - low) / safe).floor_().clamp_(0, LEVELS)
     up = ((hi - low) / safe).ceil_().clamp_(0, LEVELS)
     return torch.cat([down, up], axis).to(torch.uint8)
-
-
-def expand_parts(parts: list[torch.Tensor], pairs: list[tuple[int, int, int]]) -> list[torch.Tensor]:
-    """A SCALE8 frame's payload sections with every (extremes, codes) pair turned into (scale, zero): `pairs` lists
-    (first section, axis, levels) of each (`layout.scale_pairs`)."""
-    out = list(parts)
-    for i, axis, levels in pairs:
-        out[i], out[i + 1] = expand(parts[i], parts[i + 1], axis, levels)
-    return out
 
 
 def sym_extremes(scale: torch.Tensor, span: int) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""The codec spec grammar: "MODE[+COMPRESSOR[:LEVEL]][/gGROUP][/OPTION...][/k8=...][/recent=MODE]" and what each
-part means."""
+"""The codec spec grammar, "MODE[+COMPRESSOR[:LEVEL]][/gGROUP][/OPTION...][/kU=L.L...][/vU=L.L...][/recent=MODE]",
+and what each part means (`GRAMMAR`, `OPTIONS`: docs/codec-spec.md is generated from them)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from cachestore.codec.frame import (
     COMPRESSORS,
     FLOAT_MODES,
     GROUPED_MODES,
-    HI_BITS,
     KEY_CLASS_BITS,
     KEY_CLASSES,
     LAYER_TABLE,
@@ -20,7 +19,6 @@ from cachestore.codec.frame import (
     MODES,
     OUTLIER_KEYS,
     OUTLIER_SHARE,
-    ROT_KEYS,
     ROT_VALUES,
     ROWS_MODES,
     SCALE8,
@@ -31,24 +29,49 @@ from cachestore.codec.frame import (
     outlier_fits,
 )
 from cachestore.codec.frame import MODE_BITS as BITS
-from cachestore.codec.layout import ALT_BITS, NO_HI, PLAIN, HiLayers, Variant
+from cachestore.codec.layout import NO_HI, PLAIN, HiLayers, Variant
 from cachestore.codec.q8 import Q8_BLOCK
 from cachestore.errors import ConfigError
 
 DEFAULT_GROUP = 64  # measured against 32 on SmolLM2 KV: see ops/bench/codec.py --groups
+GRAMMAR = "MODE[+COMPRESSOR[:LEVEL]][/gGROUP][/OPTION...][/kU=L.L...][/vU=L.L...][/recent=MODE]"
+# each part of GRAMMAR, in its order, and what it means (docs/codec-spec.md)
+PARTS = {
+    "MODE": "exact, fp16, int8, q8, int4 or int2 (their loss: `cachestore/codec/codec.py`)",
+    "+COMPRESSOR[:LEVEL]": "lz4 (the default), zstd (level 1-22, 3 by default) or none",
+    "/gGROUP": f"int4/int2: the tokens (keys) or channels (values) one range covers, {MIN_GROUP}-{MAX_GROUP}, "
+               f"{DEFAULT_GROUP} by default",
+    "/OPTION": "int4/int2: the options below, each once, in any order (a bare int4 or int2 takes its "
+               "`DEFAULT_VARIANTS`); /rows, last: exact/fp16 payloads as token rows, a llama.cpp state's layout "
+               "(q8's always are)",
+    "/kU=L.L...": "with /s8: the layers whose keys take one bit more than the mode, U = 5 in int4, 3 in int2 (not "
+                  "with /kbits); layers of one model, found with `kvstash bench layers`",
+    "/vU=L.L...": "the same for values",
+    "/recent=MODE": "int4/int2: the mode of a sequence's partial last block (its most recent tokens): int8, or int4 "
+                    "under int2",
+}
+_LAYERS = r"\d{1,5}(?:\.\d{1,5})*"
 _SPEC = re.compile(r"(?P<mode>[a-z0-9]+)(?:\+(?P<comp>[a-z0-9]+)(?::(?P<level>-?\d+))?)?"
                    r"(?:/g(?P<group>\d+))?(?P<options>(?:/[a-z][a-z0-9]*)*)"
-                   r"(?:/k8=(?P<k8>\d{1,5}(?:\.\d{1,5})*))?(?:/v8=(?P<v8>\d{1,5}(?:\.\d{1,5})*))?"
-                   r"(?:/k(?P<ka_bits>[24])=(?P<ka>\d{1,5}(?:\.\d{1,5})*))?"
-                   r"(?:/v(?P<va_bits>[24])=(?P<va>\d{1,5}(?:\.\d{1,5})*))?"
-                   r"(?:/k(?P<ku_bits>[35])=(?P<ku>\d{1,5}(?:\.\d{1,5})*))?"
-                   r"(?:/v(?P<vu_bits>[35])=(?P<vu>\d{1,5}(?:\.\d{1,5})*))?"
+                   rf"(?:/k(?P<ku_bits>[35])=(?P<ku>{_LAYERS}))?(?:/v(?P<vu_bits>[35])=(?P<vu>{_LAYERS}))?"
                    r"(?:/recent=(?P<recent>[a-z0-9]+))?")
-# int4/int2 options as spec text; "rot" is "rotk" and "rotv" together.
-_OPTIONS = {"rot": Variant(True, True), "rotk": Variant(rot_keys=True),
-            "rotv": Variant(rot_values=True), "clip": Variant(clip=True), "plain": PLAIN,
-            "outk": Variant(outlier_keys=True), "symv": Variant(sym_values=True), "s8": Variant(scale8=True),
-            "kbits": Variant(key_classes=True), "unrope": Variant(unrope=True)}
+# int4/int2 options as spec text, in their canonical order, with what each does (docs/codec-spec.md)
+OPTIONS: dict[str, tuple[Variant, str]] = {
+    "plain": (PLAIN, "none of the others (alone): the original KIVI-style codec, frame format 1"),
+    "rotv": (Variant(rot_values=True), "values multiplied by a block-Hadamard matrix along head_dim before "
+                                       "quantizing, which spreads outlier channels over the head (format 2)"),
+    "clip": (Variant(clip=True), "the encoder shrinks each group's range where that lowers its squared error; "
+                                 "decoders need not know"),
+    "outk": (Variant(outlier_keys=True), "each key group's widest channels (1 in 8 in int2, 1 in 16 in int4) at "
+                                         "int4 / int8; with /s8"),
+    "kbits": (Variant(key_classes=True), "each key channel of a group its bits by importance, in fixed counts "
+                                         "(int2: 0, 2, 3 or 4 bits, int4: 3, 4, 5 or 6); with /s8, not with /outk"),
+    "symv": (Variant(sym_values=True), "values quantized about zero: a scale and no zero point a group; with /s8"),
+    "s8": (Variant(scale8=True), "every group's range as two 8-bit codes between its block's extremes, a quarter "
+                                 "bit a value less (format 5); with one of /outk, /kbits, /symv"),
+    "unrope": (Variant(unrope=True), "keys stored with RoPE undone relative to their block's first token (the "
+                                     "engine declares its RoPE; format 6); with /s8 and one of /outk, /kbits, /symv"),
+}
 # What a bare "int4" / "int2" means, chosen with `kvstash bench quality` on SmolLM2's calibration texts.
 # int2 needs clipping above all and rotated values: with both its perplexity change fell by about an order
 # of magnitude. int4 stays plain: /rot lowers its KL but not its perplexity change (within noise), and its
@@ -61,18 +84,17 @@ DEFAULT_VARIANTS = {"int4": PLAIN,
 RECENT_MODES = {"int4": ("int8",), "int2": ("int8", "int4")}
 
 
-
 @dataclass(frozen=True)
 class CodecSpec:
     """What a codec does. Fields a mode ignores are normalised to their defaults, so specs
     that encode identically compare (and name) identically."""
 
-    mode: str = "int8"  # "exact" | "fp16" | "int8" | "int4" | "int2" | "fp8" | "q8"
+    mode: str = "int8"  # "exact" | "fp16" | "int8" | "int4" | "int2" | "q8"
     compressor: str = "lz4"  # "zstd" | "lz4" | "none"
     level: int = 3  # zstd level, 1..22
     group_size: int = DEFAULT_GROUP  # int4/int2 group size
     variant: Variant | None = None  # int4/int2 options; None: DEFAULT_VARIANTS of the mode
-    hi: HiLayers = NO_HI  # int4/int2: layers whose keys / values are kept at int8 or take the other grouped bits
+    hi: HiLayers = NO_HI  # int4/int2 with a split layout: layers whose keys / values take one bit more (UP_BITS)
     rows: bool = False  # exact/fp16: payloads as token rows (FLAG_ROWS), the layout of a llama.cpp state's K and V;
     # q8: always
     recent: str = ""  # int4/int2: the mode of a sequence's partial last block (its most recent tokens); "": its own
@@ -93,41 +115,25 @@ class CodecSpec:
             raise ConfigError(f"group size {self.group_size} outside {MIN_GROUP}..{MAX_GROUP}")
         if self.compressor != "zstd":
             object.__setattr__(self, "level", 3)
-        if any(not 0 <= layer < MAX_DIM for layer in _all_layers(self.hi)):
+        if any(not 0 <= layer < MAX_DIM for layer in (*self.hi.up_keys, *self.hi.up_values)):
             raise ConfigError(f"per-layer bits {self.hi} outside layers 0..{MAX_DIM - 1}")
         object.__setattr__(self, "hi", HiLayers(*(tuple(sorted(set(h))) for h in self.hi)))
-        hi = self.hi
-        for sets in ((hi.keys, hi.alt_keys, hi.up_keys), (hi.values, hi.alt_values, hi.up_values)):
-            if sum(map(len, sets)) != len(set().union(*sets)):
-                raise ConfigError(f"per-layer bits {self.hi}: a layer's keys or values are given two precisions")
         if self.mode not in GROUPED_MODES:
             object.__setattr__(self, "group_size", DEFAULT_GROUP)
             object.__setattr__(self, "variant", PLAIN)
             object.__setattr__(self, "hi", NO_HI)
         elif self.variant is None:
             object.__setattr__(self, "variant", DEFAULT_VARIANTS[self.mode])
-        if self.variant is not None and self.variant.split and self.hi != NO_HI and (
-                self.hi.counts[:4] != (0, 0, 0, 0) or not self.variant.scale8):
-            raise ConfigError("/outk and /symv take per-layer bits only one bit more (/k5=, /v5= in int4, /k3=, /v3= "
-                              "in int2) and only with /s8; no /k8=, /v8=, /k4=, /v4=, /k2=, /v2=")
-        _check_format6(self.mode, self.variant or PLAIN, self.hi)
+        _check_options(self.mode, self.variant or PLAIN, self.hi)
         _check_recent(self.mode, self.recent)
 
     @classmethod
     def parse(cls, text: str) -> CodecSpec:
-        """Parse "MODE[+COMPRESSOR[:LEVEL]][/gGROUP][/OPTION...][/k8=L.L...][/v8=L.L...][/kB=L.L...][/vB=L.L...]
-        [/kU=L.L...][/vU=L.L...][/recent=MODE]",
-        e.g. "int8", "int4+zstd:3/g32", "int2/g32/rotv/clip", "int4+zstd/k8=0.1", "int2+zstd/k4=0.1/v4=3",
-        "fp16+none/rows", "int2+zstd/k4=2/recent=int8", "int4+zstd/s8/k5=0.1.2" (options: rot, rotk, rotv, clip,
-        outk, symv, s8, plain; k8/v8: layers whose keys/values stay int8; kB/vB: layers whose keys/values take the
-        other grouped precision, B = 4 in int2, 2 in int4; kU/vU: one bit more, U = 5 in int4, 3 in int2;
-        int4/int2 only, in this order. rows: exact/fp16; q8 is always token rows. recent, last: the mode of
-        the partial last block, RECENT_MODES)."""
+        """Parse a spec of `GRAMMAR`, e.g. "int8", "int4+zstd:3/g32", "int2/g32/rotv/clip", "fp16+none/rows",
+        "int4+zstd/kbits/s8/unrope/v5=11.15/recent=int8" (docs/codec-spec.md)."""
         match = _SPEC.fullmatch(text.strip().lower()) if isinstance(text, str) else None
         if match is None:
-            raise ConfigError(f"bad codec spec {text!r}; expected MODE[+COMPRESSOR[:LEVEL]][/gN][/OPTION]"
-                              f"[/k8=L.L][/v8=L.L][/k4=L.L][/v4=L.L][/k3=L.L][/v3=L.L][/recent=MODE] (int2; /k2=, "
-                              f"/v2=, /k5=, /v5= in int4)")
+            raise ConfigError(f"bad codec spec {text!r}; expected {GRAMMAR} (docs/codec-spec.md)")
         mode, comp = match["mode"], match["comp"] or "lz4"
         if match["level"] is not None and comp != "zstd":
             raise ConfigError(f"bad codec spec {text!r}: a level applies to zstd only")
@@ -135,15 +141,11 @@ class CodecSpec:
             raise ConfigError(f"bad codec spec {text!r}: a group size applies to int4/int2 only")
         level = int(match["level"]) if match["level"] is not None else 3
         group = int(match["group"]) if match["group"] is not None else DEFAULT_GROUP
-        hi = HiLayers(*(_parse_layers(text, mode, match[name]) for name in ("k8", "v8", "ka", "va", "ku", "vu")))
-        for name in ("ka_bits", "va_bits"):
-            if match[name] is not None and (mode not in ALT_BITS or int(match[name]) != ALT_BITS[mode]):
-                raise ConfigError(f"bad codec spec {text!r}: /{name[0]}{match[name]}= applies to "
-                                  f"{'int2' if match[name] == '4' else 'int4'} only (the other grouped precision)")
         for name in ("ku_bits", "vu_bits"):
             if match[name] is not None and (mode not in UP_BITS or int(match[name]) != UP_BITS[mode]):
                 raise ConfigError(f"bad codec spec {text!r}: /{name[0]}{match[name]}= applies to "
                                   f"{'int4' if match[name] == '5' else 'int2'} only (one bit more than the mode)")
+        hi = HiLayers(*(_parse_layers(text, mode, match[name]) for name in ("ku", "vu")))
         options = [o for o in match["options"].split("/") if o]
         rows = options[-1:] == ["rows"]
         return cls(mode=mode, compressor=comp, level=level, group_size=group,
@@ -156,24 +158,23 @@ class CodecSpec:
         if self.compressor == "zstd":
             text += f":{self.level}"
         if self.mode in GROUPED_MODES:
-            text += f"/g{self.group_size}" + _options_text(self.variant or PLAIN)
-            alt, up = ALT_BITS[self.mode], UP_BITS[self.mode]
-            for name, layers in zip(("k8", "v8", f"k{alt}", f"v{alt}", f"k{up}", f"v{up}"), self.hi, strict=True):
+            v = self.variant or PLAIN
+            text += f"/g{self.group_size}" + ("".join(f"/{o}" for o, (bit, _) in OPTIONS.items()
+                                                      if bit != PLAIN and any(v[i] for i, b in enumerate(bit) if b))
+                                              or "/plain")
+            for half, layers in zip("kv", self.hi, strict=True):
                 if layers:
-                    text += f"/{name}=" + ".".join(map(str, layers))
+                    text += f"/{half}{UP_BITS[self.mode]}=" + ".".join(map(str, layers))
         return text + ("/rows" if self.rows and self.mode in FLOAT_MODES else "") + _recent_text(self.recent)
 
     def check_layers(self, num_layers: int) -> None:
-        """ConfigError unless every /k8= and /v8= layer exists in a model of `num_layers` layers (they are one
-        model's calibration: a pod whose model lacks them would drop every write)."""
-        beyond = [n for n in _all_layers(self.hi) if n >= num_layers]
+        """ConfigError unless every layer the spec gives one bit more exists in a model of `num_layers` layers (they
+        are one model's calibration: a pod whose model lacks them would drop every write)."""
+        beyond = [n for n in (*self.hi.up_keys, *self.hi.up_values) if n >= num_layers]
         if beyond:
-            top = max(beyond)
-            at = ("int8" if top in (*self.hi.keys, *self.hi.values)
-                  else f"{ALT_BITS[self.mode]} bits" if top in (*self.hi.alt_keys, *self.hi.alt_values)
-                  else f"{UP_BITS[self.mode]} bits")
-            raise ConfigError(f"codec {self.name()} keeps layer {top} at {at}, but the model has layers "
-                              f"0-{num_layers - 1}: /k8= and /v8= name one model's layers")
+            raise ConfigError(f"codec {self.name()} gives layer {max(beyond)} {UP_BITS[self.mode]} bits, but the "
+                              f"model has layers 0-{num_layers - 1}: /k{UP_BITS[self.mode]}= and "
+                              f"/v{UP_BITS[self.mode]}= name one model's layers")
 
     def check_model(self, num_layers: int, head_dim: int) -> None:
         """`check_layers`, and a q8 codec's blocks of 32 channels of one head: ConfigError unless head_dim is a
@@ -193,24 +194,18 @@ class CodecSpec:
 
     @property
     def transform(self) -> int:
-        """The frame's transform bits (format versions 2 to 5) for this spec; 0 for none."""
+        """The frame's transform bits for this spec; 0 for none."""
         v = self.variant or PLAIN
-        return ((ROT_KEYS if v.rot_keys else 0) | (ROT_VALUES if v.rot_values else 0)
-                | (LAYER_TABLE if self.hi != NO_HI else 0) | (OUTLIER_KEYS if v.outlier_keys else 0)
-                | (SYM_VALUES if v.sym_values else 0) | (SCALE8 if v.scale8 else 0)
-                | (KEY_CLASSES if v.key_classes else 0) | (UNROPE if v.unrope else 0))
+        return ((ROT_VALUES if v.rot_values else 0) | (LAYER_TABLE if self.hi != NO_HI else 0)
+                | (OUTLIER_KEYS if v.outlier_keys else 0) | (SYM_VALUES if v.sym_values else 0)
+                | (SCALE8 if v.scale8 else 0) | (KEY_CLASSES if v.key_classes else 0) | (UNROPE if v.unrope else 0))
 
     def layer_table(self, layers: int) -> bytes:
-        """The frame's layer table (format versions 3 and 5) for KV of `layers` layers; empty when no layer is
-        raised."""
+        """The frame's layer table for KV of `layers` layers; empty when no layer is raised."""
         if self.hi == NO_HI:
             return b""
-        bits, alt, up, hi = BITS[self.mode], ALT_BITS[self.mode], UP_BITS[self.mode], self.hi
-
-        def of(i: int, at8: tuple[int, ...], other: tuple[int, ...], more: tuple[int, ...]) -> int:
-            return HI_BITS if i in at8 else alt if i in other else up if i in more else bits
-
-        return bytes(of(i, hi.keys, hi.alt_keys, hi.up_keys) | of(i, hi.values, hi.alt_values, hi.up_values) << 4
+        bits, up = BITS[self.mode], UP_BITS[self.mode]
+        return bytes((up if i in self.hi.up_keys else bits) | (up if i in self.hi.up_values else bits) << 4
                      for i in range(layers))
 
     @property
@@ -219,20 +214,17 @@ class CodecSpec:
         return self.mode == "exact"
 
 
-def key_class_text(mode: str) -> str:
-    """"0, 2, 3 or 4": the bits a key channel of a /kbits codec of `mode` may take."""
-    *most, last = map(str, KEY_CLASS_BITS[mode])
-    return f"{', '.join(most)} or {last}"
-
-
-def _check_format6(mode: str, v: Variant, hi: HiLayers) -> None:
-    """ConfigError unless /kbits and /unrope (frame format 6) come as that format holds them."""
-    if v.key_classes and (mode not in KEY_CLASS_BITS or v.outlier_keys or not v.scale8 or hi.up_keys):
-        raise ConfigError(f"/kbits (key channels at {key_class_text('int2')} bits under int2, "
-                          f"{key_class_text('int4')} under int4) applies to int4 and int2 with /s8, without /outk or "
-                          f"a key layer one bit more (/k3=, /k5=: it sets every key channel's bits itself)")
+def _check_options(mode: str, v: Variant, hi: HiLayers) -> None:
+    """ConfigError unless the options come as a frame format holds them: the split options with /s8 and /s8 with one
+    of them, per-layer bits with them, /kbits and /unrope as format 6 holds them."""
     if v.unrope and not (v.split and v.scale8):
         raise ConfigError("/unrope (keys stored without their RoPE) takes /s8 and one of /kbits, /outk, /symv")
+    if v.key_classes and (mode not in KEY_CLASS_BITS or v.outlier_keys or hi.up_keys or not v.scale8):
+        raise ConfigError("/kbits applies to int4 and int2 with /s8, without /outk or a key layer one bit more (/k3=, "
+                          "/k5=: it sets every key channel's bits itself)")
+    if v.split != v.scale8 or (hi != NO_HI and not v.split):
+        raise ConfigError("/outk, /kbits and /symv take /s8, and /s8 and per-layer bits (/k5=, /v5= in int4, /k3=, "
+                          "/v3= in int2) take one of them")
 
 
 def _check_recent(mode: str, recent: str) -> None:
@@ -262,41 +254,24 @@ def recent_spec(spec: CodecSpec) -> CodecSpec:
 
 
 def _parse_options(text: str, mode: str, names: list[str]) -> Variant | None:
-    """The Variant named by "/rot/clip"-style options, or None (the mode's default) if none."""
+    """The Variant named by "/rotv/clip"-style options, or None (the mode's default) if none."""
     if not names:
         return None
     if mode not in GROUPED_MODES:
         raise ConfigError(f"bad codec spec {text!r}: options apply to int4/int2 only")
-    unknown = [n for n in names if n not in _OPTIONS]
+    unknown = [n for n in names if n not in OPTIONS]
     if unknown or len(set(names)) != len(names) or ("plain" in names and len(names) > 1):
-        raise ConfigError(f"bad codec spec {text!r}: options are {', '.join(_OPTIONS)}, each once, "
-                          f"plain alone")
-    picked = [_OPTIONS[n] for n in names]
+        raise ConfigError(f"bad codec spec {text!r}: options are {', '.join(OPTIONS)}, each once, plain alone "
+                          f"(docs/codec-spec.md)")
+    picked = [OPTIONS[n][0] for n in names]
     return Variant(*(any(field) for field in zip(*picked, strict=True)))
 
 
 def _parse_layers(text: str, mode: str, layers: str | None) -> tuple[int, ...]:
-    """The layer numbers of a "/k8=0.5.12" option, distinct; () if the option is absent."""
+    """The layer numbers of a "/v5=0.5.12" option, distinct; () if the option is absent."""
     if layers is None:
         return ()
-    if mode not in GROUPED_MODES:
-        raise ConfigError(f"bad codec spec {text!r}: int8 layers apply to int4/int2 only")
     numbers = [int(n) for n in layers.split(".")]
     if len(set(numbers)) != len(numbers):
         raise ConfigError(f"bad codec spec {text!r}: a layer is named twice")
     return tuple(numbers)
-
-
-def _options_text(v: Variant) -> str:
-    """The canonical option suffix of a Variant: "/rot/clip", "/rotv", "/plain" ..."""
-    rot = {(True, True): "/rot", (True, False): "/rotk", (False, True): "/rotv"}
-    text = (rot.get((v.rot_keys, v.rot_values), "") + ("/clip" if v.clip else "") + ("/outk" if v.outlier_keys else "")
-            + ("/kbits" if v.key_classes else "") + ("/symv" if v.sym_values else "") + ("/s8" if v.scale8 else "")
-            + ("/unrope" if v.unrope else ""))
-    return text or "/plain"
-
-
-
-def _all_layers(hi: HiLayers) -> tuple[int, ...]:
-    return (*hi.keys, *hi.values, *hi.alt_keys, *hi.alt_values, *hi.up_keys, *hi.up_values)
-

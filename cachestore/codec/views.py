@@ -9,10 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from cachestore.codec import scalecodes
-from cachestore.codec.dequant import dequantize, dequantize_mixed, expand_split, int8_codes_into
+from cachestore.codec.dequant import dequantize, expand_split, int8_codes_into
 from cachestore.codec.frame import FLOAT_MODES, SCALE8, SPLIT, V6, FrameHeader
-from cachestore.codec.layout import Dims, Variant, codes_split_by_layer, scale_pairs, split_layout
+from cachestore.codec.layout import Dims, Variant, codes_split_by_layer, split_layout
 from cachestore.codec.plan import DTYPES, hi_of, kind_of, layer_slice, nbytes, plan, stored_shape, variant_of
 from cachestore.errors import CodecError
 
@@ -40,12 +39,9 @@ class OpenFrame:
         if self.device.type != "cpu":
             parts = [part.to(self.device) for part in parts]
         h = self.header
-        if h.transform & SCALE8 and h.transform & SPLIT:  # range codes -> fp16 scales and zero points
-            hi = hi_of(h)
+        if h.transform & SPLIT:  # range codes -> fp16 scales and zero points
             parts = expand_split(h.mode, parts, Dims(h.layers, h.kv_heads, h.tokens, h.head_dim), h.group_size,
-                                 variant_of(h), (hi.up_keys, hi.up_values))
-        elif h.transform & SCALE8:
-            parts = scalecodes.expand_parts(parts, scale_pairs(h.mode, h.hi_counts))
+                                 variant_of(h), hi_of(h))
         return parts
 
     @property
@@ -75,13 +71,8 @@ class OpenFrame:
         variant = variant_of(h)
         if out is None and (self.borrowed or h.rows) and h.mode in FLOAT_MODES:  # else it would alias the frame
             out = torch.empty(shape, dtype=DTYPES[h.dtype], device=self.parts[0].device)
-        if h.transform & SPLIT and (h.layer_bits or h.transform & V6):  # sections not all layers first
+        if h.layer_bits or h.transform & V6:  # split frames whose sections are not all layers first
             return self._split_into(out, first, count, variant)
-        if h.layer_bits:
-            if out is None:
-                out = torch.empty(shape, dtype=DTYPES[h.dtype], device=self.parts[0].device)
-            full = Dims(h.layers, h.kv_heads, h.tokens, h.head_dim)
-            return dequantize_mixed(h.mode, self.parts, full, h.group_size, out, variant, hi_of(h), first)
         if count != h.layers:
             if not self.splits_by_layer:
                 raise CodecError("this frame's packed codes cannot be split by layer")

@@ -12,7 +12,7 @@ from typing import Any
 from ops.bench.common import SAMPLE_TEXT
 from ops.bench.common import median_s as _median_s
 
-MODES = ["exact", "fp16", "int8", "int4", "int2", "fp8"]
+MODES = ["exact", "fp16", "int8", "int4", "int2"]
 COMPRESSORS = ["none", "lz4", "zstd"]
 TARGETS = {"int8": 1.9, "int4": 3.5, "int2": 6.0}  # minimum ratio vs fp16
 DECODE_TARGET_MB_S = 1000.0  # int8+lz4
@@ -28,9 +28,9 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--dtype", default="float16", choices=["float16", "float32", "bfloat16"],
                    help="dtype of the KV handed to the codec (default float16)")
     p.add_argument("--groups", default="32,64", help="int4/int2 group sizes to compare")
-    p.add_argument("--variants", default="plain,default,rot",
+    p.add_argument("--variants", default="plain,default,rotv",
                    help="int4/int2 options to compare: 'default' (what a bare int4/int2 means), "
-                        "'plain' or option lists such as 'rot/clip' or 'plain/k8=0.1' (default %(default)s)")
+                        "'plain' or option lists such as 'rotv/clip' or 'symv/s8/k5=0.1' (default %(default)s)")
     p.add_argument("--level", type=int, default=3, help="zstd level")
     p.add_argument("--synthetic", action="store_true", help="skip the model: synthetic KV")
     p.add_argument("--json", type=Path, help="write the rows as JSON to this path")

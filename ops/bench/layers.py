@@ -1,18 +1,16 @@
 """`kvstash bench layers`: which layers of your model are worth more bits, measured on calibration text only.
 
-The calibration procedure behind a per-layer bit allocation (`/k8=`, `/v8=` of int4; `/k4=`, `/v4=` of int2; with
-`--upgrade bit`, `/k5=`, `/v5=` of int4 and `/k3=`, `/v3=` of int2). For several windows of the calibration texts
-(never the ones claims are made on: `ops/bench/texts.py`), the prefix's KV is round-tripped block by block as a pod
-stores it, through the base codec and through the upgrade (by default int8 for int4, int4 for int2; one bit more
-with `--upgrade bit`; same group and options), and then, for every layer and for its keys and its values apart, that one
-half is put back from the upgrade into the all-base KV and the next tokens scored: the mean KL(exact || codec) of
-their next-token distributions, and how much the upgrade of that half alone lowers it. Halves are ranked by that
-gain; the suggestion takes them in rank order while the encoded size of a `--size-tokens` context stays at least
-`--min-ratio` times smaller than fp16 (the mode's size target by default), and is then scored itself.
+The calibration procedure behind a per-layer bit allocation (`/k5=`, `/v5=` of int4 and `/k3=`, `/v3=` of int2, on a
+base with `/s8`). For several windows of the calibration texts (never the ones claims are made on:
+`ops/bench/texts.py`), the prefix's KV is round-tripped block by block as a pod stores it, through the base codec and
+through the upgrade (every layer one bit more; same group and options), and then, for every layer and for its keys and
+its values apart, that one half is put back from the upgrade into the all-base KV and the next tokens scored: the mean
+KL(exact || codec) of their next-token distributions, and how much the upgrade of that half alone lowers it. Halves
+are ranked by that gain; the suggestion takes them in rank order while the encoded size of a `--size-tokens` context
+stays at least `--min-ratio` times smaller than fp16 (the mode's size target by default), and is then scored itself.
 
-    kvstash bench layers --base int4+zstd/rot/clip          # int8 upgrades of an int4 codec, on the calibration set
-    kvstash bench layers --base int2+zstd --text my_calibration.txt --json layers.json
-    kvstash bench layers --base int4+zstd/s8 --upgrade bit --min-ratio 3.55   # 5-bit halves paid by range codes
+    kvstash bench layers --base int4+zstd/kbits/s8/unrope --min-ratio 3.5    # value layers of int4 at 5 bits
+    kvstash bench layers --base int2+zstd:16/rotv/clip/outk/symv/s8 --text my_calibration.txt --json layers.json
 
 Confirm the suggested spec with `kvstash bench quality` on held-out text (docs/fidelity.md).
 """
@@ -28,26 +26,23 @@ from ops.bench import qstats, texts
 from ops.bench.common import machine, print_table, write_json
 from ops.bench.quality import FP16_BYTES, SCORERS, SIZE_TARGETS, _round_trip, _windows
 
-UPGRADE = {"int4": "int8", "int2": "int4"}  # the precision a layer's half is raised to by default, by base mode
-# --upgrade: int8, the other grouped precision (int4 in int2, int2 in int4), one bit more
-UPGRADES = ("int8", "other", "bit")
+UPGRADES = ("bit",)  # --upgrade: one bit more (int8 layers and the other grouped precision are retired codecs)
 RANK_FIELD = {"relative": "window_share_pct", "mean": "kl_gain"}  # --rank: the field halves are ranked by
 
 
 def register(bench_subparsers: Any) -> None:
-    p = bench_subparsers.add_parser("layers", help="per-layer sensitivity on calibration text; suggests /k8= "
-                                                   "(int4) or /k4= (int2) layers")
+    p = bench_subparsers.add_parser("layers", help="per-layer sensitivity on calibration text; suggests /k5= "
+                                                   "/v5= (int4) or /k3= /v3= (int2) layers")
     p.add_argument("--text", action="append", default=None,
                    help="a text set (calibration, the default), a shipped text's name or a plain-text file of "
                         "your own; repeatable. Never the texts you will report on")
     p.add_argument("--engine", default="hf", choices=sorted(SCORERS), help="engine that runs the model (default hf)")
     p.add_argument("--model", default="smollm2", help="smollm2 (default), tiny-random or a local HF directory")
-    p.add_argument("--base", default="int4+zstd", help="the int4 or int2 codec to calibrate (default %(default)s); "
-                                                       "its own /k8= etc. are ignored")
+    p.add_argument("--base", default="int4+zstd/kbits/s8", help="the int4 or int2 codec to calibrate, with /s8 "
+                                                                "(default %(default)s); its own /k5= etc. are ignored")
     p.add_argument("--upgrade", choices=UPGRADES, default=None,
-                   help="what a raised half takes: int8 (/k8= /v8=), other (the other grouped precision: /k4= /v4= in "
-                        "int2), bit (one bit more: /k5= /v5= in int4, /k3= /v3= in int2); default int8 for int4, "
-                        "other for int2")
+                   help="what a raised half takes: bit (one bit more: /k5= /v5= in int4, /k3= /v3= in int2; the "
+                        "default, and the only one: it needs a base with /s8)")
     p.add_argument("--windows", type=int, default=3, help="windows spread over each text (default 3)")
     p.add_argument("--halves", choices=("both", "keys", "values"), default=None,
                    help="which halves to rank: both (default), or keys or values alone (values alone by default over a "
@@ -74,7 +69,7 @@ def _base_spec(text: str) -> Any:
     from cachestore.codec.layout import NO_HI  # noqa: PLC0415
 
     spec = CodecSpec.parse(text)
-    if spec.mode not in UPGRADE:
+    if spec.mode not in ("int4", "int2"):
         raise SystemExit(f"bench layers calibrates int4 or int2 codecs, not {spec.mode}")
     if spec.recent:
         raise SystemExit(f"bench layers calibrates full blocks: give the base without /recent={spec.recent} "
@@ -83,11 +78,11 @@ def _base_spec(text: str) -> Any:
 
 
 def _upgrade_of(base: Any, upgrade: str | None) -> str:
-    """The --upgrade of a base spec: its mode's default, or as given ("other" of int4 is int2: fewer bits, refused)."""
-    chosen = upgrade or ("int8" if UPGRADE[base.mode] == "int8" else "other")
-    if chosen == "other" and base.mode == "int4":
-        raise SystemExit("the other grouped precision of int4 is int2, fewer bits: --upgrade int8 or bit")
-    return chosen
+    """The --upgrade of a base spec: one bit more, which takes a base with /s8 (SystemExit with one line else)."""
+    if base.variant is None or not base.variant.scale8:
+        raise SystemExit(f"bench layers raises halves one bit more, which takes /s8 with /outk, /kbits or /symv; "
+                         f"{base.name()} has none")
+    return upgrade or "bit"
 
 
 def _halves(which: str | None, base: Any) -> tuple[int, ...]:
@@ -105,9 +100,7 @@ def _with_layers(base: Any, halves: list[tuple[int, int]], upgrade: str) -> Any:
 
     keys = tuple(sorted(layer for layer, half in halves if half == 0))
     values = tuple(sorted(layer for layer, half in halves if half == 1))
-    hi = (HiLayers(keys, values) if upgrade == "int8" else HiLayers(alt_keys=keys, alt_values=values)
-          if upgrade == "other" else HiLayers(up_keys=keys, up_values=values))
-    return replace(base, hi=hi)
+    return replace(base, hi=HiLayers(up_keys=keys, up_values=values))
 
 
 def _size(kv: Any, spec: Any, block_tokens: int, rope: Any = None) -> float:
@@ -158,12 +151,12 @@ def run(args: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415
 
     from cachestore.codec.blockcodec import BlockCodecs  # noqa: PLC0415
-    from cachestore.codec.frame import ALT_BITS, UP_BITS  # noqa: PLC0415
+    from cachestore.codec.frame import UP_BITS  # noqa: PLC0415
 
     before = machine()
     base = _base_spec(args.base)
     args.upgrade = _upgrade_of(base, args.upgrade)
-    up_name = {"int8": "int8", "other": "int4", "bit": f"{base.mode} + 1 bit"}[args.upgrade]
+    up_name = f"{base.mode} + 1 bit"
     min_ratio = args.min_ratio if args.min_ratio is not None else SIZE_TARGETS[base.mode]
     chosen_texts = texts.resolve(args.text or ["calibration"])
     held_out = {t.name for t in texts.HELD_OUT} & {t.name for t in chosen_texts}
@@ -200,8 +193,7 @@ def run(args: argparse.Namespace) -> int:
     layers = windows[0][0].shape[0]
     kinds = _halves(args.halves, base)
     # every layer at the upgrade: same group, options and compressor
-    up = (replace(base, mode=UPGRADE[base.mode]) if args.upgrade != "bit"
-          else _with_layers(base, [(layer, half) for layer in range(layers) for half in kinds], "bit"))
+    up = _with_layers(base, [(layer, half) for layer in range(layers) for half in kinds], "bit")
     base_kl, up_kl = [], []
     half_kl: dict[tuple[int, int], list[float]] = {(layer, half): [] for layer in range(layers) for half in kinds}
     for i, (kv, window, ref) in enumerate(windows):
@@ -234,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
                          ("kl_gain", "KL gain", ".3e"), ("kl_gain_lo", "lo", ".2e"), ("kl_gain_hi", "hi", ".2e"),
                          ("share_pct", "% of base KL", ".1f"), ("window_share_pct", "% per window", ".1f"),
                          ("kl", "KL then", ".3e")])
-    flag = {"int8": "8", "other": str(ALT_BITS[base.mode]), "bit": str(UP_BITS[base.mode])}[args.upgrade]
+    flag = str(UP_BITS[base.mode])
     print(f"base       {base.name()}: KL {base_mean:.3e}, ppl {b_pct:+.3f}% [{b_lo:+.3f}, {b_hi:+.3f}], "
           f"{base_ratio:.2f}x fp16")
     print(f"suggested  {suggested.name()}: KL {qstats.mean(sug_kl):.3e}, ppl {s_pct:+.3f}% [{s_lo:+.3f}, "

@@ -31,7 +31,7 @@ from ops.bench import qmerge, qstats, texts
 from ops.bench.common import machine, plot_pareto, print_table, write_json
 
 # /plain rows are the codecs as they were before format 2 (same bits), for the before/after table
-MODES = "exact,fp16,int8,fp8,int4,int4+zstd,int4/rot,int4/rotv,int2/plain,int2/g16/plain,int2,int2+zstd"
+MODES = "exact,fp16,int8,int4,int4+zstd,int4/rotv,int2/plain,int2/g16/plain,int2,int2+zstd"
 PPL_TARGETS = {"int8": 0.2, "int4": 0.25, "int2": 3.0}  # max perplexity change, percent
 SIZE_TARGETS = {"int4": 3.5, "int2": 6.0}  # min ratio vs fp16 at --size-tokens, everything included
 GREEDY_TARGET = (31.0, 3.0)  # greedy match of 32 tokens (mean) at >= this ratio vs fp16
