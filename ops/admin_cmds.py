@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cachestore import inspect, repair, transfer
+from cachestore import codecplans, inspect, repair, transfer
 from cachestore.codec import read_header
 from cachestore.errors import CodecError, KvstashError, StoreError
 from cachestore.signing import Signer
@@ -23,6 +23,7 @@ def cmd_stats(args: argparse.Namespace, settings: Any) -> int:
     stats = call(settings, lambda s: inspect.namespace_stats(s.client, s.keys, settings.budget_bytes,
                                                               progress(args)))
     stats["tenant_quotas"] = {t: settings.quota_of(t) for t in stats["tenant_bytes"] if settings.quota_of(t)}
+    stats["codec_plans"] = call(settings, lambda s: codecplans.stored_plans(s.client, s.keys))
     if args.json:
         print_json(stats)
         return 0
@@ -50,6 +51,10 @@ def cmd_stats(args: argparse.Namespace, settings: Any) -> int:
         for tenant, held in stats["tenant_bytes"].items():
             quota = settings.quota_of(tenant)
             print(f"{tenant:<18} {size(held):>12} {size(quota) if quota else 'none':>12}")
+    for model, plan in stats["codec_plans"].items():  # what `int4` and `int2` mean for each model
+        print(f"codec plan {model}: " + (plan["error"] if "error" in plan else
+              "; ".join(f"{name} = {spec}" for name, spec in plan["specs"].items())
+              + f" ({plan['source']}; made by {plan['made_by'] or 'a pod'})"))
     return 0
 
 
