@@ -64,7 +64,8 @@ def parse_block_key(keys: KeySpace, key: str) -> BlockKey | None:
 
 
 def classify(keys: KeySpace, key: str) -> str:
-    """block | tail | ids | boundary | index | session | plan | other (a key of the namespace kvstash does not write)."""
+    """block | tail | ids | boundary | index | session | plan | other (a key of the namespace kvstash does not
+    write)."""
     ns = keys.namespace
     if key.startswith(f"{ns}:blk:"):
         return "block"

@@ -14,7 +14,7 @@ import textwrap
 
 import torch
 
-from cachestore.codec.names import SINK_TOKENS, CodecPlan, is_named, make_plan
+from cachestore.codec.names import SINK_TOKENS, CodecPlan, is_named, is_published, make_plan
 from cachestore.codecplans import Agreed, agree
 from cachestore.keys import KeySpace
 from cachestore.redisclient import make_client
@@ -49,7 +49,9 @@ async def resolve(settings: PodSettings, engine: Engine, store: StoreSettings) -
     weights = engine.fingerprint(settings.block_tokens, "").model_id
 
     def made() -> CodecPlan:
-        return make_plan(calibration_kv(engine), rope, weights, settings.pod_name)
+        kv = (torch.randn(geo.num_layers, 2, geo.kv_heads, SINK_TOKENS, geo.head_dim) if is_published(weights)
+              else calibration_kv(engine))  # a published model's tables need no calibration: a block to try them on
+        return make_plan(kv, rope, weights, settings.pod_name)
 
     async def make() -> CodecPlan:
         return await asyncio.wrap_future(threads.compute_executor().submit(made))

@@ -21,7 +21,8 @@ from cachestore.keys import KeySpace
 from cachestore.redisclient import make_client
 from cachestore.settings import StoreSettings
 from ops.redisproc import RedisProcess
-from tests.support import kv_sample, make_client as pod_client
+from tests.support import kv_sample
+from tests.support import make_client as pod_client
 
 ROPE = Rope(HALVES, tuple(10000.0 ** (-2 * i / 64) for i in range(32)))
 SMOLLM2_GGUF = next(iter(KNOWN))

@@ -99,9 +99,15 @@ def is_named(codec: str) -> bool:
     return codec.strip().lower() in NAMED
 
 
+def is_published(model_id: str) -> bool:
+    """Whether `model_id` (a fingerprint's) names weights whose tables are published: no calibration needed."""
+    return model_id.rpartition("/")[2] in KNOWN
+
+
 def make_plan(kv: torch.Tensor, rope: Rope | None, model_id: str, made_by: str = "") -> CodecPlan:
     """The plan of a model whose calibration KV is `kv` [layers, 2, kv_heads, tokens, head_dim] and whose engine
-    declares `rope` (or None); `model_id` its weights digest (a published model's tables are used as they are)."""
+    declares `rope` (or None); `model_id` its weights digest (a published model's tables are used as they are, and
+    `kv` need only have its shape)."""
     layers, head_dim = kv.shape[0], kv.shape[4]
     known = KNOWN.get(model_id.rpartition("/")[2])
     specs, sources = {}, set()
