@@ -15,6 +15,7 @@ import textwrap
 import torch
 
 from cachestore.codec.names import SINK_TOKENS, CodecPlan, is_named, is_published, make_plan
+from cachestore.codec.rope import Rope
 from cachestore.codecplans import Agreed, agree
 from cachestore.keys import KeySpace
 from cachestore.redisclient import make_client
@@ -40,21 +41,33 @@ def calibration_kv(engine: Engine) -> torch.Tensor:
     return generation.kv[:, :, :, :len(ids)]
 
 
+def own_plan(engine: Engine, rope: Rope | None, made_by: str = "") -> CodecPlan:
+    """The plan this engine's model gets when none is stored, for an engine that declares `rope` (or None)."""
+    geo, weights = engine.geometry, engine.fingerprint(1, "").model_id
+    kv = (torch.randn(geo.num_layers, 2, geo.kv_heads, SINK_TOKENS, geo.head_dim) if is_published(weights)
+          else calibration_kv(engine))  # a published model's tables need no calibration: a block to try them on
+    return make_plan(kv, rope, weights, made_by)
+
+
+def written_out(codecs: str, engine: Engine, rope: Rope | None) -> tuple[str, CodecPlan | None]:
+    """Comma-separated `codecs` with each name (int4, int2) written out as this engine's own plan has it (what a pod
+    serves where no other pod's plan is stored), and that plan (None: no name among them)."""
+    listed = [c.strip() for c in codecs.split(",") if c.strip()]
+    if not any(map(is_named, listed)):
+        return codecs, None
+    plan = own_plan(engine, rope)
+    return ",".join(plan.spec(c.lower()) if is_named(c) else c for c in listed), plan
+
+
 async def resolve(settings: PodSettings, engine: Engine, store: StoreSettings) -> tuple[PodSettings, Agreed | None]:
     """`settings` with a named codec replaced by the spec of the plan every pod of the namespace (`store`'s) serves
     for this model, and how the plan was agreed; unchanged (and None) for a spec, or a pod without the cache."""
     if not is_named(settings.codec) or not settings.cache_enabled:
         return settings, None
     geo, rope = engine.geometry, engine.kv_layout.rope
-    weights = engine.fingerprint(settings.block_tokens, "").model_id
-
-    def made() -> CodecPlan:
-        kv = (torch.randn(geo.num_layers, 2, geo.kv_heads, SINK_TOKENS, geo.head_dim) if is_published(weights)
-              else calibration_kv(engine))  # a published model's tables need no calibration: a block to try them on
-        return make_plan(kv, rope, weights, settings.pod_name)
 
     async def make() -> CodecPlan:
-        return await asyncio.wrap_future(threads.compute_executor().submit(made))
+        return await asyncio.wrap_future(threads.compute_executor().submit(own_plan, engine, rope, settings.pod_name))
 
     def fits(plan: CodecPlan) -> None:
         plan.check(geo.num_layers, geo.head_dim, rope)
