@@ -57,6 +57,15 @@ async def agree(client: Any, keys: KeySpace, model: str, make: Callable[[], Awai
     return await _take(stored, lambda: _ready(mine), fits)
 
 
+async def stored_plan(client: Any, keys: KeySpace, model: str) -> CodecPlan | None:
+    """The plan stored for `model`, or None (none, or one unreadable)."""
+    raw = await client.get(keys.codec_plan(model))
+    try:
+        return None if raw is None else CodecPlan.from_json(raw)
+    except ConfigError:
+        return None
+
+
 async def stored_plans(client: Any, keys: KeySpace) -> dict[str, dict[str, Any]]:
     """Every model's stored plan in the namespace, by model id: its fields, or {"error": why} for one unreadable."""
     out: dict[str, dict[str, Any]] = {}

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +22,7 @@ from cachestore.keys import KeySpace
 from cachestore.redisclient import make_client
 from cachestore.settings import StoreSettings
 from ops.redisproc import RedisProcess
-from tests.support import kv_sample
+from tests.support import HISTORY, kv_sample, wait_written
 from tests.support import make_client as pod_client
 
 ROPE = Rope(HALVES, tuple(10000.0 ** (-2 * i / 64) for i in range(32)))
@@ -112,16 +113,27 @@ def test_a_plan_for_another_model_is_not_taken_nor_replaced(redis_server: RedisP
 
 
 def test_pods_serve_int4_as_the_stored_plan_and_admin_stats_shows_it(redis_server: RedisProcess, tiny_model: Any,
+                                                                     tmp_path: Path,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """The first pod on the model makes and stores the plan; the next reads it; both write under the same spec, and
-    `kvstash admin stats` names it."""
+    `kvstash admin stats` names it; `admin export --codec int4` finds the blocks the pods wrote under it."""
     from ops.cli import main  # noqa: PLC0415
 
     names = []
     for _ in range(2):
         with pod_client(redis_server, tiny_model, codec="int4") as client:
             names.append(client.app.state.pod.pipeline.codecs.main.spec.name())  # type: ignore[attr-defined]
+            if len(names) == 1:
+                assert client.post("/v1/sessions", json={"session_id": "s", "messages": HISTORY}).status_code == 201
+                turn = client.post("/v1/sessions/s/messages", json={"content": "And then?", "max_tokens": 4})
+                assert turn.status_code == 200, turn.text
+                wait_written(client)
     assert names[0] == names[1] and names[0].startswith("int4+zstd:3/g64/s8/v5=") and "/recent=int8" in names[0]
+    out = tmp_path / "s.json"
+    assert main(["admin", "--redis-url", redis_server.url, "export", "s", str(out), "--model", "tiny-random",
+                 "--codec", "int4", "--block-tokens", "16"]) == 0
+    printed = capsys.readouterr().out
+    assert "no longer in Redis" not in printed and json.loads(out.read_bytes())["blocks"], printed
     assert main(["admin", "stats", "--redis-url", redis_server.url, "--json"]) == 0
     plans = json.loads(capsys.readouterr().out)["codec_plans"]
     assert [plan["specs"]["int4"] for plan in plans.values()] == [names[0]]
