@@ -32,7 +32,7 @@ SMOLLM2_GGUF = next(iter(KNOWN))
 def test_names_follow_the_rope_declaration_and_the_models_layers() -> None:
     """Where the engine declares RoPE, int4 and int2 store keys without it (/unrope, /kbits); where it declares none,
     the codecs that need none. A model of 20 layers gets 4 of its own raised, SmolLM2 its published tables."""
-    kv = kv_sample((20, 2, 2, 128, 64), torch.float32)
+    kv = kv_sample((20, 2, 1, 96, 64), torch.float32)
     with_rope, without = make_plan(kv, ROPE, "b2:other"), make_plan(kv, None, "b2:other")
     assert "/kbits/s8/unrope/" in with_rope.spec("int4") and "/kbits/symv/s8/unrope/" in with_rope.spec("int2")
     assert "unrope" not in without.spec("int4") + without.spec("int2")
@@ -42,11 +42,11 @@ def test_names_follow_the_rope_declaration_and_the_models_layers() -> None:
             spec = CodecSpec.parse(plan.spec(name))
             spec.check_model(20, 64)
             assert spec.mode == name and len(spec.hi.up_values) == (4 if plan.rope or name == "int4" else 2)
-    smol = make_plan(kv_sample((30, 2, 3, 128, 64), torch.float32), ROPE, f"llamacpp-x/{SMOLLM2_GGUF}")
+    smol = make_plan(kv_sample((30, 2, 1, 64, 64), torch.float32), ROPE, f"llamacpp-x/{SMOLLM2_GGUF}")
     assert smol.specs == {"int4": "int4+zstd:3/g64/kbits/s8/unrope/v5=11.15.17.18.23.25/recent=int8",
                           "int2": "int2+zstd:16/g64/rotv/clip/kbits/symv/s8/unrope/v3=0.1.18.20.23.24/recent=int4"}
     assert smol.source == "published: SmolLM2-135M-Instruct"
-    assert make_plan(kv_sample((30, 2, 3, 128, 64), torch.float32), None, SMOLLM2_GGUF).spec("int2") == (
+    assert make_plan(kv_sample((30, 2, 1, 64, 64), torch.float32), None, SMOLLM2_GGUF).spec("int2") == (
         "int2+zstd:16/g64/rotv/clip/outk/symv/s8/k3=1.2.15.17.20.23/v3=0.1.20/recent=int4")
 
 
