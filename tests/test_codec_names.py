@@ -119,10 +119,11 @@ def test_pods_serve_int4_as_the_stored_plan_and_admin_stats_shows_it(redis_serve
     `kvstash admin stats` names it; `admin export --codec int4` finds the blocks the pods wrote under it."""
     from ops.cli import main  # noqa: PLC0415
 
-    names = []
+    names, model_keys = [], []
     for _ in range(2):
         with pod_client(redis_server, tiny_model, codec="int4") as client:
             names.append(client.app.state.pod.pipeline.codecs.main.spec.name())  # type: ignore[attr-defined]
+            model_keys.append(client.app.state.pod.pipeline.model_key)  # type: ignore[attr-defined]
             if len(names) == 1:
                 assert client.post("/v1/sessions", json={"session_id": "s", "messages": HISTORY}).status_code == 201
                 turn = client.post("/v1/sessions/s/messages", json={"content": "And then?", "max_tokens": 4})
@@ -139,6 +140,16 @@ def test_pods_serve_int4_as_the_stored_plan_and_admin_stats_shows_it(redis_serve
     assert [plan["specs"]["int4"] for plan in plans.values()] == [names[0]]
     assert main(["admin", "stats", "--redis-url", redis_server.url]) == 0
     assert f"int4 = {names[0]}" in capsys.readouterr().out
+    # another plan in the namespace (the layers of another calibration): its pods write under other keys
+    (key,) = redis_server.client().keys("kvstash:plan:*")
+    stored = CodecPlan.from_json(redis_server.client().get(key))
+    other = CodecPlan(2, True, {**stored.specs, "int4": "int4+zstd/s8/v5=0/recent=int8"}, "test")
+    assert other.spec("int4") != names[0]
+    redis_server.client().set(key, other.to_json())
+    with pod_client(redis_server, tiny_model, codec="int4") as client:
+        pipeline = client.app.state.pod.pipeline  # type: ignore[attr-defined]
+        assert pipeline.codecs.main.spec.name() == other.spec("int4") and pipeline.model_key != model_keys[0]
+    assert model_keys[0] == model_keys[1]
 
 
 def test_a_spec_naming_a_layer_the_model_lacks_is_refused_in_one_line() -> None:
