@@ -27,13 +27,15 @@ NAMED = ("int4", "int2")  # names whose spec depends on the model; every other n
 RECENT = {"int4": "int8", "int2": "int4"}  # the partial last block's mode (/recent=)
 PLAN_VERSION = 1
 MAX_PLAN_BYTES = 4096
-# (mode, RoPE declared) -> candidates, best first: (options, share of key layers, share of value layers one bit up)
+# (mode, RoPE declared) -> candidates, best first: (options, share of key layers, share of value layers one bit up);
+# the last, the mode's own default with no layer table, for a model none of the others can encode
 CHOICES: Mapping[tuple[str, bool], tuple[tuple[str, float, float], ...]] = {
-    ("int4", True): (("int4+zstd/kbits/s8/unrope", 0.0, 0.2), ("int4+zstd/s8", 0.0, 0.2)),
-    ("int4", False): (("int4+zstd/kbits/s8", 0.0, 0.2), ("int4+zstd/s8", 0.0, 0.2)),
+    ("int4", True): (("int4+zstd/kbits/s8/unrope", 0.0, 0.2), ("int4+zstd/s8", 0.0, 0.2), ("int4+zstd", 0.0, 0.0)),
+    ("int4", False): (("int4+zstd/kbits/s8", 0.0, 0.2), ("int4+zstd/s8", 0.0, 0.2), ("int4+zstd", 0.0, 0.0)),
     ("int2", True): (("int2+zstd:16/rotv/clip/kbits/symv/s8/unrope", 0.0, 0.2),
-                     ("int2+zstd:16/rotv/clip/s8", 0.2, 0.1)),
-    ("int2", False): (("int2+zstd:16/rotv/clip/outk/symv/s8", 0.2, 0.1), ("int2+zstd:16/rotv/clip/s8", 0.2, 0.1)),
+                     ("int2+zstd:16/rotv/clip/s8", 0.2, 0.1), ("int2+zstd:16", 0.0, 0.0)),
+    ("int2", False): (("int2+zstd:16/rotv/clip/outk/symv/s8", 0.2, 0.1), ("int2+zstd:16/rotv/clip/s8", 0.2, 0.1),
+                      ("int2+zstd:16", 0.0, 0.0)),
 }
 # SmolLM2-135M-Instruct's published tables (docs/fidelity.md), by weights digest: the GGUF the llama.cpp engines
 # load, and the safetensors copy the hf engine converts from it
@@ -119,8 +121,8 @@ def make_plan(kv: torch.Tensor, rope: Rope | None, model_id: str, made_by: str =
             else:
                 keys, values = raised_layers(kv, name, _count(key_share, layers), _count(value_share, layers))
                 source = f"kv statistics: {max(kv.shape[3] - SINK_TOKENS, 0)} calibration tokens"
-            text = spec_text(options, name, keys, values)
-            if _encodes(text, kv, rope):
+            text = _spelled(options, name, keys, values)
+            if text and _encodes(text, kv, rope):
                 specs[name] = text
                 sources.add(source)
                 break
@@ -160,6 +162,14 @@ def _error(x: torch.Tensor, bits: int) -> torch.Tensor:
     lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
     step = (hi - lo).clamp_min(1e-8) / (2 ** bits - 1)
     return ((torch.round((g - lo) / step) * step + lo - g) ** 2).mean(dim=(1, 2))
+
+
+def _spelled(options: str, mode: str, keys: tuple[int, ...], values: tuple[int, ...]) -> str:
+    """`spec_text`, or "" for options this version of the codec does not take."""
+    try:
+        return spec_text(options, mode, keys, values)
+    except ConfigError:
+        return ""
 
 
 def _count(share: float, layers: int) -> int:
