@@ -64,7 +64,8 @@ def parse_block_key(keys: KeySpace, key: str) -> BlockKey | None:
 
 
 def classify(keys: KeySpace, key: str) -> str:
-    """block | tail | ids | boundary | index | session | other (a key of the namespace kvstash does not write)."""
+    """block | tail | ids | boundary | index | session | plan | other (a key of the namespace kvstash does not
+    write)."""
     ns = keys.namespace
     if key.startswith(f"{ns}:blk:"):
         return "block"
@@ -78,6 +79,8 @@ def classify(keys: KeySpace, key: str) -> str:
         return "index"
     if key.startswith(f"{ns}:sess:"):
         return "session"
+    if key.startswith(f"{ns}:plan:"):
+        return "plan"
     return "other"
 
 
@@ -219,7 +222,8 @@ async def namespace_stats(client: Any, keys: KeySpace, budget_bytes: int,
                           progress: Progress | None = None) -> dict[str, Any]:
     """Keys and bytes by kind and by model, budget use, server counters, oldest and newest entries."""
     kinds: dict[str, dict[str, int]] = {k: {"keys": 0, "bytes": 0}
-                                        for k in ("block", "tail", "ids", "boundary", "index", "session", "other")}
+                                        for k in ("block", "tail", "ids", "boundary", "index", "session", "plan",
+                                                  "other")}
     models: dict[str, dict[str, int]] = defaultdict(lambda: {"blocks": 0, "block_bytes": 0, "sessions": 0})
     tenants: dict[str, int] = defaultdict(int)
     times: dict[str, float | None] = {"session_created_min": None, "session_updated_max": None}

@@ -68,6 +68,11 @@ KEY_SHAPES = (
              "as `idx:lru`"),
     KeyShape("<ns>:sess:<tenant>:<session_id>", "HASH", "one session record (fields in `cachestore/sessions.py`)",
              "`session_ttl_s`, slid by every read"),
+    KeyShape("<ns>:plan:v1:<model16>", "STRING",
+             "one model's codec plan (JSON, `cachestore/codec/names.py`): the spec `int4` and `int2` stand for, "
+             "written once with SET NX by the first pod to start on the model (`cachestore/codecplans.py`); "
+             "`<model16>` is the model's fingerprint without a codec",
+             "30 days, slid by every pod that starts on the model"),
 )
 
 
@@ -173,6 +178,10 @@ class KeySpace:
         if not _TENANT_RE.match(tenant) or not _NAME_RE.match(session_id):
             return None
         return tenant, session_id
+
+    def codec_plan(self, model: str) -> str:
+        """The codec plan of a model (`model`: its fingerprint without a codec, 16 hex; "*" in a SCAN pattern)."""
+        return f"{self.namespace}:plan:v1:{model}"
 
     def block_pattern(self) -> str:
         return f"{self.namespace}:blk:*"

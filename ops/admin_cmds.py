@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cachestore import inspect, repair, transfer
+from cachestore import codecplans, inspect, repair, transfer
 from cachestore.codec import read_header
 from cachestore.errors import CodecError, KvstashError, StoreError
 from cachestore.signing import Signer
@@ -23,6 +23,7 @@ def cmd_stats(args: argparse.Namespace, settings: Any) -> int:
     stats = call(settings, lambda s: inspect.namespace_stats(s.client, s.keys, settings.budget_bytes,
                                                               progress(args)))
     stats["tenant_quotas"] = {t: settings.quota_of(t) for t in stats["tenant_bytes"] if settings.quota_of(t)}
+    stats["codec_plans"] = call(settings, lambda s: codecplans.stored_plans(s.client, s.keys))
     if args.json:
         print_json(stats)
         return 0
@@ -50,6 +51,10 @@ def cmd_stats(args: argparse.Namespace, settings: Any) -> int:
         for tenant, held in stats["tenant_bytes"].items():
             quota = settings.quota_of(tenant)
             print(f"{tenant:<18} {size(held):>12} {size(quota) if quota else 'none':>12}")
+    for model, plan in stats["codec_plans"].items():  # what `int4` and `int2` mean for each model
+        print(f"codec plan {model}: " + (plan["error"] if "error" in plan else
+              "; ".join(f"{name} = {spec}" for name, spec in plan["specs"].items())
+              + f" ({plan['source']}; made by {plan['made_by'] or 'a pod'})"))
     return 0
 
 
@@ -156,10 +161,11 @@ def cmd_purge(args: argparse.Namespace, settings: Any) -> int:
     return 0
 
 
-def _chain(args: argparse.Namespace, tenant: str) -> transfer.Chain:
+def _chain(args: argparse.Namespace, tenant: str, settings: Any) -> transfer.Chain:
     """The chain root of `tenant` under the pods' model settings (loads the model for its fingerprint)."""
     from cachestore.codec import Codec  # noqa: PLC0415
     from cachestore.codec.blockcodec import BlockCodecs  # noqa: PLC0415
+    from cachestore.codec.names import is_named  # noqa: PLC0415
     from service.engines import load_engine  # noqa: PLC0415
     from service.settings import settings_from_env  # noqa: PLC0415
 
@@ -169,8 +175,16 @@ def _chain(args: argparse.Namespace, tenant: str) -> transfer.Chain:
     engine = load_engine(pod.engine, pod.model, device=pod.device, parallel=1, codec=pod.codec,
                          flash_attn=pod.flash_attn)  # llama.cpp's V layout decides a pod's /rows
     try:
+        codec = pod.codec
+        if is_named(codec):  # int4, int2: the spec the model's stored plan gives them, as the pods serve it
+            model = engine.fingerprint(pod.block_tokens, "").short()
+            plan = call(settings, lambda s: codecplans.stored_plan(s.client, s.keys, model))
+            if plan is None:
+                raise StoreError(f"no codec plan for model {model} in {_where(settings)}: {codec} means what the "
+                                 f"first pod on the model made it; start one, or give the spec")
+            codec = plan.spec(codec.strip().lower())
         # the name the pods put in their fingerprint: the block-codec policy (sink block included)
-        codecs = BlockCodecs.for_spec(Codec(pod.codec, engine.kv_layout.rope),  # a llama.cpp pod's /rows too
+        codecs = BlockCodecs.for_spec(Codec(codec, engine.kv_layout.rope),  # a llama.cpp pod's /rows too
                                       rows=engine.kv_layout.row_frames)
         fingerprint = engine.fingerprint(pod.block_tokens, codecs.name())
     finally:
@@ -179,7 +193,7 @@ def _chain(args: argparse.Namespace, tenant: str) -> transfer.Chain:
 
 
 def cmd_export(args: argparse.Namespace, settings: Any) -> int:
-    chain = _chain(args, args.tenant)
+    chain = _chain(args, args.tenant, settings)
     exported = call(settings, lambda s: transfer.collect(s.client, s.keys, args.tenant, args.session, chain))
     if exported is None:
         raise StoreError(f"session {args.tenant}/{args.session} not found in {_where(settings)}")
@@ -207,7 +221,7 @@ def cmd_import(args: argparse.Namespace, settings: Any) -> int:
     record = exported.record
     if args.replace:
         confirm(args, f"replace session {record.tenant}/{record.session_id} in {_where(settings)}?")
-    chain = _chain(args, record.tenant)
+    chain = _chain(args, record.tenant, settings)
     result = call(settings, lambda s: transfer.restore(s, exported, chain, replace=args.replace))
     print(f"imported {record.tenant}/{record.session_id}: {len(record.token_ids)} tokens, "
           f"{result.blocks_present} of {exported.full_blocks} blocks in Redis ({result.blocks_written} written)")

@@ -143,6 +143,7 @@ def outputs() -> dict[Path, str]:
     out = {PAGE: render(), KEYS_PAGE: render_keys(), CODEC_PAGE: render_codec_spec()}
     out.update(resultspage.render())
     out[resultspage.README] = resultspage.render_readme(resultspage.README.read_text())
+    out[resultspage.FIDELITY] = resultspage.render_readme(resultspage.FIDELITY.read_text())
     out[apipage.PAGE] = apipage.render(apipage.PAGE.read_text())
     out[resultspage.RELIABILITY] = resultspage.render_reliability(resultspage.RELIABILITY.read_text())
     return out

@@ -21,7 +21,7 @@ from cachestore.codec.blockcodec import BlockCodecs
 from cachestore.errors import KvstashError
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
-from service import completions, health, openapi, sessions_api, threads
+from service import codecnames, completions, health, openapi, sessions_api, threads
 from service.engines import Engine, load_engine
 from service.errors import EXCEPTION_HANDLERS
 from service.metrics import PodMetrics
@@ -153,12 +153,14 @@ def create_app(settings: PodSettings, engine: Engine | LoadedModel | None = None
             threads.compute_executor(settings.threads).submit(
                 load_engine, settings.engine, settings.model, device=settings.device, parallel=settings.parallel,
                 threads=settings.threads, codec=settings.codec, flash_attn=settings.flash_attn))
-        state = build_state(settings, model)
+        # a named codec (int4, int2) is the fleet's plan for this model: read from Redis, or made and stored here
+        pod_settings, _ = await codecnames.resolve(settings, model, store_settings(settings))
+        state = build_state(pod_settings, model)
         app.state.pod = state
         if state.writer is not None:
             state.writer.start()
         sampler = asyncio.create_task(_sample_usage(state), name="kvstash-usage") if state.store else None
-        log.info("pod ready: %r", settings)
+        log.info("pod ready: %r", pod_settings)
         try:
             yield
         finally:

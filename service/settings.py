@@ -157,8 +157,9 @@ SETTING_HELP: Mapping[str, str] = {
                  "query arguments)",
     "namespace": "prefix of every Redis key",
     "cache_enabled": "read and write the cache (KVSTASH_NO_CACHE=1 or --no-cache turns it off, for comparisons)",
-    "codec": "exact (lossless), fp16, int8, int4, int2, q8 (llamacpp: a q8_0 KV cache, stored exactly); "
-             "+zstd/+lz4/+none picks the compressor; int4/int2 take options (docs/codec-spec.md)",
+    "codec": "exact (lossless), fp16, int8, q8 (llamacpp: a q8_0 KV cache, stored exactly), int4, int2: int4 and "
+             "int2 mean the best codec of their size for the model served, by a plan made once per model and "
+             "shared through Redis; a full spec (MODE+COMPRESSOR/OPTIONS...) means itself (docs/codec-spec.md)",
     "block_tokens": "tokens per cached block",
     "block_ttl_s": "TTL of cached blocks, tails and reply ids in seconds (slid by every hit)",
     "session_ttl_s": "TTL of session records in seconds (slid by every read)",

@@ -64,34 +64,34 @@ def test_bench_resume_burst_reports_every_session_arriving_at_once(tmp_path: Pat
 def test_bench_quality_tiny_writes_rows_and_plot(tmp_path: Path) -> None:
     out, png = tmp_path / "quality.json", tmp_path / "quality.png"
     assert main(["bench", "quality", "--text", "ops/data/sample.txt", "--model", "tiny-random", "--modes",
-                 "exact,int8,int2,int2/recent=int8", "--prefix", "32", "--continuation", "16", "--windows", "2",
+                 "exact,int8,int2+lz4,int2/recent=int8", "--prefix", "32", "--continuation", "16", "--windows", "2",
                  "--greedy", "3",
                  "--block-tokens", "8",  # several blocks: block 0 keeps int8 (the sink), the rest int2
                  "--size-tokens", "64", "--json", str(out), "--plot", str(png)]) == 0
     report = json.loads(out.read_text())
     rows = {r["mode"]: r for r in report["rows"]}
-    assert set(rows) == {"exact", "int8", "int2", "int2/recent=int8"}
+    assert set(rows) == {"exact", "int8", "int2+lz4", "int2/recent=int8"}
     for r in rows.values():
         for field in ("mode", "ppl", "ppl_delta_pct", "top1_agree", "kl_mean"):
             assert field in r, field
         assert r["ppl"] > 0 and 0 <= r["top1_agree"] <= 1 and r["kl_mean"] >= 0
     assert rows["exact"]["ppl_delta_pct"] == 0 and rows["exact"]["top1_agree"] == 1 and rows["exact"]["kl_mean"] == 0
-    assert rows["int2"]["kl_mean"] > rows["int8"]["kl_mean"]
-    assert rows["int2"]["spec"] == "int2+lz4/g64/rotv/clip,sink=int8+lz4"
+    assert rows["int2+lz4"]["kl_mean"] > rows["int8"]["kl_mean"]
+    assert rows["int2+lz4"]["spec"] == "int2+lz4/g64/rotv/clip,sink=int8+lz4"
     # sizes of the 64-token context, headers included: fp32 exact is 4 bytes a value, so about half the
     # ratio of fp16 (lz4 may win a few %); int2 is smaller than int8 even with its int8 block 0
     assert 0.45 < rows["exact"]["ratio_vs_fp16_ctx"] < 0.55
     size = {mode: r["bytes_per_token_ctx"] for mode, r in rows.items()}
-    assert size["int2"] < size["int8"] < size["exact"]
+    assert size["int2+lz4"] < size["int8"] < size["exact"]
     # the partial block at int8 costs nothing on a context of whole blocks, something on one ending mid-block
     recent = rows["int2/recent=int8"]
-    assert recent["bytes_per_token_ctx"] == size["int2"]
-    assert recent["bytes_per_token_mid"] > rows["int2"]["bytes_per_token_mid"]
+    assert recent["bytes_per_token_ctx"] == size["int2+lz4"]
+    assert recent["bytes_per_token_mid"] > rows["int2+lz4"]["bytes_per_token_mid"]
     assert recent["spec"] == "int2+lz4/g64/rotv/clip/recent=int8,sink=int8+lz4"
     # each window's cache ends elsewhere within a block (--ends spread): 3 blocks of 8 tokens, then 0 or 4 more
     assert report["ends"] == "spread" and sorted({w["cached_tokens"] for w in report["windows"]}) == [24, 28]
     assert len(report["windows"]) == 2 * 4 and set(report["targets"]) == {
-        "sample.txt: int8", "sample.txt: int2", "sample.txt: int2/recent=int8", "greedy"}
+        "sample.txt: int8", "sample.txt: int2+lz4", "sample.txt: int2/recent=int8", "greedy"}
     for r in rows.values():  # the paired interval over windows brackets the point figure
         assert r["ppl_delta_lo"] <= r["ppl_delta_pct"] <= r["ppl_delta_hi"] and r["text"] == "sample.txt"
         assert r["greedy_match_min"] <= r["greedy_match_p10"] <= r["greedy_match_median"] <= 3

@@ -124,7 +124,8 @@ def test_key_table_names_exactly_the_keys_keyspace_builds() -> None:
     built = [space.block("0123456789abcdef", digest)[1], space.tail("0123456789abcdef", digest)[1],
              space.reply_ids("0123456789abcdef", digest)[1], space.boundary("0123456789abcdef", digest)[1],
              shard.lru, shard.size, shard.bytes,
-             shard.owner, shard.tenant_bytes, shard.tenant_lru("acme"), space.session("acme", "trip-42")]
+             shard.owner, shard.tenant_bytes, shard.tenant_lru("acme"), space.session("acme", "trip-42"),
+             space.codec_plan("0123456789abcdef")]
     shapes = [_shape_regex(k.pattern) for k in keys.KEY_SHAPES]
     for key in built:
         assert sum(1 for s in shapes if s.match(key)) == 1, key

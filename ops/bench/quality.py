@@ -42,6 +42,7 @@ class Scorer(Protocol):
     """What the bench needs from an engine, and its `rope` (`KvLayout.rope`: what /unrope codecs encode with)."""
 
     rope: Any
+    engine: Any  # the engine it scores through (service.engines.Engine)
 
     def text_ids(self, text: str) -> list[int]: ...
 
@@ -341,11 +342,16 @@ def run(args: argparse.Namespace) -> int:
         return resize(args)
     if args.merge and (args.json is None or not args.json.is_file()):
         raise SystemExit("--merge adds to an existing --json file; name one")
+    from service.codecnames import written_out  # noqa: PLC0415
+
     before = machine()
     chosen = texts.resolve(args.text or ["held-out"])
     scorer: Scorer = SCORERS[args.engine](args.model)
     if args.no_rope:
         scorer.rope = None
+    args.modes, plan = written_out(args.modes, scorer.engine, scorer.rope)  # int4, int2: this model's plan
+    if plan is not None:
+        print("; ".join(f"{name} is {spec}" for name, spec in plan.specs.items()) + f" here ({plan.source})")
     rows, per_window = [], []
     for text in chosen:
         r, w = _measure(args, scorer, texts.read(text))

@@ -39,6 +39,7 @@ class ResumeBench:
         # llama-server keeps each slot's tokens: emptied before every timed run, so nothing is reused unasked
         self._fresh = engine.forget
         self.boundary: bytes | None = None  # a sliding-window or hybrid model's boundary state at the history's end
+        self._specs: dict[str, str] = {}  # int4, int2: what a pod of this model serves them as
 
     def compute(self, fn: Any, *args: Any) -> Any:
         """Run `fn` where a pod calls its engine (service.threads): an engine that runs torch on the process's compute
@@ -76,14 +77,19 @@ class ResumeBench:
         Redis budget generous enough to time a cold 8k fp16 fetch instead of bypassing it. Emptied after."""
         from cachestore.store import BlockStore  # noqa: PLC0415
         from service.app import store_settings  # noqa: PLC0415
+        from service.codecnames import written_out  # noqa: PLC0415
         from service.metrics import PodMetrics  # noqa: PLC0415
         from service.pipeline import Pipeline  # noqa: PLC0415
         from service.settings import PodSettings  # noqa: PLC0415
 
-        settings = PodSettings(redis_url=self.url, namespace=namespace, codec=mode, block_tokens=self.args.block_tokens,
-                               local_tier_bytes=0, redis_timeout_s=60.0, budget_bytes=8 << 30, frame_key=frame_key)
+        if mode not in self._specs:  # a name (int4, int2) as this model's pod serves it; a spec as itself
+            self._specs[mode] = written_out(mode, self.engine, self.engine.kv_layout.rope)[0]
+        codec = self._specs[mode]
+        settings = PodSettings(redis_url=self.url, namespace=namespace, codec=codec,
+                               block_tokens=self.args.block_tokens, local_tier_bytes=0, redis_timeout_s=60.0,
+                               budget_bytes=8 << 30, frame_key=frame_key)
         store = BlockStore(store_settings(settings).with_options(write_timeout_s=60.0))
-        pipeline = Pipeline(settings, self.engine, store, mode, PodMetrics(), None)
+        pipeline = Pipeline(settings, self.engine, store, codec, PodMetrics(), None)
         try:
             yield pipeline, store
         finally:
