@@ -51,8 +51,9 @@ def test_names_follow_the_rope_declaration_and_the_models_layers() -> None:
 
 
 def _plan(values: int) -> CodecPlan:
-    return CodecPlan(4, True, {"int4": f"int4+zstd/s8/v5={values}/recent=int8",
-                               "int2": f"int2+zstd:16/rotv/clip/s8/v3={values}/recent=int4"}, "test", f"pod{values}")
+    return CodecPlan(4, True, {"int4": f"int4+zstd/outk/symv/s8/v5={values}/recent=int8",
+                               "int2": f"int2+zstd:16/rotv/clip/outk/symv/s8/v3={values}/recent=int4"},
+                      "test", f"pod{values}")
 
 
 def _fits(plan: CodecPlan) -> None:
@@ -129,7 +130,8 @@ def test_pods_serve_int4_as_the_stored_plan_and_admin_stats_shows_it(redis_serve
                 turn = client.post("/v1/sessions/s/messages", json={"content": "And then?", "max_tokens": 4})
                 assert turn.status_code == 200, turn.text
                 wait_written(client)
-    assert names[0] == names[1] and names[0].startswith("int4+zstd:3/g64/s8/v5=") and "/recent=int8" in names[0]
+    assert names[0] == names[1] and names[0].startswith("int4+zstd:3/g64/outk/symv/s8/v5=")
+    assert "/recent=int8" in names[0]
     out = tmp_path / "s.json"
     assert main(["admin", "--redis-url", redis_server.url, "export", "s", str(out), "--model", "tiny-random",
                  "--codec", "int4", "--block-tokens", "16"]) == 0
@@ -143,7 +145,7 @@ def test_pods_serve_int4_as_the_stored_plan_and_admin_stats_shows_it(redis_serve
     # another plan in the namespace (the layers of another calibration): its pods write under other keys
     (key,) = redis_server.client().keys("kvstash:plan:*")
     stored = CodecPlan.from_json(redis_server.client().get(key))
-    other = CodecPlan(2, True, {**stored.specs, "int4": "int4+zstd/s8/v5=0/recent=int8"}, "test")
+    other = CodecPlan(2, True, {**stored.specs, "int4": "int4+zstd/outk/symv/s8/v5=0/recent=int8"}, "test")
     assert other.spec("int4") != names[0]
     redis_server.client().set(key, other.to_json())
     with pod_client(redis_server, tiny_model, codec="int4") as client:
@@ -155,9 +157,9 @@ def test_pods_serve_int4_as_the_stored_plan_and_admin_stats_shows_it(redis_serve
 def test_a_spec_naming_a_layer_the_model_lacks_is_refused_in_one_line() -> None:
     """`v5=40` on the 2-layer test model: `kvstash serve` exits at start with one line, before it serves."""
     done = subprocess.run([sys.executable, "-m", "ops.cli", "serve", "--model", "tiny-random", "--codec",
-                           "int4+zstd/s8/v5=40", "--no-cache", "--port", "1"], capture_output=True, text=True,
+                           "int4+zstd/kbits/s8/v5=40", "--no-cache", "--port", "1"], capture_output=True, text=True,
                           timeout=120, check=False)
     assert done.returncode == 2
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("kvstash: error: codec int4+zstd:3/g64/s8/v5=40") and "layer 40" in last
+    assert last.startswith("kvstash: error: codec int4+zstd:3/g64/kbits/s8/v5=40") and "layer 40" in last
     assert "layers 0-1" in last

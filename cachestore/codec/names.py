@@ -30,12 +30,12 @@ MAX_PLAN_BYTES = 4096
 # (mode, RoPE declared) -> candidates, best first: (options, share of key layers, share of value layers one bit up);
 # the last, the mode's own default with no layer table, for a model none of the others can encode
 CHOICES: Mapping[tuple[str, bool], tuple[tuple[str, float, float], ...]] = {
-    ("int4", True): (("int4+zstd/kbits/s8/unrope", 0.0, 0.2), ("int4+zstd/s8", 0.0, 0.2), ("int4+zstd", 0.0, 0.0)),
-    ("int4", False): (("int4+zstd/kbits/s8", 0.0, 0.2), ("int4+zstd/s8", 0.0, 0.2), ("int4+zstd", 0.0, 0.0)),
+    ("int4", True): (("int4+zstd/kbits/s8/unrope", 0.0, 0.2), ("int4+zstd/outk/symv/s8", 0.0, 0.2),
+                     ("int4+zstd", 0.0, 0.0)),
+    ("int4", False): (("int4+zstd/kbits/s8", 0.0, 0.2), ("int4+zstd/outk/symv/s8", 0.0, 0.2), ("int4+zstd", 0.0, 0.0)),
     ("int2", True): (("int2+zstd:16/rotv/clip/kbits/symv/s8/unrope", 0.0, 0.2),
-                     ("int2+zstd:16/rotv/clip/s8", 0.2, 0.1), ("int2+zstd:16", 0.0, 0.0)),
-    ("int2", False): (("int2+zstd:16/rotv/clip/outk/symv/s8", 0.2, 0.1), ("int2+zstd:16/rotv/clip/s8", 0.2, 0.1),
-                      ("int2+zstd:16", 0.0, 0.0)),
+                     ("int2+zstd:16/rotv/clip/outk/symv/s8", 0.2, 0.1), ("int2+zstd:16", 0.0, 0.0)),
+    ("int2", False): (("int2+zstd:16/rotv/clip/outk/symv/s8", 0.2, 0.1), ("int2+zstd:16", 0.0, 0.0)),
 }
 # SmolLM2-135M-Instruct's published tables (docs/fidelity.md), by weights digest: the GGUF the llama.cpp engines
 # load, and the safetensors copy the hf engine converts from it
