@@ -19,7 +19,7 @@ BENCHES = [
     "ops.bench.codec",
     "ops.bench.store",
     "ops.bench.resume",
-    "ops.bench.quality",
+    "ops.bench.qcommand",
     "ops.bench.layers",
     "ops.bench.load",
     "ops.bench.fleet",
