@@ -32,7 +32,8 @@ def cmd_stats(args: argparse.Namespace, settings: Any) -> int:
     for kind, row in stats["kinds"].items():
         print(f"{kind:<9} {row['keys']:>10} {size(row['bytes']):>12}")
     print(f"budget: {size(b['bytes_held'])} accounted of {size(b['budget_bytes'])} ({100 * b['fraction']:.1f}%); "
-          f"block values found by SCAN: {size(b['block_value_bytes'])}")
+          f"block values found by SCAN: {size(b['block_value_bytes'])}; dead (chain broken, unreachable): "
+          f"{b['dead_blocks']} blocks, {size(b['dead_bytes'])}")
     print(f"server: hits {srv['keyspace_hits']}, misses {srv['keyspace_misses']}, evicted {srv['evicted_keys']}, "
           f"expired {srv['expired_keys']}, used {size(srv['used_memory'])} of maxmemory "
           f"{size(srv['maxmemory']) if srv['maxmemory'] else 'unlimited'} ({srv['maxmemory_policy']})")

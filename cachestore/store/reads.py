@@ -86,7 +86,7 @@ class ReadParts(StoreBase):
         for shard, key in keyed:
             by_shard[shard].append(key)
         for shard, keys in by_shard.items():
-            budget.touch(pipe, self.keys.shard(shard), keys, self._index_ttl_ms)
+            budget.touch(pipe, self.keys.shard(shard), keys, self._index_ttl_ms, self.policy, self.clock_ms())
 
     def _fetch_pipeline(self, client: Any, keyed: Keyed, start: int) -> Any:
         pipe = client.pipeline(transaction=False)
