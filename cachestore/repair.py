@@ -343,7 +343,7 @@ async def purge_model(client: Any, keys: KeySpace, model: str, progress: Progres
 
 
 async def evict_to(client: Any, keys: KeySpace, target_bytes: int) -> tuple[int, budget.EvictionResult, int]:
-    """Evict least-recently-used blocks until the namespace holds at most `target_bytes`.
+    """Evict the lowest-scored blocks (the eviction policy's order) until the namespace holds at most `target_bytes`.
 
     Returns (bytes held before, what was evicted, bytes held after), as the budget index counts them."""
     before = sum(await budget.shard_totals(client, keys))

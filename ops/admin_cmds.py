@@ -138,7 +138,7 @@ def cmd_verify(args: argparse.Namespace, settings: Any) -> int:
 def cmd_evict(args: argparse.Namespace, settings: Any) -> int:
     if args.to_bytes < 0:
         raise KvstashError("--to-bytes must not be negative")
-    confirm(args, f"evict least-recently-used blocks of {_where(settings)} down to {args.to_bytes} bytes?")
+    confirm(args, f"evict blocks of {_where(settings)} (lowest-scored first) down to {args.to_bytes} bytes?")
     before, result, after = call(settings, lambda s: repair.evict_to(s.client, s.keys, args.to_bytes))
     print(f"held {before} bytes; evicted {result.evicted_blocks} blocks ({result.evicted_bytes} bytes), dropped "
           f"{result.stale_blocks} stale index entries; now {after} bytes")
