@@ -43,7 +43,7 @@ from cachestore.eviction import POLICIES, RANKS, Policy, now_ms, parse_facts
 from cachestore.keys import INDEX_KEYS, KeySpace, ShardKeys
 
 __all__ = ["ACCOUNT", "CHECK", "EVICT", "PEEK", "TOUCH", "DeadEntries", "EvictionResult", "account", "adopt",
-           "dead_entries", "evict", "held", "now_ms", "reconcile", "touch"]
+           "dead_entries", "evict", "held", "now_ms", "reconcile", "touch", "unwrite"]
 
 @dataclass(frozen=True)
 class EvictionResult:
@@ -121,9 +121,10 @@ async def tenant_totals(client: Any, keys: KeySpace) -> dict[str, int]:
 
 
 async def evict(client: Any, keys: KeySpace, need_bytes: int, max_rounds: int = 8,
-                tenant: str | None = None) -> EvictionResult:
+                tenant: str | None = None, keep: str | None = None) -> EvictionResult:
     """Evict the least-recently-used entries until `need_bytes` are freed (or none remain): the namespace's, or
-    with `tenant` only that tenant's own (its LRU index in every shard), never another's."""
+    with `tenant` only that tenant's own (its LRU index in every shard), never another's. `keep`: an
+    entry never to evict (the parent of the blocks the caller is about to write)."""
     totals = EvictionResult()
     peek = 32
     for _ in range(max_rounds):
@@ -136,7 +137,8 @@ async def evict(client: Any, keys: KeySpace, need_bytes: int, max_rounds: int = 
         candidates: list[tuple[float, int, str, int]] = []
         for index, flat in enumerate(await pipe.execute()):
             for i in range(0, len(flat), 3):
-                candidates.append((float(flat[i + 1]), index, _text(flat[i]), int(flat[i + 2])))
+                if _text(flat[i]) != keep:
+                    candidates.append((float(flat[i + 1]), index, _text(flat[i]), int(flat[i + 2])))
         if not candidates:
             break
         victims: dict[int, list[tuple[str, float]]] = defaultdict(list)
@@ -251,3 +253,13 @@ async def dead_entries(client: Any, keys: KeySpace) -> DeadEntries:
             by_shard[index].append(key)
             nbytes += size
     return DeadEntries(sum(len(v) for v in by_shard.values()), nbytes, dict(by_shard))
+
+
+async def unwrite(client: Any, shard: ShardKeys, block_keys: Sequence[str], index_ttl_ms: int) -> None:
+    """Delete entries just written and drop them from the index (blocks whose parent went while they were written:
+    no lookup would reach them)."""
+    pipe = client.pipeline(transaction=False)
+    for key in block_keys:
+        pipe.execute_command("UNLINK", key)
+    pipe.execute_command("EVAL", CHECK, INDEX_KEYS + len(block_keys), *shard.all(), *block_keys, "0", index_ttl_ms)
+    await pipe.execute()

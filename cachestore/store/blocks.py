@@ -110,8 +110,16 @@ class BlockWriter(StoreBase):
                 budget.account(pipe, self.keys.shard(shard), keys, self._index_ttl_ms, tenant,
                                [scores[at[k]] for k in keys],
                                [chain.facts[at[k]] for k in keys] if chain is not None else None, self.policy)
+        guarded = self.settings.budget_enabled and self.policy.chained and chain is not None and chain.parent
+        if guarded:
+            assert chain is not None and chain.parent is not None
+            pipe.exists(chain.parent[1])  # after the writes: a parent gone by now left them unreachable
         self._counters.add("round_trips")
         results = await pipe.execute(raise_on_error=False)
+        if guarded and results[-1] == 0:  # another writer evicted the parent meanwhile: take them back
+            for shard, keys in by_shard.items():
+                await budget.unwrite(self._client, self.keys.shard(shard), keys, self._index_ttl_ms)
+            return 0
         written = errors = nbytes = 0
         for ((_, _), frame), ok in zip(items, results, strict=False):
             if ok is True:
@@ -133,14 +141,16 @@ class BlockWriter(StoreBase):
         held, own, parent_score = await budget.held(self._client, self.keys, tenant if quota else None, parent)
         if quota and own + incoming > s.high_watermark * quota:
             target = max(0, int(s.low_watermark * quota) - incoming)
-            result = await budget.evict(self._client, self.keys, own - target, tenant=tenant)
+            result = await budget.evict(self._client, self.keys, own - target, tenant=tenant,
+                                        keep=parent[1] if parent else None)
             self._count_eviction(result, tenant_evictions=result.evicted_blocks)
             held -= result.evicted_bytes + result.stale_bytes
         if held + incoming <= s.high_watermark * s.budget_bytes:
             return parent_score
         # evict so that after this write the namespace sits at the low watermark
         target = max(0, int(s.low_watermark * s.budget_bytes) - incoming)
-        self._count_eviction(await budget.evict(self._client, self.keys, held - target))
+        self._count_eviction(await budget.evict(self._client, self.keys, held - target,
+                                                keep=parent[1] if parent else None))
         return parent_score
 
     def _count_eviction(self, result: budget.EvictionResult, tenant_evictions: int = 0) -> None:
