@@ -8,8 +8,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from cachestore.budget import shard_totals, tenant_totals
+from cachestore.budget import dead_entries, shard_totals, tenant_totals
 from cachestore.errors import StoreError
+from cachestore.eviction import score_ms
 from cachestore.hashing import HASH_BYTES, BlockHash
 from cachestore.keys import ENTRY_KINDS, KeySpace
 from cachestore.sessions import SessionRecord, from_fields
@@ -259,12 +260,14 @@ async def namespace_stats(client: Any, keys: KeySpace, budget_bytes: int,
     held = sum(await shard_totals(client, keys))
     by_tenant = await tenant_totals(client, keys)
     access = await _lru_range(client, keys)
+    dead = await dead_entries(client, keys)
     return {
         "namespace": keys.namespace,
         "kinds": kinds,
         "budget": {"bytes_held": held, "budget_bytes": budget_bytes,
                    "fraction": held / budget_bytes if budget_bytes else 0.0,
-                   "block_value_bytes": sum(m["block_bytes"] for m in models.values())},
+                   "block_value_bytes": sum(m["block_bytes"] for m in models.values()),
+                   "dead_blocks": dead.blocks, "dead_bytes": dead.bytes},
         "models": dict(sorted(models.items())),
         "tenants": dict(sorted(tenants.items())),
         "tenant_bytes": by_tenant,
@@ -282,5 +285,5 @@ async def _lru_range(client: Any, keys: KeySpace) -> tuple[float | None, float |
     for shard in keys.all_shards():
         pipe.zrange(shard.lru, 0, 0, withscores=True)
         pipe.zrange(shard.lru, -1, -1, withscores=True)
-    scores = [float(entry[0][1]) / 1000.0 for entry in await pipe.execute() if entry]
+    scores = [score_ms(float(entry[0][1])) / 1000.0 for entry in await pipe.execute() if entry]
     return (min(scores), max(scores)) if scores else (None, None)

@@ -58,13 +58,18 @@ KEY_SHAPES = (
              "the state blocks cannot rebuild (the sliding layers' last window of positions, the recurrent or "
              "conv state), under the chain hash of the full blocks before the boundary, as a tail",
              "as blocks; the newest record of a prefix replaces the older"),
-    KeyShape("<ns>:idx:lru:{<ns>:sNN}", "ZSET", "block key -> last access, ms since the epoch",
+    KeyShape("<ns>:idx:lru:{<ns>:sNN}", "ZSET", "block key -> score, lowest evicted first: (last access in ms - "
+             "1700000000000) x 4096 + a rank the eviction policy gives (`cachestore/eviction.py`)",
              "2 x `block_ttl_s`, refreshed on use"),
     KeyShape("<ns>:idx:size:{<ns>:sNN}", "HASH", "block key -> bytes accounted for it", "as `idx:lru`"),
+    KeyShape("<ns>:idx:chain:{<ns>:sNN}", "HASH", "block key -> its depth in its chain, and its parent's hash "
+             "(`depth:hash32hex`) when known: chain-aware eviction ranks by it, `admin stats` counts dead blocks "
+             "by it", "as `idx:lru`"),
+    KeyShape("<ns>:idx:hits:{<ns>:sNN}", "HASH", "block key -> reads (the `chain-freq` policy only)", "as `idx:lru`"),
     KeyShape("<ns>:idx:bytes:{<ns>:sNN}", "STRING", "bytes accounted in shard NN (an integer)", "as `idx:lru`"),
     KeyShape("<ns>:idx:owner:{<ns>:sNN}", "HASH", "block key -> the tenant that wrote it", "as `idx:lru`"),
     KeyShape("<ns>:idx:tbytes:{<ns>:sNN}", "HASH", "tenant -> bytes its entries hold in shard NN", "as `idx:lru`"),
-    KeyShape("<ns>:idx:tlru:<tenant>:{<ns>:sNN}", "ZSET", "one tenant's block keys -> last access, ms since the epoch",
+    KeyShape("<ns>:idx:tlru:<tenant>:{<ns>:sNN}", "ZSET", "one tenant's block keys -> score, as `idx:lru`",
              "as `idx:lru`"),
     KeyShape("<ns>:sess:<tenant>:<session_id>", "HASH", "one session record (fields in `cachestore/sessions.py`)",
              "`session_ttl_s`, slid by every read"),
@@ -114,10 +119,23 @@ class ShardKeys:
     def all(self) -> list[str]:
         return [self.lru, self.size, self.bytes, self.owner, self.tenant_bytes]
 
+    def _derived(self, kind: str) -> str:
+        head, _, tag = self.lru.partition(":idx:lru:")
+        return f"{head}:idx:{kind}:{tag}"
+
+    @property
+    def chain(self) -> str:
+        """Block key -> its chain facts (eviction.chain_facts); the scripts derive the name from `lru`."""
+        return self._derived("chain")
+
+    @property
+    def hits(self) -> str:
+        """Block key -> reads counted by the frequency policy; derived like `chain`."""
+        return self._derived("hits")
+
     def tenant_lru(self, tenant: str) -> str:
         """The LRU index of one tenant's entries in this shard (the scripts derive the same name from `lru`)."""
-        head, _, tag = self.lru.partition(":idx:lru:")
-        return f"{head}:idx:tlru:{check_tenant(tenant)}:{tag}"
+        return self._derived(f"tlru:{check_tenant(tenant)}")
 
 
 class KeySpace:
@@ -145,6 +163,11 @@ class KeySpace:
             raise InvalidName(f"entry kind must be one of {', '.join(ENTRY_KINDS)}")
         shard = self.shard_of(block_hash)
         return shard, f"{self.namespace}:{kind}:{model}:{block_hash.hex()}:{self._tags[shard]}"
+
+    def sibling(self, key: str, block_hex: str) -> str:
+        """The key of block `block_hex` (hex) of the model `key` (a block's) names: a block's parent."""
+        model = key[:key.rfind(":{")].rsplit(":", 2)[1]
+        return self.block(model, BlockHash(bytes.fromhex(block_hex)))[1]
 
     def tail(self, model: str, parent: BlockHash) -> tuple[int, str]:
         return self.block(model, parent, "tail")

@@ -27,7 +27,8 @@ class Finding:
     """One problem `verify` found; `fixed` says whether --fix repaired it."""
 
     key: str
-    problem: str  # corrupt_block | retired_block | unreachable_block | unindexed_block | bad_session | no_ttl | ...
+    problem: str  # corrupt_block | retired_block | unreachable_block | unindexed_block | bad_session | no_ttl
+    #               | stale_index | dead_block (its chain is broken: a parent is gone, no lookup reaches it)
     #               | counter_drift | unknown_key | bad_signature (a frame key is set: signed by neither key,
     #               unsigned, or moved or altered) | signed_value (no frame key: verify cannot read it; never fixed)
     detail: str
@@ -82,7 +83,22 @@ class _Verifier:
                     self.found(key, "unknown_key", "not a key kvstash writes with these settings "
                                                    "(another --index-shards?); left alone")
         await self._index()
+        await self._dead()
         return self.report
+
+    async def _dead(self) -> None:
+        """Blocks whose chain is broken (held, unreachable); --fix deletes them and drops their index entries."""
+        dead = await budget.dead_entries(self.client, self.keys)
+        for index, found in dead.keys_by_shard.items():
+            for key in found:
+                self.found(key, "dead_block", "a block before it in its chain is gone: no lookup reaches it",
+                           self.fix)
+            if self.fix:
+                pipe = self.client.pipeline(transaction=False)
+                for key in found:
+                    pipe.execute_command("UNLINK", key)
+                await pipe.execute()
+                await self._repair_shard(index, [], found, False)
 
     async def _blocks(self, batch: list[str]) -> None:
         if not batch:
@@ -259,8 +275,7 @@ class _Verifier:
         shard = self.keys.shard(index)
         for i in range(0, len(unindexed), 256):
             chunk = unindexed[i:i + 256]
-            await self.client.eval(budget.ACCOUNT, INDEX_KEYS + len(chunk), *shard.all(), *chunk, budget.now_ms(),
-                                   self.index_ttl_ms, "adopt", "")
+            await budget.adopt(self.client, shard, chunk, self.index_ttl_ms)
         gone = sorted(set(gone))
         if gone or recount:
             for i in range(0, max(len(gone), 1), 256):
@@ -329,7 +344,7 @@ async def purge_model(client: Any, keys: KeySpace, model: str, progress: Progres
 
 
 async def evict_to(client: Any, keys: KeySpace, target_bytes: int) -> tuple[int, budget.EvictionResult, int]:
-    """Evict least-recently-used blocks until the namespace holds at most `target_bytes`.
+    """Evict the lowest-scored blocks (the eviction policy's order) until the namespace holds at most `target_bytes`.
 
     Returns (bytes held before, what was evicted, bytes held after), as the budget index counts them."""
     before = sum(await budget.shard_totals(client, keys))

@@ -11,6 +11,7 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 from cachestore.errors import ConfigError
+from cachestore.eviction import POLICIES
 
 _SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster", "redis+sentinel", "rediss+sentinel")
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -84,6 +85,7 @@ class StoreSettings:
     frame_key_previous: str = field(default="", repr=False)  # also accepted when reading (a key rotation)
     tenant_quota_bytes: int = 0  # bytes each tenant may hold (0: no quota but the namespace budget)
     tenant_quotas: tuple[tuple[str, int], ...] = ()  # (tenant, bytes) overrides of tenant_quota_bytes
+    eviction_policy: str = "chain"  # what the budget evicts first (cachestore/eviction.py; "lru": per block)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -147,6 +149,8 @@ class StoreSettings:
             raise ConfigError("a previous frame key needs a current one (frame_key)")
         if self.tenant_quota_bytes < 0 or any(n <= 0 for _, n in self.tenant_quotas):
             raise ConfigError("tenant quotas must be positive (tenant_quota_bytes may be 0: none)")
+        if self.eviction_policy not in POLICIES:
+            raise ConfigError(f"eviction_policy must be one of {', '.join(POLICIES)}")
         if self.is_cluster and self.is_sentinel:
             raise ConfigError("a store is either a Redis Cluster or behind Sentinel, not both")
 

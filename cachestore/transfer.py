@@ -290,7 +290,8 @@ async def restore(store: BlockStore, export: SessionExport, chain: Chain, *, rep
     written = 0
     for start in range(0, len(hashes), 16):
         result = await store.store_blocks(chain.model_key, hashes[start:start + 16], export.blocks[start:start + 16],
-                                          record.tenant)  # the session's tenant's: under its quota
+                                          record.tenant, start,  # the session's tenant's: under its quota
+                                          hashes[start - 1] if start else None)
         if result.unavailable:
             raise StoreError(f"Redis at {store.settings.masked_url} refused the block writes")
         written += result.value

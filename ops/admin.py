@@ -59,7 +59,7 @@ def register(sub: Any) -> None:
         p.add_argument("--tenant", default="default", help="the session's tenant (default: default)")
     p = cmds.add_parser("verify", parents=[_common()], help="check frames, records, TTLs and the budget index")
     p.add_argument("--fix", action="store_true", help="repair what verify finds (asks first unless --yes)")
-    p = cmds.add_parser("evict", parents=[_common()], help="evict least-recently-used blocks down to a size")
+    p = cmds.add_parser("evict", parents=[_common()], help="evict blocks down to a size, chain ends first")
     p.add_argument("--to-bytes", type=int, required=True, help="bytes the namespace may hold afterwards")
     p = cmds.add_parser("purge", parents=[_common()], help="delete every block and session of one model")
     p.add_argument("--model", required=True, metavar="FINGERPRINT", help="16-hex model id (see `stats`)")

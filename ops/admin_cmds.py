@@ -33,7 +33,8 @@ def cmd_stats(args: argparse.Namespace, settings: Any) -> int:
     for kind, row in stats["kinds"].items():
         print(f"{kind:<9} {row['keys']:>10} {size(row['bytes']):>12}")
     print(f"budget: {size(b['bytes_held'])} accounted of {size(b['budget_bytes'])} ({100 * b['fraction']:.1f}%); "
-          f"block values found by SCAN: {size(b['block_value_bytes'])}")
+          f"block values found by SCAN: {size(b['block_value_bytes'])}; dead (chain broken, unreachable): "
+          f"{b['dead_blocks']} blocks, {size(b['dead_bytes'])}")
     print(f"server: hits {srv['keyspace_hits']}, misses {srv['keyspace_misses']}, evicted {srv['evicted_keys']}, "
           f"expired {srv['expired_keys']}, used {size(srv['used_memory'])} of maxmemory "
           f"{size(srv['maxmemory']) if srv['maxmemory'] else 'unlimited'} ({srv['maxmemory_policy']})")
@@ -142,7 +143,7 @@ def cmd_verify(args: argparse.Namespace, settings: Any) -> int:
 def cmd_evict(args: argparse.Namespace, settings: Any) -> int:
     if args.to_bytes < 0:
         raise KvstashError("--to-bytes must not be negative")
-    confirm(args, f"evict least-recently-used blocks of {_where(settings)} down to {args.to_bytes} bytes?")
+    confirm(args, f"evict blocks of {_where(settings)} (lowest-scored first) down to {args.to_bytes} bytes?")
     before, result, after = call(settings, lambda s: repair.evict_to(s.client, s.keys, args.to_bytes))
     print(f"held {before} bytes; evicted {result.evicted_blocks} blocks ({result.evicted_bytes} bytes), dropped "
           f"{result.stale_blocks} stale index entries; now {after} bytes")

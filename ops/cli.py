@@ -18,6 +18,7 @@ MODEL_COMMANDS = {"serve", "sidecar", "bench"}
 BENCHES = [
     "ops.bench.codec",
     "ops.bench.store",
+    "ops.bench.budget",
     "ops.bench.resume",
     "ops.bench.qcommand",
     "ops.bench.layers",

@@ -16,6 +16,7 @@ from typing import Any
 from ops.bench.qmerge import WITHHELD, row_name, withheld
 from ops.resulttables import (
     Bench,
+    _budget,
     _fleet,
     _fleet_budget_charts,
     _load,
@@ -69,6 +70,8 @@ FLEET_CMD = ("kvstash bench fleet --engine llamacpp --flash-attn off "
              + _FLEET_WL.format(rates="0.1,0.2,0.3,0.4,0.6,0.8,1,1.2,1.6,2,2.4")
              + " --json docs/results/fleet.json --merge")
 
+BUDGET_CMD = "kvstash bench budget --skews 0,1.2 --budget-ratios 1,2,4 --json docs/results/budget.json"
+
 BENCHES = (
     Bench("resume-llamacpp", "What a hit buys: llama.cpp in the pod", _RESUME_METHOD,
           _RESUME_CMD.format(engine="llamacpp", modes="int8,fp16,q8", name="resume-llamacpp"), _resume),
@@ -102,6 +105,16 @@ BENCHES = (
           "(`KVSTASH_FRAME_KEY`) adds, AES-256-GMAC sealing or opening every block of the context on one thread, "
           "without Redis, in ms per GB of values.",
           "kvstash bench store --reps 5 --json docs/results/store.json", _store),
+    Bench("budget", "Eviction under a byte budget, against the optimum",
+          "A generated conversation trace (users with their own chats over four shared system prompts, turns "
+          "arriving interleaved; `skew 1.2`: users' activity Zipf-distributed) replayed through the real store, "
+          "budget and Lua scripts on a private redis-server, no model: each request's blocks looked up as a pod "
+          "counts them (the longest present prefix), the missing ones written (SmolLM2-135M's 64-token fp16 block, "
+          "1.47 MB). The budget is the trace's distinct blocks over the ratio. Hit rate: blocks served over what an "
+          "infinite cache serves; the optimum is Belady's policy (evict what is needed furthest ahead, the deepest "
+          "on a tie) simulated on the same trace and budget. Dead bytes: blocks whose chain is broken, the most seen "
+          "at ten checkpoints. Policies: [Design](design.md#eviction-a-chain-leaves-from-its-end).",
+          BUDGET_CMD, _budget),
     Bench("quality", "Codec fidelity on held-out texts",
           "Each window's 512-token prefix goes through the codec's round trip into the cache, block by block as a pod "
           "stores it, the cache ending at another point within a block in each window (`--ends spread`); the next "

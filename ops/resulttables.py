@@ -178,6 +178,25 @@ def _quality(d: dict[str, Any]) -> tuple[Table, str]:
     return table, chart
 
 
+def _budget(d: dict[str, Any]) -> tuple[Table, str]:
+    """Each eviction policy's hit rate beside the offline optimum's, by workload and budget ratio."""
+    rows = d["rows"]
+    table = ["| workload | working set / budget | policy | hit rate | optimum (Belady) | of the optimum | "
+             "dead bytes / budget | evictions | Lua us a write |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        table.append(_row([r["workload"], f"{r['budget_ratio']:g}",
+                           f"`{r['policy']}`" + (" (default)" if r["default"] else ""), f"{r['hit_rate']:.3f}",
+                           f"{r['optimum_hit_rate']:.3f}", f"{r['vs_optimum']:.3f}", f"{r['dead_fraction']:.3f}",
+                           f"{r['evictions']:,}", f"{r['lua_us_per_write']:,.0f}"]))
+    groups = list(dict.fromkeys(f"{r['workload']} x{r['budget_ratio']:g}" for r in rows))
+    cell = {(f"{r['workload']} x{r['budget_ratio']:g}", r["policy"]): r for r in rows}
+    series: dict[str, list[float | None]] = {"optimum (Belady)": [
+        next(r["optimum_hit_rate"] for r in rows if f"{r['workload']} x{r['budget_ratio']:g}" == g) for g in groups]}
+    for policy in dict.fromkeys(r["policy"] for r in rows):
+        series[policy] = [cell[(g, policy)]["hit_rate"] if (g, policy) in cell else None for g in groups]
+    return table, svgchart.bars(groups, series, title="Hit rate by eviction policy", ylabel="hit rate")
+
+
 def _load(d: dict[str, Any]) -> tuple[Table, str]:
     runs = d["runs"]
     table = ["| cache | requests ok / errors | req/s | reply tok/s | turn 1 TTFT p50 ms | later turns p50 ms | "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from service.engines.hf.models import LoadedModel
 
 log = logging.getLogger("kvstash.service")
+DEAD_SAMPLE_EVERY = 20  # usage samples per sample of the dead bytes (kvstash_cache_dead_bytes)
 IO_THREADS = 8  # asyncio.to_thread's pool in a pod: encoding for write-back, tails, copies
 
 
@@ -82,9 +84,11 @@ async def _sample_usage(state: PodState) -> None:
     for tenant in tenants:
         if state.store.settings.quota_of(tenant):
             state.metrics.tenant_quota.labels(tenant).set(state.store.settings.quota_of(tenant))
-    while True:
+    for sample in itertools.count():
         try:
             usage = await state.store.usage()
+            if sample % DEAD_SAMPLE_EVERY == 0:  # an O(entries) read of the index: seldom
+                state.metrics.dead_bytes.set((await state.store.dead()).bytes)
         except KvstashError:
             pass
         else:

@@ -82,6 +82,10 @@ class PodMetrics:
         self.bytes_held = Gauge("kvstash_cache_bytes_held", "Bytes the namespace holds in Redis, as the budget "
                                 "index accounts them (sampled by every pod); with --memory-kv-bytes, the KV bytes "
                                 "this pod keeps in its own memory", registry=r)
+        self.dead_bytes = Gauge("kvstash_cache_dead_bytes", "Bytes of blocks the namespace holds whose chain is "
+                                "broken (a block before them is gone: no lookup reaches them; `kvstash admin verify "
+                                "--fix` reclaims them), from the budget index every DEAD_SAMPLE_EVERY samples",
+                                registry=r)
         self.budget = Gauge("kvstash_cache_budget_bytes", "The namespace's byte budget (with --memory-kv-bytes, "
                             "this pod's)", registry=r)
         self.entries_held = Gauge("kvstash_cache_entries", "Blocks, tails and reply records the namespace holds "

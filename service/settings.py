@@ -163,7 +163,7 @@ SETTING_HELP: Mapping[str, str] = {
     "block_tokens": "tokens per cached block",
     "block_ttl_s": "TTL of cached blocks, tails and reply ids in seconds (slid by every hit)",
     "session_ttl_s": "TTL of session records in seconds (slid by every read)",
-    "budget_bytes": "byte budget of the namespace in Redis (least recently used blocks evicted above it)",
+    "budget_bytes": "byte budget of the namespace in Redis (blocks evicted above it, chain ends first)",
     "max_value_bytes": "largest value written to Redis",
     "redis_timeout_s": "most a request waits on Redis before it recomputes",
     "usage_sample_s": "how often the pod samples the namespace's bytes for its gauges",

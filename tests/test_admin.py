@@ -66,7 +66,7 @@ def test_stats_sessions_show(redis_server: RedisProcess, capsys: pytest.CaptureF
     rc, stats, _ = admin(capsys, redis_server.url, "st", "stats", "--json")
     assert rc == 0
     assert stats["kinds"]["block"]["keys"] == 14 and stats["kinds"]["session"]["keys"] == 3
-    assert stats["kinds"]["index"]["keys"] % 3 == 0 and stats["kinds"]["other"]["keys"] == 0
+    assert stats["kinds"]["index"]["keys"] % 4 == 0 and stats["kinds"]["other"]["keys"] == 0
     assert stats["models"][FP.short()] == {"blocks": 10, "block_bytes": 10 * len(frame()), "sessions": 2}
     assert stats["models"][OTHER.short()]["sessions"] == 1
     assert stats["budget"]["bytes_held"] == stats["budget"]["block_value_bytes"] == 14 * len(frame())
@@ -127,8 +127,10 @@ def test_verify_finds_and_fixes(redis_server: RedisProcess, capsys: pytest.Captu
     client.set("ver:blk:zz:notahash:{ver:s00}", b"x", ex=100)
     rc, report, _ = admin(capsys, redis_server.url, "ver", "verify", "--json")
     assert rc == 1
-    assert report["problems"] == {"bad_session": 1, "corrupt_block": 2, "no_ttl": 1, "stale_index": 1,
-                                  "unindexed_block": 1, "unreachable_block": 1, "retired_block": 1}
+    assert report["problems"] == {"bad_session": 1, "corrupt_block": 2, "dead_block": 6, "no_ttl": 1,
+                                  "stale_index": 1, "unindexed_block": 1, "unreachable_block": 1, "retired_block": 1}
+    dead = {f["key"] for f in report["findings"] if f["problem"] == "dead_block"}
+    assert dead == set(blocks[4:])  # after the unindexed block 3: no lookup goes past it
     corrupt = {f["key"] for f in report["findings"] if f["problem"] == "corrupt_block"}
     assert corrupt == {blocks[0], blocks[1]}
     assert "checksum" in next(f["detail"] for f in report["findings"] if f["key"] == blocks[0])
@@ -137,13 +139,13 @@ def test_verify_finds_and_fixes(redis_server: RedisProcess, capsys: pytest.Captu
     assert rc == 2 and "--yes" in err  # no terminal: refuses
     rc, report, _ = admin(capsys, redis_server.url, "ver", "verify", "--fix", "--yes", "--json")
     assert rc == 0 and all(f["fixed"] for f in report["findings"])
-    assert not client.exists(blocks[0], blocks[1], blocks[5], "ver:sess:default:chat-2",
-                             "ver:blk:zz:notahash:{ver:s00}")
-    assert client.pttl(blocks[2]) > 0
+    assert not client.exists(blocks[0], blocks[1], "ver:sess:default:chat-2", "ver:blk:zz:notahash:{ver:s00}")
+    assert not client.exists(*blocks[2:])  # the rest of a chain whose first blocks were corrupt: dead, reclaimed
     rc, report, _ = admin(capsys, redis_server.url, "ver", "verify", "--json")
-    assert rc == 0 and report["problems"] == {} and report["blocks_ok"] == 10
+    assert rc == 0 and report["problems"] == {} and report["blocks_ok"] == 4
     rc, stats, _ = admin(capsys, redis_server.url, "ver", "stats", "--json")
-    assert stats["budget"]["bytes_held"] == stats["budget"]["block_value_bytes"] == 10 * len(frame())
+    assert stats["budget"]["bytes_held"] == stats["budget"]["block_value_bytes"] == 4 * len(frame())
+    assert stats["budget"]["dead_bytes"] == 0
 
 
 def test_evict_and_purge(redis_server: RedisProcess, capsys: pytest.CaptureFixture[str]) -> None:
@@ -211,8 +213,9 @@ def test_stats_and_verify_on_a_cluster(redis_cluster: RedisCluster, capsys: pyte
     assert rc == 1 and report["problems"] == {"corrupt_block": 1} and report["findings"][0]["key"] == victim
     rc, report, _ = admin(capsys, url, "adm", "verify", "--fix", "--yes", "--json")
     assert rc == 0
+    assert {f["key"] for f in report["findings"] if f["problem"] == "dead_block"} == set(keys["block_keys"][6:])
     rc, report, _ = admin(capsys, url, "adm", "verify", "--json")
-    assert rc == 0 and report["blocks_ok"] == 13
+    assert rc == 0 and report["blocks_ok"] == 9  # the blocks after the corrupt one were dead: reclaimed too
 
 
 def test_verify_on_a_signed_namespace(redis_server: RedisProcess, capsys: pytest.CaptureFixture[str],
@@ -258,10 +261,10 @@ def test_verify_on_a_signed_namespace(redis_server: RedisProcess, capsys: pytest
     monkeypatch.setenv("KVSTASH_FRAME_KEY", "key-B")
     monkeypatch.setenv("KVSTASH_FRAME_KEY_PREVIOUS", "key-A")
     rc, report, _ = admin(capsys, url, "sig", "verify", "--fix", "--yes", "--json")
-    assert rc == 0 and report["problems"] == {"bad_signature": 4}
+    assert rc == 0 and report["problems"] == {"bad_signature": 4, "dead_block": 7}  # the chain after blocks[0]
     assert not client.exists(blocks[0], blocks[2], blocks[3], "sig:sess:default:chat-1")
     rc, report, out = admin(capsys, url, "sig", "verify")
-    assert rc == 0 and "signed by the current key: 1, by the previous key: 12" in report
+    assert rc == 0 and "signed by the current key: 0, by the previous key: 6" in report
 
 
 def test_stats_show_bytes_held_per_tenant(redis_server: RedisProcess, capsys: pytest.CaptureFixture[str],

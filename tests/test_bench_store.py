@@ -18,7 +18,7 @@ def test_bench_store_small_run_reports_both_ratios(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["reps"] == 3 and result["tokens"] == 512 and result["machine"]["nproc"] >= 1
     rows = {r["op"]: r for r in result["rows"]}
-    assert set(rows) == {"get", "get_reader", "get_landing", "put", "put_nobudget", "mac_seal", "mac_open"}
+    assert set(rows) == {"get", "get_reader", "get_landing", "put", "put_lru", "put_nobudget", "mac_seal", "mac_open"}
     assert rows["mac_seal"]["ms_per_gb"] > 0 and rows["mac_open"]["gb_s"] > 0
     get = rows["get"]
     assert get["reps"] == 3 and get["context_bytes"] == 512 * 23040

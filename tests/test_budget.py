@@ -76,7 +76,8 @@ async def test_concurrent_puts_of_one_store_stay_in_budget(kv_server: RedisProce
 
 async def test_lru_order_is_respected(kv_server: RedisProcess) -> None:
     store = BlockStore(StoreSettings.from_url(kv_server.url, namespace="lru", budget_bytes=10_000,
-                                              max_value_bytes=1_000, low_watermark=0.5, index_shards=4))
+                                              max_value_bytes=1_000, low_watermark=0.5, index_shards=4,
+                                              eviction_policy="lru"))  # per block, by the millisecond
     try:
         for i in range(9):
             await store.store_blocks(MODEL, [h(i)], [os.urandom(1000)])

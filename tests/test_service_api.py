@@ -233,3 +233,7 @@ def test_every_pod_exports_the_namespace_bytes_budget_and_entries(redis_server: 
         assert gauge("kvstash_cache_bytes_held") == held.bytes_held > 0
         assert gauge("kvstash_cache_entries") == held.blocks > 0
         assert gauge("kvstash_cache_budget_bytes") == 3 << 30
+        assert gauge("kvstash_cache_dead_bytes") == c.portal.call(store.dead).bytes == 0  # type: ignore[attr-defined]
+        client = redis_server.client()  # the pod told the budget each block's place in its chain: depth and parent
+        facts = [v.decode() for shard in store.keys.all_shards() for v in client.hvals(shard.chain)]
+        assert "0" in facts and any(f.startswith("1:") and len(f) == 34 for f in facts)

@@ -13,6 +13,7 @@ import redis.cluster
 
 from cachestore.breaker import CircuitBreaker
 from cachestore.errors import StoreError
+from cachestore.eviction import POLICIES, now_ms
 from cachestore.keys import KeySpace
 from cachestore.localtier import LocalTier
 from cachestore.redisclient import make_client
@@ -30,10 +31,14 @@ REJECTED_KEYS = 4096  # keys remembered as holding a rejected value, so that the
 class StoreBase:
     """The state the store's parts (reader, blocks, sessions) work on, and the plumbing they share."""
 
-    def __init__(self, settings: StoreSettings, on_rejected: Callable[[str, str], None] | None = None) -> None:
+    def __init__(self, settings: StoreSettings, on_rejected: Callable[[str, str], None] | None = None,
+                 clock_ms: Callable[[], int] = now_ms) -> None:
         """`on_rejected(reason, detail)` is told of each value read back that is discarded ("mac": not signed under
-        its key name by an accepted frame key), beside the `rejected_mac` counter."""
+        its key name by an accepted frame key), beside the `rejected_mac` counter. `clock_ms`: the time the budget's
+        scores are made of (a trace replay gives its own)."""
         self.settings = settings
+        self.policy = POLICIES[settings.eviction_policy]
+        self.clock_ms = clock_ms
         self.signer = Signer(settings.frame_key, settings.frame_key_previous) if settings.signed else None
         self._overhead = TRAILER_SIZE if self.signer is not None else 0  # bytes a value's signature adds
         self._on_rejected = on_rejected

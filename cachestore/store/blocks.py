@@ -1,14 +1,17 @@
 """Block writes: frames (and tail and reply-ids entries) written under the namespace's byte budget and a tenant's
-quota, evicting least-recently-used entries first; the budget's usage, reconciliation and the namespace's clearing."""
+quota, evicting the eviction policy's lowest-scored entries first; the budget's usage, reconciliation and the
+namespace's clearing."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from cachestore import budget
 from cachestore.errors import StoreError, ValueTooLarge
+from cachestore.eviction import RANKS, chain_facts
 from cachestore.hashing import BlockHash
 from cachestore.keys import check_model, check_tenant
 from cachestore.outcome import Outcome, Result
@@ -17,14 +20,27 @@ from cachestore.store.base import StoreBase
 from cachestore.store.guard import Failed
 
 
+@dataclass(frozen=True)
+class Chain:
+    """Where a batch of blocks sits in its chain: the depth of the first, each one's chain facts, and the parent's
+    (shard, key) (None: the first block is a chain's first, or its parent is unknown)."""
+
+    first: int
+    facts: list[str]
+    parent: tuple[int, str] | None
+
+
 class BlockWriter(StoreBase):
     """The write side of the store, and its budget."""
 
     async def store_blocks(self, model: str, hashes: Sequence[BlockHash], frames: Sequence[bytes],
-                           tenant: str | None = None) -> Result[int]:
+                           tenant: str | None = None, first_block: int = 0,
+                           parent: BlockHash | None = None) -> Result[int]:
         """Write blocks (present ones are left as they are): STORED (how many were new) or UNAVAILABLE (none
         written). `tenant`: whose they are (its quota applies, `usage().by_tenant` counts them); None: the
-        namespace's, under its budget only."""
+        namespace's, under its budget only. `hashes` are consecutive blocks of one chain from block `first_block`,
+        whose parent (block `first_block - 1`) is `parent`: the eviction policy ranks blocks by their place in
+        their chain, and a block whose parent is gone counts as dead."""
         check_model(model)
         if tenant is not None:
             check_tenant(tenant)
@@ -42,8 +58,11 @@ class BlockWriter(StoreBase):
         if self._local is not None:
             for (_, key), frame in zip(keyed, frames, strict=True):
                 self._local.put(key, bytes(frame))
+        hexes = ([parent.hex()] if parent is not None else [""]) + [h.hex() for h in hashes[:-1]]
+        chain = Chain(first_block, [chain_facts(first_block + i, p) for i, p in enumerate(hexes)],
+                      self.keys.block(model, parent) if parent is not None else None)
         async with self._put_lock:
-            written = await self._guard.run(lambda: self._write(keyed, frames, tenant=tenant),
+            written = await self._guard.run(lambda: self._write(keyed, frames, tenant=tenant, chain=chain),
                                             self.settings.write_timeout_s, write=True)
         if isinstance(written, Failed):
             return Result(Outcome.UNAVAILABLE, 0)
@@ -67,12 +86,17 @@ class BlockWriter(StoreBase):
         return 0 if isinstance(written, Failed) else written
 
     async def _write(self, keyed: list[tuple[int, str]], frames: Sequence[bytes], nx: bool = True,
-                     tenant: str | None = None) -> int:
+                     tenant: str | None = None, chain: Chain | None = None) -> int:
         items = [((shard, key), self._seal(key, frame)) for (shard, key), frame in zip(keyed, frames, strict=True)]
+        scores: list[int] = []
         if self.settings.budget_enabled:
             quota = self.settings.quota_of(tenant) if tenant is not None else 0
             items = _fit_budget(items, min(quota, self.settings.budget_bytes) or self.settings.budget_bytes)
-            await self._make_room(sum(len(f) for _, f in items), tenant, quota)
+            parent_score = await self._make_room(sum(len(f) for _, f in items), tenant, quota,
+                                                 chain.parent if chain is not None and self.policy.chained else None)
+            # entries off a chain (tails, reply ids) end one: they rank as its deepest
+            scores = self.policy.write_scores(self.clock_ms(), chain.first if chain is not None else RANKS,
+                                              len(items), parent_score)
         pipe = self._client.pipeline(transaction=False)
         by_shard: dict[int, list[str]] = defaultdict(list)
         replacing = False  # from a rejected value on, the chain's blocks were unreadable: all are replaced
@@ -81,10 +105,21 @@ class BlockWriter(StoreBase):
             pipe.set(key, frame, px=self._block_ttl_ms, nx=nx and not replacing)
             by_shard[shard].append(key)
         if self.settings.budget_enabled:
+            at = {key: i for i, ((_, key), _) in enumerate(items)}
             for shard, keys in by_shard.items():
-                budget.account(pipe, self.keys.shard(shard), keys, self._index_ttl_ms, tenant)
+                budget.account(pipe, self.keys.shard(shard), keys, self._index_ttl_ms, tenant,
+                               [scores[at[k]] for k in keys],
+                               [chain.facts[at[k]] for k in keys] if chain is not None else None, self.policy)
+        guarded = self.settings.budget_enabled and self.policy.chained and chain is not None and chain.parent
+        if guarded:
+            assert chain is not None and chain.parent is not None
+            pipe.exists(chain.parent[1])  # after the writes: a parent gone by now left them unreachable
         self._counters.add("round_trips")
         results = await pipe.execute(raise_on_error=False)
+        if guarded and results[-1] == 0:  # another writer evicted the parent meanwhile: take them back
+            for shard, keys in by_shard.items():
+                await budget.unwrite(self._client, self.keys.shard(shard), keys, self._index_ttl_ms)
+            return 0
         written = errors = nbytes = 0
         for ((_, _), frame), ok in zip(items, results, strict=False):
             if ok is True:
@@ -95,23 +130,28 @@ class BlockWriter(StoreBase):
         self._counters.add_all(blocks_written=written, bytes_written=nbytes, errors=errors)
         return written
 
-    async def _make_room(self, incoming: int, tenant: str | None = None, quota: int = 0) -> None:
-        """Evict LRU entries first if writing `incoming` bytes would cross a high watermark: `tenant`'s own if it
-        would cross its `quota`'s (to the low watermark of its quota), then the namespace's if it would cross the
-        budget's."""
+    async def _make_room(self, incoming: int, tenant: str | None = None, quota: int = 0,
+                         parent: tuple[int, str] | None = None) -> int | None:
+        """Evict the lowest-scored entries first if writing `incoming` bytes would cross a high watermark:
+        `tenant`'s own if it would cross its `quota`'s (to the low watermark of its quota), then the namespace's if
+        it would cross the budget's. Returns the score of entry `parent` (None: not asked, or not indexed), read in
+        the same round trip."""
         s = self.settings
         self._counters.add("round_trips")
-        held, own = await budget.held(self._client, self.keys, tenant if quota else None)
+        held, own, parent_score = await budget.held(self._client, self.keys, tenant if quota else None, parent)
         if quota and own + incoming > s.high_watermark * quota:
             target = max(0, int(s.low_watermark * quota) - incoming)
-            result = await budget.evict(self._client, self.keys, own - target, tenant=tenant)
+            result = await budget.evict(self._client, self.keys, own - target, tenant=tenant,
+                                        keep=parent[1] if parent else None)
             self._count_eviction(result, tenant_evictions=result.evicted_blocks)
             held -= result.evicted_bytes + result.stale_bytes
         if held + incoming <= s.high_watermark * s.budget_bytes:
-            return
+            return parent_score
         # evict so that after this write the namespace sits at the low watermark
         target = max(0, int(s.low_watermark * s.budget_bytes) - incoming)
-        self._count_eviction(await budget.evict(self._client, self.keys, held - target))
+        self._count_eviction(await budget.evict(self._client, self.keys, held - target,
+                                                keep=parent[1] if parent else None))
+        return parent_score
 
     def _count_eviction(self, result: budget.EvictionResult, tenant_evictions: int = 0) -> None:
         self._counters.add_all(evictions=result.evicted_blocks, evicted_bytes=result.evicted_bytes,
@@ -131,6 +171,10 @@ class BlockWriter(StoreBase):
                          await budget.tenant_totals(self._client, self.keys))
 
         return await self._admin(read)
+
+    async def dead(self) -> budget.DeadEntries:
+        """The blocks held whose chain is broken (unreachable), from the budget index: O(entries)."""
+        return await self._admin(lambda: budget.dead_entries(self._client, self.keys))
 
     async def reconcile(self) -> budget.EvictionResult:
         """Drop index entries of blocks Redis removed itself and recount the bytes held."""

@@ -81,12 +81,14 @@ class ReadParts(StoreBase):
             self._counters.add("round_trips")
 
     def _touch(self, pipe: Any, keyed: Keyed) -> None:
-        """Queue the LRU touch of `keyed`'s entries, one script call per index shard."""
+        """Queue the budget's touch of `keyed`'s entries, one script call per index shard, all at one time (a chain
+        spread over shards keeps its order)."""
         by_shard: dict[int, list[str]] = defaultdict(list)
         for shard, key in keyed:
             by_shard[shard].append(key)
+        now = self.clock_ms()
         for shard, keys in by_shard.items():
-            budget.touch(pipe, self.keys.shard(shard), keys, self._index_ttl_ms)
+            budget.touch(pipe, self.keys.shard(shard), keys, self._index_ttl_ms, self.policy, now)
 
     def _fetch_pipeline(self, client: Any, keyed: Keyed, start: int) -> Any:
         pipe = client.pipeline(transaction=False)
