@@ -24,6 +24,7 @@ BENCHES = [
     "ops.bench.load",
     "ops.bench.fleet",
     "ops.bench.sidecar",
+    "ops.bench.sizing",
 ]
 
 

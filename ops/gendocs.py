@@ -2,7 +2,8 @@
 
 docs/configuration.md from the settings and the CLI parsers, docs/keys.md from cachestore/keys.py, the route
 reference of docs/api.md from service/openapi.py (ops/apipage.py), and the results page, its charts and the
-README's hit table from docs/results/*.json (ops/resultspage.py). `--check` writes nothing and exits 1 naming
+README's hit table from docs/results/*.json (ops/resultspage.py), and the sizing table of docs/operations.md from
+docs/results/sizing.json (ops/sizingpage.py). `--check` writes nothing and exits 1 naming
 every file that differs from what it would write.
 """
 
@@ -13,7 +14,7 @@ import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
 
-from ops import apipage, resultspage
+from ops import apipage, resultspage, sizingpage
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "configuration.md"
@@ -122,6 +123,7 @@ def outputs() -> dict[Path, str]:
     out[resultspage.README] = resultspage.render_readme(resultspage.README.read_text())
     out[apipage.PAGE] = apipage.render(apipage.PAGE.read_text())
     out[resultspage.RELIABILITY] = resultspage.render_reliability(resultspage.RELIABILITY.read_text())
+    out[sizingpage.PAGE] = sizingpage.render(sizingpage.PAGE.read_text())
     return out
 
 
