@@ -8,6 +8,7 @@ each build is cached in the model cache dir under a digest of its spec, recipe a
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -35,9 +36,15 @@ class RandomSpec:
 
 
 def llama_cpp_version() -> str:
-    """The llama-cpp-python version whose sdist `make llama-server` extracted ("" when none was)."""
+    """The llama-cpp-python version whose llama.cpp converts: the one `make llama-server` built, else the one
+    installed (its sdist is extracted before the build), else ""."""
     stamp = LLAMA_BUILD_ROOT / "version"
-    return stamp.read_text().strip() if stamp.is_file() else ""
+    if stamp.is_file():
+        return stamp.read_text().strip()
+    try:
+        return importlib.metadata.version("llama_cpp_python")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
 
 
 def llama_cpp_source() -> Path:
