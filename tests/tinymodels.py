@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from service.engines.modelcache import default_cache_dir, ensure_built
 from service.engines.randommodels import RandomSpec as TinySpec
 from service.engines.randommodels import build_key as _build_key
 from service.engines.randommodels import convert_gguf, save_hf
@@ -101,7 +102,7 @@ def tiny_model_dir(name: str, cache_dir: Path | None = None) -> Path:
 def tiny_hf_dir(name: str, cache_dir: Path | None = None) -> Path:
     """The transformers directory of tiny model `name` alone (no GGUF, no converter needed): the same weights as
     `tiny_model_dir`'s, for the hf engine."""
-    from service.engines.hf.models import TINY_RANDOM, default_cache_dir, ensure_built, resolve_model_dir  # noqa: PLC0415
+    from service.engines.hf.models import TINY_RANDOM, resolve_model_dir  # noqa: PLC0415
 
     spec = SPECS[name]
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -113,7 +114,7 @@ def tiny_hf_dir(name: str, cache_dir: Path | None = None) -> Path:
 
 def tiny_gguf(name: str, cache_dir: Path | None = None) -> Path:
     """The GGUF of the tiny model `name` (a key of SPECS), built on first use and cached."""
-    from service.engines.hf.models import TINY_RANDOM, default_cache_dir, ensure_built, resolve_model_dir  # noqa: PLC0415
+    from service.engines.hf.models import TINY_RANDOM, resolve_model_dir  # noqa: PLC0415
 
     spec = SPECS[name]
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
