@@ -25,6 +25,7 @@ BENCHES = [
     "ops.bench.load",
     "ops.bench.fleet",
     "ops.bench.sidecar",
+    "ops.bench.sizing",
 ]
 
 
@@ -54,6 +55,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if isinstance(getattr(args, "model", None), str):
+            from service.engines import kvgeom  # noqa: PLC0415
+
+            if kvgeom.is_kvgeom(args.model):
+                kvgeom.geometry(args.model)  # an unknown kvgeom-* name: one line, before anything starts
         if args.command in MODEL_COMMANDS:
             from cachestore.codec import kernels  # noqa: PLC0415
             from service import malloc, settings  # noqa: PLC0415

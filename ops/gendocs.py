@@ -3,7 +3,8 @@
 docs/configuration.md from the settings and the CLI parsers, docs/keys.md from cachestore/keys.py, docs/codec-spec.md
 from cachestore/codec/spec.py, the route
 reference of docs/api.md from service/openapi.py (ops/apipage.py), and the results page, its charts and the
-README's hit table from docs/results/*.json (ops/resultspage.py). `--check` writes nothing and exits 1 naming
+README's hit table from docs/results/*.json (ops/resultspage.py), and the sizing table of docs/operations.md from
+docs/results/sizing.json (ops/sizingpage.py). `--check` writes nothing and exits 1 naming
 every file that differs from what it would write.
 """
 
@@ -14,7 +15,7 @@ import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
 
-from ops import apipage, resultspage
+from ops import apipage, resultspage, sizingpage
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "configuration.md"
@@ -146,6 +147,7 @@ def outputs() -> dict[Path, str]:
     out[resultspage.FIDELITY] = resultspage.render_readme(resultspage.FIDELITY.read_text())
     out[apipage.PAGE] = apipage.render(apipage.PAGE.read_text())
     out[resultspage.RELIABILITY] = resultspage.render_reliability(resultspage.RELIABILITY.read_text())
+    out[sizingpage.PAGE] = sizingpage.render(sizingpage.PAGE.read_text())
     return out
 
 

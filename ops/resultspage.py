@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from ops import sizingpage
 from ops.bench.qmerge import WITHHELD, row_name, withheld
 from ops.resulttables import (
     Bench,
@@ -157,6 +158,8 @@ BENCHES = (
           "conversation's opening. Budget pressure replays the workload with the working set at multiples of the "
           "byte budget; miss overhead runs a workload with no reuse, kvstash on and off interleaved.",
           FLEET_CMD, _fleet, _fleet_budget_charts),
+    Bench("sizing", "Sizing: KV bytes a token at 8B, 32B and 70B geometries", sizingpage.METHOD, sizingpage.COMMAND,
+          sizingpage.results_section),
 )
 
 

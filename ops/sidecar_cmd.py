@@ -38,8 +38,8 @@ def register(sub: Any) -> None:
     up.add_argument("--upstream", help="URL of a running llama-server (started with --slot-save-path)")
     up.add_argument("--slot-dir", help="the directory llama-server's --slot-save-path names (shared with it)")
     up.add_argument("--spawn", action="store_true", help="start and supervise llama-server here")
-    up.add_argument("--model", help="smollm2 (default) or a .gguf path: the file llama-server serves (its digest "
-                    "keys the cache)")
+    up.add_argument("--model", help="smollm2 (default), kvgeom-8b/-32b/-70b or a .gguf path: the file llama-server "
+                    "serves (its digest keys the cache)")
     up.add_argument("--parallel", type=int, help="--spawn: llama-server slots (-np, default 4)")
     up.add_argument("--threads", type=int, help="--spawn: llama-server threads (default: its own)")
     up.add_argument("--ctx-per-slot", type=int, default=8192, help="--spawn: context tokens per slot (default 8192)")

@@ -146,7 +146,8 @@ SETTING_HELP: Mapping[str, str] = {
     "host": "address to bind",
     "port": "port to bind",
     "engine": "model runtime: hf (transformers) or llamacpp (llama-cpp-python); both decode requests together",
-    "model": "smollm2; hf: tiny-random or a local HF model directory; llamacpp: a local .gguf file",
+    "model": "smollm2, or kvgeom-8b, kvgeom-32b, kvgeom-70b (random weights, a real model's KV shape); hf: "
+             "tiny-random or a local HF model directory; llamacpp: a local .gguf file",
     "device": "cpu or cuda[:N]",
     "parallel": "sequences decoded together (hf and llamacpp; llama-server: its slots); 0: the engine's own, 8 for "
                 "hf, 4 for llama.cpp (docs/engines-codecs.md)",

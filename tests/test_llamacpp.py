@@ -473,8 +473,8 @@ def test_serve_refuses_a_model_it_cannot_serve_in_one_line(tmp_path: object) -> 
                           timeout=120, check=False)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "kvstash: error: the llamacpp engine serves 'smollm2' or a local .gguf file; "
-        "'/nonexistent/model.gguf' is neither"]
+        "kvstash: error: the llamacpp engine serves 'smollm2', a kvgeom model (kvgeom-8b, kvgeom-32b, kvgeom-70b) "
+        "or a local .gguf file; '/nonexistent/model.gguf' is none of them"]
 
 
 def test_admin_commands_name_a_llama_pods_blocks_as_the_pod_does(engine: LlamaCppEngine,

@@ -15,7 +15,7 @@ import torch
 
 from cachestore.errors import ConfigError
 from cachestore.hashing import ModelFingerprint
-from service.engines.hf import models
+from service.engines import modelcache
 from service.engines.hf.models import LoadedModel, load_model, resolve_model_dir
 from tests.tinymodels import converter_missing, tiny_hf_dir, tiny_model_dir
 
@@ -62,20 +62,20 @@ def test_local_directory_is_served_by_its_name(tiny: LoadedModel, tmp_path: Path
     src = resolve_model_dir("tiny-random")
     path = tmp_path / "my-model"
     shutil.copytree(src, path)
-    (path / models.META_FILE).unlink()  # force a fresh digest
+    (path / modelcache.META_FILE).unlink()  # force a fresh digest
     loaded = load_model(str(path))
     assert loaded.name == "my-model"
     assert loaded.model_id == tiny.model_id
-    assert json.loads((path / models.META_FILE).read_text())["model_id"] == tiny.model_id
+    assert json.loads((path / modelcache.META_FILE).read_text())["model_id"] == tiny.model_id
 
 
 def test_weights_digest_follows_the_files(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(b"a" * 100)
-    first = models.weights_digest(tmp_path)
-    assert models.weights_digest(tmp_path) == first  # cached
+    first = modelcache.weights_digest(tmp_path)
+    assert modelcache.weights_digest(tmp_path) == first  # cached
     time.sleep(0.01)
     (tmp_path / "model.safetensors").write_bytes(b"b" * 100)
-    assert models.weights_digest(tmp_path) != first
+    assert modelcache.weights_digest(tmp_path) != first
 
 
 def test_missing_path_is_a_config_error(tmp_path: Path) -> None:
@@ -101,7 +101,7 @@ def test_concurrent_builds_run_once(tmp_path: Path) -> None:
 
     results: list[Path] = []
     threads = [
-        threading.Thread(target=lambda: results.append(models.ensure_built(tmp_path / "m", build, "r1")))
+        threading.Thread(target=lambda: results.append(modelcache.ensure_built(tmp_path / "m", build, "r1")))
         for _ in range(3)
     ]
     for t in threads:
@@ -111,8 +111,8 @@ def test_concurrent_builds_run_once(tmp_path: Path) -> None:
     assert len(calls) == 1
     assert results == [tmp_path / "m"] * 3
     assert (tmp_path / "m" / "model.safetensors").read_bytes() == b"weights"
-    assert models.ensure_built(tmp_path / "m", build, "r1") == tmp_path / "m" and len(calls) == 1
-    models.ensure_built(tmp_path / "m", build, "r2")  # a new recipe rebuilds
+    assert modelcache.ensure_built(tmp_path / "m", build, "r1") == tmp_path / "m" and len(calls) == 1
+    modelcache.ensure_built(tmp_path / "m", build, "r2")  # a new recipe rebuilds
     assert len(calls) == 2
 
 
@@ -122,7 +122,7 @@ def test_failed_build_publishes_nothing(tmp_path: Path) -> None:
         raise RuntimeError("disk full")
 
     with pytest.raises(RuntimeError):
-        models.ensure_built(tmp_path / "m", build, "r1")
+        modelcache.ensure_built(tmp_path / "m", build, "r1")
     assert not (tmp_path / "m").exists()
     assert [p.name for p in tmp_path.iterdir()] == [".m.lock"]
 

@@ -28,9 +28,9 @@ from ops.sidecar_cmd import sidecar_app
 from ops.sidecarproc import SidecarProcess
 from service.engines import GenParams
 from service.engines.llama import slotfile
-from service.engines.llama.gguf import resolve_gguf
 from service.engines.llama.llamaserver import LlamaServerEngine
 from service.engines.llama.llamaserverproc import LlamaServerProcess, wait_healthy
+from service.engines.llama.models import resolve_gguf
 from service.pipeline import Pipeline
 from service.settings import PodSettings
 from tests.lentpod import rows_pod

@@ -20,9 +20,9 @@ from ops.llamaserver_build import binary_path
 from ops.redisproc import RedisProcess
 from ops.sidecar_cmd import sidecar_app
 from ops.sidecarproc import SidecarProcess
-from service.engines.llama.gguf import resolve_gguf
 from service.engines.llama.llamaserver import LlamaServerEngine
 from service.engines.llama.llamaserverproc import LlamaServerProcess
+from service.engines.llama.models import resolve_gguf
 from service.settings import PodSettings
 from tests.replies import reply
 from tests.support import running, settle

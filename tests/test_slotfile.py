@@ -13,9 +13,9 @@ import torch
 
 from ops.llamaserver_build import binary_path
 from service.engines.llama import llamastate, slotfile, statewrite
-from service.engines.llama.gguf import resolve_gguf
 from service.engines.llama.llamaserverproc import LlamaServerProcess
 from service.engines.llama.llamastate import StateGeometry
+from service.engines.llama.models import resolve_gguf
 from service.engines.llama.slotfile import SlotFileError
 
 GEO = StateGeometry(num_layers=2, kv_heads=2, head_dim=3, v_trans=False)

@@ -2,10 +2,10 @@
 converted to GGUF by the pinned llama.cpp's converter; nothing is downloaded.
 
 Each model is a few layers of hidden size 64 with SmolLM2's tokenizer (the one the `tiny-random` model saves) and a
-fixed seed. The converter runs in a subprocess with the gguf-py beside it on its path. A build is cached under the
-kvstash model cache dir (`service.engines.hf.models.default_cache_dir`) in a folder named by a digest of its config, the
-recipe, and the transformers and llama-cpp-python versions, so a changed recipe builds anew and concurrent test
-processes build once (`service.engines.hf.models.ensure_built`).
+fixed seed, built and converted by service.engines.randommodels (as the kvgeom models are). A build is cached under the
+kvstash model cache dir (`service.engines.modelcache.default_cache_dir`) in a folder named by a digest of its config,
+the recipe, and the transformers and llama-cpp-python versions, so a changed recipe builds anew and concurrent test
+processes build once (`service.engines.modelcache.ensure_built`).
 
 | name        | architecture              | what it stands for                                             |
 |-------------|---------------------------|----------------------------------------------------------------|
@@ -19,33 +19,17 @@ processes build once (`service.engines.hf.models.ensure_built`).
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from ops.llamaserver_build import BUILD_ROOT, LLAMA_CPP_PYTHON_VERSION
+from service.engines.modelcache import default_cache_dir, ensure_built
+from service.engines.randommodels import RandomSpec as TinySpec
+from service.engines.randommodels import build_key as _build_key
+from service.engines.randommodels import convert_gguf, save_hf
+from service.engines.randommodels import converter_missing as converter_missing  # the tests' skip reason
 
 RECIPE = "tinymodels-v3"  # bump when a build below changes
 SEED = 0
-
-
-@dataclass(frozen=True)
-class TinySpec:
-    """One tiny model: its name, its transformers config class and model class (by name), and the config's fields
-    beyond the vocabulary and special tokens."""
-
-    name: str
-    config_class: str
-    model_class: str
-    fields: dict[str, Any]
 
 
 _COMMON = {"hidden_size": 64, "max_position_embeddings": 2048, "initializer_range": 0.2, "tie_word_embeddings": True}
@@ -96,73 +80,18 @@ def gguf_name(name: str) -> str:
     return f"tiny-{name}.gguf"
 
 
-def llama_cpp_source() -> Path:
-    """The vendor/llama.cpp of the pinned llama-cpp-python sdist (`make llama-server` extracts it)."""
-    return BUILD_ROOT / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
-
-
-def converter_missing() -> str | None:
-    """Why no tiny GGUF can be built here (a skip reason), or None."""
-    source = llama_cpp_source()
-    if not (source / "convert_hf_to_gguf.py").is_file():
-        return f"no llama.cpp converter at {source} (run `make llama-server`)"
-    if not (source / "gguf-py" / "gguf").is_dir():
-        return f"no gguf-py beside the converter in {source}"
-    return None
-
-
-def _versions() -> dict[str, str]:
-    import transformers  # noqa: PLC0415
-
-    return {"transformers": transformers.__version__, "llama-cpp-python": LLAMA_CPP_PYTHON_VERSION}
-
-
 def build_key(spec: TinySpec) -> str:
     """A digest of what the build depends on: the spec, the recipe, the versions of transformers and llama.cpp."""
-    blob = json.dumps({"recipe": RECIPE, "seed": SEED, "spec": spec.__dict__, **_versions()}, sort_keys=True)
-    return hashlib.blake2b(blob.encode(), digest_size=8).hexdigest()
+    return _build_key(spec, RECIPE, SEED)
 
 
 def _save_hf(spec: TinySpec, tokenizer_dir: Path, out: Path) -> None:
-    """The transformers directory of `spec`: config, random weights of the fixed seed, the tokenizer."""
-    import torch  # noqa: PLC0415
-    import transformers  # noqa: PLC0415
-    from transformers import AutoTokenizer  # noqa: PLC0415
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    config = getattr(transformers, spec.config_class)(
-        vocab_size=len(tok),
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
-        **spec.fields,
-    )
-    with torch.random.fork_rng(devices=[]):  # a fixed seed without touching the caller's RNG
-        torch.manual_seed(SEED)
-        model = getattr(transformers, spec.model_class)(config).eval()
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
+    save_hf(spec, tokenizer_dir, out, SEED)
 
 
 def _build(spec: TinySpec, tokenizer_dir: Path, out: Path) -> None:
     _save_hf(spec, tokenizer_dir, out)
-    source = llama_cpp_source()
-    with tempfile.TemporaryDirectory() as stubs:
-        path = [str(source / "gguf-py")]
-        if importlib.util.find_spec("sentencepiece") is None:
-            # Llama's converter imports sentencepiece before it looks for tokenizer.model, and falls back to
-            # tokenizer.json only on FileNotFoundError: an empty stand-in lets it get that far
-            (Path(stubs) / "sentencepiece.py").write_text("class SentencePieceProcessor:\n    pass\n")
-            path.append(stubs)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "HF_HUB_OFFLINE": "1"}
-        done = subprocess.run(
-            [sys.executable, str(source / "convert_hf_to_gguf.py"), str(out),
-             "--outfile", str(out / gguf_name(spec.name)), "--outtype", "f16",
-             "--model-name", f"kvstash-tiny-{spec.name}"],
-            env=env, capture_output=True, text=True, check=False,
-        )
-    if done.returncode:
-        raise RuntimeError(f"converting tiny {spec.name} failed:\n{done.stderr[-4000:]}")
+    convert_gguf(out, out / gguf_name(spec.name), f"kvstash-tiny-{spec.name}")
 
 
 def tiny_model_dir(name: str, cache_dir: Path | None = None) -> Path:
@@ -173,7 +102,7 @@ def tiny_model_dir(name: str, cache_dir: Path | None = None) -> Path:
 def tiny_hf_dir(name: str, cache_dir: Path | None = None) -> Path:
     """The transformers directory of tiny model `name` alone (no GGUF, no converter needed): the same weights as
     `tiny_model_dir`'s, for the hf engine."""
-    from service.engines.hf.models import TINY_RANDOM, default_cache_dir, ensure_built, resolve_model_dir  # noqa: PLC0415
+    from service.engines.hf.models import TINY_RANDOM, resolve_model_dir  # noqa: PLC0415
 
     spec = SPECS[name]
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -185,7 +114,7 @@ def tiny_hf_dir(name: str, cache_dir: Path | None = None) -> Path:
 
 def tiny_gguf(name: str, cache_dir: Path | None = None) -> Path:
     """The GGUF of the tiny model `name` (a key of SPECS), built on first use and cached."""
-    from service.engines.hf.models import TINY_RANDOM, default_cache_dir, ensure_built, resolve_model_dir  # noqa: PLC0415
+    from service.engines.hf.models import TINY_RANDOM, resolve_model_dir  # noqa: PLC0415
 
     spec = SPECS[name]
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()

