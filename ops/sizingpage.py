@@ -21,7 +21,9 @@ COMMAND = "kvstash bench sizing --json docs/results/sizing.json"
 METHOD = ("The KV of a chat's first tokens as each kvgeom model computes it (random weights of a real model's KV "
           "geometry, [kvgeom models](engines-codecs.md#kvgeom-models)), held as fp16 as a GPU pod in half precision "
           "hands it over, encoded with each codec in blocks as a pod writes them: bytes a token include frame "
-          "headers and scales. A compressor's gain on a random model's values is not a trained model's; the codes "
+          "headers and scales; block 0 (the sink block, one a chain, int8 under int4) is left out, as a long "
+          "conversation's bytes are its later blocks'; `int4` is what a pod of the model serves by that name "
+          "(its codec plan). A compressor's gain on a random model's values is not a trained model's; the codes "
           "and scales of int8 and int4 do not depend on the values. The table in [Operations](operations.md#sizing) is "
           "generated from the same file.")
 

@@ -31,8 +31,9 @@ def register(bench_subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _kv(model: str, tokens: int) -> Any:
-    """[layers, 2, kv_heads, tokens, head_dim] fp16: the KV the model computes for `tokens` tokens of a chat."""
+def _kv(model: str, tokens: int) -> tuple[Any, Any]:
+    """[layers, 2, kv_heads, tokens, head_dim] fp16: the KV the model computes for `tokens` tokens of a chat, and the
+    engine that computed it."""
     import torch  # noqa: PLC0415
 
     from ops.bench.texts import HELD_OUT, read  # noqa: PLC0415
@@ -45,26 +46,31 @@ def _kv(model: str, tokens: int) -> Any:
     if len(ids) < tokens:
         raise SystemExit(f"the text gives {len(ids)} tokens, fewer than --tokens {tokens}")
     kv = engine.generate(ids, None, GenParams(max_tokens=1)).kv[:, :, :, :tokens]
-    return kv.to(torch.float16).contiguous()
+    return kv.to(torch.float16).contiguous(), engine
 
 
 def measure(model: str, codecs: list[str], tokens: int, block_tokens: int) -> list[dict[str, Any]]:
-    """One row a codec: `model`'s encoded bytes a token, and what they size."""
-    from cachestore.codec import Codec  # noqa: PLC0415
+    """One row a codec: `model`'s encoded bytes a token, and what they size. A name (int4, int2) is written out as
+    the model's own codec plan has it, as a pod serves it; bytes are of the full blocks after block 0 (the sink block,
+    one a chain, keeps int8 under 4- and 2-bit codecs), what a long conversation's blocks take."""
+    from cachestore.codec import BlockCodecs  # noqa: PLC0415
+    from service.codecnames import written_out  # noqa: PLC0415
     from service.engines import kvgeom  # noqa: PLC0415
 
     shape = kvgeom.geometry(model)
-    kv = _kv(model, tokens)
+    kv, engine = _kv(model, tokens)
+    rope = engine.kv_layout.rope
+    specs = written_out(",".join(codecs), engine, rope)[0].split(",")
     rows = []
-    for spec in codecs:
-        codec = Codec(spec)
-        encoded = sum(len(codec.encode(kv[:, :, :, start:start + block_tokens].contiguous()))
-                      for start in range(0, tokens, block_tokens))
-        per_token = encoded / tokens
+    for name, spec in zip(codecs, specs, strict=True):
+        codec = BlockCodecs.for_spec(spec, rope=rope).main
+        starts = range(block_tokens, tokens, block_tokens)
+        encoded = sum(len(codec.encode(kv[:, :, :, start:start + block_tokens].contiguous())) for start in starts)
+        per_token = encoded / (len(starts) * block_tokens)
         row: dict[str, Any] = {
-            "model": model, "geometry": f"{shape.layers}x{shape.kv_heads}x{shape.head_dim}", "codec": spec,
-            "bytes_per_token": round(per_token), "fp16_bytes_per_token": shape.bytes_per_token(),
-            "ratio": round(per_token / shape.bytes_per_token(), 4),
+            "model": model, "geometry": f"{shape.layers}x{shape.kv_heads}x{shape.head_dim}", "codec": name,
+            "spec": codec.spec.name(), "bytes_per_token": round(per_token),
+            "fp16_bytes_per_token": shape.bytes_per_token(), "ratio": round(per_token / shape.bytes_per_token(), 4),
         }
         for context in CONTEXTS:
             row[f"per_gb_{context}"] = round(GB / (per_token * context), 2)
@@ -81,8 +87,8 @@ def run(args: argparse.Namespace) -> int:
     codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
     for model in models:
         kvgeom.geometry(model)  # an unknown name: one line before any work
-    if args.tokens <= 0 or args.block_tokens <= 0 or args.tokens % args.block_tokens:
-        raise SystemExit("--tokens must be a positive multiple of --block-tokens")
+    if args.block_tokens <= 0 or args.tokens < 2 * args.block_tokens or args.tokens % args.block_tokens:
+        raise SystemExit("--tokens must be a multiple of --block-tokens, at least two blocks")
     before = machine()
     rows = [row for model in models for row in measure(model, codecs, args.tokens, args.block_tokens)]
     print_table(rows, [("model", "model", ""), ("codec", "codec", ""), ("bytes_per_token", "B/token", ","),
