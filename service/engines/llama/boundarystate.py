@@ -60,10 +60,11 @@ def check_boundary(state: bytes, layout: ModelLayout, position: int, v_trans: bo
     return None
 
 
-def with_streams(state: bytes, kinds: Sequence[str], n_stream: int) -> bytes:
-    """A boundary state (`split_state`) to set after the full-attention KV of its position: each KV section widened to
-    `n_stream` streams, its cells in the first (llama.cpp moves them to the destination sequence's own stream), and
-    its window put in the cells the engine's own sequence keeps it in (`_kept_in_place`)."""
+def with_streams(state: bytes, kinds: Sequence[str], n_stream: int) -> list[bytes | memoryview]:
+    """A boundary state (`split_state`) to set after the full-attention KV of its position, as pieces to write one
+    after another (no joined copy: the window's fillers are most of it): each KV section widened to `n_stream`
+    streams, its cells in the first (llama.cpp moves them to the destination sequence's own stream), and its window
+    put in the cells the engine's own sequence keeps it in (`_kept_in_place`)."""
     view = memoryview(struct.pack("<Ii", MAGIC, 0) + state)
     out: list[bytes | memoryview] = []
     for section in read_sections(view, kinds):
@@ -71,7 +72,7 @@ def with_streams(state: bytes, kinds: Sequence[str], n_stream: int) -> bytes:
             out += [struct.pack("<I", n_stream), *_kept_in_place(view, section), bytes(4 * (n_stream - 1))]
         else:
             out.append(view[section.start:section.end])
-    return b"".join(out)
+    return out
 
 
 def _kept_in_place(view: memoryview, section: KvSection) -> list[bytes | memoryview]:
@@ -95,6 +96,7 @@ def _kept_in_place(view: memoryview, section: KvSection) -> list[bytes | memoryv
     fill[:, 0], fill[:, 1] = np.arange(first), 1  # position, one sequence (0: llama.cpp restores into its own)
     out: list[bytes | memoryview] = [struct.pack("<I", first + count), fill.tobytes(),
                                      view[section.start + 8:cells_end + 8]]  # the window's cells, v_trans, n_layer
+    zeros = memoryview(bytes(first * max(r.row_bytes for r in section.k + section.v)))  # one, sliced per layer
     for rows, transposed in [(k, False) for k in section.k] + [(v, section.v_trans) for v in section.v]:
         out.append(view[rows.at - 12:rows.at])  # i32 type, u64 row bytes (transposed: u32 element bytes, channels)
         if transposed:  # a row of `count` elements per channel
@@ -104,5 +106,5 @@ def _kept_in_place(view: memoryview, section: KvSection) -> list[bytes | memoryv
             placed[:, -row:] = np.frombuffer(view, np.uint8, channels * row, rows.at).reshape(channels, row)
             out.append(placed.data)
         else:
-            out += [bytes(first * rows.row_bytes), view[rows.at:rows.at + count * rows.row_bytes]]
+            out += [zeros[:first * rows.row_bytes], view[rows.at:rows.at + count * rows.row_bytes]]
     return out
