@@ -18,7 +18,7 @@ import torch
 from service.engines.llama.scheduler import N_BATCH, PREFILL_CHUNK
 from service.engines.llama.vocab import Vocab
 
-CTX = 8192  # the engine's context of one sequence (its MAX_SEQ_CONTEXT; the models here train on more)
+CTX = 8192  # the engine's context of one sequence at most (its MAX_SEQ_CONTEXT), else the model's training context
 
 
 class KeptSequence:
@@ -33,7 +33,8 @@ class KeptSequence:
         mparams.use_extra_bufts = False
         self._model = lib.llama_model_load_from_file(str(path).encode(), mparams)
         cparams = lib.llama_context_default_params()
-        cparams.n_ctx, cparams.n_batch, cparams.n_ubatch, cparams.n_seq_max = CTX, N_BATCH, N_BATCH, 1
+        cparams.n_ctx = min(CTX, int(lib.llama_model_n_ctx_train(self._model)))
+        cparams.n_batch, cparams.n_ubatch, cparams.n_seq_max = N_BATCH, N_BATCH, 1
         cparams.n_threads = cparams.n_threads_batch = threads or os.cpu_count() or 1
         cparams.kv_unified = False
         self._ctx = lib.llama_init_from_model(self._model, cparams)
