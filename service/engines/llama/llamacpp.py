@@ -102,6 +102,7 @@ class LlamaCppEngine(ModelProbe, LendsStates):
         cparams.n_seq_max = parallel
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.kv_unified = False  # a stream per sequence: attention never scans other sequences' cells
+        cparams.swa_full = True  # window cells stay in the cells of their positions (boundarystate.with_streams)
         cparams.type_k = cparams.type_v = llamastate.KV_TYPES[kv_type]
         # a quantized V cache needs flash attention (V then kept as rows)
         flash_attn = "on" if kv_type != "f16" else flash_attn
