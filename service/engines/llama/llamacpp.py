@@ -102,6 +102,7 @@ class LlamaCppEngine(ModelProbe, LendsStates):
         cparams.n_seq_max = parallel
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.kv_unified = False  # a stream per sequence: attention never scans other sequences' cells
+        cparams.swa_full = True  # window cells stay in the cells of their positions (boundarystate.with_streams)
         cparams.type_k = cparams.type_v = llamastate.KV_TYPES[kv_type]
         # a quantized V cache needs flash attention (V then kept as rows)
         flash_attn = "on" if kv_type != "f16" else flash_attn
@@ -250,14 +251,16 @@ class LlamaCppEngine(ModelProbe, LendsStates):
             size = llamastate.state_size(planned, self.state_geometry)
             if state is None:
                 rest = (boundarystate.with_streams(boundary, self._section_kinds[1:], self.state_geometry.n_stream)
-                        if self.boundary_records and boundary is not None else b"")
+                        if self.boundary_records and boundary is not None else [])
                 try:
-                    state = statewrite.assemble_state(cached_kv[:, :, :, :cached], self.state_geometry,
-                                                      into=self._state_buffers.take(size + len(rest)))
+                    state = statewrite.assemble_state(
+                        cached_kv[:, :, :, :cached], self.state_geometry,
+                        into=self._state_buffers.take(size + sum(len(piece) for piece in rest)))
                 except llamastate.StateLayoutError as exc:
                     raise ValueError(str(exc)) from None
-                state[size:size + len(rest)] = rest  # the window / recurrent state after the full-attention KV
-                size += len(rest)
+                for piece in rest:  # the window / recurrent state after the full-attention KV
+                    state[size:size + len(piece)] = piece
+                    size += len(piece)
         max_new = min(params.max_tokens, limit - len(prompt))
         req = SeqRequest(prompt, state, cached, params, on_text, TextStream(self.vocab, params.stop, on_text),
                        self._sampler(params, prompt, 0), max_new, on_prefill)

@@ -137,7 +137,7 @@ class SlotKeeper:
             if self.boundary_records:  # the window / recurrent state after the full-attention KV
                 if boundary is None:
                     raise llamastate.StateLayoutError("a sliding-window or hybrid slot needs its boundary state")
-                pieces.append(boundarystate.with_streams(boundary, self._section_kinds[1:], geo.n_stream))
+                pieces += boundarystate.with_streams(boundary, self._section_kinds[1:], geo.n_stream)
             slotfile.write_pieces(path, pieces)
             answer = self._slot_action(slot.id, "restore", name)
             if int(answer.get("n_restored", -1)) != len(tokens):
