@@ -21,7 +21,7 @@ def test_policy(spec: str, sink: str) -> None:
     assert ("sink=" in codecs.name()) == (codecs.sink is not codecs.main)
 
 
-@pytest.mark.parametrize(("codec", "main"), [("int2", (2, "int2", b"")),
+@pytest.mark.parametrize(("codec", "main"), [("int2+lz4", (2, "int2", b"")),
                                              ("int4+zstd/symv/s8/v5=0", (5, "int4", bytes((0x54, 0x44))))])
 def test_pod_stores_block_zero_as_int8_and_hits(redis_server: RedisProcess, tiny_model: Any, codec: str,
                                                 main: tuple[int, str, bytes]) -> None:

@@ -490,7 +490,7 @@ def test_admin_commands_name_a_llama_pods_blocks_as_the_pod_does(engine: LlamaCp
         pipe = Pipeline(settings, q8_engine if codec == "q8" else engine, None, codec, PodMetrics(), None)
         try:
             args = argparse.Namespace(engine="llamacpp", model="smollm2", codec=codec, block_tokens=16, device=None)
-            assert _chain(args, "t").fingerprint == pipe.fingerprint
+            assert _chain(args, "t", None).fingerprint == pipe.fingerprint  # no name: no plan read
             assert ("/rows" in pipe.codecs.name()) == (codec in ("fp16", "exact"))
         finally:
             pipe.close()
