@@ -22,7 +22,7 @@ from cachestore.codec.frame import MODE_BITS as BITS
 from cachestore.codec.layout import F16, PLAIN, Dims, Variant, groups, key_streams, split_layout
 from cachestore.codec.q8 import Q8_BLOCK, Q8_BYTES, q8_rows_into
 from cachestore.codec.quant import hadamard_cpu, rotate
-from cachestore.codec.rope import Rope, turn
+from cachestore.codec.rope import Rope, turn_into
 from cachestore.errors import CodecError
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
@@ -126,7 +126,7 @@ def _dequantize_split(mode: str, parts: list[torch.Tensor], dims: Dims, group: i
         codes = _raised_codes(sec["pk"], sec.get("pkt"), bits, n_layers, h * nk * gk * d, up_k).view(kshape)
     _affine_into(out[:, 0], codes, sec["sk"], sec["zk"], 2, False)
     if variant.unrope:  # the keys' RoPE, undone within the block, redone
-        out[:, 0] = turn(out[:, 0], Rope.from_section(sec["rope"]), 1)
+        turn_into(out[:, 0], Rope.from_section(sec["rope"]), 1)
     vshape = (n_layers, h, t, nv, gv)
     qv = _raised_codes(sec["pv"], sec.get("pvt"), bits, n_layers, h * t * nv * gv, up_v).view(vshape)
     if variant.sym_values:  # (code - mid) * scale: the affine map with zero point -mid * scale
