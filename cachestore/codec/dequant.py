@@ -131,6 +131,9 @@ def _dequantize_split(mode: str, parts: list[torch.Tensor], dims: Dims, group: i
     if variant.unrope:  # the keys' RoPE, undone within the block, redone
         turn_into(out[:, 0], Rope.from_section(sec["rope"]), 1)
     vshape = (n_layers, h, t, nv, gv)
+    if bits == 4 and not variant.sym_values and not variant.rot_values:
+        if _int4_layers_into(out[:, 1], sec["pv"], sec.get("pvt"), sec["sv"], sec["zv"], vshape, up_v):
+            return out
     qv = _raised_codes(sec["pv"], sec.get("pvt"), bits, n_layers, h * t * nv * gv, up_v).view(vshape)
     if variant.sym_values:  # (code - mid) * scale: the affine map with zero point -mid * scale
         scale = sec["sv"].float()
@@ -250,6 +253,28 @@ def _int4_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zer
     except RuntimeError:
         return False
     return kernels.int4_into(grouped, packed, scale, zero)
+
+
+def _int4_layers_into(out: torch.Tensor, packed: torch.Tensor, top: torch.Tensor | None, scale: torch.Tensor,
+                      zero: torch.Tensor, shape: tuple[int, ...], up: tuple[int, ...]) -> bool:
+    """`_affine_into` of a split frame's int4 values (`_raised_codes`: packed per layer, the layers `up` with a top
+    bit in `top`) a layer at a time: the kernel's one pass (`_int4_into`) for the 4-bit layers, torch for the others.
+    False where the kernel does not apply (nothing written, or every layer left to the caller to write)."""
+    layers, per_layer = shape[0], math.prod(shape[1:])
+    if per_layer % 2 or not kernels.enabled() or (up and top is None):
+        return False
+    flat, half, one = packed.reshape(-1), per_layer // 2, (1, *shape[1:])
+    for n in range(layers):
+        if n not in up and not _int4_into(out[n:n + 1], flat[n * half:(n + 1) * half], scale[n:n + 1],
+                                          zero[n:n + 1], one, 3):
+            return False
+    if up:
+        assert top is not None
+        tops = _layer_codes(top, 1, len(up), per_layer).view(len(up), per_layer)
+        for rank, n in enumerate(up):
+            q = unpack(flat[n * half:(n + 1) * half], 4, per_layer) | (tops[rank] << 4)
+            _affine_into(out[n:n + 1], q.view(one), scale[n:n + 1], zero[n:n + 1], 3, False)
+    return True
 
 
 def _grouped(out: torch.Tensor, shape: Sequence[int], dim: int) -> torch.Tensor:
