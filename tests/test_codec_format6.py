@@ -11,9 +11,9 @@ import torch
 
 from cachestore.codec import Codec
 from cachestore.codec.blockcodec import BlockCodecs
-from cachestore.codec.dequant import key_class_map
+from cachestore.codec.dequant import key_class_map, unpack
 from cachestore.codec.frame import HEADER_SIZE, KEY_CLASS_BITS, KEY_CLASSES, OUTLIER_KEYS, key_classes, parse_header
-from cachestore.codec.rope import ADJACENT, HALVES, Rope, turn
+from cachestore.codec.rope import ADJACENT, HALVES, Rope, turn, turn_into
 from cachestore.codec.spec import CodecSpec, recent_spec
 from cachestore.errors import CodecError, ConfigError
 from tests.support import check_layers_decode_apart, kv_sample, resealed
@@ -33,6 +33,26 @@ def _roped(kv: torch.Tensor, rope: Rope, start: int = 0) -> torch.Tensor:
     keys = torch.cat([torch.zeros_like(kv[:, 0, :, :1]).expand(-1, -1, start, -1), kv[:, 0]], 2)
     out[:, 0] = turn(keys, rope, 1)[:, :, start:]
     return out
+
+
+@pytest.mark.parametrize("pairing", [HALVES, ADJACENT])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_turning_in_place_writes_the_same_bits_as_turn(pairing: str, dtype: torch.dtype) -> None:
+    rope = _rope(64, pairing)
+    context = (torch.randn(2, 3, 200, 64, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
+    block = context[:, :, 64:128]  # a strided view, as a block of a context is
+    expected = turn(block, rope, 1).to(dtype)
+    before = context.clone()
+    turn_into(block, rope, 1)
+    assert torch.equal(block.view(torch.int16 if dtype == torch.float16 else torch.int32),
+                       expected.view(torch.int16 if dtype == torch.float16 else torch.int32))
+    assert torch.equal(context[:, :, :64], before[:, :, :64]) and torch.equal(context[:, :, 128:], before[:, :, 128:])
+
+
+def test_one_bit_fields_unpack_in_bit_order() -> None:
+    packed = torch.randint(0, 256, (1001,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    bits = ((packed.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(-1)
+    assert torch.equal(unpack(packed, 1, 8005), bits[:8005])
 
 
 @pytest.mark.parametrize("pairing", [HALVES, ADJACENT])

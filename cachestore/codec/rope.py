@@ -15,6 +15,7 @@ inverse frequencies of the pairs. The frame records both (`section`), so a decod
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from dataclasses import dataclass
@@ -65,18 +66,48 @@ class Rope:
 def turn(keys: torch.Tensor, rope: Rope, sign: int) -> torch.Tensor:
     """keys [..., tokens, head_dim] (token t at block position t) turned by sign * t * inv_freq per pair: -1 undoes
     RoPE relative to the first token, +1 redoes it. fp32, a new tensor."""
-    tokens, dim = keys.shape[-2], keys.shape[-1]
-    if dim != rope.head_dim:
-        raise CodecError(f"RoPE of head_dim {rope.head_dim} on keys of head_dim {dim}")
-    freq = torch.tensor(rope.inv_freq, dtype=torch.float64, device=keys.device)
-    angle = torch.arange(tokens, dtype=torch.float64, device=keys.device).unsqueeze(1) * freq  # [T, D/2]
-    cos, sin = angle.cos().float(), (angle.sin() * sign).float()
+    tokens, dim = _check(keys, rope)
+    cos, sin = _angles(rope, tokens, sign, keys.device)
     x = keys.float()
     if rope.pairing == HALVES:
         a, b = x[..., :dim // 2], x[..., dim // 2:]
         return torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
     a, b = x[..., 0::2], x[..., 1::2]
     return torch.stack([a * cos - b * sin, b * cos + a * sin], -1).flatten(-2)
+
+
+def turn_into(keys: torch.Tensor, rope: Rope, sign: int) -> None:
+    """`keys[...] = turn(keys, rope, sign)` (any float dtype, a strided view is fine), the same values, without the
+    stacked fp32 result and its copy: each half of the pairs is written straight into its channels of keys (a
+    decoded 8B-geometry block's keys: ~3x faster)."""
+    tokens, dim = _check(keys, rope)
+    cos, sin = _angles(rope, tokens, sign, keys.device)
+    if rope.pairing == HALVES:
+        first, second = keys[..., :dim // 2], keys[..., dim // 2:]
+    else:
+        first, second = keys[..., 0::2], keys[..., 1::2]
+    # each half read once into a dense fp32 tensor (fp32 keys: the views themselves; both halves are computed before
+    # either is written back)
+    a, b = first.float(), second.float()
+    lo = (a * cos).sub_(b * sin)
+    hi = (b * cos).add_(a * sin)
+    first.copy_(lo)
+    second.copy_(hi)
+
+
+def _check(keys: torch.Tensor, rope: Rope) -> tuple[int, int]:
+    tokens, dim = keys.shape[-2], keys.shape[-1]
+    if dim != rope.head_dim:
+        raise CodecError(f"RoPE of head_dim {rope.head_dim} on keys of head_dim {dim}")
+    return tokens, dim
+
+
+@functools.lru_cache(maxsize=64)
+def _angles(rope: Rope, tokens: int, sign: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sign * sin of t * inv_freq, fp32 [tokens, head_dim / 2], computed in fp64 (kept: they never change)."""
+    freq = torch.tensor(rope.inv_freq, dtype=torch.float64, device=device)
+    angle = torch.arange(tokens, dtype=torch.float64, device=device).unsqueeze(1) * freq  # [T, D/2]
+    return angle.cos().float(), (angle.sin() * sign).float()
 
 
 def pair_mean(x: torch.Tensor, pairing: str) -> torch.Tensor:
