@@ -110,16 +110,10 @@ class BlockWriter(StoreBase):
                 budget.account(pipe, self.keys.shard(shard), keys, self._index_ttl_ms, tenant,
                                [scores[at[k]] for k in keys],
                                [chain.facts[at[k]] for k in keys] if chain is not None else None, self.policy)
-        guarded = self.settings.budget_enabled and self.policy.chained and chain is not None and chain.parent
-        if guarded:
-            assert chain is not None and chain.parent is not None
-            pipe.exists(chain.parent[1])  # after the writes: a parent gone by now left them unreachable
+        # written even where the parent is gone from Redis (flushed, evicted by another writer): a pod that holds
+        # the parent in its own memory still reaches them, and a pod that writes the parent again joins them up
         self._counters.add("round_trips")
         results = await pipe.execute(raise_on_error=False)
-        if guarded and results[-1] == 0:  # another writer evicted the parent meanwhile: take them back
-            for shard, keys in by_shard.items():
-                await budget.unwrite(self._client, self.keys.shard(shard), keys, self._index_ttl_ms)
-            return 0
         written = errors = nbytes = 0
         for ((_, _), frame), ok in zip(items, results, strict=False):
             if ok is True:
