@@ -43,7 +43,7 @@ from cachestore.eviction import POLICIES, RANKS, Policy, now_ms, parse_facts
 from cachestore.keys import INDEX_KEYS, KeySpace, ShardKeys
 
 __all__ = ["ACCOUNT", "CHECK", "EVICT", "PEEK", "TOUCH", "DeadEntries", "EvictionResult", "account", "adopt",
-           "dead_entries", "evict", "held", "now_ms", "reconcile", "touch", "unwrite"]
+           "dead_entries", "evict", "held", "now_ms", "reconcile", "touch"]
 
 @dataclass(frozen=True)
 class EvictionResult:
@@ -253,13 +253,3 @@ async def dead_entries(client: Any, keys: KeySpace) -> DeadEntries:
             by_shard[index].append(key)
             nbytes += size
     return DeadEntries(sum(len(v) for v in by_shard.values()), nbytes, dict(by_shard))
-
-
-async def unwrite(client: Any, shard: ShardKeys, block_keys: Sequence[str], index_ttl_ms: int) -> None:
-    """Delete entries just written and drop them from the index (blocks whose parent went while they were written:
-    no lookup would reach them)."""
-    pipe = client.pipeline(transaction=False)
-    for key in block_keys:
-        pipe.execute_command("UNLINK", key)
-    pipe.execute_command("EVAL", CHECK, INDEX_KEYS + len(block_keys), *shard.all(), *block_keys, "0", index_ttl_ms)
-    await pipe.execute()
