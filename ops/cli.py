@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 # Modules of the top-level commands; bench commands live under `bench`.
 COMMANDS = ["ops.serve_cmd", "ops.sidecar_cmd", "ops.demo", "ops.admin"]
-# the commands that run a model in this process: their malloc is tuned for it (service/malloc.py)
+# the commands that run a model in this process: their malloc is tuned for it (service/runtime/malloc.py)
 MODEL_COMMANDS = {"serve", "sidecar", "bench"}
 BENCHES = [
     "ops.bench.codec",
@@ -62,7 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 kvgeom.geometry(args.model)  # an unknown kvgeom-* name: one line, before anything starts
         if args.command in MODEL_COMMANDS:
             from cachestore.codec import kernels  # noqa: PLC0415
-            from service import malloc, settings  # noqa: PLC0415
+            from service import settings  # noqa: PLC0415
+            from service.runtime import malloc  # noqa: PLC0415
 
             malloc.tune(settings.malloc_arenas())  # before any thread allocates
             kernels.configure()

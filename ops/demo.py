@@ -99,8 +99,8 @@ def run(args: argparse.Namespace) -> int:
     import httpx  # noqa: PLC0415
 
     from ops.chatclient import stream_chat  # noqa: PLC0415
+    from service.cache.partials import common_prefix  # noqa: PLC0415
     from service.engines import check_runtime  # noqa: PLC0415
-    from service.partials import common_prefix  # noqa: PLC0415
 
     check_runtime(args.engine)  # before any process starts: a missing runtime is one line, not four pod logs
     if not 1 <= args.turns <= len(QUESTIONS):

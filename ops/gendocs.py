@@ -2,7 +2,7 @@
 
 docs/configuration.md from the settings and the CLI parsers, docs/keys.md from cachestore/keys.py, docs/codec-spec.md
 from cachestore/codec/spec.py, the route
-reference of docs/api.md from service/openapi.py (ops/apipage.py), and the results page, its charts and the
+reference of docs/api.md from service/http/openapi.py (ops/apipage.py), and the results page, its charts and the
 README's hit table from docs/results/*.json (ops/resultspage.py), and the sizing table of docs/operations.md from
 docs/results/sizing.json (ops/sizingpage.py). `--check` writes nothing and exits 1 naming
 every file that differs from what it would write.

@@ -3,8 +3,8 @@ its prefill, and what the fetch plan decides from those two timings. Without a C
 
 Each context: one full prefill (the recompute, after a warm-up), then the pod's hit path three times over a private
 redis-server (lookup of the int8 blocks, rehydration, one forward step: ops/bench/resume.py's), then the fetch plan
-fed with that prefill rate and that read rate (service.fetchplan) for the whole history: it should fetch where the hit
-was the faster and recompute where it was not.
+fed with that prefill rate and that read rate (service.cache.fetchplan) for the whole history: it should fetch where
+the hit was the faster and recompute where it was not.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def decide(context: int, block_tokens: int, prefill_s: float, hit_s: float, nbyt
     """The fetch plan for a `context`-token history of `nbytes` in blocks of `block_tokens`, fed with one prefill of
     it (`prefill_s`) and one read of it (its hit, `hit_s`, an upper bound on the read), and whether it chose the
     faster of the two."""
-    from service.fetchplan import MIN_LINK_SAMPLES, RECOMPUTE_MARGIN, FetchPlanner  # noqa: PLC0415
+    from service.cache.fetchplan import MIN_LINK_SAMPLES, RECOMPUTE_MARGIN, FetchPlanner  # noqa: PLC0415
 
     blocks = context // block_tokens
     planner = FetchPlanner("auto", block_tokens, budget_s=60.0)
@@ -54,8 +54,8 @@ async def _check(device: str) -> list[dict[str, Any]]:
     from ops.bench.resume import _prompt_ids  # noqa: PLC0415
     from ops.bench.resumebench import ResumeBench  # noqa: PLC0415
     from ops.redisproc import RedisProcess  # noqa: PLC0415
-    from service import threads  # noqa: PLC0415
     from service.engines.hf.engine import HfEngine  # noqa: PLC0415
+    from service.runtime import threads  # noqa: PLC0415
 
     engine = threads.compute_executor().submit(HfEngine.load, "smollm2", device="cuda").result()
     print(f"gpu-check: {device}, smollm2 in {engine.loaded.dtype}", flush=True)

@@ -78,9 +78,9 @@ def run(args: argparse.Namespace) -> int:
     from cachestore.codec import CodecSpec  # noqa: PLC0415
     from cachestore.redisclient import check_connection  # noqa: PLC0415
     from cachestore.settings import StoreSettings  # noqa: PLC0415
-    from service import threads  # noqa: PLC0415
     from service.app import create_app, store_settings  # noqa: PLC0415
     from service.engines import load_engine  # noqa: PLC0415
+    from service.runtime import threads  # noqa: PLC0415
 
     settings = settings_from_args(args)
     CodecSpec.parse(settings.codec)  # fail fast with a clear message on a bad codec
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # the model loads before the port opens: a model the engine cannot serve (a missing or sliding-window GGUF,
     # another llama.cpp state layout) is one line and a non-zero exit, never a traceback from the lifespan
-    # (on the process's compute thread, the one thread that runs torch on every core: service.threads)
+    # (on the process's compute thread, the one thread that runs torch on every core: service.runtime.threads)
     threads.one_core()
     engine = threads.compute_executor(settings.threads).submit(
         load_engine, settings.engine, settings.model, device=settings.device, parallel=settings.parallel,

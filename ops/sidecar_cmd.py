@@ -111,10 +111,10 @@ class SidecarCollector:
 
 
 def sidecar_app(settings: Any, engine: Any) -> Any:
-    """The pod's app around `engine`, llama-server's API passed through (service.passthrough), with the sidecar's
-    counters on its /metrics."""
+    """The pod's app around `engine`, llama-server's API passed through (service.sidecar.passthrough), with the
+    sidecar's counters on its /metrics."""
     from service.app import create_app  # noqa: PLC0415
-    from service.passthrough import Passthrough  # noqa: PLC0415
+    from service.sidecar.passthrough import Passthrough  # noqa: PLC0415
 
     side = Passthrough(engine)
     app = create_app(settings, engine, api_routes=side.routes())

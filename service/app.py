@@ -22,14 +22,16 @@ from cachestore.codec.blockcodec import BlockCodecs
 from cachestore.errors import KvstashError
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
-from service import codecnames, completions, health, openapi, sessions_api, threads
+from service.cache import codecnames
+from service.cache.pipeline import Pipeline
+from service.cache.writer import BackgroundWriter
 from service.engines import Engine, load_engine
-from service.errors import EXCEPTION_HANDLERS
-from service.metrics import PodMetrics
-from service.pipeline import Pipeline
+from service.http import completions, health, openapi, sessions_api
+from service.http.errors import EXCEPTION_HANDLERS
+from service.runtime import threads
+from service.runtime.metrics import PodMetrics
 from service.settings import PodSettings
 from service.state import PodState
-from service.writer import BackgroundWriter
 
 if TYPE_CHECKING:
     from service.engines.hf.models import LoadedModel
@@ -144,12 +146,13 @@ def _as_engine(model: Engine | LoadedModel) -> Engine:
 def create_app(settings: PodSettings, engine: Engine | LoadedModel | None = None,
                api_routes: Sequence[BaseRoute] | None = None) -> Starlette:
     """The app; `engine` lets tests and benchmarks share one loaded model between several apps. `api_routes` replace
-    kvstash's completions and model list (the sidecar passes llama-server's API through: service.passthrough)."""
+    kvstash's completions and model list (the sidecar passes llama-server's API through:
+    service.sidecar.passthrough)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         own = engine is None  # an engine handed in belongs to the caller, who closes it
-        # torch on every core in one thread only, the compute thread (service.threads): the event loop's
+        # torch on every core in one thread only, the compute thread (service.runtime.threads): the event loop's
         # thread and the threads of asyncio.to_thread (encoding, copies) keep to one core
         threads.one_core()
         asyncio.get_running_loop().set_default_executor(threads.io_executor(IO_THREADS, "kvstash-io"))

@@ -12,9 +12,9 @@ from typing import Any
 from cachestore.errors import ConfigError
 from cachestore.keys import TENANT_PATTERN, TENANT_RE
 from cachestore.settings import StoreSettings, mask_url
+from service.cache.fetchplan import POLICIES as FETCH_POLICIES
 from service.engines import ENGINES
 from service.engines.llama.gguf import check_flash_attn
-from service.fetchplan import POLICIES as FETCH_POLICIES
 
 DEFAULT_TENANT = "default"
 
@@ -45,10 +45,10 @@ class PodSettings:
     write_wait_s: float | None = None  # a reply's last byte waits at most this long for its writes (None: the
     # Redis budget, redis_timeout_s); never when this request's read already found Redis failing
     local_tier_bytes: int = 64 << 20
-    fetch_policy: str = "auto"  # auto: read a hit only when that beats prefilling it (service/fetchplan.py); always
+    fetch_policy: str = "auto"  # auto: read a hit only when that beats prefilling it (service.cache.fetchplan); always
     link_bytes_s: float = 0.0  # the read bandwidth from Redis fetch_policy=auto assumes (bytes/s); 0 = measured
     prefill_tokens_s: float = 0.0  # the prefill rate fetch_policy=auto assumes (tokens/s); 0 = measured
-    memory_kv_bytes: int = 0  # > 0: the sticky-sessions baseline, KV kept in this pod's memory (service.memkv),
+    memory_kv_bytes: int = 0  # > 0: the sticky-sessions baseline, KV kept in this pod's memory (service.cache.memkv),
     # no Redis; needs the cache disabled
     max_queue: int = 8  # requests admitted (running + waiting) before 503
     write_queue: int = 64  # background writes waiting before new ones are dropped
@@ -279,7 +279,7 @@ def _env_value(env: Mapping[str, str], var: str, cast: Any) -> Any:
         raise ConfigError(f"{var} must be {'an' if name[0] in 'aeiou' else 'a'} {name}, got {raw!r}") from exc
 
 
-MALLOC_ARENAS = 1  # service/malloc.py: one glibc arena, memory kept mapped between hits
+MALLOC_ARENAS = 1  # service/runtime/malloc.py: one glibc arena, memory kept mapped between hits
 
 
 def hub_offline() -> None:
@@ -289,7 +289,7 @@ def hub_offline() -> None:
 
 
 def malloc_arenas(environ: Mapping[str, str] | None = None) -> int:
-    """KVSTASH_MALLOC_ARENAS: glibc malloc arenas of a kvstash process (service/malloc.py); 0 leaves glibc's
+    """KVSTASH_MALLOC_ARENAS: glibc malloc arenas of a kvstash process (service/runtime/malloc.py); 0 leaves glibc's
     defaults. Read by the command line before anything else runs, so not a PodSettings field."""
     value = _env_value(os.environ if environ is None else environ, "KVSTASH_MALLOC_ARENAS", int)
     if value is None:

@@ -6,12 +6,12 @@ import time
 from dataclasses import dataclass, field
 
 from cachestore.store import BlockStore
-from service.admission import Admission
+from service.cache.pipeline import Pipeline
+from service.cache.writer import BackgroundWriter
 from service.engines import Engine
-from service.metrics import PodMetrics
-from service.pipeline import Pipeline
+from service.http.admission import Admission
+from service.runtime.metrics import PodMetrics
 from service.settings import PodSettings
-from service.writer import BackgroundWriter
 
 
 @dataclass

@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 from cachestore.store import BlockStore
 from ops.redisproc import RedisProcess
 from service.app import store_settings
+from service.cache.pipeline import Pipeline
 from service.engines.llama.lending import LendsStates
-from service.metrics import PodMetrics
-from service.pipeline import Pipeline
+from service.runtime.metrics import PodMetrics
 from service.settings import PodSettings
 
 

@@ -189,9 +189,9 @@ def as_retired(frame: bytes) -> bytes:
 
 def check_gate_refuses_others(mine: str, others: Iterable[str], shape: tuple[int, ...]) -> None:
     """A pod whose codec is `mine` passes its own frame of KV `shape` and refuses, for their codec, those of each of
-    `others` before decoding them (`service.framegate`)."""
+    `others` before decoding them (`service.cache.framegate`)."""
     from cachestore.codec import Codec  # noqa: PLC0415
-    from service.framegate import frame_problem  # noqa: PLC0415
+    from service.cache.framegate import frame_problem  # noqa: PLC0415
 
     kv = kv_sample(shape, torch.float32)
     codec = Codec(mine)

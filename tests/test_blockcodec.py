@@ -50,7 +50,7 @@ def test_pod_stores_block_zero_as_int8_and_hits(redis_server: RedisProcess, tiny
 def test_a_rotated_frame_under_a_plain_key_is_refused() -> None:
     import torch  # noqa: PLC0415
 
-    from service.framegate import frame_problem  # noqa: PLC0415
+    from service.cache.framegate import frame_problem  # noqa: PLC0415
 
     kv = torch.randn(2, 2, 2, 16, 64)  # [L, 2, H, T, D]
     plain, rotated = Codec("int4/plain"), Codec("int4/rotv")

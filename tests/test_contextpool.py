@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from service.contextpool import ROUND_TOKENS, ContextPool
+from service.runtime.contextpool import ROUND_TOKENS, ContextPool
 
 
 def test_buffers_are_reused_and_bounded() -> None:

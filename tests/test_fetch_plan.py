@@ -9,7 +9,7 @@ from starlette.testclient import TestClient
 
 from cachestore.errors import ConfigError
 from ops.redisproc import RedisProcess
-from service.fetchplan import MIN_LINK_SAMPLES, RECOMPUTE_MARGIN, REPROBE_S, FetchPlanner
+from service.cache.fetchplan import MIN_LINK_SAMPLES, RECOMPUTE_MARGIN, REPROBE_S, FetchPlanner
 from service.settings import PodSettings, settings_from_env
 from tests.faultkit import QUESTIONS, SYSTEM, chat, metric, pod_client, reference_reply, reply_of, wait_written
 from tests.linkproxy import ThrottledLink

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from cachestore.errors import ConfigError
-from service import threads
 from service.engines import GenParams, load_engine
 from service.engines.hf import hfcache
 from service.engines.hf.batch import PREFILL_CHUNK
 from service.engines.hf.engine import HfEngine
+from service.runtime import threads
 from service.settings import PodSettings
 
 GREEDY = GenParams(max_tokens=20)

@@ -17,6 +17,7 @@ from cachestore.errors import ConfigError
 from cachestore.store import BlockStore
 from ops.redisproc import RedisProcess
 from service.app import store_settings
+from service.cache.pipeline import Pipeline
 from service.engines import GenParams, load_engine
 from service.engines.ggufpath import smollm2_gguf
 from service.engines.llama.llamacpp import LlamaCppEngine
@@ -30,8 +31,7 @@ from service.engines.llama.llamastate import (
 )
 from service.engines.llama.scheduler import N_BATCH, prefill_chunk
 from service.engines.llama.statewrite import assemble_state
-from service.metrics import PodMetrics
-from service.pipeline import Pipeline
+from service.runtime.metrics import PodMetrics
 from service.settings import PodSettings, settings_from_env
 from tests.lentpod import rows_pod
 

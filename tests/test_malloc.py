@@ -1,4 +1,4 @@
-"""A pod's memory stays mapped between hits (service/malloc.py): one glibc arena, freed memory kept."""
+"""A pod's memory stays mapped between hits (service/runtime/malloc.py): one glibc arena, freed memory kept."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 HITS = textwrap.dedent("""
     import resource, sys
     from concurrent.futures import ThreadPoolExecutor
-    from service import malloc
+    from service.runtime import malloc
     tuned = malloc.tune(int(sys.argv[1]))
     readers = ThreadPoolExecutor(8)
     faults = []

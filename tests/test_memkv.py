@@ -12,7 +12,7 @@ import torch
 from cachestore.errors import ConfigError
 from ops.chatclient import stream_chat
 from ops.pods import PodProcess
-from service.memkv import MemoryKV
+from service.cache.memkv import MemoryKV
 from service.settings import PodSettings, settings_from_env
 from tests.support import running
 

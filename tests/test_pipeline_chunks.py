@@ -8,14 +8,14 @@ from cachestore.codec import Codec
 from cachestore.store import BlockStore
 from cachestore.tails import unpack_tail
 from ops.redisproc import RedisProcess
-from service import lookup as lookup_module
 from service.app import store_settings
+from service.cache import lookup as lookup_module
+from service.cache.pipeline import Pipeline
+from service.cache.writer import BackgroundWriter
 from service.engines import GenParams
 from service.engines.hf.engine import HfEngine
-from service.metrics import PodMetrics
-from service.pipeline import Pipeline
+from service.runtime.metrics import PodMetrics
 from service.settings import PodSettings
-from service.writer import BackgroundWriter
 
 SALT = b"chunks"
 

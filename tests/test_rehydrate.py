@@ -11,13 +11,13 @@ import torch
 from cachestore.codec import Codec, kernels
 from cachestore.codec import attend as in_codes
 from cachestore.errors import CodecError
+from service.cache.lookup import chunk_plan
+from service.cache.rehydrate import Rehydration
 from service.engines import GenParams
 from service.engines.gate import LayerGate
 from service.engines.generation import Generation
 from service.engines.hf.engine import HfEngine
 from service.engines.hf.hfcache import ATTEND_MAX_NEW
-from service.lookup import chunk_plan
-from service.rehydrate import Rehydration
 
 MODES = ["exact", "fp16", "int8", "int4", "int2", "int4/rotv", "int2+zstd", "int4/g32/clip", "fp16+zstd",
          "q8", "int2+zstd/rotv/clip/outk/symv/s8", "int4/outk/s8"]

@@ -26,12 +26,12 @@ from ops.llamaserver_build import binary_path
 from ops.redisproc import RedisProcess
 from ops.sidecar_cmd import sidecar_app
 from ops.sidecarproc import SidecarProcess
+from service.cache.pipeline import Pipeline
 from service.engines import GenParams
 from service.engines.llama import slotfile
 from service.engines.llama.llamaserver import LlamaServerEngine
 from service.engines.llama.llamaserverproc import LlamaServerProcess, wait_healthy
 from service.engines.llama.models import resolve_gguf
-from service.pipeline import Pipeline
 from service.settings import PodSettings
 from tests.lentpod import rows_pod
 from tests.support import running, settle

@@ -1,4 +1,4 @@
-"""One thread runs torch on several cores; every other pod thread keeps to one (service.threads)."""
+"""One thread runs torch on several cores; every other pod thread keeps to one (service.runtime.threads)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from service import threads
+from service.runtime import threads
 
 
 def test_io_threads_keep_to_one_core_and_the_compute_thread_uses_all() -> None:

@@ -26,7 +26,7 @@ from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
 from cachestore.wire import native as native_wire
 from ops.redisproc import RedisProcess
-from service.rehydrate import Rehydration
+from service.cache.rehydrate import Rehydration
 
 MODES = ["exact", "fp16", "int8", "int4+none", "int2+none", "int4+none/rotv", "int2+none/g8"]
 

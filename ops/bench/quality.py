@@ -191,7 +191,7 @@ def _measure(args: argparse.Namespace, scorer: Scorer, text: str) -> tuple[list[
     import torch  # noqa: PLC0415
 
     from cachestore.codec.blockcodec import BlockCodecs  # noqa: PLC0415
-    from service.partials import common_prefix  # noqa: PLC0415
+    from service.cache.partials import common_prefix  # noqa: PLC0415
 
     ids = scorer.text_ids(text)
     n, m = args.prefix, args.continuation
@@ -305,7 +305,7 @@ def set_sizes(rows: list[dict[str, Any]], sizes: dict[str, tuple[float, float]],
 def run(args: argparse.Namespace) -> int:
     if args.merge and (args.json is None or not args.json.is_file()):
         raise SystemExit("--merge adds to an existing --json file; name one")
-    from service.codecnames import written_out  # noqa: PLC0415
+    from service.cache.codecnames import written_out  # noqa: PLC0415
 
     before = machine()
     chosen = texts.resolve(args.text or ["held-out"])

@@ -50,7 +50,7 @@ def raw_get(raw: Any, keys: list[str]) -> list[Any]:
     """Plain GETs of `keys` on a blocking redis-py client, in the pod's chunks (`chunk_plan`): the least a read of
     those bytes costs here (one pipeline of them all is slower: 116-192 ms against 72-75 ms for 97 MB in 127
     values, because both ends buffer the whole reply)."""
-    from service.lookup import chunk_plan  # noqa: PLC0415
+    from service.cache.lookup import chunk_plan  # noqa: PLC0415
 
     got: list[Any] = []
     for chunk in chunk_plan(len(keys)):

@@ -129,8 +129,8 @@ def _targets(rows: list[dict[str, Any]], engine: str) -> dict[str, Any]:
 
 
 async def _measure(args: argparse.Namespace, url: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    from service import threads  # noqa: PLC0415
     from service.engines import load_engine  # noqa: PLC0415
+    from service.runtime import threads  # noqa: PLC0415
 
     threads.one_core()  # this thread runs the event loop, as in a pod; models run on the compute thread
     contexts = [int(c) for c in args.contexts.split(",") if c.strip()] + ([LONG_CONTEXT] if args.long else [])

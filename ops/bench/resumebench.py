@@ -42,11 +42,12 @@ class ResumeBench:
         self._specs: dict[str, str] = {}  # int4, int2: what a pod of this model serves them as
 
     def compute(self, fn: Any, *args: Any) -> Any:
-        """Run `fn` where a pod calls its engine (service.threads): an engine that runs torch on the process's compute
-        thread, any other (llama.cpp, which computes on a thread of its own) on a thread that keeps torch to one core,
-        as a pod's request threads do. The recompute, floor and naive methods get the cores exactly as the pod's hit
-        path does (the floor of a q8 hit assembles a q8_0 state with torch, which a pod does on one core)."""
-        from service import threads  # noqa: PLC0415
+        """Run `fn` where a pod calls its engine (service.runtime.threads): an engine that runs torch on the
+        process's compute thread, any other (llama.cpp, which computes on a thread of its own) on a thread that keeps
+        torch to one core, as a pod's request threads do. The recompute, floor and naive methods get the cores exactly
+        as the pod's hit path does (the floor of a q8 hit assembles a q8_0 state with torch, which a pod does on one
+        core)."""
+        from service.runtime import threads  # noqa: PLC0415
 
         if self.engine.runs_torch:
             return threads.compute_executor().submit(fn, *args).result()
@@ -77,9 +78,9 @@ class ResumeBench:
         Redis budget generous enough to time a cold 8k fp16 fetch instead of bypassing it. Emptied after."""
         from cachestore.store import BlockStore  # noqa: PLC0415
         from service.app import store_settings  # noqa: PLC0415
-        from service.codecnames import written_out  # noqa: PLC0415
-        from service.metrics import PodMetrics  # noqa: PLC0415
-        from service.pipeline import Pipeline  # noqa: PLC0415
+        from service.cache.codecnames import written_out  # noqa: PLC0415
+        from service.cache.pipeline import Pipeline  # noqa: PLC0415
+        from service.runtime.metrics import PodMetrics  # noqa: PLC0415
         from service.settings import PodSettings  # noqa: PLC0415
 
         if mode not in self._specs:  # a name (int4, int2) as this model's pod serves it; a spec as itself
@@ -187,7 +188,7 @@ class ResumeBench:
         """len(prompts) sessions that another pod processed arrive on this pod at the same moment: each one's
         TTFT counted from that moment, for recomputing them all and for kvstash's hits (queueing included:
         an hf pod prefills one prompt at a time and decodes them together, a llama.cpp pod batches both)."""
-        from service.cacheview import CacheView  # noqa: PLC0415
+        from service.cache.cacheview import CacheView  # noqa: PLC0415
         from service.engines import GenParams  # noqa: PLC0415
 
         async def together(pipeline: Any, cached: bool) -> tuple[list[float], list[Any]]:
@@ -326,9 +327,9 @@ class ResumeBench:
         it is all in place (the floor's step), and the floor's raw GETs of the same frames."""
         import torch  # noqa: PLC0415
 
+        from service.cache.lookup import chunk_plan  # noqa: PLC0415
+        from service.cache.rehydrate import Rehydration  # noqa: PLC0415
         from service.engines.hf import hfcache  # noqa: PLC0415
-        from service.lookup import chunk_plan  # noqa: PLC0415
-        from service.rehydrate import Rehydration  # noqa: PLC0415
 
         context, b = len(prompt) - 1, self.args.block_tokens
         names = ("fetch", "verify", "hand_over", "cache_build", "forward_layerwise", "forward_in_memory", "raw_get")

@@ -54,7 +54,7 @@ def measure(model: str, codecs: list[str], tokens: int, block_tokens: int) -> li
     the model's own codec plan has it, as a pod serves it; bytes are of the full blocks after block 0 (the sink block,
     one a chain, keeps int8 under 4- and 2-bit codecs), what a long conversation's blocks take."""
     from cachestore.codec import BlockCodecs  # noqa: PLC0415
-    from service.codecnames import written_out  # noqa: PLC0415
+    from service.cache.codecnames import written_out  # noqa: PLC0415
     from service.engines import kvgeom  # noqa: PLC0415
 
     shape = kvgeom.geometry(model)

@@ -85,7 +85,7 @@ class Engine(ABC):
     runs_torch: bool = False  # `generate` runs torch on the calling thread: the pod calls it on its compute thread
     kv_layout: KvLayout = KvLayout()
     # sliding-window or recurrent layers beside the full-attention ones: the engine resumes only at a boundary record
-    # (`generate`'s `boundary`, `Generation.boundaries`; service.boundarylookup)
+    # (`generate`'s `boundary`, `Generation.boundaries`; service.cache.boundarylookup)
     boundary_records: bool = False
 
     @abstractmethod

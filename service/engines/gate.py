@@ -2,7 +2,7 @@
 
 A lookup hands the engine a `LayerGate` with the cached KV: an engine that runs layer by layer waits on it per layer
 (and may have a layer filled or attended over its landed codes instead), any other engine for all of them. The
-producer (service.rehydrate) releases layers as they land, or hands its remaining work over to whoever waits.
+producer (service.cache.rehydrate) releases layers as they land, or hands its remaining work over to whoever waits.
 """
 
 from __future__ import annotations

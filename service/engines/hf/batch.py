@@ -7,8 +7,8 @@ each one's next token from its row; then it feeds one prefilling sequence the ne
 never by its whole prefill. The sequence fed is the one with the fewest prompt tokens left: a hit's few uncached
 tokens go in at the next step, never behind a miss's whole prefill. A sequence whose prompt is in samples its first
 token and joins the batch; a finished one leaves at once and a waiting one takes its place, up to `parallel` at a
-time. The scheduler runs on the process's compute thread (service.threads) while it has work and gives the thread
-back when idle. A request of several choices (`n` > 1), or a model whose attention is not routed through hfcache,
+time. The scheduler runs on the process's compute thread (service.runtime.threads) while it has work and gives the
+thread back when idle. A request of several choices (`n` > 1), or a model whose attention is not routed through hfcache,
 runs alone between steps (`ModelRunner.generate`).
 """
 
@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
-from service import threads
 from service.engines.base import PrefillHook
 from service.engines.gate import LayerGate
 from service.engines.generation import Generation, GenParams
 from service.engines.hf import hfcache
 from service.engines.hf.runner import Live, ModelRunner
+from service.runtime import threads
 
 log = logging.getLogger("kvstash.hf")
 

@@ -27,11 +27,11 @@ import torch
 
 from cachestore.codec.rope import Rope
 from cachestore.wire import Target
-from service.contextpool import IdlePool
 from service.engines.base import Engine, KvGeometry, KvLayout
 from service.engines.llama import llamastate, statewrite
 from service.engines.llama.statelayout import ModelLayout
 from service.engines.llama.targets import row_targets
+from service.runtime.contextpool import IdlePool
 
 STATE_ROUND_BYTES = 4 << 20  # pooled state buffers are rounded up so that one also fits later, longer states
 

@@ -32,7 +32,6 @@ import torch
 
 from cachestore.errors import ConfigError
 from cachestore.hashing import ModelFingerprint
-from service import threads as torch_threads
 from service.engines import LLAMACPP_MISSING
 from service.engines.base import KvGeometry, PrefillHook
 from service.engines.chat import chat_token_ids, remap_known
@@ -54,6 +53,7 @@ from service.engines.llama.scheduler import N_BATCH, SeqRequest, StreamClosedErr
 from service.engines.llama.vocab import Vocab, quiet_logs
 from service.engines.sampling import Sampler
 from service.engines.tools import for_template
+from service.runtime import threads as torch_threads
 
 log = logging.getLogger("kvstash.llamacpp")
 
@@ -71,7 +71,7 @@ class LlamaCppEngine(ModelProbe, LendsStates):
                  flash_attn: str = "auto") -> None:
         # llama.cpp runs its own OpenMP team on the scheduler thread: torch work on the thread that loads (and
         # probes) the engine keeps to one core, or libgomp, with more threads than cores, parks its workers
-        # between regions and every decode step pays the wake-ups (service.threads)
+        # between regions and every decode step pays the wake-ups (service.runtime.threads)
         torch_threads.one_core()
         try:
             import llama_cpp  # noqa: PLC0415

@@ -30,12 +30,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from service import threads as torch_threads
-from service.contextpool import IdlePool
 from service.engines.base import PrefillHook
 from service.engines.generation import GenParams, TextStream
 from service.engines.llama import llamastate
 from service.engines.sampling import Sampler
+from service.runtime import threads as torch_threads
+from service.runtime.contextpool import IdlePool
 
 log = logging.getLogger("kvstash.llamacpp")
 
@@ -116,7 +116,7 @@ class Scheduler:
 
     def _run(self) -> None:
         # llama.cpp's OpenMP team runs on this thread: torch here (sampling, a q8_0 state parsed for an early write)
-        # keeps to one core, or libgomp parks its workers between regions (service.threads)
+        # keeps to one core, or libgomp parks its workers between regions (service.runtime.threads)
         torch_threads.one_core()
         while not self._closed.is_set():
             self._admit()

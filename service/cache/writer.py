@@ -18,8 +18,8 @@ from cachestore.outcome import Outcome, Result
 from cachestore.sessions import SessionRecord
 from cachestore.store import BlockStore
 from cachestore.tails import pack_tail
-from service.boundaries import RecordWrite
-from service.metrics import PodMetrics
+from service.cache.boundaries import RecordWrite
+from service.runtime.metrics import PodMetrics
 
 log = logging.getLogger("kvstash.writer")
 

@@ -15,7 +15,7 @@ from service.engines import GenParams
 from service.engines.generation import ParamError, ResponseFormat
 from service.engines.guides import llg_grammar, schema_text
 from service.engines.tools import call_schema
-from service.errors import ApiError, bad_request
+from service.http.errors import ApiError, bad_request
 
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20  # chat (OpenAI's bound)

@@ -1,10 +1,11 @@
 """Lookup: what the cache holds for a prompt, read from Redis in pipelined chunks while it is dequantized.
 
-`Lookup` is the interface the request path uses (`RedisLookup` here; the sticky baseline of service.sticky behind
-the same one). A lookup plans how many blocks to read (service.fetchplan), reads them on a reader thread
-(`_read_blocks`) into the places service.placement gives, verifies them through the one gate (service.framegate),
-dequantizes them (service.rehydrate) and extends the hit with a tail or the session's partial block
-(service.partials). Redis failing or out of time is a "bypass": the pod recomputes.
+`Lookup` is the interface the request path uses (`RedisLookup` here; the sticky baseline of service.cache.sticky behind
+the same one). A lookup plans how many blocks to read (service.cache.fetchplan), reads them on a reader thread
+(`_read_blocks`) into the places service.cache.placement gives, verifies them through the one gate
+(service.cache.framegate),
+dequantizes them (service.cache.rehydrate) and extends the hit with a tail or the session's partial block
+(service.cache.partials). Redis failing or out of time is a "bypass": the pod recomputes.
 """
 
 from __future__ import annotations
@@ -23,16 +24,16 @@ from cachestore.sessions import SessionRecord
 from cachestore.store import BlockStore
 from cachestore.tails import reply_digest
 from cachestore.wire import Target
-from service import threads
-from service.cacheview import CacheView, bypass
-from service.chain import Chain
+from service.cache.cacheview import CacheView, bypass
+from service.cache.chain import Chain
+from service.cache.fetchplan import FetchPlanner
+from service.cache.framegate import FrameGate
+from service.cache.partials import Partials
+from service.cache.placement import Placement
+from service.cache.rehydrate import Rehydration
 from service.engines import Engine, Generation
-from service.fetchplan import FetchPlanner
-from service.framegate import FrameGate
-from service.metrics import PodMetrics
-from service.partials import Partials
-from service.placement import Placement
-from service.rehydrate import Rehydration
+from service.runtime import threads
+from service.runtime.metrics import PodMetrics
 from service.settings import PodSettings
 
 log = logging.getLogger("kvstash.lookup")
@@ -144,7 +145,7 @@ class RedisLookup:
         A reader thread reads the blocks in pipelined chunks (`chunk_plan`), back to back on a blocking client
         (it moves large values with far less CPU than the event loop). For a
         layer-by-layer engine the frames land in one pooled buffer and the reader verifies each chunk itself; the
-        forward step dequantizes a layer of every block at a time from there (service.rehydrate).
+        forward step dequantizes a layer of every block at a time from there (service.cache.rehydrate).
         For any other engine they land likewise, and a `Rehydration` thread verifies and dequantizes each chunk
         as it arrives, straight into one preallocated context. Token-row frames for llama.cpp are received into
         the rows of the sequence state it lent, checksummed as they arrive, and the reader verifies each chunk:

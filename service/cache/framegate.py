@@ -21,7 +21,7 @@ from cachestore.errors import CodecError, RetiredFrame
 from cachestore.tails import unpack_ids, unpack_tail
 from cachestore.wire import Scatter, Target
 from service.engines import Engine
-from service.metrics import PodMetrics
+from service.runtime.metrics import PodMetrics
 
 log = logging.getLogger("kvstash.gate")
 
@@ -89,7 +89,7 @@ class FrameGate:
 
     def open_block(self, frame: bytes | Target, index: int) -> OpenFrame | None:
         """Block `index`'s frame verified and decompressed, or None (counted) if it is not what this pod
-        would have written. A frame received as a `Scatter` (service.placement) is verified where its rows lie."""
+        would have written. A frame received as a `Scatter` (service.cache.placement) is verified where its rows lie."""
         codec = self.codecs.at(index)
         if isinstance(frame, Scatter):
             return self._open_placed(frame, index)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from service.errors import overloaded
-from service.metrics import PodMetrics
+from service.http.errors import overloaded
+from service.runtime.metrics import PodMetrics
 
 
 class Admission:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from service.errors import ApiError
+from service.http.errors import ApiError
 from service.settings import DEFAULT_TENANT, PodSettings
 
 

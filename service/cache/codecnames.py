@@ -20,9 +20,9 @@ from cachestore.codecplans import Agreed, agree
 from cachestore.keys import KeySpace
 from cachestore.redisclient import make_client
 from cachestore.settings import StoreSettings
-from service import threads
 from service.engines import Engine
 from service.engines.generation import GenParams
+from service.runtime import threads
 from service.settings import PodSettings
 
 log = logging.getLogger(__name__)

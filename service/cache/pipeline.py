@@ -1,9 +1,9 @@
 """The request path of a pod, composed: look up what the cache holds, generate on the engine, write back.
 
-One `Pipeline` per pod wires the pieces, each a module of its own: the hash chain (service.chain), the gate for
-untrusted bytes (service.framegate), where a hit's bytes go (service.placement), the lookup (service.lookup, or the
-sticky baseline of service.sticky behind the same interface) and the write-back (service.writeback). It owns the
-inference threads; admission is the HTTP layer's (service.admission).
+One `Pipeline` per pod wires the pieces, each a module of its own in service/cache/: the hash chain (chain), the gate
+for untrusted bytes (framegate), where a hit's bytes go (placement), the lookup (lookup, or the sticky baseline of
+sticky behind the same interface) and the write-back (writeback). It owns the inference threads; admission is the
+HTTP layer's (service.http.admission).
 """
 
 from __future__ import annotations
@@ -22,20 +22,20 @@ from cachestore.hashing import BlockHash
 from cachestore.sessions import SessionRecord
 from cachestore.store import BlockStore
 from cachestore.wire import Target
-from service import threads
-from service.boundarylookup import BoundaryLookup
-from service.cacheview import CacheView
-from service.chain import Chain
+from service.cache.boundarylookup import BoundaryLookup
+from service.cache.cacheview import CacheView
+from service.cache.chain import Chain
+from service.cache.fetchplan import FetchPlanner
+from service.cache.framegate import FrameGate
+from service.cache.lookup import Lookup, RedisLookup, publish_estimates
+from service.cache.placement import Placement
+from service.cache.sticky import StickyLookup
+from service.cache.writeback import WriteBack
+from service.cache.writer import BackgroundWriter
 from service.engines import Engine, Generation, GenParams
-from service.fetchplan import FetchPlanner
-from service.framegate import FrameGate
-from service.lookup import Lookup, RedisLookup, publish_estimates
-from service.metrics import PodMetrics
-from service.placement import Placement
+from service.runtime import threads
+from service.runtime.metrics import PodMetrics
 from service.settings import PodSettings
-from service.sticky import StickyLookup
-from service.writeback import WriteBack
-from service.writer import BackgroundWriter
 
 
 class Pipeline:
@@ -66,7 +66,8 @@ class Pipeline:
         self.model_key = self.fingerprint.short()
         self.chain = Chain(self.fingerprint, settings.block_tokens)
         # as many generations in flight as the engine runs at once (1 for hf; llama.cpp batches them)
-        # An engine that runs torch on the calling thread gets the process's one compute thread (service.threads);
+        # An engine that runs torch on the calling thread gets the process's one compute thread
+        # (service.runtime.threads);
         # llama.cpp computes on its own scheduler thread, and these threads only hand requests over.
         self._own_executor = not engine.runs_torch
         self._executor = (threads.io_executor(engine.parallel, "kvstash-infer") if self._own_executor
@@ -76,7 +77,7 @@ class Pipeline:
         signed = self.store is not None and self.store.signer is not None
         self.gate = FrameGate(self.codecs, block_shape, geo.dtype, metrics, engine, mac_verified=signed)
         self.placement = Placement(engine, self.codecs, settings.block_tokens, settings.max_tokens_limit, signed)
-        # fetch or recompute: a hit is read only while reading a block beats prefilling it (service.fetchplan)
+        # fetch or recompute: a hit is read only while reading a block beats prefilling it (service.cache.fetchplan)
         self.planner = FetchPlanner(settings.fetch_policy, settings.block_tokens, settings.redis_timeout_s,
                                     link_bytes_s=settings.link_bytes_s, prefill_tokens_s=settings.prefill_tokens_s)
         publish_estimates(self.planner, metrics)
@@ -88,7 +89,7 @@ class Pipeline:
                               "recurrent layers")
         self.cache: Lookup = (
             StickyLookup(settings.memory_kv_bytes, engine, self.placement, metrics) if settings.memory_kv_bytes
-            # sliding-window and hybrid models resume at boundary records (service.boundarylookup)
+            # sliding-window and hybrid models resume at boundary records (service.cache.boundarylookup)
             else BoundaryLookup(settings, engine, self.store, self.chain, self.model_key, self.gate, redis, metrics)
             if engine.boundary_records and self.store is not None else redis)
         self.writes = WriteBack(settings, engine, self.store, writer, self.chain, self.model_key, metrics)

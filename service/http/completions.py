@@ -8,12 +8,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from service.engines.generation import ParamError
-from service.errors import bad_request
-from service.params import IN_PROCESS, check_engine
-from service.requests import parse_completion, read_json
-from service.respond import check_context, check_model, pod, ready_pipeline, run_admitted
-from service.tenancy import resolve_tenant
-from service.turn import SessionTurn, Turn
+from service.http.errors import bad_request
+from service.http.params import IN_PROCESS, check_engine
+from service.http.requests import parse_completion, read_json
+from service.http.respond import check_context, check_model, pod, ready_pipeline, run_admitted
+from service.http.tenancy import resolve_tenant
+from service.http.turn import SessionTurn, Turn
 
 
 async def _completion(request: Request, chat: bool) -> Response:

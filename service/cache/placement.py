@@ -2,7 +2,7 @@
 
 Frames stored plainly (int8, fp16 and exact under lz4 or none) are received into one pooled buffer, one slot per
 block (one copy on the wire, cachestore.wire); a layer-by-layer engine dequantizes them from there a layer at a
-time (service.rehydrate). Token-row frames for a context an engine lent (a llama.cpp sequence state) are received
+time (service.cache.rehydrate). Token-row frames for a context an engine lent (a llama.cpp sequence state) are received
 straight into that state's rows instead: nothing is left to dequantize.
 """
 
@@ -14,8 +14,8 @@ import torch
 
 from cachestore.codec.blockcodec import BlockCodecs
 from cachestore.wire import Target
-from service.contextpool import ContextPool, LandingPool
 from service.engines import Engine
+from service.runtime.contextpool import ContextPool, LandingPool
 
 LANDING_ALIGN = 64  # each frame's slot in a lookup's landing starts on a cache line
 # compressors under which frames are mostly stored plainly (lz4 gains nothing on quantized KV), so their length is

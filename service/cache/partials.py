@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from cachestore.sessions import SessionRecord
-from service.cacheview import CacheView
-from service.framegate import FrameGate
-from service.metrics import PodMetrics
+from service.cache.cacheview import CacheView
+from service.cache.framegate import FrameGate
+from service.runtime.metrics import PodMetrics
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -1,7 +1,7 @@
 """One admitted generation, start to finish: admission, cache lookup, generation, the reply (JSON or SSE), write-back.
 
 Every completion route (chat, text, server-side sessions) parses its request, then hands this module a `Turn`
-(service.turn): the story from route to engine to store reads in one place, and what the write-back did comes back
+(service.http.turn): the story from route to engine to store reads in one place, and what the write-back did comes back
 as an outcome that this module turns into the client's status.
 """
 
@@ -20,15 +20,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cachestore.outcome import Outcome
 from cachestore.sessions import SessionRecord
-from service.cacheview import CacheView
+from service.cache.cacheview import CacheView
+from service.cache.pipeline import Pipeline
 from service.engines import Generation, GenParams
 from service.engines.generation import Choice, ParamError, TokenLogprob
 from service.engines.tools import parse_calls
-from service.errors import ApiError, bad_request, error_body, redis_unavailable, session_conflict
-from service.params import ToolSpec
-from service.pipeline import Pipeline
+from service.http.errors import ApiError, bad_request, error_body, redis_unavailable, session_conflict
+from service.http.params import ToolSpec
+from service.http.turn import Turn
 from service.state import PodState
-from service.turn import Turn
 
 
 class StreamClosed(Exception):

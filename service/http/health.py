@@ -8,7 +8,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from service.respond import pod
+from service.http.respond import pod
 
 
 async def healthz(request: Request) -> Response:

@@ -23,17 +23,17 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from service.admission import Admission
-from service.cacheview import CacheView
+from service.cache.cacheview import CacheView
+from service.cache.pipeline import Pipeline
 from service.engines import Generation
 from service.engines.llama import llamaserverinput as inputs
 from service.engines.llama.llamaserver import LlamaServerEngine
 from service.engines.llama.slots import SlotLease
-from service.errors import ApiError
-from service.pipeline import Pipeline
-from service.requests import _read_body, read_json
-from service.respond import cache_headers, pod, ready_pipeline
-from service.tenancy import resolve_tenant
+from service.http.admission import Admission
+from service.http.errors import ApiError
+from service.http.requests import _read_body, read_json
+from service.http.respond import cache_headers, pod, ready_pipeline
+from service.http.tenancy import resolve_tenant
 
 log = logging.getLogger("kvstash.passthrough")
 

@@ -14,8 +14,16 @@ from starlette.requests import Request
 from cachestore.jsondepth import MAX_JSON_DEPTH, nesting_depth
 from cachestore.keys import SESSION_ID_PATTERN, SESSION_ID_RULE
 from service.engines import GenParams
-from service.errors import ApiError, bad_request
-from service.params import ToolSpec, check_keys, check_stream, check_stream_tools, parse_params, parse_tools, with_tools
+from service.http.errors import ApiError, bad_request
+from service.http.params import (
+    ToolSpec,
+    check_keys,
+    check_stream,
+    check_stream_tools,
+    parse_params,
+    parse_tools,
+    with_tools,
+)
 
 SESSION_ID_RE = re.compile(SESSION_ID_PATTERN)
 ROLES = ("system", "user", "assistant", "tool", "developer")  # the one list (validation and OpenAPI)

@@ -1,6 +1,6 @@
 """The lookup of a sliding-window or hybrid model: the longest boundary of the prompt with its blocks and a record.
 
-Such a model resumes only at a boundary P some pod stopped at (service.boundaries): every full block before P and
+Such a model resumes only at a boundary P some pod stopped at (service.cache.boundaries): every full block before P and
 the boundary record at P. One concurrent round trip reads the records under the chain root and every block hash of
 the prompt, the prompt's blocks Redis holds (blocks past the last record are present only where another
 continuation left them) and the session record; the longest candidate whose blocks and record are what this pod
@@ -17,13 +17,13 @@ import torch
 
 from cachestore.sessions import SessionRecord
 from cachestore.store import BlockStore
-from service import boundaries
-from service.cacheview import CacheView, bypass
-from service.chain import Chain
+from service.cache import boundaries
+from service.cache.cacheview import CacheView, bypass
+from service.cache.chain import Chain
+from service.cache.framegate import FrameGate, Rejection
+from service.cache.lookup import RedisLookup
 from service.engines import Engine, Generation
-from service.framegate import FrameGate, Rejection
-from service.lookup import RedisLookup
-from service.metrics import PodMetrics
+from service.runtime.metrics import PodMetrics
 from service.settings import PodSettings
 
 

@@ -12,8 +12,8 @@ from starlette.responses import JSONResponse, Response
 from cachestore.sessions import SessionRecord
 from cachestore.store import BlockStore
 from service.engines.generation import ParamError
-from service.errors import ApiError, bad_request, not_found, redis_unavailable
-from service.params import (
+from service.http.errors import ApiError, bad_request, not_found, redis_unavailable
+from service.http.params import (
     IN_PROCESS,
     SESSION_TURN,
     check_engine,
@@ -23,7 +23,7 @@ from service.params import (
     parse_tools,
     with_tools,
 )
-from service.requests import (
+from service.http.requests import (
     check_session_id,
     parse_flag,
     parse_message,
@@ -32,10 +32,10 @@ from service.requests import (
     read_json,
     stream_flags,
 )
-from service.respond import check_context, pod, ready_pipeline, run_admitted
+from service.http.respond import check_context, pod, ready_pipeline, run_admitted
+from service.http.tenancy import Tenant, resolve_tenant
+from service.http.turn import SessionTurn, Turn
 from service.state import PodState
-from service.tenancy import Tenant, resolve_tenant
-from service.turn import SessionTurn, Turn
 
 
 def _store(state: PodState) -> BlockStore:
@@ -178,7 +178,7 @@ def _new_turn(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 async def add_messages(request: Request) -> Response:
     """Append the new turn, generate the reply, and record both with compare-and-set. The body takes every parameter
-    of a chat completion (service.params, SESSION_TURN), refused by name like there."""
+    of a chat completion (service.http.params, SESSION_TURN), refused by name like there."""
     state = pod(request)
     tenant = resolve_tenant(request, state.settings)
     session_id = _path_id(request)

@@ -8,8 +8,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from cachestore.keys import SESSION_ID_PATTERN
-from service.params import MAX_N, MAX_STOP, MAX_TOP_LOGPROBS
-from service.requests import MAX_MESSAGES, ROLES
+from service.http.params import MAX_N, MAX_STOP, MAX_TOP_LOGPROBS
+from service.http.requests import MAX_MESSAGES, ROLES
 
 if TYPE_CHECKING:
     from service.state import PodState

@@ -2,7 +2,7 @@
 
 The prompt's new blocks are queued while the reply is generated (`early_writer`); once it is done, the rest of the
 sequence's blocks, its tail, the reply's ids and the session record (`finish`). The writes run on the background
-writer (service.writer); `finish` waits for them at most `write_wait_s`, so the next turn hits on any pod, and
+writer (service.cache.writer); `finish` waits for them at most `write_wait_s`, so the next turn hits on any pod, and
 says what happened as an `Outcome`: STORED, CONFLICT (a session changed meanwhile) or UNAVAILABLE.
 """
 
@@ -22,13 +22,13 @@ from cachestore.outcome import Outcome
 from cachestore.sessions import SessionRecord
 from cachestore.store import BlockStore
 from cachestore.tails import pack_ids, reply_digest
-from service import boundaries
-from service.cacheview import CacheView
-from service.chain import Chain
+from service.cache import boundaries
+from service.cache.cacheview import CacheView
+from service.cache.chain import Chain
+from service.cache.writer import BackgroundWriter, WriteJob
 from service.engines import Engine, Generation
-from service.metrics import PodMetrics
+from service.runtime.metrics import PodMetrics
 from service.settings import PodSettings
-from service.writer import BackgroundWriter, WriteJob
 
 log = logging.getLogger("kvstash.writeback")
 MAX_REPLY_TOKENS = 8192  # replies longer than this are re-tokenized rather than remembered

@@ -1,4 +1,4 @@
-"""A turn: what a completion route hands the request story (service.respond), as one value.
+"""A turn: what a completion route hands the request story (service.http.respond), as one value.
 
 The route parses and validates; the turn says what to generate (the prompt, the parameters, how to reply) and to
 which session it belongs. The session part says how the reply is recorded: a client that keeps the conversation
@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from cachestore.sessions import SessionRecord
+from service.cache.writeback import SessionWrite, WriteBack
 from service.engines import Generation, GenParams
-from service.params import ToolSpec
-from service.tenancy import Tenant
-from service.writeback import SessionWrite, WriteBack
+from service.http.params import ToolSpec
+from service.http.tenancy import Tenant
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class SessionTurn:
 
 @dataclass(frozen=True)
 class Turn:
-    """One completion to run: admission, lookup, generation, reply and write-back (service.respond)."""
+    """One completion to run: admission, lookup, generation, reply and write-back (service.http.respond)."""
 
     chat: bool
     model: str

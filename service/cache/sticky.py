@@ -1,6 +1,6 @@
 """The sticky-sessions baseline behind the lookup interface: KV this pod itself computed, kept in its memory.
 
-What `kvstash serve --no-cache --memory-kv-bytes N` runs for benchmarks (service.memkv holds the sequences): a hit
+What `kvstash serve --no-cache --memory-kv-bytes N` runs for benchmarks (service.cache.memkv holds the sequences): a hit
 only on the pod that computed the prefix, so it pays only behind a balancer that keeps a session on one pod.
 """
 
@@ -9,15 +9,15 @@ from __future__ import annotations
 import asyncio
 
 from cachestore.sessions import SessionRecord
-from service.cacheview import CacheView
+from service.cache.cacheview import CacheView
+from service.cache.memkv import MemoryKV
+from service.cache.placement import Placement
 from service.engines import Engine, Generation
-from service.memkv import MemoryKV
-from service.metrics import PodMetrics
-from service.placement import Placement
+from service.runtime.metrics import PodMetrics
 
 
 class StickyLookup:
-    """A `Lookup` (service.lookup) over this pod's own memory; Redis takes no part (the pod runs without it)."""
+    """A `Lookup` (service.cache.lookup) over this pod's own memory; Redis takes no part (the pod runs without it)."""
 
     def __init__(self, memory_bytes: int, engine: Engine, placement: Placement, metrics: PodMetrics) -> None:
         self.memory = MemoryKV(memory_bytes)
