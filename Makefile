@@ -16,7 +16,8 @@ base: $(BASE)
 setup: $(STAMP)
 
 # llama-server for the sidecar's tests and its demo (about 4.5 min once on 2 free cores, 30 under load; then
-# skipped). `make test` needs it; the default `make demo` does not.
+# skipped, and copied from ~/.cache/kvstash by the next clone on this machine). `make test` needs it; the default
+# `make demo` does not.
 llama-server: $(STAMP)
 	$(PY) -m ops.llamaserver_build
 

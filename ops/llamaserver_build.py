@@ -4,12 +4,20 @@ The source is the llama.cpp vendored in the pinned llama-cpp-python sdist, the s
 engine links, so both write the same sequence-state layout. Nothing is fetched at build time beyond the sdist
 (no curl, no OpenSSL, no prebuilt web UI). `python -m ops.llamaserver_build` is idempotent: a stamp holding the
 pinned version skips the work when the binary is already there.
+
+A build is also kept in the user's cache (`$KVSTASH_CACHE_DIR`, else `$XDG_CACHE_HOME/kvstash`, else
+`~/.cache/kvstash`), keyed by the pinned version, the build flags, the compiler and this CPU's features (the build is
+native), so a fresh clone or a new virtualenv on the same machine copies it instead of compiling for ten minutes, as
+pip reuses the llama-cpp-python wheel it built. `KVSTASH_CACHE_DIR=off` turns that off.
 """
 
 from __future__ import annotations
 
 import argparse
 import fcntl
+import hashlib
+import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -37,6 +45,29 @@ CMAKE_FLAGS = (
     "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_CURL=OFF",
 )
+
+
+def cached_binary() -> Path | None:
+    """Where this machine's user cache keeps a build of the pinned llama-server (None: the cache is off)."""
+    root = os.environ.get("KVSTASH_CACHE_DIR", "")
+    if root == "off":
+        return None
+    base = Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvstash"
+    return base / "llama-server" / f"{LLAMA_CPP_PYTHON_VERSION}-{_build_key()}" / "llama-server"
+
+
+def _build_key() -> str:
+    """The flags, the compiler and the CPU features a native build depends on, hashed."""
+    try:
+        cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        cpu = ""
+    try:
+        cc = subprocess.run(["cc", "--version"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        cc = ""
+    text = "\n".join([*CMAKE_FLAGS, platform.machine(), cpu, cc])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def binary_path() -> Path | None:
@@ -79,10 +110,48 @@ def build(jobs: int = 2) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second `make setup` meanwhile waits for this build, then skips
         if BINARY.is_file() and _stamp_matches():
             return BINARY
+        if _from_cache():
+            return BINARY
         return _build(jobs)
 
 
+def _install(source: Path) -> None:
+    """Put the binary at `source` in place, atomically, and stamp it."""
+    BINARY.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(source, BINARY.with_suffix(".tmp"))
+    BINARY.with_suffix(".tmp").replace(BINARY)
+    STAMP.write_text(LLAMA_CPP_PYTHON_VERSION + "\n")
+
+
+def _from_cache() -> bool:
+    """Install the user cache's build for this machine, if there is one that runs."""
+    cached = cached_binary()
+    if cached is None or not cached.is_file():
+        return False
+    probe = subprocess.run([str(cached), "--version"], capture_output=True, check=False)
+    if probe.returncode != 0:
+        return False
+    _install(cached)
+    print(f"llama-server {LLAMA_CPP_PYTHON_VERSION}: copied this machine's earlier build from {cached}")
+    return True
+
+
+def _to_cache() -> None:
+    """Keep the new build in the user cache (best effort: a read-only home only costs the next clone a build)."""
+    cached = cached_binary()
+    if cached is None:
+        return
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(BINARY, cached.with_suffix(".tmp"))
+        cached.with_suffix(".tmp").replace(cached)
+    except OSError as exc:
+        print(f"llama-server: not kept in {cached.parent} ({exc})")
+
+
 def _build(jobs: int) -> Path:
+    print(f"building llama-server from llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}'s llama.cpp "
+          f"(~10 min on 2 cores, once per machine)", flush=True)
     started = time.monotonic()
     source = _source_dir()
     build_dir = BUILD_ROOT / "build"
@@ -90,10 +159,8 @@ def _build(jobs: int) -> Path:
                    stdout=subprocess.DEVNULL)
     subprocess.run(["cmake", "--build", str(build_dir), "--target", "llama-server", "-j", str(jobs)], check=True,
                    stdout=subprocess.DEVNULL)
-    BINARY.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(build_dir / "bin" / "llama-server", BINARY.with_suffix(".tmp"))
-    BINARY.with_suffix(".tmp").replace(BINARY)
-    STAMP.write_text(LLAMA_CPP_PYTHON_VERSION + "\n")
+    _install(build_dir / "bin" / "llama-server")
+    _to_cache()
     print(f"llama-server built in {time.monotonic() - started:.0f} s: {BINARY}")
     return BINARY
 
@@ -104,9 +171,10 @@ def main() -> None:
     jobs = parser.parse_args().jobs
     if BINARY.is_file() and _stamp_matches():
         print(f"llama-server {LLAMA_CPP_PYTHON_VERSION} already built: {BINARY}")
+        cached = cached_binary()
+        if cached is not None and not cached.is_file():
+            _to_cache()  # a build from before the cache: keep it for the next clone
         return
-    print(f"building llama-server from llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}'s llama.cpp "
-          f"(~10 min on 2 cores, once)")
     build(jobs)
 
 
