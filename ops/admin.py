@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from service.engines import IN_POD
+
 READ_COMMANDS = ("stats", "sessions", "show", "verify")
 
 
@@ -32,7 +34,7 @@ def _common() -> argparse.ArgumentParser:
 def _model_options(p: argparse.ArgumentParser, tenant: bool = True) -> None:
     if tenant:
         p.add_argument("--tenant", default="default", help="the session's tenant (default: default)")
-    p.add_argument("--engine", choices=["hf", "llamacpp"], help="the pods' engine (default $KVSTASH_ENGINE or hf)")
+    p.add_argument("--engine", choices=IN_POD, help="the pods' engine (default $KVSTASH_ENGINE or hf)")
     p.add_argument("--model", help="served model, as the pods run it (default $KVSTASH_MODEL or smollm2)")
     p.add_argument("--codec", help="the pods' codec (default $KVSTASH_CODEC or int8)")
     p.add_argument("--block-tokens", type=int, help="the pods' block size (default $KVSTASH_BLOCK_TOKENS or 64)")

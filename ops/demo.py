@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from service.engines import ENGINES
+
 QUESTIONS = [
     "What is photosynthesis?",
     "Why are leaves green?",
@@ -31,7 +33,7 @@ def register(sub: Any) -> None:
                     "multi-turn chat through it, and compare every turn with a pod that has no cache.",
     )
     p.add_argument("--turns", type=int, default=6, help="number of chat turns (default 6, at most 8)")
-    p.add_argument("--engine", default="hf", choices=["hf", "llamacpp", "llama-server"],
+    p.add_argument("--engine", default="hf", choices=list(ENGINES),
                    help="model runtime of every pod: hf (transformers, default), llamacpp, or llama-server "
                         "(each pod a `kvstash sidecar` with its own llama-server)")
     p.add_argument("--model", default="smollm2", help="model every pod serves (default smollm2)")

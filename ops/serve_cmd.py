@@ -8,6 +8,8 @@ import logging
 import sys
 from typing import Any
 
+from service.engines import IN_POD
+
 
 class SettingHelp(str):
     """A flag's help naming a PodSettings field: argparse expands it (only when it prints help) into the setting's
@@ -31,7 +33,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--host", help=SettingHelp("host"))
     p.add_argument("--port", type=int, help=SettingHelp("port"))
-    p.add_argument("--engine", choices=["hf", "llamacpp"], help=SettingHelp("engine"))
+    p.add_argument("--engine", choices=IN_POD, help=SettingHelp("engine"))
     p.add_argument("--model", help=SettingHelp("model"))
     p.add_argument("--parallel", type=int, help=SettingHelp("parallel"))
     p.add_argument("--threads", type=int, help=SettingHelp("threads"))

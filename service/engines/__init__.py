@@ -9,17 +9,33 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from typing import TYPE_CHECKING, Any
 
-from service.engines.base import Engine, KvGeometry, KvLayout
-from service.engines.generation import Generation, GenParams
+if TYPE_CHECKING:
+    from service.engines.base import Engine, KvGeometry, KvLayout
+    from service.engines.generation import Generation, GenParams
 
-__all__ = ["ENGINES", "LLAMACPP_MISSING", "Engine", "GenParams", "Generation", "KvGeometry", "KvLayout",
+__all__ = ["ENGINES", "IN_POD", "LLAMACPP_MISSING", "Engine", "GenParams", "Generation", "KvGeometry", "KvLayout",
            "check_runtime", "default_parallel", "load_engine"]
 
 # engine name -> the subpackage that loads it; only the subpackage asked for is imported (and its runtime with it)
 ENGINES = {"hf": "service.engines.hf", "llamacpp": "service.engines.llama", "llama-server": "service.engines.llama"}
+# the engines that compute in the pod's own process (`kvstash serve`); the others are a server's SlotServer
+IN_POD = ("hf", "llamacpp")
 LLAMACPP_MISSING = ("the llamacpp engine needs llama-cpp-python, an optional extra: "
                     "pip install -e '.[llamacpp]' (make setup installs it)")
+
+
+_LAZY = {"Engine": "service.engines.base", "KvGeometry": "service.engines.base", "KvLayout": "service.engines.base",
+         "Generation": "service.engines.generation", "GenParams": "service.engines.generation"}
+
+
+def __getattr__(name: str) -> Any:
+    """The seam's classes, imported when first asked for: the registry above is read without torch (the CLI's
+    choices, the settings' check)."""
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def check_runtime(kind: str) -> None:

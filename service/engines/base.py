@@ -84,6 +84,7 @@ class Engine(ABC):
     layerwise: bool = False  # runs the cached context layer by layer: `generate` waits on `kv_ready` per layer
     runs_torch: bool = False  # `generate` runs torch on the calling thread: the pod calls it on its compute thread
     kv_layout: KvLayout = KvLayout()
+    honours_all_params: bool = True  # every request parameter service.http.params parses (not so a SlotServer's)
     # sliding-window or recurrent layers beside the full-attention ones: the engine resumes only at a boundary record
     # (`generate`'s `boundary`, `Generation.boundaries`; service.cache.boundarylookup)
     boundary_records: bool = False

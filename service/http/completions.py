@@ -9,7 +9,7 @@ from starlette.responses import JSONResponse, Response
 
 from service.engines.generation import ParamError
 from service.http.errors import bad_request
-from service.http.params import IN_PROCESS, check_engine
+from service.http.params import check_engine
 from service.http.requests import parse_completion, read_json
 from service.http.respond import check_context, check_model, pod, ready_pipeline, run_admitted
 from service.http.tenancy import resolve_tenant
@@ -27,7 +27,7 @@ async def _completion(request: Request, chat: bool) -> Response:
     )
     check_model(state, req.model)
     engine = pipeline.engine
-    check_engine(req.params, body, honours_all=engine.kind in IN_PROCESS)
+    check_engine(req.params, body, honours_all=engine.honours_all_params)
     tools = req.tools.tools if req.tools is not None else None
     if req.messages is not None:  # assistant messages some pod generated keep the very ids it generated
         known = await pipeline.known_replies(tenant.salt, req.messages)

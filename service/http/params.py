@@ -34,7 +34,6 @@ TEXT = (*COMMON, "prompt", "echo", "suffix", "best_of")
 # a turn of a server-side session (POST /v1/sessions/{id}/messages): the chat's, the session named by the path, and
 # `content` (one user message) instead of `messages`
 SESSION_TURN = (*(k for k in CHAT if k != "session_id"), "content")
-IN_PROCESS = ("hf", "llamacpp")  # engines that honour every parameter parsed here (the sidecar: the basic ones)
 # accepted and without effect on the reply, by their definition
 NO_OPS = ("user", "safety_identifier", "prompt_cache_key")
 # refused whatever their value (but null): why, in the 400

@@ -14,7 +14,6 @@ from cachestore.store import BlockStore
 from service.engines.generation import ParamError
 from service.http.errors import ApiError, bad_request, not_found, redis_unavailable
 from service.http.params import (
-    IN_PROCESS,
     SESSION_TURN,
     check_engine,
     check_keys,
@@ -195,7 +194,7 @@ async def add_messages(request: Request) -> Response:
     tools = parse_tools(body)
     check_stream_tools(tools, stream)
     params = with_tools(params, tools)
-    check_engine(params, body, honours_all=engine.kind in IN_PROCESS)
+    check_engine(params, body, honours_all=engine.honours_all_params)
     token_ids = parse_flag(body, "return_token_ids")
     record = await _load(state, tenant, session_id)
     messages = [*_history(record), *new]

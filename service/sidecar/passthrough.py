@@ -27,8 +27,7 @@ from service.cache.cacheview import CacheView
 from service.cache.pipeline import Pipeline
 from service.engines import Generation
 from service.engines.llama import llamaserverinput as inputs
-from service.engines.llama.llamaserver import LlamaServerEngine
-from service.engines.llama.slots import SlotLease
+from service.engines.server import SlotLease, SlotServer
 from service.http.admission import Admission
 from service.http.errors import ApiError
 from service.http.requests import _read_body, read_json
@@ -70,7 +69,7 @@ def _reply_headers(upstream: httpx.Response, extra: dict[str, str]) -> dict[str,
 class Passthrough:
     """The sidecar's routes around one llama-server engine, with one pooled HTTP client to it."""
 
-    def __init__(self, engine: LlamaServerEngine) -> None:
+    def __init__(self, engine: SlotServer) -> None:
         self.engine = engine
         self.client = httpx.AsyncClient(base_url=engine.url, timeout=UPSTREAM_TIMEOUT,
                                         limits=httpx.Limits(max_connections=64, max_keepalive_connections=16))
@@ -171,7 +170,7 @@ class Passthrough:
         return StreamingResponse(call.relay(upstream), status_code=200, headers=_reply_headers(upstream, extra))
 
     async def _bypass(self, route: str, body: dict[str, Any], headers: dict[str, str], why: str) -> Response:
-        self.engine.stats.bypassed[why] = self.engine.stats.bypassed.get(why, 0) + 1
+        self.engine.count_bypass(why)
         upstream_request = self.client.build_request("POST", route, content=json.dumps(body).encode(),
                                                      headers={**headers, "content-type": "application/json"})
         return await self._relay(upstream_request, BYPASS)

@@ -45,6 +45,7 @@ from service.engines.llama.llamaserverproc import LlamaServerProcess
 from service.engines.llama.models import resolve_gguf
 from service.engines.llama.serverhttp import ServerHttp
 from service.engines.llama.slots import SidecarStats, Slot, UpstreamError
+from service.engines.server import SlotServer
 
 log = logging.getLogger("kvstash.llamaserver")
 
@@ -52,7 +53,7 @@ REQUEST_TIMEOUT_S = 600.0
 SWA_FULL = "--swa-full"  # llama-server keeps every position of sliding-window layers: a restored slot is reusable
 
 
-class LlamaServerEngine(ServerHttp, LendsStates):
+class LlamaServerEngine(ServerHttp, LendsStates, SlotServer):
     """Generation forwarded to one llama-server, its slots filled from and saved to kvstash's cache."""
 
     kind = "llama-server"
@@ -293,6 +294,9 @@ class LlamaServerEngine(ServerHttp, LendsStates):
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._json("POST", "/detokenize", {"tokens": [int(i) for i in ids]})["content"])
+
+    def count_bypass(self, why: str) -> None:
+        self.stats.bypassed[why] = self.stats.bypassed.get(why, 0) + 1
 
     def close(self) -> None:
         self._http.close()

@@ -23,6 +23,7 @@ from service.engines.gate import LayerGate
 from service.engines.llama import boundarystate, llamastate, slotfile
 from service.engines.llama.lending import StateLender
 from service.engines.llama.llamaserverproc import LlamaServerProcess
+from service.engines.server import SlotLease
 
 log = logging.getLogger("kvstash.llamaserver")
 
@@ -55,16 +56,6 @@ class SidecarStats:
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return len(os.path.commonprefix([list(a), list(b)]))
-
-
-@dataclass(frozen=True)
-class SlotLease:
-    """Slots held for one request: `slot` (= slots[0].id) serves it, holding `expected` tokens of `prompt`."""
-
-    slot: int
-    slots: list[Slot]
-    prompt: list[int]
-    expected: int
 
 
 class SlotKeeper:
