@@ -2,32 +2,24 @@
 
 from __future__ import annotations
 
-import time
+from functools import partial
 from typing import Any
 
 from starlette.testclient import TestClient
 
-from service.app import create_app
-from service.settings import PodSettings
+from tests.support import chat as support_chat
+from tests.support import make_client, wait_written
+
+__all__ = ["chat", "metric", "pod_client", "reference_reply", "reply_of", "state_of", "wait_written", "write_depth"]
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant who answers at length and in order. " * 6}
 QUESTIONS = ["Tell me about lighthouses.", "Who kept them?", "What did they eat?", "How did it end?",
              "Give it a title.", "Summarise that.", "And the moral?", "One more thing?"]
 
 
-def pod_client(redis_url: str, loaded: Any, **overrides: Any) -> TestClient:
-    """An in-process pod (exact codec, greedy-friendly, 16-token blocks); use it as a context manager."""
-    defaults: dict[str, Any] = {"model": "tiny-random", "redis_url": redis_url, "codec": "exact",
-                                "block_tokens": 16, "local_tier_bytes": 0, "pod_name": "pod-fault"}
-    settings = PodSettings(**{**defaults, **overrides})
-    return TestClient(create_app(settings, engine=loaded), raise_server_exceptions=False)
-
-
-def chat(client: TestClient, messages: list[dict[str, str]], max_tokens: int = 8, **extra: Any) -> Any:
-    headers = extra.pop("headers", None) or {}
-    body = {"model": "tiny-random", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "return_token_ids": True, **extra}
-    return client.post("/v1/chat/completions", json=body, headers=headers)
+# a pod without the local tier, and chats that return their token ids (reference_reply replays them)
+pod_client = partial(make_client, local_tier_bytes=0, pod_name="pod-fault")
+chat = partial(support_chat, max_tokens=8, return_token_ids=True)
 
 
 def reference_reply(reference: TestClient, resp: Any, max_tokens: int = 8) -> str:
@@ -48,15 +40,6 @@ def reply_of(resp: Any) -> str:
 def write_depth(client: TestClient) -> int:
     """Background write jobs queued or being written, as the pod exports them (kvstash_write_queue_depth)."""
     return int(metric(client, "kvstash_write_queue_depth"))
-
-
-def wait_written(client: TestClient, timeout_s: float = 15.0) -> None:
-    """Until the pod's background write queue is empty and nothing is being written."""
-    deadline = time.monotonic() + timeout_s
-    while write_depth(client):
-        if time.monotonic() > deadline:
-            raise AssertionError("background writes did not finish")
-        time.sleep(0.02)
 
 
 def state_of(client: TestClient) -> Any:

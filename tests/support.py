@@ -74,29 +74,35 @@ HISTORY = [
 ]
 
 
-def make_client(redis: RedisProcess, tiny_model: Any, **overrides: Any) -> TestClient:
+def make_client(redis: RedisProcess | str, engine: Any, **overrides: Any) -> TestClient:
+    """An in-process pod around a loaded `engine` (exact codec, 16-token blocks unless told); use it as a context
+    manager. `redis`: a server or its URL."""
     from service.app import create_app  # noqa: PLC0415 - the codec's tests need no pod
     from service.settings import PodSettings  # noqa: PLC0415
 
-    settings = PodSettings(model="tiny-random", redis_url=redis.url, codec=overrides.pop("codec", "exact"),
-                           block_tokens=overrides.pop("block_tokens", 16), pod_name="pod-test", **overrides)
-    return TestClient(create_app(settings, engine=tiny_model), raise_server_exceptions=False)
+    url = redis if isinstance(redis, str) else redis.url
+    defaults: dict[str, Any] = {"model": "tiny-random", "redis_url": url, "codec": "exact", "block_tokens": 16,
+                                "pod_name": "pod-test"}
+    return TestClient(create_app(PodSettings(**{**defaults, **overrides}), engine=engine),
+                      raise_server_exceptions=False)
 
 
-def chat(client: TestClient, messages: list[dict[str, str]], **extra: Any) -> Any:
-    headers = extra.pop("headers", None) or {}  # HTTP headers, never a body field (the pod refuses unknown ones)
-    body = {"model": "tiny-random", "messages": messages, "max_tokens": 12, "temperature": 0, **extra}
+def chat(client: TestClient, messages: list[dict[str, str]], *, model: str = "tiny-random", max_tokens: int = 12,
+         **extra: Any) -> Any:
+    """A greedy chat completion; `headers` are HTTP headers, never a body field (the pod refuses unknown ones)."""
+    headers = extra.pop("headers", None) or {}
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra}
     return client.post("/v1/chat/completions", json=body, headers=headers)
 
 
-def wait_written(client: TestClient) -> None:
+def wait_written(client: TestClient, timeout_s: float = 15.0) -> None:
+    """Until the pod's background write queue is empty and nothing is being written."""
     state = client.app.state.pod  # type: ignore[attr-defined]
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if state.writer.depth == 0:  # queued + the one being written
-            return
+    deadline = time.monotonic() + timeout_s
+    while state.writer.depth:  # queued + the one being written
+        if time.monotonic() > deadline:
+            raise AssertionError("background writes did not finish")
         time.sleep(0.02)
-    raise AssertionError("background writes did not finish")
 
 
 # -- llama-servers ---------------------------------------------------------------------------

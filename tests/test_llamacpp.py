@@ -312,15 +312,16 @@ def test_concurrent_requests_decode_together_with_the_same_replies(engine: Llama
 
 def test_a_request_joins_while_another_generates(engine: LlamaCppEngine) -> None:
     long_done = threading.Event()
+    long_decoding = threading.Event()
 
     def long() -> None:
         engine.generate(_prompt(engine, "Write a long essay about the sea."), None,
-                        GenParams(max_tokens=300, stop=("\x00never",)))
+                        GenParams(max_tokens=300, stop=("\x00never",)), lambda _: long_decoding.set())
         long_done.set()
 
     thread = threading.Thread(target=long)
     thread.start()
-    time.sleep(0.3)
+    assert long_decoding.wait(60), "the long request never produced text"
     short = engine.generate(_prompt(engine, QUESTIONS[2]), None, GenParams(max_tokens=4))
     assert len(short.token_ids) <= 4
     assert not long_done.is_set(), "the short request waited for the long one to finish"
@@ -349,12 +350,15 @@ def test_a_short_prompt_is_answered_while_a_long_one_prefills_a_piece_at_a_time(
     steps: list[dict[int, int]] = []  # per llama_decode: {sequence: tokens it fed}
     decode = engine._decode_tokens  # noqa: SLF001 - every step, as llama.cpp gets it
 
+    prefilling = threading.Event()  # the long prompt's first piece went in
+
     def recording(tokens: list[tuple[int, int, int, bool]]) -> None:
         fed: dict[int, int] = {}
         for _, _, seq, _ in tokens:
             fed[seq] = fed.get(seq, 0) + 1
         steps.append(fed)
         decode(tokens)
+        prefilling.set()
 
     engine._decode_tokens = recording  # type: ignore[method-assign]  # noqa: SLF001
     first_text: list[float] = []
@@ -363,7 +367,7 @@ def test_a_short_prompt_is_answered_while_a_long_one_prefills_a_piece_at_a_time(
         thread = threading.Thread(target=lambda: result.append(engine.generate(
             long_prompt, None, GREEDY, lambda _: first_text.append(time.perf_counter())).token_ids))
         thread.start()
-        time.sleep(0.2)  # the long prompt's prefill is under way
+        assert prefilling.wait(60)  # the long prompt's prefill is under way
         short_prompt = _prompt(engine, QUESTIONS[2])
         short = engine.generate(short_prompt, None, GREEDY)
         answered = time.perf_counter()

@@ -14,6 +14,7 @@ from starlette.testclient import TestClient
 from ops.redisproc import RedisProcess
 from service.app import create_app
 from service.settings import PodSettings
+from tests.support import chat
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "ok", "n"],
           "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"},
@@ -36,22 +37,17 @@ def client(redis_server: RedisProcess, tiny_model: Any) -> Iterator[TestClient]:
         yield c
 
 
-def chat(client: TestClient, **extra: Any) -> Any:
-    body = {"model": "tiny-random", "messages": HISTORY, "max_tokens": 12, "temperature": 0, **extra}
-    return client.post("/v1/chat/completions", json=body)
-
-
 def test_json_schema_reply_validates(client: TestClient) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}
-    r = chat(client, response_format=fmt, max_tokens=64)
+    r = chat(client, HISTORY, response_format=fmt, max_tokens=64)
     assert r.status_code == 200, r.text
     Reply.model_validate_json(r.json()["choices"][0]["message"]["content"])
-    obj = chat(client, response_format={"type": "json_object"}, max_tokens=64, logit_bias={"92": 5})
+    obj = chat(client, HISTORY, response_format={"type": "json_object"}, max_tokens=64, logit_bias={"92": 5})
     assert obj.status_code == 200, obj.text
 
 
 def test_logprobs_shapes(client: TestClient) -> None:
-    r = chat(client, logprobs=True, top_logprobs=3)
+    r = chat(client, HISTORY, logprobs=True, top_logprobs=3)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     content = choice["logprobs"]["content"]
@@ -69,29 +65,29 @@ def test_logprobs_shapes(client: TestClient) -> None:
 
 
 def test_n_top_k_and_penalties(client: TestClient) -> None:
-    greedy = chat(client).json()
-    two = chat(client, n=2, temperature=1.0, seed=7).json()
+    greedy = chat(client, HISTORY).json()
+    two = chat(client, HISTORY, n=2, temperature=1.0, seed=7).json()
     assert [c["index"] for c in two["choices"]] == [0, 1]
     assert two["usage"]["completion_tokens"] >= 2
-    top1 = chat(client, temperature=1.0, top_k=1, seed=3).json()
+    top1 = chat(client, HISTORY, temperature=1.0, top_k=1, seed=3).json()
     assert top1["choices"][0]["message"] == greedy["choices"][0]["message"]
-    long = chat(client, max_tokens=64, return_token_ids=True).json()["choices"][0]
+    long = chat(client, HISTORY, max_tokens=64, return_token_ids=True).json()["choices"][0]
     assert len(set(long["token_ids"])) < len(long["token_ids"])  # the greedy reply repeats a token: penalties bite
     for penalty in ({"repetition_penalty": 3.0}, {"presence_penalty": 2.0}, {"frequency_penalty": 2.0}):
-        penalised = chat(client, max_tokens=64, **penalty).json()["choices"][0]["message"]["content"]
+        penalised = chat(client, HISTORY, max_tokens=64, **penalty).json()["choices"][0]["message"]["content"]
         assert penalised != long["message"]["content"], penalty
-    assert chat(client, min_p=0.5, temperature=1.0, seed=1).status_code == 200
+    assert chat(client, HISTORY, min_p=0.5, temperature=1.0, seed=1).status_code == 200
 
 
 def test_hit_with_parameters_replies_as_cold(client: TestClient) -> None:
     extra = {"logprobs": True, "top_logprobs": 2, "repetition_penalty": 1.3}
-    cold = chat(client, **extra)
+    cold = chat(client, HISTORY, **extra)
     state = client.app.state.pod  # type: ignore[attr-defined]
     for _ in range(200):
         if state.writer.depth == 0:
             break
         time.sleep(0.02)
-    hit = chat(client, **extra)
+    hit = chat(client, HISTORY, **extra)
     assert hit.headers["x-kv-cache"] == "hit"
     (got,), (want,) = hit.json()["choices"], cold.json()["choices"]
     assert got["message"] == want["message"] and got["finish_reason"] == want["finish_reason"]
@@ -143,7 +139,8 @@ def test_a_forced_tool_call_is_a_valid_call(client: TestClient, choice: Any, nam
     """tool_choice "required" or a named function: a grammar makes the reply a call to one of those tools, with
     arguments that validate against its parameters, even from a model of random weights."""
     for parallel in (False, True):
-        r = chat(client, tools=[WEATHER, CLOCK], tool_choice=choice, parallel_tool_calls=parallel, max_tokens=48)
+        r = chat(client, HISTORY, tools=[WEATHER, CLOCK], tool_choice=choice, parallel_tool_calls=parallel,
+                 max_tokens=48)
         assert r.status_code == 200, r.text
         choice_ = r.json()["choices"][0]
         assert choice_["finish_reason"] == "tool_calls", choice_
@@ -167,9 +164,9 @@ def test_a_forced_tool_call_is_a_valid_call(client: TestClient, choice: Any, nam
 ])
 def test_a_call_that_cannot_be_forced_is_refused_by_name(client: TestClient, extra: dict[str, Any],
                                                          param: str) -> None:
-    r = chat(client, tools=[WEATHER], **extra)
+    r = chat(client, HISTORY, tools=[WEATHER], **extra)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-    assert chat(client, tool_choice="required").json()["error"]["param"] == "tool_choice"  # no tools to call
+    assert chat(client, HISTORY, tool_choice="required").json()["error"]["param"] == "tool_choice"  # no tools to call
 
 
 @pytest.mark.parametrize(("param", "value"), [
@@ -178,7 +175,7 @@ def test_a_call_that_cannot_be_forced_is_refused_by_name(client: TestClient, ext
     ("stream_options", {"include_obfuscation": True}),
 ])
 def test_refused_parameters_are_named(client: TestClient, param: str, value: Any) -> None:
-    r = chat(client, **{param: value})
+    r = chat(client, HISTORY, **{param: value})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
 
@@ -189,14 +186,14 @@ def test_refused_parameters_are_named(client: TestClient, param: str, value: Any
 def test_stream_refuses_what_it_does_not_carry(client: TestClient, extra: dict[str, Any], param: str) -> None:
     """A stream carries one choice's text: several choices, logprobs and tool calls are refused by name, never
     dropped; text completions alike."""
-    r = chat(client, stream=True, **extra)
+    r = chat(client, HISTORY, stream=True, **extra)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert r.json()["error"]["code"] == "unsupported_parameter"
     text = client.post("/v1/completions", json={"model": "tiny-random", "prompt": "Once", "stream": True,
                                                 "max_tokens": 4, **({"logprobs": 1} if param == "logprobs" else extra)})
     if param != "tools":
         assert text.status_code == 400 and text.json()["error"]["param"] == param, text.text
-    assert chat(client, user="someone").status_code == 200  # a known no-op
+    assert chat(client, HISTORY, user="someone").status_code == 200  # a known no-op
 
 
 def test_openai_parse_helper(client: TestClient) -> None:

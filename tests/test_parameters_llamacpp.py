@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import pytest
@@ -15,6 +16,9 @@ from ops.redisproc import RedisProcess
 from service.app import create_app
 from service.engines.llama.llamacpp import LlamaCppEngine
 from service.settings import PodSettings
+from tests.support import chat
+
+ask = partial(chat, model="smollm2", max_tokens=16)  # this file's model, a short reply unless told
 
 HISTORY = [{"role": "system", "content": "You are a helpful assistant. Answer briefly. " * 6},
            {"role": "user", "content": "Name a city in Norway and say whether it is a capital."}]
@@ -42,32 +46,27 @@ def client(redis_server: RedisProcess, engine: LlamaCppEngine) -> Iterator[TestC
         yield c
 
 
-def chat(client: TestClient, **extra: Any) -> Any:
-    body = {"model": "smollm2", "messages": HISTORY, "max_tokens": 16, "temperature": 0, **extra}
-    return client.post("/v1/chat/completions", json=body)
-
-
 def test_json_schema_with_llama_grammar(client: TestClient) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": City.model_json_schema()}}
-    r = chat(client, response_format=fmt, max_tokens=48)
+    r = ask(client, HISTORY, response_format=fmt, max_tokens=48)
     assert r.status_code == 200, r.text
     City.model_validate_json(r.json()["choices"][0]["message"]["content"])
 
 
 def test_logprobs_n_top_k_and_penalty(client: TestClient) -> None:
-    greedy = chat(client, logprobs=True, top_logprobs=2).json()["choices"][0]
+    greedy = ask(client, HISTORY, logprobs=True, top_logprobs=2).json()["choices"][0]
     for entry in greedy["logprobs"]["content"]:
         tops = [t["logprob"] for t in entry["top_logprobs"]]
         assert tops == sorted(tops, reverse=True) and entry["top_logprobs"][0]["token"] == entry["token"]
     assert "".join(e["token"] for e in greedy["logprobs"]["content"]) == greedy["message"]["content"]
-    two = chat(client, n=2, temperature=1.0, seed=5).json()
+    two = ask(client, HISTORY, n=2, temperature=1.0, seed=5).json()
     assert [c["index"] for c in two["choices"]] == [0, 1]
-    top1 = chat(client, temperature=1.0, top_k=1, seed=9).json()["choices"][0]
+    top1 = ask(client, HISTORY, temperature=1.0, top_k=1, seed=9).json()["choices"][0]
     assert top1["message"] == greedy["message"]
     counting = [{"role": "user", "content": "Count from 1 to 30, separated by commas."}]
-    long = chat(client, messages=counting, max_tokens=48, return_token_ids=True).json()["choices"][0]
+    long = ask(client, HISTORY, messages=counting, max_tokens=48, return_token_ids=True).json()["choices"][0]
     assert len(set(long["token_ids"])) < len(long["token_ids"])  # a repeated token: the penalty bites
-    penalised = chat(client, messages=counting, max_tokens=48, frequency_penalty=2.0).json()["choices"][0]
+    penalised = ask(client, HISTORY, messages=counting, max_tokens=48, frequency_penalty=2.0).json()["choices"][0]
     assert penalised["message"]["content"] != long["message"]["content"]
 
 
@@ -76,12 +75,12 @@ def test_logprobs_n_top_k_and_penalty(client: TestClient) -> None:
 @pytest.mark.parametrize("extra", [{}, {"logprobs": True, "top_logprobs": 2, "top_k": 1, "temperature": 1.0,
                                         "seed": 1}], ids=["plain", "params"])
 def test_hit_with_parameters_replies_as_cold(client: TestClient, extra: dict[str, Any]) -> None:
-    cold = chat(client, **extra)
+    cold = ask(client, HISTORY, **extra)
     state = client.app.state.pod  # type: ignore[attr-defined]
     deadline = time.monotonic() + 10
     while state.writer.depth and time.monotonic() < deadline:
         time.sleep(0.02)
-    hit = chat(client, **extra)
+    hit = ask(client, HISTORY, **extra)
     assert hit.headers["x-kv-cache"] == "hit"
     assert hit.json()["choices"][0]["message"] == cold.json()["choices"][0]["message"]
     if extra:
@@ -103,7 +102,7 @@ def test_agent_history_and_refusals(client: TestClient, engine: LlamaCppEngine) 
     assert r.status_code == 200, r.text
     assert "OSLO-IS-CAPITAL" in engine.decode(engine.chat_ids(messages, None, tuple(tools)))
     for param, value in (("tool_choice", "required"), ("audio", {}), ("n_probs", 3)):
-        bad = chat(client, **{param: value})
+        bad = ask(client, HISTORY, **{param: value})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param
 
 
@@ -115,7 +114,7 @@ def test_a_forced_tool_call_follows_llama_cpps_grammar(client: TestClient) -> No
     clock = {"type": "function", "function": {"name": "clock"}}
     ask = [{"role": "user", "content": "What is the weather in Oslo?"}]
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        r = chat(client, messages=ask, tools=[weather, clock], tool_choice=choice, parallel_tool_calls=False,
+        r = ask(client, HISTORY, messages=ask, tools=[weather, clock], tool_choice=choice, parallel_tool_calls=False,
                  max_tokens=40)
         assert r.status_code == 200, r.text
         body = r.json()["choices"][0]

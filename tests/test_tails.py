@@ -94,6 +94,14 @@ def test_tenants_never_share_tails_or_reply_ids(redis_server: RedisProcess, tiny
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == computed
 
 
+def _blocks_soon(redis: RedisProcess, timeout_s: float = 10.0) -> int:
+    """The blocks in Redis once some have landed (the write-back runs beside the reply), or 0 after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not (n := len(_keys(redis, "blk"))) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return n
+
+
 def test_prompt_blocks_are_in_redis_while_the_reply_streams(redis_server: RedisProcess, tiny_model: Any) -> None:
     with make_client(redis_server, tiny_model) as c:
         body = {"model": "tiny-random", "messages": HISTORY * 8, "max_tokens": 400, "stream": True,
@@ -103,8 +111,7 @@ def test_prompt_blocks_are_in_redis_while_the_reply_streams(redis_server: RedisP
         with c.stream("POST", "/v1/chat/completions", json=body) as r:
             for i, line in enumerate(r.iter_lines()):
                 if i == 60:  # well into the reply: the prompt's blocks were queued after its first token
-                    time.sleep(0.3)
-                    seen_during.append(len(_keys(redis_server, "blk")))
+                    seen_during.append(_blocks_soon(redis_server))
                 if line.startswith("data: {"):
                     last = line.encode()
         prompt_tokens = json.loads(last[6:])["prompt_token_ids"]
