@@ -64,9 +64,9 @@ def test_logprobs_n_top_k_and_penalty(client: TestClient) -> None:
     top1 = ask(client, HISTORY, temperature=1.0, top_k=1, seed=9).json()["choices"][0]
     assert top1["message"] == greedy["message"]
     counting = [{"role": "user", "content": "Count from 1 to 30, separated by commas."}]
-    long = ask(client, HISTORY, messages=counting, max_tokens=48, return_token_ids=True).json()["choices"][0]
+    long = ask(client, counting, max_tokens=48, return_token_ids=True).json()["choices"][0]
     assert len(set(long["token_ids"])) < len(long["token_ids"])  # a repeated token: the penalty bites
-    penalised = ask(client, HISTORY, messages=counting, max_tokens=48, frequency_penalty=2.0).json()["choices"][0]
+    penalised = ask(client, counting, max_tokens=48, frequency_penalty=2.0).json()["choices"][0]
     assert penalised["message"]["content"] != long["message"]["content"]
 
 
@@ -112,10 +112,10 @@ def test_a_forced_tool_call_follows_llama_cpps_grammar(client: TestClient) -> No
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}
     clock = {"type": "function", "function": {"name": "clock"}}
-    ask = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    question = [{"role": "user", "content": "What is the weather in Oslo?"}]
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        r = ask(client, HISTORY, messages=ask, tools=[weather, clock], tool_choice=choice, parallel_tool_calls=False,
-                 max_tokens=40)
+        r = ask(client, question, tools=[weather, clock], tool_choice=choice, parallel_tool_calls=False,
+                max_tokens=40)
         assert r.status_code == 200, r.text
         body = r.json()["choices"][0]
         assert body["finish_reason"] == "tool_calls", body

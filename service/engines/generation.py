@@ -124,6 +124,17 @@ class Detokenizer(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
+def text_stream(tokenizer: Detokenizer, params: GenParams, on_text: Callable[[str], None] | None) -> TextStream:
+    """The reply's text stream for `params`: its stop strings, and for forced parallel tool calls the end of a reply
+    that starts repeating a call."""
+    cut = None
+    if params.response_format is not None and params.response_format.calls > 1:
+        from service.engines.tools import repeated_call  # noqa: PLC0415 - tools imports this module
+
+        cut = repeated_call
+    return TextStream(tokenizer, params.stop, on_text, cut)
+
+
 class TextStream:
     """Incremental detokenization with stop strings: emits only text that is final.
 
@@ -131,9 +142,11 @@ class TextStream:
     prefix of a stop string, so the concatenated deltas always equal the final text.
     """
 
-    def __init__(self, tokenizer: Detokenizer, stop: tuple[str, ...], on_text: Callable[[str], None] | None):
+    def __init__(self, tokenizer: Detokenizer, stop: tuple[str, ...], on_text: Callable[[str], None] | None,
+                 cut: Callable[[str], int | None] | None = None):
         self._tok = tokenizer
         self._stop = stop
+        self._cut = cut  # where the text must end, given all of it, or None (forced calls: service.engines.tools)
         self._on_text = on_text
         self._ids: list[int] = []
         self._prefix = 0  # ids[_prefix:_read] decode to the tail of `text` already accounted
@@ -152,6 +165,10 @@ class TextStream:
         if len(after) > len(before) and not after.endswith("\ufffd"):
             self.text += after[len(before) :]
             self._prefix, self._read = self._read, len(self._ids)
+        if self._cut is not None and (end := self._cut(self.text)) is not None:
+            self.text = self.text[:end]
+            self._emit(len(self.text))
+            return True
         return self._check_stop()
 
     def _check_stop(self) -> bool:

@@ -115,10 +115,35 @@ def fold(messages: list[Message], tools: tuple[dict[str, Any], ...] | None) -> l
     return out
 
 
-def parse_calls(text: str, parallel: bool = True) -> tuple[str | None, list[dict[str, Any]]]:
+def repeated_call(text: str) -> int | None:
+    """Where to end a reply of forced calls whose last `<tool_call>` block repeats an earlier one word for word (a
+    small model loops so until max_tokens): the end of the block before it. None while the reply does not."""
+    if not text.rstrip().endswith(CALL_CLOSE.strip()):
+        return None
+    blocks = list(_CALL.finditer(text))
+    if len(blocks) < 2 or blocks[-1].group(1) not in {b.group(1) for b in blocks[:-1]}:
+        return None
+    return blocks[-2].end()
+
+
+def _open_fragment(text: str) -> int:
+    """Where a `<tool_call>` block the reply was cut inside begins, or its tag was cut (len(text) when none is)."""
+    opened = text.rfind("<tool_call>")
+    if opened >= 0 and text.find("</tool_call>", opened) < 0:
+        return opened
+    tag = next((k for k in range(len("<tool_call>") - 1, 0, -1) if text.endswith("<tool_call>"[:k])), 0)
+    return len(text) - tag
+
+
+def parse_calls(text: str, parallel: bool = True,
+                cut: bool = False) -> tuple[str | None, list[dict[str, Any]]]:
     """The reply's content without its `<tool_call>` blocks, and the calls in OpenAI's shape (the blocks that are
-    JSON objects with a string `name`; any other block stays in the content)."""
+    JSON objects with a string `name`; any other block stays in the content). A call repeated word for word is one
+    call. `cut`: the reply ended at max_tokens, so a block it was cut inside is dropped, not left as content."""
+    if cut:
+        text = text[:_open_fragment(text)]
     calls: list[dict[str, Any]] = []
+    seen: set[str] = set()
     kept: list[str] = []
     at = 0
     for match in _CALL.finditer(text):
@@ -130,15 +155,27 @@ def parse_calls(text: str, parallel: bool = True) -> tuple[str | None, list[dict
             continue
         kept.append(text[at:match.start()])
         at = match.end()
+        if match.group(1) in seen:
+            continue
+        seen.add(match.group(1))
         if parallel or not calls:
             arguments = call.get("arguments", {})
             calls.append({"id": "call_" + secrets.token_hex(12), "type": "function",
                           "function": {"name": call["name"], "arguments": json.dumps(arguments)}})
     if not calls:
-        return text, []
+        return (text.strip() or None) if cut else text, []
     kept.append(text[at:])
     content = "".join(kept).strip()
     return content or None, calls
+
+
+def _closed(parameters: dict[str, Any]) -> dict[str, Any]:
+    """A tool's parameters with no property the tool does not name, unless it says otherwise (as llama.cpp's
+    grammars and OpenAI's strict mode read them): a forced call of a small model otherwise fills one invented
+    property after another until max_tokens."""
+    if parameters.get("type") == "object" and "additionalProperties" not in parameters:
+        return {**parameters, "additionalProperties": False}
+    return parameters
 
 
 def call_schema(tools: Iterable[dict[str, Any]], names: Iterable[str]) -> dict[str, Any]:
@@ -147,6 +184,6 @@ def call_schema(tools: Iterable[dict[str, Any]], names: Iterable[str]) -> dict[s
     by_name = {t["function"]["name"]: t["function"] for t in tools}
     options = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                 "properties": {"name": {"const": name},
-                               "arguments": by_name[name].get("parameters") or NO_ARGUMENTS}}
+                               "arguments": _closed(by_name[name].get("parameters") or NO_ARGUMENTS)}}
                for name in dict.fromkeys(names)]
     return options[0] if len(options) == 1 else {"anyOf": options}

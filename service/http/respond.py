@@ -119,10 +119,12 @@ def choices(gen: Generation, chat: bool, tools: ToolSpec | None) -> list[dict[st
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
         finish = c.finish_reason
         if tools is not None:
-            content, calls = parse_calls(c.text, tools.parallel)
+            cut = c.finish_reason == "length"
+            content, calls = parse_calls(c.text, tools.parallel, cut=cut)
+            message = {"role": "assistant", "content": content}
             if calls:
-                message = {"role": "assistant", "content": content, "tool_calls": calls}
-                finish = "tool_calls"
+                message["tool_calls"] = calls
+                finish = "length" if cut else "tool_calls"  # a reply cut at max_tokens says so
         out.append({"index": index, "message": message, "logprobs": _chat_logprobs(c.logprobs),
                     "finish_reason": finish})
     return out

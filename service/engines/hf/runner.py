@@ -12,7 +12,7 @@ import torch
 from service.engines.base import PrefillHook
 from service.engines.chat import chat_token_ids, remap_known
 from service.engines.gate import LayerGate
-from service.engines.generation import END_TOKENS, Choice, Generation, GenParams, TextStream, reply_ids
+from service.engines.generation import END_TOKENS, Choice, Generation, GenParams, TextStream, reply_ids, text_stream
 from service.engines.guides import LlgGuide, llg_tokenizer
 from service.engines.hf import boundarycache, hfcache
 from service.engines.hf.models import LoadedModel
@@ -166,7 +166,7 @@ class ModelRunner:
                         if on_prefill is not None:  # after the first token: not in its TTFT
                             on_prefill(lambda start, end, cache=cache: _copy_out(cache, start, end, self.full))
 
-                stream = TextStream(self.tokenizer, params.stop, on_text if choice == 0 else None)
+                stream = text_stream(self.tokenizer, params, on_text if choice == 0 else None)
                 decoded[choice], cache = self._decode(after_prompt, cache, prompt, params, choice, stream, max_new,
                                                       on_first)
         return self._generation(prompt, cached, cache, decoded, ttft, started, keep_from, prompt_state)
@@ -323,7 +323,7 @@ class ModelRunner:
                 cache = self._restored(cached_kv, cached, kv_ready, boundary)
         sampler = Sampler(params, prompt, choice=0, guide=self._guide(params), token_text=self.token_text,
                           device=self.loaded.device)
-        return Live(prompt, cache, _Decoded(TextStream(self.tokenizer, params.stop, on_text), [], "length", False,
+        return Live(prompt, cache, _Decoded(text_stream(self.tokenizer, params, on_text), [], "length", False,
                                             False, sampler), max_new, cached, started, keep_from, on_prefill,
                     fed=cached)
 

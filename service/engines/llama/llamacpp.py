@@ -36,7 +36,7 @@ from service.engines import LLAMACPP_MISSING
 from service.engines.base import KvGeometry, PrefillHook
 from service.engines.chat import chat_token_ids, remap_known
 from service.engines.gate import LayerGate
-from service.engines.generation import Choice, Generation, GenParams, TextStream, reply_ids
+from service.engines.generation import Choice, Generation, GenParams, TextStream, reply_ids, text_stream
 from service.engines.guides import GbnfGuide
 from service.engines.llama import PARALLEL, boundarystate, llamastate, statewrite
 from service.engines.llama.gguf import (
@@ -262,7 +262,7 @@ class LlamaCppEngine(ModelProbe, LendsStates):
                     state[size:size + len(piece)] = piece
                     size += len(piece)
         max_new = min(params.max_tokens, limit - len(prompt))
-        req = SeqRequest(prompt, state, cached, params, on_text, TextStream(self.vocab, params.stop, on_text),
+        req = SeqRequest(prompt, state, cached, params, on_text, text_stream(self.vocab, params, on_text),
                        self._sampler(params, prompt, 0), max_new, on_prefill)
         req.state_size = size
         req.lent, req.planned = lent is not None, planned
@@ -323,7 +323,7 @@ class LlamaCppEngine(ModelProbe, LendsStates):
             state = statewrite.assemble_state(cached_kv[:, :, :, :cached], self.state_geometry,
                                               into=self._state_buffers.take(size))
         req = SeqRequest(prompt, state, cached if state is not None else 0, params, None,
-                       TextStream(self.vocab, params.stop, None), self._sampler(params, prompt, choice), max_new)
+                       text_stream(self.vocab, params, None), self._sampler(params, prompt, choice), max_new)
         req.state_size, req.planned, req.keeps_state = size, cached if state is not None else 0, False
         return req
 
