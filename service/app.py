@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -20,7 +21,7 @@ from starlette.routing import BaseRoute, Route
 
 from cachestore.codec.blockcodec import BlockCodecs
 from cachestore.errors import KvstashError
-from cachestore.settings import StoreSettings
+from cachestore.settings import StoreSettings, mask_url
 from cachestore.store import BlockStore
 from service.cache import codecnames
 from service.cache.pipeline import Pipeline
@@ -39,6 +40,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstash.service")
 DEAD_SAMPLE_EVERY = 20  # usage samples per sample of the dead bytes (kvstash_cache_dead_bytes)
 IO_THREADS = 8  # asyncio.to_thread's pool in a pod: encoding for write-back, tails, copies
+
+
+def shared_redis(url: str) -> bool:
+    """Whether a Redis URL names a server beyond this machine (every host of a cluster or sentinel URL counts): where
+    unsigned frames are worth a warning. A unix socket or a loopback address is this machine's own."""
+    if url.startswith("unix:"):
+        return False
+    netloc = urlsplit(url).netloc.rpartition("@")[2]
+    hosts = [item[1:item.find("]")] if item.startswith("[") else item.split(":")[0] for item in netloc.split(",")]
+    return any(h not in ("localhost", "::1", "") and not h.startswith("127.") for h in hosts)
 
 
 def store_settings(settings: PodSettings) -> StoreSettings:
@@ -167,6 +178,11 @@ def create_app(settings: PodSettings, engine: Engine | LoadedModel | None = None
         if state.writer is not None:
             state.writer.start()
         sampler = asyncio.create_task(_sample_usage(state), name="kvstash-usage") if state.store else None
+        state.metrics.frames_signed.set(1 if pod_settings.frame_key else 0)
+        if state.store is not None and not pod_settings.frame_key and shared_redis(pod_settings.redis_url):
+            log.warning("frames are unsigned on a Redis other pods and clients can reach (%s): whoever can write "
+                        "there can hand this pod KV of its choosing; set KVSTASH_FRAME_KEY on every pod "
+                        "(docs/security.md)", mask_url(pod_settings.redis_url))
         log.info("pod ready: %r", pod_settings)
         try:
             yield

@@ -7,6 +7,7 @@ import hmac
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any
 
 from cachestore.errors import ConfigError
@@ -95,6 +96,9 @@ class PodSettings:
             raise ConfigError("max_queue and write_queue must be at least 1")
         if self.frame_key_previous and not self.frame_key:
             raise ConfigError("KVSTASH_FRAME_KEY_PREVIOUS needs KVSTASH_FRAME_KEY (the key pods write with)")
+        if PLACEHOLDER in (self.frame_key, self.frame_key_previous, self.tenant_secret):
+            raise ConfigError(f"a secret still holds the manifests' placeholder {PLACEHOLDER!r}: create it "
+                              "(docs/security.md)")
         if self.frame_key and self.frame_key == self.tenant_secret:
             raise ConfigError("the frame key must differ from the tenant secret")
         if self.tenant_quota_bytes < 0:
@@ -299,9 +303,31 @@ def malloc_arenas(environ: Mapping[str, str] | None = None) -> int:
     return value
 
 
+# secrets a container may mount as files: KVSTASH_<NAME>_FILE holds the path (Docker and Kubernetes secrets)
+SECRET_VARS = ("FRAME_KEY", "FRAME_KEY_PREVIOUS", "TENANT_SECRET", "REDIS_URL", "API_KEYS", "UPSTREAM_API_KEY")
+PLACEHOLDER = "CHANGE-ME"  # what the example manifests hold until an operator creates the secret
+
+
+def with_secret_files(env: Mapping[str, str]) -> Mapping[str, str]:
+    """`env` with each KVSTASH_<NAME>_FILE read into KVSTASH_<NAME> (its content, surrounding whitespace stripped)."""
+    out = dict(env)
+    for name in SECRET_VARS:
+        path = env.get(f"KVSTASH_{name}_FILE")
+        if not path:
+            continue
+        if env.get(f"KVSTASH_{name}"):
+            raise ConfigError(f"set KVSTASH_{name} or KVSTASH_{name}_FILE, not both")
+        try:
+            out[f"KVSTASH_{name}"] = Path(path).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"KVSTASH_{name}_FILE: cannot read {path}: {exc.strerror}") from None
+    return out
+
+
 def settings_from_env(environ: Mapping[str, str] | None = None) -> PodSettings:
-    """Build settings from KVSTASH_* variables (e.g. KVSTASH_REDIS_URL, KVSTASH_CODEC)."""
-    env = os.environ if environ is None else environ
+    """Build settings from KVSTASH_* variables (e.g. KVSTASH_REDIS_URL, KVSTASH_CODEC), a secret's from the file its
+    KVSTASH_<NAME>_FILE names where that is set."""
+    env = with_secret_files(os.environ if environ is None else environ)
     values: dict[str, Any] = {}
     for name, cast in _ENV_CASTS.items():
         value = _env_value(env, f"KVSTASH_{name.upper()}", cast)

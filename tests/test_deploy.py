@@ -13,13 +13,15 @@ import pytest
 import redis
 import yaml
 
+from cachestore.errors import ConfigError
 from ops.redisproc import RedisProcess, free_port, redis_binary
-from service.settings import _ENV_CASTS, settings_from_env
+from service.settings import _ENV_CASTS, PLACEHOLDER, SECRET_VARS, settings_from_env
 
 ROOT = Path(__file__).resolve().parent.parent
 OPS = ROOT / "ops"
 KNOWN_ENV = {f"KVSTASH_{n.upper()}" for n in _ENV_CASTS} | {"KVSTASH_NO_CACHE", "KVSTASH_API_KEYS",
                                                             "KVSTASH_REDIS_URL", "KVSTASH_CACHE_DIR"}
+KNOWN_ENV |= {f"KVSTASH_{n}_FILE" for n in SECRET_VARS}
 
 
 def load(path: Path) -> Any:
@@ -48,13 +50,23 @@ def test_compose_parses_and_references_existing_files() -> None:
     assert services["redis"]["healthcheck"]["test"][-1] == "ping"
 
 
-def test_compose_pods_are_alike_and_their_settings_load() -> None:
-    services = load(ROOT / "docker-compose.yml")["services"]
+def test_compose_pods_are_alike_and_their_settings_load(tmp_path: Path) -> None:
+    compose = load(ROOT / "docker-compose.yml")
+    services = compose["services"]
     envs = [services[f"pod{i}"]["environment"] for i in (1, 2, 3)]
     assert [e.pop("KVSTASH_POD_NAME") for e in envs] == ["pod1", "pod2", "pod3"]
     assert envs[0] == envs[1] == envs[2]
     assert set(envs[0]) <= KNOWN_ENV
-    settings = settings_from_env({k: substitute(str(v)) for k, v in envs[0].items()})
+    # signed out of the box: the frame key is a compose secret, from the file `make secrets` writes
+    (secret,) = services["pod1"]["secrets"]
+    assert envs[0]["KVSTASH_FRAME_KEY_FILE"] == f"/run/secrets/{secret}"
+    assert compose["secrets"][secret]["file"] == "./.secrets/frame_key"
+    assert ".secrets/frame_key:" in (ROOT / "Makefile").read_text()
+    key = tmp_path / "frame_key"
+    key.write_text("0123456789abcdef" * 4 + "\n")
+    env = {k: substitute(str(v)) for k, v in envs[0].items()} | {"KVSTASH_FRAME_KEY_FILE": str(key)}
+    settings = settings_from_env(env)
+    assert settings.frame_key == "0123456789abcdef" * 4
     assert settings.redis_url == "redis://redis:6379/0" and settings.codec == "exact"
     maxmemory = re.search(r"^maxmemory (\d+)gb$", (OPS / "redis" / "redis.conf").read_text(), re.M)
     assert maxmemory is not None
@@ -180,6 +192,10 @@ def test_k8s_manifests() -> None:
     assert refs == {docs["ConfigMap"]["metadata"]["name"], docs["Secret"]["metadata"]["name"]}
     env = set(docs["ConfigMap"]["data"]) | set(docs["Secret"]["stringData"]) | {e["name"] for e in container["env"]}
     assert env <= KNOWN_ENV
+    # signed by default: the Secret holds a frame key, a placeholder pods refuse until an operator makes one
+    assert docs["Secret"]["stringData"]["KVSTASH_FRAME_KEY"] == PLACEHOLDER
+    with pytest.raises(ConfigError, match="placeholder"):
+        settings_from_env({"KVSTASH_FRAME_KEY": PLACEHOLDER})
     assert all(isinstance(v, str) for v in docs["ConfigMap"]["data"].values())  # ConfigMap values are strings
     service = docs["Service"]
     assert service["spec"].get("sessionAffinity", "None") == "None"

@@ -103,4 +103,7 @@ class PodMetrics:
                                    "assume (measured end to end, or configured; 0: not known yet)", registry=r)
         self.prefill_estimate = Gauge("kvstash_prefill_tokens_per_second", "The prefill rate the fetch plans assume "
                                       "(measured, or configured; 0: not known yet)", registry=r)
+        self.frames_signed = Gauge("kvstash_frames_signed", "1: this pod signs every value it writes and checks every "
+                                   "value it reads (KVSTASH_FRAME_KEY); 0: unsigned, so any client that can write to "
+                                   "this Redis can hand the pod KV of its choosing", registry=r)
         r.register(_StoreCollector(store_stats))
