@@ -20,6 +20,7 @@ from cachestore.codec import read_header
 from ops.redisproc import RedisProcess
 from service.app import create_app
 from service.engines import GenParams
+from service.engines.generation import GenRequest
 from service.engines.hf.engine import HfEngine
 from service.engines.hf.layout import CONV, RECURRENT
 from service.settings import PodSettings
@@ -93,18 +94,18 @@ def test_a_hit_at_a_boundary_continues_the_kv_of_a_prefill(engines: dict[str, Hf
     masks carry on (a sliding layer's cumulative length, a conv layer's previous state); this holds even where a
     tiny model's greedy reply would not show it."""
     engine = engines["reference"]
-    first = engine.generate(list(range(100, 100 + 5 * WINDOW)), None, GenParams(max_tokens=6))
+    first = engine.generate(GenRequest(list(range(100, 100 + 5 * WINDOW)), None, GenParams(max_tokens=6)))
     position = len(first.seq_ids)
     assert [p for p, _ in first.boundaries] == [5 * WINDOW, position]
     follow = first.seq_ids + list(range(400, 400 + 2 * WINDOW))
-    prefilled = engine.generate(follow, None, GenParams(max_tokens=6))
-    hit = engine.generate(follow, first.kv, GenParams(max_tokens=6), boundary=first.boundaries[-1][1])
+    prefilled = engine.generate(GenRequest(follow, None, GenParams(max_tokens=6)))
+    hit = engine.generate(GenRequest(follow, first.kv, GenParams(max_tokens=6), boundary=first.boundaries[-1][1]))
     assert hit.cached_tokens == position and hit.token_ids == prefilled.token_ids
     assert hit.kv.shape == prefilled.kv.shape
     assert torch.allclose(hit.kv[:, :, :, position:], prefilled.kv[:, :, :, position:], atol=1e-4)
     assert dict(hit.boundaries)[len(follow)] and engine.boundary_problem(hit.boundaries[0][1], len(follow)) is None
     # n > 1: every choice after the prompt's own state
-    both = engine.generate(follow, first.kv, GenParams(max_tokens=6, n=2), boundary=first.boundaries[-1][1])
+    both = engine.generate(GenRequest(follow, first.kv, GenParams(max_tokens=6, n=2), boundary=first.boundaries[-1][1]))
     assert both.token_ids == both.choices[0].token_ids == prefilled.token_ids
 
 
@@ -128,7 +129,7 @@ def test_a_conversation_alternating_pods_hits_every_later_turn_and_replies_exact
                 assert cached == len(previous.seq_ids), (turn, cached, len(previous.seq_ids))
                 assert resp.headers["x-kv-cache"] in ("hit", "partial")
             # the reference prefills the whole conversation every turn: no cache, no boundary state of its own
-            expected = reference.generate(prompt, None, GenParams(max_tokens=MAX_TOKENS))
+            expected = reference.generate(GenRequest(prompt, None, GenParams(max_tokens=MAX_TOKENS)))
             assert _reply(resp) == expected.text, f"turn {turn}: the cache changed the reply"
             assert resp.json()["choices"][0]["token_ids"] == expected.token_ids, f"turn {turn}: token for token"
             previous = expected
@@ -156,7 +157,8 @@ def _second_turn(engines: dict[str, HfEngine], server: RedisProcess, mutate: Any
         mutate(server)
         messages += [{"role": "assistant", "content": _reply(first)}, {"role": "user", "content": QUESTIONS[1]}]
         second = _chat(b, engines["b"], messages, headers=headers[1])
-    prefilled = engines["reference"].generate(second.json()["prompt_token_ids"], None, GenParams(max_tokens=MAX_TOKENS))
+    prefilled = engines["reference"].generate(GenRequest(second.json()["prompt_token_ids"], None,
+                                                         GenParams(max_tokens=MAX_TOKENS)))
     assert _reply(second) == prefilled.text
     return second
 
@@ -191,7 +193,7 @@ def test_a_record_of_another_layout_or_position_is_a_miss(engines: dict[str, HfE
     foreign_engine = _load(other)
     try:
         prompt = foreign_engine.chat_ids([SYSTEM, {"role": "user", "content": QUESTIONS[0]}])
-        foreign = foreign_engine.generate(prompt, None, GenParams(max_tokens=4)).boundaries[-1][1]
+        foreign = foreign_engine.generate(GenRequest(prompt, None, GenParams(max_tokens=4))).boundaries[-1][1]
     finally:
         foreign_engine.close()
 
@@ -204,7 +206,7 @@ def test_a_record_of_another_layout_or_position_is_a_miss(engines: dict[str, HfE
     # the right layout's state, of a position no record is at: one token before the prompt's end
     reference = engines["reference"]
     prompt = reference.chat_ids([SYSTEM, {"role": "user", "content": QUESTIONS[0]}])
-    elsewhere = reference.generate(prompt[:-1], None, GenParams(max_tokens=1)).boundaries[-1]
+    elsewhere = reference.generate(GenRequest(prompt[:-1], None, GenParams(max_tokens=1))).boundaries[-1]
     assert elsewhere[0] == len(prompt) - 1
 
     def moved(value: bytes) -> bytes:
@@ -230,11 +232,11 @@ def test_a_qwen3_next_hit_continues_its_conv_and_recurrent_states() -> None:
     engine = _load("qwen3-next")
     try:
         assert engine.layout.recurrent == (0, 2) and {s.kind for s in engine.layout.slots} == {CONV, RECURRENT}
-        first = engine.generate(list(range(100, 260)), None, GenParams(max_tokens=6))
+        first = engine.generate(GenRequest(list(range(100, 260)), None, GenParams(max_tokens=6)))
         position = len(first.seq_ids)
         follow = first.seq_ids + list(range(400, 464))
-        prefilled = engine.generate(follow, None, GenParams(max_tokens=6))
-        hit = engine.generate(follow, first.kv, GenParams(max_tokens=6), boundary=first.boundaries[-1][1])
+        prefilled = engine.generate(GenRequest(follow, None, GenParams(max_tokens=6)))
+        hit = engine.generate(GenRequest(follow, first.kv, GenParams(max_tokens=6), boundary=first.boundaries[-1][1]))
         assert hit.cached_tokens == position and hit.token_ids == prefilled.token_ids
         assert torch.allclose(hit.kv[:, :, :, position:], prefilled.kv[:, :, :, position:], atol=1e-4)
     finally:

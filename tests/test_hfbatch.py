@@ -12,6 +12,7 @@ import torch
 
 from cachestore.errors import ConfigError
 from service.engines import GenParams, load_engine
+from service.engines.generation import GenRequest
 from service.engines.hf import hfcache
 from service.engines.hf.batch import PREFILL_CHUNK
 from service.engines.hf.engine import HfEngine
@@ -45,7 +46,7 @@ def test_concurrent_requests_decode_in_shared_steps_with_the_greedy_tokens_of_on
     of several prefill chunks, fed between the others' decoding steps."""
     prompts = [_prompt(engine, q) for q in QUESTIONS]
     assert len(prompts[3]) > 2 * PREFILL_CHUNK
-    alone = [engine.runner.generate(p, None, GREEDY) for p in prompts]  # sequential, never batched
+    alone = [engine.runner.generate(GenRequest(p, None, GREEDY)) for p in prompts]  # sequential, never batched
     with torch.inference_mode():
         _, cache = hfcache.forward(engine.runner.model, prompts[0], None)
     hit_kv = hfcache.tensor_from_cache(cache)[:, :, :, :16]  # one of them resumes a cached prefix
@@ -54,8 +55,8 @@ def test_concurrent_requests_decode_in_shared_steps_with_the_greedy_tokens_of_on
     release = threading.Event()
     holding = threads.compute_executor().submit(release.wait)
     with ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(engine.generate, p, hit_kv if i == 0 else None, GREEDY,
-                               deltas.append if i == 1 else None) for i, p in enumerate(prompts)]
+        futures = [pool.submit(engine.generate, GenRequest(p, hit_kv if i == 0 else None, GREEDY,
+                               deltas.append if i == 1 else None)) for i, p in enumerate(prompts)]
         _all_waiting(engine, len(prompts))  # the compute thread is held: they begin together once it is free
         release.set()
         holding.result()
@@ -79,21 +80,21 @@ def test_a_short_prompt_is_prefilled_before_a_long_one_that_came_first(engine: H
     release = threading.Event()
     holding = threads.compute_executor().submit(release.wait)
     with ThreadPoolExecutor(2) as pool:
-        first = pool.submit(engine.generate, long, None, GREEDY)
+        first = pool.submit(engine.generate, GenRequest(long, None, GREEDY))
         _all_waiting(engine, 1)
-        second = pool.submit(engine.generate, short, None, GREEDY)
+        second = pool.submit(engine.generate, GenRequest(short, None, GREEDY))
         _all_waiting(engine, 2)
         release.set()
         holding.result()
         slow, quick = first.result(timeout=120), second.result(timeout=120)
     assert quick.ttft_s < slow.ttft_s  # first come, first fed would give the long prompt its first token first
-    assert quick.token_ids == engine.runner.generate(short, None, GREEDY).token_ids
-    assert slow.token_ids == engine.runner.generate(long, None, GREEDY).token_ids
+    assert quick.token_ids == engine.runner.generate(GenRequest(short, None, GREEDY)).token_ids
+    assert slow.token_ids == engine.runner.generate(GenRequest(long, None, GREEDY)).token_ids
 
 
 def test_a_request_of_several_choices_and_a_failing_one_leave_the_others_alone(engine: HfEngine) -> None:
     prompt = _prompt(engine, QUESTIONS[0])
-    two = engine.generate(prompt, None, GenParams(max_tokens=8, n=2, temperature=1.0, seed=3))
+    two = engine.generate(GenRequest(prompt, None, GenParams(max_tokens=8, n=2, temperature=1.0, seed=3)))
     assert len(two.choices) == 1 and len(two.token_ids) >= 1
 
     def hang_up(_: str) -> None:
@@ -102,17 +103,18 @@ def test_a_request_of_several_choices_and_a_failing_one_leave_the_others_alone(e
     release = threading.Event()
     holding = threads.compute_executor().submit(release.wait)
     with ThreadPoolExecutor(2) as pool:
-        gone = pool.submit(engine.generate, prompt, None, GREEDY, hang_up)
-        kept = pool.submit(engine.generate, _prompt(engine, QUESTIONS[1]), None, GREEDY)
+        gone = pool.submit(engine.generate, GenRequest(prompt, None, GREEDY, hang_up))
+        kept = pool.submit(engine.generate, GenRequest(_prompt(engine, QUESTIONS[1]), None, GREEDY))
         _all_waiting(engine, 2)
         release.set()
         holding.result()
         with pytest.raises(ConnectionError):
             gone.result(timeout=120)
-        assert kept.result(timeout=120).token_ids == engine.runner.generate(_prompt(engine, QUESTIONS[1]), None,
-                                                                            GREEDY).token_ids
+        assert kept.result(timeout=120).token_ids == engine.runner.generate(GenRequest(_prompt(engine, QUESTIONS[1]),
+                                                                                       None,
+                                                                            GREEDY)).token_ids
     with pytest.raises(ValueError, match="token ids"):
-        engine.generate([10**9], None, GREEDY)
+        engine.generate(GenRequest([10**9], None, GREEDY))
 
 
 def test_a_pod_that_names_no_parallel_gets_its_engines_own_and_a_number_outside_0_to_64_is_refused() -> None:

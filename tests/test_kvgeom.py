@@ -16,6 +16,7 @@ from ops.pods import PodProcess
 from ops.redisproc import RedisProcess
 from ops.sidecarproc import SidecarProcess
 from service.engines import GenParams, kvgeom
+from service.engines.generation import GenRequest
 from service.engines.randommodels import converter_missing
 from tests.support import cached_tokens, running, settle
 
@@ -53,7 +54,7 @@ def test_kvgeom_8b_caches_its_shape_on_the_hf_engine() -> None:
     assert (g.num_layers, g.kv_heads, g.head_dim, g.max_context) == (32, 8, 128, 8192)
     assert engine.loaded.name == MODEL
     ids = engine.chat_ids(MESSAGES)
-    kv = engine.generate(ids, None, GenParams(max_tokens=2)).kv  # [layers, 2, kv_heads, tokens, head_dim]
+    kv = engine.generate(GenRequest(ids, None, GenParams(max_tokens=2))).kv  # [layers, 2, kv_heads, tokens, head_dim]
     assert kv.shape[:3] == (32, 2, 8) and kv.shape[4] == 128 and kv.shape[3] >= len(ids)
     assert kv[:, :, :, :1].to(torch.float16).numel() * 2 == 128 << 10  # one token's fp16 KV
 

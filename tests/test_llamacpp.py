@@ -19,6 +19,7 @@ from ops.redisproc import RedisProcess
 from service.app import store_settings
 from service.cache.pipeline import Pipeline
 from service.engines import GenParams, load_engine
+from service.engines.generation import GenRequest
 from service.engines.ggufpath import smollm2_gguf
 from service.engines.llama.llamacpp import LlamaCppEngine
 from service.engines.llama.llamastate import (
@@ -108,28 +109,28 @@ def test_pinned_layout_round_trips_through_exact_blocks_bit_identically(engine: 
 
 def test_a_hit_is_token_identical_to_a_full_prefill(engine: LlamaCppEngine) -> None:
     prompt = _prompt(engine, QUESTIONS[0])
-    full = engine.generate(prompt, None, GREEDY)
+    full = engine.generate(GenRequest(prompt, None, GREEDY))
     assert full.kv.shape == (30, 2, 3, len(full.seq_ids), 64) and full.kv.dtype == torch.float16
     assert full.seq_ids == prompt + full.token_ids[:-1]
     for cached in (1, 16, len(prompt) - 1, len(prompt)):
-        hit = engine.generate(prompt, full.kv[:, :, :, :cached], GREEDY)
+        hit = engine.generate(GenRequest(prompt, full.kv[:, :, :, :cached], GREEDY))
         assert hit.token_ids == full.token_ids, cached
         assert hit.cached_tokens == min(cached, len(prompt) - 1)
         assert torch.equal(hit.kv[:, :, :, :len(prompt)], full.kv[:, :, :, :len(prompt)])
     follow = full.seq_ids + full.token_ids[-1:] + engine.chat_ids([{"role": "user", "content": "And then?"}])[1:]
-    again = engine.generate(follow, full.kv, GREEDY)
+    again = engine.generate(GenRequest(follow, full.kv, GREEDY))
     assert again.cached_tokens == full.kv.shape[3]
-    assert again.token_ids == engine.generate(follow, None, GREEDY).token_ids
+    assert again.token_ids == engine.generate(GenRequest(follow, None, GREEDY)).token_ids
 
 
 def test_a_hit_returns_only_the_kv_its_write_back_needs(engine: LlamaCppEngine) -> None:
     """keep_from: the KV from that token on, the same values as the whole sequence's, and kv_from says where it
     starts (a hit of 2048 tokens no longer parses 47 MB of state it already has in Redis)."""
     prompt = _prompt(engine, QUESTIONS[1])
-    full = engine.generate(prompt, None, GREEDY)
+    full = engine.generate(GenRequest(prompt, None, GREEDY))
     assert full.kv_from == 0
     for keep in (16, len(prompt) - 1, len(full.seq_ids), len(full.seq_ids) + 5):
-        hit = engine.generate(prompt, full.kv[:, :, :, :16], GREEDY, keep_from=keep)
+        hit = engine.generate(GenRequest(prompt, full.kv[:, :, :, :16], GREEDY, keep_from=keep))
         start = min(keep, len(full.seq_ids))
         assert hit.token_ids == full.token_ids and hit.kv_from == start, keep
         assert hit.kv.shape[3] == len(hit.seq_ids) - start
@@ -150,8 +151,8 @@ def test_finished_states_are_read_back_into_pooled_buffers(engine: LlamaCppEngin
         return make(n)
 
     monkeypatch.setattr(pool, "_make", counted)
-    short = engine.generate(_prompt(engine, QUESTIONS[0]), None, GREEDY)
-    engine.generate(_prompt(engine, " ".join(QUESTIONS * 3)), None, GREEDY)
+    short = engine.generate(GenRequest(_prompt(engine, QUESTIONS[0]), None, GREEDY))
+    engine.generate(GenRequest(_prompt(engine, " ".join(QUESTIONS * 3)), None, GREEDY))
     hooked: list[Callable[[int, int], torch.Tensor]] = []
     early: list[torch.Tensor] = []
 
@@ -159,7 +160,7 @@ def test_finished_states_are_read_back_into_pooled_buffers(engine: LlamaCppEngin
         hooked.append(get_kv)
         early.append(get_kv(0, 16))
 
-    again = engine.generate(_prompt(engine, QUESTIONS[0]), None, GREEDY, on_prefill=on_prefill)
+    again = engine.generate(GenRequest(_prompt(engine, QUESTIONS[0]), None, GREEDY, on_prefill=on_prefill))
     assert len(made) <= 1 and pool.idle == 1  # one buffer (4 MB rounds hold these states) for all of them
     assert again.token_ids == short.token_ids and torch.equal(again.kv, short.kv)
     assert torch.equal(early[0], short.kv[:, :, :, :16])  # the prefill's snapshot, read during the hook
@@ -172,13 +173,13 @@ def test_a_hit_dequantized_into_a_lent_state_is_token_identical(engine: LlamaCpp
     the cells past the hit, never written (NaN here), are dropped after the state is set: the reply and the KV are
     those of a full prefill, whether the hit fills the state or 20 cells fewer."""
     prompt = _prompt(engine, QUESTIONS[2])
-    full = engine.generate(prompt, None, GREEDY)
+    full = engine.generate(GenRequest(prompt, None, GREEDY))
     for planned, cached in ((len(prompt) - 1, len(prompt) - 1), (len(prompt) - 1, len(prompt) - 21)):
         lent = engine.context_for(planned)
         assert lent is not None and lent.shape == (30, 2, 3, planned, 64) and lent.dtype == torch.float16
         lent.fill_(float("nan"))
         lent[:, :, :, :cached] = full.kv[:, :, :, :cached]
-        hit = engine.generate(prompt, lent[:, :, :, :cached], GREEDY)
+        hit = engine.generate(GenRequest(prompt, lent[:, :, :, :cached], GREEDY))
         assert engine.give_context(lent) and not engine.give_context(lent)
         assert hit.cached_tokens == cached and hit.token_ids == full.token_ids, (planned, cached)
         assert torch.equal(hit.kv[:, :, :, :len(prompt)], full.kv[:, :, :, :len(prompt)])
@@ -189,12 +190,12 @@ def test_a_lent_state_mostly_unfilled_is_assembled_instead(engine: LlamaCppEngin
     """A hit of under half the lent state's cells is copied into a state of its own size (setting the whole lent one
     would copy more than twice the hit); the lent buffer is left as it was."""
     prompt = _prompt(engine, QUESTIONS[3])
-    full = engine.generate(prompt, None, GREEDY)
+    full = engine.generate(GenRequest(prompt, None, GREEDY))
     lent = engine.context_for(len(prompt) - 1)
     assert lent is not None
     lent.fill_(float("nan"))
     lent[:, :, :, :8] = full.kv[:, :, :, :8]
-    hit = engine.generate(prompt, lent[:, :, :, :8], GREEDY)
+    hit = engine.generate(GenRequest(prompt, lent[:, :, :, :8], GREEDY))
     assert hit.cached_tokens == 8 and hit.token_ids == full.token_ids
     assert torch.isnan(lent[:, :, :, 8:]).all()
     assert engine.give_context(lent)
@@ -214,7 +215,7 @@ async def test_a_pods_hit_lands_in_a_lent_state_and_the_state_goes_back(
     pipe = Pipeline(settings, engine, store, Codec("fp16"), PodMetrics(), None)
     try:
         prompt = _prompt(engine, " ".join(QUESTIONS))
-        full = engine.generate(prompt, None, GREEDY)
+        full = engine.generate(GenRequest(prompt, None, GREEDY))
         hashes = pipe.hashes(b"lent", prompt[:-1])
         frames = [Codec("fp16").encode(full.kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
         assert (await store.store_blocks(pipe.model_key, hashes, frames)).value == len(hashes) >= 3
@@ -247,7 +248,7 @@ async def test_token_row_frames_are_received_into_the_lent_state_itself(
 
     b = 16
     prompt = _prompt(engine, " ".join(QUESTIONS))
-    full = engine.generate(prompt, None, GREEDY)
+    full = engine.generate(GenRequest(prompt, None, GREEDY))
     for codec in ("fp16", "exact"):
         async with rows_pod(engine, redis_server, codec, b, frame_key) as (store, pipe):
             assert pipe.codecs.main.spec.rows
@@ -296,11 +297,11 @@ async def _corrupt_block_2_then_hit(store: BlockStore, pipe: Pipeline, hashes: l
 
 def test_concurrent_requests_decode_together_with_the_same_replies(engine: LlamaCppEngine) -> None:
     prompts = [_prompt(engine, q) for q in QUESTIONS]  # 5 requests, 4 sequences: one waits for a free one
-    alone = [engine.generate(p, None, GREEDY).token_ids for p in prompts]
+    alone = [engine.generate(GenRequest(p, None, GREEDY)).token_ids for p in prompts]
     together: list[list[int]] = [[] for _ in prompts]
 
     def run(i: int) -> None:
-        together[i] = engine.generate(prompts[i], None, GREEDY).token_ids
+        together[i] = engine.generate(GenRequest(prompts[i], None, GREEDY)).token_ids
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
@@ -315,14 +316,14 @@ def test_a_request_joins_while_another_generates(engine: LlamaCppEngine) -> None
     long_decoding = threading.Event()
 
     def long() -> None:
-        engine.generate(_prompt(engine, "Write a long essay about the sea."), None,
-                        GenParams(max_tokens=300, stop=("\x00never",)), lambda _: long_decoding.set())
+        engine.generate(GenRequest(_prompt(engine, "Write a long essay about the sea."), None,
+                        GenParams(max_tokens=300, stop=("\x00never",)), lambda _: long_decoding.set()))
         long_done.set()
 
     thread = threading.Thread(target=long)
     thread.start()
     assert long_decoding.wait(60), "the long request never produced text"
-    short = engine.generate(_prompt(engine, QUESTIONS[2]), None, GenParams(max_tokens=4))
+    short = engine.generate(GenRequest(_prompt(engine, QUESTIONS[2]), None, GenParams(max_tokens=4)))
     assert len(short.token_ids) <= 4
     assert not long_done.is_set(), "the short request waited for the long one to finish"
     thread.join(120)
@@ -344,7 +345,7 @@ def test_a_short_prompt_is_answered_while_a_long_one_prefills_a_piece_at_a_time(
     assert len(long_prompt) > 6 * chunk
     engine.prefill_chunk = N_BATCH  # the reference: the prompt in steps of N_BATCH
     try:
-        alone = engine.generate(long_prompt, None, GREEDY).token_ids
+        alone = engine.generate(GenRequest(long_prompt, None, GREEDY)).token_ids
     finally:
         engine.prefill_chunk = chunk
     steps: list[dict[int, int]] = []  # per llama_decode: {sequence: tokens it fed}
@@ -365,11 +366,11 @@ def test_a_short_prompt_is_answered_while_a_long_one_prefills_a_piece_at_a_time(
     result: list[list[int]] = []
     try:
         thread = threading.Thread(target=lambda: result.append(engine.generate(
-            long_prompt, None, GREEDY, lambda _: first_text.append(time.perf_counter())).token_ids))
+            GenRequest(long_prompt, None, GREEDY, lambda _: first_text.append(time.perf_counter()))).token_ids))
         thread.start()
         assert prefilling.wait(60)  # the long prompt's prefill is under way
         short_prompt = _prompt(engine, QUESTIONS[2])
-        short = engine.generate(short_prompt, None, GREEDY)
+        short = engine.generate(GenRequest(short_prompt, None, GREEDY))
         answered = time.perf_counter()
         thread.join(120)
     finally:
@@ -403,9 +404,9 @@ def test_an_abandoned_request_frees_its_sequence(engine: LlamaCppEngine) -> None
 
     for _ in range(engine.parallel + 1):  # more abandons than sequences: each one was given back
         with pytest.raises(Gone):
-            engine.generate(_prompt(engine, QUESTIONS[3]), None, GenParams(max_tokens=200), hang_up)
+            engine.generate(GenRequest(_prompt(engine, QUESTIONS[3]), None, GenParams(max_tokens=200), hang_up))
         seen.clear()
-    assert engine.generate(_prompt(engine, QUESTIONS[1]), None, GenParams(max_tokens=3)).token_ids
+    assert engine.generate(GenRequest(_prompt(engine, QUESTIONS[1]), None, GenParams(max_tokens=3))).token_ids
 
 
 def test_typed_special_tokens_stay_text(engine: LlamaCppEngine) -> None:
@@ -433,24 +434,24 @@ def test_models_it_cannot_serve_are_refused_in_one_line(tmp_path: object) -> Non
 
 def test_bad_inputs_are_value_errors(engine: LlamaCppEngine) -> None:
     with pytest.raises(ValueError):
-        engine.generate([], None, GREEDY)
+        engine.generate(GenRequest([], None, GREEDY))
     with pytest.raises(ValueError):
-        engine.generate([10**6], None, GREEDY)
+        engine.generate(GenRequest([10**6], None, GREEDY))
     with pytest.raises(ValueError):
-        engine.generate([1] * 8192, None, GREEDY)
+        engine.generate(GenRequest([1] * 8192, None, GREEDY))
     with pytest.raises(ValueError):
-        engine.generate([1, 2, 3], torch.zeros(30, 2, 3, 5, 64, dtype=torch.float16), GREEDY)
+        engine.generate(GenRequest([1, 2, 3], torch.zeros(30, 2, 3, 5, 64, dtype=torch.float16), GREEDY))
     with pytest.raises(ValueError):
-        engine.generate([1, 2, 3], torch.zeros(30, 2, 2, 2, 64, dtype=torch.float16), GREEDY)
+        engine.generate(GenRequest([1, 2, 3], torch.zeros(30, 2, 2, 2, 64, dtype=torch.float16), GREEDY))
 
 
 def test_score_gives_every_positions_logits(engine: LlamaCppEngine) -> None:
     prompt = _prompt(engine, QUESTIONS[4])
-    full = engine.generate(prompt, None, GREEDY)
+    full = engine.generate(GenRequest(prompt, None, GREEDY))
     n = len(prompt) - 5
     logits = engine.score(full.kv[:, :, :, :n], prompt[n:])  # the quality bench's llama.cpp column
     assert logits.shape == (5, engine.n_vocab)
-    hit = engine.generate(prompt, full.kv[:, :, :, :n], GREEDY)  # the same split: n cached, 5 fed together
+    hit = engine.generate(GenRequest(prompt, full.kv[:, :, :, :n], GREEDY))  # the same split: n cached, 5 fed together
     assert int(logits[-1].argmax()) == hit.token_ids[0]
 
 
@@ -539,7 +540,7 @@ async def test_q8_frames_are_received_into_a_q8_0_state_and_the_reply_is_unchang
 
     engine, b = q8_engine, 16
     prompt = _prompt(engine, " ".join(QUESTIONS))
-    full = engine.generate(prompt, None, GREEDY)
+    full = engine.generate(GenRequest(prompt, None, GREEDY))
     async with rows_pod(engine, redis_server, "q8", b) as (store, pipe):
         hashes = pipe.hashes(b"rows", prompt[:-1])
         frames = [pipe.codecs.at(i).encode(full.kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
@@ -572,7 +573,7 @@ async def test_q8_frames_are_received_into_a_q8_0_state_and_the_reply_is_unchang
         engine.mark_placed(out, half * b)
         out[:, :, :, :half * b] = float("nan")
         out[:, :, :, half * b:len(hashes) * b] = full.kv[:, :, :, half * b:len(hashes) * b]
-        gen = engine.generate(prompt, out[:, :, :, :len(hashes) * b], GREEDY)
+        gen = engine.generate(GenRequest(prompt, out[:, :, :, :len(hashes) * b], GREEDY))
         assert gen.cached_tokens == len(hashes) * b and gen.token_ids == full.token_ids
         assert engine.give_context(out)
 
@@ -595,7 +596,7 @@ async def test_flash_attention_off_stores_v_transposed_and_a_hit_replies_as_a_fu
         assert engine.state_geometry.v_trans and not engine.kv_layout.row_frames
         b = 16
         prompt = _prompt(engine, " ".join(QUESTIONS))
-        full = engine.generate(prompt, None, GREEDY)
+        full = engine.generate(GenRequest(prompt, None, GREEDY))
         blob, _ = _raw_state(prompt[:40])  # llama.cpp's own default (flash attention on here): V as rows
         assert not read_facts(blob).v_trans  # type: ignore[union-attr]
         for codec in ("exact", "int8"):
@@ -647,7 +648,7 @@ def test_the_engine_declares_the_rope_its_keys_carry(engine: LlamaCppEngine) -> 
     rope = engine.kv_layout.rope
     assert rope is not None and rope.pairing == ADJACENT and rope.head_dim == 64
     ids = [17, 400, 23, 999, 5, 17, 61, 17]
-    kv = engine.generate(ids, None, GenParams(max_tokens=1)).kv
+    kv = engine.generate(GenRequest(ids, None, GenParams(max_tokens=1))).kv
     keys = kv[0, 0].float()  # layer 0 [H, T, D]
     plain = turn(keys, rope, -1)
     scale = float(keys.abs().max())

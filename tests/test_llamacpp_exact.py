@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from service.engines import LLAMACPP_MISSING, GenParams
+from service.engines.generation import GenRequest
 from service.engines.ggufpath import smollm2_gguf
 from service.engines.llama.llamacpp import LlamaCppEngine
 from tests.keptseq import KeptSequence
@@ -48,11 +49,11 @@ def test_a_hit_continues_as_the_engine_continues_from_memory(name: str) -> None:
             engine = engines[turn % 2]
             params = GenParams(max_tokens=MAX_TOKENS, logprobs=0)
             if previous is None:
-                gen = engine.generate(prompt, None, params)
+                gen = engine.generate(GenRequest(prompt, None, params))
             else:
                 cached = len(previous.seq_ids)
                 boundary = dict(previous.boundaries)[cached] if engine.boundary_records else None
-                gen = engine.generate(prompt, previous.kv[:, :, :, :cached], params, boundary=boundary)
+                gen = engine.generate(GenRequest(prompt, previous.kv[:, :, :, :cached], params, boundary=boundary))
                 assert gen.cached_tokens == cached, turn
             ids, logprobs = kept.complete(prompt, MAX_TOKENS)
             assert gen.logprobs is not None

@@ -13,6 +13,7 @@ import pytest
 from ops.pods import PodProcess
 from ops.redisproc import RedisProcess
 from service.engines import GenParams
+from service.engines.generation import GenRequest
 from service.engines.llama.llamacpp import LlamaCppEngine
 from tests.support import running, settle
 from tests.tinymodels import converter_missing, tiny_gguf
@@ -84,7 +85,7 @@ def test_turns_alternate_pods_with_hits_and_exact_replies(pods: dict[str, PodPro
                 assert cached >= (previous_prompt // 16) * 16 > 0, (turn, cached, previous_prompt)
                 assert resp.headers["x-kv-cache"] in ("hit", "partial")
             kept = previous_kv[:, :, :, :cached] if cached else None
-            expected = reference.generate(prompt, kept, GenParams(max_tokens=24))
+            expected = reference.generate(GenRequest(prompt, kept, GenParams(max_tokens=24)))
             assert reply == expected.text, f"turn {turn}: the cache changed the reply"
             previous_prompt, previous_kv = usage["prompt_tokens"], expected.kv
             if expected.reply_ids is not None:

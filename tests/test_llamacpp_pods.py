@@ -16,6 +16,7 @@ from ops.chatclient import stream_chat
 from ops.pods import PodProcess
 from ops.redisproc import RedisProcess
 from service.engines import GenParams
+from service.engines.generation import GenRequest
 from service.engines.llama import kv_cache_type
 from service.engines.llama.llamacpp import LlamaCppEngine
 from tests.support import running, settle
@@ -94,7 +95,7 @@ def test_turns_alternate_llama_pods_with_hits_and_exact_replies(
                 assert cached >= (previous_prompt // 16) * 16 > 0, (turn, cached, previous_prompt)
                 assert resp.headers["x-kv-cache"] in ("hit", "partial")
             kept = previous_kv[:, :, :, :cached] if cached else None
-            expected = reference.generate(prompt, kept, GenParams(max_tokens=48))
+            expected = reference.generate(GenRequest(prompt, kept, GenParams(max_tokens=48)))
             assert reply == expected.text, f"turn {turn}: the cache changed the reply"
             no_cache = plain.json()["choices"][0]["message"]["content"]
             if turn == 0:

@@ -24,6 +24,7 @@ from cachestore.keys import KeySpace
 from ops.redisproc import RedisProcess
 from service.app import create_app
 from service.engines import GenParams
+from service.engines.generation import GenRequest
 from service.engines.llama.llamacpp import LlamaCppEngine
 from service.settings import PodSettings
 from tests.faultkit import wait_written
@@ -116,13 +117,14 @@ def test_a_conversation_alternating_pods_hits_every_later_turn_and_replies_exact
             cached = _cached(resp)
             if previous is None:
                 assert cached == 0 and resp.headers["x-kv-cache"] == "miss"
-                expected = reference.generate(prompt, None, GenParams(max_tokens=MAX_TOKENS))
+                expected = reference.generate(GenRequest(prompt, None, GenParams(max_tokens=MAX_TOKENS)))
             else:  # the other pod's sequence, to its last fed token: its boundary record
                 assert cached == len(previous.seq_ids), (turn, cached, len(previous.seq_ids))
                 assert resp.headers["x-kv-cache"] in ("hit", "partial")
                 state = dict(previous.boundaries)[cached]  # the reference resumes where it stopped, as a pod does
-                expected = reference.generate(prompt, previous.kv[:, :, :, :cached], GenParams(max_tokens=MAX_TOKENS),
-                                              boundary=state)
+                expected = reference.generate(GenRequest(prompt, previous.kv[:, :, :, :cached],
+                                                         GenParams(max_tokens=MAX_TOKENS),
+                                              boundary=state))
             assert _reply(resp) == expected.text, f"turn {turn}: the cache changed the reply"
             previous = expected
             if expected.reply_ids is not None:
@@ -149,7 +151,8 @@ def _second_turn(engines: dict[str, LlamaCppEngine], server: RedisProcess, mutat
         mutate(server)
         messages += [{"role": "assistant", "content": _reply(first)}, {"role": "user", "content": QUESTIONS[1]}]
         second = _chat(b, engines["b"], messages, headers=headers[1])
-    prefilled = engines["reference"].generate(second.json()["prompt_token_ids"], None, GenParams(max_tokens=MAX_TOKENS))
+    prefilled = engines["reference"].generate(GenRequest(second.json()["prompt_token_ids"], None,
+                                                         GenParams(max_tokens=MAX_TOKENS)))
     assert _reply(second) == prefilled.text
     return second
 
@@ -194,7 +197,7 @@ def test_a_record_of_another_layout_or_position_is_a_miss(engines: dict[str, Lla
     foreign_engine = _load(other)
     try:
         prompt = foreign_engine.chat_ids([SYSTEM, {"role": "user", "content": QUESTIONS[0]}])
-        foreign = foreign_engine.generate(prompt, None, GenParams(max_tokens=4)).boundaries[-1][1]
+        foreign = foreign_engine.generate(GenRequest(prompt, None, GenParams(max_tokens=4))).boundaries[-1][1]
     finally:
         foreign_engine.close()
 
@@ -207,7 +210,7 @@ def test_a_record_of_another_layout_or_position_is_a_miss(engines: dict[str, Lla
     # the right layout's state, of a position no record is at: one token before the prompt's end
     reference = engines["reference"]
     prompt = reference.chat_ids([SYSTEM, {"role": "user", "content": QUESTIONS[0]}])
-    elsewhere = reference.generate(prompt[:-1], None, GenParams(max_tokens=1)).boundaries[-1]
+    elsewhere = reference.generate(GenRequest(prompt[:-1], None, GenParams(max_tokens=1))).boundaries[-1]
     assert elsewhere[0] == len(prompt) - 1
 
     def moved(value: bytes) -> bytes:

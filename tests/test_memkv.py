@@ -13,6 +13,7 @@ from cachestore.errors import ConfigError
 from ops.chatclient import stream_chat
 from ops.pods import PodProcess
 from service.cache.memkv import MemoryKV
+from service.engines.generation import GenRequest
 from service.settings import PodSettings, settings_from_env
 from tests.support import running
 
@@ -200,12 +201,12 @@ def test_llamacpp_memory_pod_hits_and_replies_as_llamacpp_keeping_the_kv() -> No
             messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
                          {"role": "user", "content": "Where in the cell does it happen?"}]
             second = chat()
-        kept = reference.generate(first.json()["prompt_token_ids"], None, GenParams(max_tokens=24))
+        kept = reference.generate(GenRequest(first.json()["prompt_token_ids"], None, GenParams(max_tokens=24)))
         cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert first.headers["x-kv-cache"] == "miss" and second.headers["x-kv-cache"] == "hit"
         assert cached == len(kept.seq_ids) > 0
-        expected = reference.generate(second.json()["prompt_token_ids"], kept.kv[:, :, :, :cached],
-                                      GenParams(max_tokens=24))
+        expected = reference.generate(GenRequest(second.json()["prompt_token_ids"], kept.kv[:, :, :, :cached],
+                                      GenParams(max_tokens=24)))
         assert second.json()["choices"][0]["message"]["content"] == expected.text
     finally:
         reference.close()

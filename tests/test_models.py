@@ -16,6 +16,7 @@ import torch
 from cachestore.errors import ConfigError
 from cachestore.hashing import ModelFingerprint
 from service.engines import modelcache
+from service.engines.generation import GenRequest
 from service.engines.hf.models import LoadedModel, load_model, resolve_model_dir
 from tests.tinymodels import converter_missing, tiny_hf_dir, tiny_model_dir
 
@@ -185,6 +186,6 @@ def test_a_head_dim_128_llama_3_serves_a_hit_as_its_miss() -> None:
     engine = HfEngine.load(str(tiny_model_dir("llama3-hd128")))
     assert (engine.geometry.num_layers, engine.geometry.kv_heads, engine.geometry.head_dim) == (2, 1, 128)
     prompt = list(range(100, 160))
-    miss = engine.generate(prompt, None, GenParams(max_tokens=8))
-    hit = engine.generate(prompt, miss.kv[:, :, :, :48], GenParams(max_tokens=8))
+    miss = engine.generate(GenRequest(prompt, None, GenParams(max_tokens=8)))
+    hit = engine.generate(GenRequest(prompt, miss.kv[:, :, :, :48], GenParams(max_tokens=8)))
     assert hit.cached_tokens == 48 and hit.token_ids == miss.token_ids

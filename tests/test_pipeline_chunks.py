@@ -13,6 +13,7 @@ from service.cache import lookup as lookup_module
 from service.cache.pipeline import Pipeline
 from service.cache.writer import BackgroundWriter
 from service.engines import GenParams
+from service.engines.generation import GenRequest
 from service.engines.hf.engine import HfEngine
 from service.runtime.metrics import PodMetrics
 from service.settings import PodSettings
@@ -32,7 +33,7 @@ async def test_chunked_lookup_rebuilds_the_context_and_stops_at_a_corrupt_block(
     try:
         prompt = list(range(100, 100 + 20 * b + 2))  # 20 full blocks usable: 3 chunks of 8, 8, 4
         assert lookup_module.FETCH_CHUNK_BLOCKS < 20
-        kv = runner.generate(prompt, None, GenParams(max_tokens=1)).kv  # [L, 2, H, T, D]
+        kv = runner.generate(GenRequest(prompt, None, GenParams(max_tokens=1))).kv  # [L, 2, H, T, D]
         hashes = pipe.hashes(SALT, prompt[:-1])
         frames = [Codec("exact").encode(kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
         assert (await store.store_blocks(pipe.model_key, hashes, frames)).value == 20
@@ -54,8 +55,8 @@ async def test_chunked_lookup_rebuilds_the_context_and_stops_at_a_corrupt_block(
         await store.client.set(key, frames[11])
         view, _ = await pipe.lookup(SALT, prompt)
         assert view.cached_tokens == 17 * b
-        gen = runner.generate(prompt, view.kv, GenParams(max_tokens=3), kv_ready=view.ready)
-        plain = runner.generate(prompt, None, GenParams(max_tokens=3))
+        gen = runner.generate(GenRequest(prompt, view.kv, GenParams(max_tokens=3), kv_ready=view.ready))
+        plain = runner.generate(GenRequest(prompt, None, GenParams(max_tokens=3)))
         assert gen.cached_tokens == 17 * b and gen.token_ids == plain.token_ids
     finally:
         await store.clear_namespace()
@@ -79,7 +80,8 @@ async def test_a_hit_writes_back_the_blocks_after_it_and_its_tail_from_the_kv_it
     pipe = Pipeline(settings, runner, store, Codec("exact"), metrics, writer)
     try:
         prompt = list(range(300, 300 + 9 * b + 3))  # 9 full blocks and 2 more tokens usable
-        truth = runner.generate(prompt, None, GenParams(max_tokens=4))  # the whole sequence's KV, from scratch
+        # the whole sequence's KV, from scratch
+        truth = runner.generate(GenRequest(prompt, None, GenParams(max_tokens=4)))
         hashes = pipe.hashes(SALT, prompt[:-1])
         frames = [Codec("exact").encode(truth.kv[:, :, :, i * b:(i + 1) * b]) for i in range(5)]
         assert (await store.store_blocks(pipe.model_key, hashes[:5], frames)).value == 5  # another pod wrote 5 blocks

@@ -15,7 +15,7 @@ from service.cache.lookup import chunk_plan
 from service.cache.rehydrate import Rehydration
 from service.engines import GenParams
 from service.engines.gate import LayerGate
-from service.engines.generation import Generation
+from service.engines.generation import Generation, GenRequest
 from service.engines.hf.engine import HfEngine
 from service.engines.hf.hfcache import ATTEND_MAX_NEW
 
@@ -175,14 +175,14 @@ def test_the_forward_step_waits_for_cached_layers(tiny_model: object) -> None:
     answers as if the context had been there all along."""
     engine = HfEngine(tiny_model)  # type: ignore[arg-type]
     prompt = list(range(50, 90))
-    full = engine.generate(prompt, None, GenParams(max_tokens=4))
+    full = engine.generate(GenRequest(prompt, None, GenParams(max_tokens=4)))
     assert full.kv is not None
     geo = engine.geometry
     buffer = torch.zeros((geo.num_layers, 2, geo.kv_heads, 64, geo.head_dim), dtype=geo.dtype)
     gate = LayerGate(geo.num_layers)
     result: list[object] = []
     worker = threading.Thread(target=lambda: result.append(
-        engine.generate(prompt, buffer[:, :, :, :39], GenParams(max_tokens=4), kv_ready=gate)))
+        engine.generate(GenRequest(prompt, buffer[:, :, :, :39], GenParams(max_tokens=4), kv_ready=gate))))
     worker.start()
     time.sleep(0.3)
     assert worker.is_alive() and not result  # waiting on layer 0
@@ -235,7 +235,7 @@ def _landed_hit(engine: HfEngine, spec: str, new: int, max_tokens: int) -> tuple
     geo, b, tail = engine.geometry, 16, 5
     cached = 3 * b + tail
     prompt = list(range(60, 60 + cached + new))
-    full = engine.generate(prompt, None, GenParams(max_tokens=max_tokens))
+    full = engine.generate(GenRequest(prompt, None, GenParams(max_tokens=max_tokens)))
     assert full.kv is not None
     codec = Codec(spec)
     frames = [codec.encode(full.kv[:, :, :, i * b:(i + 1) * b]) for i in range(3)]
@@ -266,16 +266,16 @@ def test_the_first_step_reads_cached_layers_from_a_scratch(tiny_model: object, m
     engine = HfEngine(tiny_model)  # type: ignore[arg-type]
     b = 16
     prompt, full, context, rehydration, cached = _landed_hit(engine, "exact", 1, max_tokens)  # bit-exact frames
-    gen = engine.generate(prompt, context[:, :, :, :cached], GenParams(max_tokens=max_tokens),
-                          kv_ready=rehydration.gate, keep_from=3 * b)  # the pipeline's: from the first block not read
+    gen = engine.generate(GenRequest(prompt, context[:, :, :, :cached], GenParams(max_tokens=max_tokens),
+                          kv_ready=rehydration.gate, keep_from=3 * b))  # the pipeline's: from the first block not read
     assert gen.cached_tokens == cached and gen.token_ids == full.token_ids
     assert gen.kv is not None and torch.allclose(gen.kv, full.kv[:, :, :, 3 * b:], atol=1e-5)
     if max_tokens == 1:
         assert context[:, :, :, :3 * b].isnan().all()
     else:
         assert torch.equal(context[:, :, :, :3 * b], full.kv[:, :, :, :3 * b])
-    again = engine.generate(prompt, context[:, :, :, :cached], GenParams(max_tokens=max_tokens),
-                            kv_ready=rehydration.gate)
+    again = engine.generate(GenRequest(prompt, context[:, :, :, :cached], GenParams(max_tokens=max_tokens),
+                            kv_ready=rehydration.gate))
     assert again.token_ids == full.token_ids and again.kv is not None
     assert torch.allclose(again.kv, full.kv, atol=1e-5)  # the write-back's whole range too: the cached part settled
 
@@ -300,13 +300,15 @@ def test_the_first_step_attends_over_the_landed_codes(tiny_model: object, spec: 
 
     monkeypatch.setattr(in_codes, "attention", counted)
     prompt, _, context, rehydration, cached = _landed_hit(engine, spec, new, 1)
-    gen = engine.generate(prompt, context[:, :, :, :cached], GenParams(max_tokens=3), kv_ready=rehydration.gate)
+    gen = engine.generate(GenRequest(prompt, context[:, :, :, :cached], GenParams(max_tokens=3),
+                                     kv_ready=rehydration.gate))
     assert attended == ([True] * layers if new <= ATTEND_MAX_NEW else [])
     assert not context[:, :, :, :3 * b].isnan().any()  # the second step put them in place
 
     monkeypatch.setattr(kernels, "ENABLED", False)
     prompt, _, context, rehydration, cached = _landed_hit(engine, spec, new, 1)
-    scratch = engine.generate(prompt, context[:, :, :, :cached], GenParams(max_tokens=3), kv_ready=rehydration.gate)
+    scratch = engine.generate(GenRequest(prompt, context[:, :, :, :cached], GenParams(max_tokens=3),
+                                         kv_ready=rehydration.gate))
     assert len(attended) == (layers if new <= ATTEND_MAX_NEW else 0)  # no kernel: not attended over the codes
     assert gen.token_ids == scratch.token_ids and gen.kv is not None and scratch.kv is not None
     assert torch.allclose(gen.kv, scratch.kv, atol=1e-5)
@@ -323,9 +325,11 @@ def test_a_model_in_bf16_reads_the_first_step_from_the_scratch(monkeypatch: pyte
     real = in_codes.attention
     monkeypatch.setattr(in_codes, "attention", lambda *args: attended.append(args) or real(*args))
     prompt, _, context, rehydration, cached = _landed_hit(engine, "int8", 1, 1)
-    gen = engine.generate(prompt, context[:, :, :, :cached], GenParams(max_tokens=3), kv_ready=rehydration.gate)
+    gen = engine.generate(GenRequest(prompt, context[:, :, :, :cached], GenParams(max_tokens=3),
+                                     kv_ready=rehydration.gate))
     assert attended == []
     monkeypatch.setattr(kernels, "ENABLED", False)
     prompt, _, context, rehydration, cached = _landed_hit(engine, "int8", 1, 1)
-    scratch = engine.generate(prompt, context[:, :, :, :cached], GenParams(max_tokens=3), kv_ready=rehydration.gate)
+    scratch = engine.generate(GenRequest(prompt, context[:, :, :, :cached], GenParams(max_tokens=3),
+                                         kv_ready=rehydration.gate))
     assert gen.token_ids == scratch.token_ids and torch.equal(gen.kv, scratch.kv)

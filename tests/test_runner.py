@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.engines.generation import TextStream
+from service.engines.generation import GenRequest, TextStream
 from service.engines.hf import hfcache
 from service.engines.hf.models import load_model
 from service.engines.hf.runner import GenParams, ModelRunner
@@ -47,7 +47,7 @@ def test_chat_ids_end_with_the_generation_prompt(runner: ModelRunner, prompt: li
 
 
 def test_generation_reports_its_kv(runner: ModelRunner, prompt: list[int]) -> None:
-    gen = runner.generate(prompt, None, GREEDY)
+    gen = runner.generate(GenRequest(prompt, None, GREEDY))
     assert gen.finish_reason == "length" and len(gen.token_ids) == GREEDY.max_tokens
     assert gen.prompt_tokens == len(prompt) and gen.cached_tokens == 0
     assert gen.seq_ids == prompt + gen.token_ids[:-1]
@@ -63,8 +63,9 @@ def test_a_hit_copies_out_only_the_kv_its_write_back_needs(runner: ModelRunner, 
                                                            keep_from: int) -> None:
     """keep_from: the blocks a hit read need no write-back, so their KV is not copied out (kv_from says where the
     returned KV starts); the tokens and the rest of the KV are those of a whole copy."""
-    whole = runner.generate(prompt, _prefix_kv(runner, prompt)[:, :, :, :2 * BLOCK], GREEDY)
-    part = runner.generate(prompt, _prefix_kv(runner, prompt)[:, :, :, :2 * BLOCK], GREEDY, keep_from=keep_from)
+    whole = runner.generate(GenRequest(prompt, _prefix_kv(runner, prompt)[:, :, :, :2 * BLOCK], GREEDY))
+    part = runner.generate(GenRequest(prompt, _prefix_kv(runner, prompt)[:, :, :, :2 * BLOCK], GREEDY,
+                                      keep_from=keep_from))
     start = min(keep_from, len(part.seq_ids))
     assert part.token_ids == whole.token_ids and part.kv_from == start and whole.kv_from == 0
     assert part.kv.shape[3] == len(part.seq_ids) - start and part.kv.is_contiguous()
@@ -74,9 +75,9 @@ def test_a_hit_copies_out_only_the_kv_its_write_back_needs(runner: ModelRunner, 
 @pytest.mark.parametrize("cached", [0, 1, BLOCK, 2 * BLOCK, -1, None])
 def test_cache_hit_is_token_identical(runner: ModelRunner, prompt: list[int], cached: int | None) -> None:
     n = len(prompt) if cached is None else (len(prompt) - 1 if cached == -1 else cached)
-    baseline = runner.generate(prompt, None, GREEDY)
+    baseline = runner.generate(GenRequest(prompt, None, GREEDY))
     kv = _prefix_kv(runner, prompt)[:, :, :, :n]
-    hit = runner.generate(prompt, kv, GREEDY)
+    hit = runner.generate(GenRequest(prompt, kv, GREEDY))
     assert hit.token_ids == baseline.token_ids
     assert hit.text == baseline.text
     assert hit.cached_tokens == min(n, len(prompt) - 1)  # the last prompt token is always re-fed
@@ -84,10 +85,10 @@ def test_cache_hit_is_token_identical(runner: ModelRunner, prompt: list[int], ca
 
 
 def test_next_turn_reuses_the_previous_generation(runner: ModelRunner, prompt: list[int]) -> None:
-    first = runner.generate(prompt, None, GREEDY)
+    first = runner.generate(GenRequest(prompt, None, GREEDY))
     follow = first.seq_ids + first.token_ids[-1:] + runner.text_ids("\nmore please")
-    baseline = runner.generate(follow, None, GREEDY)
-    hit = runner.generate(follow, first.kv, GREEDY)
+    baseline = runner.generate(GenRequest(follow, None, GREEDY))
+    hit = runner.generate(GenRequest(follow, first.kv, GREEDY))
     assert hit.cached_tokens == len(first.seq_ids)
     assert hit.token_ids == baseline.token_ids
 
@@ -95,19 +96,19 @@ def test_next_turn_reuses_the_previous_generation(runner: ModelRunner, prompt: l
 def test_bad_cached_kv_is_rejected(runner: ModelRunner, prompt: list[int]) -> None:
     kv = _prefix_kv(runner, prompt)
     with pytest.raises(ValueError):
-        runner.generate(prompt[:5], kv, GREEDY)  # covers more than the prompt
+        runner.generate(GenRequest(prompt[:5], kv, GREEDY))  # covers more than the prompt
     with pytest.raises(ValueError):
-        runner.generate(prompt, kv[:, :, :1], GREEDY)  # wrong head count
+        runner.generate(GenRequest(prompt, kv[:, :, :1], GREEDY))  # wrong head count
     with pytest.raises(ValueError):
-        runner.generate([], None, GREEDY)
+        runner.generate(GenRequest([], None, GREEDY))
 
 
 def test_stop_string_cuts_the_text(runner: ModelRunner, prompt: list[int]) -> None:
-    full = runner.generate(prompt, None, GREEDY)
+    full = runner.generate(GenRequest(prompt, None, GREEDY))
     stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
     assert len(stop) == 3
     deltas: list[str] = []
-    cut = runner.generate(prompt, None, GenParams(max_tokens=24, stop=("\x00never", stop)), deltas.append)
+    cut = runner.generate(GenRequest(prompt, None, GenParams(max_tokens=24, stop=("\x00never", stop)), deltas.append))
     assert cut.finish_reason == "stop"
     assert cut.text == full.text[: full.text.index(stop)]
     assert "".join(deltas) == cut.text
@@ -117,7 +118,7 @@ def test_stop_string_cuts_the_text(runner: ModelRunner, prompt: list[int]) -> No
 
 def test_streamed_deltas_make_the_text(runner: ModelRunner, prompt: list[int]) -> None:
     deltas: list[str] = []
-    gen = runner.generate(prompt, None, GenParams(max_tokens=40), deltas.append)
+    gen = runner.generate(GenRequest(prompt, None, GenParams(max_tokens=40), deltas.append))
     assert len(deltas) > 1 and all(deltas)
     assert "".join(deltas) == gen.text == runner.decode(gen.token_ids)
 
@@ -146,25 +147,26 @@ def test_text_stream_holds_back_a_possible_stop(runner: ModelRunner) -> None:
 
 def test_seeded_sampling_is_reproducible(runner: ModelRunner, prompt: list[int]) -> None:
     params = GenParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234)
-    a = runner.generate(prompt, None, params)
-    b = runner.generate(prompt, _prefix_kv(runner, prompt)[:, :, :, :BLOCK], params)
+    a = runner.generate(GenRequest(prompt, None, params))
+    b = runner.generate(GenRequest(prompt, _prefix_kv(runner, prompt)[:, :, :, :BLOCK], params))
     assert a.token_ids == b.token_ids
-    others = {tuple(runner.generate(prompt, None, GenParams(16, 1.0, 1.0, seed)).token_ids) for seed in range(4)}
+    others = {tuple(runner.generate(GenRequest(prompt, None, GenParams(16, 1.0, 1.0,
+                                               seed))).token_ids) for seed in range(4)}
     assert len(others) > 1
 
 
 def test_tiny_top_p_is_greedy(runner: ModelRunner, prompt: list[int]) -> None:
-    greedy = runner.generate(prompt, None, GREEDY)
-    nucleus = runner.generate(prompt, None, GenParams(max_tokens=24, temperature=0.7, top_p=1e-6, seed=5))
+    greedy = runner.generate(GenRequest(prompt, None, GREEDY))
+    nucleus = runner.generate(GenRequest(prompt, None, GenParams(max_tokens=24, temperature=0.7, top_p=1e-6, seed=5)))
     assert nucleus.token_ids == greedy.token_ids
 
 
 def test_context_limits(runner: ModelRunner) -> None:
     long_prompt = [100 + i % 1000 for i in range(2040)]
-    gen = runner.generate(long_prompt, None, GenParams(max_tokens=100))
+    gen = runner.generate(GenRequest(long_prompt, None, GenParams(max_tokens=100)))
     assert len(gen.token_ids) == 8 and gen.finish_reason == "length"
     with pytest.raises(ValueError):
-        runner.generate(long_prompt + [5] * 8, None, GREEDY)
+        runner.generate(GenRequest(long_prompt + [5] * 8, None, GREEDY))
     with pytest.raises(ValueError):
         GenParams(max_tokens=0)
     with pytest.raises(ValueError):
@@ -176,7 +178,7 @@ def test_smollm2_cache_hit_on_a_real_chat() -> None:
     smol = ModelRunner(load_model("smollm2"))
     messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
     prompt = smol.chat_ids(messages)
-    first = smol.generate(prompt, None, GenParams(max_tokens=32))
+    first = smol.generate(GenRequest(prompt, None, GenParams(max_tokens=32)))
     assert "Paris" in first.text  # the converted weights are the real model
     assert first.finish_reason == "stop" and first.token_ids[-1] in smol.end_ids
     assert "<|im_end|>" not in first.text
@@ -186,11 +188,11 @@ def test_smollm2_cache_hit_on_a_real_chat() -> None:
     common = next((i for i, (a, b) in enumerate(zip(first.seq_ids, second, strict=False)) if a != b), None)
     common = min(len(first.seq_ids), len(second)) if common is None else common
     assert common >= len(prompt)
-    baseline = smol.generate(second, None, GenParams(max_tokens=32))
-    hit = smol.generate(second, first.kv[:, :, :, :common], GenParams(max_tokens=32))
+    baseline = smol.generate(GenRequest(second, None, GenParams(max_tokens=32)))
+    hit = smol.generate(GenRequest(second, first.kv[:, :, :, :common], GenParams(max_tokens=32)))
     assert hit.cached_tokens == common
     assert hit.token_ids == baseline.token_ids and "Rome" in hit.text
-    full = smol.generate(second, baseline.kv[:, :, :, : len(second)], GenParams(max_tokens=32))
+    full = smol.generate(GenRequest(second, baseline.kv[:, :, :, : len(second)], GenParams(max_tokens=32)))
     assert full.token_ids == baseline.token_ids and full.cached_tokens == len(second) - 1
 
 

@@ -28,6 +28,7 @@ from ops.sidecar_cmd import sidecar_app
 from ops.sidecarproc import SidecarProcess
 from service.cache.pipeline import Pipeline
 from service.engines import GenParams
+from service.engines.generation import GenRequest
 from service.engines.llama import slotfile
 from service.engines.llama.llamaserver import LlamaServerEngine
 from service.engines.llama.llamaserverproc import LlamaServerProcess, wait_healthy
@@ -58,7 +59,7 @@ def engine() -> Iterator[LlamaServerEngine]:
 def _conversation(engine: LlamaServerEngine) -> tuple[list[int], list[int], Any]:
     """A first turn generated from scratch, and the prompt of the turn after it."""
     first = engine.chat_ids([SYSTEM, {"role": "user", "content": QUESTIONS[0]}])
-    gen = engine.generate(first, None, GREEDY)
+    gen = engine.generate(GenRequest(first, None, GREEDY))
     second = engine.chat_ids([SYSTEM, {"role": "user", "content": QUESTIONS[0]},
                               {"role": "assistant", "content": gen.text}, {"role": "user", "content": QUESTIONS[1]}])
     return first, second, gen
@@ -83,9 +84,9 @@ async def test_a_llama_server_with_a_q8_0_cache_shares_it_exactly(
         kept = gen.kv[:, :, :, :keep]
         assert torch.equal(codec.decode(codec.encode(kept)), kept)  # the cache's values exactly
         q8.forget()
-        plain = q8.generate(second, None, GREEDY)
+        plain = q8.generate(GenRequest(second, None, GREEDY))
         q8.forget()
-        hit = q8.generate(second, codec.decode(codec.encode(kept)), GREEDY)
+        hit = q8.generate(GenRequest(second, codec.decode(codec.encode(kept)), GREEDY))
         assert hit.cached_tokens == keep and q8.stats.restores == 1 and hit.token_ids and plain.token_ids
         await _hit_lands_in_the_slot_state(q8, redis_server, "q8", monkeypatch)
     finally:
@@ -102,7 +103,7 @@ def test_a_spawned_llama_server_runs_the_flash_attention_asked_for() -> None:
         assert off.state_geometry.v_trans and not off.kv_layout.row_frames
         first, second, gen = _conversation(off)
         off.forget()
-        hit = off.generate(second, gen.kv[:, :, :, :len(first)], GREEDY)
+        hit = off.generate(GenRequest(second, gen.kv[:, :, :, :len(first)], GREEDY))
         assert hit.cached_tokens == len(first) and off.stats.restores == 1 and hit.token_ids
     finally:
         off.close()
@@ -126,14 +127,15 @@ async def _hit_lands_in_the_slot_state(engine: LlamaServerEngine, redis_server: 
     b = 16
     engine.forget()
     prompt = _conversation(engine)[1]
-    full = engine.generate(prompt, None, GREEDY)
+    full = engine.generate(GenRequest(prompt, None, GREEDY))
     async with rows_pod(engine, redis_server, codec, b) as (store, pipe):
         hashes = pipe.hashes(b"slot", prompt[:-1])
         frames = [pipe.codecs.at(i).encode(full.kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
         assert (await store.store_blocks(pipe.model_key, hashes, frames)).value == len(hashes) >= 3
         hit = len(hashes) * b
         engine.forget()
-        expected = engine.generate(prompt, _decoded(pipe, frames), GREEDY)  # a slot file assembled from a tensor
+        expected = engine.generate(GenRequest(prompt, _decoded(pipe, frames),
+                                              GREEDY))  # a slot file assembled from a tensor
         assert expected.cached_tokens == hit
         engine.forget()
         view, _ = await pipe.lookup(b"slot", prompt)
@@ -168,10 +170,10 @@ def test_cached_kv_is_restored_and_llama_server_reuses_it(engine: LlamaServerEng
     assert gen.seq_ids[: len(first)] == first and gen.kv.shape[3] == len(gen.seq_ids)
     keep = len(first)
     engine.forget()
-    plain = engine.generate(second, None, GREEDY)
+    plain = engine.generate(GenRequest(second, None, GREEDY))
     engine.forget()
     before = engine.stats.restores
-    hit = engine.generate(second, gen.kv[:, :, :, :keep], GREEDY)
+    hit = engine.generate(GenRequest(second, gen.kv[:, :, :, :keep], GREEDY))
     assert (hit.cached_tokens, engine.stats.restores) == (keep, before + 1)
     assert plain.cached_tokens == 0 and hit.token_ids and plain.token_ids
 
@@ -182,17 +184,17 @@ def test_a_corrupt_slot_file_is_a_miss_and_leaves_no_trace(engine: LlamaServerEn
     next restore works (upstream once corrupted later completions after a failed restore)."""
     first, second, gen = _conversation(engine)
     engine.forget()
-    plain = engine.generate(second, None, GREEDY)
+    plain = engine.generate(GenRequest(second, None, GREEDY))
     engine.forget()
     honest = slotfile.assemble
     monkeypatch.setattr(slotfile, "assemble", lambda *a: [*honest(*a)[:2], honest(*a)[2][:-4096]])
     failures = engine.stats.restore_failures
-    missed = engine.generate(second, gen.kv[:, :, :, : len(first)], GREEDY)
+    missed = engine.generate(GenRequest(second, gen.kv[:, :, :, : len(first)], GREEDY))
     assert engine.stats.restore_failures == failures + 1
     assert missed.cached_tokens == 0 and missed.text == plain.text
     monkeypatch.undo()
     engine.forget()
-    again = engine.generate(second, gen.kv[:, :, :, : len(first)], GREEDY)
+    again = engine.generate(GenRequest(second, gen.kv[:, :, :, : len(first)], GREEDY))
     assert again.cached_tokens == len(first) and again.token_ids
 
 
@@ -203,7 +205,7 @@ def test_a_refused_restore_is_a_miss(engine: LlamaServerEngine, monkeypatch: pyt
     monkeypatch.setattr(slotfile, "assemble", lambda tokens, kv, geo: honest([10**8, *tokens[1:]], kv, geo))
     engine.forget()
     failures = engine.stats.restore_failures
-    missed = engine.generate(second, gen.kv[:, :, :, : len(first)], GREEDY)
+    missed = engine.generate(GenRequest(second, gen.kv[:, :, :, : len(first)], GREEDY))
     assert engine.stats.restore_failures == failures + 1 and missed.cached_tokens == 0
 
 
@@ -223,9 +225,10 @@ def test_a_killed_llama_server_is_restarted_and_costs_a_miss(engine: LlamaServer
     while engine.process.restarts == restarts or not _healthy(engine.url):
         assert time.monotonic() < deadline, "llama-server was not restarted"
         time.sleep(0.2)
-    after = engine.generate(second, None, GREEDY)  # its slots are empty: a full prefill
+    after = engine.generate(GenRequest(second, None, GREEDY))  # its slots are empty: a full prefill
     assert after.cached_tokens == 0 and after.token_ids
-    hit = engine.generate(second, gen.kv[:, :, :, : len(first)], GREEDY)  # a restore into the new server works
+    hit = engine.generate(GenRequest(second, gen.kv[:, :, :, : len(first)],
+                                     GREEDY))  # a restore into the new server works
     assert hit.token_ids and hit.cached_tokens >= len(first)
 
 
@@ -236,7 +239,7 @@ def test_concurrent_requests_never_share_a_slot(engine: LlamaServerEngine) -> No
     prompts = [engine.chat_ids([SYSTEM, {"role": "user", "content": q}]) for q in QUESTIONS[:3]]
     engine.forget()
     with ThreadPoolExecutor(3) as pool:
-        gens = list(pool.map(lambda p: engine.generate(p, None, GREEDY), prompts))
+        gens = list(pool.map(lambda p: engine.generate(GenRequest(p, None, GREEDY)), prompts))
     for prompt, gen in zip(prompts, gens, strict=True):
         assert gen.seq_ids == prompt + gen.token_ids[: len(gen.seq_ids) - len(prompt)] and gen.token_ids
         assert gen.kv.shape[3] == len(gen.seq_ids)
@@ -251,7 +254,7 @@ def test_a_full_slot_directory_is_a_miss(engine: LlamaServerEngine, monkeypatch:
     monkeypatch.setattr(slotfile, "write_pieces", full)  # every slot file is written there
     engine.forget()
     failures = engine.stats.restore_failures
-    missed = engine.generate(second, gen.kv[:, :, :, : len(first)], GREEDY)
+    missed = engine.generate(GenRequest(second, gen.kv[:, :, :, : len(first)], GREEDY))
     assert engine.stats.restore_failures == failures + 1 and missed.cached_tokens == 0 and missed.token_ids
 
 
@@ -290,10 +293,11 @@ def test_an_upstream_restarted_underneath_is_noticed_and_costs_one_miss(tmp_path
         # the new llama-server refuses connections until it has bound its port: poll as the watcher does
         wait_healthy(proc.url, 120)
         misses = upstream.stats.reuse_misses
-        after = upstream.generate(second, gen.kv[:, :, :, : len(first)], GREEDY)
+        after = upstream.generate(GenRequest(second, gen.kv[:, :, :, : len(first)], GREEDY))
         assert (after.cached_tokens, upstream.stats.reuse_misses) == (0, misses + 1) and after.token_ids
         upstream.forget()
-        again = upstream.generate(second, gen.kv[:, :, :, : len(first)], GREEDY)  # restores into the new server
+        again = upstream.generate(GenRequest(second, gen.kv[:, :, :, : len(first)],
+                                             GREEDY))  # restores into the new server
         assert again.cached_tokens == len(first) and again.token_ids
     finally:
         upstream.close()
@@ -379,7 +383,7 @@ def test_turns_alternate_sidecars_with_hits_and_only_new_tokens_processed(
             assert resp.headers["x-kv-cache"] in ("hit", "partial")
         engine.forget()
         kept = previous_kv[:, :, :, :cached] if cached else None
-        expected = engine.generate(prompt, kept, GenParams(max_tokens=32))
+        expected = engine.generate(GenRequest(prompt, kept, GenParams(max_tokens=32)))
         assert expected.cached_tokens == cached
         assert reply == expected.text, f"turn {turn}: the cache changed the reply"
         no_cache = plain.json()["choices"][0]["message"]["content"]

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from ops.bench import qmerge, qstats, texts
 from ops.bench.common import machine, plot_pareto, print_table, write_json
+from service.engines.generation import GenRequest
 
 # /plain rows are the codecs as they were before format 2 (same bits), for the before/after table
 MODES = "exact,fp16,int8,int4,int4+zstd,int4/rotv,int2/plain,int2/g16/plain,int2,int2+zstd"
@@ -90,7 +91,7 @@ class HfScorer:
     def greedy(self, prompt: list[int], kv: Any, tokens: int) -> list[int]:
         from service.engines.generation import GenParams  # noqa: PLC0415
 
-        return list(self.engine.generate(prompt, kv, GenParams(max_tokens=tokens)).token_ids)
+        return list(self.engine.generate(GenRequest(prompt, kv, GenParams(max_tokens=tokens))).token_ids)
 
 
 class LlamaCppScorer:
@@ -108,7 +109,7 @@ class LlamaCppScorer:
     def prefill(self, ids: list[int]) -> Any:
         from service.engines.generation import GenParams  # noqa: PLC0415
 
-        return self.engine.generate(ids, None, GenParams(max_tokens=1)).kv  # [L, 2, H, len(ids), D]
+        return self.engine.generate(GenRequest(ids, None, GenParams(max_tokens=1))).kv  # [L, 2, H, len(ids), D]
 
     def logits(self, kv: Any, ids: list[int]) -> Any:
         return self.engine.score(kv, ids)
@@ -116,7 +117,7 @@ class LlamaCppScorer:
     def greedy(self, prompt: list[int], kv: Any, tokens: int) -> list[int]:
         from service.engines.generation import GenParams  # noqa: PLC0415
 
-        return list(self.engine.generate(prompt, kv, GenParams(max_tokens=tokens)).token_ids)
+        return list(self.engine.generate(GenRequest(prompt, kv, GenParams(max_tokens=tokens))).token_ids)
 
 
 SCORERS: dict[str, type[HfScorer] | type[LlamaCppScorer]] = {"hf": HfScorer, "llamacpp": LlamaCppScorer}

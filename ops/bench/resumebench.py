@@ -17,6 +17,7 @@ from cachestore.boundary import BoundaryRecord, pack_boundary
 from cachestore.signing import TRAILER_SIZE
 from ops.bench.common import percentile
 from ops.bench.rawredis import raw_client, raw_get, raw_get_one
+from service.engines.generation import GenRequest
 
 SALT = b"bench-resume"
 RAW_TIMEOUT_S = 120.0  # a floor read of 8k tokens over a slow --link-gbit
@@ -60,15 +61,15 @@ class ResumeBench:
 
         times, kv = [], None
         if not self._warm:  # the first forward of a process pays one-time setup: not a prefill cost
-            self.compute(self.engine.generate, prompt[:64], None, GenParams(max_tokens=1))
+            self.compute(self.engine.generate, GenRequest(prompt[:64], None, GenParams(max_tokens=1)))
             self._warm = True
         for _ in range(max(1, self.args.recompute_repeat)):
             self._fresh()
-            gen = self.compute(self.engine.generate, prompt, None, GenParams(max_tokens=1))
+            gen = self.compute(self.engine.generate, GenRequest(prompt, None, GenParams(max_tokens=1)))
             times.append(gen.ttft_s)
             kv = gen.kv
         if self.engine.boundary_records:  # the window / recurrent state at the history's end
-            history = self.compute(self.engine.generate, prompt[:-1], None, GenParams(max_tokens=1))
+            history = self.compute(self.engine.generate, GenRequest(prompt[:-1], None, GenParams(max_tokens=1)))
             self.boundary = dict(history.boundaries)[len(prompt) - 1]
         return times, kv  # kv: [L, 2, H, N + 1, D], the history's KV and the new token's
 
@@ -248,8 +249,8 @@ class ResumeBench:
         fetched = time.perf_counter() - t0
         # the KV handed back starts where the hit's does (the pipeline's keep_from): parsing the whole history out of
         # the state, which a hit never does, faulted in 47-94 MB at 2048 tokens right before the next hit was timed
-        gen = self.engine.generate(prompt, kv, GenParams(max_tokens=1), keep_from=int(kv.shape[3]),
-                                   boundary=self.boundary)
+        gen = self.engine.generate(GenRequest(prompt, kv, GenParams(max_tokens=1), keep_from=int(kv.shape[3]),
+                                   boundary=self.boundary))
         assert all(isinstance(g, bytes) for g in got)
         return fetched + gen.ttft_s, fetched
 
@@ -277,7 +278,7 @@ class ResumeBench:
                 self._fresh()
                 t0 = time.perf_counter()
                 r = self.engine.restore_file(0, path.name)
-                gen = self.engine.generate(prompt, None, GenParams(max_tokens=1))
+                gen = self.engine.generate(GenRequest(prompt, None, GenParams(max_tokens=1)))
                 if r != context or gen.cached_tokens != context:
                     raise RuntimeError(f"slot restore: {r} tokens restored, {gen.cached_tokens} reused of {context}")
                 if rep:

@@ -12,6 +12,7 @@ import argparse
 from typing import Any
 
 from ops.bench.common import machine, print_table, write_json
+from service.engines.generation import GenRequest
 
 CODECS = "exact,int8,int4"
 CONTEXTS = (2048, 8192)  # conversation lengths a GB of Redis is counted in
@@ -45,7 +46,7 @@ def _kv(model: str, tokens: int) -> tuple[Any, Any]:
     ids = engine.chat_ids([{"role": "user", "content": text}])[:tokens]
     if len(ids) < tokens:
         raise SystemExit(f"the text gives {len(ids)} tokens, fewer than --tokens {tokens}")
-    kv = engine.generate(ids, None, GenParams(max_tokens=1)).kv[:, :, :, :tokens]
+    kv = engine.generate(GenRequest(ids, None, GenParams(max_tokens=1))).kv[:, :, :, :tokens]
     return kv.to(torch.float16).contiguous(), engine
 
 

@@ -21,7 +21,7 @@ from cachestore.keys import KeySpace
 from cachestore.redisclient import make_client
 from cachestore.settings import StoreSettings
 from service.engines import Engine
-from service.engines.generation import GenParams
+from service.engines.generation import GenParams, GenRequest
 from service.runtime import threads
 from service.settings import PodSettings
 
@@ -37,7 +37,7 @@ def model_id(engine: Engine, block_tokens: int) -> str:
 def calibration_kv(engine: Engine) -> torch.Tensor:
     """The KV [layers, 2, kv_heads, tokens, head_dim] of the calibration text, as the engine computes it."""
     ids = engine.text_ids(inspect.getsource(textwrap))[:min(CALIBRATION_TOKENS, engine.geometry.max_context - 1)]
-    generation = engine.generate(ids, None, GenParams(max_tokens=1))
+    generation = engine.generate(GenRequest(ids, None, GenParams(max_tokens=1)))
     return generation.kv[:, :, :, :len(ids)]
 
 

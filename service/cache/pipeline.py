@@ -9,7 +9,6 @@ HTTP layer's (service.http.admission).
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,7 +31,7 @@ from service.cache.placement import Placement
 from service.cache.sticky import StickyLookup
 from service.cache.writeback import WriteBack
 from service.cache.writer import BackgroundWriter
-from service.engines import Engine, Generation, GenParams
+from service.engines import Engine, Generation, GenParams, GenRequest
 from service.runtime import threads
 from service.runtime.metrics import PodMetrics
 from service.settings import PodSettings
@@ -141,10 +140,9 @@ class Pipeline:
         on_text: Callable[[str], None] | None = None,
     ) -> Generation:
         early = self.writes.early_writer(asyncio.get_running_loop(), prompt_ids, view)
-        run = (self.engine.generate if view.boundary is None
-               else functools.partial(self.engine.generate, boundary=view.boundary))
-        gen: Generation = await self.in_engine(view, run, prompt_ids, view.kv, params, on_text, early, view.ready,
-                                               self.keep_from(view))
+        request = GenRequest(prompt_ids, view.kv, params, on_text, early, view.ready, self.keep_from(view),
+                             view.boundary)
+        gen: Generation = await self.in_engine(view, self.engine.generate, request)
         self.metrics.ttft.labels(view.status).observe(gen.ttft_s)
         self.planner.observe_prefill(len(prompt_ids) - view.cached_tokens, gen.ttft_s)  # for the next fetch plans
         publish_estimates(self.planner, self.metrics)

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from service.engines.base import Engine, KvGeometry, KvLayout
-    from service.engines.generation import Generation, GenParams
+    from service.engines.generation import Generation, GenParams, GenRequest
 
-__all__ = ["ENGINES", "IN_POD", "LLAMACPP_MISSING", "Engine", "GenParams", "Generation", "KvGeometry", "KvLayout",
-           "check_runtime", "default_parallel", "load_engine"]
+__all__ = ["ENGINES", "IN_POD", "LLAMACPP_MISSING", "Engine", "GenParams", "GenRequest", "Generation", "KvGeometry",
+           "KvLayout", "check_runtime", "default_parallel", "load_engine"]
 
 # engine name -> the subpackage that loads it; only the subpackage asked for is imported (and its runtime with it)
 ENGINES = {"hf": "service.engines.hf", "llamacpp": "service.engines.llama", "llama-server": "service.engines.llama"}
@@ -27,7 +27,8 @@ LLAMACPP_MISSING = ("the llamacpp engine needs llama-cpp-python, an optional ext
 
 
 _LAZY = {"Engine": "service.engines.base", "KvGeometry": "service.engines.base", "KvLayout": "service.engines.base",
-         "Generation": "service.engines.generation", "GenParams": "service.engines.generation"}
+         "Generation": "service.engines.generation", "GenParams": "service.engines.generation",
+         "GenRequest": "service.engines.generation"}
 
 
 def __getattr__(name: str) -> Any:

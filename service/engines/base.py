@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import ctypes
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,12 +34,7 @@ from cachestore.codec.frame import FrameHeader
 from cachestore.codec.rope import Rope
 from cachestore.hashing import ModelFingerprint
 from cachestore.wire import Target
-from service.engines.gate import LayerGate
-from service.engines.generation import Generation, GenParams
-
-# on_prefill(get_kv): get_kv(start, end) -> [layers, 2, kv_heads, end - start, head_dim], a CPU copy; called
-# during the hook (llama.cpp's reads a pooled snapshot of the sequence, reused once the hook returns)
-PrefillHook = Callable[[Callable[[int, int], torch.Tensor]], None]
+from service.engines.generation import Generation, GenRequest
 
 
 @dataclass(frozen=True)
@@ -115,27 +110,10 @@ class Engine(ABC):
         """Token ids as text (special tokens skipped)."""
 
     @abstractmethod
-    def generate(
-        self,
-        prompt_ids: list[int],
-        cached_kv: torch.Tensor | None,
-        params: GenParams,
-        on_text: Callable[[str], None] | None = None,
-        on_prefill: PrefillHook | None = None,
-        kv_ready: LayerGate | None = None,
-        keep_from: int = 0,
-        boundary: bytes | None = None,
-    ) -> Generation:
-        """Generate after `prompt_ids`, reusing `cached_kv` [layers, 2, kv_heads, n, head_dim] for
-        prompt_ids[:n]; returns the reply and the KV of the whole fed sequence, or of its tokens from
-        `keep_from` on if the engine can copy out less (then `Generation.kv_from` says so: a hit's cached
-        blocks need no write-back, so their copy is skipped). Blocks until done.
-        `on_prefill` is called once, after the first token, with a function that copies out the KV of
-        prompt tokens [start, end) (so their blocks can be written while the reply is generated).
-        `kv_ready`, when given, says which layers of `cached_kv` are in place yet: a `layerwise` engine
-        waits for each layer as it reaches it, any other engine for all of them before reading any.
-        `boundary`: a `boundary_records` engine's boundary state at cached_kv's end (required with `cached_kv`);
-        refused by any other engine."""
+    def generate(self, request: GenRequest) -> Generation:
+        """Run `request` (see GenRequest); returns the reply and the KV of the whole fed sequence, or of its tokens
+        from `request.keep_from` on if the engine can copy out less (then `Generation.kv_from` says so). Blocks until
+        done."""
 
     def boundary_problem(self, state: bytes, position: int) -> str | None:
         """Why a boundary state read back from Redis (untrusted) cannot resume a sequence at `position`, or None. The

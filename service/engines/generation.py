@@ -5,9 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from service.engines.gate import LayerGate
+
+# on_prefill(get_kv): get_kv(start, end) -> [layers, 2, kv_heads, end - start, head_dim], a CPU copy; called
+# during the hook (llama.cpp's reads a pooled snapshot of the sequence, reused once the hook returns)
+PrefillHook = Callable[[Callable[[int, int], torch.Tensor]], None]
 
 # End-of-turn tokens of common chat templates, honoured when the vocabulary has them.
 END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "</s>")
@@ -68,6 +75,29 @@ class GenParams:
             raise ValueError("stop strings must be non-empty")
         if self.n < 1 or self.top_k < 0 or not 0 <= self.min_p <= 1 or self.repetition_penalty <= 0:
             raise ValueError("n >= 1, top_k >= 0, 0 <= min_p <= 1 and repetition_penalty > 0")
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """One generation an engine runs (`Engine.generate`): after `prompt_ids`, reusing `cached_kv`
+    [layers, 2, kv_heads, n, head_dim] for prompt_ids[:n].
+
+    `on_text` gets the reply's text as it becomes final. `on_prefill` is called once, after the first token, with a
+    function that copies out the KV of prompt tokens [start, end) (their blocks are written while the reply is
+    generated). `kv_ready`, when given, says which layers of `cached_kv` are in place yet: a `layerwise` engine
+    waits for each layer as it reaches it, any other engine for all of them before reading any. The returned KV
+    starts at `keep_from` if the engine can copy out less (a hit's cached blocks need no write-back). `boundary`: a
+    `boundary_records` engine's boundary state at cached_kv's end (required with `cached_kv`); refused by any
+    other engine."""
+
+    prompt_ids: list[int]
+    cached_kv: torch.Tensor | None = None
+    params: GenParams = GenParams()
+    on_text: Callable[[str], None] | None = None
+    on_prefill: PrefillHook | None = None
+    kv_ready: LayerGate | None = None
+    keep_from: int = 0
+    boundary: bytes | None = None
 
 
 @dataclass(frozen=True)

@@ -17,15 +17,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-import torch
-
-from service.engines.base import PrefillHook
-from service.engines.gate import LayerGate
-from service.engines.generation import Generation, GenParams
+from service.engines.generation import Generation, GenRequest
 from service.engines.hf import hfcache
 from service.engines.hf.runner import Live, ModelRunner
 from service.runtime import threads
@@ -37,7 +31,7 @@ PREFILL_CHUNK = 128  # prompt tokens a step feeds one prefilling sequence
 
 @dataclass
 class _Job:
-    args: tuple[Any, ...]  # ModelRunner.generate's, from prompt_ids to boundary
+    request: GenRequest
     alone: bool  # run whole by ModelRunner.generate, between steps
     done: threading.Event = field(default_factory=threading.Event)
     live: Live | None = None
@@ -76,22 +70,11 @@ class DecodeBatcher:
         self._prefilling: list[_Job] = []  # begun, prompt not all in yet
         self._running = False
 
-    def generate(
-        self,
-        prompt_ids: list[int],
-        cached_kv: torch.Tensor | None,
-        params: GenParams,
-        on_text: Callable[[str], None] | None = None,
-        on_prefill: PrefillHook | None = None,
-        kv_ready: LayerGate | None = None,
-        keep_from: int = 0,
-        boundary: bytes | None = None,
-    ) -> Generation:
+    def generate(self, request: GenRequest) -> Generation:
         """As ModelRunner.generate; blocks until done (the KV is copied out on the calling thread)."""
-        args = (prompt_ids, cached_kv, params, on_text, on_prefill, kv_ready, keep_from, boundary)
         if threads.on_compute_thread():  # called from the scheduler's own thread: nothing else can run meanwhile
-            return self.runner.generate(*args)
-        job = _Job(args, alone=not self.batched or params.n != 1)
+            return self.runner.generate(request)
+        job = _Job(request, alone=not self.batched or request.params.n != 1)
         with self._lock:
             self._waiting.append(job)
             start, self._running = not self._running, True
@@ -130,9 +113,9 @@ class DecodeBatcher:
     def _begin(self, job: _Job) -> None:
         try:
             if job.alone:
-                job.result = self.runner.generate(*job.args)
+                job.result = self.runner.generate(job.request)
             else:
-                job.live = self.runner.begin(*job.args)
+                job.live = self.runner.begin(job.request)
                 self._prefilling.append(job)
                 return
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, who raises it

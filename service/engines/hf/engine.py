@@ -3,15 +3,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-
 from cachestore.hashing import ModelFingerprint
-from service.engines.base import Engine, KvGeometry, KvLayout, PrefillHook
-from service.engines.gate import LayerGate
-from service.engines.generation import Generation, GenParams
+from service.engines.base import Engine, KvGeometry, KvLayout
+from service.engines.generation import Generation, GenRequest
 from service.engines.hf import PARALLEL, boundarystate
 from service.engines.hf.batch import DecodeBatcher
 from service.engines.hf.layout import rope_of
@@ -70,18 +67,8 @@ class HfEngine(Engine):
     def decode(self, ids: Sequence[int]) -> str:
         return self.runner.decode(ids)
 
-    def generate(
-        self,
-        prompt_ids: list[int],
-        cached_kv: torch.Tensor | None,
-        params: GenParams,
-        on_text: Callable[[str], None] | None = None,
-        on_prefill: PrefillHook | None = None,
-        kv_ready: LayerGate | None = None,
-        keep_from: int = 0,
-        boundary: bytes | None = None,
-    ) -> Generation:
+    def generate(self, request: GenRequest) -> Generation:
         """As Engine.generate: a sliding-window or hybrid model resumes only with `boundary` (`boundary_problem`
         checked), and returns its boundary states at the prompt's end and the sequence's."""
-        return self.batcher.generate(prompt_ids, cached_kv, params, on_text, on_prefill, kv_ready, keep_from, boundary)
+        return self.batcher.generate(request)
 

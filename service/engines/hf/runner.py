@@ -9,10 +9,19 @@ from typing import Any
 
 import torch
 
-from service.engines.base import PrefillHook
 from service.engines.chat import chat_token_ids, remap_known
 from service.engines.gate import LayerGate
-from service.engines.generation import END_TOKENS, Choice, Generation, GenParams, TextStream, reply_ids, text_stream
+from service.engines.generation import (
+    END_TOKENS,
+    Choice,
+    Generation,
+    GenParams,
+    GenRequest,
+    PrefillHook,
+    TextStream,
+    reply_ids,
+    text_stream,
+)
 from service.engines.guides import LlgGuide, llg_tokenizer
 from service.engines.hf import boundarycache, hfcache
 from service.engines.hf.models import LoadedModel
@@ -130,21 +139,14 @@ class ModelRunner:
         if kv.shape[3] > prompt_len:
             raise ValueError(f"cached kv covers {kv.shape[3]} tokens, the prompt has {prompt_len}")
 
-    def generate(
-        self,
-        prompt_ids: list[int],
-        cached_kv: torch.Tensor | None,
-        params: GenParams,
-        on_text: Callable[[str], None] | None = None,
-        on_prefill: PrefillHook | None = None,
-        kv_ready: LayerGate | None = None,
-        keep_from: int = 0,
-        boundary: bytes | None = None,
-    ) -> Generation:
+    def generate(self, request: GenRequest) -> Generation:
         """Generate after `prompt_ids`, reusing `cached_kv` for prompt_ids[:n] (n = its token count); a layer of
         it is read only once `kv_ready` (if given) says it is in place. The returned KV starts at token
         `keep_from` (the copy out of the cache is the step's largest after the forward: 94 MB at 2k tokens).
         A sliding-window or hybrid model resumes with `boundary`, its boundary state at cached_kv's end."""
+        prompt_ids, cached_kv, params = request.prompt_ids, request.cached_kv, request.params
+        on_text, on_prefill, kv_ready = request.on_text, request.on_prefill, request.kv_ready
+        keep_from, boundary = request.keep_from, request.boundary
         started = time.perf_counter()
         prompt, max_new, cached = self._prepare(prompt_ids, cached_kv, params, boundary)
         ttft = 0.0
@@ -298,20 +300,13 @@ class ModelRunner:
         return len(out.generated) >= max_new
 
     # -- decoded beside others (batch.py): set up, its prompt fed a chunk at a time, then a token a step ------------
-    def begin(
-        self,
-        prompt_ids: list[int],
-        cached_kv: torch.Tensor | None,
-        params: GenParams,
-        on_text: Callable[[str], None] | None = None,
-        on_prefill: PrefillHook | None = None,
-        kv_ready: LayerGate | None = None,
-        keep_from: int = 0,
-        boundary: bytes | None = None,
-    ) -> Live:
+    def begin(self, request: GenRequest) -> Live:
         """A one-choice generation set up as `generate` does it (its cached prefix in its cache); `prefill` feeds its
         prompt a chunk at a time until its first token is sampled, `step` and `take` decode the rest beside other
         sequences, `finish` makes its Generation."""
+        prompt_ids, cached_kv, params = request.prompt_ids, request.cached_kv, request.params
+        on_text, on_prefill, kv_ready = request.on_text, request.on_prefill, request.kv_ready
+        keep_from, boundary = request.keep_from, request.boundary
         if params.n != 1:
             raise ValueError("a batched generation samples one choice")
         started = time.perf_counter()

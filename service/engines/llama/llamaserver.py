@@ -17,7 +17,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -27,10 +27,8 @@ import torch
 
 from cachestore.errors import ConfigError
 from cachestore.hashing import ModelFingerprint
-from service.engines.base import PrefillHook
 from service.engines.chat import chat_token_ids
-from service.engines.gate import LayerGate
-from service.engines.generation import Generation, GenParams, ParamError, reply_ids
+from service.engines.generation import Generation, GenRequest, ParamError, reply_ids
 from service.engines.llama import PARALLEL, boundarystate, llamastate, slotfile, statelayout
 from service.engines.llama.gguf import (
     check_flash_attn,
@@ -306,19 +304,12 @@ class LlamaServerEngine(ServerHttp, LendsStates, SlotServer):
             shutil.rmtree(self.slot_dir, ignore_errors=True)
 
     # -- generation ------------------------------------------------------------------------------
-    def generate(
-        self,
-        prompt_ids: list[int],
-        cached_kv: torch.Tensor | None,
-        params: GenParams,
-        on_text: Callable[[str], None] | None = None,
-        on_prefill: PrefillHook | None = None,
-        kv_ready: LayerGate | None = None,
-        keep_from: int = 0,  # the returned KV starts there (kv_from): the rest of the saved slot is not parsed
-        boundary: bytes | None = None,
-    ) -> Generation:
+    def generate(self, request: GenRequest) -> Generation:
         """`on_prefill` is never called: llama-server hands a slot's KV out only once the slot is idle, so
         the prompt's blocks are written with the reply's, after the last token."""
+        prompt_ids, cached_kv, params = request.prompt_ids, request.cached_kv, request.params
+        on_text, kv_ready = request.on_text, request.kv_ready
+        keep_from, boundary = request.keep_from, request.boundary
         prompt = [int(i) for i in prompt_ids]
         if not prompt:
             raise ValueError("the prompt is empty")

@@ -30,8 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from service.engines.base import PrefillHook
-from service.engines.generation import GenParams, TextStream
+from service.engines.generation import GenParams, PrefillHook, TextStream
 from service.engines.llama import llamastate
 from service.engines.sampling import Sampler
 from service.runtime import threads as torch_threads
