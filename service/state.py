@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from cachestore.store import BlockStore
 from service.admission import Admission
+from service.drain import Drain
 from service.engines import Engine
 from service.metrics import PodMetrics
 from service.pipeline import Pipeline
@@ -23,6 +24,7 @@ class PodState:
     writer: BackgroundWriter | None = None
     pipeline: Pipeline | None = None
     admission: Admission = field(init=False)  # the bound on requests in flight
+    drain: Drain = field(default_factory=Drain)  # begun by SIGTERM (service.drain): the pod is then not ready
     started_at: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:

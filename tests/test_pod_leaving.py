@@ -1,0 +1,231 @@
+"""Pods that leave, as real `kvstash serve` processes of SmolLM2 beside a real redis-server: SIGTERM with requests in
+flight drains the pod (not ready at once, new connections refused, every request finished and written back, exit 0);
+a second SIGTERM or the grace period ends it at once; a pod SIGKILLed while half a block is on its way to Redis leaves
+whole blocks or none, and the conversation's next turn on another pod is right."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+
+from cachestore.codec import Codec
+from ops.pods import PodProcess
+from ops.redisproc import RedisProcess
+from service.drain import EXIT_CUT_SHORT
+from tests.faultkit import QUESTIONS, SYSTEM
+from tests.support import POD_ARGS
+from tests.tornlink import TornLink
+
+BLOCK = 16  # POD_ARGS' block tokens
+LOG_INFO = ("--log-level", "info")  # the drain's log lines are at info
+
+
+def until(done: Callable[[], Any], what: str, timeout_s: float = 120.0) -> Any:
+    """Poll `done` until it returns something true (events, never a sleep that orders them)."""
+    deadline = time.monotonic() + timeout_s
+    while not (result := done()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return result
+
+
+@dataclass
+class Stream:
+    """One streamed chat completion on a thread of its own: what came back, and when the first token did."""
+
+    url: str
+    messages: list[dict[str, str]]
+    max_tokens: int
+    first: threading.Event = field(default_factory=threading.Event)
+    text: str = ""
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    done: bool = False  # [DONE] arrived
+    error: BaseException | None = None
+    thread: threading.Thread | None = None
+
+    def start(self) -> Stream:
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        body = {"model": "smollm2", "messages": self.messages, "max_tokens": self.max_tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        try:
+            with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=300) as resp:
+                assert resp.status_code == 200, resp.read()
+                for line in resp.iter_lines():
+                    if line == "data: [DONE]":
+                        self.done = True
+                    elif line.startswith("data: "):
+                        event = json.loads(line[6:])
+                        assert "error" not in event, event
+                        for choice in event.get("choices", []):
+                            self.text += choice["delta"].get("content") or ""
+                            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+                            if self.text:
+                                self.first.set()
+                        self.usage = event.get("usage") or self.usage
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            self.error = exc
+        finally:
+            self.first.set()
+
+    def join(self, timeout_s: float = 120.0) -> None:
+        assert self.thread is not None
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive(), "the stream did not end"
+
+
+def refused(url: str) -> bool:
+    try:
+        httpx.get(url + "/healthz", timeout=5)
+    except httpx.ConnectError:
+        return True
+    return False
+
+
+def _readyz(url: str) -> int | str:
+    try:
+        return httpx.get(url + "/readyz", timeout=10).status_code
+    except httpx.ConnectError:
+        return "refused"
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisProcess]:
+    server = RedisProcess().start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture(scope="module")
+def reader(redis_server: RedisProcess) -> Iterator[PodProcess]:
+    """The pod that takes the next turns: it reads every block Redis holds (no fetch-or-recompute guess)."""
+    pod = PodProcess("reader", redis_server.url, "smollm2", (*POD_ARGS, "--fetch-policy", "always"))
+    try:
+        yield pod.start().wait_ready(300)
+    finally:
+        pod.cleanup()
+
+
+@pytest.fixture
+def start_pod() -> Iterator[Callable[..., PodProcess]]:
+    """Start a SmolLM2 pod (name, Redis URL, its flags, KVSTASH_* variables), logging at info; gone after the test."""
+    started: list[PodProcess] = []
+
+    def start(name: str, redis_url: str, *args: str, **env: str) -> PodProcess:
+        pod = PodProcess(name, redis_url, "smollm2", (*POD_ARGS, *LOG_INFO, *args), env=env)
+        started.append(pod)
+        return pod.start().wait_ready(300)
+
+    try:
+        yield start
+    finally:
+        for pod in started:
+            pod.cleanup()
+
+
+def _next_turn(pod: PodProcess, stream: Stream) -> httpx.Response:
+    messages = [*stream.messages, {"role": "assistant", "content": stream.text}, {"role": "user", "content": "Why?"}]
+    body = {"model": "smollm2", "messages": messages, "max_tokens": 1, "temperature": 0}
+    resp = httpx.post(pod.url + "/v1/chat/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
+def test_sigterm_with_requests_in_flight_drains_and_exits_0(redis_server: RedisProcess, reader: PodProcess,
+                                                            start_pod: Callable[..., PodProcess]) -> None:
+    # replies do not wait for their writes: what the requests computed is still queued when they end, and only the
+    # drain writes it
+    pod = start_pod("leaving", redis_server.url, "--drain-grace-s", "240", KVSTASH_WRITE_WAIT_S="0")
+    assert pod.proc is not None
+    streams = [Stream(pod.url, [SYSTEM, {"role": "user", "content": f"{q} (conversation {i})"}], 20).start()
+               for i, q in enumerate(QUESTIONS[:2])]
+    for s in streams:
+        assert s.first.wait(240) and s.error is None, s.error
+    unfinished = sum(not s.done for s in streams)
+    pod.proc.send_signal(signal.SIGTERM)
+    # not ready from the signal on (503 while the listener lasts), then new connections are refused
+    seen = []
+    until(lambda: seen.append(_readyz(pod.url)) or seen[-1] == "refused", "the listener to close")
+    assert 200 not in seen, seen
+    with pytest.raises(httpx.ConnectError):
+        httpx.post(pod.url + "/v1/chat/completions", json={"model": "smollm2", "messages": []}, timeout=5)
+    for s in streams:
+        s.join(240)
+        assert s.error is None and s.done and s.finish_reason in ("stop", "length"), (s.error, s.text)
+    assert pod.proc.wait(timeout=240) == 0, pod.log_tail()
+    log = pod.log_tail(200)
+    assert "draining on SIGTERM: not ready" in log and "drained in" in log and "0 writes queued; exiting" in log
+    assert unfinished, "every stream had ended before the signal: nothing was in flight"
+    # written back: the next turn, on another pod, reads the prompt's blocks and the reply's
+    for s in streams:
+        assert s.usage is not None
+        prompt = s.usage["prompt_tokens"]
+        cached = int(_next_turn(reader, s).headers["x-kv-cached-tokens"])
+        assert cached > prompt // BLOCK * BLOCK, (cached, prompt, s.usage)
+
+
+@pytest.mark.parametrize("how", ["second-sigterm", "grace"])
+def test_second_sigterm_or_grace_ends_the_drain_at_once(redis_server: RedisProcess, how: str,
+                                                        start_pod: Callable[..., PodProcess]) -> None:
+    count = [{"role": "user", "content": "Count from 1 to 1000, one number a line, no words."}]
+    # a lame-duck minute for the second signal's pod (the listener stays, not ready); a short grace for the other
+    args = ("--drain-delay-s", "60", "--drain-grace-s", "240") if how == "second-sigterm" else ("--drain-grace-s",
+                                                                                                "2")
+    pod = start_pod(f"cut-{how}", redis_server.url, *args)
+    assert pod.proc is not None
+    stream = Stream(pod.url, count, 1800).start()
+    assert stream.first.wait(240) and stream.error is None, stream.error
+    pod.proc.send_signal(signal.SIGTERM)
+    if how == "second-sigterm":
+        ready = until(lambda: (r := httpx.get(pod.url + "/readyz", timeout=10)).status_code == 503 and r,
+                      "readiness to turn 503")
+        assert ready.json()["status"] == "draining" and ready.headers["connection"] == "close"
+        served = httpx.get(pod.url + "/metrics", timeout=10)  # still served while the listener lasts
+        assert "kvstash_draining 1.0" in served.text and served.headers["connection"] == "close"
+        pod.proc.send_signal(signal.SIGTERM)
+    assert pod.proc.wait(timeout=120) == EXIT_CUT_SHORT, pod.log_tail()
+    stream.join(60)
+    assert not stream.done, "the drain was not cut short: the request finished"
+    log = pod.log_tail(50)
+    assert "exiting now" in log and ("SIGTERM while draining" if how == "second-sigterm" else "grace") in log
+
+
+def test_sigkill_mid_write_leaves_whole_blocks_and_a_right_next_turn(redis_server: RedisProcess, reader: PodProcess,
+                                                                     start_pod: Callable[..., PodProcess]) -> None:
+    """The writer's pipeline of block SETs is torn in its third value; the writer is SIGKILLed with it half sent.
+    Redis holds the two whole blocks before it and nothing else of that write; another pod takes exactly those two
+    as its hit and replies as the killed pod did (exact codec, greedy)."""
+    r = redis_server.client()
+    before = set(r.scan_iter(match="kvstash:blk:*", count=1000))
+    messages = [SYSTEM, {"role": "user", "content": "Tell me about the sea, in one long paragraph."}]
+    body = {"model": "smollm2", "messages": messages, "max_tokens": 16, "temperature": 0}
+    # the writer waits on the frozen write as long as the test runs (the store's write timeout), never gives up first
+    with TornLink(redis_server.port, big=65536, whole=2) as link:
+        writer = start_pod("torn", link.url + "?write_timeout_s=600")
+        resp = httpx.post(writer.url + "/v1/chat/completions", json=body, timeout=240)
+        assert resp.status_code == 200, resp.text
+        assert link.cut.wait(120), "no block write went through the link"
+        writer.kill()
+    new = until(lambda: set(r.scan_iter(match="kvstash:blk:*", count=1000)) - before, "the whole blocks")
+    assert len(new) == 2, new  # the two before the torn one; none of the rest of that write
+    for key in new:
+        assert Codec().decode(r.get(key)).shape[3] == BLOCK  # whole: a torn value would not decode
+    got = httpx.post(reader.url + "/v1/chat/completions", json=body, timeout=240)
+    assert got.status_code == 200 and got.headers["x-kv-cache"] == "partial", got.headers
+    assert int(got.headers["x-kv-cached-tokens"]) == 2 * BLOCK
+    assert got.json()["choices"][0]["message"]["content"] == resp.json()["choices"][0]["message"]["content"]
+    r.close()
