@@ -5,13 +5,8 @@ whole blocks or none, and the conversation's next turn on another pod is right."
 
 from __future__ import annotations
 
-import json
 import signal
-import threading
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 import pytest
@@ -21,84 +16,12 @@ from ops.pods import PodProcess
 from ops.redisproc import RedisProcess
 from service.drain import EXIT_CUT_SHORT
 from tests.faultkit import QUESTIONS, SYSTEM
+from tests.leaving import Stream, next_turn, readyz, until
 from tests.support import POD_ARGS
 from tests.tornlink import TornLink
 
 BLOCK = 16  # POD_ARGS' block tokens
 LOG_INFO = ("--log-level", "info")  # the drain's log lines are at info
-
-
-def until(done: Callable[[], Any], what: str, timeout_s: float = 120.0) -> Any:
-    """Poll `done` until it returns something true (events, never a sleep that orders them)."""
-    deadline = time.monotonic() + timeout_s
-    while not (result := done()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return result
-
-
-@dataclass
-class Stream:
-    """One streamed chat completion on a thread of its own: what came back, and when the first token did."""
-
-    url: str
-    messages: list[dict[str, str]]
-    max_tokens: int
-    first: threading.Event = field(default_factory=threading.Event)
-    text: str = ""
-    finish_reason: str | None = None
-    usage: dict[str, Any] | None = None
-    done: bool = False  # [DONE] arrived
-    error: BaseException | None = None
-    thread: threading.Thread | None = None
-
-    def start(self) -> Stream:
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        return self
-
-    def _run(self) -> None:
-        body = {"model": "smollm2", "messages": self.messages, "max_tokens": self.max_tokens, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}}
-        try:
-            with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=300) as resp:
-                assert resp.status_code == 200, resp.read()
-                for line in resp.iter_lines():
-                    if line == "data: [DONE]":
-                        self.done = True
-                    elif line.startswith("data: "):
-                        event = json.loads(line[6:])
-                        assert "error" not in event, event
-                        for choice in event.get("choices", []):
-                            self.text += choice["delta"].get("content") or ""
-                            self.finish_reason = choice.get("finish_reason") or self.finish_reason
-                            if self.text:
-                                self.first.set()
-                        self.usage = event.get("usage") or self.usage
-        except BaseException as exc:  # noqa: BLE001 - the test reads it
-            self.error = exc
-        finally:
-            self.first.set()
-
-    def join(self, timeout_s: float = 120.0) -> None:
-        assert self.thread is not None
-        self.thread.join(timeout_s)
-        assert not self.thread.is_alive(), "the stream did not end"
-
-
-def refused(url: str) -> bool:
-    try:
-        httpx.get(url + "/healthz", timeout=5)
-    except httpx.ConnectError:
-        return True
-    return False
-
-
-def _readyz(url: str) -> int | str:
-    try:
-        return httpx.get(url + "/readyz", timeout=10).status_code
-    except httpx.ConnectError:
-        return "refused"
 
 
 @pytest.fixture(scope="module")
@@ -137,14 +60,6 @@ def start_pod() -> Iterator[Callable[..., PodProcess]]:
             pod.cleanup()
 
 
-def _next_turn(pod: PodProcess, stream: Stream) -> httpx.Response:
-    messages = [*stream.messages, {"role": "assistant", "content": stream.text}, {"role": "user", "content": "Why?"}]
-    body = {"model": "smollm2", "messages": messages, "max_tokens": 1, "temperature": 0}
-    resp = httpx.post(pod.url + "/v1/chat/completions", json=body, timeout=120)
-    assert resp.status_code == 200, resp.text
-    return resp
-
-
 def test_sigterm_with_requests_in_flight_drains_and_exits_0(redis_server: RedisProcess, reader: PodProcess,
                                                             start_pod: Callable[..., PodProcess]) -> None:
     # replies do not wait for their writes: what the requests computed is still queued when they end, and only the
@@ -159,7 +74,7 @@ def test_sigterm_with_requests_in_flight_drains_and_exits_0(redis_server: RedisP
     pod.proc.send_signal(signal.SIGTERM)
     # not ready from the signal on (503 while the listener lasts), then new connections are refused
     seen = []
-    until(lambda: seen.append(_readyz(pod.url)) or seen[-1] == "refused", "the listener to close")
+    until(lambda: seen.append(readyz(pod.url)) or seen[-1] == "refused", "the listener to close")
     assert 200 not in seen, seen
     with pytest.raises(httpx.ConnectError):
         httpx.post(pod.url + "/v1/chat/completions", json={"model": "smollm2", "messages": []}, timeout=5)
@@ -174,7 +89,7 @@ def test_sigterm_with_requests_in_flight_drains_and_exits_0(redis_server: RedisP
     for s in streams:
         assert s.usage is not None
         prompt = s.usage["prompt_tokens"]
-        cached = int(_next_turn(reader, s).headers["x-kv-cached-tokens"])
+        cached = int(next_turn(reader, s).headers["x-kv-cached-tokens"])
         assert cached > prompt // BLOCK * BLOCK, (cached, prompt, s.usage)
 
 
@@ -204,7 +119,7 @@ def test_second_sigterm_or_grace_ends_the_drain_at_once(redis_server: RedisProce
     assert "exiting now" in log and ("SIGTERM while draining" if how == "second-sigterm" else "grace") in log
 
 
-def test_sigkill_mid_write_leaves_whole_blocks_and_a_right_next_turn(redis_server: RedisProcess, reader: PodProcess,
+def test_sigkill_mid_write_leaves_whole_blocks_and_a_rightnext_turn(redis_server: RedisProcess, reader: PodProcess,
                                                                      start_pod: Callable[..., PodProcess]) -> None:
     """The writer's pipeline of block SETs is torn in its third value; the writer is SIGKILLed with it half sent.
     Redis holds the two whole blocks before it and nothing else of that write; another pod takes exactly those two
