@@ -126,7 +126,9 @@ def test_sigkill_mid_write_leaves_whole_blocks_and_a_rightnext_turn(redis_server
     as its hit and replies as the killed pod did (exact codec, greedy)."""
     r = redis_server.client()
     before = set(r.scan_iter(match="kvstash:blk:*", count=1000))
-    messages = [SYSTEM, {"role": "user", "content": "Tell me about the sea, in one long paragraph."}]
+    # a system prompt of its own: no block of this conversation is in Redis before the writer's
+    messages = [{"role": "system", "content": "You write about the sea, at length and in order. " * 8},
+                {"role": "user", "content": "Tell me about the sea, in one long paragraph."}]
     body = {"model": "smollm2", "messages": messages, "max_tokens": 16, "temperature": 0}
     # the writer waits on the frozen write as long as the test runs (the store's write timeout), never gives up first
     with TornLink(redis_server.port, big=65536, whole=2) as link:
