@@ -23,8 +23,8 @@ BLOCK = 16
 ARGS = ("--block-tokens", str(BLOCK), "--log-level", "info", "--drain-grace-s", "240")
 
 
-def children(pid: int) -> list[int]:
-    """Processes whose parent is `pid` (Linux /proc)."""
+def children(pid: int, name: str) -> list[int]:
+    """Processes called `name` whose parent is `pid` (Linux /proc)."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -32,7 +32,8 @@ def children(pid: int) -> list[int]:
                 stat = (entry / "stat").read_text()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            comm, rest = stat.split(" (", 1)[1].rsplit(")", 1)
+            if int(rest.split()[1]) == pid and comm == name[:15]:
                 found.append(int(entry.name))
     return found
 
@@ -59,7 +60,7 @@ def sidecars(redis_server: RedisProcess) -> Iterator[dict[str, SidecarProcess]]:
 def test_sidecar_drains_then_stops_its_llama_server(sidecars: dict[str, SidecarProcess]) -> None:
     side, reader = sidecars["leaving"], sidecars["reader"]
     assert side.proc is not None
-    (server,) = children(side.proc.pid)  # the llama-server it spawned
+    (server,) = children(side.proc.pid, "llama-server")  # the llama-server it spawned
     streams = [Stream(side.url, [{"role": "user", "content": f"{q} Answer at length. ({i})"}], 40).start()
                for i, q in enumerate(QUESTIONS[:2])]
     for s in streams:
