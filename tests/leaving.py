@@ -26,11 +26,13 @@ def until(done: Callable[[], Any], what: str, timeout_s: float = 120.0) -> Any:
 
 @dataclass
 class Stream:
-    """One streamed chat completion on a thread of its own: what came back, and when the first token did."""
+    """One streamed completion on a thread of its own: what came back, and when the first token did. A chat of
+    `messages`, or with `prompt` a text completion."""
 
     url: str
     messages: list[dict[str, str]]
     max_tokens: int
+    prompt: str | None = None
     first: threading.Event = field(default_factory=threading.Event)
     text: str = ""
     finish_reason: str | None = None
@@ -45,10 +47,13 @@ class Stream:
         return self
 
     def _run(self) -> None:
-        body = {"model": "smollm2", "messages": self.messages, "max_tokens": self.max_tokens, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}}
+        body: dict[str, Any] = {"model": "smollm2", "max_tokens": self.max_tokens, "temperature": 0, "stream": True,
+                                "stream_options": {"include_usage": True}}
+        chat = self.prompt is None
+        body.update({"messages": self.messages} if chat else {"prompt": self.prompt})
+        route = "/v1/chat/completions" if chat else "/v1/completions"
         try:
-            with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=300) as resp:
+            with httpx.stream("POST", self.url + route, json=body, timeout=300) as resp:
                 assert resp.status_code == 200, resp.read()
                 for line in resp.iter_lines():
                     if line == "data: [DONE]":
@@ -57,7 +62,7 @@ class Stream:
                         event = json.loads(line[6:])
                         assert "error" not in event, event
                         for choice in event.get("choices", []):
-                            self.text += choice["delta"].get("content") or ""
+                            self.text += (choice["delta"].get("content") if chat else choice.get("text")) or ""
                             self.finish_reason = choice.get("finish_reason") or self.finish_reason
                             if self.text:
                                 self.first.set()

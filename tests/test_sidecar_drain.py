@@ -61,7 +61,7 @@ def test_sidecar_drains_then_stops_its_llama_server(sidecars: dict[str, SidecarP
     side, reader = sidecars["leaving"], sidecars["reader"]
     assert side.proc is not None
     (server,) = children(side.proc.pid, "llama-server")  # the llama-server it spawned
-    streams = [Stream(side.url, [{"role": "user", "content": f"{q} Answer at length. ({i})"}], 40).start()
+    streams = [Stream(side.url, [{"role": "user", "content": f"{q} Answer at length. ({i})"}], 64).start()
                for i, q in enumerate(QUESTIONS[:2])]
     for s in streams:
         assert s.first.wait(240) and s.error is None, s.error
