@@ -50,7 +50,7 @@ def add_pod_options(p: argparse.ArgumentParser, no_cache_help: str = "neither re
     for name, kind in (("redis_url", str), ("namespace", str), ("codec", str), ("block_tokens", int),
                        ("budget_bytes", int), ("block_ttl_s", int), ("session_ttl_s", int),
                        ("redis_timeout_s", float), ("link_bytes_s", float), ("prefill_tokens_s", float),
-                       ("max_queue", int), ("pod_name", str)):
+                       ("max_queue", int), ("pod_name", str), ("drain_grace_s", float), ("drain_delay_s", float)):
         p.add_argument("--" + name.replace("_", "-"), type=kind, help=SettingHelp(name))
     p.add_argument("--fetch-policy", choices=["auto", "always"], help=SettingHelp("fetch_policy"))
     p.add_argument("--no-cache", action="store_true", help=no_cache_help)
@@ -65,7 +65,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         for name in ("host", "port", "engine", "model", "parallel", "threads", "device", "redis_url", "namespace",
                      "codec", "block_tokens",
                      "budget_bytes", "block_ttl_s", "session_ttl_s", "redis_timeout_s", "max_queue", "pod_name",
-                     "fetch_policy", "link_bytes_s", "prefill_tokens_s")
+                     "fetch_policy", "link_bytes_s", "prefill_tokens_s", "drain_grace_s", "drain_delay_s")
     }
     overrides["memory_kv_bytes"] = getattr(args, "memory_kv_bytes", None)  # `serve` only, not `sidecar`
     overrides["flash_attn"] = getattr(args, "flash_attn", None)
@@ -75,14 +75,13 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn  # noqa: PLC0415
-
     from cachestore.codec import CodecSpec  # noqa: PLC0415
     from cachestore.redisclient import check_connection  # noqa: PLC0415
     from cachestore.settings import StoreSettings  # noqa: PLC0415
     from service.app import create_app, store_settings  # noqa: PLC0415
     from service.engines import load_engine  # noqa: PLC0415
     from service.runtime import threads  # noqa: PLC0415
+    from service.runtime.drain import serve  # noqa: PLC0415
 
     settings = settings_from_args(args)
     CodecSpec.parse(settings.codec)  # fail fast with a clear message on a bad codec
@@ -102,8 +101,9 @@ def run(args: argparse.Namespace) -> int:
         threads=settings.threads, codec=settings.codec, flash_attn=settings.flash_attn).result()
     try:
         CodecSpec.parse(settings.codec).check_model(engine.geometry.num_layers, engine.geometry.head_dim)
-        uvicorn.run(create_app(settings, engine), host=settings.host, port=settings.port,
-                    log_level=args.log_level, timeout_graceful_shutdown=15)
+        app = create_app(settings, engine)
+        # SIGTERM drains the pod (runtime.drain): not ready, no new connections, requests and write-back finished
+        serve(app, app.state.drain, settings.host, settings.port, args.log_level)
     finally:
         engine.close()
     return 0

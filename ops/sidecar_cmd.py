@@ -134,14 +134,13 @@ def sidecar_app(settings: Any, engine: Any) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn  # noqa: PLC0415
-
     from cachestore.codec import CodecSpec  # noqa: PLC0415
     from cachestore.redisclient import check_connection  # noqa: PLC0415
     from cachestore.settings import StoreSettings  # noqa: PLC0415
     from ops.serve_cmd import settings_from_args  # noqa: PLC0415
     from service.app import store_settings  # noqa: PLC0415
     from service.engines.llama import PARALLEL  # noqa: PLC0415
+    from service.runtime.drain import serve  # noqa: PLC0415
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.model = args.model or "smollm2"
@@ -158,8 +157,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         CodecSpec.parse(settings.codec).check_model(engine.geometry.num_layers, engine.geometry.head_dim)
         settings = settings.with_overrides(parallel=engine.parallel)
-        uvicorn.run(sidecar_app(settings, engine), host=settings.host, port=settings.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=15)
+        app = sidecar_app(settings, engine)
+        # SIGTERM drains the sidecar (service.runtime.drain) while llama-server still serves what it holds
+        serve(app, app.state.drain, settings.host, settings.port, args.log_level)
     finally:
-        engine.close()
+        engine.close()  # a spawned llama-server stops only now, after the drain
     return 0

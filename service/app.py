@@ -30,6 +30,7 @@ from service.engines import Engine, load_engine
 from service.http import completions, health, openapi, sessions_api
 from service.http.errors import EXCEPTION_HANDLERS
 from service.runtime import threads
+from service.runtime.drain import Drain
 from service.runtime.metrics import PodMetrics
 from service.settings import PodSettings
 from service.state import PodState
@@ -125,6 +126,8 @@ class RouteMetrics(BaseHTTPMiddleware):
         state.metrics.latency.labels(name).observe(time.perf_counter() - t0)
         if state.settings.pod_name:
             response.headers["X-KV-Pod"] = state.settings.pod_name
+        if state.drain.active:  # leaving: a keep-alive client reconnects, to another pod
+            response.headers["Connection"] = "close"
         return response
 
 
@@ -134,6 +137,7 @@ def build_state(settings: PodSettings, engine: Engine) -> PodState:
     codec = BlockCodecs.for_spec(settings.codec, rows=engine.kv_layout.row_frames,  # the writer's and the pipeline's
                                  rope=engine.kv_layout.rope)
     state.engine = engine
+    state.metrics.draining.set_function(lambda: float(state.drain.active))
     if settings.cache_enabled:
         metrics = state.metrics
         state.store = BlockStore(store_settings(settings), on_rejected=lambda reason, detail: _rejected(
@@ -158,7 +162,9 @@ def create_app(settings: PodSettings, engine: Engine | LoadedModel | None = None
                api_routes: Sequence[BaseRoute] | None = None) -> Starlette:
     """The app; `engine` lets tests and benchmarks share one loaded model between several apps. `api_routes` replace
     kvstash's completions and model list (the sidecar passes llama-server's API through:
-    service.sidecar.passthrough)."""
+    service.sidecar.passthrough). `app.state.drain` is the pod's drain, begun by the server on SIGTERM
+    (service.runtime.drain.serve)."""
+    drain = Drain(settings.drain_grace_s, settings.drain_delay_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -174,6 +180,8 @@ def create_app(settings: PodSettings, engine: Engine | LoadedModel | None = None
         # a named codec (int4, int2) is the fleet's plan for this model: read from Redis, or made and stored here
         pod_settings, _ = await codecnames.resolve(settings, model, store_settings(settings))
         state = build_state(pod_settings, model)
+        state.drain = drain
+        drain.holding = lambda: (state.admission.admitted, state.writer.depth if state.writer else 0)
         app.state.pod = state
         if state.writer is not None:
             state.writer.start()
@@ -189,8 +197,10 @@ def create_app(settings: PodSettings, engine: Engine | LoadedModel | None = None
         finally:
             if sampler is not None:
                 sampler.cancel()
-            if state.writer is not None:
-                await state.writer.stop(drain_timeout_s=10.0)  # graceful shutdown drains the write queue
+            if state.writer is not None:  # the requests are done: what they computed goes to Redis, in the grace
+                await state.writer.stop(drain_timeout_s=drain.left_s())
+            if drain.active:
+                log.info("drained in %.1f s: %s; exiting", drain.elapsed_s(), drain.describe())
             if state.pipeline is not None:
                 state.pipeline.close()
             if state.store is not None:
@@ -221,4 +231,5 @@ def create_app(settings: PodSettings, engine: Engine | LoadedModel | None = None
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,
     )
+    app.state.drain = drain
     return app

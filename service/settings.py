@@ -65,6 +65,8 @@ class PodSettings:
     tenant_quotas: Mapping[str, int] = field(default_factory=dict)  # tenant -> bytes, over tenant_quota_bytes
     upstream_api_key: str = field(default="", repr=False)  # the sidecar's key to llama-server (its --api-key)
     pod_name: str = ""
+    drain_grace_s: float = 25.0  # SIGTERM: requests and write-back finish within this, else the pod exits at once
+    drain_delay_s: float = 0.0  # SIGTERM: keep listening this long, not ready (service.runtime.drain)
     cache_dir: str = ""  # where converted models live (KVSTASH_CACHE_DIR); "" = ~/.cache/kvstash/models
 
     def __post_init__(self) -> None:
@@ -92,6 +94,8 @@ class PodSettings:
         if self.memory_kv_bytes and self.cache_enabled:
             raise ConfigError("the in-memory KV cache (memory_kv_bytes) replaces Redis: run it with the Redis cache "
                               "disabled (--no-cache, KVSTASH_NO_CACHE=1)")
+        if not 0 <= self.drain_delay_s < self.drain_grace_s:
+            raise ConfigError("drain_grace_s must be positive and drain_delay_s in 0..drain_grace_s")
         if self.max_queue < 1 or self.write_queue < 1:
             raise ConfigError("max_queue and write_queue must be at least 1")
         if self.frame_key_previous and not self.frame_key:
@@ -196,6 +200,12 @@ SETTING_HELP: Mapping[str, str] = {
     "tenant_quotas": "tenantA=1GiB,tenantB=200MiB: per-tenant quotas over tenant_quota_bytes",
     "upstream_api_key": "the sidecar's key to llama-server (its --api-key)",
     "pod_name": "name reported in /readyz and the X-KV-Pod header",
+    "drain_grace_s": "on SIGTERM the pod stops listening, finishes its requests and writes back what they computed "
+                     "within this many seconds, then exits 0; past it, or on a second SIGTERM, it exits at once "
+                     "(keep it under Kubernetes' terminationGracePeriodSeconds less the preStop sleep)",
+    "drain_delay_s": "on SIGTERM, keep listening this many seconds first, answering /readyz with 503 and serving "
+                     "requests with Connection: close (for balancers that only read readiness; 0: refuse new "
+                     "connections at once)",
     "cache_dir": "where converted models live (unset: ~/.cache/kvstash/models)",
 }
 
@@ -259,6 +269,7 @@ _ENV_CASTS: dict[str, Any] = {
     "memory_kv_bytes": int, "max_queue": int, "write_queue": int, "max_body_bytes": int,
     "body_timeout_s": float,
     "max_tokens_limit": int, "default_max_tokens": int, "tenant_secret": str, "pod_name": str, "cache_dir": str,
+    "drain_grace_s": float, "drain_delay_s": float,
     "frame_key": str, "frame_key_previous": str, "tenant_quota_bytes": parse_size,
     "upstream_api_key": str,
 }

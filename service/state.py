@@ -10,6 +10,7 @@ from service.cache.pipeline import Pipeline
 from service.cache.writer import BackgroundWriter
 from service.engines import Engine
 from service.http.admission import Admission
+from service.runtime.drain import Drain
 from service.runtime.metrics import PodMetrics
 from service.settings import PodSettings
 
@@ -23,6 +24,7 @@ class PodState:
     writer: BackgroundWriter | None = None
     pipeline: Pipeline | None = None
     admission: Admission = field(init=False)  # the bound on requests in flight
+    drain: Drain = field(default_factory=Drain)  # begun by SIGTERM (service.runtime.drain): the pod is then not ready
     started_at: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:

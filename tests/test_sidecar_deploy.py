@@ -33,8 +33,11 @@ def test_k8s_pod_runs_llama_server_and_the_sidecar_on_one_memory_volume() -> Non
     files = sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
     assert sorted(kustomize["resources"]) == files
     pod = docs["Deployment"]["spec"]["template"]
-    containers = {c["name"]: c for c in pod["spec"]["containers"]}
+    # llama-server is a native sidecar (an init container that keeps running): it stops only after kvstash drained
+    containers = {c["name"]: c for c in pod["spec"]["containers"] + pod["spec"]["initContainers"]}
     server, sidecar = containers["llama-server"], containers["kvstash"]
+    assert [c["name"] for c in pod["spec"]["initContainers"]] == ["llama-server"]
+    assert server["restartPolicy"] == "Always"
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes["slots"]["emptyDir"]["medium"] == "Memory"
     mount = {c: {m["name"]: m["mountPath"] for m in containers[c]["volumeMounts"]}["slots"] for c in containers}

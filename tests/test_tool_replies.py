@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from service.engines.generation import Generation, GenParams, ResponseFormat, text_stream
-from service.engines.tools import parse_calls, repeated_call
+from service.engines.generation import Generation, GenParams, ResponseFormat
+from service.engines.tools import parse_calls, repeated_call, text_stream
 from service.http.params import ToolSpec
 from service.http.respond import choices
 

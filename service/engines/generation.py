@@ -154,17 +154,6 @@ class Detokenizer(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
-def text_stream(tokenizer: Detokenizer, params: GenParams, on_text: Callable[[str], None] | None) -> TextStream:
-    """The reply's text stream for `params`: its stop strings, and for forced parallel tool calls the end of a reply
-    that starts repeating a call."""
-    cut = None
-    if params.response_format is not None and params.response_format.calls > 1:
-        from service.engines.tools import repeated_call  # noqa: PLC0415 - tools imports this module
-
-        cut = repeated_call
-    return TextStream(tokenizer, params.stop, on_text, cut)
-
-
 class TextStream:
     """Incremental detokenization with stop strings: emits only text that is final.
 

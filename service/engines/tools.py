@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from cachestore import jsondepth
-from service.engines.generation import ParamError
+from service.engines.generation import Detokenizer, GenParams, ParamError, TextStream
 
 Message = dict[str, Any]
 
@@ -187,3 +187,10 @@ def call_schema(tools: Iterable[dict[str, Any]], names: Iterable[str]) -> dict[s
                                "arguments": _closed(by_name[name].get("parameters") or NO_ARGUMENTS)}}
                for name in dict.fromkeys(names)]
     return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def text_stream(tokenizer: Detokenizer, params: GenParams, on_text: Callable[[str], None] | None) -> TextStream:
+    """The reply's text stream for `params`: its stop strings, and for forced parallel tool calls the end of a reply
+    that starts repeating a call."""
+    forced_calls = params.response_format is not None and params.response_format.calls > 1
+    return TextStream(tokenizer, params.stop, on_text, repeated_call if forced_calls else None)

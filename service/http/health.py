@@ -17,8 +17,8 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    """Ready once the model is loaded. Redis state is reported, but an outage does not make the pod unready:
-    it then serves by recomputing."""
+    """Ready once the model is loaded, until SIGTERM starts the pod's drain (runtime.drain). Redis state is reported,
+    but an outage does not make the pod unready: it then serves by recomputing."""
     state = pod(request)
     redis_state = "disabled"
     if state.store is not None:
@@ -27,15 +27,16 @@ async def readyz(request: Request) -> Response:
         except TimeoutError:
             redis_state = "down"
         redis_state = f"{redis_state} (breaker {state.store.breaker_state})"
+    ready = state.ready and not state.drain.active
     body = {
-        "status": "ready" if state.ready else "loading",
+        "status": "draining" if state.drain.active else "ready" if state.ready else "loading",
         "model": state.engine.name if state.engine else None,
         "engine": state.engine.kind if state.engine else None,
         "redis": redis_state,
         "write_queue": state.writer.depth if state.writer else 0,
         "pod": state.settings.pod_name,
     }
-    return JSONResponse(body, status_code=200 if state.ready else 503)
+    return JSONResponse(body, status_code=200 if ready else 503)
 
 
 async def metrics(request: Request) -> Response:

@@ -114,8 +114,8 @@ def build_schema(model: str | None = None, title: str = "kvstash pod") -> dict[s
     gen_errors = ("400", "401", "404", "413", "503")
     paths = {
         "/healthz": {"get": _op("liveness", "200", {"type": "object"}, ())},
-        "/readyz": {"get": _op("readiness (model loaded; Redis state reported)", "200", {"type": "object"},
-                               ("503",))},
+        "/readyz": {"get": _op("readiness (model loaded, not draining after SIGTERM; Redis state reported)", "200",
+                               {"type": "object"}, ("503",))},
         "/metrics": {"get": _op("Prometheus metrics", "200", {"type": "string"}, (), ok_type="text/plain")},
         "/openapi.json": {"get": _op("this description", "200", {"type": "object"}, ())},
         "/v1/models": {"get": _op("the model this pod serves", "200", {"type": "object"}, ("401",))},

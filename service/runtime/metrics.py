@@ -91,6 +91,8 @@ class PodMetrics:
         self.entries_held = Gauge("kvstash_cache_entries", "Blocks, tails and reply records the namespace holds "
                                   "(sampled); with --memory-kv-bytes, sequences this pod keeps", registry=r)
         self.inflight = Gauge("kvstash_inflight_requests", "Requests admitted and not finished", registry=r)
+        self.draining = Gauge("kvstash_draining", "1 from the pod's SIGTERM on: not ready, finishing its requests "
+                              "and write-back before it exits (service.runtime.drain)", registry=r)
         self.rejected = Counter("kvstash_rejected", "Requests refused with 503 (overload)", registry=r)
         self.fetch_plans = Counter("kvstash_fetch_plans", "Lookups by what their fetch-or-recompute plan read of the "
                                    "blocks Redis may hold: fetch (all), shortened (the prefix that fits the Redis "

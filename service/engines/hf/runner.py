@@ -20,13 +20,12 @@ from service.engines.generation import (
     PrefillHook,
     TextStream,
     reply_ids,
-    text_stream,
 )
 from service.engines.guides import LlgGuide, llg_tokenizer
 from service.engines.hf import boundarycache, hfcache
 from service.engines.hf.models import LoadedModel
 from service.engines.sampling import Sampler
-from service.engines.tools import for_template
+from service.engines.tools import for_template, text_stream
 
 __all__ = ["GenParams", "Generation", "Live", "ModelRunner"]
 

@@ -42,7 +42,6 @@ from service.engines.generation import (
     GenRequest,
     TextStream,
     reply_ids,
-    text_stream,
 )
 from service.engines.guides import GbnfGuide
 from service.engines.llama import PARALLEL, boundarystate, llamastate, statewrite
@@ -59,7 +58,7 @@ from service.engines.llama.models import resolve_gguf
 from service.engines.llama.scheduler import N_BATCH, SeqRequest, StreamClosedError, prefill_chunk
 from service.engines.llama.vocab import Vocab, quiet_logs
 from service.engines.sampling import Sampler
-from service.engines.tools import for_template
+from service.engines.tools import for_template, text_stream
 from service.runtime import threads as torch_threads
 
 log = logging.getLogger("kvstash.llamacpp")

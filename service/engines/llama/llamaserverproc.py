@@ -107,8 +107,10 @@ class LlamaServerProcess:
 
     def _launch(self) -> None:
         with self._lock, self.log_path.open("ab") as logf:
+            # a session of its own: a signal to the sidecar's process group (Ctrl-C, `kill -- -PGID`) reaches the
+            # sidecar alone, which drains and only then stops llama-server (runtime.drain); it still dies with it
             self._proc = subprocess.Popen(self.args, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          preexec_fn=_die_with_parent)
+                                          preexec_fn=_die_with_parent, start_new_session=True)
 
     @property
     def pid(self) -> int | None:
