@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from service.app import create_app
-from service.metrics import PodMetrics
+from service.runtime.metrics import PodMetrics
 from service.settings import PodSettings
 from tests.k8sschema import manifest_errors
 
