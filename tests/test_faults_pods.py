@@ -21,13 +21,9 @@ from tests.support import settle, tiny_pods, write_queue
 
 
 @pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisProcess]:
+def redis_server(module_redis_server: RedisProcess) -> RedisProcess:
     """One Redis for this module's pods (tests that kill a pod start it again)."""
-    server = RedisProcess().start()
-    try:
-        yield server
-    finally:
-        server.cleanup()
+    return module_redis_server
 
 
 @pytest.fixture(scope="module")

@@ -29,12 +29,8 @@ LLAMACPP = ("--engine", "llamacpp")
 
 
 @pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisProcess]:
-    server = RedisProcess().start()
-    try:
-        yield server
-    finally:
-        server.cleanup()
+def redis_server(module_redis_server: RedisProcess) -> RedisProcess:
+    return module_redis_server
 
 
 @pytest.fixture(scope="module")

@@ -78,12 +78,8 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 @pytest.fixture(scope="module")
-def redis() -> Iterator[RedisProcess]:
-    server = RedisProcess().start()
-    try:
-        yield server
-    finally:
-        server.cleanup()
+def redis(module_redis_server: RedisProcess) -> RedisProcess:
+    return module_redis_server
 
 
 @pytest.fixture(scope="module")

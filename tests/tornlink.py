@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import socket
 import threading
-from types import TracebackType
 
-from ops.redisproc import free_port
+from tests.linkproxy import LinkProxy
 
 
 class RespCutter:
@@ -53,47 +52,19 @@ class RespCutter:
         return bytes(out)
 
 
-class TornLink:
+class TornLink(LinkProxy):
     """Forwards 127.0.0.1:`port` to Redis on `upstream_port`, tearing one large value (module docstring)."""
 
     def __init__(self, upstream_port: int, big: int = 65536, whole: int = 0) -> None:
-        self.upstream_port = upstream_port
-        self.port = free_port()
+        super().__init__(upstream_port)
         self.cut = threading.Event()
         self._frozen = False
         self._cutter = RespCutter(big, whole)  # shared by every connection: the writer's pool may use any
-        self._lock = threading.Lock()
-        self._listener = socket.create_server(("127.0.0.1", self.port))
-        self._sockets: list[socket.socket] = []
-        self._closed = threading.Event()
 
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def __enter__(self) -> TornLink:
-        threading.Thread(target=self._accept, daemon=True).start()
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self._closed.set()
-        self._listener.close()
-        with self._lock:
-            for sock in self._sockets:
-                sock.close()
-
-    def _accept(self) -> None:
-        while not self._closed.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
-            with self._lock:
-                self._sockets += [client, upstream]
-            cutter = RespCutter(self._cutter.big, self._cutter.whole)
-            threading.Thread(target=self._requests, args=(client, upstream, cutter), daemon=True).start()
-            threading.Thread(target=self._replies, args=(upstream, client), daemon=True).start()
+    def _connect(self, client: socket.socket, upstream: socket.socket) -> None:
+        cutter = RespCutter(self._cutter.big, self._cutter.whole)
+        threading.Thread(target=self._requests, args=(client, upstream, cutter), daemon=True).start()
+        threading.Thread(target=self._replies, args=(upstream, client), daemon=True).start()
 
     def _requests(self, client: socket.socket, upstream: socket.socket, cutter: RespCutter) -> None:
         try:
