@@ -135,6 +135,19 @@ def transposed_into(out: Array, src: Array) -> bool:
     return True
 
 
+def hadamard_rows(x: Array, scale: float) -> bool:
+    """x [rows, size] (fp32, C-contiguous, on the cpu; size a power of two) in place = each row's fast Walsh-Hadamard
+    transform times `scale` (cachestore.codec.rotation), the same bits as the library's rounds; False (nothing
+    written) where the kernel does not apply. Plain C: at any kernel level."""
+    if _kernels is None or not _want() or dtype_name(x) != "float32" or x.ndim != 2 or not on_cpu(x) or not _dense(x):
+        return False
+    rows, size = x.shape
+    if size & (size - 1) or size > 4096:
+        return False
+    _kernels.hadamard(ptr(x), (rows, size), scale)
+    return True
+
+
 def int4_into(out: Array, packed: Array, scale: Array, zero: Array) -> bool:
     """out [A, B, C, E, F] (fp32 or fp16, any outer strides, rows contiguous) = the int4 codes of `packed` (uint8,
     contiguous, two codes a byte, low nibble first, in out's C order) times fp16 `scale` plus fp16 `zero`, both

@@ -12,7 +12,8 @@ import math
 
 import numpy as np
 
-from cachestore.codec.arrays import Array, is_torch, namespace, torch
+from cachestore.codec import kernels
+from cachestore.codec.arrays import Array, contiguous, is_torch, namespace, torch
 
 
 def block_size(dim: int) -> int:
@@ -25,19 +26,25 @@ def rotate(x: Array) -> Array:
     xp = namespace(x)
     dim = x.shape[-1]
     size = block_size(dim)
-    lead = tuple(x.shape[:-1])
-    src = xp.reshape(xp.astype(x, xp.float32, copy=True), (-1, size))  # [rows, size]: one block a row
+    scale = 1.0 / math.sqrt(size)  # an fp32 scalar: every element rounded once more, alike everywhere
+    blocks = contiguous(xp.reshape(xp.astype(x, xp.float32, copy=True), (-1, size)))  # [rows, size]
+    if kernels.hadamard_rows(blocks, scale):  # on the cpu: one pass a row, in place
+        return xp.reshape(blocks, x.shape)
+    # elsewhere (a GPU): [size, rows], each block's channel c of every row side by side, so every round adds long
+    # contiguous runs
+    src = contiguous(xp.permute_dims(blocks, (1, 0)))
+    rows = src.shape[1]
     dst = xp.empty_like(src)
     h = 1
     while h < size:
-        a = xp.reshape(src, (-1, size // (2 * h), 2, h))  # each pair of runs h apart: (a, b) -> (a + b, a - b)
+        a = xp.reshape(src, (size // (2 * h), 2, h * rows))  # each pair of channels h apart: (a, b) -> (a + b, a - b)
         b = xp.reshape(dst, a.shape)
-        _add(a[:, :, 0], a[:, :, 1], b[:, :, 0])
-        _sub(a[:, :, 0], a[:, :, 1], b[:, :, 1])
+        _add(a[:, 0], a[:, 1], b[:, 0])
+        _sub(a[:, 0], a[:, 1], b[:, 1])
         src, dst = dst, src
         h *= 2
-    src *= 1.0 / math.sqrt(size)  # an fp32 scalar: every element rounded once more, alike everywhere
-    return xp.reshape(src, (*lead, dim))
+    src *= scale
+    return xp.reshape(contiguous(xp.permute_dims(src, (1, 0))), x.shape)
 
 
 def rotate_into(x: Array, out: Array) -> None:

@@ -38,7 +38,7 @@ class OpenFrame:
     a few layers at a time (the pod hands layers to the forward step as they are ready)."""
 
     header: FrameHeader
-    raw: np.ndarray  # the raw payload, uint8 on the host
+    raw: Array  # the raw payload, uint8 on the host: a numpy array (a placed frame's holds none: any empty array)
     borrowed: bool = False  # `raw` is the caller's (read-only) frame bytes: never handed out as they are
     device: Any = None  # where `decode_into()` without an output decodes: None numpy, else a torch device
 

@@ -25,7 +25,7 @@ PARTS = {"K": (0,), "V": (1,), "KV": (0, 1)}
 
 def _trip(spec: str, kv: torch.Tensor, block_tokens: int) -> torch.Tensor:
     codecs = BlockCodecs.for_spec(spec)
-    return torch.cat([codecs.main.decode(f) for f in _round_trip(codecs, kv, block_tokens)], dim=3)
+    return torch.cat([codecs.main.decode(f, device="cpu") for f in _round_trip(codecs, kv, block_tokens)], dim=3)
 
 
 def main() -> None:
