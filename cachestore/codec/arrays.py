@@ -220,23 +220,29 @@ def fixed_sum(x: Array, axis: int) -> Array:
     """The sum along `axis` (kept, of size 1) in one fixed order, halves added pairwise: the same bits in numpy and
     torch on any device, where their own sums each add in an order of their own."""
     n = x.shape[axis]
-    while n > 1:
+    if n == 1:
+        return x
+    half = n // 2
+    acc = axis_slice(x, axis, 0, half) + axis_slice(x, axis, half, 2 * half)  # the one new array; the rest in place
+    if n % 2:
+        acc = namespace(x).concat([acc, axis_slice(x, axis, 2 * half, n)], axis=axis)
+    n = half + n % 2
+    while n > 1:  # acc's first n along axis hold the partial sums: element i takes element i + half
         half = n // 2
-        pairs = axis_slice(x, axis, 0, half) + axis_slice(x, axis, half, 2 * half)
-        if n % 2:
-            xp = namespace(x)
-            pairs = xp.concat([pairs, axis_slice(x, axis, 2 * half, n)], axis=axis)
-        x, n = pairs, half + n % 2
-    return x
+        low = axis_slice(acc, axis, 0, half)
+        low += axis_slice(acc, axis, half, 2 * half)
+        if n % 2:  # the odd one out moves up beside the sums (its place, half, was read already)
+            axis_slice(acc, axis, half, half + 1)[...] = axis_slice(acc, axis, 2 * half, n)
+        n = half + n % 2
+    return axis_slice(acc, axis, 0, 1)
 
 
 def scatter(x: Array, axis: int, index: Array, values: Array) -> Array:
-    """A copy of x with values[i] put at index[i] along `axis` (torch's scatter, numpy's put_along_axis)."""
+    """x with values[i] put at index[i] along `axis`, in place (torch's scatter_, numpy's put_along_axis); returns x."""
     if is_torch(x):
-        return x.scatter(axis, index, values)
-    out = np.array(x)
-    np.put_along_axis(out, index, values, axis)
-    return out
+        return x.scatter_(axis, index, values)
+    np.put_along_axis(x, index, values, axis)
+    return x
 
 
 def topk_indices(x: Array, k: int) -> Array:
@@ -250,10 +256,6 @@ def softmax(x: Array, axis: int = -1) -> Array:
         return x.softmax(axis)
     e = np.exp(x - np.max(x, axis=axis, keepdims=True))
     return e / np.sum(e, axis=axis, keepdims=True)
-
-
-def little_endian() -> bool:
-    return sys.byteorder == "little"
 
 
 def reshape_view(x: Array, shape: tuple[int, ...]) -> Array:

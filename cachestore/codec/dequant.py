@@ -5,6 +5,7 @@ torch tensors alike (`cachestore.codec.arrays`: the output's kind and device).""
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -16,7 +17,6 @@ from cachestore.codec.arrays import (
     device_of,
     dtype_name,
     from_host,
-    little_endian,
     namespace,
     reshape_view,
     scatter,
@@ -36,7 +36,7 @@ from cachestore.codec.rope import Rope, turn_into
 from cachestore.codec.rotation import rotate
 from cachestore.errors import CodecError
 
-_LITTLE_ENDIAN = little_endian()
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 def unpack(packed: Array, bits: int, count: int) -> Array:

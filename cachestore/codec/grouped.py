@@ -82,7 +82,8 @@ def asym(x: Array, dim: int, levels: int, ratios: tuple[float, ...] = (1.0,),
         err = q * xp.astype(scale, xp.float32)  # exact (codes of at most 8 bits times an fp16 scale)
         err += zero32
         err -= x
-        err = fixed_sum(err * err, dim)
+        err *= err
+        err = fixed_sum(err, dim)
         if not best:
             best = [scale, kept, q, err]
             continue

@@ -208,9 +208,11 @@ def _sym_values(v: Array, group: int, bits: int, variant: Variant) -> tuple[Arra
         scale = scalecodes.sym_expand(ext, kept)
         s32 = safe(scale)
         q = round_clip(vg / s32 + mid, 0, top)
-        err = (q - mid) * s32
+        err = q - mid
+        err *= s32
         err -= vg
-        err = fixed_sum(err * err, 4)
+        err *= err
+        err = fixed_sum(err, 4)
         if not best:
             best = [scale, kept, q, err]
             continue

@@ -47,11 +47,6 @@ def rotate(x: Array) -> Array:
     return xp.reshape(contiguous(xp.permute_dims(src, (1, 0))), x.shape)
 
 
-def rotate_into(x: Array, out: Array) -> None:
-    """out[...] = rotate(x): out any float dtype, a strided view is fine."""
-    out[...] = rotate(x)
-
-
 def _add(a: Array, b: Array, out: Array) -> None:
     if is_torch(out):
         torch().add(a, b, out=out)
