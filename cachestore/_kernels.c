@@ -616,6 +616,40 @@ static PyObject *transpose16(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* hadamard(data, (rows, size), scale): each row of `size` fp32 values (a power of two, contiguous, rows side by side)
+ * replaced in place by its fast Walsh-Hadamard transform times `scale`: rounds h = 1, 2, 4, ... of (a, b) -> (a + b,
+ * a - b) over the values h apart, then one multiply. Sums, differences and a product, each rounded once, in the order
+ * cachestore/codec/rotation.py computes them for numpy and torch on other devices: the same bits (plain C, no
+ * reassociation; nothing to contract into a fused multiply-add). */
+static PyObject *hadamard(PyObject *self, PyObject *args) {
+    unsigned long long addr;
+    long rows, size;
+    float scale;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "K(ll)f", &addr, &rows, &size, &scale))
+        return NULL;
+    if (rows < 0 || size < 1 || (size & (size - 1)) || size > 4096) {
+        PyErr_SetString(PyExc_ValueError, "unsupported shape");
+        return NULL;
+    }
+    float *data = (float *)(uintptr_t)addr;
+    Py_BEGIN_ALLOW_THREADS
+    for (long r = 0; r < rows; r++) {
+        float *x = data + r * size;
+        for (long h = 1; h < size; h *= 2)
+            for (long i = 0; i < size; i += 2 * h)
+                for (long j = i; j < i + h; j++) {
+                    float a = x[j], b = x[j + h];
+                    x[j] = a + b;
+                    x[j + h] = a - b;
+                }
+        for (long j = 0; j < size; j++)
+            x[j] *= scale;
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *use(PyObject *self, PyObject *args) {
     int wanted;
     (void)self;
@@ -642,6 +676,9 @@ static PyMethodDef methods[] = {
      "attend(out, in, codes, scales, offsets, bits, values, (A, H, T, D, M, group), code_strides[3], "
      "scale_strides[3], row_strides[2], score_strides[3]): scores[h, m, a, t] = queries[h, m] . k[a, h, t], or "
      "out[h, m] += sum over a, t of weights[h, m, a, t] * v[a, h, t], over int8 or int4 codes (kernels.py)"},
+    {"hadamard", hadamard, METH_VARARGS,
+     "hadamard(data, (rows, size), scale): each contiguous fp32 row of `size` (a power of two) in place = its fast "
+     "Walsh-Hadamard transform times scale (rotation.py)"},
     {"transpose16", transpose16, METH_VARARGS,
      "transpose16(dst, src, (K, R, C), dst_strides[2], src_strides[2]): dst[k][c][r] = src[k][r][c], 2-byte "
      "elements, rows contiguous; strides in elements (kernels.py)"},

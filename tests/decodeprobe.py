@@ -48,7 +48,7 @@ def _serve() -> None:
 
     torch.set_num_threads(1)  # CPU time of this thread is then the decode's whole cost
     decoder = Codec()
-    decoder.decode(Codec("exact+none").encode(torch.zeros(1, 2, 1, 4, 8)))  # warm up every lazy import
+    decoder.decode(Codec("exact+none").encode(torch.zeros(1, 2, 1, 4, 8)), device="cpu")  # warm up every lazy import
     limit = _status_kb("VmSize") * 1024 + HEADROOM_BYTES
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     read, write = sys.stdin.buffer, sys.stdout
@@ -59,7 +59,7 @@ def _serve() -> None:
         before = _status_kb("VmRSS")
         t0 = time.thread_time()
         try:
-            out = decoder.decode(data)
+            out = decoder.decode(data, device="cpu")
             status = "decoded" if isinstance(out, torch.Tensor) and out.dim() == 5 else f"bad result {type(out)}"
             del out
         except CodecError:

@@ -26,7 +26,7 @@ def _hit(spec: str, dim: int, seed: int) -> tuple[list[attend.Landed], torch.Ten
     slots = [view[i * stride:i * stride + len(f)] for i, f in enumerate(frames)]
     for slot, frame in zip(slots, frames, strict=True):
         slot[:] = frame
-    decoded = torch.cat([codec.decode(f).float() for f in frames]
+    decoded = torch.cat([codec.decode(f, device="cpu").float() for f in frames]
                         + [torch.randn(LAYERS, 2, KV_HEADS, 5, dim, generator=gen)], dim=3)
     runs = []
     for first in (0, 3):

@@ -30,7 +30,7 @@ def test_round_trip_within_contract(mode: str, compressor: str, dtype: torch.dty
     for i, shape in enumerate(SHAPES):
         kv = kv_sample(shape, dtype, seed=i)
         frame = codec.encode(kv)
-        out = Codec("exact").decode(frame)  # any codec decodes any frame
+        out = Codec("exact").decode(frame, device="cpu")  # any codec decodes any frame
         assert out.shape == kv.shape and out.dtype == dtype and out.device.type == "cpu"
         assert torch.isfinite(out).all()
         if mode == "exact" or (mode == "fp16" and dtype == torch.float16):
@@ -52,7 +52,7 @@ def test_bound_is_tight_enough_to_mean_something(mode: str) -> None:
     of the bound but never exceeds it."""
     kv = kv_sample((2, 2, 2, 64, 16), torch.float32)
     codec = Codec(CodecSpec(mode=mode, compressor="none", group_size=8, variant=PLAIN))
-    out = codec.decode(codec.encode(kv))
+    out = codec.decode(codec.encode(kv), device="cpu")
     ratio = ((out - kv).abs() / error_bound(mode, kv, 8)).max().item()
     assert 0.3 < ratio <= 1.0
 
@@ -79,7 +79,7 @@ def test_rotated_and_clipped_variants_within_contract(mode: str, option: str, dt
         kv = kv_sample(shape, dtype, seed=i)
         frame = codec.encode(kv)
         assert read_header(frame).version == (2 if variant.rot_values else 1)
-        out = Codec("exact").decode(frame)
+        out = Codec("exact").decode(frame, device="cpu")
         assert out.shape == kv.shape and out.dtype == dtype and torch.isfinite(out).all()
         x = kv.float()
         xr = torch.stack([x[:, 0], rotate(x[:, 1]) if variant.rot_values else x[:, 1]], 1)
@@ -106,7 +106,7 @@ def test_options_lower_int2_error_on_outlier_channels() -> None:
     errs = {}
     for option in ("plain", "rotv", "clip", "rotv/clip"):
         codec = Codec(f"int2+none/g64/{option}")
-        errs[option] = float((codec.decode(codec.encode(kv)) - kv).norm() / kv.norm())
+        errs[option] = float((codec.decode(codec.encode(kv), device="cpu") - kv).norm() / kv.norm())
     assert errs["rotv"] < errs["plain"] and errs["clip"] < errs["plain"], errs
     assert errs["rotv/clip"] < min(errs["rotv"], errs["clip"]), errs
 
@@ -117,7 +117,7 @@ def test_constant_and_zero_groups_are_finite(mode: str, fill: float) -> None:
     kv = torch.full((2, 2, 2, 10, 8), fill)
     kv[1, 1, 1] = torch.linspace(-2, 2, 80).view(10, 8)  # one varying head next to them
     out = Codec(CodecSpec(mode=mode, compressor="lz4", group_size=4)).decode(
-        Codec(CodecSpec(mode=mode, compressor="lz4", group_size=4)).encode(kv))
+        Codec(CodecSpec(mode=mode, compressor="lz4", group_size=4)).encode(kv), device="cpu")
     assert torch.isfinite(out).all()
     assert torch.allclose(out[0], kv[0], rtol=0, atol=abs(fill) * 2.0**-7 + 1e-9)
 
@@ -128,8 +128,8 @@ def test_group_size_changes_the_frame_and_is_recorded() -> None:
     f64 = Codec("int4+none/g64/plain").encode(kv)
     assert read_header(f32).group_size == 32 and read_header(f64).group_size == 64
     assert len(f32) > len(f64)  # more groups, more scales
-    err32 = (Codec().decode(f32).float() - kv.float()).norm()
-    err64 = (Codec().decode(f64).float() - kv.float()).norm()
+    err32 = (Codec().decode(f32, device="cpu").float() - kv.float()).norm()
+    err64 = (Codec().decode(f64, device="cpu").float() - kv.float()).norm()
     assert err32 < err64
 
 
@@ -179,7 +179,7 @@ def test_encode_rejects_bad_input() -> None:
     for mode in ("int8", "int4"):
         with pytest.raises(CodecError, match="NaN"):
             Codec(mode).encode(nan)
-    assert torch.isnan(Codec("exact").decode(Codec("exact").encode(nan))).sum() == 1
+    assert torch.isnan(Codec("exact").decode(Codec("exact").encode(nan), device="cpu")).sum() == 1
 
 
 def test_spec_parse_and_name_round_trip() -> None:
@@ -225,10 +225,10 @@ def test_decoded_tensors_never_alias_the_frame() -> None:
     for spec in ("int8+none", "fp16+none", "exact+none", "int4+none/g4"):
         frame = bytearray(Codec(spec).encode(kv))
         before = bytes(frame)
-        out = Codec().decode(frame)
+        out = Codec().decode(frame, device="cpu")
         out.fill_(7.0)
         assert bytes(frame) == before, spec
-        assert not torch.equal(Codec().decode(frame), out), spec
+        assert not torch.equal(Codec().decode(frame, device="cpu"), out), spec
 
 
 @pytest.mark.parametrize("spec", ["fp16+none/rows", "fp16+lz4/rows", "fp16+zstd:1/rows", "exact+none/rows",
@@ -243,13 +243,13 @@ def test_token_row_frames_hold_each_layers_rows_and_decode_as_any_frame(spec: st
     assert header.rows and CodecSpec.parse(spec).name().endswith("/rows")
     plain = Codec(spec.removesuffix("/rows")).encode(kv)
     assert not read_header(plain).rows
-    assert torch.equal(Codec().decode(frame), Codec().decode(plain))
+    assert torch.equal(Codec().decode(frame, device="cpu"), Codec().decode(plain, device="cpu"))
     if header.compressor == "none":  # the payload itself is the token rows
         rows = kv.to(torch.float16 if spec.startswith("fp16") else dtype).transpose(2, 3).contiguous()
         assert frame[len(frame) - header.payload_len:] == rows.view(torch.uint8).numpy().tobytes()
     out = torch.zeros(2, 2, 2, 5, 8, dtype=torch.float32)
     Codec().open(frame).decode_into(out, slice(1, 3))
-    assert torch.equal(out, Codec().decode(plain)[1:3].float())
+    assert torch.equal(out, Codec().decode(plain, device="cpu")[1:3].float())
 
 
 def test_only_float_modes_and_q8_carry_token_rows() -> None:
@@ -284,7 +284,7 @@ def test_q8_is_llama_cpps_q8_0_and_reencodes_its_own_values_byte_for_byte() -> N
     codes = torch.frombuffer(bytearray(payload[2:34]), dtype=torch.int8)
     assert scale.item() == (block.abs().max() / 127).half().item()
     assert torch.equal(codes, (block / scale.float()).round().to(torch.int8))
-    decoded = codec.decode(frame)
+    decoded = codec.decode(frame, device="cpu")
     step = kv.abs().unflatten(-1, (2, 32)).amax(-1, keepdim=True) / 127
     assert ((decoded - kv).abs().unflatten(-1, (2, 32)) <= step * 0.5 + 1e-6).all()
     assert codec.encode(decoded) == frame

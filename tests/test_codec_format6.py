@@ -88,7 +88,7 @@ def test_format6_frames_round_trip_and_decode_a_layer_range_alike(spec: str, bou
     kv = _roped(kv_sample((3, 2, 2, 64, 64), torch.float32, seed=4), rope, start=320)
     frame = Codec(spec, rope).encode(kv)
     assert frame[4] == (7 if "int4" in spec and "/kbits" in spec else 6)  # the format version: int4's classes 7
-    out = Codec().decode(frame)
+    out = Codec().decode(frame, device="cpu")
     keys, values = kv[:, 0], kv[:, 1]
     key_err = (out[:, 0] - keys).square().sum() / keys.square().sum()
     value_err = (out[:, 1] - values).square().sum() / values.square().sum()
@@ -106,7 +106,7 @@ def test_unroped_keys_lose_less_than_roped_ones() -> None:
     kv = _roped(torch.cat([steady, torch.randn(2, 1, 2, 64, 64, generator=gen)], 1), rope, start=1000)
     errors = {}
     for spec in ("int2+none/rotv/clip/outk/symv/s8", "int2+none/rotv/clip/outk/symv/s8/unrope"):
-        out = Codec().decode(Codec(spec, rope).encode(kv))
+        out = Codec().decode(Codec(spec, rope).encode(kv), device="cpu")
         errors[spec] = float((out[:, 0] - kv[:, 0]).square().mean())
     assert errors["int2+none/rotv/clip/outk/symv/s8/unrope"] < 0.5 * errors["int2+none/rotv/clip/outk/symv/s8"], errors
 
@@ -115,7 +115,7 @@ def test_each_key_group_holds_every_class_in_its_count_the_most_important_at_4_b
     kv = kv_sample((2, 2, 2, 64, 128), torch.float32, seed=5)
     kv[:, 0, :, :, 7] *= 40  # one channel of every head far wider and stronger than the rest
     frame = Codec(KBITS).encode(kv)
-    opened = Codec().open(frame)
+    opened = Codec().open(frame, device="cpu")
     cls = key_class_map(_section(opened, "kcls"), "int2", 128)  # [L, H, groups, D]
     for c, count in enumerate(key_classes("int2", 128)):
         assert bool(((cls == c).sum(-1) == count).all())
@@ -137,7 +137,7 @@ def test_int4_classes_put_the_bits_where_the_error_is() -> None:
     kv = torch.randn(2, 2, 2, 64, 128, generator=gen)
     kv[:, 0] *= torch.randn(2, 2, 1, 128, generator=gen).exp()  # channel scales across an order of magnitude
     kv[:, 0, :, :, 9] *= 40
-    opened = Codec().open(Codec(KBITS4).encode(kv))
+    opened = Codec().open(Codec(KBITS4).encode(kv), device="cpu")
     cls = key_class_map(_section(opened, "kcls"), "int4", 128)
     for c, count in enumerate(key_classes("int4", 128)):
         assert count and bool(((cls == c).sum(-1) == count).all())
@@ -146,7 +146,7 @@ def test_int4_classes_put_the_bits_where_the_error_is() -> None:
     wide = kv[:, 0, :, :, 9]
     step = (wide.amax(-1, keepdim=True) - wide.amin(-1, keepdim=True)) / 63
     assert bool(((out[:, 0, :, :, 9] - wide).abs() <= step * 0.51 + wide.abs() * 2.0**-10).all())
-    plain = Codec().decode(Codec("int4+none/g64/symv/s8").encode(kv)).float()
+    plain = Codec().decode(Codec("int4+none/g64/symv/s8").encode(kv), device="cpu").float()
     err = float((out[:, 0] - kv[:, 0]).square().sum())
     assert err < 0.6 * float((plain[:, 0] - kv[:, 0]).square().sum())
 
@@ -157,8 +157,10 @@ def _section(opened: Any, name: str) -> torch.Tensor:
 
     sections, offsets, _ = plan(opened.header)
     i = _names(opened).index(name)
-    dtype, shape = sections[i]
-    return opened.raw[offsets[i]:offsets[i] + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+    dtype_name, shape = sections[i]
+    dtype = getattr(torch, dtype_name)
+    raw = torch.from_numpy(opened.raw.copy())  # the payload, on the host (a numpy array)
+    return raw[offsets[i]:offsets[i] + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
 
 def _names(opened: Any) -> list[str]:
@@ -176,7 +178,7 @@ def test_a_class_map_without_each_class_count_is_refused() -> None:
     at = HEADER_SIZE + _offset(opened, "kcls")
     frame[at] ^= 0x03  # channel 0 now of another class: one class one channel short in that group
     with pytest.raises(CodecError, match="key channel classes"):
-        Codec().decode(resealed(frame))
+        Codec().decode(resealed(frame), device="cpu")
 
 
 def _offset(opened: Any, name: str) -> int:
@@ -190,7 +192,7 @@ def test_a_rope_section_a_frame_must_not_hold_is_refused() -> None:
     at = HEADER_SIZE + _offset(Codec().open(bytes(frame)), "rope") + 32 * 4  # the pairing code, after 32 frequencies
     frame[at:at + 4] = torch.tensor([3.0]).numpy().tobytes()
     with pytest.raises(CodecError, match="pairing"):
-        Codec().decode(resealed(frame))
+        Codec().decode(resealed(frame), device="cpu")
 
 
 def test_headers_of_format6_that_do_not_fit_are_refused() -> None:
@@ -232,7 +234,7 @@ def test_unrope_needs_the_engines_rope() -> None:
         BlockCodecs.for_spec(BOTH)
     codecs = BlockCodecs.for_spec(BOTH + "/recent=int4", rope=_rope(64))
     kv = kv_sample((2, 2, 1, 40, 64), torch.float32, seed=9)
-    assert codecs.recent.rope is not None and Codec().decode(codecs.recent.encode(kv)).shape == kv.shape
+    assert codecs.recent.rope is not None and Codec().decode(codecs.recent.encode(kv), device="cpu").shape == kv.shape
 
 
 def test_the_hf_engine_declares_the_rope_its_keys_carry(tiny_model: Any) -> None:

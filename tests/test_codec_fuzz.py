@@ -50,7 +50,7 @@ def _with_checksum(frame: bytes) -> bytes:
 
 def _decode_or_codec_error(frame: bytes) -> None:
     try:
-        out = DECODER.decode(frame, max_elements=LIMIT)
+        out = DECODER.decode(frame, max_elements=LIMIT, device="cpu")
     except CodecError:
         return
     assert isinstance(out, torch.Tensor) and out.dim() == 5 and out.shape[1] == 2
@@ -72,9 +72,9 @@ def test_mutated_frames(seed: bytes, edits: list[tuple[int, int]], fix: bool) ->
 def test_truncated_or_extended_frames_always_fail(seed: bytes, cut: int, extra: bytes) -> None:
     frame = seed[:cut % len(seed)] if not extra else seed + extra
     with pytest.raises(CodecError):
-        DECODER.decode(frame)
+        DECODER.decode(frame, device="cpu")
     with pytest.raises(CodecError):
-        DECODER.decode(_with_checksum(frame))
+        DECODER.decode(_with_checksum(frame), device="cpu")
 
 
 @FUZZ
@@ -82,7 +82,7 @@ def test_truncated_or_extended_frames_always_fail(seed: bytes, cut: int, extra: 
 def test_random_bytes(data: bytes, prefix: bool) -> None:
     frame = MAGIC + b"\x01" + data if prefix else data
     with pytest.raises(CodecError):
-        DECODER.decode(frame)
+        DECODER.decode(frame, device="cpu")
 
 
 @FUZZ
@@ -107,7 +107,7 @@ def test_crafted_headers(fields: tuple[int, ...], payload: bytes, fix_lengths: b
 def test_any_valid_input_round_trips(spec: str, shape: tuple[int, ...], dtype: torch.dtype,
                                      scale: float) -> None:
     kv = (torch.randn(*shape) * scale).to(dtype)
-    out = DECODER.decode(Codec(CodecSpec.parse(spec)).encode(kv))
+    out = DECODER.decode(Codec(CodecSpec.parse(spec)).encode(kv), device="cpu")
     assert out.shape == kv.shape and out.dtype == dtype and torch.isfinite(out).all()
     x = kv.float()
     variant = CodecSpec.parse(spec).variant

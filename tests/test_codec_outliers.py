@@ -67,8 +67,8 @@ def test_the_widest_key_channels_take_the_higher_precision(mode: str) -> None:
     frame = Codec(f"{mode}+none/g8/outk/s8").encode(kv)
     header = read_header(frame)
     assert (header.version, header.transform) == (5, OUTLIER_KEYS | SCALE8)
-    out = Codec().decode(frame)
-    plain = Codec().decode(Codec(f"{mode}+none/g8/plain").encode(kv))
+    out = Codec().decode(frame, device="cpu")
+    plain = Codec().decode(Codec(f"{mode}+none/g8/plain").encode(kv), device="cpu")
     keys = kv[:, 0]
     for channel in (3, 11) if outlier_channels(mode, SHAPE[4]) >= 2 else (3,):
         mine = (out[:, 0, ..., channel] - keys[..., channel]).abs().mean()
@@ -82,7 +82,7 @@ def test_symmetric_values_are_within_half_a_step_of_their_scale(bits: int) -> No
     kv = kv_sample(SHAPE, torch.float32, seed=5)
     frame = Codec(f"int{bits}+none/g8/symv/s8").encode(kv)
     assert read_header(frame).transform == SYM_VALUES | SCALE8
-    opened = Codec().open(frame)
+    opened = Codec().open(frame, device="cpu")
     scale = opened.parts[2].float()  # [L, H, T, value groups, 1]: "sv", expanded
     out = opened.decode_into()
     values = kv[:, 1].unflatten(-1, (2, 8))  # groups of 8 channels per token
@@ -123,7 +123,7 @@ def test_a_mask_that_marks_the_wrong_number_of_channels_is_refused_cleanly() -> 
         edited = bytearray(frame)
         edited[at] = byte
         with pytest.raises(CodecError, match="outlier key mask"):
-            Codec().decode(resealed(edited))
+            Codec().decode(resealed(edited), device="cpu")
 
 
 def test_a_frame_of_format_5_under_another_spec_is_refused_before_decoding() -> None:

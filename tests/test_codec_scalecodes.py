@@ -35,7 +35,7 @@ def test_spec_rejects_bad_range_codes_and_bits(text: str) -> None:
 
 
 def _decode(spec: str, kv: torch.Tensor) -> torch.Tensor:
-    return Codec().decode(Codec(spec).encode(kv))
+    return Codec().decode(Codec(spec).encode(kv), device="cpu")
 
 
 @pytest.mark.parametrize("options", ["rotv/clip/outk/symv/s8", "outk/s8", "symv/s8"])
@@ -47,7 +47,7 @@ def test_split_frames_take_range_codes_and_layers_one_bit_more(options: str) -> 
     frame = Codec(f"int2+zstd/g8/{options}/k3=0.2/v3=1").encode(kv)
     header = read_header(frame)
     assert header.version == 5 and header.layer_bits == bytes((0x23, 0x32, 0x23, 0x22))
-    out = Codec().decode(frame)
+    out = Codec().decode(frame, device="cpu")
     mine = _decode(f"int2+zstd/g8/{options}", kv)
     more = _decode(f"int2+zstd/g8/{options}/k3={every}/v3={every}", kv)
     for layer in range(SHAPE[0]):
@@ -71,7 +71,7 @@ def test_every_key_lies_within_half_a_step_of_its_coded_range() -> None:
     """The contract of an affine code: |x - decoded| <= scale / 2 (plus the fp16 rounding of scale and zero), with
     the scale and zero point the range codes expand to, and no value outside its group's coded range."""
     kv = kv_sample(SHAPE, torch.float32, seed=7)
-    opened = Codec().open(Codec("int4+none/g8/symv/s8").encode(kv))
+    opened = Codec().open(Codec("int4+none/g8/symv/s8").encode(kv), device="cpu")
     sk, zk = (p.float() for p in opened.parts[:2])  # expanded: [L, H, 5, 1, D]
     out = opened.decode_into()
     layers, _, heads, _, dim = SHAPE
@@ -113,7 +113,7 @@ def test_corrupt_range_extremes_decode_to_finite_values_or_fail_cleanly() -> Non
     frame = bytearray(Codec("int4+none/g8/symv/s8").encode(kv_sample((1, 2, 1, 8, 8), torch.float32)))
     frame[HEADER_SIZE:HEADER_SIZE + 2] = b"\xff\x7f"  # the first key extreme: NaN
     try:
-        out = Codec().decode(resealed(frame))
+        out = Codec().decode(resealed(frame), device="cpu")
     except CodecError:
         return
     assert out.shape == (1, 2, 1, 8, 8)

@@ -110,7 +110,7 @@ def test_compose_config_validates(files: list[str]) -> None:
 def test_dockerfile() -> None:
     text = (ROOT / "Dockerfile").read_text()
     assert re.search(r"pip install --index-url https://download\.pytorch\.org/whl/cpu torch==2\.13\.0", text)
-    assert text.index("torch==2.13.0") < text.index("pip install '.[llamacpp]'")  # the image runs both engines
+    assert text.index("torch==2.13.0") < text.index("pip install '.[hf,llamacpp]'")  # the image runs both engines
     users = re.findall(r"^USER (\S+)", text, re.M)
     assert users and users[-1] not in ("root", "0")
     assert re.search(r"^HEALTHCHECK .*\n?.*/healthz", text, re.M)

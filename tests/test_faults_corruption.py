@@ -45,17 +45,17 @@ def _flip(value: bytes) -> bytes:
 
 
 def _other_codec(value: bytes) -> bytes:
-    kv = Codec().decode(value)  # [L, 2, H, b, D]
+    kv = Codec().decode(value, device="cpu")  # [L, 2, H, b, D]
     return Codec("int8+none").encode(kv)
 
 
 def _other_model(value: bytes) -> bytes:
-    kv = Codec().decode(value)
+    kv = Codec().decode(value, device="cpu")
     return Codec("exact+none").encode(torch.cat([kv, kv], dim=0))  # twice the layers
 
 
 def _other_dtype(value: bytes) -> bytes:
-    kv = Codec().decode(value)
+    kv = Codec().decode(value, device="cpu")
     return Codec("exact+none").encode(kv.to(torch.bfloat16))
 
 

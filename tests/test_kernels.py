@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from cachestore.codec import Codec, kernels
+from cachestore.codec.rotation import rotate
 from cachestore.errors import ConfigError
 
 
@@ -248,3 +249,16 @@ def test_transposed_into_declines_what_it_does_not_take(monkeypatch: pytest.Monk
     monkeypatch.setattr(kernels, "_wanted", False)  # KVSTASH_NATIVE_KERNELS=0
     assert not kernels.transposed_into(out, src)
     assert not out.any()
+
+
+@built
+@pytest.mark.parametrize("dim", [1, 4, 12, 64, 96, 128, 256])
+def test_the_hadamard_pass_rounds_as_the_library_rounds(dim: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rotation of /rotv values in the kernel's one pass a row is bit for bit the library's rounds (numpy, torch
+    on another device), and its own inverse to within rounding."""
+    x = torch.randn(7, 3, 5, dim, generator=torch.Generator().manual_seed(dim)) * 4
+    native = rotate(x)
+    assert torch.allclose(rotate(native), x, atol=1e-5)
+    monkeypatch.setattr(kernels, "_wanted", False)  # KVSTASH_NATIVE_KERNELS=0: the library's rounds
+    assert torch.equal(rotate(x), native)
+    assert rotate(x.numpy()).tobytes() == native.numpy().tobytes()

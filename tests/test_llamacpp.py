@@ -103,7 +103,7 @@ def test_pinned_layout_round_trips_through_exact_blocks_bit_identically(engine: 
     geo = StateGeometry(30, 3, 64, bool(v_trans), 1)
     kv = parse_state(blob, geo)  # [30, 2, 3, 40, 64]
     codec, b = Codec("exact"), 16
-    blocks = [codec.decode(codec.encode(kv[:, :, :, i:i + b])) for i in range(0, 40, b)]
+    blocks = [codec.decode(codec.encode(kv[:, :, :, i:i + b]), device="cpu") for i in range(0, 40, b)]
     assert bytes(assemble_state(torch.cat(blocks, dim=3), geo)) == blob
 
 
@@ -514,7 +514,7 @@ def test_a_q8_0_cache_round_trips_through_q8_frames_byte_for_byte(q8_engine: Lla
     kv = parse_state(blob, geo)
     assert kv.dtype == torch.float32 and kv.shape[3] == len(tokens)
     codec = Codec("q8")
-    blocks = [codec.decode(codec.encode(kv[:, :, :, i:i + 32])) for i in range(0, len(tokens), 32)]
+    blocks = [codec.decode(codec.encode(kv[:, :, :, i:i + 32]), device="cpu") for i in range(0, len(tokens), 32)]
     rebuilt = assemble_state(torch.cat(blocks, dim=3), geo)
     assert len(rebuilt) == size and bytes(rebuilt) == blob
     with pytest.raises(Exception, match="type 8"):  # an f16 reader refuses it, never misreads it
@@ -608,7 +608,7 @@ async def test_flash_attention_off_stores_v_transposed_and_a_hit_replies_as_a_fu
                 view, _ = await pipe.lookup(b"fa-off", prompt)
                 hit = len(hashes) * b
                 assert view.cached_tokens == hit and view.kv is not None and engine.is_lent(view.kv)
-                decoded = torch.cat([pipe.codecs.at(i).decode(f) for i, f in enumerate(frames)], dim=3)
+                decoded = torch.cat([pipe.codecs.at(i).decode(f, device="cpu") for i, f in enumerate(frames)], dim=3)
                 assert view.ready is not None
                 view.ready.wait_all()  # the frames left when the last chunk was verified: dequantized by now
                 assert torch.equal(view.kv[:, :, :, :hit], decoded)  # V viewed as rows until the state is set

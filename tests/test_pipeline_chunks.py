@@ -97,13 +97,13 @@ async def test_a_hit_writes_back_the_blocks_after_it_and_its_tail_from_the_kv_it
         stored = (await store.fetch(pipe.model_key, pipe.hashes(SALT, seq))).value
         assert len(stored) == full
         for i in range(5, full):
-            torch.testing.assert_close(Codec("exact").decode(stored[i]), truth.kv[:, :, :, i * b:(i + 1) * b],
-                                       rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(Codec("exact").decode(stored[i], device="cpu"),
+                                       truth.kv[:, :, :, i * b:(i + 1) * b], rtol=1e-4, atol=1e-4)
         tail = (await store.get_entries([store.keys.tail(pipe.model_key, pipe.hashes(SALT, seq)[-1])]))[0]
         assert tail is not None
         ids, frame = unpack_tail(tail)
         assert ids == seq[full * b:]
-        torch.testing.assert_close(Codec("exact").decode(frame), truth.kv[:, :, :, full * b:len(seq)],
+        torch.testing.assert_close(Codec("exact").decode(frame, device="cpu"), truth.kv[:, :, :, full * b:len(seq)],
                                    rtol=1e-4, atol=1e-4)
     finally:
         await writer.stop()

@@ -28,7 +28,7 @@ def test_layers_decoded_apart_equal_the_whole_frame(mode: str) -> None:
     kv = torch.randn(5, 2, 3, 16, 64, generator=torch.Generator().manual_seed(1))  # [L, 2, H, T, D]
     codec = Codec(mode)
     frame = codec.encode(kv)
-    whole = codec.decode(frame).float()
+    whole = codec.decode(frame, device="cpu").float()
     opened = codec.open(frame)
     assert opened.splits_by_layer
     out = torch.full_like(kv, float("nan"))
@@ -51,7 +51,7 @@ def test_packed_codes_that_end_mid_byte_decode_whole_only() -> None:
     rehydration.end()
     rehydration.run(lambda n, nbytes: None)
     rehydration.gate.wait_all()  # the layer groups are handed over: the waiter runs them
-    assert torch.equal(out, codec.decode(codec.encode(kv)).float())
+    assert torch.equal(out, codec.decode(codec.encode(kv), device="cpu").float())
 
 
 @pytest.mark.parametrize("spec", ["q8", "fp16/rows"])
@@ -69,7 +69,7 @@ def test_token_row_frames_rehydrate_into_a_context_like_any_other(spec: str, lay
     rehydration.end()
     rehydration.run(lambda n, nbytes: None)
     rehydration.gate.wait_all()
-    want = torch.cat([codec.decode(f).float() for f in frames], dim=3)
+    want = torch.cat([codec.decode(f, device="cpu").float() for f in frames], dim=3)
     assert torch.equal(out[:, :, :, :32], want) and out[:, :, :, 32:].isnan().all()
 
 
@@ -147,7 +147,7 @@ def test_rehydration_truncates_at_a_bad_frame_and_hands_layers_over_in_order() -
     rehydration = Rehydration(out, b, open_block, layerwise=True, on_decoded=decoded.append)  # type: ignore[arg-type]
     verified: list[tuple[int, int]] = []
     seen: dict[int, bool] = {}
-    expected = torch.cat([codec.decode(f).float() for f in frames[:4]], dim=3)  # [L, 2, H, 16, D]
+    expected = torch.cat([codec.decode(f, device="cpu").float() for f in frames[:4]], dim=3)  # [L, 2, H, 16, D]
 
     def forward_step() -> None:  # what the model does: each layer once it is in place
         for layer in range(layers):

@@ -82,11 +82,11 @@ async def test_a_llama_server_with_a_q8_0_cache_shares_it_exactly(
         keep = len(first)
         codec = Codec("q8")
         kept = gen.kv[:, :, :, :keep]
-        assert torch.equal(codec.decode(codec.encode(kept)), kept)  # the cache's values exactly
+        assert torch.equal(codec.decode(codec.encode(kept), device="cpu"), kept)  # the cache's values exactly
         q8.forget()
         plain = q8.generate(GenRequest(second, None, GREEDY))
         q8.forget()
-        hit = q8.generate(GenRequest(second, codec.decode(codec.encode(kept)), GREEDY))
+        hit = q8.generate(GenRequest(second, codec.decode(codec.encode(kept), device="cpu"), GREEDY))
         assert hit.cached_tokens == keep and q8.stats.restores == 1 and hit.token_ids and plain.token_ids
         await _hit_lands_in_the_slot_state(q8, redis_server, "q8", monkeypatch)
     finally:
@@ -157,7 +157,7 @@ async def _hit_lands_in_the_slot_state(engine: LlamaServerEngine, redis_server: 
 
 def _decoded(pipe: Pipeline, frames: list[bytes]) -> torch.Tensor:
     """The KV a pod's frames hold, as a plain tensor (no context lent)."""
-    return torch.cat([pipe.codecs.at(i).decode(f) for i, f in enumerate(frames)], dim=3)
+    return torch.cat([pipe.codecs.at(i).decode(f, device="cpu") for i, f in enumerate(frames)], dim=3)
 
 
 def test_a_slot_dir_llama_server_does_not_write_is_refused_at_start(engine: LlamaServerEngine, tmp_path: Path) -> None:

@@ -226,7 +226,7 @@ def test_a_layer_of_every_landed_frame_at_once_equals_the_frames_decoded_one_by_
     buf, slots = _landed(codec, kvs, -(-codec.plain_size((4, 2, 3, 16, 64), torch.float32) // 64) * 64)
     run = FrameRun.of(buf, [codec.open(s) for s in slots])
     assert run is not None and run.count == 5
-    want = torch.cat([codec.decode(bytes(s)).float() for s in slots], dim=3)  # [L, 2, H, 5 * 16, D]
+    want = torch.cat([codec.decode(bytes(s), device="cpu").float() for s in slots], dim=3)  # [L, 2, H, 5 * 16, D]
     context = torch.full((4, 2, 3, 5 * 16 + 9, 64), float("nan"))
     for layer in (2, 0, 3, 1):  # any order: each call writes its layer only
         out = context[layer, :, :, :80].view(2, 3, 5, 16, 64).permute(2, 0, 1, 3, 4)  # [frames, 2, H, T, D]
@@ -254,7 +254,7 @@ def test_every_layer_of_a_run_at_once_equals_the_frames_decoded_one_by_one(mode:
         context = made[1].fill_(float("nan"))  # [L, 2, H, 89, D] fp16, strided over the state's headers
     else:
         context = torch.full((4, 2, 3, 5 * 16 + 9, 64), float("nan"))
-    want = torch.cat([codec.decode(bytes(s)).to(context.dtype) for s in slots], dim=3)  # [L, 2, H, 80, D]
+    want = torch.cat([codec.decode(bytes(s), device="cpu").to(context.dtype) for s in slots], dim=3)  # [L, 2, H, 80, D]
     assert run.decode_into(context[:, :, :, 2:82]) is not None
     assert torch.equal(context[:, :, :, 2:82], want)
     assert context[:, :, :, :2].isnan().all() and context[:, :, :, 82:].isnan().all()
@@ -288,7 +288,7 @@ def _six_landed(seed: int) -> tuple[torch.Generator, Codec, torch.Tensor, list[m
     gen = torch.Generator().manual_seed(seed)
     codec = Codec("int8")
     buf, slots = _landed(codec, [torch.randn(4, 2, 3, 16, 64, generator=gen) for _ in range(6)], 26_624)
-    want = torch.cat([codec.decode(bytes(s)).float() for s in slots], dim=3)
+    want = torch.cat([codec.decode(bytes(s), device="cpu").float() for s in slots], dim=3)
     return gen, codec, buf, slots, want, torch.full((4, 2, 3, 6 * 16 + 16, 64), float("nan"))
 
 
@@ -323,7 +323,7 @@ def test_block_zero_of_another_codec_is_a_run_of_its_own() -> None:
     slots = [view[0:len(frames[0])]] + [view[26_624 * i:26_624 * i + len(f)] for i, f in enumerate(frames) if i]
     for slot, frame in zip(slots, frames, strict=True):
         slot[:] = frame
-    want = torch.cat([Codec().decode(f).float() for f in frames], dim=3)
+    want = torch.cat([Codec().decode(f, device="cpu").float() for f in frames], dim=3)
     out = torch.full((4, 2, 3, 4 * 16, 64), float("nan"))
     rehydration = Rehydration(out, 16, lambda frame, i: Codec().open(frame), layerwise=True, landing=buf)
     rehydration.take(slots)
@@ -436,7 +436,7 @@ def test_an_engine_that_takes_its_state_whole_gets_landed_frames_dequantized_dur
     codec = Codec("int8")
     kvs = [torch.randn(4, 2, 3, 16, 64, generator=gen) for _ in range(3)]
     buf, slots = _landed(codec, kvs, 26_624)
-    want = torch.cat([codec.decode(bytes(s)).float() for s in slots], dim=3)
+    want = torch.cat([codec.decode(bytes(s), device="cpu").float() for s in slots], dim=3)
     out = torch.full((4, 2, 3, 48, 64), float("nan"))
     rehydration = Rehydration(out, 16, lambda frame, i: codec.open(frame), layerwise=False, landing=buf)
     rehydration.feed(slots)
@@ -469,7 +469,7 @@ def test_what_is_left_after_the_fetch_is_shared_with_a_helper_that_is_never_wait
     codec = Codec("int8")
     kvs = [torch.randn(4, 2, 3, 16, 64, generator=gen) for _ in range(9)]
     buf, slots = _landed(codec, kvs, 26_624)
-    want = torch.cat([codec.decode(bytes(s)).float() for s in slots], dim=3)
+    want = torch.cat([codec.decode(bytes(s), device="cpu").float() for s in slots], dim=3)
     out = torch.full((4, 2, 3, 9 * 16, 64), float("nan"))
     helper = _Helper()
     try:

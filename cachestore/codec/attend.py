@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from cachestore.codec import kernels
+from cachestore.codec.arrays import Array, device_of, from_host, namespace, reshape_view, softmax
 from cachestore.codec.frame import FrameHeader
 from cachestore.codec.layout import Dims, groups
 
@@ -28,9 +29,9 @@ MODES = ("int8", "int4", "fp16", "exact")  # with no transform, exact in fp16 or
 class Half:
     """One layer's keys or values of a run of frames, as the kernels take them: codes (or fp16 / fp32 values), fp16
     scale for int8 and int4, offset for int4, and the rows (keys) or columns (values) a scale covers."""
-    codes: torch.Tensor
-    scale: torch.Tensor | None
-    zero: torch.Tensor | None
+    codes: Array
+    scale: Array | None
+    zero: Array | None
     group: int
 
 
@@ -67,7 +68,7 @@ def groups_of(header: FrameHeader) -> tuple[int, int, int, int]:
     return groups(Dims(header.layers, header.kv_heads, header.tokens, header.head_dim), header.group_size)
 
 
-def landed(header: FrameHeader, frames: int, start: int, parts: Sequence[torch.Tensor]) -> Landed:
+def landed(header: FrameHeader, frames: int, start: int, parts: Sequence[Array]) -> Landed:
     """A run's layer from its payload sections (`FrameRun.layer_parts`; frames of a kind `supports`)."""
     n, h, t, d = frames, header.kv_heads, header.tokens, header.head_dim
     if header.mode in ("fp16", "exact"):
@@ -78,53 +79,58 @@ def landed(header: FrameHeader, frames: int, start: int, parts: Sequence[torch.T
         return Landed(start, n, t, Half(key_codes, key_scale, None, t), Half(value_codes, value_scale, None, d))
     key_scale, key_zero, value_scale, value_zero, key_codes, value_codes = parts
     gk, nk, gv, nv = groups_of(header)
+    xp = namespace(key_scale)
     return Landed(start, n, t,
-                  Half(key_codes, key_scale.reshape(n, h, nk, d), key_zero.reshape(n, h, nk, d), gk),
-                  Half(value_codes, value_scale.reshape(n, h, t, nv), value_zero.reshape(n, h, t, nv), gv))
+                  Half(key_codes, xp.reshape(key_scale, (n, h, nk, d)), xp.reshape(key_zero, (n, h, nk, d)), gk),
+                  Half(value_codes, xp.reshape(value_scale, (n, h, t, nv)), xp.reshape(value_zero, (n, h, t, nv)), gv))
 
 
-def attention(query: torch.Tensor, runs: Sequence[Landed], keys: torch.Tensor, values: torch.Tensor,
-              mask: torch.Tensor | None, scaling: float) -> torch.Tensor | None:
+def attention(query: Array, runs: Sequence[Landed], keys: Array, values: Array, mask: Array | None,
+              scaling: float) -> Array | None:
     """Attention of `query` [q_heads, n, D] (the new tokens', positions S .. S + n - 1) over `keys` and `values`
     [kv_heads, S + n, D] (one layer of the context), where the tokens of each landed run are read from its codes and
     the context's tokens there are never read. q_heads is a multiple of kv_heads (grouped query heads share a kv
     head, in order). `mask`: None (causal) or broadcastable to [q_heads, n, S + n], bool (True: attend) or added to
     the scores. Returns [q_heads, n, D] in fp32, or None where no kernel applies (nothing computed)."""
+    xp = namespace(query)
     kv_heads, total, dim = keys.shape
     q_heads, n, _ = query.shape
     if q_heads % kv_heads or values.shape != keys.shape or total < n:
         raise ValueError(f"query {tuple(query.shape)} against keys {tuple(keys.shape)} and values "
                          f"{tuple(values.shape)}")
     rows = kv_heads, q_heads // kv_heads * n
-    q = (query.float() * scaling).reshape(*rows, dim)  # heads h*g .. h*g + g - 1 share kv head h
-    scores = torch.empty(*rows, total)
+    q = xp.reshape(xp.astype(query, xp.float32) * scaling, (*rows, dim))  # heads h*g .. h*g + g - 1 share kv head h
+    scores = xp.empty((*rows, total), dtype=xp.float32, device=device_of(query))
     for run in runs:
         if not 0 <= run.start <= run.stop <= total - n:
             raise ValueError(f"a landed run at tokens [{run.start}, {run.stop}) of a context of {total - n}")
         k = run.keys
-        if not kernels.attention_scores(scores[:, :, run.start:run.stop].view(*rows, run.frames, run.tokens), q,
-                                        k.codes, k.scale, k.zero, k.group):
+        if not kernels.attention_scores(reshape_view(scores[:, :, run.start:run.stop], (*rows, run.frames, run.tokens)),
+                                        q, k.codes, k.scale, k.zero, k.group):
             return None
     read = _gaps([(run.start, run.stop) for run in runs], total)
     for start, stop in read:
-        scores[:, :, start:stop] = torch.bmm(q, keys[:, start:stop].transpose(1, 2))
-    by_query = scores.view(q_heads, n, total)
-    if mask is not None and mask.dtype == torch.bool:
-        by_query.masked_fill_(~mask.reshape(-1, n, total), float("-inf"))
+        scores[:, :, start:stop] = xp.matmul(q, xp.matrix_transpose(keys[:, start:stop]))
+    by_query = reshape_view(scores, (q_heads, n, total))
+    if mask is not None and mask.dtype == xp.bool:
+        by_query[...] = xp.where(xp.reshape(mask, (-1, n, total)), by_query, -float("inf"))
     elif mask is not None:
-        by_query.add_(mask.reshape(-1, n, total))
+        by_query += xp.reshape(mask, (-1, n, total))
     elif n > 1:  # causal: the new token i sees the context and the new tokens up to itself
-        by_query[:, :, total - n:].masked_fill_(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    weights = torch.softmax(scores, dim=-1)
-    out = torch.zeros(*rows, dim)
+        later = from_host(np.triu(np.ones((n, n), dtype=bool), 1), xp, device_of(query))
+        tail = by_query[:, :, total - n:]
+        tail[...] = xp.where(later, -float("inf"), tail)
+    weights = softmax(scores, -1)
+    out = xp.zeros((*rows, dim), dtype=xp.float32, device=device_of(query))
     for run in runs:
         v = run.values
-        if not kernels.attention_values(out, weights[:, :, run.start:run.stop].view(*rows, run.frames, run.tokens),
+        if not kernels.attention_values(out, reshape_view(weights[:, :, run.start:run.stop],
+                                                          (*rows, run.frames, run.tokens)),
                                         v.codes, v.scale, v.zero, v.group):
             raise RuntimeError("the value kernel refused what the key kernel took")
     for start, stop in read:
-        out.baddbmm_(weights[:, :, start:stop], values[:, start:stop])
-    return out.view(q_heads, n, dim)
+        out += xp.matmul(weights[:, :, start:stop], values[:, start:stop])
+    return xp.reshape(out, (q_heads, n, dim))
 
 
 def _gaps(spans: list[tuple[int, int]], total: int) -> list[tuple[int, int]]:

@@ -27,13 +27,13 @@ KV under lz4), so decoding skips a useless pass.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
-import torch
+import numpy as np
 
+from cachestore.codec.arrays import Array, dtype_name, frombuffer, host_bytes, is_torch, name_of, namespace, target
 from cachestore.codec.compress import compress, compress_sections, decompress, shuffle, unshuffle
 from cachestore.codec.frame import (
     FLAG_ROWS,
@@ -52,7 +52,7 @@ from cachestore.codec.frame import (
     pack_header,
 )
 from cachestore.codec.layout import PLAIN, Dims, layout
-from cachestore.codec.plan import DTYPE_NAMES, DTYPES, as_bytes, itemsize, plan_of, section_offsets
+from cachestore.codec.plan import DTYPES, as_bytes, itemsize, plan_of, section_offsets
 from cachestore.codec.quant import quantize
 from cachestore.codec.rope import Rope
 from cachestore.codec.spec import CodecSpec
@@ -77,30 +77,32 @@ class Codec:
     def __repr__(self) -> str:
         return f"Codec({self.spec.name()!r})"
 
-    def encode(self, kv: torch.Tensor) -> bytes:
-        """kv [layers, 2, kv_heads, tokens, head_dim] (fp32/fp16/bf16, any device) -> frame."""
+    def encode(self, kv: Array) -> bytes:
+        """kv [layers, 2, kv_heads, tokens, head_dim] (fp32/fp16/bf16; a numpy array, or a torch tensor on any
+        device: quantized there, only the payload comes to the host) -> frame. numpy and torch make the same bytes."""
         dims, dtype = _check_input(kv)
         spec = self.spec
         group = spec.group_size if spec.mode in GROUPED_MODES else 0
         sections = layout(spec.mode, dims, group, dtype, spec.hi.counts, spec.variant)
-        parts = quantize(spec.mode, kv.detach(), group, spec.variant or PLAIN, spec.hi, self.rope)
+        parts = quantize(spec.mode, kv.detach() if is_torch(kv) else kv, group, spec.variant or PLAIN, spec.hi,
+                         self.rope)
         offsets, raw_len = section_offsets(sections)
-        raw = torch.zeros(raw_len, dtype=torch.uint8)
+        raw = np.zeros(raw_len, dtype=np.uint8)
         for (sec_dtype, shape), part, start in zip(sections, parts, offsets, strict=True):
-            assert part.dtype == sec_dtype and tuple(part.shape) == shape, (part.shape, shape)
+            assert dtype_name(part) == sec_dtype and tuple(part.shape) == shape, (part.shape, shape)
             if spec.rows and spec.mode in FLOAT_MODES:  # [layers, 2, tokens, kv_heads, head_dim]: K and V as token rows
-                part = part.transpose(2, 3)
-            raw[start:start + part.numel() * part.element_size()] = (
-                part.contiguous().view(-1).view(torch.uint8))  # copies device -> cpu if needed
+                part = namespace(part).permute_dims(part, (0, 1, 3, 2, 4))
+            data = host_bytes(part)  # copies device -> host if needed
+            raw[start:start + data.shape[0]] = data
         comp, shuffled = spec.compressor, spec.mode in FLOAT_MODES and spec.compressor == "zstd"
         packed = shuffle(raw, itemsize(spec.mode, dtype)) if shuffled else raw
-        data = memoryview(packed.numpy())  # type: ignore[arg-type]
+        view = memoryview(packed.data)
         # a shuffled payload interleaves its sections' bytes; otherwise zstd starts a block at each section
-        payload = compress(data, comp, spec.level) if shuffled else compress_sections(data, comp, spec.level, offsets)
+        payload = compress(view, comp, spec.level) if shuffled else compress_sections(view, comp, spec.level, offsets)
         if comp != "none" and len(payload) > raw_len * _WORTH:
             # Incompressible (int8 and fp16 KV under lz4): store it plainly, so decoding
             # skips a decompression that would buy nothing. The frame says so itself.
-            comp, shuffled, payload = "none", False, bytes(memoryview(raw.numpy()))  # type: ignore[arg-type]
+            comp, shuffled, payload = "none", False, raw.tobytes()
         # The oldest version that holds the frame (1: nothing transformed, 2: rotated values, 5: a split layout, 6:
         # keys without their RoPE or int2's key classes, 7: int4's): older readers keep reading the frames they can.
         table, t = spec.layer_table(dims.layers), spec.transform
@@ -108,41 +110,42 @@ class Codec:
                    else 2 if t else 1)
         stored = table + payload
         flags = (FLAG_SHUFFLE if shuffled else 0) | (FLAG_ROWS if spec.rows else 0)
-        header = FrameHeader(version, spec.mode, comp, DTYPE_NAMES[dtype], flags, group, dims.layers, dims.heads,
+        header = FrameHeader(version, spec.mode, comp, dtype, flags, group, dims.layers, dims.heads,
                              dims.tokens, dims.head_dim, raw_len, len(stored), 0, spec.transform, table)
         digest = checksum(pack_header(header), stored)
         return pack_header(replace(header, checksum=digest)) + stored
 
-    def plain_size(self, kv_shape: tuple[int, int, int, int, int], dtype: torch.dtype) -> int:
-        """The length of this spec's frame of KV [layers, 2, kv_heads, tokens, head_dim] in `dtype` when stored
-        plainly (uncompressed; lz4 leaves int8 and fp16 KV so): a lookup reads frames of this length in place."""
+    def plain_size(self, kv_shape: tuple[int, int, int, int, int], dtype: Any) -> int:
+        """The length of this spec's frame of KV [layers, 2, kv_heads, tokens, head_dim] in `dtype` (a numpy or torch
+        dtype, or its name) when stored plainly (uncompressed; lz4 leaves int8 and fp16 KV so): a lookup reads frames
+        of this length in place."""
         layers, _, heads, tokens, dim = kv_shape
         spec = self.spec
         _, _, raw_len = plan_of(spec.mode, layers, heads, tokens, dim,
-                                 spec.group_size if spec.mode in GROUPED_MODES else 0, DTYPE_NAMES[dtype],
-                                 spec.hi.counts, spec.variant)
+                                 spec.group_size if spec.mode in GROUPED_MODES else 0,
+                                 dtype if isinstance(dtype, str) else name_of(dtype), spec.hi.counts, spec.variant)
         return HEADER_SIZE + len(spec.layer_table(layers)) + raw_len
 
-    def decode(self, frame: bytes | bytearray | memoryview, *,
-               device: torch.device | str | None = None,
-               max_elements: int = DEFAULT_MAX_ELEMENTS) -> torch.Tensor:
-        """A frame of any mode -> kv [layers, 2, kv_heads, tokens, head_dim] in its original
-        dtype on `device` (default cpu). Raises only CodecError."""
+    def decode(self, frame: bytes | bytearray | memoryview, *, device: Any = None,
+               max_elements: int = DEFAULT_MAX_ELEMENTS) -> Array:
+        """A frame of any mode -> kv [layers, 2, kv_heads, tokens, head_dim] in its original dtype: a numpy array, or
+        with `device` (a torch.device, or a name such as "cpu" or "cuda:0") a torch tensor there. Raises only
+        CodecError."""
         return _codec_errors_only(lambda: _decode(as_bytes(frame), device, max_elements))
 
-    def open(self, frame: bytes | bytearray | memoryview, *,
+    def open(self, frame: bytes | bytearray | memoryview, *, device: Any = None,
              max_elements: int = DEFAULT_MAX_ELEMENTS, mac_verified: bool = False) -> OpenFrame:
         """Verify and decompress a frame of any mode, leaving the dequantization for later
-        (`OpenFrame.decode_into`, possibly a few layers at a time). Raises only CodecError. `mac_verified`: as in
-        `verify_frame`."""
-        return _codec_errors_only(lambda: _open(as_bytes(frame), None, max_elements, mac_verified))
+        (`OpenFrame.decode_into`, possibly a few layers at a time; without an output into a numpy array, or with
+        `device` a torch tensor there, as `decode`). Raises only CodecError. `mac_verified`: as in `verify_frame`."""
+        return _codec_errors_only(lambda: _open(as_bytes(frame), device, max_elements, mac_verified))
 
-    def decode_into(self, frame: bytes | bytearray | memoryview, out: torch.Tensor, *,
-                    max_elements: int = DEFAULT_MAX_ELEMENTS) -> torch.Tensor:
+    def decode_into(self, frame: bytes | bytearray | memoryview, out: Array, *,
+                    max_elements: int = DEFAULT_MAX_ELEMENTS) -> Array:
         """Decode a frame of any mode straight into `out` [layers, 2, kv_heads, tokens, head_dim]
-        (any float dtype and device, a strided view such as a slice of a larger context is fine);
-        returns `out`. A frame whose shape differs from out's raises CodecError, out untouched."""
-        return _codec_errors_only(lambda: _decode(as_bytes(frame), out.device, max_elements, out))
+        (any float dtype; a numpy array, or a torch tensor on any device; a strided view such as a slice of a larger
+        context is fine); returns `out`. A frame whose shape differs from out's raises CodecError, out untouched."""
+        return _codec_errors_only(lambda: _open(as_bytes(frame), None, max_elements).decode_into(out))
 
 
 def _codec_errors_only(decode: Callable[[], T]) -> T:
@@ -155,56 +158,53 @@ def _codec_errors_only(decode: Callable[[], T]) -> T:
         raise CodecError(f"undecodable frame: {type(exc).__name__}: {exc}") from exc
 
 
-def _check_input(kv: torch.Tensor) -> tuple[Dims, torch.dtype]:
-    if not isinstance(kv, torch.Tensor):
-        raise CodecError(f"encode takes a torch.Tensor, not {type(kv).__name__}")
-    if kv.dim() != 5 or kv.shape[1] != 2:
+def _check_input(kv: Array) -> tuple[Dims, str]:
+    try:
+        namespace(kv)
+    except TypeError:
+        raise CodecError(f"encode takes a numpy array or a torch tensor, not {type(kv).__name__}") from None
+    if kv.ndim != 5 or kv.shape[1] != 2:
         raise CodecError(f"KV must be [layers, 2, kv_heads, tokens, head_dim], got "
                          f"{list(kv.shape)}")
-    if kv.dtype not in DTYPE_NAMES:
+    dtype = dtype_name(kv)
+    if dtype not in DTYPES:
         raise CodecError(f"KV dtype {kv.dtype} is not float32, float16 or bfloat16")
     n_layers, _, heads, tokens, dim = kv.shape
     for name, value, limit in (("layers", n_layers, MAX_DIM), ("kv_heads", heads, MAX_DIM),
                                ("tokens", tokens, MAX_TOKENS), ("head_dim", dim, MAX_DIM)):
         if not 1 <= value < limit:
             raise CodecError(f"KV {name} = {value} outside 1..{limit - 1}")
-    return Dims(n_layers, heads, tokens, dim), kv.dtype
+    return Dims(n_layers, heads, tokens, dim), dtype
 
 
-def _borrow(payload: memoryview, raw_len: int) -> torch.Tensor:
-    """A uint8 tensor over the caller's (possibly read-only) bytes, without a copy.
+def _borrow(payload: memoryview, raw_len: int) -> np.ndarray:
+    """A uint8 array over the caller's (possibly read-only) bytes, without a copy.
 
-    Nothing writes to it: dequantizing reads these sections once and writes new tensors, and a
+    Nothing writes to it: dequantizing reads these sections once and writes new arrays, and a
     float frame decoded without an output is copied out of it (`OpenFrame.decode_into`).
     """
     if len(payload) != raw_len:
         raise CodecError(f"payload is {len(payload)} bytes, header says {raw_len}")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        return torch.frombuffer(payload, dtype=torch.uint8)
+    return frombuffer(payload)
 
 
-def _decode(view: memoryview, device: torch.device | str | None,
-            max_elements: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    return _open(view, device, max_elements).decode_into(out)
+def _decode(view: memoryview, device: Any, max_elements: int) -> Array:
+    return _open(view, device, max_elements).decode_into()
 
 
-def _open(view: memoryview, device: torch.device | str | None, max_elements: int,
-          mac_verified: bool = False) -> OpenFrame:
+def _open(view: memoryview, device: Any, max_elements: int, mac_verified: bool = False) -> OpenFrame:
     header = verify_frame(view, max_elements=max_elements, mac_verified=mac_verified)
     payload = view[HEADER_SIZE + header.table_len:]
     borrowed = header.compressor == "none"
     if borrowed:  # read in place: an fp16 context of 2048 SmolLM2 tokens would be a 47 MB copy
         buf = _borrow(payload, header.raw_len)
     else:
-        raw = decompress(payload, header.compressor, header.raw_len)
-        buf = torch.frombuffer(raw, dtype=torch.uint8)  # shares raw, which it keeps alive
+        buf = frombuffer(decompress(payload, header.compressor, header.raw_len))  # shares the buffer, keeps it alive
     if header.shuffled:
-        buf = unshuffle(buf, itemsize(header.mode, DTYPES[header.dtype]))
-    target = torch.device(device) if device is not None else torch.device("cpu")
-    frame = OpenFrame(header, buf, borrowed and target.type == "cpu", target)  # parts moved to a device are copies
-    if target.type != "cpu":
+        buf = unshuffle(buf, itemsize(header.mode, header.dtype))
+    _, at = target(device)
+    on_cpu = at is None or at.type == "cpu"
+    frame = OpenFrame(header, buf, borrowed and on_cpu, at)  # parts moved to a device are copies
+    if not on_cpu:
         _ = frame.parts  # moved now: a frame opened for a device is whole there
     return frame
-
-

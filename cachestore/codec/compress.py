@@ -12,7 +12,7 @@ import itertools
 from collections.abc import Sequence
 
 import lz4.block
-import torch
+import numpy as np
 import zstandard
 
 from cachestore.errors import CodecError
@@ -124,15 +124,15 @@ def _zstd_decompress(payload: memoryview, raw_len: int) -> bytearray:
     return out
 
 
-def shuffle(raw: torch.Tensor, itemsize: int) -> torch.Tensor:
+def shuffle(raw: np.ndarray, itemsize: int) -> np.ndarray:
     """Byte shuffle: all first bytes of the elements, then all second bytes, ...
 
     raw: uint8 [n * itemsize] -> uint8 [n * itemsize]; exponent bytes of floats end up
     side by side, which is what lets lz4/zstd find their redundancy.
     """
-    return raw.view(-1, itemsize).t().contiguous().view(-1)
+    return np.ascontiguousarray(raw.reshape(-1, itemsize).T).reshape(-1)
 
 
-def unshuffle(raw: torch.Tensor, itemsize: int) -> torch.Tensor:
+def unshuffle(raw: np.ndarray, itemsize: int) -> np.ndarray:
     """The inverse of `shuffle`: uint8 [itemsize * n] -> uint8 [n * itemsize]."""
-    return raw.view(itemsize, -1).t().contiguous().view(-1)
+    return np.ascontiguousarray(raw.reshape(itemsize, -1).T).reshape(-1)

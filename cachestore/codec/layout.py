@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import torch
-
 from cachestore.codec.frame import MODE_BITS as BITS
 from cachestore.codec.frame import (
     OUTLIER_BITS,
@@ -21,9 +19,9 @@ from cachestore.codec.frame import (
 from cachestore.codec.q8 import Q8_BLOCK, Q8_BYTES
 from cachestore.errors import CodecError
 
-F16 = torch.float16
+F16 = "float16"
 
-Section = tuple[torch.dtype, tuple[int, ...]]
+Section = tuple[str, tuple[int, ...]]  # (dtype name, shape)
 
 
 class Variant(NamedTuple):
@@ -84,7 +82,7 @@ def groups(dims: Dims, group: int) -> tuple[int, int, int, int]:
     return gk, ceil_div(dims.tokens, gk), gv, ceil_div(dims.head_dim, gv)
 
 
-def layout(mode: str, dims: Dims, group: int, dtype: torch.dtype, hi_counts: tuple[int, ...] = (0, 0),
+def layout(mode: str, dims: Dims, group: int, dtype: str, hi_counts: tuple[int, ...] = (0, 0),
            variant: Variant | None = None) -> list[Section]:
     """The (dtype, shape) of each payload section of `mode`, in payload order (`split_layout` for a split variant,
     whose `hi_counts` are `HiLayers.counts`)."""
@@ -98,17 +96,17 @@ def layout(mode: str, dims: Dims, group: int, dtype: torch.dtype, hi_counts: tup
     if mode == "int8":
         qshape = (n_layers, h, t, d)
         return [(F16, (n_layers, h, 1, d)), (F16, (n_layers, h, t, 1)),
-                (torch.int8, qshape), (torch.int8, qshape)]
+                ("int8", qshape), ("int8", qshape)]
     if mode == "q8":  # token rows, layers first: [layers, 2, tokens, kv_heads, head_dim / 32 blocks of Q8_BYTES]
         if d % Q8_BLOCK:
             raise CodecError(f"q8 quantizes blocks of {Q8_BLOCK} channels of one head: head_dim {d} is no multiple")
-        return [(torch.uint8, (n_layers * 2 * t * h * (d // Q8_BLOCK) * Q8_BYTES,))]
+        return [("uint8", (n_layers * 2 * t * h * (d // Q8_BLOCK) * Q8_BYTES,))]
     if mode in BITS:
         gk, nk, gv, nv = groups(dims, group)
         per_byte = 8 // BITS[mode]
         kbytes = ceil_div(n_layers * h * nk * gk * d, per_byte)
         vbytes = ceil_div(n_layers * h * t * nv * gv, per_byte)
-        return [*_ranges(dims, group, False), (torch.uint8, (kbytes,)), (torch.uint8, (vbytes,))]
+        return [*_ranges(dims, group, False), ("uint8", (kbytes,)), ("uint8", (vbytes,))]
     raise CodecError(f"unknown mode {mode!r}")
 
 
@@ -120,8 +118,8 @@ def _ranges(dims: Dims, group: int, s8: bool) -> list[Section]:
     kshape, vshape = (n, h, nk, 1, d), (n, h, t, nv, 1)
     if not s8:
         return [(F16, kshape), (F16, kshape), (F16, vshape), (F16, vshape)]
-    return [(F16, (n, h, nk, 2, 1)), (torch.uint8, (n, h, nk, 2, d)),
-            (F16, (n, h, 1, nv, 2)), (torch.uint8, (n, h, t, nv, 2))]
+    return [(F16, (n, h, nk, 2, 1)), ("uint8", (n, h, nk, 2, d)),
+            (F16, (n, h, 1, nv, 2)), ("uint8", (n, h, t, nv, 2))]
 
 
 def key_streams(mode: str, head_dim: int) -> list[tuple[str, int, int]]:
@@ -167,35 +165,35 @@ def split_layout(mode: str, dims: Dims, group: int, variant: Variant,
     if variant.unrope:
         if d % 2:
             raise CodecError(f"keys without their RoPE need an even head_dim, not {d}")
-        sections["rope"] = (torch.float32, (d // 2 + 1,))
+        sections["rope"] = ("float32", (d // 2 + 1,))
     sections |= {"sk": sk, "zk": zk, "sv": sv, "zv": zv}
     if variant.sym_values:  # one scale a group, no zero point: its extreme and a code
         del sections["zv"]
-        sections |= {"sv": (F16, (n_layers, h, 1, nv, 1)), "svc": (torch.uint8, (n_layers, h, t, nv, 1))}
+        sections |= {"sv": (F16, (n_layers, h, 1, nv, 1)), "svc": ("uint8", (n_layers, h, t, nv, 1))}
     per_group = d  # key channels per (layer, head, group) at the mode's bits
     if variant.key_classes:
         if variant.outlier_keys or nk_up or not key_classes_fit(mode, d):
             raise CodecError(f"key channel classes apply to a head_dim that is a multiple of 64 and no outlier "
                              f"channels or key layers one bit more, not {mode} with head_dim {d}")
-        sections["kcls"] = (torch.uint8, (n_layers, h, nk, d // 4))
+        sections["kcls"] = ("uint8", (n_layers, h, nk, d // 4))
         for name, width, per_token in key_streams(mode, d):
-            sections[name] = (torch.uint8, (n_layers * ceil_div(h * nk * gk * per_token * width, 8),))
+            sections[name] = ("uint8", (n_layers * ceil_div(h * nk * gk * per_token * width, 8),))
     elif variant.outlier_keys:
         if not outlier_fits(mode, d):
             raise CodecError(f"outlier key channels of {mode} need a head_dim that is a multiple of "
                              f"{OUTLIER_SHARE[mode]}, not {d}")
         c = outlier_channels(mode, d)
         per_group = d - c
-        sections["mask"] = (torch.uint8, (n_layers, h, nk, d // 8))
+        sections["mask"] = ("uint8", (n_layers, h, nk, d // 8))
     if not variant.key_classes:
-        sections["pk"] = (torch.uint8, (n_layers * ceil_div(h * nk * gk * per_group * bits, 8),))
+        sections["pk"] = ("uint8", (n_layers * ceil_div(h * nk * gk * per_group * bits, 8),))
     if variant.outlier_keys:
-        sections["pko"] = (torch.uint8, (n_layers * ceil_div(h * nk * gk * c * OUTLIER_BITS[mode], 8),))
+        sections["pko"] = ("uint8", (n_layers * ceil_div(h * nk * gk * c * OUTLIER_BITS[mode], 8),))
     if nk_up:
-        sections["pkt"] = (torch.uint8, (nk_up * ceil_div(h * nk * gk * per_group, 8),))
-    sections["pv"] = (torch.uint8, (n_layers * ceil_div(h * t * nv * gv * bits, 8),))
+        sections["pkt"] = ("uint8", (nk_up * ceil_div(h * nk * gk * per_group, 8),))
+    sections["pv"] = ("uint8", (n_layers * ceil_div(h * t * nv * gv * bits, 8),))
     if nv_up:
-        sections["pvt"] = (torch.uint8, (nv_up * ceil_div(h * t * nv * gv, 8),))
+        sections["pvt"] = ("uint8", (nv_up * ceil_div(h * t * nv * gv, 8),))
     return sections
 
 

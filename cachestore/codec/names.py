@@ -15,8 +15,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import torch
-
+from cachestore.codec.arrays import Array, contiguous, namespace
 from cachestore.codec.blockcodec import BlockCodecs
 from cachestore.codec.frame import MODE_BITS, UP_BITS
 from cachestore.codec.rope import Rope
@@ -106,7 +105,7 @@ def is_published(model_id: str) -> bool:
     return model_id.rpartition("/")[2] in KNOWN
 
 
-def make_plan(kv: torch.Tensor, rope: Rope | None, model_id: str, made_by: str = "") -> CodecPlan:
+def make_plan(kv: Array, rope: Rope | None, model_id: str, made_by: str = "") -> CodecPlan:
     """The plan of a model whose calibration KV is `kv` [layers, 2, kv_heads, tokens, head_dim] and whose engine
     declares `rope` (or None); `model_id` its weights digest (a published model's tables are used as they are, and
     `kv` need only have its shape)."""
@@ -139,29 +138,31 @@ def spec_text(options: str, mode: str, keys: tuple[int, ...], values: tuple[int,
     return CodecSpec.parse(text).name()
 
 
-def raised_layers(kv: torch.Tensor, mode: str, keys: int, values: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def raised_layers(kv: Array, mode: str, keys: int, values: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The `keys` layers whose keys, and the `values` layers whose values, lose the most squared error when
     quantized with one bit more (per token, groups of up to 64 channels, min-max), past the sink block."""
-    x = kv[:, :, :, SINK_TOKENS:].float() if kv.shape[3] > SINK_TOKENS else kv.float()
+    xp = namespace(kv)
+    x = xp.astype(kv[:, :, :, SINK_TOKENS:] if kv.shape[3] > SINK_TOKENS else kv, xp.float32)
     bits = MODE_BITS[mode]
-    picked = []
+    picked: list[tuple[int, ...]] = []
     for half, count in ((0, keys), (1, values)):
         if not count:
             picked.append(())
             continue
         gain = _error(x[:, half], bits) - _error(x[:, half], bits + 1)  # [layers]
-        picked.append(tuple(sorted(torch.argsort(gain, descending=True)[:count].tolist())))
+        picked.append(tuple(sorted(int(i) for i in xp.argsort(gain, descending=True, stable=True)[:count])))
     return picked[0], picked[1]
 
 
-def _error(x: torch.Tensor, bits: int) -> torch.Tensor:
+def _error(x: Array, bits: int) -> Array:
     """Mean squared error of each layer's x [layers, kv_heads, tokens, head_dim] quantized min-max at `bits`."""
+    xp = namespace(x)
     dim = x.shape[-1]
     group = 64 if dim % 64 == 0 else dim
-    g = x.reshape(x.shape[0], -1, group)
-    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-    step = (hi - lo).clamp_min(1e-8) / (2 ** bits - 1)
-    return ((torch.round((g - lo) / step) * step + lo - g) ** 2).mean(dim=(1, 2))
+    g = xp.reshape(contiguous(x), (x.shape[0], -1, group))
+    lo, hi = xp.min(g, axis=-1, keepdims=True), xp.max(g, axis=-1, keepdims=True)
+    step = xp.clip(hi - lo, 1e-8, None) / (2 ** bits - 1)
+    return xp.mean((xp.round((g - lo) / step) * step + lo - g) ** 2, axis=(1, 2))
 
 
 def _spelled(options: str, mode: str, keys: tuple[int, ...], values: tuple[int, ...]) -> str:
@@ -176,13 +177,14 @@ def _count(share: float, layers: int) -> int:
     return max(1, round(share * layers)) if share else 0
 
 
-def _encodes(text: str, kv: torch.Tensor, rope: Rope | None) -> bool:
+def _encodes(text: str, kv: Array, rope: Rope | None) -> bool:
     """Whether `text` encodes and decodes a block of this model's KV (a head width it cannot take is refused)."""
     try:
         spec = CodecSpec.parse(text)
         spec.check_model(kv.shape[0], kv.shape[4])
         codec = BlockCodecs.for_spec(spec, rope=rope).main
-        block = kv[:, :, :, :SINK_TOKENS].float().contiguous()
-        return codec.decode(codec.encode(block)).shape == block.shape
+        xp = namespace(kv)
+        block = contiguous(xp.astype(kv[:, :, :, :SINK_TOKENS], xp.float32))
+        return tuple(codec.decode(codec.encode(block)).shape) == tuple(block.shape)
     except (KvstashError, ValueError, AssertionError):
         return False

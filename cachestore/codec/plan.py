@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
+from cachestore.codec.arrays import ITEMSIZE, Array
 from cachestore.codec.frame import (
     GROUPED_MODES,
     KEY_CLASSES,
@@ -20,8 +19,7 @@ from cachestore.codec.layout import Dims, HiLayers, Section, Variant, layout
 from cachestore.errors import CodecError
 
 ALIGN = 8
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+DTYPES = ("float32", "float16", "bfloat16")  # the KV dtypes a frame holds
 
 
 def section_offsets(sections: list[Section]) -> tuple[list[int], int]:
@@ -34,11 +32,11 @@ def section_offsets(sections: list[Section]) -> tuple[list[int], int]:
     return offsets, end
 
 
-def nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     count = 1
     for size in shape:
         count *= size
-    return count * dtype.itemsize
+    return count * ITEMSIZE[dtype]
 
 
 def plan(h: FrameHeader) -> tuple[tuple[Section, ...], tuple[int, ...], int]:
@@ -61,7 +59,7 @@ def plan_of(mode: str, layers: int, heads: int, tokens: int, dim: int, group: in
              hi_counts: tuple[int, ...], variant: Variant | None = None) -> tuple[tuple[Section, ...], tuple[int, ...],
                                                                                   int]:
     sections = layout(mode, Dims(layers, heads, tokens, dim), group if mode in GROUPED_MODES else 0,
-                      DTYPES[dtype], hi_counts, variant)
+                      dtype, hi_counts, variant)
     offsets, raw_len = section_offsets(sections)
     return tuple(sections), tuple(offsets), raw_len
 
@@ -70,8 +68,8 @@ def hi_of(h: FrameHeader) -> HiLayers:
     return HiLayers(h.up_layers(0), h.up_layers(1))
 
 
-def itemsize(mode: str, dtype: torch.dtype) -> int:
-    return dtype.itemsize if mode == "exact" else 2
+def itemsize(mode: str, dtype: str) -> int:
+    return ITEMSIZE[dtype] if mode == "exact" else 2
 
 
 def as_bytes(frame: bytes | bytearray | memoryview) -> memoryview:
@@ -96,10 +94,10 @@ def kind_of(h: FrameHeader) -> tuple[object, ...]:
             h.head_dim, h.raw_len, h.payload_len, h.transform, h.layer_bits)
 
 
-def layer_slice(part: torch.Tensor, first: int, count: int, layers: int) -> torch.Tensor:
+def layer_slice(part: Array, first: int, count: int, layers: int) -> Array:
     """Layers [first, first + count) of a payload section: a leading-dim slice, or for the packed
     int4/int2 codes (flat bytes, layer-major, each layer's codes starting on a byte) those layers' bytes."""
-    if part.dim() > 1:
+    if part.ndim > 1:
         return part[first:first + count]
-    per_layer = part.numel() // layers
+    per_layer = part.shape[0] // layers
     return part[first * per_layer:(first + count) * per_layer]

@@ -19,9 +19,11 @@ import functools
 import math
 import struct
 from dataclasses import dataclass
+from typing import Any
 
-import torch
+import numpy as np
 
+from cachestore.codec.arrays import Array, device_of, from_host, namespace
 from cachestore.errors import CodecError
 
 HALVES, ADJACENT = "halves", "adjacent"  # channel i with i + head_dim / 2, or 2i with 2i + 1
@@ -49,53 +51,59 @@ class Rope:
     def head_dim(self) -> int:
         return 2 * len(self.inv_freq)
 
-    def section(self) -> torch.Tensor:
-        """The frame's record of it: fp32 [head_dim / 2 + 1], the inverse frequencies, then the pairing's code."""
-        return torch.tensor([*self.inv_freq, float(_PAIRINGS.index(self.pairing))], dtype=torch.float32)
+    def section(self, like: Array | None = None) -> Array:
+        """The frame's record of it: fp32 [head_dim / 2 + 1], the inverse frequencies, then the pairing's code (an
+        array of `like`'s kind and device; numpy by default)."""
+        record = np.array([*self.inv_freq, float(_PAIRINGS.index(self.pairing))], dtype=np.float32)
+        return record if like is None else from_host(record, namespace(like), device_of(like))
 
     @classmethod
-    def from_section(cls, section: torch.Tensor) -> Rope:
+    def from_section(cls, section: Array) -> Rope:
         """The inverse of `section`; CodecError for a pairing code or frequency a frame must not hold."""
-        values = [float(x) for x in section.float().tolist()]
+        xp = namespace(section)
+        values = [float(x) for x in xp.reshape(xp.astype(section, xp.float32), (-1,)).tolist()]
         code = values[-1]
         if code not in (0.0, 1.0):
             raise CodecError(f"unknown RoPE pairing code {code} in the frame")
         return cls(_PAIRINGS[int(code)], tuple(values[:-1]))
 
 
-def turn(keys: torch.Tensor, rope: Rope, sign: int) -> torch.Tensor:
+def turn(keys: Array, rope: Rope, sign: int) -> Array:
     """keys [..., tokens, head_dim] (token t at block position t) turned by sign * t * inv_freq per pair: -1 undoes
-    RoPE relative to the first token, +1 redoes it. fp32, a new tensor."""
+    RoPE relative to the first token, +1 redoes it. fp32, a new array."""
     tokens, dim = _check(keys, rope)
-    cos, sin = _angles(rope, tokens, sign, keys.device)
-    x = keys.float()
+    xp = namespace(keys)
+    cos, sin = _angles_for(keys, rope, tokens, sign)
+    x = xp.astype(keys, xp.float32)
     if rope.pairing == HALVES:
         a, b = x[..., :dim // 2], x[..., dim // 2:]
-        return torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
+        return xp.concat([a * cos - b * sin, b * cos + a * sin], axis=-1)
     a, b = x[..., 0::2], x[..., 1::2]
-    return torch.stack([a * cos - b * sin, b * cos + a * sin], -1).flatten(-2)
+    return xp.reshape(xp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1), x.shape)
 
 
-def turn_into(keys: torch.Tensor, rope: Rope, sign: int) -> None:
+def turn_into(keys: Array, rope: Rope, sign: int) -> None:
     """`keys[...] = turn(keys, rope, sign)` (any float dtype, a strided view is fine), the same values, without the
     stacked fp32 result and its copy: each half of the pairs is written straight into its channels of keys (a
     decoded 8B-geometry block's keys: ~3x faster)."""
     tokens, dim = _check(keys, rope)
-    cos, sin = _angles(rope, tokens, sign, keys.device)
+    xp = namespace(keys)
+    cos, sin = _angles_for(keys, rope, tokens, sign)
     if rope.pairing == HALVES:
         first, second = keys[..., :dim // 2], keys[..., dim // 2:]
     else:
         first, second = keys[..., 0::2], keys[..., 1::2]
-    # each half read once into a dense fp32 tensor (fp32 keys: the views themselves; both halves are computed before
-    # either is written back)
-    a, b = first.float(), second.float()
-    lo = (a * cos).sub_(b * sin)
-    hi = (b * cos).add_(a * sin)
-    first.copy_(lo)
-    second.copy_(hi)
+    # each half read once into a dense fp32 array (both halves are computed before either is written back)
+    a, b = xp.astype(first, xp.float32), xp.astype(second, xp.float32)
+    lo = a * cos
+    lo -= b * sin
+    hi = b * cos
+    hi += a * sin
+    first[...] = lo
+    second[...] = hi
 
 
-def _check(keys: torch.Tensor, rope: Rope) -> tuple[int, int]:
+def _check(keys: Array, rope: Rope) -> tuple[int, int]:
     tokens, dim = keys.shape[-2], keys.shape[-1]
     if dim != rope.head_dim:
         raise CodecError(f"RoPE of head_dim {rope.head_dim} on keys of head_dim {dim}")
@@ -103,18 +111,38 @@ def _check(keys: torch.Tensor, rope: Rope) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=64)
-def _angles(rope: Rope, tokens: int, sign: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sign * sin of t * inv_freq, fp32 [tokens, head_dim / 2], computed in fp64 (kept: they never change)."""
-    freq = torch.tensor(rope.inv_freq, dtype=torch.float64, device=device)
-    angle = torch.arange(tokens, dtype=torch.float64, device=device).unsqueeze(1) * freq  # [T, D/2]
-    return angle.cos().float(), (angle.sin() * sign).float()
+def _angles(rope: Rope, tokens: int, sign: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sign * sin of t * inv_freq, fp32 [tokens, head_dim / 2], computed in double precision by Python's math
+    library (kept: they never change), so numpy and torch on any device turn by the same bits."""
+    cos = [[math.cos(t * f) for f in rope.inv_freq] for t in range(tokens)]
+    sin = [[math.sin(t * f) * sign for f in rope.inv_freq] for t in range(tokens)]
+    return np.array(cos, dtype=np.float32).reshape(tokens, -1), np.array(sin, dtype=np.float32).reshape(tokens, -1)
 
 
-def pair_mean(x: torch.Tensor, pairing: str) -> torch.Tensor:
+_ON_DEVICE: dict[tuple[Rope, int, int, str], tuple[Any, Any]] = {}
+
+
+def _angles_for(keys: Array, rope: Rope, tokens: int, sign: int) -> tuple[Any, Any]:
+    """`_angles` as arrays of keys' kind and device."""
+    device = device_of(keys)
+    if device is None:
+        return _angles(rope, tokens, sign)
+    at = (rope, tokens, sign, str(device))
+    if at not in _ON_DEVICE:
+        if len(_ON_DEVICE) > 64:
+            _ON_DEVICE.clear()
+        xp = namespace(keys)
+        cos, sin = _angles(rope, tokens, sign)
+        _ON_DEVICE[at] = (from_host(cos, xp, device), from_host(sin, xp, device))
+    return _ON_DEVICE[at]
+
+
+def pair_mean(x: Array, pairing: str) -> Array:
     """x [..., head_dim] with each channel replaced by the mean over its RoPE pair (what RoPE's turning keeps)."""
+    xp = namespace(x)
     dim = x.shape[-1]
     if pairing == HALVES:
         m = (x[..., :dim // 2] + x[..., dim // 2:]) * 0.5
-        return torch.cat([m, m], -1)
+        return xp.concat([m, m], axis=-1)
     m = (x[..., 0::2] + x[..., 1::2]) * 0.5
-    return m.repeat_interleave(2, -1)
+    return xp.reshape(xp.stack([m, m], axis=-1), x.shape)

@@ -33,6 +33,8 @@ def register(bench_subparsers: Any) -> None:
                         "'plain' or option lists such as 'rotv/clip' or 'symv/s8/k5=0.1' (default %(default)s)")
     p.add_argument("--level", type=int, default=3, help="zstd level")
     p.add_argument("--synthetic", action="store_true", help="skip the model: synthetic KV")
+    p.add_argument("--arrays", default="torch", choices=["torch", "numpy"],
+                   help="hand the codec torch tensors (a pod's) or numpy arrays (the codec without torch)")
     p.add_argument("--json", type=Path, help="write the rows as JSON to this path")
     p.set_defaults(func=run)
 
@@ -70,13 +72,16 @@ def _rel_err(a: Any, b: Any) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
-def _row(kv: Any, spec: Any, repeat: int) -> dict[str, Any]:
+def _row(kv: Any, spec: Any, repeat: int, arrays: str = "torch") -> dict[str, Any]:
+    """One spec's row; with `arrays` "numpy" the codec encodes and decodes numpy arrays (errors measured alike)."""
     from cachestore.codec import Codec, CodecSpec  # noqa: PLC0415
+    from cachestore.codec.arrays import from_host, to_host  # noqa: PLC0415
 
     codec = Codec(spec)
     fp16_mb = kv.numel() * 2 / 1e6
-    frame = codec.encode(kv)
-    out = codec.decode(frame)
+    data, device = (kv, "cpu") if arrays == "torch" else (to_host(kv), None)
+    frame = codec.encode(data)
+    out = from_host(to_host(codec.decode(frame, device=device)), _torch_ns())
     return {
         "mode": spec.mode, "compressor": spec.compressor, "spec": spec.name(),
         "group_size": spec.group_size if spec.mode in ("int4", "int2") else None,
@@ -84,29 +89,36 @@ def _row(kv: Any, spec: Any, repeat: int) -> dict[str, Any]:
             CodecSpec(spec.mode).variant, CodecSpec(spec.mode).hi),
         "frame_bytes": len(frame),
         "ratio_vs_fp16": kv.numel() * 2 / len(frame),
-        "encode_mb_s": fp16_mb / _median_s(lambda: codec.encode(kv), repeat),
-        "decode_mb_s": fp16_mb / _median_s(lambda: codec.decode(frame), repeat),
+        "encode_mb_s": fp16_mb / _median_s(lambda: codec.encode(data), repeat),
+        "decode_mb_s": fp16_mb / _median_s(lambda: codec.decode(frame, device=device), repeat),
         "k_rel_err": _rel_err(out[:, 0], kv[:, 0]),
         "v_rel_err": _rel_err(out[:, 1], kv[:, 1]),
     }
+
+
+def _torch_ns() -> Any:
+    from cachestore.codec.arrays import torch_ns  # noqa: PLC0415
+
+    return torch_ns()
 
 
 def _shuffle_rows(kv: Any, level: int, repeat: int) -> list[dict[str, Any]]:
     """Ratio and decompression speed of the fp16 payload with and without byte shuffle."""
     import torch  # noqa: PLC0415
 
+    from cachestore.codec.arrays import host_bytes  # noqa: PLC0415
     from cachestore.codec.compress import compress, decompress, shuffle  # noqa: PLC0415
 
-    raw = kv.to(torch.float16).contiguous().view(-1).view(torch.uint8)
+    raw = host_bytes(kv.to(torch.float16))
     rows = []
     for comp in ("lz4", "zstd"):
         for shuffled in (False, True):
             data = shuffle(raw, 2) if shuffled else raw
-            packed = compress(data.numpy().data, comp, level)
-            secs = _median_s(partial(decompress, memoryview(packed), comp, raw.numel()), repeat)
+            packed = compress(memoryview(data.data), comp, level)
+            secs = _median_s(partial(decompress, memoryview(packed), comp, raw.shape[0]), repeat)
             rows.append({"compressor": comp, "shuffle": shuffled,
-                         "ratio": raw.numel() / len(packed),
-                         "decompress_mb_s": raw.numel() / 1e6 / secs})
+                         "ratio": raw.shape[0] / len(packed),
+                         "decompress_mb_s": raw.shape[0] / 1e6 / secs})
     return rows
 
 
@@ -139,14 +151,14 @@ def run(args: argparse.Namespace) -> int:
                 specs += [s for c in COMPRESSORS  # int4's default is plain: listed once
                           if (s := CodecSpec(mode, c, args.level, group, base.variant, base.hi)) not in specs]
     memcpy_mb_s = kv.numel() * kv.element_size() / 1e6 / _median_s(kv.clone, args.repeat)
-    rows = [_row(kv, spec, args.repeat) for spec in specs]
+    rows = [_row(kv, spec, args.repeat, args.arrays) for spec in specs]
     shuffle_rows = _shuffle_rows(kv, args.level, args.repeat)
     _print(rows, shuffle_rows, memcpy_mb_s, source, note, kv)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "rows": rows, "memcpy_mb_s": memcpy_mb_s, "source": source, "source_note": note,
-            "shape": list(kv.shape), "dtype": args.dtype, "threads": 1,
+            "shape": list(kv.shape), "dtype": args.dtype, "threads": 1, "arrays": args.arrays,
             "shuffle": shuffle_rows, "targets": _targets(rows),
         }, indent=2))
     return 0

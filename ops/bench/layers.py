@@ -168,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
 
     def trip(spec: Any, kv: Any) -> Any:
         codecs = BlockCodecs.for_spec(spec, rope=scorer.rope)
-        return torch.cat([codecs.main.decode(f) for f in _round_trip(codecs, kv, args.block_tokens)], dim=3)
+        frames = _round_trip(codecs, kv, args.block_tokens)
+        return torch.cat([codecs.main.decode(f, device="cpu") for f in frames], dim=3)
 
     windows: list[tuple[Any, list[int], Any]] = []  # (kv, window ids, exact log-probs)
     size_kv = None

@@ -210,7 +210,7 @@ def _measure(args: argparse.Namespace, scorer: Scorer, text: str) -> tuple[list[
         for mode in modes:
             codecs = BlockCodecs.for_spec(mode, rope=scorer.rope)
             frames = _round_trip(codecs, kv, args.block_tokens)
-            kv_mode = torch.cat([codecs.main.decode(f) for f in frames], dim=3)  # [L, 2, H, cut, D]
+            kv_mode = torch.cat([codecs.main.decode(f, device="cpu") for f in frames], dim=3)  # [L, 2, H, cut, D]
             # modes that differ only in the compressor decode to the same bits: score those once
             digest = hashlib.sha256(kv_mode.contiguous().view(torch.uint8).numpy().tobytes()).digest()
             if digest not in seen:

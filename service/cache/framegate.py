@@ -141,7 +141,7 @@ class FrameGate:
             self.reject(problem)
             return None
         try:
-            kv = codec.decode(frame, max_elements=math.prod(expected))
+            kv = codec.decode(frame, device="cpu", max_elements=math.prod(expected))
         except CodecError as exc:
             self.reject(Rejection("corrupt", str(exc)))
             return None

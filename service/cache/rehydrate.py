@@ -154,7 +154,7 @@ class Rehydration:
         """Whether `frame` was read in place from the landing and can be dequantized a layer at a time."""
         if self.landing is None or not frame.borrowed or frame.header.layer_bits or not frame.splits_by_layer:
             return False
-        at = frame.raw.data_ptr() - self.landing.data_ptr()
+        at = frame.address - self.landing.data_ptr()
         return 0 <= at < self.landing.numel()
 
     def _runs(self, opened: list[OpenFrame], pending: list[int]) -> tuple[list[tuple[int, FrameRun]], list[int]]:
