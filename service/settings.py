@@ -15,7 +15,6 @@ from cachestore.keys import TENANT_PATTERN, TENANT_RE
 from cachestore.settings import StoreSettings, mask_url
 from service.cache.fetchplan import POLICIES as FETCH_POLICIES
 from service.engines import ENGINES
-from service.engines.llama.gguf import check_flash_attn
 
 DEFAULT_TENANT = "default"
 
@@ -74,6 +73,8 @@ class PodSettings:
             raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if not 0 <= self.parallel <= 64 or self.threads < 0:
             raise ConfigError("parallel must be in 0..64 (0: the engine's default) and threads >= 0")
+        from service.engines.llama.gguf import check_flash_attn  # noqa: PLC0415 - the engine's, with torch
+
         check_flash_attn(self.flash_attn)  # the codec's cache type, and the hf engine, are checked when it loads
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")

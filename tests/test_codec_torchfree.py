@@ -128,3 +128,15 @@ def test_a_gpu_tensor_is_quantized_on_its_device_to_the_same_frame(spec: str) ->
     Codec().decode_into(frame, out)
     assert torch.equal(out.cpu(), Codec().decode(frame, device="cpu"))
     assert Codec().decode(frame, device="cuda").device.type == "cuda"
+
+
+@pytest.mark.parametrize("command", [["admin", "--help"], ["sidecar", "--help"], ["bench", "--help"],
+                                     ["admin", "stats", "--help"]])
+def test_the_command_line_answers_without_torch(command: list[str]) -> None:
+    """What an operator without torch types first: the admin, sidecar and bench commands' help."""
+    code = ("import sys; from tests import torchfree; torchfree.block(); from ops.cli import main; "
+            f"sys.argv = ['kvstash', *{command!r}]; main()")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage: kvstash" in done.stdout

@@ -7,14 +7,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
+
     from service.engines.gate import LayerGate
 
 # on_prefill(get_kv): get_kv(start, end) -> [layers, 2, kv_heads, end - start, head_dim], a CPU copy; called
 # during the hook (llama.cpp's reads a pooled snapshot of the sequence, reused once the hook returns)
-PrefillHook = Callable[[Callable[[int, int], torch.Tensor]], None]
+PrefillHook = Callable[[Callable[[int, int], "torch.Tensor"]], None]  # torch: an engine's, never the codec's
 
 # End-of-turn tokens of common chat templates, honoured when the vocabulary has them.
 END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "</s>")
