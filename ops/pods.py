@@ -131,10 +131,12 @@ def sticky_directive(header: str) -> str:
     return f"hash $http_{header.lower().replace('-', '_')} consistent;"
 
 
-def render_nginx_conf(upstreams: Sequence[str], port: int, workdir: Path, hash_header: str | None = None) -> str:
+def render_nginx_conf(upstreams: Sequence[str], port: int, workdir: Path, hash_header: str | None = None,
+                      max_fails: int = 1) -> str:
     """The demo balancer: ops/nginx/demo.conf.template with its upstream servers and paths filled in; round robin,
-    or sticky on `hash_header` (a consistent hash of that header's value)."""
-    servers = "\n".join(f"        server {u} max_fails=1 fail_timeout=5s;" for u in upstreams)
+    or sticky on `hash_header` (a consistent hash of that header's value). `max_fails` 0: nginx never passes over a
+    pod that failed; a refused connection is still tried again on the next pod (kvstash-proxy.conf)."""
+    servers = "\n".join(f"        server {u} max_fails={max_fails} fail_timeout=5s;" for u in upstreams)
     if hash_header is not None:
         servers = f"        {sticky_directive(hash_header)}\n{servers}"
     text = NGINX_TEMPLATE.read_text()
@@ -150,6 +152,9 @@ class NginxProcess:
     port: int = 0
     hash_header: str | None = None
     workdir: Path | None = None
+    # 1: a pod that failed a request is passed over for 5 s, and after that until a request to it succeeds (nginx
+    # probes it with one request at a time): a pod restarted and slow to answer its first request counts as down
+    max_fails: int = 1
     proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
 
     @property
@@ -165,7 +170,7 @@ class NginxProcess:
         # a master started as root runs its worker as nobody: it must reach the temp dirs the master makes here
         self.workdir.chmod(0o755)
         conf = self.workdir / "nginx.conf"
-        conf.write_text(render_nginx_conf(self.upstreams, self.port, self.workdir, self.hash_header))
+        conf.write_text(render_nginx_conf(self.upstreams, self.port, self.workdir, self.hash_header, self.max_fails))
         check = subprocess.run([binary, "-t", "-c", str(conf), "-p", str(self.workdir)], capture_output=True,
                                text=True, check=False)
         if check.returncode != 0:
@@ -189,7 +194,7 @@ class NginxProcess:
         if binary is None or workdir is None or self.proc is None:
             raise ProcessError("nginx is not running")
         conf = workdir / "nginx.conf"
-        conf.write_text(render_nginx_conf(upstreams, self.port, workdir, self.hash_header))
+        conf.write_text(render_nginx_conf(upstreams, self.port, workdir, self.hash_header, self.max_fails))
         check = subprocess.run([binary, "-t", "-c", str(conf), "-p", str(workdir)], capture_output=True, text=True,
                                check=False)
         if check.returncode != 0:

@@ -159,7 +159,7 @@ BENCHES = (
           FLEET_CMD, _fleet, _fleet_budget_charts),
     Bench("churn", "A fleet that moves: rolling restarts and lost pods",
           "The fleet bench's workload at one rate while the pods change: a rolling restart (each pod in turn gets "
-          "SIGTERM and 30 s to exit, is started again on its port, and the next one goes 10 s after it is ready, as "
+          "SIGTERM and 30 s to exit, is started again on its port, and the next one goes 5 s after it is ready, as "
           "a Deployment rolls), or the busiest pod SIGKILLed and started again at once. Each fleet runs the same "
           "users, arrivals and events: kvstash (round robin, KV in Redis), no cache, and sticky sessions (nginx's "
           "consistent hash, KV in each pod's memory). A turn belongs to the phase it arrived in; a pod is busy "

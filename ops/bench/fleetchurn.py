@@ -18,7 +18,7 @@ from ops.bench.fleetpods import FleetPods, label
 
 CHURN_RATE = 0.2  # turns/s of a churn run unless --rates names one
 GRACE_S = 30.0  # Kubernetes' default terminationGracePeriodSeconds
-CHURN_GAP_S = 10.0  # > fail_timeout of ops/nginx/demo.conf.template's servers (ops/pods.py renders them)
+CHURN_GAP_S = 5.0
 PHASE_COLUMNS = [("fleet", "fleet", ""), ("phase", "phase", ""), ("window", "s", ""), ("arrivals", "n", "d"),
                  ("failed", "failed", "d"), ("ttft_ms_p50", "TTFT p50", ".0f"), ("ttft_ms_p90", "p90", ".0f"),
                  ("hit_rate", "hit", ".2f"), ("per_pod", "requests / busy s per pod", ""),
@@ -33,9 +33,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--churn-at",
                    help="seconds into the run each event begins, comma-separated (default: spread over the run)")
     p.add_argument("--churn-gap", type=float, default=CHURN_GAP_S,
-                   help="rolling: seconds between one pod ready again and the next one stopped (default "
-                        f"{CHURN_GAP_S:g}: longer than nginx's fail_timeout, 5 s, for which it passes over a pod that "
-                        "refused a request; a shorter gap can leave it no pod it will try)")
+                   help="rolling: seconds between one pod ready again and the next one stopped (a Deployment's "
+                        f"minReadySeconds; default {CHURN_GAP_S:g})")
     p.add_argument("--grace-s", type=float, default=GRACE_S,
                    help=f"rolling: seconds a pod has to exit after SIGTERM before SIGKILL (default {GRACE_S:g})")
     p.add_argument("--skew", type=float, default=0.0,

@@ -84,7 +84,10 @@ class FleetPods:
                 self.pods[-1].start()
             for pod in self.pods:
                 pod.wait_ready()
-            self.balancer = NginxProcess([f"127.0.0.1:{p.port}" for p in self.pods],
+            # max_fails 0: with nginx's passive check a pod restarted by a rollout counts as down until its first
+            # request is answered (a miss, slow on a sticky pod), and the next pod's restart can leave nginx none
+            # to try ("no live upstreams"); a refused connection is still tried again on the next pod
+            self.balancer = NginxProcess([f"127.0.0.1:{p.port}" for p in self.pods], max_fails=0,
                                          hash_header=STICKY_HEADER if self.kind == "sticky" else None).start()
         except BaseException:
             self.__exit__(None, None, None)
