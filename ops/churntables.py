@@ -8,8 +8,8 @@ from typing import Any
 from ops import svgchart
 from ops.resulttables import Table, _ms, _row
 
-_HEAD = ["| fleet | phase | window s | turns | failed | TTFT p50 ms | p90 ms | p90 / before | hit rate | "
-         "requests per pod | busy s per pod |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+_HEAD = ["| fleet | phase | window s | turns | answered | failed | TTFT p50 ms | p90 ms | p90 / before | hit rate | "
+         "requests per pod | busy s per pod |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
 
 
 def _reports(d: dict[str, Any]) -> list[dict[str, Any]]:
@@ -58,7 +58,7 @@ def report_table(r: dict[str, Any]) -> Table:
         for p in run["phases"]:
             ratio = p.get("ttft_ms_p90_vs_before")
             table.append(_row([run["fleet"], p["phase"], f"{p['start_s']:.0f}-{p['end_s']:.0f}", f"{p['arrivals']}",
-                               f"{p['failed']}", _ms(p["ttft_ms_p50"]), _ms(p["ttft_ms_p90"]),
+                               f"{p['ok']}", f"{p['failed']}", _ms(p["ttft_ms_p50"]), _ms(p["ttft_ms_p90"]),
                                f"{ratio:.2f}" if ratio is not None else "", f"{p['hit_rate']:.2f}",
                                _pods(p["requests_per_pod"], "d"), _pods(p["busy_s_per_pod"], ".0f")]))
     return [*table, "", *(_events(run) for run in r["runs"]), ""]

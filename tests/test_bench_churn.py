@@ -131,10 +131,11 @@ def test_merge_keeps_each_engines_runs_of_each_event(tmp_path: Path) -> None:
 
 
 def _report(churn: str) -> dict[str, object]:
-    phase = {"phase": "before", "start_s": 0.0, "end_s": 30.0, "arrivals": 6, "failed": 0, "ttft_ms_p50": 120.0,
-             "ttft_ms_p90": 300.0, "ttft_ms_p90_vs_before": 1.0, "hit_rate": 0.93,
+    phase = {"phase": "before", "start_s": 0.0, "end_s": 30.0, "arrivals": 6, "ok": 6, "failed": 0,
+             "ttft_ms_p50": 120.0, "ttft_ms_p90": 300.0, "ttft_ms_p90_vs_before": 1.0, "hit_rate": 0.93,
              "requests_per_pod": {"pod-a": 3, "pod-b": 3}, "busy_s_per_pod": {"pod-a": 4.0, "pod-b": 5.0}}
-    during = {**phase, "phase": f"during {churn}", "failed": 1, "ttft_ms_p90": 900.0, "ttft_ms_p90_vs_before": 3.0}
+    during = {**phase, "phase": f"during {churn}", "ok": 5, "failed": 1, "ttft_ms_p90": 900.0,
+              "ttft_ms_p90_vs_before": 3.0}
     step = {"pod": "pod-a", "signal": "SIGKILL", "stopped_s": 30.0, "exit_s": 0.0, "killed": True, "ready_s": 33.0}
     run = {"fleet": "kvstash", "kind": "kvstash", "rate": 0.2, "phases": [phase, during],
            "events": [{"event": churn, "done": True, "steps": [step]}]}
@@ -145,7 +146,8 @@ def _report(churn: str) -> dict[str, object]:
 def test_the_results_page_tables_and_charts_each_runs_phases() -> None:
     d = {"engines": [_report("kill"), _report("rolling")]}
     table, chart = churntables.churn(d)
-    row = "| kvstash | during kill | 0-30 | 6 | 1 | 120.0 | 900.0 | 3.00 | 0.93 | pod-a 3, pod-b 3 | pod-a 4, pod-b 5 |"
+    row = ("| kvstash | during kill | 0-30 | 6 | 5 | 1 | 120.0 | 900.0 | 3.00 | 0.93 | pod-a 3, pod-b 3 | "
+           "pod-a 4, pod-b 5 |")
     assert row in table
     assert any(line.startswith("**llamacpp, rolling**") for line in table)
     assert "- sticky sessions: kill: pod-a SIGKILL at 30.0 s (killed, gone after 0.0 s), ready at 33.0 s." in table

@@ -20,7 +20,8 @@ CHURN_RATE = 0.2  # turns/s of a churn run unless --rates names one
 GRACE_S = 30.0  # Kubernetes' default terminationGracePeriodSeconds
 CHURN_GAP_S = 5.0
 PHASE_COLUMNS = [("fleet", "fleet", ""), ("phase", "phase", ""), ("window", "s", ""), ("arrivals", "n", "d"),
-                 ("failed", "failed", "d"), ("ttft_ms_p50", "TTFT p50", ".0f"), ("ttft_ms_p90", "p90", ".0f"),
+                 ("ok", "ok", "d"), ("failed", "failed", "d"), ("ttft_ms_p50", "TTFT p50", ".0f"),
+                 ("ttft_ms_p90", "p90", ".0f"),
                  ("hit_rate", "hit", ".2f"), ("per_pod", "requests / busy s per pod", ""),
                  ("busy_max_over_mean", "busy max/mean", ".2f")]
 
@@ -91,6 +92,7 @@ def _run_fleet(args: argparse.Namespace, redis_url: str, kind: str, events: list
         finally:
             record = runner.finish()
         names = fleet.names_by_port()
+        counters = fleet.sidecar_events()
     split = phases.split(rows, record, args.duration_s, names)
     requests += [{**r, "fleet": kind, "rate": rate} for r in rows]
     for e in record:
@@ -98,8 +100,10 @@ def _run_fleet(args: argparse.Namespace, redis_url: str, kind: str, events: list
         print(f"[{name}] {e['event']} at {e.get('began_s', e['at_s']):.1f} s: "
               + (f"done at {e['ended_s']:.1f} s" if e["done"] else e.get("error", "not begun (the run ended)"))
               + (f" ({steps})" if steps else ""), flush=True)
-    return {"fleet": name, "kind": kind, "events": record, "phases": split, **fleetload.stats(rows, rate,
-                                                                                             args.duration_s)}
+    if counters:
+        print(f"[{name}] sidecar events since each pod's last start: {counters}", flush=True)
+    return {"fleet": name, "kind": kind, "events": record, "phases": split, "sidecar_events": counters,
+            **fleetload.stats(rows, rate, args.duration_s)}
 
 
 def _step(s: dict[str, Any]) -> str:

@@ -11,6 +11,7 @@ llama-server's own RAM prompt cache off (`--cache-ram 0`, the sidecar's default)
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any
 
 FLEETS = ("kvstash", "off", "sticky")
@@ -20,6 +21,8 @@ SIDECAR_LABELS = {"kvstash": "kvstash sidecar", "kvstash-ram": "kvstash sidecar 
                   "off": "no cache", "sticky": "llama-server cache-ram, sticky"}
 STICKY_HEADER = "X-Session-Id"  # what nginx hashes in a sticky fleet (fleetload sends it there)
 CACHE_RAM_MIB = 8192  # llama-server's default --cache-ram (`llama-server --help`), named for the sidecar's -- args
+SIDECAR_METRIC = re.compile(r'^kvstash_sidecar_(?:events_total\{event="(?P<event>\w+)"\}|restored_tokens_total) '
+                            r'(?P<value>[0-9.eE+-]+)$', re.M)
 CTX_PER_SLOT = 4096  # a llama-server slot's context in the sidecar fleets: the workload's longest chats fit
 
 
@@ -93,6 +96,26 @@ class FleetPods:
             self.__exit__(None, None, None)
             raise
         return self
+
+    def sidecar_events(self) -> dict[str, float]:
+        """The sidecar pods' slot events (restores, restore_failures, reuse_misses, save_failures, restarts) and
+        restored tokens, summed over the pods, each counted since its pod last started; {} for other pods."""
+        import httpx  # noqa: PLC0415
+
+        from ops.sidecarproc import SidecarProcess  # noqa: PLC0415
+
+        totals: dict[str, float] = {}
+        for pod in self.pods:
+            if not isinstance(pod, SidecarProcess) or pod.proc is None:
+                continue
+            try:
+                text = httpx.get(pod.url + "/metrics", timeout=10).text
+            except httpx.HTTPError:
+                continue
+            for m in SIDECAR_METRIC.finditer(text):
+                key = m["event"] or "restored_tokens"
+                totals[key] = totals.get(key, 0.0) + float(m["value"])
+        return totals
 
     def add_pod(self) -> Any:
         """A new pod started, and once ready added to the balancer (as a Service adds a ready endpoint)."""

@@ -77,7 +77,7 @@ def split(rows: list[dict[str, Any]], events: Sequence[dict[str, Any]], end_s: f
     rate to the phase before the first event (`vs_before`)."""
     for r in rows:
         r["pod"] = pod_of(r, names)
-    pods = sorted({r["pod"] for r in rows if r["pod"]})
+    pods = sorted(set(names.values()) | {r["pod"] for r in rows if r["pod"]})  # a pod nobody reached counts too
     out = [phase_stats(rows, name, a, b, pods) for name, a, b in windows(events, end_s)]
     base = out[0] if out and out[0]["phase"] == "before" else None
     for p in out:
