@@ -25,9 +25,9 @@ def _summary(r: dict[str, Any]) -> str:
             f"{r.get('threads_per_pod', '?')} thread(s) each, {a.get('parallel', '?')} sequences decoded together, "
             f"{a.get('users', '?')} users{skew}, ~{a.get('system_tokens', '?')} + ~{a.get('history_tokens', '?')} "
             f"token openings, replies of at most {a.get('max_tokens', '?')} tokens, "
-            f"{r['runs'][0]['rate'] if r.get('runs') else '?'} turns/s for {a.get('duration_s', 0):g} s; a rolling "
-            f"restart's pods have {a.get('grace_s', '?')} s to exit after SIGTERM and go "
-            f"{a.get('churn_gap', '?')} s apart.")
+            f"{r['runs'][0]['rate'] if r.get('runs') else '?'} turns/s for {a.get('duration_s', 0):g} s"
+            + (f"; each pod has {a.get('grace_s', 0):g} s to exit after SIGTERM, the next one going "
+               f"{a.get('churn_gap', 0):g} s after it is ready." if "rolling" in str(r.get("churn")) else "."))
 
 
 def _step(s: dict[str, Any]) -> str:
