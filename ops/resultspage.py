@@ -71,7 +71,7 @@ FLEET_CMD = ("kvstash bench fleet --engine llamacpp --flash-attn off "
              + " --json docs/results/fleet.json --merge")
 
 _CHURN_WL = ("--pods 2 --users 4 --system-tokens 150 --history-tokens 450 --query-tokens 20 --max-tokens 32 "
-             "--rates 0.2 --duration-s 90 --drain-s 30")
+             "--rates 0.3 --duration-s 60 --drain-s 30 --fleets kvstash,sticky --churn-at 20")
 CHURN_CMD = "\n".join(f"kvstash bench fleet --engine llamacpp --flash-attn off {_CHURN_WL} --churn {event} "
                       "--json docs/results/churn.json --merge" for event in ("rolling", "kill"))
 
@@ -161,9 +161,10 @@ BENCHES = (
           "The fleet bench's workload at one rate while the pods change: a rolling restart (each pod in turn gets "
           "SIGTERM and 30 s to exit, is started again on its port, and the next one goes 5 s after it is ready, as "
           "a Deployment rolls), or the busiest pod SIGKILLed and started again at once. Each fleet runs the same "
-          "users, arrivals and events: kvstash (round robin, KV in Redis), no cache, and sticky sessions (nginx's "
-          "consistent hash, KV in each pod's memory). A turn belongs to the phase it arrived in; a pod is busy "
-          "while it holds a request.",
+          "users, arrivals and events: kvstash (round robin, KV in Redis) and sticky sessions (nginx's consistent "
+          "hash, KV in each pod's memory); nginx tries a refused connection again on the next pod and never passes "
+          "a pod over (`max_fails=0`). A turn belongs to the phase it arrived in; a pod is busy while it holds a "
+          "request. A short run on a loaded machine: a few turns a phase, so read the phases' order of magnitude.",
           CHURN_CMD, churntables.churn, churntables.churn_charts),
     Bench("sizing", "Sizing: KV bytes a token at 8B, 32B and 70B geometries", sizingpage.METHOD, sizingpage.COMMAND,
           sizingpage.results_section),
