@@ -41,11 +41,18 @@ def _step(s: dict[str, Any]) -> str:
 
 def _events(run: dict[str, Any]) -> str:
     parts = []
+    added = run.get("added_pods", {})
     for e in run.get("events", []):
-        steps = "; ".join(_step(s) for s in e.get("steps", []))
+        steps = "; ".join(_step(s) + _added(added.get(s.get("pod", ""))) if "signal" not in s else _step(s)
+                          for s in e.get("steps", []))
         state = "" if e.get("done") else f" (not completed: {e.get('error', 'the run ended first')})"
         parts.append(f"{e['event']}{state}: {steps or 'nothing done'}")
     return f"- {run['fleet']}: " + ". ".join(parts) + "."
+
+
+def _added(a: dict[str, Any] | None) -> str:
+    return "" if a is None else (f" (hit rate {a['hit_rate']:.2f} over its {a['turns']} turns, its first "
+                                 f"{a['first_turn_hit_rate']:.2f}; the fleet's {a['fleet_hit_rate_since']:.2f} since)")
 
 
 def _pods(per_pod: dict[str, float], spec: str) -> str:

@@ -112,6 +112,19 @@ def test_a_runs_turns_fall_into_the_phase_they_arrived_in() -> None:
     assert during["errors"] == ["RemoteProtocolError"] and rows[3]["pod"] == ""
 
 
+def test_an_added_pods_hit_rate_is_told_from_its_first_turn() -> None:
+    def row(sent: float, pod: str, cached: int) -> dict[str, object]:
+        return {"sent_s": sent, "status": 200, "pod": pod, "prompt_tokens": 100, "cached_tokens": cached}
+
+    rows = [row(1, "pod-a", 90), row(12, "pod-b", 80), row(13, "pod-a", 100), row(14, "pod-b", 100),
+            {"sent_s": 15.0, "status": 0, "pod": ""}]
+    events = [{"event": "scale-out", "steps": [{"pod": "pod-b", "ready_s": 10.0}]},
+              {"event": "kill", "steps": [{"pod": "pod-a", "signal": "SIGKILL"}]}]
+    assert phases.added_pods(rows, events) == {"pod-b": {"turns": 2, "hit_rate": 0.9, "first_turn_hit_rate": 0.8,
+                                                         "fleet_hit_rate_since": pytest.approx(280 / 300)}}
+    assert phases.added_pods(rows[:1], events) == {}  # no turn reached it
+
+
 def test_skewed_users_send_turns_by_zipf_weights() -> None:
     assert deal(6, 3, 0.0, seed=1) == [0, 1, 2, 0, 1, 2]
     senders = deal(3000, 4, 1.0, seed=1)

@@ -94,7 +94,11 @@ def _run_fleet(args: argparse.Namespace, redis_url: str, kind: str, events: list
         names = fleet.names_by_port()
         counters = fleet.sidecar_events()
     split = phases.split(rows, record, args.duration_s, names)
+    added = phases.added_pods(rows, record)
     requests += [{**r, "fleet": kind, "rate": rate} for r in rows]
+    for pod, a in added.items():
+        print(f"[{name}] {pod}, added: hit {a['hit_rate']:.2f} over its {a['turns']} turns (its first "
+              f"{a['first_turn_hit_rate']:.2f}); the fleet's {a['fleet_hit_rate_since']:.2f} since", flush=True)
     for e in record:
         steps = "; ".join(_step(s) for s in e["steps"])
         print(f"[{name}] {e['event']} at {e.get('began_s', e['at_s']):.1f} s: "
@@ -102,7 +106,8 @@ def _run_fleet(args: argparse.Namespace, redis_url: str, kind: str, events: list
               + (f" ({steps})" if steps else ""), flush=True)
     if counters:
         print(f"[{name}] sidecar events since each pod's last start: {counters}", flush=True)
-    return {"fleet": name, "kind": kind, "events": record, "phases": split, "sidecar_events": counters,
+    return {"fleet": name, "kind": kind, "events": record, "phases": split, "added_pods": added,
+            "sidecar_events": counters,
             **fleetload.stats(rows, rate, args.duration_s)}
 
 

@@ -56,7 +56,6 @@ def phase_stats(rows: Sequence[dict[str, Any]], name: str, start: float, end: fl
     inside = [r for r in rows if start <= r["arrived_s"] < end]
     ok = [r for r in inside if r.get("status") == 200]
     failed = [r for r in inside if r.get("status") not in (200, -1)]
-    prompt = sum(r["prompt_tokens"] for r in ok)
     ttft = [r["ttft_ms"] for r in ok]
     requests = {p: sum(1 for r in ok if r["pod"] == p) for p in pods}
     served = [r for r in rows if r.get("status") == 200 and "sent_s" in r]
@@ -65,10 +64,33 @@ def phase_stats(rows: Sequence[dict[str, Any]], name: str, start: float, end: fl
     return {"phase": name, "start_s": start, "end_s": end, "arrivals": len(inside), "ok": len(ok),
             "failed": len(failed), "unsent": sum(1 for r in inside if r.get("status") == -1),
             "ttft_ms_p50": percentile(ttft, 0.5), "ttft_ms_p90": percentile(ttft, 0.9),
-            "hit_rate": sum(r["cached_tokens"] for r in ok) / prompt if prompt else 0.0,
+            "hit_rate": hit_rate(ok), "hit_rate_per_pod": {p: hit_rate([r for r in ok if r["pod"] == p]) for p in pods},
             "requests_per_pod": requests, "busy_s_per_pod": busy,
             "busy_max_over_mean": max(busy.values()) / mean if mean > 0 else 0.0,
             "errors": sorted({str(r.get("error", ""))[:120] for r in failed})[:3]}
+
+
+def hit_rate(rows: Sequence[dict[str, Any]]) -> float:
+    """Cached prompt tokens over prompt tokens of the answered rows (0.0 for none)."""
+    ok = [r for r in rows if r.get("status") == 200]
+    prompt = sum(r["prompt_tokens"] for r in ok)
+    return sum(r["cached_tokens"] for r in ok) / prompt if prompt else 0.0
+
+
+def added_pods(rows: Sequence[dict[str, Any]], events: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each pod a scale-out added: its answered turns, their hit rate, and its first turn's, beside the fleet's hit
+    rate over the same time (from the pod's first turn on); rows carry "pod" (`split` sets it)."""
+    out: dict[str, dict[str, Any]] = {}
+    for e in events:
+        for step in e.get("steps", []) if e["event"] == "scale-out" else []:
+            theirs = sorted((r for r in rows if r.get("status") == 200 and r["pod"] == step.get("pod")),
+                            key=lambda r: r["sent_s"])
+            if not theirs:
+                continue
+            since = [r for r in rows if r.get("sent_s", -1.0) >= theirs[0]["sent_s"]]
+            out[step["pod"]] = {"turns": len(theirs), "hit_rate": hit_rate(theirs),
+                                "first_turn_hit_rate": hit_rate(theirs[:1]), "fleet_hit_rate_since": hit_rate(since)}
+    return out
 
 
 def split(rows: list[dict[str, Any]], events: Sequence[dict[str, Any]], end_s: float,
