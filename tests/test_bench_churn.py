@@ -15,7 +15,7 @@ from ops import churntables
 from ops.bench import phases
 from ops.bench.churn import plan
 from ops.bench.fleet import merged
-from ops.bench.fleetload import deal
+from ops.bench.fleetload import Workload, deal, make_users, session_id
 from ops.cli import main
 from ops.pods import nginx_binary
 
@@ -131,6 +131,15 @@ def test_skewed_users_send_turns_by_zipf_weights() -> None:
     assert senders == deal(3000, 4, 1.0, seed=1) and senders != deal(3000, 4, 1.0, seed=2)
     counts = [senders.count(u) for u in range(4)]
     assert counts == sorted(counts, reverse=True) and counts[0] > 3 * counts[3]  # weights 1, 1/2, 1/3, 1/4
+
+
+def test_a_sticky_users_session_id_is_random_looking_and_its_own() -> None:
+    users = make_users(Workload(16), "sticky")
+    ids = [session_id(u) for u in users]
+    assert len(set(ids)) == 16 and all(len(i) == 16 and int(i, 16) >= 0 for i in ids)
+    assert ids == [session_id(u) for u in make_users(Workload(16), "sticky")]  # the same users, the same pods
+    users[0].restart()
+    assert session_id(users[0]) != ids[0]  # a new conversation may land elsewhere
 
 
 def test_merge_keeps_each_engines_runs_of_each_event(tmp_path: Path) -> None:
