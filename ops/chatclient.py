@@ -22,6 +22,7 @@ class TurnResult:
     completion_tokens: int
     status: int
     prompt_token_ids: list[int] | None = None  # when the request asked for them (return_token_ids)
+    upstream: str = ""  # the pod a balancer passed the request to, where it says (X-Kv-Upstream: host:port)
 
 
 def stream_chat(
@@ -39,7 +40,8 @@ def stream_chat(
         if resp.status_code != 200:
             resp.read()
             return TurnResult(resp.text, 0.0, (time.perf_counter() - t0) * 1000, resp.headers.get("x-kv-pod", "?"),
-                              resp.headers.get("x-kv-cache", "?"), 0, 0, 0, resp.status_code)
+                              resp.headers.get("x-kv-cache", "?"), 0, 0, 0, resp.status_code,
+                              upstream=_upstream(resp))
         for line in resp.iter_lines():
             if not line.startswith("data: "):
                 continue
@@ -71,4 +73,10 @@ def stream_chat(
             completion_tokens=int(usage.get("completion_tokens", 0)),
             status=resp.status_code,
             prompt_token_ids=prompt_ids,
+            upstream=_upstream(resp),
         )
+
+
+def _upstream(resp: httpx.Response) -> str:
+    """The last pod the balancer tried ("a:1, b:2" after a retry: b:2), or "" where it does not say."""
+    return resp.headers.get("x-kv-upstream", "").split(",")[-1].strip()

@@ -13,14 +13,13 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from ops import sizingpage
+from ops import churntables, sizingpage
 from ops.bench.qmerge import WITHHELD, row_name, withheld
 from ops.resulttables import (
     Bench,
     _budget,
     _fleet,
     _fleet_budget_charts,
-    _load,
     _ms,
     _quality,
     _resume,
@@ -70,6 +69,11 @@ FLEET_CMD = ("kvstash bench fleet --engine llamacpp --flash-attn off "
              "kvstash bench fleet --engine hf --parallel 8 "
              + _FLEET_WL.format(rates="0.1,0.2,0.3,0.4,0.6,0.8,1,1.2,1.6,2,2.4")
              + " --json docs/results/fleet.json --merge")
+
+_CHURN_WL = ("--pods 2 --users 4 --system-tokens 150 --history-tokens 450 --query-tokens 20 --max-tokens 32 "
+             "--rates 0.3 --duration-s 60 --drain-s 30 --fleets kvstash,sticky --churn-at 20")
+CHURN_CMD = "\n".join(f"kvstash bench fleet --engine llamacpp --flash-attn off {_CHURN_WL} --churn {event} "
+                      "--json docs/results/churn.json --merge" for event in ("rolling", "kill"))
 
 BUDGET_CMD = "kvstash bench budget --skews 0,1.2 --budget-ratios 1,2,4 --json docs/results/budget.json"
 
@@ -143,11 +147,6 @@ BENCHES = (
           "int4+zstd/kbits/s8/v5=11.15.17.18.23.25/recent=int8 "
           "--json docs/results/quality.json --merge\n"
           "kvstash bench quality --resize --json docs/results/quality.json", _quality),
-    Bench("load", "Sessions through a round-robin balancer",
-          "Three pods behind nginx's round robin; each session's first turn carries notes unique to it (a miss), "
-          "every later turn resends the whole conversation and lands on another pod. The same run with the cache "
-          "off is the baseline; hit rate is cached tokens over the most a cache could serve.",
-          "kvstash bench load --sessions 3 --doc-tokens 1500 --think-ms 1000 --json docs/results/load.json", _load),
     Bench("fleet", "A fleet under rising load",
           "Many users' multi-round chats at each arrival rate, on a kvstash fleet (round robin, KV in Redis), one "
           "with no cache and one with sticky sessions. The users start at every stage of a 24-turn conversation "
@@ -158,6 +157,15 @@ BENCHES = (
           "conversation's opening. Budget pressure replays the workload with the working set at multiples of the "
           "byte budget; miss overhead runs a workload with no reuse, kvstash on and off interleaved.",
           FLEET_CMD, _fleet, _fleet_budget_charts),
+    Bench("churn", "A fleet that moves: rolling restarts and lost pods",
+          "The fleet bench's workload at one rate while the pods change: a rolling restart (each pod in turn gets "
+          "SIGTERM and 30 s to exit, is started again on its port, and the next one goes 5 s after it is ready, as "
+          "a Deployment rolls), or the busiest pod SIGKILLed and started again at once. Each fleet runs the same "
+          "users, arrivals and events: kvstash (round robin, KV in Redis) and sticky sessions (nginx's consistent "
+          "hash, KV in each pod's memory); nginx tries a refused connection again on the next pod and never passes "
+          "a pod over (`max_fails=0`). A turn belongs to the phase it arrived in; a pod is busy while it holds a "
+          "request. A short run on a loaded machine: a few turns a phase, so read the phases' order of magnitude.",
+          CHURN_CMD, churntables.churn, churntables.churn_charts),
     Bench("sizing", "Sizing: KV bytes a token at 8B, 32B and 70B geometries", sizingpage.METHOD, sizingpage.COMMAND,
           sizingpage.results_section),
 )

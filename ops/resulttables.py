@@ -197,23 +197,6 @@ def _budget(d: dict[str, Any]) -> tuple[Table, str]:
     return table, svgchart.bars(groups, series, title="Hit rate by eviction policy", ylabel="hit rate")
 
 
-def _load(d: dict[str, Any]) -> tuple[Table, str]:
-    runs = d["runs"]
-    table = ["| cache | requests ok / errors | req/s | reply tok/s | turn 1 TTFT p50 ms | later turns p50 ms | "
-             "later turns p99 ms | hit rate vs possible |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in runs:
-        hit = f"{r['hit_rate_vs_possible']:.3f}" if r["cache"] else ""
-        table.append(_row(["on" if r["cache"] else "off", f"{r['ok']} / {r['errors']}", f"{r['requests_per_s']:.2f}",
-                           f"{r['completion_tokens_per_s']:.1f}", _ms(r["ttft_ms_first_turn_p50"]),
-                           _ms(r["ttft_ms_later_turns_p50"]), _ms(r["ttft_ms_later_turns_p99"]), hit]))
-    keys = [("turn 1 p50", "ttft_ms_first_turn_p50"), ("later turns p50", "ttft_ms_later_turns_p50"),
-            ("later turns p99", "ttft_ms_later_turns_p99")]
-    series = {f"cache {'on' if r['cache'] else 'off'}": [r[k] for _, k in keys] for r in runs}
-    chart = svgchart.bars([label for label, _ in keys], series, title="Time to first token through the balancer",
-                          ylabel="ms (log scale)", log=True)
-    return table, chart
-
-
 def _fleet_reports(d: dict[str, Any]) -> list[dict[str, Any]]:
     """Each engine's report in a fleet JSON (one merged per engine by `bench fleet --merge`, or a single one)."""
     return list(d.get("engines", [d]))

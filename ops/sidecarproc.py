@@ -52,3 +52,29 @@ class SidecarProcess(PodProcess):
         for path in self.slot_dir.glob("*"):
             path.unlink(missing_ok=True)
         self.slot_dir.rmdir()
+
+
+@dataclass
+class LlamaServerPod(PodProcess):
+    """A stock llama-server as a pod, no kvstash beside it: its own host-memory prompt cache (`--cache-ram`) left at
+    llama-server's default. The sticky-sessions fleet of `kvstash bench fleet --engine llama-server`."""
+
+    parallel: int = 4
+    threads: int = 1
+    ctx_per_slot: int = 4096
+    ready_path = "/health"
+
+    def start(self) -> LlamaServerPod:
+        from service.engines.llama.llamaserverproc import DEFAULT_BINARY  # noqa: PLC0415
+        from service.engines.llama.models import resolve_gguf  # noqa: PLC0415
+
+        self.port = self.port or free_port()
+        args = [str(DEFAULT_BINARY), "-m", str(resolve_gguf(self.model)), "--host", "127.0.0.1", "--port",
+                str(self.port), "-np", str(self.parallel), "-c", str(self.parallel * self.ctx_per_slot),
+                "--no-webui", "--no-warmup", "-t", str(self.threads), "--no-repack", *self.extra_args]
+        fd, log = tempfile.mkstemp(prefix=f"kvstash-{self.name}-", suffix=".log")
+        self.log_path = Path(log)
+        self.proc = subprocess.Popen(args, stdout=fd, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env={**os.environ, **self.env}, start_new_session=True)
+        os.close(fd)
+        return self

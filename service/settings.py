@@ -184,8 +184,8 @@ SETTING_HELP: Mapping[str, str] = {
     "prefill_tokens_s": "with fetch_policy auto: assume this prefill rate, tokens/s (0: measure)",
     "local_tier_bytes": "bytes of recently used blocks kept in the pod's memory in front of Redis",
     "memory_kv_bytes": "with the cache off: KV of recent sequences kept in this pod's memory, at most this many "
-                       "bytes, least recently used evicted (the sticky-sessions baseline of `kvstash bench load "
-                       "--baseline sticky`: only this pod can reuse it, and a restart loses it)",
+                       "bytes, least recently used evicted (the sticky-sessions fleet of `kvstash bench fleet`: "
+                       "only this pod can reuse it, and a restart loses it)",
     "max_queue": "requests admitted (running + waiting) before 503",
     "write_queue": "background writes waiting before new ones are dropped (and counted)",
     "max_body_bytes": "largest request body (413 above)",

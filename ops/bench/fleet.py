@@ -13,7 +13,8 @@ kvstash fleet, (prefill + decode) / (hit + decode). `--budget-ratios` replays th
 at each multiple of the byte budget (LRU under pressure); `--miss-overhead` runs a workload with no reuse with
 kvstash on and off, interleaved (on, off, off, on: load drifting touches both alike). Pods get their share of the
 cores (threads = cores / pods). `--merge` adds the run to an existing JSON of other engines' runs (the results page
-shows every engine's fleet side by side).
+shows every engine's fleet side by side). `--churn` runs one rate instead, while pods restart, join or die
+(ops/bench/fleetchurn.py); the fleets and their pods: ops/bench/fleetpods.py.
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ops import netlink
-from ops.bench import fleetload
+from ops.bench import fleetchurn, fleetload
 from ops.bench.common import machine, plot_lines, print_table, write_json
+from ops.bench.fleetpods import FLEETS, LABELS, FleetPods, fleets_of, label
 
-FLEETS = ("kvstash", "off", "sticky")
+__all__ = ["FLEETS", "LABELS", "find_knee", "merged", "rate_duration", "register"]
 MIN_BUDGET_MB = 8  # a budget holds at least one value of the largest size (cachestore max_value_bytes)
-LABELS = {"kvstash": "kvstash", "off": "no cache", "sticky": "sticky sessions"}
+SWEEP_RATES = "0.1,0.2,0.4,0.8"
 COLUMNS = [("fleet", "fleet", ""), ("rate", "rate/s", ".3g"), ("arrivals", "n", "d"), ("ok", "ok", "d"),
            ("failed", "failed", "d"), ("ttft_ms_p50", "TTFT p50", ".0f"), ("ttft_ms_p90", "p90", ".0f"),
            ("ttft_ms_p99", "p99", ".0f"), ("itl_ms_p50", "ITL p50", ".1f"),
@@ -39,17 +41,20 @@ COLUMNS = [("fleet", "fleet", ""), ("rate", "rate/s", ".3g"), ("arrivals", "n", 
 
 
 def register(bench_subparsers: Any) -> None:
-    p = bench_subparsers.add_parser("fleet", help="N users' chats at swept arrival rates through the balancer: "
-                                    "the knee of kvstash, no cache and sticky sessions")
-    p.add_argument("--engine", default="llamacpp", choices=["hf", "llamacpp"], help="model runtime of the pods")
+    p = bench_subparsers.add_parser("fleet", help="N users' chats through the balancer, at swept arrival rates (the "
+                                    "knee) or while pods restart, join or die (--churn): kvstash against no cache "
+                                    "and sticky sessions")
+    p.add_argument("--engine", default="llamacpp", choices=["hf", "llamacpp", "llama-server"],
+                   help="model runtime of the pods (llama-server: kvstash sidecars beside it, default llamacpp)")
     p.add_argument("--model", default="smollm2", help="model the pods serve (default smollm2)")
     p.add_argument("--codec", default="int8", help="codec of the cached blocks (default int8)")
     p.add_argument("--pods", type=int, default=2, help="pods behind the balancer (default 2)")
-    p.add_argument("--threads-per-pod", type=int, default=0, help="threads per pod (default: cores / pods, >= 1)")
+    p.add_argument("--threads-per-pod", type=int, default=0,
+                   help="threads per pod (default: cores / pods, >= 1; with a scale-out, / the pods it grows to)")
     p.add_argument("--parallel", type=int, default=0,
                    help="sequences a pod decodes together (default 0: the engine's own, hf 8, llamacpp 4)")
     p.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"],
-                   help="llamacpp: the pods' flash attention (default auto: llama.cpp decides)")
+                   help="llamacpp, llama-server: the pods' flash attention (default auto: llama.cpp decides)")
     p.add_argument("--redis-url", help="an existing Redis (default: a private redis-server on a free port)")
     netlink.add_link_args(p)
     p.add_argument("--budget-mb", type=int, default=512, help="byte budget of the namespace, MiB (default 512)")
@@ -59,13 +64,16 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--query-tokens", type=int, default=30, help="question per turn, tokens (default ~30)")
     p.add_argument("--max-tokens", type=int, default=32, help="reply tokens per turn (default 32)")
     p.add_argument("--per-user-system", action="store_true", help="a system prompt per user (default: shared)")
-    p.add_argument("--rates", default="0.1,0.2,0.4,0.8", help="arrival rates to sweep, turns/s, comma-separated")
+    p.add_argument("--rates",
+                   help=f"arrival rates to sweep, turns/s, comma-separated (default {SWEEP_RATES}; --churn: one rate)")
     p.add_argument("--duration-s", type=float, default=60.0, help="arrivals per rate run last this long")
     p.add_argument("--drain-s", type=float, default=60.0, help="after the last arrival, wait this long at most")
     p.add_argument("--base-arrivals", type=int, default=20,
                    help="the lowest rate's run lasts until this many turns are due (at least --duration-s): its "
                         "TTFT p90 is the baseline of every other rate's (default 20)")
-    p.add_argument("--fleets", default=",".join(FLEETS), help=f"fleets to run, of {', '.join(FLEETS)}")
+    p.add_argument("--fleets", help=f"fleets to run (default all): {', '.join(FLEETS)}; with --engine "
+                   "llama-server also kvstash-ram (the sidecar beside llama-server's own RAM cache); its sticky fleet "
+                   "is stock llama-server with that cache")
     p.add_argument("--budget-ratios", default="",
                    help="kvstash only: also replay the workload at the lowest rate with the working set at these "
                         "multiples of the budget (e.g. 2,1,0.5,0.25)")
@@ -79,12 +87,13 @@ def register(bench_subparsers: Any) -> None:
                    help="arrivals of each of the four miss-overhead runs last this long (default: --duration-s)")
     p.add_argument("--stop-at-knee", action="store_true",
                    help="stop a fleet's sweep at the first rate it does not keep up with (the knee is below it)")
+    fleetchurn.add_args(p)
     p.add_argument("--seed", type=int, default=35, help="seed of the arrival times")
     p.add_argument("--json", type=Path, help="write the summary and every request as JSON here")
     p.add_argument("--merge", action="store_true",
-                   help="with --json: keep the other engines' runs the file holds, replacing this engine's")
+                   help="with --json: keep the other runs the file holds, replacing this engine's (and --churn's)")
     p.add_argument("--plot", type=Path, help="TTFT p90 against the arrival rate, a line per fleet (PNG); with "
-                   "--budget-ratios also <stem>-budget.png")
+                   "--budget-ratios also <stem>-budget.png; with --churn TTFT p90 by phase, a bar per fleet")
     p.set_defaults(func=run)
 
 
@@ -101,34 +110,6 @@ def _floats(text: str, name: str) -> list[float]:
 def _workload(args: argparse.Namespace, reuse: bool = True) -> fleetload.Workload:
     return fleetload.Workload(args.users, args.system_tokens, args.history_tokens, args.query_tokens, args.max_tokens,
                               shared_system=not args.per_user_system and reuse, reuse=reuse)
-
-
-def _pod_args(args: argparse.Namespace, budget_mb: int) -> argparse.Namespace:
-    """What ops/bench/load.py's fleet_pods reads, for this bench."""
-    return argparse.Namespace(threads_per_pod=args.threads_per_pod, pods=args.pods, codec=args.codec,
-                              sessions=max(args.users, 8) * 2, budget_mb=budget_mb, engine=args.engine,
-                              memory_kv_mb=budget_mb, model=args.model, flash_attn=args.flash_attn)
-
-
-class _Fleet:
-    """One fleet's pods behind nginx, started for a list of runs and stopped after them."""
-
-    def __init__(self, args: argparse.Namespace, redis_url: str, kind: str, namespace: str, budget_mb: int) -> None:
-        from ops.bench.load import fleet_pods  # noqa: PLC0415
-
-        self.kind, self.namespace = kind, namespace
-        self._cm = fleet_pods(_pod_args(args, budget_mb), redis_url, kind, namespace, args.parallel)
-
-    def __enter__(self) -> str:
-        pods, balancer = self._cm.__enter__()
-        if balancer is None:
-            self._cm.__exit__(None, None, None)
-            raise SystemExit("bench fleet runs through nginx: install it (apt-get install nginx-light)")
-        self.pod_urls = [p.url for p in pods]
-        return str(balancer.url)
-
-    def __exit__(self, *exc: Any) -> None:
-        self._cm.__exit__(*exc)
 
 
 def _calibrate(args: argparse.Namespace, url: str) -> dict[str, Any]:
@@ -173,7 +154,8 @@ def rate_duration(args: argparse.Namespace, rate: float, lowest: bool) -> float:
 def _sweep(args: argparse.Namespace, redis_url: str, kind: str, rates: list[float],
            requests: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     runs, calibration = [], None
-    with _Fleet(args, redis_url, kind, f"fleet-{kind}", args.budget_mb) as url:
+    with FleetPods(args, redis_url, kind, f"fleet-{kind}", args.budget_mb) as fleet:
+        url = fleet.url
         if kind == "kvstash":
             calibration = _calibrate(args, url)
             print(f"[unloaded] prefill {calibration['prefill_ms']:.0f} ms, hit {calibration['hit_ms']:.0f} ms, "
@@ -184,20 +166,20 @@ def _sweep(args: argparse.Namespace, redis_url: str, kind: str, rates: list[floa
         users = fleetload.make_users(_workload(args), kind)
         warm = fleetload.warm_up(users, args.model_name, url, kind == "sticky")
         if any(r.get("status") != 200 for r in warm):
-            raise SystemExit(f"[{LABELS[kind]}] the warm-up turns failed: {warm}")
+            raise SystemExit(f"[{label(kind, args.engine)}] the warm-up turns failed: {warm}")
         for i, rate in enumerate(rates):
             duration = rate_duration(args, rate, i == 0)
             rows, _ = fleetload.drive(_workload(args), url, args.model_name, rate, duration,
                                       tag=f"{kind}-{i}", seed=args.seed + i, sticky=kind == "sticky",
-                                      drain_s=args.drain_s, users=users)
-            run = {"fleet": LABELS[kind], "kind": kind, "duration_s": duration,
+                                      drain_s=args.drain_s, users=users, skew=args.skew)
+            run = {"fleet": label(kind, args.engine), "kind": kind, "duration_s": duration,
                    **fleetload.stats(rows, rate, duration)}
-            print(f"[{LABELS[kind]}] {rate:g}/s: {run['ok']}/{run['arrivals']} ok, {run['failed']} failed, "
+            print(f"[{run['fleet']}] {rate:g}/s: {run['ok']}/{run['arrivals']} ok, {run['failed']} failed, "
                   f"TTFT p90 {run['ttft_ms_p90']:.0f} ms, hit {run['hit_rate']:.2f}", flush=True)
             runs.append(run)
             requests += [{**r, "fleet": kind, "rate": rate} for r in rows]
             if args.stop_at_knee and len(runs) > 1 and find_knee(list(runs)) < rate:
-                print(f"[{LABELS[kind]}] fell behind at {rate:g}/s: the rates above it are not run", flush=True)
+                print(f"[{run['fleet']}] fell behind at {rate:g}/s: the rates above it are not run", flush=True)
                 break
     return runs, calibration
 
@@ -213,11 +195,12 @@ def _budget_pressure(args: argparse.Namespace, redis_url: str, rate: float, rati
 
     def one(label: str, budget_mb: int, n: int) -> dict[str, Any]:
         namespace = f"fleet-budget-{n}"
-        with _Fleet(args, redis_url, "kvstash", namespace, budget_mb) as url:
+        with FleetPods(args, redis_url, "kvstash", namespace, budget_mb) as fleet:
             users = fleetload.make_users(_workload(args), "budget")
-            fleetload.warm_up(users, args.model_name, url, False)  # the same conversations under way in every run
-            rows, _ = fleetload.drive(_workload(args), url, args.model_name, rate, duration, tag="budget",
-                                      seed=args.seed, sticky=False, drain_s=args.drain_s, users=users)
+            fleetload.warm_up(users, args.model_name, fleet.url, False)  # the same conversations in every run
+            rows, _ = fleetload.drive(_workload(args), fleet.url, args.model_name, rate, duration, tag="budget",
+                                      seed=args.seed, sticky=False, drain_s=args.drain_s, users=users,
+                                      skew=args.skew)
         settings = StoreSettings.from_url(redis_url, namespace=namespace, budget_bytes=budget_mb << 20)
         with SyncBlockStore(settings) as store:
             usage = store.usage()
@@ -253,8 +236,8 @@ def _miss_overhead(args: argparse.Namespace, redis_url: str, rate: float,
     per_run: dict[str, list[dict[str, Any]]] = {"kvstash": [], "off": []}
     for n, kind in enumerate(MISS_ORDER):
         seed = args.seed + len(per_run[kind])  # the same for the k-th run of either side
-        with _Fleet(args, redis_url, kind, f"fleet-miss-{kind}-{n}", args.budget_mb) as url:
-            rows, _ = fleetload.drive(_workload(args, reuse=False), url, args.model_name, rate, duration,
+        with FleetPods(args, redis_url, kind, f"fleet-miss-{kind}-{n}", args.budget_mb) as fleet:
+            rows, _ = fleetload.drive(_workload(args, reuse=False), fleet.url, args.model_name, rate, duration,
                                       tag=f"miss-{kind}-{n}", seed=seed, sticky=False, drain_s=args.drain_s)
         requests += [{**r, "fleet": f"miss-{kind}", "rate": rate} for r in rows]
         rows_of[kind] += rows
@@ -264,7 +247,8 @@ def _miss_overhead(args: argparse.Namespace, redis_url: str, rate: float,
         pooled = fleetload.stats(rows_of[kind], rate, duration)  # latencies over every run's turns
         for key in ("completion_tokens_per_s", "prompt_tokens_per_s"):  # rates: the mean of the runs'
             pooled[key] = statistics.mean(r[key] for r in per_run[kind])
-        runs.append({"fleet": f"no reuse, {LABELS[kind]}", "kind": kind, "runs": len(per_run[kind]), **pooled})
+        runs.append({"fleet": f"no reuse, {label(kind, args.engine)}", "kind": kind, "runs": len(per_run[kind]),
+                     **pooled})
     on, off = runs
     for key in ("ttft_ms_p50", "ttft_ms_p90", "completion_tokens_per_s"):
         on[f"{key}_vs_off"] = on[key] / off[key] if off[key] else 0.0
@@ -273,44 +257,68 @@ def _miss_overhead(args: argparse.Namespace, redis_url: str, rate: float,
 
 def merged(path: Path, report: dict[str, Any]) -> dict[str, Any]:
     """{"engines": [...]}: the reports `path` holds (one, or several merged before) with `report` in place of any
-    of its engine, ordered by engine; machine_before is the first report's (the page's machine line)."""
+    of its engine and churn events, ordered by engine then events; machine_before is the first report's (the
+    page's machine line)."""
     import json  # noqa: PLC0415
 
     held: list[dict[str, Any]] = []
     if path.exists():
         old = json.loads(path.read_text())
         held = old["engines"] if "engines" in old else [old]
-    reports = sorted([r for r in held if r.get("engine") != report["engine"]] + [report], key=lambda r: r["engine"])
+    def key(r: dict[str, Any]) -> tuple[str, str]:
+        return r["engine"], r.get("churn", "")
+
+    reports = sorted([r for r in held if key(r) != key(report)] + [report], key=key)
     return {"engines": reports, "machine_before": reports[0]["machine_before"]}
+
+
+def _check(args: argparse.Namespace, nproc: int) -> tuple[list[float], list[float], list[str], list[Any]]:
+    """Every argument checked before anything starts (one line and exit 2 where one is wrong): the rates, budget
+    ratios, fleets and churn events of the run."""
+    from ops.pods import nginx_binary  # noqa: PLC0415
+    from service.engines import check_runtime, default_parallel  # noqa: PLC0415
+
+    rates = sorted(_floats(args.rates or (str(fleetchurn.CHURN_RATE) if args.churn else SWEEP_RATES), "--rates"))
+    ratios = _floats(args.budget_ratios, "--budget-ratios") if args.budget_ratios else []
+    known = fleets_of(args.engine)
+    fleets = [f.strip() for f in args.fleets.split(",") if f.strip()] if args.fleets else list(known)
+    if not fleets or any(f not in known for f in fleets):
+        raise SystemExit(f"--fleets takes {', '.join(known)} (comma-separated) with --engine {args.engine}")
+    if args.users < 1 or args.pods < 1 or args.duration_s <= 0 or args.base_arrivals < 1 or args.miss_duration_s < 0:
+        raise SystemExit("--users, --pods, --duration-s and --base-arrivals must be positive, --miss-duration-s "
+                         "positive or 0 (the default: --duration-s)")
+    if args.flash_attn != "auto" and args.engine == "hf":
+        raise SystemExit("--flash-attn is llama.cpp's setting: it takes --engine llamacpp or llama-server")
+    if not 0 <= args.parallel <= 64:
+        raise SystemExit("--parallel must be in 0..64 (0: the engine's own)")
+    events = fleetchurn.check(args, rates, nproc)
+    if nginx_binary() is None:
+        raise SystemExit("bench fleet runs through nginx: install it (apt-get install nginx-light)")
+    check_runtime(args.engine)
+    if args.engine == "llama-server":
+        from service.engines.llama.llamaserverproc import DEFAULT_BINARY  # noqa: PLC0415
+
+        if not DEFAULT_BINARY.is_file():
+            raise SystemExit(f"--engine llama-server needs the llama-server `make setup` builds at {DEFAULT_BINARY}")
+    args.parallel = args.parallel or default_parallel(args.engine)  # the pods' number, in the report too
+    if args.redis_url:  # any URL a pod takes (redis+cluster://...), on this machine
+        from ops.bench.rawredis import operator_redis  # noqa: PLC0415
+
+        if urlsplit(args.redis_url).hostname not in ("127.0.0.1", "localhost"):
+            raise SystemExit("bench fleet sends traffic to 127.0.0.1 only: --redis-url must be a local Redis")
+        operator_redis(args.redis_url)
+    args.model_name = Path(args.model).stem if args.engine != "hf" and args.model != "smollm2" else (
+        Path(args.model).name if "/" in args.model else args.model)
+    return rates, ratios, fleets, events
 
 
 def run(args: argparse.Namespace) -> int:
     from ops.bench import fleetreport  # noqa: PLC0415
-    from ops.bench.rawredis import operator_redis  # noqa: PLC0415
     from ops.redisproc import RedisProcess  # noqa: PLC0415
-    from service.engines import default_parallel  # noqa: PLC0415
 
-    rates = sorted(_floats(args.rates, "--rates"))
-    ratios = _floats(args.budget_ratios, "--budget-ratios") if args.budget_ratios else []
-    fleets = [f.strip() for f in args.fleets.split(",") if f.strip()]
-    if not fleets or any(f not in FLEETS for f in fleets):
-        raise SystemExit(f"--fleets takes {', '.join(FLEETS)} (comma-separated)")
-    if args.users < 1 or args.pods < 1 or args.duration_s <= 0 or args.base_arrivals < 1 or args.miss_duration_s < 0:
-        raise SystemExit("--users, --pods, --duration-s and --base-arrivals must be positive, --miss-duration-s "
-                         "positive or 0 (the default: --duration-s)")
-    if args.flash_attn != "auto" and args.engine != "llamacpp":
-        raise SystemExit("--flash-attn is llama.cpp's setting: it takes --engine llamacpp")
-    if not 0 <= args.parallel <= 64:
-        raise SystemExit("--parallel must be in 0..64 (0: the engine's own)")
-    args.parallel = args.parallel or default_parallel(args.engine)  # the pods' number, in the report too
-    if args.redis_url:  # any URL a pod takes (redis+cluster://...), on this machine
-        if urlsplit(args.redis_url).hostname not in ("127.0.0.1", "localhost"):
-            raise SystemExit("bench fleet sends traffic to 127.0.0.1 only: --redis-url must be a local Redis")
-        operator_redis(args.redis_url)
-    args.model_name = Path(args.model).stem if args.engine == "llamacpp" and args.model != "smollm2" else (
-        Path(args.model).name if "/" in args.model else args.model)
-    spec = netlink.spec_of(args)
     before = machine()
+    rates, ratios, fleets, events = _check(args, before["nproc"] or 1)
+    spec = netlink.spec_of(args)
     with netlink.opened(spec) as link:
         redis = None if args.redis_url else RedisProcess(extra_args=("--maxmemory", f"{2 * args.budget_mb + 256}mb",
                                                                       "--maxmemory-policy", "allkeys-lru")).start()
@@ -325,7 +333,9 @@ def run(args: argparse.Namespace) -> int:
         budget: list[dict[str, Any]] = []
         miss: list[dict[str, Any]] = []
         try:
-            for kind in fleets:
+            if events:
+                runs = fleetchurn.run(args, redis_url, fleets, events, rates[0], _workload(args), requests)
+            for kind in fleets if not events else []:
                 fleet_runs, cal = _sweep(args, redis_url, kind, rates, requests)
                 knees[kind] = find_knee(fleet_runs)
                 runs += fleet_runs
@@ -337,20 +347,26 @@ def run(args: argparse.Namespace) -> int:
         finally:
             if redis is not None:
                 redis.cleanup()
-    targets = fleetreport.targets(runs, knees, calibration)
-    print_table(runs, COLUMNS)
-    fleetreport.print_summary(knees, calibration, targets, budget, miss)
-    threads = args.threads_per_pod or max(1, (before["nproc"] or 1) // args.pods)
-    if args.json:
+    if events:
+        fleetchurn.print_phases(runs)
+        report: dict[str, Any] = {"engine": args.engine, "churn": args.churn, "skew": args.skew, "runs": runs}
+    else:
+        targets = fleetreport.targets(runs, knees, calibration)
+        print_table(runs, COLUMNS)
+        fleetreport.print_summary(knees, calibration, targets, budget, miss)
         report = {"engine": args.engine, "runs": runs, "knees": knees, "calibration": calibration,
-                  "targets": targets, "budget_pressure": budget, "miss_overhead": miss, "threads_per_pod": threads,
-                  "requests": requests, "machine_before": before, "machine_after": machine(),
-                  **({"link": link.as_json()} if link is not None else {}),
-                  "args": {k: v for k, v in vars(args).items() if k != "func" and not isinstance(v, Path)}}
+                  "targets": targets, "budget_pressure": budget, "miss_overhead": miss}
+    if args.json:
+        report.update(threads_per_pod=args.threads, requests=requests, machine_before=before, machine_after=machine(),
+                      **({"link": link.as_json()} if link is not None else {}),
+                      args={k: v for k, v in vars(args).items() if k != "func" and not isinstance(v, Path)})
         write_json(args.json, merged(args.json, report) if args.merge else report)
-    if args.plot:
-        series = {LABELS[k]: ([r["rate"] for r in runs if r["kind"] == k],
-                              [r["ttft_ms_p90"] for r in runs if r["kind"] == k]) for k in fleets}
+    if args.plot and events:
+        fleetchurn.plot(args.plot, runs, f"TTFT p90 by phase, {args.churn}: {args.pods} {args.engine} pods, "
+                        f"{args.users} users")
+    elif args.plot:
+        series = {label(k, args.engine): ([r["rate"] for r in runs if r["kind"] == k],
+                                          [r["ttft_ms_p90"] for r in runs if r["kind"] == k]) for k in fleets}
         plot_lines(args.plot, series, title=f"TTFT p90 against arrival rate: {args.pods} {args.engine} pods, "
                    f"{args.users} users", xlabel="turns arriving per second", ylabel="TTFT p90, ms", logy=True)
         if budget:

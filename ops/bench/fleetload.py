@@ -12,10 +12,11 @@ each request by a timeout, the whole run by a drain deadline after the last arri
 
 from __future__ import annotations
 
+import hashlib
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -100,6 +101,13 @@ class ChatUser:
         self.messages = opening(self.workload, f"{self.tag}.{self.conversation}", self.index)
 
 
+def session_id(user: ChatUser) -> str:
+    """The id a sticky fleet's balancer hashes for the user's conversation: random-looking, as a client's session ids
+    are. (Ids that differ in one character, `sticky-0-0`, `sticky-1-0`, land together on nginx's crc32 ring: four
+    of them all on one of two pods about a quarter of the time, against an eighth for independent ones.)"""
+    return hashlib.sha256(f"{user.tag}-{user.index}-{user.conversation}".encode()).hexdigest()[:16]
+
+
 def send_turn(user: ChatUser, model: str, url: str, arrived_at: float, started: float, deadline: float,
           sticky: bool, seq: int) -> dict[str, Any]:
     import httpx  # noqa: PLC0415
@@ -114,7 +122,7 @@ def send_turn(user: ChatUser, model: str, url: str, arrived_at: float, started: 
             user.restart()
         user.messages.append({"role": "user", "content": question(seq, wl.query_tokens)})
         body = {"model": model, "messages": user.messages, "max_tokens": wl.max_tokens, "temperature": 0}
-        headers = {STICKY_HEADER: f"{user.tag}-{user.index}-{user.conversation}"} if sticky else {}
+        headers = {STICKY_HEADER: session_id(user)} if sticky else {}
         row: dict[str, Any] = {"user": user.index, "turn": user.turns + 1, "arrived_s": arrived_at}
         sent = time.monotonic()
         row["sent_s"] = sent - started
@@ -126,8 +134,9 @@ def send_turn(user: ChatUser, model: str, url: str, arrived_at: float, started: 
             return {**row, "status": 0, "error": f"{type(exc).__name__}: {exc}"[:200],
                     "ended_s": time.monotonic() - started}
         queued_ms = (sent - started - arrived_at) * 1000
-        row.update(status=res.status, pod=res.pod, cache=res.cache, prompt_tokens=res.prompt_tokens,
-                   cached_tokens=res.cached_tokens, completion_tokens=res.completion_tokens,
+        row.update(status=res.status, pod=res.pod, upstream=res.upstream, cache=res.cache,
+                   prompt_tokens=res.prompt_tokens, cached_tokens=res.cached_tokens,
+                   completion_tokens=res.completion_tokens,
                    queued_ms=queued_ms, ttft_ms=queued_ms + res.ttft_ms, service_ttft_ms=res.ttft_ms,
                    total_ms=queued_ms + res.total_ms, decode_ms=res.total_ms - res.ttft_ms,
                    itl_ms=(res.total_ms - res.ttft_ms) / max(1, res.completion_tokens - 1),
@@ -154,21 +163,41 @@ def warm_up(users: Sequence[ChatUser], model: str, url: str, sticky: bool) -> li
                                                  -1 - u.index), users))
 
 
+def deal(count: int, users: int, skew: float, seed: int) -> list[int]:
+    """Which user sends each of `count` turns: in turn (skew 0), or drawn with user i's weight 1 / (i + 1) ** skew
+    (Zipf: at skew 1 the first user sends twice the second's turns and n times the n-th's)."""
+    if skew <= 0:
+        return [seq % users for seq in range(count)]
+    rng = random.Random(seed * 7 + 3)  # apart from the arrival times' stream
+    return rng.choices(range(users), weights=[1 / (i + 1) ** skew for i in range(users)], k=count)
+
+
 def drive(workload: Workload, url: str, model: str, rate: float, duration_s: float, *, tag: str, seed: int,
-          sticky: bool, drain_s: float, users: list[ChatUser] | None = None) -> tuple[list[dict[str, Any]], float]:
+          sticky: bool, drain_s: float, users: list[ChatUser] | None = None, skew: float = 0.0,
+          started: float | None = None,
+          on_row: Callable[[dict[str, Any]], None] | None = None) -> tuple[list[dict[str, Any]], float]:
     """Send the run's turns at their arrival times; wait at most `drain_s` after the last arrival for replies.
-    `users`: conversations to go on with (default: new ones, tagged `tag`)."""
+    `users`: conversations to go on with (default: new ones, tagged `tag`); `skew`: their activity (`deal`);
+    `started`: the run's clock (default: now); `on_row`: called with each turn's row as it ends."""
     users = users if users is not None else make_users(workload, tag)
     times = arrivals(rate, duration_s, seed)
-    started = time.monotonic()
+    senders = deal(len(times), len(users), skew, seed)
+    started = time.monotonic() if started is None else started
     deadline = started + duration_s + drain_s
+
+    def turn(seq: int, at: float) -> dict[str, Any]:
+        row = send_turn(users[senders[seq]], model, url, at, started, deadline, sticky, seq)
+        if on_row is not None:
+            on_row(row)
+        return row
+
     pool = ThreadPoolExecutor(max_workers=min(64, max(1, len(times))))
     futures = []
     for seq, at in enumerate(times):
         delay = started + at - time.monotonic()
         if delay > 0:
             time.sleep(delay)
-        futures.append(pool.submit(send_turn, users[seq % len(users)], model, url, at, started, deadline, sticky, seq))
+        futures.append(pool.submit(turn, seq, at))
     rows = []
     for f in futures:
         remaining = max(0.1, deadline + REQUEST_TIMEOUT_S - time.monotonic())

@@ -76,11 +76,14 @@ class LlamaServerProcess:
                               "--llama-server PATH")
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # kvstash is the prompt cache here: llama-server's own RAM cache (8 GiB by default) stays off unless the
+        # arguments after -- turn it on (`--cache-ram N`: the fleet bench measures the sidecar with both caches)
+        own_cache = any(a in ("--cache-ram", "-cram") for a in extra_args)
         self.args = [
             str(self.binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
             "--slot-save-path", str(slot_dir) + "/", "-np", str(parallel), "-c", str(parallel * ctx_per_slot),
-            # kvstash is the prompt cache here: llama-server's own RAM cache (8 GiB by default) stays off
-            "--no-webui", "--no-warmup", "--cache-ram", "0", *(["-t", str(threads)] if threads else []),
+            "--no-webui", "--no-warmup", *([] if own_cache else ["--cache-ram", "0"]),
+            *(["-t", str(threads)] if threads else []),
             # no repacked (AMX) weight buffers: their kernels crash llama-server at its first decode on VMs that
             # report AMX but do not grant it (seen here: exit -11 while loading); the same as the in-pod engine
             "--no-repack", *extra_args,
