@@ -1,4 +1,5 @@
-# kvstash inference pod: CPU PyTorch, non-root, SmolLM2 converted at build time.
+# kvstash inference pod: CPU PyTorch, both engines (hf, llamacpp), non-root, SmolLM2 converted at build time.
+# The sidecar beside a stock llama-server has its own, slimmer image: ops/sidecar/Dockerfile.
 #
 #   docker build -t kvstash:0.1.0 .                          # converts the model into the image (~20 s)
 #   docker build --build-arg CONVERT_MODEL=0 -t kvstash .    # skip it: the first start converts into
@@ -13,8 +14,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin kvstash
 WORKDIR /app
 
-# torch first, pinned, from the CPU index: the default wheel pulls a multi-GB CUDA build.
-RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
+# torch first, pinned, from the CPU index: the default wheel pulls a multi-GB CUDA build. TORCH_INDEX_URL: another
+# index that holds the CPU wheel (a mirror; `make compose-check` serves a local one where this is out of reach)
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+RUN pip install --index-url "$TORCH_INDEX_URL" torch==2.13.0
 
 # the llamacpp engine: llama-cpp-python compiles llama.cpp; portable CPU code (no -march=native in an image),
 # no multimodal part; the compilers are removed again in the same layer.

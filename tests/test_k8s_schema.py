@@ -20,6 +20,7 @@ from tests.k8sschema import manifest_errors
 
 K8S = Path(__file__).resolve().parent.parent / "ops" / "k8s"
 SHAPES = [K8S, K8S / "llama-server"]  # kvstash serve; kvstash sidecar beside llama-server (shares K8S's ConfigMap)
+KVSTASH_IMAGES = ("kvstash:", "kvstash-sidecar:")  # the pod's image (Dockerfile), the sidecar's (ops/sidecar/)
 
 
 def docs(folder: Path) -> dict[str, dict[str, Any]]:
@@ -41,7 +42,7 @@ def containers(deploy: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def kvstash_container(deploy: dict[str, Any]) -> dict[str, Any]:
-    (found,) = [c for c in containers(deploy) if c["image"].startswith("kvstash:")]
+    (found,) = [c for c in containers(deploy) if c["image"].startswith(KVSTASH_IMAGES)]
     return found
 
 
@@ -88,7 +89,7 @@ def test_probes_ask_what_the_pod_serves(folder: Path) -> None:
     env = {**config(), **{e["name"]: e["value"] for e in kvstash_container(deploy).get("env", []) if "value" in e}}
     for container in containers(deploy):
         ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
-        own = container["image"].startswith("kvstash:")
+        own = container["image"].startswith(KVSTASH_IMAGES)
         args = container.get("command", []) + container.get("args", [])
         # the port the process listens on: KVSTASH_PORT or --port (kvstash), --port (llama-server)
         listens = int(option(args, "--port") or env.get("KVSTASH_PORT") or PodSettings().port)
