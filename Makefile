@@ -72,6 +72,10 @@ demo: $(BASE)
 gpu-check: setup
 	$(PY) -m ops.gpucheck
 
+# the store and codec tests on the lowest versions of the core's dependencies pyproject.toml allows (.venv-lowest)
+lowest: setup
+	$(PY) -m ops.lowest
+
 # the compose stack for real: build the images (pod, sidecar, llama-server), bring up docker-compose.yml (Redis, three
 # pods, nginx, Prometheus, Grafana) on free host ports, a 6-turn chat through nginx with a hit on every later turn, the
 # Grafana dashboard's queries against Prometheus, then down. Where no registry is reachable the base and service
