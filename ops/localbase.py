@@ -118,9 +118,13 @@ def ensure(image: str, say: Say) -> str | None:
     return f"stand-in ({held})"
 
 
+@functools.cache
 def legacy_builder() -> dict[str, str]:
-    """The environment for `docker build` without BuildKit: a Debian engine has no buildx plugin."""
-    return {**os.environ, "DOCKER_BUILDKIT": os.environ.get("DOCKER_BUILDKIT", "0")}
+    """The environment for `docker build`: the legacy builder where the buildx plugin (BuildKit) is missing, as with
+    Debian's engine, where a recent CLI would refuse to build."""
+    if "DOCKER_BUILDKIT" in os.environ or docker("buildx", "version").returncode == 0:
+        return dict(os.environ)
+    return {**os.environ, "DOCKER_BUILDKIT": "0"}
 
 
 def apt_mirror() -> str:
