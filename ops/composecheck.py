@@ -97,12 +97,12 @@ def build(image: str, dockerfile: str, index_url: str, extra: list[str], logs: P
             say(f"  {image}: the prebuilt {prebuilt} instead of a compile")
         log = logs / f"build-{re.sub(r'[^a-z0-9]+', '-', image)}.log"
         started = time.monotonic()
-        done = run("docker", "build", *extra, *args, "-f", str(ROOT / dockerfile), "-t", image, str(context),
-                   env=localbase.legacy_builder(), log=log)
+        done = run("docker", "build", "--force-rm", *extra, *args, "-f", str(ROOT / dockerfile), "-t", image,
+                   str(context), env=localbase.legacy_builder(), log=log)
     if done.returncode != 0:
         raise CheckFailed(f"{image} did not build ({dockerfile}); the end of {log}:\n{done.stdout[-3000:]}")
-    cached = done.stdout.count("Using cache")
-    steps = len(re.findall(r"^Step \d+/\d+", done.stdout, re.M))
+    cached = done.stdout.count("Using cache") + done.stdout.count(" CACHED")  # legacy builder, BuildKit
+    steps = len(re.findall(r"^(?:Step \d+/\d+|#\d+ \[(?:[\w-]+ +)?\d+/\d+\])", done.stdout, re.M))
     say(f"  {image} built from {dockerfile} in {time.monotonic() - started:.0f} s "
         f"({cached} of {steps} steps from the layer cache)")
 

@@ -118,9 +118,13 @@ def ensure(image: str, say: Say) -> str | None:
     return f"stand-in ({held})"
 
 
+@functools.cache
 def legacy_builder() -> dict[str, str]:
-    """The environment for `docker build` without BuildKit: a Debian engine has no buildx plugin."""
-    return {**os.environ, "DOCKER_BUILDKIT": os.environ.get("DOCKER_BUILDKIT", "0")}
+    """The environment for `docker build`: the legacy builder where the buildx plugin (BuildKit) is missing, as with
+    Debian's engine, where a recent CLI would refuse to build."""
+    if "DOCKER_BUILDKIT" in os.environ or docker("buildx", "version").returncode == 0:
+        return dict(os.environ)
+    return {**os.environ, "DOCKER_BUILDKIT": "0"}
 
 
 def apt_mirror() -> str:
@@ -202,6 +206,22 @@ def local_torch_wheel() -> Path | None:
     return None
 
 
+class _TorchIndex(http.server.SimpleHTTPRequestHandler):
+    """torch from the directory; every other project (torch's own requirements, which the CPU index mirrors)
+    redirected to PyPI's page for it."""
+
+    def do_GET(self) -> None:  # noqa: N802 - the http.server name
+        if self.path.startswith("/simple/") and not self.path.startswith("/simple/torch/"):
+            self.send_response(302)
+            self.send_header("Location", "https://pypi.org" + self.path)
+            self.end_headers()
+            return
+        super().do_GET()
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
 @contextlib.contextmanager
 def torch_index(say: Say) -> Iterator[tuple[str, list[str]]]:
     """(TORCH_INDEX_URL, extra `docker build` args): the CPU index when reachable, else a local one-package index."""
@@ -220,8 +240,7 @@ def torch_index(say: Say) -> Iterator[tuple[str, list[str]]]:
         page.mkdir(parents=True)
         (page / wheel.name).symlink_to(wheel)
         (page / "index.html").write_text(f'<a href="{urllib.parse.quote(wheel.name)}">{wheel.name}</a>\n')
-        handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=tmp)
-        handler.log_message = lambda *_: None  # type: ignore[attr-defined]
+        handler = functools.partial(_TorchIndex, directory=tmp)
         try:
             server = http.server.ThreadingHTTPServer(("127.0.0.1", INDEX_PORT), handler)
         except OSError:
