@@ -78,9 +78,10 @@ lowest: setup
 
 # the compose stack for real: build the images (pod, sidecar, llama-server), bring up docker-compose.yml (Redis, three
 # pods, nginx, Prometheus, Grafana) on free host ports, a 6-turn chat through nginx with a hit on every later turn, the
-# Grafana dashboard's queries against Prometheus, then down. Where no registry is reachable the base and service
+# Grafana dashboard's queries against Prometheus, the llama-server profile (llama-server + sidecar) with a 3-turn chat,
+# then down. Where no registry is reachable the base and service
 # images are stand-ins made from Debian packages (ops/localbase.py; root and debootstrap). Without a running container
-# engine it says so and exits 0. The first run compiles llama.cpp twice (pod, llama-server): up to an hour on 2 cores.
+# engine it says so and exits 0. The first run compiles llama.cpp twice (pod, llama-server): ~20 min on 2 busy cores.
 compose-check: setup secrets
 	$(PY) -m ops.composecheck
 

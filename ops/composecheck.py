@@ -6,7 +6,9 @@ image (present, pulled, or a stand-in from Debian packages where no registry is 
 the images docker-compose.yml builds (the pod, the sidecar, llama-server); bring the default profile up under a
 project of its own on free host ports; wait for every pod's /readyz; hold a 6-turn chat through nginx, each later
 turn a hit (the X-KV-Cache header and `usage.prompt_tokens_details.cached_tokens`); evaluate every query of the
-Grafana dashboard against Prometheus; `down -v`. Exit 0 when all of it held.
+Grafana dashboard against Prometheus; then the llama-server profile (llama-server and the sidecar beside it, from
+their own images) on the same Redis, a shorter chat through the sidecar with hits; `down -v`. Exit 0 when all of it
+held.
 
 Where download.pytorch.org is out of reach, the builds get the CPU torch wheel of this machine's pip find-links as a
 one-package index instead (ops/localbase.py).
@@ -36,7 +38,8 @@ from ops.redisproc import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT = "kvstash-check"
-PORT_VARS = ("KVSTASH_HTTP_PORT", "PROMETHEUS_PORT", "GRAFANA_PORT")
+PORT_VARS = ("KVSTASH_HTTP_PORT", "PROMETHEUS_PORT", "GRAFANA_PORT", "KVSTASH_SIDECAR_PORT")
+SIDECAR_PROFILE = "llama-server"  # llama-server and the sidecar beside it
 T0 = time.monotonic()
 
 
@@ -119,8 +122,8 @@ class Stack:
                     "KVSTASH_API_KEYS": "", "KVSTASH_TENANT_SECRET": ""}
 
     def compose(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-        return run(*self.cli, "-p", PROJECT, "-f", str(ROOT / "docker-compose.yml"), *args, env=self.env,
-                   timeout=timeout)
+        return run(*self.cli, "-p", PROJECT, "-f", str(ROOT / "docker-compose.yml"), "--profile", SIDECAR_PROFILE,
+                   *args, env=self.env, timeout=timeout)
 
     def url(self, var: str) -> str:
         return f"http://127.0.0.1:{self.ports[var]}"
@@ -133,8 +136,8 @@ class Stack:
             raise CheckFailed(f"{service}: no running container")
         return ips[0]
 
-    def up(self) -> None:
-        done = self.compose("up", "-d", "--no-build", *self.services)
+    def up(self, *services: str) -> None:
+        done = self.compose("up", "-d", "--no-build", *(services or self.services))
         if done.returncode != 0:
             raise CheckFailed(f"compose up failed:\n{done.stderr[-3000:]}")
 
@@ -168,13 +171,12 @@ def metric(text: str, name: str) -> float:
     return sum(values)
 
 
-def chat(stack: Stack, pods: dict[str, str], turns: int, max_tokens: int) -> None:
-    """`turns` turns through nginx; every pod's writes drained between turns, every later turn must hit."""
-    base = stack.url("KVSTASH_HTTP_PORT")
+def chat(base: str, via: str, pods: dict[str, str], turns: int, max_tokens: int) -> None:
+    """`turns` turns to `base`; every pod's writes drained between turns, every later turn must hit."""
     with httpx.Client(timeout=300) as client:
         model = client.get(base + "/v1/models").json()["data"][0]["id"]
         messages = [{"role": "system", "content": SYSTEM}]
-        say(f"chat: {turns} turns through nginx ({base}), model {model}, {max_tokens} tokens a reply")
+        say(f"chat: {turns} turns through {via} ({base}), model {model}, {max_tokens} tokens a reply")
         say(f"  {'turn':>4}  {'pod':<6} {'cache':<8} {'prompt':>6} {'cached':>6} {'TTFT ms':>8}")
         served, misses = set(), []
         for turn in range(1, turns + 1):
@@ -218,9 +220,14 @@ def check_queries(prometheus: str, pod_metrics: str, timeout_s: float) -> None:
 
     counts: dict[str, int] = {}
     deadline = time.monotonic() + timeout_s  # two scrapes (15 s apart) before a rate() has a value
+    settled = time.monotonic()  # when the last query got its first series
     while time.monotonic() < deadline:
-        counts = {expr: series(expr) for _, expr in queries}
-        if all(counts.values()):
+        now = {expr: series(expr) for _, expr in queries}
+        if sum(map(bool, now.values())) > sum(map(bool, counts.values())):
+            settled = time.monotonic()
+        counts = now
+        rated = any(n for e, n in counts.items() if "rate(" in e)  # two scrapes since the chat
+        if all(counts.values()) or (rated and time.monotonic() - settled > 35):  # unchanged for two scrapes more
             break
         time.sleep(5)
     declared = set(re.findall(r"^# TYPE (\S+)", pod_metrics, re.M))
@@ -266,6 +273,7 @@ def check(args: argparse.Namespace, cli: list[str]) -> None:
     with localbase.torch_index(say) as (index_url, extra):
         for image, dockerfile in built.items():
             build(image, dockerfile, index_url, extra, logs, args.prebuilt)
+    shutil.rmtree(logs)  # kept where a build failed
     key = ROOT / ".secrets/frame_key"
     if not key.is_file():
         run("make", "-C", str(ROOT), "secrets")
@@ -284,7 +292,7 @@ def check(args: argparse.Namespace, cli: list[str]) -> None:
         wait_for("Prometheus", stack.url("PROMETHEUS_PORT") + "/-/ready", 60)
         signed = metric(httpx.get(f"http://{next(iter(pods.values()))}:8000/metrics").text, "kvstash_frames_signed")
         say(f"  nginx and Prometheus ready; frames signed: {'yes' if signed else 'metric absent or 0'}")
-        chat(stack, pods, args.turns, args.max_tokens)
+        chat(stack.url("KVSTASH_HTTP_PORT"), "nginx", pods, args.turns, args.max_tokens)
         say("Prometheus: the dashboard's queries ($__rate_interval = 1m)")
         pod_metrics = httpx.get(f"http://{next(iter(pods.values()))}:8000/metrics").text
         check_queries(stack.url("PROMETHEUS_PORT"), pod_metrics, args.query_timeout)
@@ -296,11 +304,23 @@ def check(args: argparse.Namespace, cli: list[str]) -> None:
             say(f"Grafana: the dashboard is provisioned ({found[0].get('title')})")
         else:
             say("Grafana: not run (no image here); its dashboard's queries were checked against Prometheus above")
+        if args.sidecar_turns:
+            sidecar_shape(stack, args)
     except Exception:
         say("the stack's last log lines:\n" + stack.logs())
         raise
     finally:
         stack.down()
+
+
+def sidecar_shape(stack: Stack, args: argparse.Namespace) -> None:
+    """The profile's llama-server and the sidecar beside it (their own images) against the same Redis."""
+    say(f"up: --profile {SIDECAR_PROFILE}: llama-server, sidecar (sidecar :{stack.ports['KVSTASH_SIDECAR_PORT']})")
+    stack.up("llama-server", "sidecar")
+    ip = stack.address("sidecar")
+    wait_for("sidecar", f"http://{ip}:8000/readyz", args.ready_timeout)  # llama-server up, its slot files probed
+    say(f"  sidecar ready ({ip})")
+    chat(stack.url("KVSTASH_SIDECAR_PORT"), "the sidecar", {"sidecar": ip}, args.sidecar_turns, args.max_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -309,11 +329,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=96, help="reply length a turn (default 96)")
     parser.add_argument("--ready-timeout", type=float, default=600, help="seconds a pod may take to be ready")
     parser.add_argument("--query-timeout", type=float, default=120, help="seconds to wait for the dashboard series")
+    parser.add_argument("--sidecar-turns", type=int, default=3, help="turns through the llama-server profile's "
+                                                                     "sidecar afterwards (default 3; 0: skip it)")
     parser.add_argument("--prebuilt", type=Path, help="a llama-server binary to put in its image instead of "
                                                       "compiling llama.cpp (native to the machine that built it)")
     args = parser.parse_args(argv)
-    if not 1 <= args.turns <= len(QUESTIONS):
-        parser.error(f"--turns must be in 1..{len(QUESTIONS)}")
+    if not (1 <= args.turns <= len(QUESTIONS) and 0 <= args.sidecar_turns <= len(QUESTIONS)):
+        parser.error(f"--turns must be in 1..{len(QUESTIONS)}, --sidecar-turns in 0..{len(QUESTIONS)}")
     if shutil.which("docker") is None or (info := run("docker", "info")).returncode != 0:
         why = "no docker CLI" if shutil.which("docker") is None else info.stderr.strip().splitlines()[-1][:160]
         print(f"compose-check: no container engine is running ({why}): nothing to check, exit 0")
