@@ -9,8 +9,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import pytest
-import torch
 
 from cachestore.codec import Codec
 from cachestore.errors import ConfigError
@@ -103,20 +103,20 @@ def test_pinned_layout_round_trips_through_exact_blocks_bit_identically(engine: 
     geo = StateGeometry(30, 3, 64, bool(v_trans), 1)
     kv = parse_state(blob, geo)  # [30, 2, 3, 40, 64]
     codec, b = Codec("exact"), 16
-    blocks = [codec.decode(codec.encode(kv[:, :, :, i:i + b]), device="cpu") for i in range(0, 40, b)]
-    assert bytes(assemble_state(torch.cat(blocks, dim=3), geo)) == blob
+    blocks = [codec.decode(codec.encode(kv[:, :, :, i:i + b])) for i in range(0, 40, b)]
+    assert bytes(assemble_state(np.concatenate(blocks, axis=3), geo)) == blob
 
 
 def test_a_hit_is_token_identical_to_a_full_prefill(engine: LlamaCppEngine) -> None:
     prompt = _prompt(engine, QUESTIONS[0])
     full = engine.generate(GenRequest(prompt, None, GREEDY))
-    assert full.kv.shape == (30, 2, 3, len(full.seq_ids), 64) and full.kv.dtype == torch.float16
+    assert full.kv.shape == (30, 2, 3, len(full.seq_ids), 64) and full.kv.dtype == np.float16
     assert full.seq_ids == prompt + full.token_ids[:-1]
     for cached in (1, 16, len(prompt) - 1, len(prompt)):
         hit = engine.generate(GenRequest(prompt, full.kv[:, :, :, :cached], GREEDY))
         assert hit.token_ids == full.token_ids, cached
         assert hit.cached_tokens == min(cached, len(prompt) - 1)
-        assert torch.equal(hit.kv[:, :, :, :len(prompt)], full.kv[:, :, :, :len(prompt)])
+        assert np.array_equal(hit.kv[:, :, :, :len(prompt)], full.kv[:, :, :, :len(prompt)])
     follow = full.seq_ids + full.token_ids[-1:] + engine.chat_ids([{"role": "user", "content": "And then?"}])[1:]
     again = engine.generate(GenRequest(follow, full.kv, GREEDY))
     assert again.cached_tokens == full.kv.shape[3]
@@ -134,7 +134,7 @@ def test_a_hit_returns_only_the_kv_its_write_back_needs(engine: LlamaCppEngine) 
         start = min(keep, len(full.seq_ids))
         assert hit.token_ids == full.token_ids and hit.kv_from == start, keep
         assert hit.kv.shape[3] == len(hit.seq_ids) - start
-        assert torch.equal(hit.kv, full.kv[:, :, :, start:]), keep
+        assert np.array_equal(hit.kv, full.kv[:, :, :, start:]), keep
 
 
 def test_finished_states_are_read_back_into_pooled_buffers(engine: LlamaCppEngine,
@@ -153,17 +153,17 @@ def test_finished_states_are_read_back_into_pooled_buffers(engine: LlamaCppEngin
     monkeypatch.setattr(pool, "_make", counted)
     short = engine.generate(GenRequest(_prompt(engine, QUESTIONS[0]), None, GREEDY))
     engine.generate(GenRequest(_prompt(engine, " ".join(QUESTIONS * 3)), None, GREEDY))
-    hooked: list[Callable[[int, int], torch.Tensor]] = []
-    early: list[torch.Tensor] = []
+    hooked: list[Callable[[int, int], np.ndarray]] = []
+    early: list[np.ndarray] = []
 
-    def on_prefill(get_kv: Callable[[int, int], torch.Tensor]) -> None:  # an early write's, after the first token
+    def on_prefill(get_kv: Callable[[int, int], np.ndarray]) -> None:  # an early write's, after the first token
         hooked.append(get_kv)
         early.append(get_kv(0, 16))
 
     again = engine.generate(GenRequest(_prompt(engine, QUESTIONS[0]), None, GREEDY, on_prefill=on_prefill))
     assert len(made) <= 1 and pool.idle == 1  # one buffer (4 MB rounds hold these states) for all of them
-    assert again.token_ids == short.token_ids and torch.equal(again.kv, short.kv)
-    assert torch.equal(early[0], short.kv[:, :, :, :16])  # the prefill's snapshot, read during the hook
+    assert again.token_ids == short.token_ids and np.array_equal(again.kv, short.kv)
+    assert np.array_equal(early[0], short.kv[:, :, :, :16])  # the prefill's snapshot, read during the hook
     with pytest.raises(ValueError, match="released"):
         hooked[0](0, 16)  # and not after it: its buffer went back to the pool
 
@@ -176,13 +176,13 @@ def test_a_hit_dequantized_into_a_lent_state_is_token_identical(engine: LlamaCpp
     full = engine.generate(GenRequest(prompt, None, GREEDY))
     for planned, cached in ((len(prompt) - 1, len(prompt) - 1), (len(prompt) - 1, len(prompt) - 21)):
         lent = engine.context_for(planned)
-        assert lent is not None and lent.shape == (30, 2, 3, planned, 64) and lent.dtype == torch.float16
-        lent.fill_(float("nan"))
+        assert lent is not None and lent.shape == (30, 2, 3, planned, 64) and lent.dtype == np.float16
+        lent.fill(float("nan"))
         lent[:, :, :, :cached] = full.kv[:, :, :, :cached]
         hit = engine.generate(GenRequest(prompt, lent[:, :, :, :cached], GREEDY))
         assert engine.give_context(lent) and not engine.give_context(lent)
         assert hit.cached_tokens == cached and hit.token_ids == full.token_ids, (planned, cached)
-        assert torch.equal(hit.kv[:, :, :, :len(prompt)], full.kv[:, :, :, :len(prompt)])
+        assert np.array_equal(hit.kv[:, :, :, :len(prompt)], full.kv[:, :, :, :len(prompt)])
     assert engine.context_for(0) is None and not engine.give_context(full.kv)
 
 
@@ -193,11 +193,11 @@ def test_a_lent_state_mostly_unfilled_is_assembled_instead(engine: LlamaCppEngin
     full = engine.generate(GenRequest(prompt, None, GREEDY))
     lent = engine.context_for(len(prompt) - 1)
     assert lent is not None
-    lent.fill_(float("nan"))
+    lent.fill(float("nan"))
     lent[:, :, :, :8] = full.kv[:, :, :, :8]
     hit = engine.generate(GenRequest(prompt, lent[:, :, :, :8], GREEDY))
     assert hit.cached_tokens == 8 and hit.token_ids == full.token_ids
-    assert torch.isnan(lent[:, :, :, 8:]).all()
+    assert np.isnan(lent[:, :, :, 8:]).all()
     assert engine.give_context(lent)
 
 
@@ -274,7 +274,7 @@ async def test_token_row_frames_are_received_into_the_lent_state_itself(
             view, _ = await pipe.lookup(b"rows", prompt)
             assert view.cached_tokens == len(hashes) * b and view.landing is None
             assert view.kv is not None and engine.is_lent(view.kv)
-            assert torch.equal(view.kv, full.kv[:, :, :, :len(hashes) * b])
+            assert np.array_equal(view.kv, full.kv[:, :, :, :len(hashes) * b])
             gen = await pipe.generate(prompt, view, GREEDY)
             assert gen.cached_tokens == len(hashes) * b and gen.token_ids == full.token_ids
 
@@ -440,9 +440,9 @@ def test_bad_inputs_are_value_errors(engine: LlamaCppEngine) -> None:
     with pytest.raises(ValueError):
         engine.generate(GenRequest([1] * 8192, None, GREEDY))
     with pytest.raises(ValueError):
-        engine.generate(GenRequest([1, 2, 3], torch.zeros(30, 2, 3, 5, 64, dtype=torch.float16), GREEDY))
+        engine.generate(GenRequest([1, 2, 3], np.zeros((30, 2, 3, 5, 64), dtype=np.float16), GREEDY))
     with pytest.raises(ValueError):
-        engine.generate(GenRequest([1, 2, 3], torch.zeros(30, 2, 2, 2, 64, dtype=torch.float16), GREEDY))
+        engine.generate(GenRequest([1, 2, 3], np.zeros((30, 2, 2, 2, 64), dtype=np.float16), GREEDY))
 
 
 def test_score_gives_every_positions_logits(engine: LlamaCppEngine) -> None:
@@ -512,17 +512,17 @@ def test_a_q8_0_cache_round_trips_through_q8_frames_byte_for_byte(q8_engine: Lla
     geo = StateGeometry(g.num_layers, g.kv_heads, g.head_dim, v_trans=False, n_stream=facts.n_stream,
                         kv_type=GGML_TYPE_Q8_0)
     kv = parse_state(blob, geo)
-    assert kv.dtype == torch.float32 and kv.shape[3] == len(tokens)
+    assert kv.dtype == np.float32 and kv.shape[3] == len(tokens)
     codec = Codec("q8")
-    blocks = [codec.decode(codec.encode(kv[:, :, :, i:i + 32]), device="cpu") for i in range(0, len(tokens), 32)]
-    rebuilt = assemble_state(torch.cat(blocks, dim=3), geo)
+    blocks = [codec.decode(codec.encode(kv[:, :, :, i:i + 32])) for i in range(0, len(tokens), 32)]
+    rebuilt = assemble_state(np.concatenate(blocks, axis=3), geo)
     assert len(rebuilt) == size and bytes(rebuilt) == blob
     with pytest.raises(Exception, match="type 8"):  # an f16 reader refuses it, never misreads it
         parse_state(blob, StateGeometry(g.num_layers, g.kv_heads, g.head_dim, False, facts.n_stream))
 
 
 def test_the_q8_0_engine_names_its_cache_in_its_fingerprint(engine: LlamaCppEngine, q8_engine: LlamaCppEngine) -> None:
-    assert q8_engine.geometry.dtype == torch.float32
+    assert q8_engine.geometry.dtype == np.float32
     assert q8_engine.kv_layout.rows_apart and not engine.kv_layout.rows_apart
     assert engine.fingerprint(16, "q8+lz4").short() != q8_engine.fingerprint(16, "q8+lz4").short()
     with pytest.raises(ConfigError, match="q4_0"):
@@ -546,7 +546,7 @@ async def test_q8_frames_are_received_into_a_q8_0_state_and_the_reply_is_unchang
         frames = [pipe.codecs.at(i).encode(full.kv[:, :, :, i * b:(i + 1) * b]) for i in range(len(hashes))]
         assert (await store.store_blocks(pipe.model_key, hashes, frames)).value == len(hashes) >= 3
         out = engine.context_for(len(prompt) - 1)
-        assert out is not None and out.dtype == torch.float32
+        assert out is not None and out.dtype == np.float32
         stage, targets = pipe.landing_for(len(hashes), out)
         assert stage is None and targets is not None and isinstance(targets[1], Scatter)
         assert len(targets[1]) == len(frames[1])
@@ -555,7 +555,7 @@ async def test_q8_frames_are_received_into_a_q8_0_state_and_the_reply_is_unchang
         view, _ = await pipe.lookup(b"rows", prompt)
         assert view.cached_tokens == len(hashes) * b and view.landing is None
         assert view.kv is not None and engine.is_lent(view.kv)
-        view.kv.fill_(float("nan"))  # the rows are in the state: nothing of the hit is read from here
+        view.kv.fill(float("nan"))  # the rows are in the state: nothing of the hit is read from here
         gen = await pipe.generate(prompt, view, GREEDY)
         assert gen.cached_tokens == len(hashes) * b and gen.token_ids == full.token_ids
 
@@ -608,16 +608,16 @@ async def test_flash_attention_off_stores_v_transposed_and_a_hit_replies_as_a_fu
                 view, _ = await pipe.lookup(b"fa-off", prompt)
                 hit = len(hashes) * b
                 assert view.cached_tokens == hit and view.kv is not None and engine.is_lent(view.kv)
-                decoded = torch.cat([pipe.codecs.at(i).decode(f, device="cpu") for i, f in enumerate(frames)], dim=3)
+                decoded = np.concatenate([pipe.codecs.at(i).decode(f) for i, f in enumerate(frames)], axis=3)
                 assert view.ready is not None
                 view.ready.wait_all()  # the frames left when the last chunk was verified: dequantized by now
-                assert torch.equal(view.kv[:, :, :, :hit], decoded)  # V viewed as rows until the state is set
+                assert np.array_equal(view.kv[:, :, :, :hit], decoded)  # V viewed as rows until the state is set
                 gen = await pipe.generate(prompt, view, GREEDY)
                 assert gen.cached_tokens == hit and gen.token_ids
                 if codec == "exact":
                     assert gen.token_ids == full.token_ids
                     start = gen.kv_from  # the KV handed back for the write-back: the hit's tokens are not parsed out
-                    assert torch.equal(gen.kv[:, :, :, :len(prompt) - start], full.kv[:, :, :, start:len(prompt)])
+                    assert np.array_equal(gen.kv[:, :, :, :len(prompt) - start], full.kv[:, :, :, start:len(prompt)])
 
     finally:
         engine.close()
@@ -649,11 +649,11 @@ def test_the_engine_declares_the_rope_its_keys_carry(engine: LlamaCppEngine) -> 
     assert rope is not None and rope.pairing == ADJACENT and rope.head_dim == 64
     ids = [17, 400, 23, 999, 5, 17, 61, 17]
     kv = engine.generate(GenRequest(ids, None, GenParams(max_tokens=1))).kv
-    keys = kv[0, 0].float()  # layer 0 [H, T, D]
+    keys = kv[0, 0].astype(np.float32)  # layer 0 [H, T, D]
     plain = turn(keys, rope, -1)
-    scale = float(keys.abs().max())
-    assert torch.allclose(plain[:, 0], plain[:, 5], atol=scale * 4e-3)
-    assert torch.allclose(plain[:, 0], plain[:, 7], atol=scale * 4e-3)
-    assert not torch.allclose(keys[:, 0], keys[:, 5], atol=scale * 4e-2)
+    scale = float(np.abs(keys).max())
+    assert np.allclose(plain[:, 0], plain[:, 5], atol=scale * 4e-3)
+    assert np.allclose(plain[:, 0], plain[:, 7], atol=scale * 4e-3)
+    assert not np.allclose(keys[:, 0], keys[:, 5], atol=scale * 4e-2)
     other = turn(keys, Rope(HALVES, rope.inv_freq), -1)
-    assert not torch.allclose(other[:, 0], other[:, 5], atol=scale * 4e-2)
+    assert not np.allclose(other[:, 0], other[:, 5], atol=scale * 4e-2)

@@ -1,4 +1,5 @@
-"""llama.cpp sequence-state bytes <-> KV tensors: a hand-built golden state, hostile bytes, the real llama.cpp."""
+"""llama.cpp sequence-state bytes <-> KV arrays (numpy: llama.cpp's engines run without torch): a hand-built golden
+state, hostile bytes, the real llama.cpp."""
 
 from __future__ import annotations
 
@@ -6,19 +7,25 @@ import struct
 
 import numpy as np
 import pytest
-import torch
 
+from cachestore.codec.arrays import strides
 from service.engines.llama import llamastate, statewrite
 from service.engines.llama.llamastate import StateGeometry, StateLayoutError, parse_state
 from service.engines.llama.statewrite import assemble_state
 
+RNG = np.random.default_rng(0)
 
-def _golden(v_trans: bool, positions: list[int]) -> tuple[bytes, torch.Tensor]:
+
+def _randn(*shape: int, seed: int | None = None) -> np.ndarray:
+    return (np.random.default_rng(seed) if seed is not None else RNG).standard_normal(shape, dtype=np.float32)
+
+
+def _golden(v_trans: bool, positions: list[int]) -> tuple[bytes, np.ndarray]:
     """A state written field by field from the layout table (2 layers, 2 kv heads, head_dim 3), and the
     tensor it must parse to. Values encode (layer, k/v, head, position, dim), so a misplaced one shows."""
     layers, heads, dim, n = 2, 2, 3, len(positions)
     value = lambda ly, kv, h, p, d: ly * 1000 + kv * 500 + h * 100 + p * 10 + d  # noqa: E731
-    want = torch.empty((layers, 2, heads, n, dim), dtype=torch.float16)
+    want = np.empty((layers, 2, heads, n, dim), dtype=np.float16)
     for ly, kv, h, p, d in np.ndindex(layers, 2, heads, n, dim):
         want[ly, kv, h, p, d] = value(ly, kv, h, p, d)
     out = struct.pack("<IiI", 0xAF143CD8, 7, 1) + struct.pack("<I", n)
@@ -47,7 +54,7 @@ def test_golden_state_parses_and_reassembles_bit_identically(v_trans: bool) -> N
     blob, want = _golden(v_trans, [0, 1, 2, 3])
     geo = StateGeometry(2, 2, 3, v_trans)
     kv = parse_state(blob, geo)
-    assert kv.dtype == torch.float16 and torch.equal(kv, want)
+    assert kv.dtype == np.float16 and np.array_equal(kv, want)
     assert bytes(assemble_state(kv, geo, seq_id=7)) == blob
     assert llamastate.state_size(4, geo) == len(blob)
 
@@ -59,12 +66,12 @@ def test_a_state_lent_with_v_as_rows_is_assembled_once_v_is_put_in_place(n: int)
     edges); anything but that layout is refused."""
     geo = StateGeometry(2, 2, 3, True)
     assert statewrite.state_view(n, geo) is None
-    want = torch.randn(2, 2, 2, n, 3).half()
+    want = _randn(2, 2, 2, n, 3).astype(np.float16)
     made = statewrite.state_view(n, geo, seq_id=7, into=bytearray(llamastate.state_size(n, geo) + 64), v_as_rows=True)
     assert made is not None
     buf, view = made
-    view.copy_(want)
-    assert torch.equal(view, want)
+    view[...] = want
+    assert np.array_equal(view, want)
     statewrite.transpose_v(buf, n, geo)
     assert bytes(buf[:llamastate.state_size(n, geo)]) == bytes(assemble_state(want, geo, seq_id=7))
     with pytest.raises(StateLayoutError):
@@ -73,7 +80,7 @@ def test_a_state_lent_with_v_as_rows_is_assembled_once_v_is_put_in_place(n: int)
 
 def test_cells_out_of_order_are_sorted_by_position() -> None:
     blob, want = _golden(True, [2, 0, 3, 1])
-    assert torch.equal(parse_state(blob, StateGeometry(2, 2, 3, True)), want)
+    assert np.array_equal(parse_state(blob, StateGeometry(2, 2, 3, True)), want)
 
 
 @pytest.mark.parametrize("positions", [[0, 1, 2, 3, 4], [3, 0, 4, 2, 1]])
@@ -85,7 +92,7 @@ def test_a_range_of_positions_is_parsed_alone(positions: list[int], v_trans: boo
     geo = StateGeometry(2, 2, 3, v_trans)
     for start, end in ((0, None), (2, None), (1, 3), (4, 5), (5, None), (3, 99)):
         got = parse_state(blob, geo, start, end)
-        assert torch.equal(got, want[:, :, :, start:end]), (start, end)
+        assert np.array_equal(got, want[:, :, :, start:end]), (start, end)
     with pytest.raises(StateLayoutError, match="unexpected bytes"):
         parse_state(blob + b"\0", geo, start=4)
     assert parse_state(blob, geo, 5, cells=5).shape[3] == 0
@@ -124,31 +131,31 @@ def test_hostile_or_foreign_states_are_refused() -> None:
 
 
 def test_one_stream_of_many_holds_the_sequence() -> None:
-    kv = torch.randn(2, 2, 2, 5, 3).half()
+    kv = _randn(2, 2, 2, 5, 3).astype(np.float16)
     geo = StateGeometry(2, 2, 3, True, n_stream=4)
     blob = assemble_state(kv, geo)
     assert struct.unpack_from("<II", blob, 8) == (4, 5)
     assert struct.unpack_from("<III", blob, len(blob) - 12) == (0, 0, 0)
-    assert torch.equal(parse_state(blob, geo), kv)
+    assert np.array_equal(parse_state(blob, geo), kv)
     assert llamastate.read_facts(blob) == llamastate.StateFacts(4, True, 2, 6)
 
 
 def test_float32_kv_is_stored_as_f16() -> None:
-    kv = torch.randn(2, 2, 2, 4, 3)
+    kv = _randn(2, 2, 2, 4, 3)
     geo = StateGeometry(2, 2, 3, False)
-    assert torch.equal(parse_state(assemble_state(kv, geo), geo), kv.half())
+    assert np.array_equal(parse_state(assemble_state(kv, geo), geo), kv.astype(np.float16))
 
 
 @pytest.mark.parametrize(("v_trans", "n_stream"), [(True, 1), (False, 1), (True, 2)])
 def test_a_reused_dirty_buffer_holds_the_same_state_as_a_fresh_one(v_trans: bool, n_stream: int) -> None:
     geo = StateGeometry(num_layers=3, kv_heads=2, head_dim=4, v_trans=v_trans, n_stream=n_stream)
-    kv = torch.randn(3, 2, 2, 5, 4, generator=torch.Generator().manual_seed(7)).half()
+    kv = _randn(3, 2, 2, 5, 4, seed=7).astype(np.float16)
     fresh = assemble_state(kv, geo)
     size = llamastate.state_size(5, geo)
     dirty = bytearray(b"\xab" * (size + 100))  # an earlier, longer state's leftovers
     assert assemble_state(kv, geo, into=dirty) is dirty
     assert bytes(dirty[:size]) == bytes(fresh)
-    assert torch.equal(parse_state(bytes(dirty[:size]), geo), kv)
+    assert np.array_equal(parse_state(bytes(dirty[:size]), geo), kv)
     with pytest.raises(StateLayoutError, match="needs"):
         assemble_state(kv, geo, into=bytearray(size - 1))
 
@@ -165,11 +172,11 @@ def test_a_state_view_filled_with_kv_is_the_golden_state(positions: list[int], n
     made = statewrite.state_view(len(positions), geo, seq_id=7, into=dirty)
     assert made is not None
     buf, kv = made
-    assert buf is dirty and kv.shape == want.shape and kv.dtype == torch.float16
-    assert kv.stride() == statewrite.state_view_strides(len(positions), geo)
-    kv.copy_(want)
+    assert buf is dirty and kv.shape == want.shape and kv.dtype == np.float16
+    assert strides(kv) == statewrite.state_view_strides(len(positions), geo)
+    kv[...] = want
     assert bytes(buf[:len(blob)]) == blob == bytes(assemble_state(want, geo, seq_id=7))
-    assert torch.equal(parse_state(blob, geo), want)
+    assert np.array_equal(parse_state(blob, geo), want)
 
 
 def test_no_state_view_where_v_is_transposed_or_the_buffer_is_short() -> None:
@@ -184,13 +191,13 @@ def test_row_pieces_are_where_a_token_rows_payload_goes(n: int, start: int, coun
     """The pieces of cells [start, start + count) of a state, written in order with a token-rows frame's payload
     ([layers, 2, tokens, kv_heads, head_dim]), make the state of that KV: the bytes assemble_state writes."""
     geo = StateGeometry(3, 2, 4, False, n_stream)
-    kv = torch.randn(3, 2, 2, n, 4).half()
+    kv = _randn(3, 2, 2, n, 4).astype(np.float16)
     made = statewrite.state_view(n, geo, into=bytearray(llamastate.state_size(n, geo)))
     assert made is not None
     buf, view = made
-    view.copy_(kv)
+    view[...] = kv
     view[:, :, :, start:start + count] = 0
-    payload = kv[:, :, :, start:start + count].transpose(2, 3).contiguous().view(torch.uint8).numpy().tobytes()
+    payload = np.ascontiguousarray(kv[:, :, :, start:start + count].swapaxes(2, 3)).tobytes()
     pieces = statewrite.row_pieces(buf, n, geo, start, count)
     assert len(pieces) == 2 * 3 and all(len(p) == count * 2 * 2 * 4 for p in pieces)
     at = 0
@@ -216,13 +223,13 @@ def test_the_first_cells_of_a_state_are_written_from_its_own_bytes(kv_type: int,
     """A state laid out for n cells (a context lent for a hit) gives the state of its first `count` cells as pieces:
     joined, the bytes assemble_state writes for their KV; its rows are the buffer's own, never copied."""
     geo = StateGeometry(3, 2, 32, False, n_stream, kv_type)
-    kv = torch.randn(3, 2, 2, n, 32)
+    kv = _randn(3, 2, 2, n, 32)
     buf = bytearray(b"\xab" * (llamastate.state_size(n, geo) + 64))
     if kv_type == llamastate.GGML_TYPE_F16:
         made = statewrite.state_view(n, geo, seq_id=3, into=buf)
         assert made is not None
-        made[1].copy_(kv)
-        kv = kv.half()
+        made[1][...] = kv
+        kv = kv.astype(np.float16)
     else:
         statewrite.lay_out(buf, n, geo, seq_id=3)
         statewrite.write_q8_rows(buf, n, geo, 0, kv)

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
-import torch
 
 from ops.llamaserver_build import binary_path
 from service.engines.llama import llamastate, slotfile, statewrite
@@ -22,13 +22,13 @@ GEO = StateGeometry(num_layers=2, kv_heads=2, head_dim=3, v_trans=False)
 TOKENS = [1, 502, 77, 9]
 
 
-def _kv(n: int) -> torch.Tensor:
+def _kv(n: int) -> np.ndarray:
     """[2, 2, 2, n, 3] with values that name their place, so a misplaced one shows."""
-    grid = torch.arange(2 * 2 * 2 * n * 3, dtype=torch.float32).reshape(2, 2, 2, n, 3)
-    return grid.to(torch.float16)
+    grid = np.arange(2 * 2 * 2 * n * 3, dtype=np.float32).reshape(2, 2, 2, n, 3)
+    return grid.astype(np.float16)
 
 
-def _golden(tokens: list[int], kv: torch.Tensor, token_words: list[int] | None = None) -> bytes:
+def _golden(tokens: list[int], kv: np.ndarray, token_words: list[int] | None = None) -> bytes:
     """A slot file written field by field from the layout table in slotfile's docstring."""
     words = token_words if token_words is not None else [-1, 1, len(tokens), *tokens, 0]
     state = bytes(statewrite.assemble_state(kv, GEO))[8:]  # without the magic + seq_id prefix
@@ -38,7 +38,7 @@ def _golden(tokens: list[int], kv: torch.Tensor, token_words: list[int] | None =
 def test_golden_file_parses_and_reassembles_bit_identically(tmp_path: Path) -> None:
     data = _golden(TOKENS, _kv(4))
     saved = slotfile.parse(data, GEO)
-    assert saved.tokens == TOKENS and torch.equal(saved.kv, _kv(4))
+    assert saved.tokens == TOKENS and np.array_equal(saved.kv, _kv(4))
     assert b"".join(bytes(p) for p in slotfile.assemble(TOKENS, _kv(4), GEO)) == data
     size = slotfile.write(tmp_path / "s.bin", TOKENS, _kv(4), GEO)
     assert (tmp_path / "s.bin").read_bytes() == data and size == len(data)
@@ -52,7 +52,7 @@ def test_the_kv_of_the_later_tokens_is_read_alone(tmp_path: Path) -> None:
     for start in (0, 1, 3, 4, 9):
         saved = slotfile.read(tmp_path / "s.bin", GEO, start)
         assert saved.tokens == TOKENS and saved.kv_from == min(start, 4), start
-        assert torch.equal(saved.kv, _kv(4)[:, :, :, min(start, 4):]), start
+        assert np.array_equal(saved.kv, _kv(4)[:, :, :, min(start, 4):]), start
 
 
 def test_a_slot_file_of_the_first_cells_of_a_lent_state_is_written_from_its_rows(tmp_path: Path) -> None:
@@ -60,7 +60,7 @@ def test_a_slot_file_of_the_first_cells_of_a_lent_state_is_written_from_its_rows
     made = statewrite.state_view(6, GEO, into=bytearray(llamastate.state_size(6, GEO)))
     assert made is not None
     state, view = made
-    view.copy_(torch.cat([_kv(4), torch.full((2, 2, 2, 2, 3), 9.0, dtype=torch.float16)], dim=3))
+    view[...] = np.concatenate([_kv(4), np.full((2, 2, 2, 2, 3), 9.0, dtype=np.float16)], axis=3)
     pieces = slotfile.from_state(TOKENS, state, 6, GEO)
     assert slotfile.write_pieces(tmp_path / "s.bin", pieces) == len(_golden(TOKENS, _kv(4)))
     assert (tmp_path / "s.bin").read_bytes() == _golden(TOKENS, _kv(4))

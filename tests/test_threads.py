@@ -12,7 +12,7 @@ from service.runtime import threads
 def test_io_threads_keep_to_one_core_and_the_compute_thread_uses_all() -> None:
     compute = threads.compute_executor()
     assert compute is threads.compute_executor()  # one per process
-    assert compute.submit(torch.get_num_threads).result() == threads.COMPUTE_THREADS
+    assert compute.submit(torch.get_num_threads).result() == threads.compute_threads()
     io = threads.io_executor(2, "test-io")
     try:
         assert io.submit(torch.get_num_threads).result() == 1

@@ -108,6 +108,25 @@ def _name(dt: Any) -> str:
     return text[6:] if text.startswith("torch.") else np.dtype(dt).name
 
 
+def is_torch_dtype(dt: Any) -> bool:
+    """Whether `dt` is a torch dtype (a numpy dtype or type is not), without importing torch."""
+    module = sys.modules.get("torch")
+    return module is not None and isinstance(dt, module.dtype)
+
+
+def empty(shape: tuple[int, ...], dt: Any) -> Array:
+    """An uninitialized array of `shape` in the library `dt` belongs to: a numpy array for a numpy dtype, a torch
+    tensor on the CPU for a torch dtype (an engine's KV comes in the library it computes with)."""
+    if is_torch_dtype(dt):
+        return torch().empty(shape, dtype=dt)
+    return np.empty(shape, dtype=dt)
+
+
+def empty_bytes(nbytes: int, like: Any) -> Array:
+    """A 1-D uint8 buffer of `nbytes` in the library of dtype `like` (see `empty`)."""
+    return empty((nbytes,), torch().uint8 if is_torch_dtype(like) else np.dtype(np.uint8))
+
+
 def name_of(dt: Any) -> str:
     """The name of a numpy or torch dtype: "float32", "float16", "bfloat16", "int8", ..."""
     return _name(dt)

@@ -13,8 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-import torch
-
+from cachestore.codec.arrays import empty
 from cachestore.sessions import SessionRecord
 from cachestore.store import BlockStore
 from service.cache import boundaries
@@ -91,7 +90,7 @@ class BoundaryLookup:
         """The view of the longest candidate whose blocks all decode and whose record is what this pod writes, its KV
         decoded into one tensor (only the blocks before that candidate's boundary)."""
         b, geo = self.block_tokens, self.engine.geometry
-        out = torch.empty((geo.num_layers, 2, geo.kv_heads, found[0].position, geo.head_dim), dtype=geo.dtype)
+        out = empty((geo.num_layers, 2, geo.kv_heads, found[0].position, geo.head_dim), geo.dtype)
         decoded = 0  # leading blocks in `out`
         for candidate in found:
             record = candidate.record

@@ -12,8 +12,9 @@ import inspect
 import logging
 import textwrap
 
-import torch
+import numpy as np
 
+from cachestore.codec.arrays import Array
 from cachestore.codec.names import SINK_TOKENS, CodecPlan, is_named, is_published, make_plan
 from cachestore.codec.rope import Rope
 from cachestore.codecplans import Agreed, agree
@@ -34,7 +35,7 @@ def model_id(engine: Engine, block_tokens: int) -> str:
     return engine.fingerprint(block_tokens, "").short()
 
 
-def calibration_kv(engine: Engine) -> torch.Tensor:
+def calibration_kv(engine: Engine) -> Array:
     """The KV [layers, 2, kv_heads, tokens, head_dim] of the calibration text, as the engine computes it."""
     ids = engine.text_ids(inspect.getsource(textwrap))[:min(CALIBRATION_TOKENS, engine.geometry.max_context - 1)]
     generation = engine.generate(GenRequest(ids, None, GenParams(max_tokens=1)))
@@ -44,7 +45,8 @@ def calibration_kv(engine: Engine) -> torch.Tensor:
 def own_plan(engine: Engine, rope: Rope | None, made_by: str = "") -> CodecPlan:
     """The plan this engine's model gets when none is stored, for an engine that declares `rope` (or None)."""
     geo, weights = engine.geometry, engine.fingerprint(1, "").model_id
-    kv = (torch.randn(geo.num_layers, 2, geo.kv_heads, SINK_TOKENS, geo.head_dim) if is_published(weights)
+    shape = (geo.num_layers, 2, geo.kv_heads, SINK_TOKENS, geo.head_dim)
+    kv = (np.random.default_rng(0).standard_normal(shape, dtype=np.float32) if is_published(weights)
           else calibration_kv(engine))  # a published model's tables need no calibration: a block to try them on
     return make_plan(kv, rope, weights, made_by)
 

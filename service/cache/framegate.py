@@ -11,10 +11,10 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import Any
 
 from cachestore.codec import CodecSpec, OpenFrame, read_header, verify_placed
+from cachestore.codec.arrays import Array, is_torch_dtype, name_of, namespace
 from cachestore.codec.blockcodec import BlockCodecs
 from cachestore.codec.frame import GROUPED_MODES, RunningChecksum
 from cachestore.errors import CodecError, RetiredFrame
@@ -35,7 +35,7 @@ class Rejection:
 
 
 def frame_problem(
-    frame: bytes | memoryview, spec: CodecSpec, shape: Sequence[int], dtype: torch.dtype,
+    frame: bytes | memoryview, spec: CodecSpec, shape: Sequence[int], dtype: Any,
 ) -> Rejection | None:
     """None if the frame's header names this pod's codec, block shape and dtype; a Rejection otherwise.
 
@@ -57,7 +57,7 @@ def frame_problem(
                                   f"{spec.name()} writes {spec.transform}")
     if header.layer_bits != spec.layer_table(header.layers):  # other layers one bit more
         return Rejection("codec", f"frame with layer table {header.layer_bits.hex()}, this pod uses {spec.name()}")
-    want_dtype = str(dtype).removeprefix("torch.")
+    want_dtype = name_of(dtype)
     if list(header.shape) != list(shape) or header.dtype != want_dtype:
         return Rejection("model", f"frame of shape {list(header.shape)} {header.dtype}, "
                                   f"expected {list(shape)} {want_dtype}")
@@ -73,7 +73,7 @@ class FrameGate:
     again (every other check is).
     """
 
-    def __init__(self, codecs: BlockCodecs, block_shape: tuple[int, ...], dtype: torch.dtype, metrics: PodMetrics,
+    def __init__(self, codecs: BlockCodecs, block_shape: tuple[int, ...], dtype: Any, metrics: PodMetrics,
                  engine: Engine, mac_verified: bool = False) -> None:
         self.codecs = codecs
         self.block_shape = block_shape  # [layers, 2, kv_heads, block_tokens, head_dim]
@@ -127,7 +127,7 @@ class FrameGate:
             return None
         return self.engine.placed_frame(header, rows)  # where the engine holds the rows
 
-    def decode(self, frame: bytes, tokens: int | None, block_index: int) -> torch.Tensor | None:
+    def decode(self, frame: bytes, tokens: int | None, block_index: int) -> Array | None:
         """A frame of `tokens` tokens (a whole block if None; fewer: a tail's or a session's partial block, in the
         codec of a partial block, `BlockCodecs.partial_at`) at block `block_index`, decoded in the model's dtype, or
         None (counted)."""
@@ -140,14 +140,15 @@ class FrameGate:
         if problem is not None:
             self.reject(problem)
             return None
-        try:
-            kv = codec.decode(frame, device="cpu", max_elements=math.prod(expected))
+        try:  # in the engine's library: a torch tensor on the CPU for a torch dtype, else a numpy array
+            kv = codec.decode(frame, device="cpu" if is_torch_dtype(self.dtype) else None,
+                              max_elements=math.prod(expected))
         except CodecError as exc:
             self.reject(Rejection("corrupt", str(exc)))
             return None
-        return kv.to(self.dtype)
+        return kv if kv.dtype == self.dtype else namespace(kv).astype(kv, self.dtype)
 
-    def decode_into(self, frame: bytes, out: torch.Tensor, start: int, tokens: int, block_index: int) -> bool:
+    def decode_into(self, frame: bytes, out: Array, start: int, tokens: int, block_index: int) -> bool:
         """`decode` straight into out[..., start:start + tokens]; False (counted) where it would be None."""
         expected = [*self.block_shape[:3], tokens, *self.block_shape[4:]]
         codec = self.codecs.at(block_index)

@@ -18,7 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
+
+from cachestore.codec.arrays import ITEMSIZE, Array, dtype_name, numel
 
 MAX_REPLIES = 1024  # remembered reply texts (text -> the ids generated for it), least recently used dropped
 
@@ -27,7 +28,7 @@ MAX_REPLIES = 1024  # remembered reply texts (text -> the ids generated for it),
 class MemoryMatch:
     """The longest kept prefix of a prompt: kv[..., :tokens] may be reused."""
 
-    kv: torch.Tensor  # [layers, 2, kv_heads, kept_tokens, head_dim], never written to
+    kv: Array  # [layers, 2, kv_heads, kept_tokens, head_dim], never written to
     tokens: int
     status: str  # "hit": the whole kept sequence (or every usable token) matched; "partial": less
 
@@ -36,7 +37,7 @@ class MemoryMatch:
 class _Entry:
     salt: bytes
     ids: np.ndarray  # int64 [tokens]
-    kv: torch.Tensor  # [layers, 2, kv_heads, tokens, head_dim]
+    kv: Array  # [layers, 2, kv_heads, tokens, head_dim]
     nbytes: int
 
 
@@ -80,12 +81,12 @@ class MemoryKV:
         whole = best_len == len(entry.ids) or best_len == len(wanted)
         return MemoryMatch(entry.kv, best_len, "hit" if whole else "partial")
 
-    def put(self, salt: bytes, seq_ids: Sequence[int], kv: torch.Tensor) -> bool:
+    def put(self, salt: bytes, seq_ids: Sequence[int], kv: Array) -> bool:
         """Keep `kv` [layers, 2, kv_heads, len(seq_ids), head_dim] (not copied: the caller hands it over and
         never writes to it again). False when it is larger than the whole budget or already held."""
-        if kv.dim() != 5 or kv.shape[3] != len(seq_ids):
+        if kv.ndim != 5 or kv.shape[3] != len(seq_ids):
             raise ValueError(f"kv {tuple(kv.shape)} does not cover {len(seq_ids)} tokens")
-        nbytes = kv.numel() * kv.element_size()
+        nbytes = numel(kv) * ITEMSIZE[dtype_name(kv)]
         if not seq_ids or nbytes > self.max_bytes:
             return False
         ids = np.asarray(seq_ids, dtype=np.int64)

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import torch
-
+from cachestore.codec.arrays import Array
 from cachestore.sessions import SessionRecord
 from service.cache.cacheview import CacheView
 from service.cache.framegate import FrameGate
@@ -34,7 +33,7 @@ class Partials:
                 and hit_blocks == len(session.token_ids) // self.block_tokens)
 
     def view(
-        self, out: torch.Tensor, hit_blocks: int, fetched: int, session: SessionRecord | None,
+        self, out: Array, hit_blocks: int, fetched: int, session: SessionRecord | None,
         prompt_ids: list[int], usable: int, tail: bytes | None = None,
     ) -> CacheView:
         """The view of a hit of `hit_blocks` blocks in `out`, extended by `tail` or the session's partial block."""
@@ -61,7 +60,7 @@ class Partials:
         status = "miss" if cached == 0 else ("hit" if cached >= target else "partial")
         return CacheView(kv, cached, hit_blocks, status, fetched)
 
-    def _apply_tail(self, value: bytes, out: torch.Tensor, start: int, prompt_ids: list[int], usable: int) -> int:
+    def _apply_tail(self, value: bytes, out: Array, start: int, prompt_ids: list[int], usable: int) -> int:
         """Decode a tail of n tokens and place the KV of its first m in out[..., start:start + m], m being as many
         as the prompt continues (a token's KV depends only on the tokens up to it: the same prompt sent again
         reuses the tail its last request left, reply tokens and all, up to the prompt's end; an edited last

@@ -12,9 +12,8 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
 from cachestore.codec import Codec, OpenFrame
+from cachestore.codec.arrays import Array
 from cachestore.codec.blockcodec import BlockCodecs
 from cachestore.errors import ConfigError
 from cachestore.hashing import BlockHash
@@ -124,8 +123,8 @@ class Pipeline:
         """Assistant messages whose exact text some pod generated: message index -> the generated ids."""
         return await self.cache.known_replies(tenant_salt, messages)
 
-    def landing_for(self, blocks: int, out: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor | None, Sequence[Target] | None]:
+    def landing_for(self, blocks: int, out: Array | None = None
+                    ) -> tuple[Array | None, Sequence[Target] | None]:
         return self.placement.landing_for(blocks, out)
 
     def open_block(self, frame: bytes | Target, index: int) -> OpenFrame | None:

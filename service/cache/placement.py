@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
+from cachestore.codec.arrays import Array, host_bytes
 from cachestore.codec.blockcodec import BlockCodecs
 from cachestore.wire import Target
 from service.engines import Engine
@@ -45,15 +44,15 @@ class Placement:
         self.slot_sizes = ((codecs.sink.plain_size(block_shape, geo.dtype), codecs.main.plain_size(block_shape,
                                                                                                   geo.dtype))
                            if codecs.main.spec.compressor in LANDING_COMPRESSORS else None)
-        self._landings = LandingPool(max_idle=max(2, engine.parallel))
+        self._landings = LandingPool(geo.dtype, max_idle=max(2, engine.parallel))
 
     @property
     def block_bytes(self) -> int | None:
         """The length of a stored block (after block 0) when it is known before it is read."""
         return self.slot_sizes[1] if self.slot_sizes is not None else None
 
-    def landing_for(self, blocks: int, out: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor | None, Sequence[Target] | None]:
+    def landing_for(self, blocks: int, out: Array | None = None
+                    ) -> tuple[Array | None, Sequence[Target] | None]:
         """A pooled buffer the lookup's frames are received into, and each block's slot in it (64-byte aligned, at
         one stride after block 0, whose codec may differ); (None, None) when this pod's frames are compressed (their
         lengths vary). Token-row frames for a context the engine lent (`out`, a llama.cpp sequence state) land in it
@@ -69,10 +68,10 @@ class Placement:
             offsets.append(end)
             end += -(-size // LANDING_ALIGN) * LANDING_ALIGN
         stage = self._landings.take(end)
-        view = stage.numpy().data  # [bytes] uint8
+        view = host_bytes(stage).data  # [bytes] uint8 (a view: the buffer is on the host)
         return stage, [view[at:at + size] for at, size in zip(offsets, sizes, strict=True)]
 
-    def _rows_into(self, out: torch.Tensor, blocks: int) -> Sequence[Target] | None:
+    def _rows_into(self, out: Array, blocks: int) -> Sequence[Target] | None:
         """Each block's target in the context `out` an engine lent (`Engine.landing_targets`), when this pod writes
         uncompressed-length token rows of its element type (`CodecSpec.rows`); else None."""
         codec = self.codecs.main
@@ -83,10 +82,10 @@ class Placement:
             return None
         return targets if len(targets[0]) == self.block_bytes else None
 
-    def release_landing(self, stage: torch.Tensor) -> None:
+    def release_landing(self, stage: Array) -> None:
         self._landings.give(stage)
 
-    def context_for(self, prompt_ids: list[int]) -> torch.Tensor:
+    def context_for(self, prompt_ids: list[int]) -> Array:
         """Where a hit is dequantized: the engine's own context when it lends one (llama.cpp: a sequence state, set
         as it is), else a pooled [layers, 2, kv_heads, capacity, head_dim] buffer with room for the prompt and the
         longest reply, so generation appends in place (hfcache.GrowingLayer); pages never written are never
@@ -96,6 +95,6 @@ class Placement:
             return lent
         return self._contexts.take(min(len(prompt_ids) + self._max_tokens_limit, self._max_context + 1))
 
-    def give_context(self, buffer: torch.Tensor) -> None:
+    def give_context(self, buffer: Array) -> None:
         if not self.engine.give_context(buffer):
             self._contexts.give(buffer)

@@ -35,10 +35,9 @@ from collections.abc import Callable, Sequence
 from concurrent import futures
 from concurrent.futures import Executor
 
-import torch
-
 from cachestore.codec import FrameRun, OpenFrame
 from cachestore.codec import attend as in_codes
+from cachestore.codec.arrays import Array, numel, ptr
 from cachestore.errors import CodecError
 from cachestore.wire import Target
 from service.engines.gate import LayerGate
@@ -52,12 +51,12 @@ class Rehydration:
 
     def __init__(
         self,
-        out: torch.Tensor,  # [layers, 2, kv_heads, capacity, head_dim]
+        out: Array,  # [layers, 2, kv_heads, capacity, head_dim]
         block_tokens: int,
         open_block: Callable[[bytes | Target, int], OpenFrame | None],
         layerwise: bool,
         on_decoded: Callable[[float], None] = lambda seconds: None,
-        landing: torch.Tensor | None = None,  # 1-D uint8: the buffer the lookup's frames were received into
+        landing: Array | None = None,  # 1-D uint8: the buffer the lookup's frames were received into
         helper: Executor | None = None,  # where a second thread shares what is left once the last chunk is in
     ) -> None:
         self.out, self.block_tokens, self.layerwise = out, block_tokens, layerwise
@@ -154,8 +153,8 @@ class Rehydration:
         """Whether `frame` was read in place from the landing and can be dequantized a layer at a time."""
         if self.landing is None or not frame.borrowed or frame.header.layer_bits or not frame.splits_by_layer:
             return False
-        at = frame.address - self.landing.data_ptr()
-        return 0 <= at < self.landing.numel()
+        at = frame.address - ptr(self.landing)
+        return 0 <= at < numel(self.landing)
 
     def _runs(self, opened: list[OpenFrame], pending: list[int]) -> tuple[list[tuple[int, FrameRun]], list[int]]:
         """The pending frames (block indices, ascending) as runs of consecutive blocks that dequantize layer by layer
@@ -179,8 +178,8 @@ class Rehydration:
         return runs, whole
 
     def _layers(self, runs: list[tuple[int, FrameRun]], whole: list[tuple[int, OpenFrame]]
-                ) -> tuple[Callable[[int], int], Callable[[int, torch.Tensor], bool], int,
-                           Callable[..., torch.Tensor | None] | None]:
+                ) -> tuple[Callable[[int], int], Callable[[int, Array], bool], int,
+                           Callable[..., Array | None] | None]:
         """`work(layer)`: that layer of every run into the context (the frames that are no run whole, first);
         returns the next layer. `fill(layer, dest)`: the same layer's cached tokens into `dest` [2, kv_heads,
         tokens, head_dim] (the runs from the landing, every other token copied from the context), not the context.
@@ -199,7 +198,7 @@ class Rehydration:
                 frame.decode_into(self.out[:, :, :, self._span(index)])
             pending_whole.clear()
 
-        def runs_into(dest: torch.Tensor, layer: int) -> None:  # dest [2, H, tokens, D]
+        def runs_into(dest: Array, layer: int) -> None:  # dest [2, H, tokens, D]
             whole_into_context()
             for (start, stop), (_, run) in zip(spans, runs, strict=True):  # [frames, 2, heads, b, dim]
                 run.decode_layer_into(dest[:, :, start:stop].view(2, heads, run.count, b, dim).permute(2, 0, 1, 3, 4),
@@ -218,7 +217,7 @@ class Rehydration:
             timed(layer, time.perf_counter() - t0)
             return layer + 1
 
-        def fill(layer: int, dest: torch.Tensor) -> bool:
+        def fill(layer: int, dest: Array) -> bool:
             tokens = dest.shape[2]
             if spans[-1][1] > tokens:
                 return False  # a cache shorter than the hit: the context's own layer is read
@@ -232,8 +231,8 @@ class Rehydration:
             timed(layer, time.perf_counter() - t0)
             return True
 
-        def attend(layer: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                   mask: torch.Tensor | None, scaling: float) -> torch.Tensor | None:
+        def attend(layer: int, query: Array, keys: Array, values: Array,
+                   mask: Array | None, scaling: float) -> Array | None:
             if spans[-1][1] > keys.shape[1] - query.shape[1]:
                 return None  # a cache shorter than the hit: the context's own layer is read
             t0 = time.perf_counter()

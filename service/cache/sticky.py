@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+from cachestore.codec.arrays import Array
 from cachestore.sessions import SessionRecord
 from service.cache.cacheview import CacheView
 from service.cache.memkv import MemoryKV
@@ -41,7 +42,7 @@ class StickyLookup:
             return CacheView(None, 0, 0, "miss", salt=tenant_salt), session
         n = found.tokens
         out = self.placement.context_for(prompt_ids)
-        await asyncio.to_thread(out[:, :, :, :n].copy_, found.kv[:, :, :, :n])  # [L, 2, H, n, D]
+        await asyncio.to_thread(_copy, out[:, :, :, :n], found.kv[:, :, :, :n])  # [L, 2, H, n, D]
         return CacheView(out[:, :, :, :n], n, 0, found.status, buffer=out, salt=tenant_salt), session
 
     async def known_replies(self, tenant_salt: bytes, messages: list[dict[str, str]]) -> dict[int, list[int]]:
@@ -59,3 +60,8 @@ class StickyLookup:
         self.memory.remember_reply(view.salt, gen.text, gen.reply_ids, self.engine.decode)
         self.metrics.bytes_held.set(self.memory.bytes_held)
         self.metrics.entries_held.set(len(self.memory))
+
+
+def _copy(dst: Array, src: Array) -> None:
+    """dst = src, element by element (numpy arrays or torch tensors alike)."""
+    dst[...] = src

@@ -15,8 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from cachestore.codec.arrays import Array
 from cachestore.hashing import BlockHash
 from cachestore.outcome import Outcome
 from cachestore.sessions import SessionRecord
@@ -106,7 +105,7 @@ class WriteBack:
 
     def early_writer(
         self, loop: asyncio.AbstractEventLoop, prompt_ids: list[int], view: CacheView
-    ) -> Callable[[Callable[[int, int], torch.Tensor]], None] | None:
+    ) -> Callable[[Callable[[int, int], Array]], None] | None:
         """The prefill hook that queues the prompt's new full blocks while the reply is being generated."""
         salt, b = view.salt, self.block_tokens
         first, full = view.held_blocks, len(prompt_ids) // b
@@ -114,7 +113,7 @@ class WriteBack:
             return None
         hashes = self.chain.hashes(salt, prompt_ids[:full * b])
 
-        def on_prefill(get_kv: Callable[[int, int], torch.Tensor]) -> None:  # on the inference thread
+        def on_prefill(get_kv: Callable[[int, int], Array]) -> None:  # on the inference thread
             try:
                 kv = get_kv(first * b, full * b)  # [L, 2, H, (full - first) * b, D]
             except Exception:  # an early write is an optimisation: the final write-back covers these blocks

@@ -7,10 +7,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from cachestore.boundary import BoundaryRecord, pack_boundary
 from cachestore.codec import Codec
+from cachestore.codec.arrays import Array
 from cachestore.codec.blockcodec import BlockCodecs
 from cachestore.errors import KvstashError
 from cachestore.hashing import BlockHash
@@ -31,7 +30,7 @@ class WriteJob:
 
     model: str
     hashes: list[BlockHash]  # hashes of the blocks to write, in order
-    kv: torch.Tensor  # [layers, 2, kv_heads, tokens, head_dim]: the sequence's KV from token `kv_from` on
+    kv: Array  # [layers, 2, kv_heads, tokens, head_dim]: the sequence's KV from token `kv_from` on
     first_block: int  # index of hashes[0] in the sequence
     block_tokens: int
     kv_from: int = 0
@@ -170,7 +169,7 @@ class BackgroundWriter:
         return ok
 
     async def write_session(
-        self, record: SessionRecord, kv: torch.Tensor | None, tail_from: int, expected_version: int | None,
+        self, record: SessionRecord, kv: Array | None, tail_from: int, expected_version: int | None,
         kv_from: int = 0,
     ) -> Result[SessionRecord | None]:
         """Encode the sequence's tokens from `tail_from` on (`kv` holds them from token `kv_from`) into the record

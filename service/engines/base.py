@@ -27,9 +27,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+import numpy as np
 
 from cachestore.codec import PlacedFrame
+from cachestore.codec.arrays import Array
 from cachestore.codec.frame import FrameHeader
 from cachestore.codec.rope import Rope
 from cachestore.hashing import ModelFingerprint
@@ -44,7 +45,9 @@ class KvGeometry:
     num_layers: int
     kv_heads: int
     head_dim: int
-    dtype: torch.dtype  # of the KV tensors exchanged with the pipeline
+    # of the KV arrays exchanged with the pipeline, in the library the engine computes with: a numpy dtype (llama.cpp's
+    # engines: the sidecar runs without torch) or a torch dtype (transformers); the pipeline allocates in the same
+    dtype: Any
     max_context: int  # tokens one sequence may hold (prompt + reply)
 
 
@@ -120,17 +123,17 @@ class Engine(ABC):
         default: this engine resumes at no boundary."""
         return "this engine keeps full-attention layers only"
 
-    def context_for(self, tokens: int) -> torch.Tensor | None:
+    def context_for(self, tokens: int) -> Array | None:
         """A [layers, 2, kv_heads, tokens, head_dim] tensor of the engine's dtype that a hit of up to `tokens` tokens
         may be dequantized into, where the engine reads it (llama.cpp: inside a sequence state); None (the default):
         the pipeline uses its own. Handed back with `give_context`."""
         return None
 
-    def give_context(self, kv: torch.Tensor) -> bool:
+    def give_context(self, kv: Array) -> bool:
         """Take back a tensor `context_for` returned; False for any other."""
         return False
 
-    def landing_targets(self, context: torch.Tensor, blocks: int, block_tokens: int,
+    def landing_targets(self, context: Array, blocks: int, block_tokens: int,
                         checksummed: bool = True) -> Sequence[Target] | None:
         """Each of `blocks` blocks' target for a token-rows frame received into `context`, a context this engine
         lent (`context_for`): its header apart, its rows where the runtime holds them; None (the default) when
@@ -145,12 +148,12 @@ class Engine(ABC):
         tensor lent (`KvLayout.rows_apart`: the frame is in place already, and nothing is dequantized)."""
         return placed_rows(header, rows, apart=self.kv_layout.rows_apart)
 
-    def mark_placed(self, context: torch.Tensor, tokens: int) -> None:
+    def mark_placed(self, context: Array, tokens: int) -> None:
         """Cells [0, tokens) of a context lent were received as rows (`landing_targets`) and verified. The default
         does nothing: no rows are received."""
         return None
 
-    def is_lent(self, kv: torch.Tensor) -> bool:
+    def is_lent(self, kv: Array) -> bool:
         """Whether `kv` starts where a context `context_for` lent starts, and that context has not come back."""
         return False
 
@@ -164,7 +167,7 @@ class Engine(ABC):
         return None
 
 
-_NO_BYTES = torch.empty(0, dtype=torch.uint8)
+_NO_BYTES = np.empty(0, dtype=np.uint8)
 
 
 def _address(view: memoryview) -> int:

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-import torch
+from cachestore.codec.arrays import Array
 
 T = TypeVar("T")
 GATE_TIMEOUT_S = 60.0  # dequantization is CPU work that always ends; this only turns a bug into an error
@@ -24,8 +24,8 @@ class LayerGate:
         self._ready = 0
         self._error: BaseException | None = None
         self._work: Callable[[int], int] | None = None
-        self._fill: Callable[[int, torch.Tensor], bool] | None = None
-        self._attend: Callable[..., torch.Tensor | None] | None = None
+        self._fill: Callable[[int, Array], bool] | None = None
+        self._attend: Callable[..., Array | None] | None = None
         self.fills_until = 0  # with `fill`: the context may lack tokens below this until each layer is waited for
         self._cond = threading.Condition()
 
@@ -39,8 +39,8 @@ class LayerGate:
             self._error = exc
             self._cond.notify_all()
 
-    def hand_over(self, work: Callable[[int], int], fill: Callable[[int, torch.Tensor], bool] | None = None,
-                  until: int = 0, attend: Callable[..., torch.Tensor | None] | None = None) -> None:
+    def hand_over(self, work: Callable[[int], int], fill: Callable[[int, Array], bool] | None = None,
+                  until: int = 0, attend: Callable[..., Array | None] | None = None) -> None:
         """The producer stops here: `work(first)` puts the layer group starting at `first` in place and returns
         where the group ends; whoever waits for a layer not in place yet runs it, on its own thread. `fill(layer,
         dest)`, where given, puts one layer's cached tokens in `dest` instead of the context (False: it cannot);
@@ -52,7 +52,7 @@ class LayerGate:
             self.fills_until = until if fill is not None else 0
             self._cond.notify_all()
 
-    def fill(self, layer: int, dest: torch.Tensor) -> bool:
+    def fill(self, layer: int, dest: Array) -> bool:
         """Put layer `layer`'s cached tokens in `dest` [2, kv_heads, tokens, head_dim] and leave the context's own
         layer as it is (a later `wait` still puts it in place). False when the layer is in place already, or the
         handed-over work cannot fill: then the caller reads the context after `wait`. Raises if the rehydration
@@ -72,7 +72,7 @@ class LayerGate:
         with self._cond:
             return self._handed(layer) and self._attend is not None
 
-    def attend(self, layer: int, *args: object) -> torch.Tensor | None:
+    def attend(self, layer: int, *args: object) -> Array | None:
         """Layer `layer`'s attention over its landed codes (`hand_over`'s `attend`), the context left as it is;
         None where it cannot (then `wait`, and attend over the context). Raises if the rehydration failed."""
         if self._ready > layer:

@@ -7,14 +7,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-if TYPE_CHECKING:
-    import torch
+from cachestore.codec.arrays import Array
 
+if TYPE_CHECKING:
     from service.engines.gate import LayerGate
 
 # on_prefill(get_kv): get_kv(start, end) -> [layers, 2, kv_heads, end - start, head_dim], a CPU copy; called
-# during the hook (llama.cpp's reads a pooled snapshot of the sequence, reused once the hook returns)
-PrefillHook = Callable[[Callable[[int, int], "torch.Tensor"]], None]  # torch: an engine's, never the codec's
+# during the hook (llama.cpp's reads a pooled snapshot of the sequence, reused once the hook returns); in the engine's
+# own array library (`KvGeometry.dtype`)
+PrefillHook = Callable[[Callable[[int, int], Array]], None]
 
 # End-of-turn tokens of common chat templates, honoured when the vocabulary has them.
 END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "</s>")
@@ -91,7 +92,7 @@ class GenRequest:
     other engine."""
 
     prompt_ids: list[int]
-    cached_kv: torch.Tensor | None = None
+    cached_kv: Array | None = None
     params: GenParams = GenParams()
     on_text: Callable[[str], None] | None = None
     on_prefill: PrefillHook | None = None
@@ -132,7 +133,7 @@ class Generation:
     ttft_s: float
     total_s: float
     seq_ids: list[int]
-    kv: torch.Tensor  # [layers, 2, kv_heads, len(seq_ids) - kv_from, head_dim] on CPU: seq_ids[kv_from:]'s KV
+    kv: Array  # [layers, 2, kv_heads, len(seq_ids) - kv_from, head_dim] on CPU: seq_ids[kv_from:]'s KV
     reply_ids: list[int] | None = None  # ids that decode to exactly `text` (no end-of-turn token); None if cut
     kv_from: int = 0  # the first token `kv` holds (the caller said it needs none before: `keep_from`)
     logprobs: list[TokenLogprob] | None = None  # one per generated token but an ending end-of-turn token

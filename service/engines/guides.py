@@ -11,13 +11,15 @@ from __future__ import annotations
 import ctypes
 import json
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from service.engines.generation import ParamError, ResponseFormat
 from service.engines.tools import CALL_CLOSE, CALL_OPEN
+
+if TYPE_CHECKING:  # the guides mask an engine's torch logits; parsing a request needs no torch
+    import torch
 
 ANY_OBJECT = '{"type": "object"}'
 # compact JSON: a model may not pad the reply with whitespace until max_tokens runs out
@@ -65,6 +67,8 @@ class LlgGuide:
     def mask(self, scores: torch.Tensor) -> None:
         self._matcher.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
         allowed = np.unpackbits(self._words.view(np.uint8), bitorder="little")[: self._vocab].astype(bool)
+        import torch  # noqa: PLC0415 - only an engine that samples torch logits masks them
+
         scores[: self._vocab][torch.from_numpy(~allowed).to(scores.device)] = float("-inf")
         scores[self._vocab:] = float("-inf")
 
@@ -126,6 +130,8 @@ class GbnfGuide:
         self._array.size, self._array.selected, self._array.sorted = n, -1, False
         self._lib.llama_sampler_apply(self._sampler, ctypes.byref(self._array))
         # the grammar sampler keeps the order and sets what it forbids to -inf
+        import torch  # noqa: PLC0415 - only an engine that samples torch logits masks them
+
         scores[:n] = torch.from_numpy(np.ascontiguousarray(self._cells["logit"]))
 
     def accept(self, token: int) -> bool:

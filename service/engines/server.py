@@ -13,8 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from cachestore.codec.arrays import Array
 from service.engines.base import Engine
 from service.engines.gate import LayerGate
 
@@ -40,7 +39,7 @@ class SlotServer(Engine):
     adapters: list[tuple[int, str]]  # the server's LoRA adapters (id, path): they shape the KV
 
     @abstractmethod
-    def lease(self, prompt_ids: Sequence[int], cached_kv: torch.Tensor | None, kv_ready: LayerGate | None = None,
+    def lease(self, prompt_ids: Sequence[int], cached_kv: Array | None, kv_ready: LayerGate | None = None,
               slots: int = 1, boundary: bytes | None = None) -> SlotLease:
         """A slot for a request of `prompt_ids` (and `slots - 1` more for its other choices), holding the prompt's
         first tokens: what the slot kept, or `cached_kv` restored into it."""

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
-import torch
+from cachestore.codec.arrays import Array, empty, empty_bytes, numel
 
 ROUND_TOKENS = 256  # capacities are rounded up so that buffers fit later, longer prompts
 LANDING_ROUND = 4 << 20  # landing buffers likewise, in bytes
@@ -48,23 +48,27 @@ class IdlePool(Generic[B]):
         return len(self._idle)
 
 
-class ContextPool(IdlePool[torch.Tensor]):
+class ContextPool(IdlePool[Array]):
     """Idle [layers, 2, kv_heads, capacity, head_dim] buffers; `take(tokens)` has room for `tokens`."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, max_idle: int = 2) -> None:
-        def make(tokens: int) -> torch.Tensor:
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: Any, max_idle: int = 2) -> None:
+        """`dtype` a numpy or torch dtype: the buffers are arrays of its library (`KvGeometry.dtype`)."""
+
+        def make(tokens: int) -> Array:
             capacity = -(-tokens // ROUND_TOKENS) * ROUND_TOKENS
-            return torch.empty((layers, 2, kv_heads, capacity, head_dim), dtype=dtype)
+            return empty((layers, 2, kv_heads, capacity, head_dim), dtype)
 
         super().__init__(lambda buf: buf.shape[3], make, max_idle)
 
 
-class LandingPool(IdlePool[torch.Tensor]):
+class LandingPool(IdlePool[Array]):
     """Idle 1-D uint8 buffers a lookup's frames are received into (`cachestore.wire`); `take(n)` holds n bytes,
     rounded up so that buffers fit later, longer lookups."""
 
-    def __init__(self, max_idle: int = 2) -> None:
-        def make(nbytes: int) -> torch.Tensor:
-            return torch.empty(-(-nbytes // LANDING_ROUND) * LANDING_ROUND, dtype=torch.uint8)
+    def __init__(self, like: Any, max_idle: int = 2) -> None:
+        """`like`: the engine's KV dtype, whose library the buffers are arrays of."""
 
-        super().__init__(lambda buf: buf.numel(), make, max_idle)
+        def make(nbytes: int) -> Array:
+            return empty_bytes(-(-nbytes // LANDING_ROUND) * LANDING_ROUND, like)
+
+        super().__init__(numel, make, max_idle)

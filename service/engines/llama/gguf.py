@@ -7,7 +7,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
 from cachestore.codec.rope import ADJACENT, HALVES, Rope
 from cachestore.errors import CodecError, ConfigError
@@ -77,7 +77,7 @@ def gguf_geometry(path: Path, max_context: int) -> KvGeometry:
     heads = _most(facts["attention.head_count"])
     kv_heads = _most(facts["attention.head_count_kv"]) or heads
     head_dim = int(facts["attention.key_length"] or _most(facts["embedding_length"]) // heads)
-    return KvGeometry(int(facts["block_count"]), kv_heads, head_dim, torch.float16, max_context)
+    return KvGeometry(int(facts["block_count"]), kv_heads, head_dim, np.dtype(np.float16), max_context)
 
 
 # How llama.cpp pairs the channels its RoPE turns, by architecture (llama.cpp's llama_model_rope_type): LLAMA_ROPE_TYPE

@@ -23,8 +23,9 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
+from cachestore.codec.arrays import Array, ptr, strides
 from cachestore.codec.rope import Rope
 from cachestore.wire import Target
 from service.engines.base import Engine, KvGeometry, KvLayout
@@ -58,7 +59,7 @@ class Lent:
 
     state: bytearray
     cells: int
-    tensor: torch.Tensor | None = None
+    tensor: Array | None = None
     placed: int = 0
     v_rows: bool = False  # V still lies as rows where the state holds it transposed (`settle` puts it in place)
 
@@ -78,7 +79,7 @@ class StateLender:
         self._lent: dict[int, Lent] = {}
         self._lock = threading.Lock()
 
-    def context_for(self, tokens: int) -> torch.Tensor | None:
+    def context_for(self, tokens: int) -> Array | None:
         """A [layers, 2, kv_heads, tokens, head_dim] context whose K and V become a state of `tokens` cells: a
         float16 view of the state, or a float32 tensor beside a q8_0 one. None where V is stored transposed (no
         rows to land in), unless the engine asked for it (`transposed_v`). Back with `give_context` once nothing reads
@@ -90,45 +91,45 @@ class StateLender:
         if self.rows_apart:  # only what is written into the tensor is ever touched
             statewrite.lay_out(buf, tokens, geo)
             g = self.geometry
-            kv = torch.empty((g.num_layers, 2, g.kv_heads, tokens, g.head_dim), dtype=g.dtype)
+            kv = np.empty((g.num_layers, 2, g.kv_heads, tokens, g.head_dim), dtype=g.dtype)
         else:
             made = statewrite.state_view(tokens, geo, into=buf, v_as_rows=self.transposed_v)
             assert made is not None
             kv = made[1]
         with self._lock:
-            self._lent[kv.data_ptr()] = Lent(buf, tokens, kv if self.rows_apart else None, v_rows=self.transposed_v)
+            self._lent[ptr(kv)] = Lent(buf, tokens, kv if self.rows_apart else None, v_rows=self.transposed_v)
         return kv
 
-    def mark_placed(self, kv: torch.Tensor, tokens: int) -> None:
+    def mark_placed(self, kv: Array, tokens: int) -> None:
         """Cells [0, tokens) of a context lent were received into its state as rows (`rows`) and verified; where rows
         lie apart from the tensor (q8_0), the cells after them are taken from the tensor (`take`)."""
         with self._lock:
-            lent = self._lent.get(kv.data_ptr())
+            lent = self._lent.get(ptr(kv))
             if lent is not None:
                 lent.placed = max(0, min(tokens, lent.cells))
 
-    def rows(self, kv: torch.Tensor, start: int, count: int) -> list[memoryview] | None:
+    def rows(self, kv: Array, start: int, count: int) -> list[memoryview] | None:
         """Where cells [start, start + count) of a context lent hold their K and V rows (per layer its K, then its V:
         a token-rows frame's payload, received there); None for any other tensor."""
         with self._lock:
-            lent = self._lent.get(kv.data_ptr())
+            lent = self._lent.get(ptr(kv))
         if lent is None or start + count > lent.cells:
             return None
         return statewrite.row_pieces(lent.state, lent.cells, self.state_geometry, start, count)
 
-    def give_back(self, kv: torch.Tensor) -> bool:
+    def give_back(self, kv: Array) -> bool:
         """Take back a context lent; False for any other tensor."""
         with self._lock:
-            lent = self._lent.pop(kv.data_ptr(), None)
+            lent = self._lent.pop(ptr(kv), None)
         if lent is None:
             return False
         self.buffers.give(lent.state)
         return True
 
-    def is_lent(self, kv: torch.Tensor) -> bool:
+    def is_lent(self, kv: Array) -> bool:
         """Whether `kv` starts where a context lent starts, and that context has not come back."""
         with self._lock:
-            return kv.data_ptr() in self._lent
+            return ptr(kv) in self._lent
 
     @property
     def lent(self) -> int:
@@ -136,12 +137,12 @@ class StateLender:
         with self._lock:
             return len(self._lent)
 
-    def take(self, cached_kv: torch.Tensor, cached: int) -> Lent | None:
+    def take(self, cached_kv: Array, cached: int) -> Lent | None:
         """The lent context `cached_kv` is (its first `cached` cells or more), with those cells in its state; None
         when it is no context lent, or a view of one in another shape. Beside a q8_0 state, the cells not received
         as rows (`mark_placed`) are quantized into the state from the tensor first. The context stays lent."""
         with self._lock:
-            lent = self._lent.get(cached_kv.data_ptr())
+            lent = self._lent.get(ptr(cached_kv))
         if lent is None or cached > lent.cells:
             return None
         if lent.tensor is not None:
@@ -150,7 +151,7 @@ class StateLender:
                                          lent.tensor[:, :, :, lent.placed:cached])
             return lent
         expected = statewrite.state_view_strides(lent.cells, self.state_geometry)
-        return lent if tuple(cached_kv.stride()) == expected else None
+        return lent if strides(cached_kv) == expected else None
 
     def settle(self, lent: Lent) -> None:
         """A lent state about to be set as it is: V put in place where it was lent as rows (once: the tensor lent no
@@ -165,33 +166,33 @@ class LendsStates(Engine):
 
     _lender: StateLender
 
-    def context_for(self, tokens: int) -> torch.Tensor | None:
+    def context_for(self, tokens: int) -> Array | None:
         """A [layers, 2, kv_heads, tokens, head_dim] context whose K and V become a pooled sequence state of `tokens`
         cells: a hit received or dequantized into it is handed to llama.cpp as it is, none assembled (a copy of the
         whole KV, 9.5 ms at 2048 SmolLM2 tokens). None where V is stored transposed. Back with `give_context` once
         nothing reads or writes it."""
         return self._lender.context_for(tokens)
 
-    def landing_targets(self, context: torch.Tensor, blocks: int, block_tokens: int,
+    def landing_targets(self, context: Array, blocks: int, block_tokens: int,
                         checksummed: bool = True) -> Sequence[Target] | None:
         """Each block's `Scatter` into the state of `context`, a context lent: its header apart, its rows where the
         state holds them (`context_rows`); None for any other tensor."""
         return row_targets(lambda start, count: self._lender.rows(context, start, count), blocks, block_tokens,
                            checksummed)
 
-    def mark_placed(self, kv: torch.Tensor, tokens: int) -> None:
+    def mark_placed(self, kv: Array, tokens: int) -> None:
         """Cells [0, tokens) of a context lent were received into its state as rows (`context_rows`) and verified."""
         self._lender.mark_placed(kv, tokens)
 
-    def context_rows(self, kv: torch.Tensor, start: int, count: int) -> list[memoryview] | None:
+    def context_rows(self, kv: Array, start: int, count: int) -> list[memoryview] | None:
         """Where cells [start, start + count) of a context lent hold their K and V rows; None for any other tensor."""
         return self._lender.rows(kv, start, count)
 
-    def give_context(self, kv: torch.Tensor) -> bool:
+    def give_context(self, kv: Array) -> bool:
         """Take back a context `context_for` lent; False for any other tensor."""
         return self._lender.give_back(kv)
 
-    def is_lent(self, kv: torch.Tensor) -> bool:
+    def is_lent(self, kv: Array) -> bool:
         """Whether `kv` starts where a context `context_for` lent starts, and that context has not come back."""
         return self._lender.is_lent(kv)
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from cachestore.codec.arrays import Array
 from cachestore.errors import ConfigError
 from cachestore.hashing import ModelFingerprint
 from service.engines import LLAMACPP_MISSING
@@ -168,7 +169,7 @@ class LlamaCppEngine(ModelProbe, LendsStates):
         """Why a boundary state read back from Redis (untrusted) cannot resume a sequence at `position`, or None."""
         return boundarystate.check_boundary(state, self.layout, position, self.state_geometry.v_trans)
 
-    def context_for(self, tokens: int) -> torch.Tensor | None:
+    def context_for(self, tokens: int) -> Array | None:
         """As `LendsStates.context_for`; None for a sliding-window or hybrid model, whose state is assembled whole
         from its blocks and its boundary record."""
         return None if self.boundary_records else super().context_for(tokens)
@@ -312,7 +313,7 @@ class LlamaCppEngine(ModelProbe, LendsStates):
         raw = self.vocab.piece(token, special=True)
         return raw.decode("utf-8", errors="replace"), raw
 
-    def _extra_choice(self, prompt: list[int], cached_kv: torch.Tensor | None, cached: int, lent: bool,
+    def _extra_choice(self, prompt: list[int], cached_kv: Array | None, cached: int, lent: bool,
                       params: GenParams, choice: int, max_new: int) -> SeqRequest:
         """Choice `choice` (> 0) of an `n` request: the cached prefix set again from `cached_kv` (a context lent as
         a state was set whole by choice 0: this one prefills the prompt), its state never read back."""
@@ -326,7 +327,7 @@ class LlamaCppEngine(ModelProbe, LendsStates):
         req.state_size, req.planned, req.keeps_state = size, cached if state is not None else 0, False
         return req
 
-    def _lent_state(self, cached_kv: torch.Tensor, cached: int) -> tuple[bytearray, int] | None:
+    def _lent_state(self, cached_kv: Array, cached: int) -> tuple[bytearray, int] | None:
         """The state of the context lent `cached_kv` is (`StateLender.take`) and how many cells it holds; None when it
         is no such context, or when setting an F16 state whole would copy more than twice the cells wanted (the cells
         past `cached` are set, then dropped: see `_admit`). A q8_0 state is set whatever its cells: it holds the
@@ -337,7 +338,7 @@ class LlamaCppEngine(ModelProbe, LendsStates):
         self._lender.settle(lent)  # V stored transposed (no flash attention): put in place now
         return lent.state, lent.cells
 
-    def score(self, cached_kv: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    def score(self, cached_kv: Array, ids: list[int]) -> torch.Tensor:
         """Logits [len(ids), vocab] of `ids` fed after the KV of cached_kv.shape[3] tokens (the quality
         bench: row j predicts ids[j + 1])."""
         n = int(cached_kv.shape[3])

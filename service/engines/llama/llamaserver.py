@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import torch
+import numpy as np
 
+from cachestore.codec.arrays import Array
 from cachestore.errors import ConfigError
 from cachestore.hashing import ModelFingerprint
 from service.engines.chat import chat_token_ids
@@ -237,7 +238,7 @@ class LlamaServerEngine(ServerHttp, LendsStates, SlotServer):
         """Why a boundary state read back from Redis (untrusted) cannot resume a slot at `position`, or None."""
         return boundarystate.check_boundary(state, self.layout, position, self.state_geometry.v_trans)
 
-    def context_for(self, tokens: int) -> torch.Tensor | None:
+    def context_for(self, tokens: int) -> Array | None:
         """As `LendsStates.context_for`; None for a sliding-window or hybrid model (its slot file is assembled from
         its blocks and its boundary record)."""
         return None if self.boundary_records else super().context_for(tokens)
@@ -338,7 +339,7 @@ class LlamaServerEngine(ServerHttp, LendsStates, SlotServer):
             kv_from=kv_from,
         )
 
-    def no_kv(self) -> torch.Tensor:
+    def no_kv(self) -> Array:
         """The KV of an empty sequence [layers, 2, kv_heads, 0, head_dim]: what a request that saved nothing writes."""
         g = self.geometry
-        return torch.empty((g.num_layers, 2, g.kv_heads, 0, g.head_dim), dtype=torch.float16)
+        return np.empty((g.num_layers, 2, g.kv_heads, 0, g.head_dim), dtype=np.float16)

@@ -1,4 +1,4 @@
-"""llama.cpp's sequence-state bytes <-> kvstash KV tensors, for the pinned llama.cpp (llama-cpp-python 0.3.36).
+"""llama.cpp's sequence-state bytes <-> kvstash KV arrays (numpy), for the pinned llama.cpp (llama-cpp-python 0.3.36).
 
 `llama_state_seq_get_data` / `set_data` exchange one sequence of the KV cache as (all little-endian):
 
@@ -28,11 +28,9 @@ exactly, so assembling the parsed tensor writes back the very bytes llama.cpp wr
 from __future__ import annotations
 
 import struct
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from cachestore.codec.q8 import Q8_BLOCK, Q8_BYTES, q8_rows_into
 from cachestore.errors import ConfigError, KvstashError
@@ -49,9 +47,9 @@ def check_kv_type(name: str) -> None:
         raise ConfigError(f"llama.cpp KV cache type {name!r}: kvstash reads {', '.join(KV_TYPES)}")
 
 
-def parsed_dtype(kv_type: int) -> torch.dtype:
+def parsed_dtype(kv_type: int) -> np.dtype:
     """What `parse_state` returns of a cache of `kv_type`: float16 of F16, float32 of Q8_0 (its values exactly)."""
-    return torch.float32 if kv_type == GGML_TYPE_Q8_0 else torch.float16
+    return np.dtype(np.float32 if kv_type == GGML_TYPE_Q8_0 else np.float16)
 
 
 def cache_tag(kv_type: int) -> str:
@@ -102,7 +100,7 @@ class StateGeometry:
         return 2 * self.row_elements
 
     @property
-    def dtype(self) -> torch.dtype:
+    def dtype(self) -> np.dtype:
         """What `parse_state` returns (`parsed_dtype`)."""
         return parsed_dtype(self.kv_type)
 
@@ -167,7 +165,7 @@ def read_facts(blob: bytes | bytearray | memoryview) -> StateFacts | None:
 
 
 def parse_state(blob: bytes | bytearray | memoryview, geo: StateGeometry, start: int = 0,
-                end: int | None = None, cells: int | None = None) -> torch.Tensor:
+                end: int | None = None, cells: int | None = None) -> np.ndarray:
     """KV of one sequence as `geo.dtype` [layers, 2, kv_heads, tokens, head_dim], tokens ordered by position; with
     `start`/`end`, only positions [start, end) (clipped to the sequence), the only ones copied. The whole state is
     validated either way, and with `cells` it must hold exactly that many tokens (whatever range is copied).
@@ -190,7 +188,7 @@ def parse_state(blob: bytes | bytearray | memoryview, geo: StateGeometry, start:
     L, H, D = geo.num_layers, geo.kv_heads, geo.head_dim
     stop = n_cells if end is None else min(max(end, 0), n_cells)
     first = min(max(start, 0), stop)
-    out = torch.empty((L, 2, H, stop - first, D), dtype=geo.dtype)  # [layers, 2, kv_heads, tokens, head_dim]
+    out = np.empty((L, 2, H, stop - first, D), dtype=geo.dtype)  # [layers, 2, kv_heads, tokens, head_dim]
     if n_cells == 0:
         return out
     meta = np.frombuffer(view, dtype=np.int32, count=3 * n_cells, offset=r.take(n_cells * CELL.size))
@@ -227,24 +225,21 @@ def _row_header(r: StateReader, geo: StateGeometry, layer: int, half: str) -> No
 
 
 def _parse_q8(view: memoryview, r: StateReader, geo: StateGeometry, n_cells: int, order: np.ndarray | slice,
-              out: torch.Tensor) -> None:
+              out: np.ndarray) -> None:
     """Every layer's K, then V, Q8_0 rows dequantized into out [layers, 2, kv_heads, tokens, head_dim] (float32)."""
-    picked = torch.from_numpy(order) if isinstance(order, np.ndarray) else order
     for half, name in enumerate(("K", "V")):
         for layer in range(geo.num_layers):
             _row_header(r, geo, layer, name)
             at = r.take(n_cells * geo.row_bytes)
-            with warnings.catch_warnings():  # read only: a read-only state (bytes) is fine
-                warnings.filterwarnings("ignore", message="The given buffer is not writable")
-                rows = torch.frombuffer(view, dtype=torch.uint8, count=n_cells * geo.row_bytes, offset=at)
-            rows = rows.view(n_cells, geo.kv_heads, geo.row_bytes // geo.kv_heads)[picked]  # [tokens, H, blocks]
-            q8_rows_into(out[layer, half].transpose(0, 1), rows)
+            rows = np.frombuffer(view, dtype=np.uint8, count=n_cells * geo.row_bytes, offset=at)  # read only
+            rows = rows.reshape(n_cells, geo.kv_heads, geo.row_bytes // geo.kv_heads)[order]  # [tokens, H, blocks]
+            q8_rows_into(out[layer, half].swapaxes(0, 1), rows)
 
 
 def _parse_f16(view: memoryview, r: StateReader, geo: StateGeometry, n_cells: int, order: np.ndarray | slice,
-               out: torch.Tensor) -> None:
+               out: np.ndarray) -> None:
     L, H, D, E = geo.num_layers, geo.kv_heads, geo.head_dim, geo.row_elements
-    out_np = out.numpy()
+    out_np = out
     for layer in range(L):
         _row_header(r, geo, layer, "K")
         rows = _f16(view, r.take(n_cells * 2 * E), n_cells * E).reshape(n_cells, H, D)

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
+from cachestore.codec.arrays import Array
 from service.engines.llama import llamastate, statewrite
 
 MAGIC = 0x67677371  # 'ggsq'
@@ -44,7 +44,7 @@ class SlotFile:
     on (all of them unless a reader asked for less)."""
 
     tokens: list[int]
-    kv: torch.Tensor
+    kv: Array
     kv_from: int = 0
     boundary: bytes = b""  # a sliding-window or hybrid model's boundary state at the end of `tokens`
 
@@ -118,7 +118,7 @@ def _head(tokens: list[int]) -> list[memoryview | bytes]:
     return [_HEADER.pack(MAGIC, VERSION, n + 4), packed.tobytes()]
 
 
-def assemble(tokens: list[int], kv: torch.Tensor, geo: llamastate.StateGeometry) -> list[memoryview | bytes]:
+def assemble(tokens: list[int], kv: Array, geo: llamastate.StateGeometry) -> list[memoryview | bytes]:
     """The pieces of the slot file holding `kv` [layers, 2, kv_heads, len(tokens), head_dim] for `tokens`,
     byte for byte what llama-server itself saves; written one after another (no joined copy of the KV)."""
     if kv.shape[3] != len(tokens):
@@ -136,7 +136,7 @@ def from_state(tokens: list[int], state: bytearray, cells: int,
     return [*_head(tokens), pieces[0][_STATE_PREFIX.size :], *pieces[1:]]
 
 
-def write(path: Path, tokens: list[int], kv: torch.Tensor, geo: llamastate.StateGeometry) -> int:
+def write(path: Path, tokens: list[int], kv: Array, geo: llamastate.StateGeometry) -> int:
     """Write the slot file for `tokens` and their `kv` to `path`; returns its size in bytes."""
     return write_pieces(path, assemble(tokens, kv, geo))
 

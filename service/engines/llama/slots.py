@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import torch
 
+from cachestore.codec.arrays import Array
 from service.engines.gate import LayerGate
 from service.engines.llama import boundarystate, llamastate, slotfile
 from service.engines.llama.lending import StateLender
@@ -115,7 +115,7 @@ class SlotKeeper:
         except (UpstreamError, httpx.HTTPError):
             log.warning("could not erase llama-server slot %d", slot)
 
-    def _restore(self, slot: Slot, tokens: list[int], kv: torch.Tensor, boundary: bytes | None = None) -> bool:
+    def _restore(self, slot: Slot, tokens: list[int], kv: Array, boundary: bytes | None = None) -> bool:
         """Put `kv` [layers, 2, kv_heads, len(tokens), head_dim] into the slot; False (a miss) on any failure."""
         name = f"{self._prefix}-slot{slot.id}.bin"
         path = self.slot_dir / name
@@ -191,7 +191,7 @@ class SlotKeeper:
                     s.tokens = []
 
     # -- a request's slot: lease, then finish -----------------------------------------------------------
-    def lease(self, prompt_ids: Sequence[int], cached_kv: torch.Tensor | None, kv_ready: LayerGate | None = None,
+    def lease(self, prompt_ids: Sequence[int], cached_kv: Array | None, kv_ready: LayerGate | None = None,
               slots: int = 1, boundary: bytes | None = None) -> SlotLease:
         """A slot for a request of `prompt_ids` (and `slots - 1` more held for its other choices), holding the
         prompt's first tokens: what the slot kept of an earlier request, or `cached_kv` [layers, 2, kv_heads, cached,

@@ -1,15 +1,16 @@
-"""kvstash KV tensors -> llama.cpp's sequence-state bytes (the layout service.engines.llama.llamastate reads): a
-state assembled from a tensor, or laid out for a hit to fill in place (a float16 view of its K and V, its rows as
-pieces), and V put in place where it is stored transposed."""
+"""kvstash KV arrays -> llama.cpp's sequence-state bytes (the layout service.engines.llama.llamastate reads): a
+state assembled from an array, or laid out for a hit to fill in place (a float16 view of its K and V, its rows as
+pieces), and V put in place where it is stored transposed. numpy throughout (an array from torch is read on the
+host): llama.cpp's engines and the sidecar run without torch."""
 
 from __future__ import annotations
 
 import struct
 
 import numpy as np
-import torch
 
 from cachestore.codec import kernels
+from cachestore.codec.arrays import Array, to_host
 from cachestore.codec.q8 import q8_rows
 from service.engines.llama.llamastate import (
     CELL,
@@ -66,12 +67,12 @@ def _buffer(n: int, geo: StateGeometry, into: bytearray | None) -> bytearray:
     return into if into is not None else bytearray(size)
 
 
-def assemble_state(kv: torch.Tensor, geo: StateGeometry, seq_id: int = 0, into: bytearray | None = None) -> bytearray:
+def assemble_state(kv: Array, geo: StateGeometry, seq_id: int = 0, into: bytearray | None = None) -> bytearray:
     """The sequence state holding `kv` [layers, 2, kv_heads, tokens, head_dim] at positions 0..tokens-1: the
     first state_size(tokens) bytes of `into` (any earlier content is overwritten; a fresh 47 MB bytearray
     costs ~17 ms of zeroing and page faults at 2048 tokens), else of a new bytearray of exactly that size."""
     L, H, D, E = geo.num_layers, geo.kv_heads, geo.head_dim, geo.row_elements
-    if kv.dim() != 5 or tuple(kv.shape[:3]) != (L, 2, H) or kv.shape[4] != D:
+    if kv.ndim != 5 or tuple(kv.shape[:3]) != (L, 2, H) or kv.shape[4] != D:
         raise StateLayoutError(f"kv {tuple(kv.shape)} does not fit [{L}, 2, {H}, tokens, {D}]")
     n = int(kv.shape[3])
     buf = _buffer(n, geo, into)
@@ -79,14 +80,15 @@ def assemble_state(kv: torch.Tensor, geo: StateGeometry, seq_id: int = 0, into: 
         _write_layout(buf, n, geo, seq_id)
         write_q8_rows(buf, n, geo, 0, kv)
         return buf
-    src = kv.detach().cpu().numpy() if kv.dtype == torch.float16 else kv.detach().cpu().float().numpy()
+    kv = to_host(kv)  # numpy (a torch tensor's values on the host)
+    src = kv if kv.dtype == np.float16 else kv.astype(np.float32)
     view = memoryview(buf)
     for layer, (k_at, v_at) in enumerate(_write_layout(buf, n, geo, seq_id)):
         rows = np.frombuffer(view, dtype=np.float16, count=n * E, offset=k_at).reshape(n, H, D)
         np.copyto(rows.transpose(1, 0, 2), src[layer, 0], casting="same_kind")  # [H, n, D]
         if geo.v_trans:
             chans = np.frombuffer(view, dtype=np.float16, count=n * E, offset=v_at).reshape(H, D, n)
-            if not kernels.transposed_into(torch.from_numpy(chans), kv[layer, 1]):  # fp16 on the CPU only
+            if not kernels.transposed_into(chans, kv[layer, 1]):  # fp16 only
                 np.copyto(chans.transpose(0, 2, 1), src[layer, 1], casting="same_kind")
         else:
             rows = np.frombuffer(view, dtype=np.float16, count=n * E, offset=v_at).reshape(n, H, D)
@@ -95,7 +97,7 @@ def assemble_state(kv: torch.Tensor, geo: StateGeometry, seq_id: int = 0, into: 
 
 
 def state_view(n: int, geo: StateGeometry, seq_id: int = 0, into: bytearray | None = None,
-               v_as_rows: bool = False) -> tuple[bytearray, torch.Tensor] | None:
+               v_as_rows: bool = False) -> tuple[bytearray, np.ndarray] | None:
     """A sequence state of `n` cells whose K and V are left to fill: the buffer (its first state_size(n) bytes, the
     rest written as `assemble_state` writes it) and a float16 [layers, 2, kv_heads, n, head_dim] view of its K and V.
     A hit dequantized into the view is a state as it is: none is assembled (a copy of the whole KV, 9.5 ms at 2048
@@ -106,8 +108,9 @@ def state_view(n: int, geo: StateGeometry, seq_id: int = 0, into: bytearray | No
         return None
     buf = _buffer(n, geo, into)
     k0 = _write_layout(buf, n, geo, seq_id)[0][0]
-    flat = torch.frombuffer(buf, dtype=torch.float16, count=state_size(n, geo) // 2)
-    kv = flat.as_strided((geo.num_layers, 2, geo.kv_heads, n, geo.head_dim), state_view_strides(n, geo), k0 // 2)
+    flat = np.frombuffer(buf, dtype=np.float16, count=state_size(n, geo) // 2)
+    kv = np.lib.stride_tricks.as_strided(flat[k0 // 2:], (geo.num_layers, 2, geo.kv_heads, n, geo.head_dim),
+                                         tuple(2 * step for step in state_view_strides(n, geo)))
     return buf, kv
 
 
@@ -121,12 +124,12 @@ def transpose_v(buf: bytearray, n: int, geo: StateGeometry) -> None:
     view = memoryview(buf)
     layer = layer_bytes(n, geo)
     v0 = first_k(n) + L * layer
-    scratch = torch.empty((1, n, E), dtype=torch.float16)
+    scratch = np.empty((1, n, E), dtype=np.float16)
     for at in range(v0, v0 + L * layer, layer):
-        region = torch.frombuffer(view, dtype=torch.float16, count=n * E, offset=at)
-        scratch.view(-1).copy_(region)
-        if not kernels.transposed_into(region.view(1, E, n), scratch):
-            region.view(E, n).copy_(scratch[0].t())
+        region = np.frombuffer(view, dtype=np.float16, count=n * E, offset=at)
+        np.copyto(scratch.reshape(-1), region)
+        if not kernels.transposed_into(region.reshape(1, E, n), scratch):
+            np.copyto(region.reshape(E, n), scratch[0].T)
 
 
 def lay_out(buf: bytearray, n: int, geo: StateGeometry, seq_id: int = 0) -> bytearray:
@@ -178,7 +181,7 @@ def state_view_strides(n: int, geo: StateGeometry) -> tuple[int, int, int, int, 
     return layer, geo.num_layers * layer, geo.head_dim, geo.row_elements, 1
 
 
-def write_q8_rows(buf: bytearray, n: int, geo: StateGeometry, start: int, kv: torch.Tensor) -> None:
+def write_q8_rows(buf: bytearray, n: int, geo: StateGeometry, start: int, kv: Array) -> None:
     """kv [layers, 2, kv_heads, count, head_dim] quantized into cells [start, start + count) of the Q8_0 state of `n`
     cells in `buf` (laid out already: `lay_out`), by `q8_rows`, which reproduces the bytes of a parsed state exactly.
     (An F16 state is written by `assemble_state`, or through `state_view`.)"""
@@ -189,4 +192,4 @@ def write_q8_rows(buf: bytearray, n: int, geo: StateGeometry, start: int, kv: to
         return
     for i, piece in enumerate(row_pieces(buf, n, geo, start, count)):
         layer, half = divmod(i, 2)
-        torch.frombuffer(piece, dtype=torch.uint8).copy_(q8_rows(kv[layer, half].transpose(0, 1)).reshape(-1))
+        np.frombuffer(piece, dtype=np.uint8)[:] = to_host(q8_rows(kv[layer, half].swapaxes(0, 1))).reshape(-1)
