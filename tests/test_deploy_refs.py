@@ -204,10 +204,10 @@ def test_images_the_manifests_run_are_built_here_or_public() -> None:
         assert container["image"] in built, (container["name"], container["image"])
 
 
-def test_sidecar_image_drops_torch_in_one_line() -> None:
-    """The sidecar's image installs no engine; torch comes in one line of its own, deleted once the core is
-    torch-free (issue #60)."""
+def test_sidecar_image_installs_no_torch_and_no_engine() -> None:
+    """The sidecar's image is the core and its `sidecar` extra: no torch (nor its index), no engine."""
     ops = instructions(ROOT / "ops" / "sidecar" / "Dockerfile")
     runs = [rest for op, rest in ops if op == "RUN"]
-    assert [r for r in runs if "torch" in r] == ['pip install --index-url "$TORCH_INDEX_URL" torch==2.13.0']
+    assert not any("torch" in r.lower() for r in runs) and not any("TORCH" in rest for _, rest in ops)
+    assert any("pip install '.[sidecar]'" in r for r in runs)
     assert not any("llama-cpp-python" in r or "[llamacpp" in r or "load_model" in r for r in runs)

@@ -142,7 +142,7 @@ async def _hit_lands_in_the_slot_state(engine: LlamaServerEngine, redis_server: 
         assert view.cached_tokens == hit and view.kv is not None and engine.is_lent(view.kv)
         assert (view.landing is None) == (codec != "int8")  # rows received in place; int8 lands, then dequantized
         if engine.kv_layout.rows_apart:
-            view.kv.fill_(float("nan"))  # the rows are in the state: nothing of the hit is read from the tensor
+            view.kv.fill(float("nan"))  # the rows are in the state: nothing of the hit is read from the tensor
 
         def assembled(*_: object) -> None:
             raise AssertionError("a lent context's slot file was assembled from a tensor")
@@ -305,15 +305,23 @@ def test_an_upstream_restarted_underneath_is_noticed_and_costs_one_miss(tmp_path
 
 
 # -- sidecar processes ----------------------------------------------------------------------------------------------
+ROOT = Path(__file__).resolve().parent.parent
+IDLE_RSS_LIMIT = 150 << 20  # a sidecar's own memory, idle (its llama-server's is the model's)
+
+
 @pytest.fixture(scope="module")
 def pods() -> Iterator[dict[str, SidecarProcess]]:
+    """Three sidecars as an operator who installed only `kvstash[sidecar]` runs them: torch cannot be imported in
+    their processes (tests.torchless_cli), so every test of them below also shows the sidecar needs none."""
     redis = RedisProcess().start()
+
+    def torchless(name: str, no_cache: bool = False) -> SidecarProcess:
+        return SidecarProcess(name, redis.url, "smollm2", ARGS, no_cache=no_cache, env={"PYTHONPATH": str(ROOT)},
+                              module="tests.torchless_cli")
+
     try:
-        with running({
-            "a": SidecarProcess("side-a", redis.url, "smollm2", ARGS),
-            "b": SidecarProcess("side-b", redis.url, "smollm2", ARGS),
-            "plain": SidecarProcess("side-plain", redis.url, "smollm2", ARGS, no_cache=True),
-        }, ready_s=180) as procs:
+        with running({"a": torchless("side-a"), "b": torchless("side-b"), "plain": torchless("side-plain", True)},
+                     ready_s=180) as procs:
             yield procs
     finally:
         redis.cleanup()
@@ -434,3 +442,18 @@ def test_metrics_count_restores_and_no_unused_restore(pods: dict[str, SidecarPro
     assert events["restores"] >= 1 and events["reuse_misses"] == 0 and events["restore_failures"] == 0
     ready = httpx.get(pods["b"].url + "/readyz").json()
     assert (ready["engine"], ready["model"]) == ("llama-server", "smollm2")
+
+
+def _rss(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) << 10
+
+
+def test_the_sidecars_run_without_torch_in_little_memory(pods: dict[str, SidecarProcess]) -> None:
+    """Every conversation above ran through sidecars that cannot import torch; none has it mapped, and each holds
+    under 150 MB while idle (what a sidecar container is sized by: llama-server's memory is the model's)."""
+    for name, pod in pods.items():
+        assert pod.proc is not None and pod.proc.poll() is None, pod.log_tail()
+        maps = Path(f"/proc/{pod.proc.pid}/maps").read_text()
+        assert "libtorch" not in maps and "/torch/" not in maps, name
+        assert _rss(pod.proc.pid) < IDLE_RSS_LIMIT, (name, _rss(pod.proc.pid) >> 20)
