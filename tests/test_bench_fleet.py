@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ops.bench.fleet import FLEETS, LABELS, find_knee, merged, rate_duration
-from ops.bench.fleetload import Workload, arrivals, make_users
+from ops.bench.fleet.command import FLEETS, LABELS, find_knee, merged, rate_duration
+from ops.bench.fleet.workload import Workload, arrivals, make_users
 from ops.cli import main
 from ops.pods import nginx_binary
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ops.bench.common import pareto_frontier
-from ops.bench.resume import _finish, _targets
+from ops.bench.resume.command import _finish, _targets
 from ops.cli import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ops.bench import qresize, quality
-from ops.bench.quality import MODES, SCORERS
+from ops.bench.quality import resize, scoring
+from ops.bench.quality.scoring import MODES, SCORERS
 
 
 def register(bench_subparsers: Any) -> None:
@@ -31,7 +31,7 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--json", type=Path, help="write rows and targets as JSON here")
     p.add_argument("--merge", action="store_true",
                    help="add this run's codec rows to the --json file's (same texts and settings), in place of any of "
-                        "the same codec and text (and --no-rope or not: ops/bench/qmerge.py)")
+                        "the same codec and text (and --no-rope or not: ops/bench/quality/merge.py)")
     p.add_argument("--resize", action="store_true",
                    help="score nothing: recompute the sizes (x fp16) of every row of the --json file with this "
                         "build's codecs, after a change to how frames are stored")
@@ -43,4 +43,4 @@ def register(bench_subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return qresize.resize(args) if args.resize else quality.run(args)
+    return resize.resize(args) if args.resize else scoring.run(args)

@@ -30,7 +30,7 @@ from typing import Any
 from cachestore.signing import MAC
 from ops import netlink
 from ops.bench.common import SAMPLE_TEXT, machine, plot_lines, print_table, write_json
-from ops.bench.resumebench import ResumeBench, result_row
+from ops.bench.resume.methods import ResumeBench, result_row
 
 CONTEXTS = [256, 512, 1024, 2048, 4096]
 LONG_CONTEXT = 8128  # the largest multiple of 64 whose prompt (+1 token) fits SmolLM2's 8192 context
@@ -79,7 +79,7 @@ def register(bench_subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _prompt_ids(engine: Any, length: int) -> list[int]:
+def prompt_ids(engine: Any, length: int) -> list[int]:
     ids = engine.text_ids(SAMPLE_TEXT.read_text(encoding="utf-8"))
     return (ids * (-(-length // len(ids))))[:length]
 
@@ -171,7 +171,7 @@ def _cache_suffix(method: str) -> str:
 async def _measure_engine(args: argparse.Namespace, bench: ResumeBench, contexts: list[int], modes: list[str],
                           suffix: str, rows: list[dict[str, Any]], profile: dict[str, Any], burst: int) -> None:
     engine = bench.engine
-    ids = _prompt_ids(engine, max([*contexts, BURST_CONTEXT if burst else 0]) + 1)
+    ids = prompt_ids(engine, max([*contexts, BURST_CONTEXT if burst else 0]) + 1)
     max_context = engine.geometry.max_context
     for context in contexts:
         if context % args.block_tokens or context + 1 >= max_context:
