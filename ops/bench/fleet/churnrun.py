@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ops.bench.common import plot_bars, print_table
+from ops import svgchart
+from ops.bench.common import print_table, write_chart
 from ops.bench.fleet import churn, phases, workload
 from ops.bench.fleet.pods import FleetPods, label
 
@@ -138,4 +139,4 @@ def plot(path: Path, runs: list[dict[str, Any]], title: str) -> None:
     names = list(dict.fromkeys(p["phase"] for r in runs for p in r["phases"]))
     groups = {r["fleet"]: [next((p["ttft_ms_p90"] for p in r["phases"] if p["phase"] == n), 0.0) for n in names]
               for r in runs}
-    plot_bars(path, names, groups, title=title, ylabel="TTFT p90, ms")
+    write_chart(path, svgchart.bars(names, groups, title=title, ylabel="TTFT p90, ms"))

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from ops import netlink
-from ops.bench.common import machine, plot_lines, print_table, write_json
+from ops import netlink, svgchart
+from ops.bench.common import check_chart, machine, print_table, write_chart, write_json
 from ops.bench.fleet import churnrun, report, workload
 from ops.bench.fleet.pods import FLEETS, LABELS, FleetPods, fleets_of, label
 
@@ -92,8 +92,9 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--json", type=Path, help="write the summary and every request as JSON here")
     p.add_argument("--merge", action="store_true",
                    help="with --json: keep the other runs the file holds, replacing this engine's (and --churn's)")
-    p.add_argument("--plot", type=Path, help="TTFT p90 against the arrival rate, a line per fleet (PNG); with "
-                   "--budget-ratios also <stem>-budget.png; with --churn TTFT p90 by phase, a bar per fleet")
+    p.add_argument("--plot", type=Path, help="an .svg file: TTFT p90 against the arrival rate, a line per fleet; "
+                   "with --budget-ratios also <stem>-budget-hits.svg and <stem>-budget-ttft.svg; with --churn "
+                   "TTFT p90 by phase, a bar per fleet")
     p.set_defaults(func=run)
 
 
@@ -278,6 +279,7 @@ def _check(args: argparse.Namespace, nproc: int) -> tuple[list[float], list[floa
     from ops.pods import nginx_binary  # noqa: PLC0415
     from service.engines import check_runtime, default_parallel  # noqa: PLC0415
 
+    check_chart(args.plot)
     rates = sorted(_floats(args.rates or (str(churnrun.CHURN_RATE) if args.churn else SWEEP_RATES), "--rates"))
     ratios = _floats(args.budget_ratios, "--budget-ratios") if args.budget_ratios else []
     known = fleets_of(args.engine)
@@ -364,10 +366,12 @@ def run(args: argparse.Namespace) -> int:
         churnrun.plot(args.plot, runs, f"TTFT p90 by phase, {args.churn}: {args.pods} {args.engine} pods, "
                         f"{args.users} users")
     elif args.plot:
-        series = {label(k, args.engine): ([r["rate"] for r in runs if r["kind"] == k],
-                                          [r["ttft_ms_p90"] for r in runs if r["kind"] == k]) for k in fleets}
-        plot_lines(args.plot, series, title=f"TTFT p90 against arrival rate: {args.pods} {args.engine} pods, "
-                   f"{args.users} users", xlabel="turns arriving per second", ylabel="TTFT p90, ms", logy=True)
+        p90 = {(r["kind"], r["rate"]): r["ttft_ms_p90"] for r in runs}
+        series = {label(k, args.engine): [p90.get((k, rate)) for rate in rates] for k in fleets}
+        write_chart(args.plot, svgchart.lines([f"{x:g}" for x in rates], series, log=True,
+                                              title=f"TTFT p90 against arrival rate: {args.pods} {args.engine} pods, "
+                                                    f"{args.users} users",
+                                              xlabel="turns arriving per second", ylabel="TTFT p90, ms (log)"))
         if budget:
-            report.plot_budget(args.plot.with_name(args.plot.stem + "-budget.png"), budget)
+            report.plot_budget(args.plot, budget)
     return 0

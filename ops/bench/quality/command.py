@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from ops.bench.common import check_chart
 from ops.bench.quality import resize, scoring
 from ops.bench.quality.scoring import MODES, SCORERS
 
@@ -38,9 +39,11 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--no-rope", action="store_true",
                    help="encode as for an engine that declares no RoPE (Gemma 3, gpt-oss, a GGUF with RoPE scaling): "
                         "/kbits ranks key channels without their RoPE pairs, /unrope is refused; rows say so")
-    p.add_argument("--plot", type=Path, help="Pareto chart: perplexity change vs bytes per token, every mode (PNG)")
+    p.add_argument("--plot", type=Path,
+                   help="Pareto chart: perplexity change vs bytes per token, every mode (an .svg file)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    check_chart(args.plot)
     return resize.resize(args) if args.resize else scoring.run(args)

@@ -26,7 +26,8 @@ import hashlib
 import math
 from typing import Any, Protocol
 
-from ops.bench.common import machine, plot_pareto, print_table, write_json
+from ops import svgchart
+from ops.bench.common import machine, pareto_frontier, print_table, write_chart, write_json
 from ops.bench.quality import merge, stats, texts
 from service.engines.generation import GenRequest
 
@@ -351,9 +352,11 @@ def run(args: argparse.Namespace) -> int:
                   "block_tokens": args.block_tokens, "size_tokens": args.size_tokens, "machine": before}
         write_json(args.json, merge.merged(args.json, report) if args.merge else report)
     if args.plot:
-        plot_pareto(args.plot, pareto_points(rows),
-                    title=f"Perplexity change vs size ({args.engine} {args.model}; bars: 95% interval over "
-                          f"{rows[0]['windows']} windows)",
-                    xlabel=f"bytes per token of a {args.size_tokens}-token context (log)",
-                    ylabel="perplexity change vs exact, % (symmetric log)", intervals=pareto_intervals(rows))
+        points = pareto_points(rows)
+        write_chart(args.plot, svgchart.scatter(
+            points, title=f"Perplexity change vs size ({args.engine} {args.model}; bars: 95% interval over "
+                          f"{rows[0]['windows']} windows; joined: nothing smaller loses less)",
+            xlabel=f"bytes per token of a {args.size_tokens}-token context (log2)",
+            ylabel="perplexity change vs exact, % (symmetric log)", logx=True, symlog=0.1,
+            joined=pareto_frontier(points), intervals=pareto_intervals(rows), fmt="+.2f"))
     return 0
