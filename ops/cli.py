@@ -17,13 +17,13 @@ COMMANDS = ["ops.serve_cmd", "ops.sidecar_cmd", "ops.demo", "ops.admin"]
 MODEL_COMMANDS = {"serve", "sidecar", "bench"}
 BENCHES = [
     "ops.bench.codec",
-    "ops.bench.store",
-    "ops.bench.budget",
-    "ops.bench.resume",
-    "ops.bench.qcommand",
-    "ops.bench.layers",
-    "ops.bench.load",
-    "ops.bench.fleet",
+    "ops.bench.store.command",
+    "ops.bench.budget.command",
+    "ops.bench.resume.command",
+    "ops.bench.quality.command",
+    "ops.bench.quality.layers",
+    "ops.bench.fleet.load",
+    "ops.bench.fleet.command",
     "ops.bench.sidecar",
     "ops.bench.sizing",
 ]

@@ -2,9 +2,9 @@
 its prefill, and what the fetch plan decides from those two timings. Without a CUDA device it says so and exits 0.
 
 Each context: one full prefill (the recompute, after a warm-up), then the pod's hit path three times over a private
-redis-server (lookup of the int8 blocks, rehydration, one forward step: ops/bench/resume.py's), then the fetch plan
-fed with that prefill rate and that read rate (service.cache.fetchplan) for the whole history: it should fetch where
-the hit was the faster and recompute where it was not.
+redis-server (lookup of the int8 blocks, rehydration, one forward step: ops/bench/resume/command.py's), then the
+fetch plan fed with that prefill rate and that read rate (service.cache.fetchplan) for the whole history: it should
+fetch where the hit was the faster and recompute where it was not.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def decide(context: int, block_tokens: int, prefill_s: float, hit_s: float, nbyt
 
 
 async def _check(device: str) -> list[dict[str, Any]]:
-    from ops.bench.resume import _prompt_ids  # noqa: PLC0415
-    from ops.bench.resumebench import ResumeBench  # noqa: PLC0415
+    from ops.bench.resume.command import prompt_ids  # noqa: PLC0415
+    from ops.bench.resume.methods import ResumeBench  # noqa: PLC0415
     from ops.redisproc import RedisProcess  # noqa: PLC0415
     from service.engines.hf.engine import HfEngine  # noqa: PLC0415
     from service.runtime import threads  # noqa: PLC0415
@@ -64,7 +64,7 @@ async def _check(device: str) -> list[dict[str, Any]]:
     rows = []
     try:
         bench = ResumeBench(engine, server.url, args)
-        ids = _prompt_ids(engine, max(CONTEXTS) + 1)
+        ids = prompt_ids(engine, max(CONTEXTS) + 1)
         for context in CONTEXTS:
             prompt = ids[:context + 1]
             times, kv = bench.recompute(prompt)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ops import churntables, sizingpage
-from ops.bench.qmerge import WITHHELD, row_name, withheld
+from ops.bench.quality.merge import WITHHELD, row_name, withheld
 from ops.resulttables import (
     Bench,
     _budget,
@@ -243,7 +243,7 @@ def hit_table() -> list[str]:
 def codec_table() -> list[str]:
     """The codec table (docs/fidelity.md): each lossy codec's size and the upper end of its perplexity change's
     interval on every held-out text of the published `bench quality` run, with the windows behind each figure."""
-    from ops.bench.texts import HELD_OUT  # noqa: PLC0415
+    from ops.bench.quality.texts import HELD_OUT  # noqa: PLC0415
 
     d = load("quality")
     if d is None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ops import svgchart
-from ops.bench.qmerge import WITHHELD, row_name, withheld
+from ops.bench.quality.merge import WITHHELD, row_name, withheld
 
 Table = list[str]
 

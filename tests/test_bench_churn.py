@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from ops import churntables
-from ops.bench import phases
-from ops.bench.churn import plan
-from ops.bench.fleet import merged
-from ops.bench.fleetload import Workload, deal, make_users, session_id
+from ops.bench.fleet import phases
+from ops.bench.fleet.churn import plan
+from ops.bench.fleet.command import merged
+from ops.bench.fleet.workload import Workload, deal, make_users, session_id
 from ops.cli import main
 from ops.pods import nginx_binary
 

@@ -1,16 +1,17 @@
 """`kvstash bench fleet` runs end to end on the smallest settings: tiny-model pods behind nginx, every fleet, budget
-pressure and the miss-overhead runs, JSON and PNGs. The structure of its report is checked, never its timings."""
+pressure and the miss-overhead runs, JSON and charts. The structure of its report is checked, never its timings."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 
-from ops.bench.fleet import FLEETS, LABELS, find_knee, merged, rate_duration
-from ops.bench.fleetload import Workload, arrivals, make_users
+from ops.bench.fleet.command import FLEETS, LABELS, find_knee, merged, rate_duration
+from ops.bench.fleet.workload import Workload, arrivals, make_users
 from ops.cli import main
 from ops.pods import nginx_binary
 
@@ -62,12 +63,12 @@ def test_the_users_start_at_every_stage_of_a_conversation() -> None:
 @pytest.mark.timeout(900)  # nine fleets started one after another: several minutes on a loaded 2-core machine
 @pytest.mark.skipif(nginx_binary() is None, reason="nginx is not installed (CI installs nginx-light in .ci/run)")
 def test_bench_fleet_tiny_every_fleet_budget_and_miss_overhead(tmp_path: Path) -> None:
-    out, png = tmp_path / "fleet.json", tmp_path / "fleet.png"
+    out, svg = tmp_path / "fleet.json", tmp_path / "fleet.svg"
     assert main(["bench", "fleet", "--engine", "hf", "--model", "tiny-random", "--codec", "exact", "--pods", "2",
                  "--users", "2", "--system-tokens", "40", "--history-tokens", "150", "--query-tokens", "8",
                  "--max-tokens", "4", "--rates", "0.5,1", "--duration-s", "4", "--base-arrivals", "3",
                  "--drain-s", "30", "--budget-mb", "64", "--budget-ratios", "2", "--miss-overhead",
-                 "--json", str(out), "--plot", str(png)]) == 0
+                 "--json", str(out), "--plot", str(svg)]) == 0
     report = json.loads(out.read_text())
     runs = report["runs"]
     assert [(r["kind"], r["rate"]) for r in runs] == [(k, rate) for k in FLEETS for rate in (0.5, 1.0)]
@@ -99,8 +100,8 @@ def test_bench_fleet_tiny_every_fleet_budget_and_miss_overhead(tmp_path: Path) -
     assert len({r["pod"] for r in rows if r["fleet"] == "kvstash"}) == 2  # round robin over both pods
     assert report["threads_per_pod"] >= 1 and report["engine"] == "hf"
     assert report["args"]["parallel"] == 8  # none named: the engine's own, as the pods were started with
-    for image in (png, png.with_name(png.stem + "-budget.png")):
-        assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for chart in (svg, svg.with_name("fleet-budget-hits.svg"), svg.with_name("fleet-budget-ttft.svg")):
+        assert ET.parse(chart).getroot().tag == "{http://www.w3.org/2000/svg}svg"
 
 
 def test_merge_keeps_other_engines_runs_and_replaces_its_own(tmp_path: Path) -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from cachestore.codec import CodecSpec
-from ops.bench.layers import RANK_FIELD, _halves, _rank
-from ops.bench.quality import pareto_intervals, pareto_points
+from ops.bench.quality.layers import RANK_FIELD, _halves, _rank
+from ops.bench.quality.scoring import pareto_intervals, pareto_points
 from ops.cli import main
 
 ARGS = ["bench", "layers", "--model", "tiny-random", "--text", "ops/data/sample.txt", "--windows", "2",

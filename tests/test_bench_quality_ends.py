@@ -6,7 +6,7 @@ import torch
 
 from cachestore.codec import read_header
 from cachestore.codec.blockcodec import BlockCodecs
-from ops.bench.quality import _cache_ends, _round_trip, _targets
+from ops.bench.quality.scoring import _cache_ends, _targets, round_trip
 
 
 def test_spread_ends_cover_every_part_of_a_block_evenly_and_stay_in_the_prefix() -> None:
@@ -22,10 +22,10 @@ def test_spread_ends_cover_every_part_of_a_block_evenly_and_stay_in_the_prefix()
 
 def test_round_trip_gives_the_partial_block_the_recent_codec() -> None:
     kv = torch.randn(2, 2, 1, 64 * 2 + 5, 8, generator=torch.Generator().manual_seed(1))
-    frames = _round_trip(BlockCodecs.for_spec("int2+zstd/g8/recent=int8"), kv, 64)
+    frames = round_trip(BlockCodecs.for_spec("int2+zstd/g8/recent=int8"), kv, 64)
     assert [read_header(f).mode for f in frames] == ["int8", "int2", "int8"]
     assert [read_header(f).tokens for f in frames] == [64, 64, 5]
-    plain = _round_trip(BlockCodecs.for_spec("int2+zstd/g8"), kv, 64)
+    plain = round_trip(BlockCodecs.for_spec("int2+zstd/g8"), kv, 64)
     assert [read_header(f).mode for f in plain] == ["int8", "int2", "int2"]
 
 

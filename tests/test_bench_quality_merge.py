@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from ops.bench.qmerge import merged
+from ops.bench.quality.merge import merged
 
 SETTINGS = {"engine": "hf", "model": "smollm2", "prefix": 512, "continuation": 256, "ends": "spread",
             "block_tokens": 64, "size_tokens": 2048}

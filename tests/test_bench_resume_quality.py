@@ -1,22 +1,23 @@
-"""`kvstash bench resume` and `bench quality` run end to end on the tiny model and write their JSON and PNG."""
+"""`kvstash bench resume` and `bench quality` run end to end on the tiny model and write their JSON and chart."""
 
 from __future__ import annotations
 
 import json
+import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
 from ops.bench.common import pareto_frontier
-from ops.bench.resume import _finish, _targets
+from ops.bench.resume.command import _finish, _targets
 from ops.cli import main
 
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SVG = "{http://www.w3.org/2000/svg}"
 
 
 def test_bench_resume_tiny_writes_rows_and_plot(tmp_path: Path) -> None:
-    out, png = tmp_path / "resume.json", tmp_path / "resume.png"
+    out, svg = tmp_path / "resume.json", tmp_path / "resume.svg"
     assert main(["bench", "resume", "--model", "tiny-random", "--contexts", "64,128", "--modes", "int8,int2",
-                 "--repeat", "1", "--recompute-repeat", "1", "--json", str(out), "--plot", str(png)]) == 0
+                 "--repeat", "1", "--recompute-repeat", "1", "--json", str(out), "--plot", str(svg)]) == 0
     report = json.loads(out.read_text())
     rows = {(r["context"], r["method"]): r for r in report["rows"]}
     methods = {"recompute", "kvstash-int8", "floor-int8", "kvstash-int2", "floor-int2", "naive"}
@@ -31,7 +32,8 @@ def test_bench_resume_tiny_writes_rows_and_plot(tmp_path: Path) -> None:
     assert 0 < int2 < int8 < rows[(128, "naive")]["bytes"]
     assert rows[(128, "kvstash-int8")]["ratio_to_floor"] > 0 and rows[(128, "recompute")]["bytes"] == 0
     assert report["targets"] == {}  # targets are set at 2048 and 8128 tokens only
-    assert png.read_bytes()[:8] == PNG_MAGIC
+    chart = ET.parse(svg).getroot()  # a line per method, a point per context
+    assert len(chart.findall(f"{SVG}polyline")) == len(methods) and len(chart.findall(f"{SVG}circle")) == len(rows)
 
 
 def test_bench_resume_times_a_signed_hit_beside_the_unsigned_one(tmp_path: Path) -> None:
@@ -62,12 +64,12 @@ def test_bench_resume_burst_reports_every_session_arriving_at_once(tmp_path: Pat
 
 
 def test_bench_quality_tiny_writes_rows_and_plot(tmp_path: Path) -> None:
-    out, png = tmp_path / "quality.json", tmp_path / "quality.png"
+    out, svg = tmp_path / "quality.json", tmp_path / "quality.svg"
     assert main(["bench", "quality", "--text", "ops/data/sample.txt", "--model", "tiny-random", "--modes",
                  "exact,int8,int2+lz4,int2/recent=int8", "--prefix", "32", "--continuation", "16", "--windows", "2",
                  "--greedy", "3",
                  "--block-tokens", "8",  # several blocks: block 0 keeps int8 (the sink), the rest int2
-                 "--size-tokens", "64", "--json", str(out), "--plot", str(png)]) == 0
+                 "--size-tokens", "64", "--json", str(out), "--plot", str(svg)]) == 0
     report = json.loads(out.read_text())
     rows = {r["mode"]: r for r in report["rows"]}
     assert set(rows) == {"exact", "int8", "int2+lz4", "int2/recent=int8"}
@@ -96,7 +98,7 @@ def test_bench_quality_tiny_writes_rows_and_plot(tmp_path: Path) -> None:
         assert r["ppl_delta_lo"] <= r["ppl_delta_pct"] <= r["ppl_delta_hi"] and r["text"] == "sample.txt"
         assert r["greedy_match_min"] <= r["greedy_match_p10"] <= r["greedy_match_median"] <= 3
     assert rows["exact"]["ppl_delta_lo"] == rows["exact"]["ppl_delta_hi"] == 0
-    assert png.read_bytes()[:8] == PNG_MAGIC
+    assert len(ET.parse(svg).getroot().findall(f"{SVG}circle")) == len(rows)  # the Pareto chart: a point a mode
 
 
 def test_bench_resume_targets_follow_each_mode_and_engine() -> None:

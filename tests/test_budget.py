@@ -9,6 +9,7 @@ import random
 import pytest
 import redis
 
+from cachestore.eviction import now_ms
 from cachestore.hashing import BlockHash
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
@@ -75,16 +76,19 @@ async def test_concurrent_puts_of_one_store_stay_in_budget(kv_server: RedisProce
 
 
 async def test_lru_order_is_respected(kv_server: RedisProcess) -> None:
+    clock = {"ms": now_ms()}  # the budget's clock, a millisecond a step: every write and touch in order
     store = BlockStore(StoreSettings.from_url(kv_server.url, namespace="lru", budget_bytes=10_000,
                                               max_value_bytes=1_000, low_watermark=0.5, index_shards=4,
-                                              eviction_policy="lru"))  # per block, by the millisecond
+                                              eviction_policy="lru"),  # per block, by the millisecond
+                       clock_ms=lambda: clock["ms"])
     try:
         for i in range(9):
+            clock["ms"] += 1
             await store.store_blocks(MODEL, [h(i)], [os.urandom(1000)])
-            await asyncio.sleep(0.003)  # distinct millisecond timestamps
+        clock["ms"] += 1
         assert len((await store.fetch(MODEL, [h(0)])).value) == 1  # touch the two oldest
         assert len((await store.fetch(MODEL, [h(1)])).value) == 1
-        await asyncio.sleep(0.003)
+        clock["ms"] += 1
         await store.store_blocks(MODEL, [h(9)], [os.urandom(1000)])  # 10,000 > 9,500: evict to 5,000
         present = [i for i in range(10) if (await store.fetch(MODEL, [h(i)])).value]
         assert present == [0, 1, 7, 8, 9]
@@ -104,7 +108,8 @@ async def test_count_recovers_when_redis_drops_keys_itself(kv_server: RedisProce
         client.delete(*keys[:3])  # as maxmemory eviction would
         for k in keys[3:5]:
             client.pexpire(k, 1)  # as a TTL would
-        await asyncio.sleep(0.05)
+        while client.exists(*keys[3:5]):  # until both expired (EXISTS drops a key past its TTL)
+            await asyncio.sleep(0.001)
         assert (await store.usage()).bytes_held == 9000  # stale until noticed
         assert (await store.fetch(MODEL, [h(0)])).value == []  # a lookup cleans what it misses
         assert (await store.usage()).bytes_held == 8000

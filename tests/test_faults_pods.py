@@ -79,6 +79,14 @@ def _audit(r: redis.Redis) -> tuple[int, int]:
     return blocks, sessions
 
 
+def _until_no_client_blocked(r: redis.Redis, timeout_s: float = 10.0) -> None:
+    """Until no client is held by the pause: the killed pod's postponed writes ran, or went with its connection."""
+    deadline = time.monotonic() + timeout_s
+    while any("b" in c["flags"] for c in r.client_list()):
+        assert time.monotonic() < deadline, "a client stayed blocked after the unpause"
+        time.sleep(0.02)
+
+
 def test_sigkill_with_writes_queued_leaves_nothing_torn(pods: dict[str, PodProcess], redis_server: RedisProcess,
                                                         figures: dict[str, object], revive: None) -> None:
     a, b, plain = pods["a"], pods["b"], pods["plain"]
@@ -95,7 +103,7 @@ def test_sigkill_with_writes_queued_leaves_nothing_torn(pods: dict[str, PodProce
         a.kill()  # SIGKILL: whatever is queued or in flight is lost, never half-written
     finally:
         r.execute_command("CLIENT", "UNPAUSE")
-    time.sleep(1.0)
+    _until_no_client_blocked(r)
     blocks, sessions = _audit(r)
     sent = correct = hits = 0
     for sid, messages in conversations.items():

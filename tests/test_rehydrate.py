@@ -85,23 +85,26 @@ def test_chunk_plan_ends_with_a_short_chunk_and_covers_every_block_once() -> Non
 
 def test_gate_releases_waiters_in_layer_order_and_reports_failure() -> None:
     gate = LayerGate(4)
-    passed: list[int] = []
+    events: list[object] = []  # what happened, in order: a release, or the layer a waiter passed
+    at_gate = {layer: threading.Event() for layer in (3, 1)}
 
     def waiter(layer: int) -> None:
+        at_gate[layer].set()
         gate.wait(layer)
-        passed.append(layer)
+        events.append(layer)
 
     threads = [threading.Thread(target=waiter, args=(layer,)) for layer in (3, 1)]
     for t in threads:
         t.start()
-    time.sleep(0.1)
-    assert passed == []
+    assert all(e.wait(5) for e in at_gate.values())  # both waiters at the gate before anything is released
+    events.append("release 2")
     gate.release(2)  # layers 0 and 1 in place
     threads[1].join(5)
-    assert passed == [1] and threads[0].is_alive()
+    assert events == ["release 2", 1] and threads[0].is_alive()
+    events.append("release 4")
     gate.release(4)
     threads[0].join(5)
-    assert passed == [1, 3]
+    assert events == ["release 2", 1, "release 4", 3]
 
     failing = LayerGate(2)
     failing.release(1)
@@ -171,8 +174,8 @@ def test_rehydration_truncates_at_a_bad_frame_and_hands_layers_over_in_order() -
 
 
 def test_the_forward_step_waits_for_cached_layers(tiny_model: object) -> None:
-    """An hf generation over a context still being rehydrated blocks until its layers are released, then
-    answers as if the context had been there all along."""
+    """An hf generation over a context still being rehydrated waits on the gate before it reads the context,
+    then answers as if the context had been there all along."""
     engine = HfEngine(tiny_model)  # type: ignore[arg-type]
     prompt = list(range(50, 90))
     full = engine.generate(GenRequest(prompt, None, GenParams(max_tokens=4)))
@@ -180,14 +183,21 @@ def test_the_forward_step_waits_for_cached_layers(tiny_model: object) -> None:
     geo = engine.geometry
     buffer = torch.zeros((geo.num_layers, 2, geo.kv_heads, 64, geo.head_dim), dtype=geo.dtype)
     gate = LayerGate(geo.num_layers)
+    waiting, go = threading.Event(), threading.Event()
+
+    def put_in_place(first: int) -> int:  # the handed-over work: run by the forward step when it needs layer 0
+        waiting.set()
+        assert go.wait(30)
+        return geo.num_layers
+
+    gate.hand_over(put_in_place)
     result: list[object] = []
     worker = threading.Thread(target=lambda: result.append(
         engine.generate(GenRequest(prompt, buffer[:, :, :, :39], GenParams(max_tokens=4), kv_ready=gate))))
     worker.start()
-    time.sleep(0.3)
-    assert worker.is_alive() and not result  # waiting on layer 0
+    assert waiting.wait(30) and not result  # the forward step waits on layer 0, before reading the context
     buffer[:, :, :, :39] = full.kv[:, :, :, :39]
-    gate.release(geo.num_layers)
+    go.set()
     worker.join(30)
     gen = result[0]
     assert gen.cached_tokens == 39 and gen.token_ids == full.token_ids  # type: ignore[attr-defined]

@@ -78,8 +78,10 @@ def test_a_noisy_tenant_cannot_evict_a_quiet_tenants_conversation(redis_server: 
         assert oldest.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert state_evictions(pod) > 0
         wait_written(pod)
-        time.sleep(0.2)  # a usage sample
-        assert metric(pod, "kvstash_tenant_bytes_held", 'tenant="quiet"') >= quiet_held
+        deadline = time.monotonic() + 10
+        while metric(pod, "kvstash_tenant_bytes_held", 'tenant="quiet"') < quiet_held:  # until a usage sample has it
+            assert time.monotonic() < deadline, "no usage sample showed the quiet tenant's bytes"
+            time.sleep(0.02)
         assert metric(pod, "kvstash_tenant_quota_bytes", 'tenant="noisy"') == quota
         assert flood.status_code == 200
         figures.update(budget_bytes=budget, quota_bytes=quota, quiet_held=quiet_held, noisy_contexts=n,

@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmarks: timing, percentiles, tables, JSON, PNG plots and machine facts."""
+"""Helpers shared by the benchmarks: timing, percentiles, tables, JSON, charts and machine facts."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from cachestore.errors import ConfigError
 
 SAMPLE_TEXT = Path(__file__).resolve().parent.parent / "data" / "sample.txt"
 
@@ -82,40 +84,19 @@ def write_json(path: Path | str, payload: Any) -> None:
     print(f"wrote {out}")
 
 
-def _save(fig: Any, path: Path | str) -> None:
-    """Legend, layout, write the figure as PNG (creating parent folders) and free it."""
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+def check_chart(path: Path | None) -> None:
+    """Refuse a `--plot` file not named .svg before a bench starts (one line, exit 2): the charts are
+    ops/svgchart.py's SVG, and a .png path would otherwise hold SVG after a long run."""
+    if path is not None and path.suffix.lower() != ".svg":
+        raise ConfigError(f"--plot writes an SVG chart: name a .svg file, not {str(path)!r}")
 
-    if fig.axes[0].get_legend() is None:
-        fig.axes[0].legend()
-    fig.tight_layout()
+
+def write_chart(path: Path | str, svg: str) -> None:
+    """Write one chart (ops/svgchart.py's text), creating parent folders."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png")
-    plt.close(fig)
+    out.write_text(svg)
     print(f"wrote {out}")
-
-
-def plot_lines(path: Path | str, series: Mapping[str, tuple[Sequence[float], Sequence[float]]], *, title: str,
-               xlabel: str, ylabel: str, logx: bool = False, logy: bool = False) -> None:
-    """One PNG line plot: {label: (xs, ys)} drawn with markers (matplotlib, Agg backend)."""
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
-    for label, (xs, ys) in series.items():
-        ax.plot(list(xs), list(ys), marker="o", label=label)
-    if logx:
-        ax.set_xscale("log", base=2)
-    if logy:
-        ax.set_yscale("log")
-    ax.set_title(title)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.grid(True, which="both", alpha=0.3)
-    _save(fig, path)
 
 
 def pareto_frontier(points: dict[str, tuple[float, float]]) -> list[str]:
@@ -126,63 +107,3 @@ def pareto_frontier(points: dict[str, tuple[float, float]]) -> list[str]:
             frontier.append(label)
             best = abs(y)
     return frontier
-
-
-def plot_pareto(path: Path | str, points: dict[str, tuple[float, float]], *, title: str, xlabel: str,
-                ylabel: str, intervals: dict[str, tuple[float, float]] | None = None) -> None:
-    """A PNG scatter of {label: (size, loss)}, each point named, the frontier (no other point both smaller and
-    closer to 0) joined by a line; x log2, y symmetric-log so losses of 0.1% and 10% both read. `intervals`:
-    {label: (low, high)} of the loss, drawn as a vertical bar through the point."""
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    fig, ax = plt.subplots(figsize=(12, 6), dpi=100)
-    items = sorted(points.items(), key=lambda kv: (kv[1][0], abs(kv[1][1])))
-    best = pareto_frontier(points)
-    frontier = [points[label] for label in best]
-    for i, (label, (x, y)) in enumerate(items, 1):  # numbered at the point, named in the legend
-        on = label in best
-        color = "tab:red" if on else "tab:blue"
-        span = (intervals or {}).get(label)
-        if span is not None:
-            ax.errorbar([x], [y], yerr=[[max(y - span[0], 0.0)], [max(span[1] - y, 0.0)]], fmt="none",
-                        ecolor=color, elinewidth=1, capsize=3, alpha=0.7, zorder=2)
-        interval = f" [{span[0]:+.2f}, {span[1]:+.2f}]" if span is not None else ""
-        ax.scatter([x], [y], s=40, color=color, zorder=3, label=f"{i}: {label} ({y:+.2f}%{interval})")
-        ax.annotate(str(i), (x, y), xytext=(-4 + 8 * (i % 3), 6 if i % 2 else -12), textcoords="offset points",
-                    fontsize=8)
-    fx, fy = zip(*sorted(frontier), strict=True)
-    ax.plot(fx, fy, color="tab:red", alpha=0.5, label="red, joined: nothing smaller loses less")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("symlog", linthresh=0.1)
-    ax.axhline(0, color="gray", lw=0.8)
-    ax.set_title(title)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, borderaxespad=0)
-    _save(fig, path)
-
-
-def plot_bars(path: Path | str, labels: Sequence[str], groups: Mapping[str, Sequence[float]], *, title: str,
-              ylabel: str, logy: bool = False) -> None:
-    """One PNG grouped bar chart: for each label a bar per group ({group: values by label})."""
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
-    width = 0.8 / max(1, len(groups))
-    for i, (name, values) in enumerate(groups.items()):
-        ax.bar([x + i * width for x in range(len(labels))], list(values), width, label=name)
-    ax.set_xticks([x + width * (len(groups) - 1) / 2 for x in range(len(labels))], list(labels))
-    if logy:
-        ax.set_yscale("log")
-    ax.set_title(title)
-    ax.set_ylabel(ylabel)
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncols=min(4, len(groups)))  # below: bars fill the top
-    _save(fig, path)

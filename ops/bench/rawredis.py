@@ -1,4 +1,5 @@
-"""The resume bench's floor reads: plain redis-py GETs of the bytes a hit fetches, as the pod chunks them."""
+"""Plain redis-py beside the store: the resume bench's floor reads (GETs of the bytes a hit fetches, as the pod chunks
+them), and an operator's --redis-url checked before a bench starts."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ def _kv(model: str, tokens: int) -> tuple[Any, Any]:
     engine that computed it."""
     import torch  # noqa: PLC0415
 
-    from ops.bench.texts import HELD_OUT, read  # noqa: PLC0415
+    from ops.bench.quality.texts import HELD_OUT, read  # noqa: PLC0415
     from service.engines import GenParams  # noqa: PLC0415
     from service.engines.hf.engine import HfEngine  # noqa: PLC0415
 

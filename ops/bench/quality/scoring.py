@@ -26,8 +26,9 @@ import hashlib
 import math
 from typing import Any, Protocol
 
-from ops.bench import qmerge, qstats, texts
-from ops.bench.common import machine, plot_pareto, print_table, write_json
+from ops import svgchart
+from ops.bench.common import machine, pareto_frontier, print_table, write_chart, write_json
+from ops.bench.quality import merge, stats, texts
 from service.engines.generation import GenRequest
 
 # /plain rows are the codecs as they were before format 2 (same bits), for the before/after table
@@ -135,7 +136,7 @@ def pareto_intervals(rows: list[dict[str, Any]]) -> dict[str, tuple[float, float
     return {f"{r['text']}: {r['spec'].split(',sink=')[0]}": (r["ppl_delta_lo"], r["ppl_delta_hi"]) for r in rows}
 
 
-def _windows(n_ids: int, span: int, count: int) -> list[int]:
+def window_starts(n_ids: int, span: int, count: int) -> list[int]:
     if n_ids < span:
         raise SystemExit(f"the text has {n_ids} tokens; a window needs {span} (lower --prefix/--continuation)")
     last = n_ids - span
@@ -144,7 +145,7 @@ def _windows(n_ids: int, span: int, count: int) -> list[int]:
     return sorted({round(i * last / (count - 1)) for i in range(count)})
 
 
-def _round_trip(codecs: Any, kv: Any, block_tokens: int) -> list[bytes]:
+def round_trip(codecs: Any, kv: Any, block_tokens: int) -> list[bytes]:
     """Frames as a pod writes them: one per full block of `block_tokens` (block 0 with the sink codec
     of `cachestore.codec.blockcodec`), the rest as the session's partial block (its /recent= codec)."""
     tokens = kv.shape[3]
@@ -177,9 +178,9 @@ def measure_sizes(scorer: Scorer, ids: list[int], modes: list[str],
 
     def per_token(mode: str) -> tuple[float, float]:
         codecs = BlockCodecs.for_spec(mode, rope=scorer.rope)
-        frames = [len(f) for f in _round_trip(codecs, kv, args.block_tokens)]
+        frames = [len(f) for f in round_trip(codecs, kv, args.block_tokens)]
         if tokens % args.block_tokens:  # else the context's frames are the first ones of the longer context's
-            whole = sum(map(len, _round_trip(codecs, kv[:, :, :, :tokens], args.block_tokens)))
+            whole = sum(map(len, round_trip(codecs, kv[:, :, :, :tokens], args.block_tokens)))
         else:
             whole = sum(frames[:tokens // args.block_tokens])
         return whole / tokens, sum(frames) / mid
@@ -200,7 +201,7 @@ def _measure(args: argparse.Namespace, scorer: Scorer, text: str) -> tuple[list[
     if "exact" not in modes:
         modes.insert(0, "exact")
     per_window: list[dict[str, Any]] = []
-    starts = _windows(len(ids), n + m, args.windows)
+    starts = window_starts(len(ids), n + m, args.windows)
     for start, cut in zip(starts, _cache_ends(n, args.block_tokens, len(starts), args.ends), strict=True):
         window = ids[start:start + n + m]
         kv = scorer.prefill(window[:cut])  # [L, 2, H, cut, D]
@@ -209,7 +210,7 @@ def _measure(args: argparse.Namespace, scorer: Scorer, text: str) -> tuple[list[
         seen: dict[bytes, tuple[Any, list[int]]] = {}  # decoded KV -> (logp, greedy)
         for mode in modes:
             codecs = BlockCodecs.for_spec(mode, rope=scorer.rope)
-            frames = _round_trip(codecs, kv, args.block_tokens)
+            frames = round_trip(codecs, kv, args.block_tokens)
             kv_mode = torch.cat([codecs.main.decode(f, device="cpu") for f in frames], dim=3)  # [L, 2, H, cut, D]
             # modes that differ only in the compressor decode to the same bits: score those once
             digest = hashlib.sha256(kv_mode.contiguous().view(torch.uint8).numpy().tobytes()).digest()
@@ -249,7 +250,7 @@ def _aggregate(per_window: list[dict[str, Any]], modes: list[str]) -> list[dict[
             "kl_mean": sum(r["kl"] for r in ws) / len(ws),
             "greedy_match_mean": sum(r["greedy_match"] for r in ws) / len(ws),
             "greedy_match_min": min(r["greedy_match"] for r in ws),
-            **{f"greedy_match_{k}": v for k, v in qstats.distribution([r["greedy_match"] for r in ws]).items()
+            **{f"greedy_match_{k}": v for k, v in stats.distribution([r["greedy_match"] for r in ws]).items()
                if k in ("p10", "median")},
             "bytes_per_token": sum(r["bytes_per_token"] for r in ws) / len(ws),
         })
@@ -258,9 +259,9 @@ def _aggregate(per_window: list[dict[str, Any]], modes: list[str]) -> list[dict[
     for r in rows:
         r["ppl_delta_pct"] = (r["ppl"] / exact["ppl"] - 1) * 100
         nll = [w["nll"] for w in per_window if w["mode"] == r["mode"]]
-        _, r["ppl_delta_lo"], r["ppl_delta_hi"] = qstats.ppl_delta_interval(nll, exact_nll)
+        _, r["ppl_delta_lo"], r["ppl_delta_hi"] = stats.ppl_delta_interval(nll, exact_nll)
         # neighbouring windows' differences alike (overlap on a short text) would make that interval too narrow
-        r["nll_delta_autocorr"] = qstats.autocorrelation(qstats.paired_deltas(nll, exact_nll))
+        r["nll_delta_autocorr"] = stats.autocorrelation(stats.paired_deltas(nll, exact_nll))
     return rows
 
 
@@ -285,7 +286,7 @@ def _targets(rows: list[dict[str, Any]], greedy_tokens: int) -> dict[str, Any]:
         # the conservative end: the upper end of the 95% interval over windows (a codec that lowers perplexity
         # costs no fidelity by this measure; its KL, reported beside, still counts the change)
         t["met"] = target_met(t)
-        out[f"{r['text']}: {qmerge.row_name(r)}"] = t
+        out[f"{r['text']}: {merge.row_name(r)}"] = t
     need, ratio = GREEDY_TARGET[0] * greedy_tokens / 32, GREEDY_TARGET[1]
     keeping = [r for r in rows if r["text"] == rows[0]["text"]  # the first text's rows
                and r["greedy_match_mean"] >= need and r["ratio_vs_fp16_ctx"] >= ratio]
@@ -349,11 +350,13 @@ def run(args: argparse.Namespace) -> int:
                   "model": args.model, "texts": [vars(t) for t in chosen], "python": texts.python_version(),
                   "prefix": args.prefix, "continuation": args.continuation, "greedy": args.greedy, "ends": args.ends,
                   "block_tokens": args.block_tokens, "size_tokens": args.size_tokens, "machine": before}
-        write_json(args.json, qmerge.merged(args.json, report) if args.merge else report)
+        write_json(args.json, merge.merged(args.json, report) if args.merge else report)
     if args.plot:
-        plot_pareto(args.plot, pareto_points(rows),
-                    title=f"Perplexity change vs size ({args.engine} {args.model}; bars: 95% interval over "
-                          f"{rows[0]['windows']} windows)",
-                    xlabel=f"bytes per token of a {args.size_tokens}-token context (log)",
-                    ylabel="perplexity change vs exact, % (symmetric log)", intervals=pareto_intervals(rows))
+        points = pareto_points(rows)
+        write_chart(args.plot, svgchart.scatter(
+            points, title=f"Perplexity change vs size ({args.engine} {args.model}; bars: 95% interval over "
+                          f"{rows[0]['windows']} windows; joined: nothing smaller loses less)",
+            xlabel=f"bytes per token of a {args.size_tokens}-token context (log2)",
+            ylabel="perplexity change vs exact, % (symmetric log)", logx=True, symlog=0.1,
+            joined=pareto_frontier(points), intervals=pareto_intervals(rows), fmt="+.2f"))
     return 0

@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from cachestore.signing import MAC
-from ops import netlink
-from ops.bench.common import SAMPLE_TEXT, machine, plot_lines, print_table, write_json
-from ops.bench.resumebench import ResumeBench, result_row
+from ops import netlink, svgchart
+from ops.bench.common import SAMPLE_TEXT, check_chart, machine, print_table, write_chart, write_json
+from ops.bench.resume.methods import ResumeBench, result_row
 
 CONTEXTS = [256, 512, 1024, 2048, 4096]
 LONG_CONTEXT = 8128  # the largest multiple of 64 whose prompt (+1 token) fits SmolLM2's 8192 context
@@ -75,11 +75,11 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--frame-key", default="", metavar="KEY",
                    help="also time each hit on a pod that signs its values with this frame key (signed-MODE rows)")
     p.add_argument("--json", type=Path, help="write rows and targets as JSON here")
-    p.add_argument("--plot", type=Path, help="draw TTFT vs context length for every method (PNG)")
+    p.add_argument("--plot", type=Path, help="draw TTFT vs context length for every method (an .svg file)")
     p.set_defaults(func=run)
 
 
-def _prompt_ids(engine: Any, length: int) -> list[int]:
+def prompt_ids(engine: Any, length: int) -> list[int]:
     ids = engine.text_ids(SAMPLE_TEXT.read_text(encoding="utf-8"))
     return (ids * (-(-length // len(ids))))[:length]
 
@@ -171,7 +171,7 @@ def _cache_suffix(method: str) -> str:
 async def _measure_engine(args: argparse.Namespace, bench: ResumeBench, contexts: list[int], modes: list[str],
                           suffix: str, rows: list[dict[str, Any]], profile: dict[str, Any], burst: int) -> None:
     engine = bench.engine
-    ids = _prompt_ids(engine, max([*contexts, BURST_CONTEXT if burst else 0]) + 1)
+    ids = prompt_ids(engine, max([*contexts, BURST_CONTEXT if burst else 0]) + 1)
     max_context = engine.geometry.max_context
     for context in contexts:
         if context % args.block_tokens or context + 1 >= max_context:
@@ -212,7 +212,8 @@ def run(args: argparse.Namespace) -> int:
     from ops.bench.rawredis import operator_redis  # noqa: PLC0415
     from ops.redisproc import RedisProcess  # noqa: PLC0415
 
-    spec = netlink.spec_of(args)  # every refusal before a model loads
+    check_chart(args.plot)  # every refusal before a model loads
+    spec = netlink.spec_of(args)
     if args.redis_url:
         operator_redis(args.redis_url)
     before = machine()
@@ -248,9 +249,10 @@ def run(args: argparse.Namespace) -> int:
                                "repeat": args.repeat, "recompute_repeat": args.recompute_repeat,
                                "machine_before": before, "machine_after": machine()})
     if args.plot:
-        methods = list(dict.fromkeys(r["method"] for r in rows))
-        series = {m: ([r["context"] for r in rows if r["method"] == m], [r["ttft_ms_p50"] for r in rows
-                                                                          if r["method"] == m]) for m in methods}
-        plot_lines(args.plot, series, title=f"Resume TTFT vs context ({args.engine}, {args.model}, CPU)",
-                   xlabel="history tokens", ylabel="TTFT p50 (ms, log)", logx=True, logy=True)
+        contexts = sorted({r["context"] for r in rows})
+        ttft = {(r["method"], r["context"]): r["ttft_ms_p50"] for r in rows}
+        series = {m: [ttft.get((m, c)) for c in contexts] for m in dict.fromkeys(r["method"] for r in rows)}
+        write_chart(args.plot, svgchart.lines([f"{c:,}" for c in contexts], series, log=True,
+                                              title=f"Resume TTFT vs context ({args.engine}, {args.model})",
+                                              xlabel="history tokens", ylabel="TTFT p50, ms (log)"))
     return 0

@@ -25,7 +25,7 @@ from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
 from ops import netlink
 from ops.bench.common import machine, write_json
-from ops.bench.storeparts import MODEL, fresh_hashes, print_link, split, summarize, timed_blocking, timeout_s
+from ops.bench.store.parts import MODEL, fresh_hashes, print_link, split, summarize, timed_blocking, timeout_s
 
 TARGET_RATIO = 0.80  # kvstash's landing read against raw redis-py reading every node at once (issue 35)
 

@@ -1,4 +1,4 @@
-"""What `bench store` and its Cluster variant (ops/bench/storecluster.py) share: payloads, timing, rows, the link."""
+"""What `bench store` and its Cluster variant (ops/bench/store/cluster.py) share: payloads, timing, rows, the link."""
 
 from __future__ import annotations
 

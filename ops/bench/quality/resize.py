@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from ops.bench import texts
 from ops.bench.common import machine, write_json
-from ops.bench.qmerge import row_name, withheld
-from ops.bench.quality import SCORERS, Scorer, measure_sizes, set_sizes, target_met
+from ops.bench.quality import texts
+from ops.bench.quality.merge import row_name, withheld
+from ops.bench.quality.scoring import SCORERS, Scorer, measure_sizes, set_sizes, target_met
 
 
 def _retired(spec: str) -> bool:

@@ -2,7 +2,7 @@
 up with (its knee): kvstash (round robin, KV in Redis), no cache, and sticky sessions (nginx `hash $session
 consistent`, KV in each pod's memory), the same pods each time.
 
-The sweep runs the workload (ops/bench/fleetload.py) at each rate of `--rates` on each fleet, the same users going
+The sweep runs the workload (ops/bench/fleet/workload.py) at each rate of `--rates` on each fleet, the same users going
 on from rate to rate, their first turns sent (unmeasured) before the first rate. A fleet keeps up with
 a rate when every turn that arrived was answered, none failed, and TTFT p90 (from the arrival, so a queue counts)
 stays within 2x its value at the lowest rate; its knee is the highest rate it and every lower one kept up with.
@@ -14,7 +14,7 @@ at each multiple of the byte budget (LRU under pressure); `--miss-overhead` runs
 kvstash on and off, interleaved (on, off, off, on: load drifting touches both alike). Pods get their share of the
 cores (threads = cores / pods). `--merge` adds the run to an existing JSON of other engines' runs (the results page
 shows every engine's fleet side by side). `--churn` runs one rate instead, while pods restart, join or die
-(ops/bench/fleetchurn.py); the fleets and their pods: ops/bench/fleetpods.py.
+(ops/bench/fleet/churnrun.py); the fleets and their pods: ops/bench/fleet/pods.py.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from ops import netlink
-from ops.bench import fleetchurn, fleetload
-from ops.bench.common import machine, plot_lines, print_table, write_json
-from ops.bench.fleetpods import FLEETS, LABELS, FleetPods, fleets_of, label
+from ops import netlink, svgchart
+from ops.bench.common import check_chart, machine, print_table, write_chart, write_json
+from ops.bench.fleet import churnrun, report, workload
+from ops.bench.fleet.pods import FLEETS, LABELS, FleetPods, fleets_of, label
 
 __all__ = ["FLEETS", "LABELS", "find_knee", "merged", "rate_duration", "register"]
 MIN_BUDGET_MB = 8  # a budget holds at least one value of the largest size (cachestore max_value_bytes)
@@ -87,13 +87,14 @@ def register(bench_subparsers: Any) -> None:
                    help="arrivals of each of the four miss-overhead runs last this long (default: --duration-s)")
     p.add_argument("--stop-at-knee", action="store_true",
                    help="stop a fleet's sweep at the first rate it does not keep up with (the knee is below it)")
-    fleetchurn.add_args(p)
+    churnrun.add_args(p)
     p.add_argument("--seed", type=int, default=35, help="seed of the arrival times")
     p.add_argument("--json", type=Path, help="write the summary and every request as JSON here")
     p.add_argument("--merge", action="store_true",
                    help="with --json: keep the other runs the file holds, replacing this engine's (and --churn's)")
-    p.add_argument("--plot", type=Path, help="TTFT p90 against the arrival rate, a line per fleet (PNG); with "
-                   "--budget-ratios also <stem>-budget.png; with --churn TTFT p90 by phase, a bar per fleet")
+    p.add_argument("--plot", type=Path, help="an .svg file: TTFT p90 against the arrival rate, a line per fleet; "
+                   "with --budget-ratios also <stem>-budget-hits.svg and <stem>-budget-ttft.svg; with --churn "
+                   "TTFT p90 by phase, a bar per fleet")
     p.set_defaults(func=run)
 
 
@@ -107,8 +108,8 @@ def _floats(text: str, name: str) -> list[float]:
     return values
 
 
-def _workload(args: argparse.Namespace, reuse: bool = True) -> fleetload.Workload:
-    return fleetload.Workload(args.users, args.system_tokens, args.history_tokens, args.query_tokens, args.max_tokens,
+def _workload(args: argparse.Namespace, reuse: bool = True) -> workload.Workload:
+    return workload.Workload(args.users, args.system_tokens, args.history_tokens, args.query_tokens, args.max_tokens,
                               shared_system=not args.per_user_system and reuse, reuse=reuse)
 
 
@@ -117,10 +118,10 @@ def _calibrate(args: argparse.Namespace, url: str) -> dict[str, Any]:
     import time  # noqa: PLC0415
 
     wl = _workload(args)
-    user = fleetload.ChatUser(fleetload.Workload(1, wl.system_tokens, wl.history_tokens, wl.query_tokens,
+    user = workload.ChatUser(workload.Workload(1, wl.system_tokens, wl.history_tokens, wl.query_tokens,
                                                  wl.max_tokens, shared_system=False), "calibrate", 0)
     start = time.monotonic()
-    rows = [fleetload.send_turn(user, args.model_name, url, 0.0, time.monotonic(), start + 900, False, seq)
+    rows = [workload.send_turn(user, args.model_name, url, 0.0, time.monotonic(), start + 900, False, seq)
             for seq in range(4)]
     ok = [r for r in rows if r.get("status") == 200]
     if len(ok) < 3:
@@ -163,17 +164,17 @@ def _sweep(args: argparse.Namespace, redis_url: str, kind: str, rates: list[floa
                   f"{calibration['bound']:.2f}x", flush=True)
         # one set of users for the whole sweep, their first turns sent before it: each rate sees conversations
         # under way (a user starts a new one after max_turns), not every user's opening at once
-        users = fleetload.make_users(_workload(args), kind)
-        warm = fleetload.warm_up(users, args.model_name, url, kind == "sticky")
+        users = workload.make_users(_workload(args), kind)
+        warm = workload.warm_up(users, args.model_name, url, kind == "sticky")
         if any(r.get("status") != 200 for r in warm):
             raise SystemExit(f"[{label(kind, args.engine)}] the warm-up turns failed: {warm}")
         for i, rate in enumerate(rates):
             duration = rate_duration(args, rate, i == 0)
-            rows, _ = fleetload.drive(_workload(args), url, args.model_name, rate, duration,
+            rows, _ = workload.drive(_workload(args), url, args.model_name, rate, duration,
                                       tag=f"{kind}-{i}", seed=args.seed + i, sticky=kind == "sticky",
                                       drain_s=args.drain_s, users=users, skew=args.skew)
             run = {"fleet": label(kind, args.engine), "kind": kind, "duration_s": duration,
-                   **fleetload.stats(rows, rate, duration)}
+                   **workload.stats(rows, rate, duration)}
             print(f"[{run['fleet']}] {rate:g}/s: {run['ok']}/{run['arrivals']} ok, {run['failed']} failed, "
                   f"TTFT p90 {run['ttft_ms_p90']:.0f} ms, hit {run['hit_rate']:.2f}", flush=True)
             runs.append(run)
@@ -196,9 +197,9 @@ def _budget_pressure(args: argparse.Namespace, redis_url: str, rate: float, rati
     def one(label: str, budget_mb: int, n: int) -> dict[str, Any]:
         namespace = f"fleet-budget-{n}"
         with FleetPods(args, redis_url, "kvstash", namespace, budget_mb) as fleet:
-            users = fleetload.make_users(_workload(args), "budget")
-            fleetload.warm_up(users, args.model_name, fleet.url, False)  # the same conversations in every run
-            rows, _ = fleetload.drive(_workload(args), fleet.url, args.model_name, rate, duration, tag="budget",
+            users = workload.make_users(_workload(args), "budget")
+            workload.warm_up(users, args.model_name, fleet.url, False)  # the same conversations in every run
+            rows, _ = workload.drive(_workload(args), fleet.url, args.model_name, rate, duration, tag="budget",
                                       seed=args.seed, sticky=False, drain_s=args.drain_s, users=users,
                                       skew=args.skew)
         settings = StoreSettings.from_url(redis_url, namespace=namespace, budget_bytes=budget_mb << 20)
@@ -206,7 +207,7 @@ def _budget_pressure(args: argparse.Namespace, redis_url: str, rate: float, rati
             usage = store.usage()
         requests.extend({**r, "fleet": "budget", "budget_mb": budget_mb} for r in rows)
         run = {"fleet": label, "budget_mb": budget_mb, "bytes_held": usage.bytes_held,
-               **fleetload.stats(rows, rate, duration)}
+               **workload.stats(rows, rate, duration)}
         print(f"[budget {label}] {budget_mb} MiB: hit {run['hit_rate']:.2f}, TTFT p50 {run['ttft_ms_p50']:.0f} ms",
               flush=True)
         return run
@@ -237,14 +238,14 @@ def _miss_overhead(args: argparse.Namespace, redis_url: str, rate: float,
     for n, kind in enumerate(MISS_ORDER):
         seed = args.seed + len(per_run[kind])  # the same for the k-th run of either side
         with FleetPods(args, redis_url, kind, f"fleet-miss-{kind}-{n}", args.budget_mb) as fleet:
-            rows, _ = fleetload.drive(_workload(args, reuse=False), fleet.url, args.model_name, rate, duration,
+            rows, _ = workload.drive(_workload(args, reuse=False), fleet.url, args.model_name, rate, duration,
                                       tag=f"miss-{kind}-{n}", seed=seed, sticky=False, drain_s=args.drain_s)
         requests += [{**r, "fleet": f"miss-{kind}", "rate": rate} for r in rows]
         rows_of[kind] += rows
-        per_run[kind].append(fleetload.stats(rows, rate, duration))
+        per_run[kind].append(workload.stats(rows, rate, duration))
     runs = []
     for kind in ("kvstash", "off"):
-        pooled = fleetload.stats(rows_of[kind], rate, duration)  # latencies over every run's turns
+        pooled = workload.stats(rows_of[kind], rate, duration)  # latencies over every run's turns
         for key in ("completion_tokens_per_s", "prompt_tokens_per_s"):  # rates: the mean of the runs'
             pooled[key] = statistics.mean(r[key] for r in per_run[kind])
         runs.append({"fleet": f"no reuse, {label(kind, args.engine)}", "kind": kind, "runs": len(per_run[kind]),
@@ -255,8 +256,8 @@ def _miss_overhead(args: argparse.Namespace, redis_url: str, rate: float,
     return runs
 
 
-def merged(path: Path, report: dict[str, Any]) -> dict[str, Any]:
-    """{"engines": [...]}: the reports `path` holds (one, or several merged before) with `report` in place of any
+def merged(path: Path, result: dict[str, Any]) -> dict[str, Any]:
+    """{"engines": [...]}: the reports `path` holds (one, or several merged before) with `result` in place of any
     of its engine and churn events, ordered by engine then events; machine_before is the first report's (the
     page's machine line)."""
     import json  # noqa: PLC0415
@@ -268,7 +269,7 @@ def merged(path: Path, report: dict[str, Any]) -> dict[str, Any]:
     def key(r: dict[str, Any]) -> tuple[str, str]:
         return r["engine"], r.get("churn", "")
 
-    reports = sorted([r for r in held if key(r) != key(report)] + [report], key=key)
+    reports = sorted([r for r in held if key(r) != key(result)] + [result], key=key)
     return {"engines": reports, "machine_before": reports[0]["machine_before"]}
 
 
@@ -278,7 +279,8 @@ def _check(args: argparse.Namespace, nproc: int) -> tuple[list[float], list[floa
     from ops.pods import nginx_binary  # noqa: PLC0415
     from service.engines import check_runtime, default_parallel  # noqa: PLC0415
 
-    rates = sorted(_floats(args.rates or (str(fleetchurn.CHURN_RATE) if args.churn else SWEEP_RATES), "--rates"))
+    check_chart(args.plot)
+    rates = sorted(_floats(args.rates or (str(churnrun.CHURN_RATE) if args.churn else SWEEP_RATES), "--rates"))
     ratios = _floats(args.budget_ratios, "--budget-ratios") if args.budget_ratios else []
     known = fleets_of(args.engine)
     fleets = [f.strip() for f in args.fleets.split(",") if f.strip()] if args.fleets else list(known)
@@ -291,7 +293,7 @@ def _check(args: argparse.Namespace, nproc: int) -> tuple[list[float], list[floa
         raise SystemExit("--flash-attn is llama.cpp's setting: it takes --engine llamacpp or llama-server")
     if not 0 <= args.parallel <= 64:
         raise SystemExit("--parallel must be in 0..64 (0: the engine's own)")
-    events = fleetchurn.check(args, rates, nproc)
+    events = churnrun.check(args, rates, nproc)
     if nginx_binary() is None:
         raise SystemExit("bench fleet runs through nginx: install it (apt-get install nginx-light)")
     check_runtime(args.engine)
@@ -313,7 +315,6 @@ def _check(args: argparse.Namespace, nproc: int) -> tuple[list[float], list[floa
 
 
 def run(args: argparse.Namespace) -> int:
-    from ops.bench import fleetreport  # noqa: PLC0415
     from ops.redisproc import RedisProcess  # noqa: PLC0415
 
     before = machine()
@@ -334,7 +335,7 @@ def run(args: argparse.Namespace) -> int:
         miss: list[dict[str, Any]] = []
         try:
             if events:
-                runs = fleetchurn.run(args, redis_url, fleets, events, rates[0], _workload(args), requests)
+                runs = churnrun.run(args, redis_url, fleets, events, rates[0], _workload(args), requests)
             for kind in fleets if not events else []:
                 fleet_runs, cal = _sweep(args, redis_url, kind, rates, requests)
                 knees[kind] = find_knee(fleet_runs)
@@ -348,27 +349,29 @@ def run(args: argparse.Namespace) -> int:
             if redis is not None:
                 redis.cleanup()
     if events:
-        fleetchurn.print_phases(runs)
-        report: dict[str, Any] = {"engine": args.engine, "churn": args.churn, "skew": args.skew, "runs": runs}
+        churnrun.print_phases(runs)
+        result: dict[str, Any] = {"engine": args.engine, "churn": args.churn, "skew": args.skew, "runs": runs}
     else:
-        targets = fleetreport.targets(runs, knees, calibration)
+        targets = report.targets(runs, knees, calibration)
         print_table(runs, COLUMNS)
-        fleetreport.print_summary(knees, calibration, targets, budget, miss)
-        report = {"engine": args.engine, "runs": runs, "knees": knees, "calibration": calibration,
+        report.print_summary(knees, calibration, targets, budget, miss)
+        result = {"engine": args.engine, "runs": runs, "knees": knees, "calibration": calibration,
                   "targets": targets, "budget_pressure": budget, "miss_overhead": miss}
     if args.json:
-        report.update(threads_per_pod=args.threads, requests=requests, machine_before=before, machine_after=machine(),
+        result.update(threads_per_pod=args.threads, requests=requests, machine_before=before, machine_after=machine(),
                       **({"link": link.as_json()} if link is not None else {}),
                       args={k: v for k, v in vars(args).items() if k != "func" and not isinstance(v, Path)})
-        write_json(args.json, merged(args.json, report) if args.merge else report)
+        write_json(args.json, merged(args.json, result) if args.merge else result)
     if args.plot and events:
-        fleetchurn.plot(args.plot, runs, f"TTFT p90 by phase, {args.churn}: {args.pods} {args.engine} pods, "
+        churnrun.plot(args.plot, runs, f"TTFT p90 by phase, {args.churn}: {args.pods} {args.engine} pods, "
                         f"{args.users} users")
     elif args.plot:
-        series = {label(k, args.engine): ([r["rate"] for r in runs if r["kind"] == k],
-                                          [r["ttft_ms_p90"] for r in runs if r["kind"] == k]) for k in fleets}
-        plot_lines(args.plot, series, title=f"TTFT p90 against arrival rate: {args.pods} {args.engine} pods, "
-                   f"{args.users} users", xlabel="turns arriving per second", ylabel="TTFT p90, ms", logy=True)
+        p90 = {(r["kind"], r["rate"]): r["ttft_ms_p90"] for r in runs}
+        series = {label(k, args.engine): [p90.get((k, rate)) for rate in rates] for k in fleets}
+        write_chart(args.plot, svgchart.lines([f"{x:g}" for x in rates], series, log=True,
+                                              title=f"TTFT p90 against arrival rate: {args.pods} {args.engine} pods, "
+                                                    f"{args.users} users",
+                                              xlabel="turns arriving per second", ylabel="TTFT p90, ms (log)"))
         if budget:
-            fleetreport.plot_budget(args.plot.with_name(args.plot.stem + "-budget.png"), budget)
+            report.plot_budget(args.plot, budget)
     return 0

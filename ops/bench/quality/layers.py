@@ -1,13 +1,13 @@
 """`kvstash bench layers`: which layers of your model are worth more bits, measured on calibration text only.
 
 The calibration procedure behind a per-layer bit allocation (`/k5=`, `/v5=` of int4 and `/k3=`, `/v3=` of int2, on a
-base with `/s8`). For several windows of the calibration texts (never the ones claims are made on:
-`ops/bench/texts.py`), the prefix's KV is round-tripped block by block as a pod stores it, through the base codec and
-through the upgrade (every layer one bit more; same group and options), and then, for every layer and for its keys and
-its values apart, that one half is put back from the upgrade into the all-base KV and the next tokens scored: the mean
-KL(exact || codec) of their next-token distributions, and how much the upgrade of that half alone lowers it. Halves
-are ranked by that gain; the suggestion takes them in rank order while the encoded size of a `--size-tokens` context
-stays at least `--min-ratio` times smaller than fp16 (the mode's size target by default), and is then scored itself.
+base with `/s8`). For several windows of the calibration texts (never the ones claims are made on: `texts.py`), the
+prefix's KV is round-tripped block by block as a pod stores it, through the base codec and through the upgrade
+(every layer one bit more; same group and options), and then, for every layer and for its keys and its values apart,
+that one half is put back from the upgrade into the all-base KV and the next tokens scored: the mean KL(exact ||
+codec) of their next-token distributions, and how much the upgrade of that half alone lowers it. Halves are ranked by
+that gain; the suggestion takes them in rank order while the encoded size of a `--size-tokens` context stays at least
+`--min-ratio` times smaller than fp16 (the mode's size target by default), and is then scored itself.
 
     kvstash bench layers --base int4+zstd/kbits/s8/unrope --min-ratio 3.5    # value layers of int4 at 5 bits
     kvstash bench layers --base int2+zstd:16/rotv/clip/outk/symv/s8 --text my_calibration.txt --json layers.json
@@ -22,9 +22,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ops.bench import qstats, texts
 from ops.bench.common import machine, print_table, write_json
-from ops.bench.quality import FP16_BYTES, SCORERS, SIZE_TARGETS, _round_trip, _windows
+from ops.bench.quality import stats, texts
+from ops.bench.quality.scoring import FP16_BYTES, SCORERS, SIZE_TARGETS, round_trip, window_starts
 
 UPGRADES = ("bit",)  # --upgrade: one bit more (int8 layers and the other grouped precision are retired codecs)
 RANK_FIELD = {"relative": "window_share_pct", "mean": "kl_gain"}  # --rank: the field halves are ranked by
@@ -107,22 +107,22 @@ def _size(kv: Any, spec: Any, block_tokens: int, rope: Any = None) -> float:
     """Bytes per token of `kv` encoded as a pod stores it (sink block, headers); `rope` the model's."""
     from cachestore.codec.blockcodec import BlockCodecs  # noqa: PLC0415
 
-    return sum(map(len, _round_trip(BlockCodecs.for_spec(spec, rope=rope), kv, block_tokens))) / kv.shape[3]
+    return sum(map(len, round_trip(BlockCodecs.for_spec(spec, rope=rope), kv, block_tokens))) / kv.shape[3]
 
 
 def _rank(half_kl: dict[tuple[int, int], list[float]], base_kl: list[float], by: str) -> list[dict[str, Any]]:
     """Every (layer, half) with its KL per window once raised alone, its gain over the all-base KL `base_kl` (mean,
     t-interval, share of the mean base KL, mean share of each window's), best first by `by` (RANK_FIELD)."""
-    base_mean = qstats.mean(base_kl)
+    base_mean = stats.mean(base_kl)
     ranked: list[dict[str, Any]] = []
     for (layer, half), kls in half_kl.items():
         gains = [b - k for b, k in zip(base_kl, kls, strict=True)]
-        gain, lo_g, hi_g = qstats.t_interval(gains)
+        gain, lo_g, hi_g = stats.t_interval(gains)
         shares = [g / b if b > 0 else 0.0 for g, b in zip(gains, base_kl, strict=True)]
-        ranked.append({"layer": layer, "half": half, "part": "KV"[half], "kl": qstats.mean(kls), "kl_gain": gain,
+        ranked.append({"layer": layer, "half": half, "part": "KV"[half], "kl": stats.mean(kls), "kl_gain": gain,
                        "kl_gain_lo": lo_g, "kl_gain_hi": hi_g, "kl_windows": kls,
                        "share_pct": 100 * gain / base_mean if base_mean > 0 else 0.0,
-                       "window_share_pct": 100 * qstats.mean(shares)})
+                       "window_share_pct": 100 * stats.mean(shares)})
     ranked.sort(key=lambda r: r[RANK_FIELD[by]], reverse=True)
     for rank, r in enumerate(ranked, 1):
         r["rank"] = rank
@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
 
     def trip(spec: Any, kv: Any) -> Any:
         codecs = BlockCodecs.for_spec(spec, rope=scorer.rope)
-        frames = _round_trip(codecs, kv, args.block_tokens)
+        frames = round_trip(codecs, kv, args.block_tokens)
         return torch.cat([codecs.main.decode(f, device="cpu") for f in frames], dim=3)
 
     windows: list[tuple[Any, list[int], Any]] = []  # (kv, window ids, exact log-probs)
@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         ids = scorer.text_ids(texts.read(text))
         if size_kv is None:
             size_kv = scorer.prefill((ids * -(-args.size_tokens // len(ids)))[:args.size_tokens])
-        for start in _windows(len(ids), n + m, args.windows):
+        for start in window_starts(len(ids), n + m, args.windows):
             window = ids[start:start + n + m]
             kv = scorer.prefill(window[:n - 1])
             windows.append((kv, window, torch.log_softmax(scorer.logits(kv, window[n - 1:-1]), dim=-1)))
@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
             mixed[layer, half] = hi[layer, half]
             kls.append(kl_of(mixed, window, ref))
         print(f"window {i + 1}/{len(windows)}: base KL {base_kl[-1]:.3e}, all {up_name} {up_kl[-1]:.3e}", flush=True)
-    base_mean = qstats.mean(base_kl)
+    base_mean = stats.mean(base_kl)
     ranked = _rank(half_kl, base_kl, args.rank)
     suggested, ratio = _suggest(ranked, base, size_kv, args, min_ratio, scorer.rope)
     fp16 = size_kv.shape[0] * 2 * size_kv.shape[2] * size_kv.shape[4] * FP16_BYTES
@@ -218,8 +218,8 @@ def run(args: argparse.Namespace) -> int:
         sug_d.append(nll_of(mixed, window))
         exact_nll.append(nll_of(kv, window))
     base_d = [nll_of(trip(base, kv), window) for kv, window, _ in windows]
-    b_pct, b_lo, b_hi = qstats.ppl_delta_interval(base_d, exact_nll)
-    s_pct, s_lo, s_hi = qstats.ppl_delta_interval(sug_d, exact_nll)
+    b_pct, b_lo, b_hi = stats.ppl_delta_interval(base_d, exact_nll)
+    s_pct, s_lo, s_hi = stats.ppl_delta_interval(sug_d, exact_nll)
     print(f"{args.engine} {args.model}, base {base.name()}, upgrade to {up_name}; {len(windows)} windows of "
           f"{', '.join(t.name for t in chosen_texts)}, {n}-token prefix, next {m} tokens; KL gain of raising one "
           f"half alone (95% t-interval over windows); ranked by {args.rank}")
@@ -230,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     flag = str(UP_BITS[base.mode])
     print(f"base       {base.name()}: KL {base_mean:.3e}, ppl {b_pct:+.3f}% [{b_lo:+.3f}, {b_hi:+.3f}], "
           f"{base_ratio:.2f}x fp16")
-    print(f"suggested  {suggested.name()}: KL {qstats.mean(sug_kl):.3e}, ppl {s_pct:+.3f}% [{s_lo:+.3f}, "
+    print(f"suggested  {suggested.name()}: KL {stats.mean(sug_kl):.3e}, ppl {s_pct:+.3f}% [{s_lo:+.3f}, "
           f"{s_hi:+.3f}], {ratio:.2f}x fp16 (>= {min_ratio}x at {args.size_tokens} tokens; /k{flag}= /v{flag}= "
           f"layers from this ranking)")
     print("confirm it on held-out text: kvstash bench quality --modes exact," + suggested.name())
@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
         write_json(args.json, {
             "ranked": ranked, "rank": args.rank, "base": base.name(), "upgrade": up_name, "base_kl": base_mean,
             "base_kl_windows": base_kl, "suggested_kl_windows": sug_kl, "all_up_kl":
-            qstats.mean(up_kl), "suggested": suggested.name(), "suggested_kl": qstats.mean(sug_kl),
+            stats.mean(up_kl), "suggested": suggested.name(), "suggested_kl": stats.mean(sug_kl),
             "suggested_ppl_delta_pct": s_pct, "suggested_ppl_delta_lo": s_lo, "suggested_ppl_delta_hi": s_hi,
             "base_ppl_delta_pct": b_pct, "base_ppl_delta_lo": b_lo, "base_ppl_delta_hi": b_hi,
             "suggested_ratio_vs_fp16": ratio, "base_ratio_vs_fp16": base_ratio, "min_ratio": min_ratio,

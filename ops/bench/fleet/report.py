@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ops.bench.common import print_table
+from ops import svgchart
+from ops.bench.common import print_table, write_chart
 
 BUDGET_COLUMNS = [("fleet", "run", ""), ("budget_mb", "budget MiB", "d"), ("ratio", "working set / budget", ".2f"),
                   ("hit_rate", "hit", ".2f"), ("ttft_ms_p50", "TTFT p50", ".0f"), ("ttft_ms_p90", "p90", ".0f"),
@@ -57,28 +58,13 @@ def print_summary(knees: dict[str, float], calibration: dict[str, Any] | None, f
 
 
 def plot_budget(path: Path, runs: list[dict[str, Any]]) -> None:
-    """Hit rate and TTFT p50 against working set / budget (two y axes)."""
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
+    """Hit rate and TTFT p50 against working set / budget: two charts beside `path`, -budget-hits.svg and
+    -budget-ttft.svg (one axis each)."""
     points = sorted(runs, key=lambda r: r["ratio"])
-    xs = [r["ratio"] for r in points]
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
-    ax.plot(xs, [r["hit_rate"] for r in points], marker="o", color="tab:blue", label="hit rate (cached / prompt)")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("working set / byte budget")
-    ax.set_ylabel("hit rate", color="tab:blue")
-    ax.set_ylim(0, 1)
-    twin = ax.twinx()
-    twin.plot(xs, [r["ttft_ms_p50"] for r in points], marker="s", color="tab:red", label="TTFT p50")
-    twin.set_ylabel("TTFT p50, ms", color="tab:red")
-    ax.set_title("kvstash under budget pressure (LRU eviction)")
-    ax.grid(True, which="both", alpha=0.3)
-    fig.legend(loc="upper right")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
-    plt.close(fig)
-    print(f"wrote {path}")
+    ratios = [f"{r['ratio']:g}" for r in points]
+    write_chart(path.with_name(path.stem + "-budget-hits.svg"), svgchart.lines(
+        ratios, {"hit rate": [100 * r["hit_rate"] for r in points]}, xlabel="working set / byte budget",
+        title="kvstash under budget pressure (LRU eviction)", ylabel="hit rate, % (cached / prompt)"))
+    write_chart(path.with_name(path.stem + "-budget-ttft.svg"), svgchart.lines(
+        ratios, {"TTFT p50": [r["ttft_ms_p50"] for r in points]}, xlabel="working set / byte budget",
+        title="kvstash under budget pressure (LRU eviction)", ylabel="TTFT p50, ms"))

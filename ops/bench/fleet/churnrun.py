@@ -1,5 +1,5 @@
 """`kvstash bench fleet --churn`: the workload at one rate on each fleet while its pods are restarted, added or lost
-(ops/bench/churn.py), each fleet's figures split into phases (ops/bench/phases.py).
+(ops/bench/fleet/churn.py), each fleet's figures split into phases (ops/bench/fleet/phases.py).
 
 Each fleet's users send their first turns (unmeasured), then the run's arrivals begin and the events play on the
 run's clock. `--skew` makes the users' activity uneven (Zipf), in sweeps too.
@@ -12,9 +12,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ops.bench import churn, fleetload, phases
-from ops.bench.common import plot_bars, print_table
-from ops.bench.fleetpods import FleetPods, label
+from ops import svgchart
+from ops.bench.common import print_table, write_chart
+from ops.bench.fleet import churn, phases, workload
+from ops.bench.fleet.pods import FleetPods, label
 
 CHURN_RATE = 0.2  # turns/s of a churn run unless --rates names one
 GRACE_S = 30.0  # Kubernetes' default terminationGracePeriodSeconds
@@ -72,12 +73,12 @@ def check(args: argparse.Namespace, rates: list[float], nproc: int) -> list[chur
 
 
 def _run_fleet(args: argparse.Namespace, redis_url: str, kind: str, events: list[churn.ChurnEvent], rate: float,
-               workload: fleetload.Workload, requests: list[dict[str, Any]]) -> dict[str, Any]:
+               wl: workload.Workload, requests: list[dict[str, Any]]) -> dict[str, Any]:
     name = label(kind, args.engine)
     sticky = kind == "sticky"
     with FleetPods(args, redis_url, kind, f"churn-{kind}", args.budget_mb) as fleet:
-        users = fleetload.make_users(workload, kind)
-        warm = fleetload.warm_up(users, args.model_name, fleet.url, sticky)
+        users = workload.make_users(wl, kind)
+        warm = workload.warm_up(users, args.model_name, fleet.url, sticky)
         if any(r.get("status") != 200 for r in warm):
             raise SystemExit(f"[{name}] the warm-up turns failed: {warm}")
         print(f"[{name}] {len(fleet.pods)} pods ready behind nginx; {args.churn} at "
@@ -86,7 +87,7 @@ def _run_fleet(args: argparse.Namespace, redis_url: str, kind: str, events: list
         started = time.monotonic()
         runner.start(started)
         try:
-            rows, _ = fleetload.drive(workload, fleet.url, args.model_name, rate, args.duration_s, tag=kind,
+            rows, _ = workload.drive(wl, fleet.url, args.model_name, rate, args.duration_s, tag=kind,
                                       seed=args.seed, sticky=sticky, drain_s=args.drain_s, users=users,
                                       skew=args.skew, started=started, on_row=runner.row_done)
         finally:
@@ -108,7 +109,7 @@ def _run_fleet(args: argparse.Namespace, redis_url: str, kind: str, events: list
         print(f"[{name}] sidecar events since each pod's last start: {counters}", flush=True)
     return {"fleet": name, "kind": kind, "events": record, "phases": split, "added_pods": added,
             "sidecar_events": counters,
-            **fleetload.stats(rows, rate, args.duration_s)}
+            **workload.stats(rows, rate, args.duration_s)}
 
 
 def _step(s: dict[str, Any]) -> str:
@@ -121,9 +122,9 @@ def _step(s: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace, redis_url: str, fleets: list[str], events: list[churn.ChurnEvent], rate: float,
-        workload: fleetload.Workload, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        wl: workload.Workload, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One churn run per fleet, the same users, arrivals and events each time."""
-    return [_run_fleet(args, redis_url, kind, events, rate, workload, requests) for kind in fleets]
+    return [_run_fleet(args, redis_url, kind, events, rate, wl, requests) for kind in fleets]
 
 
 def print_phases(runs: list[dict[str, Any]]) -> None:
@@ -138,4 +139,4 @@ def plot(path: Path, runs: list[dict[str, Any]], title: str) -> None:
     names = list(dict.fromkeys(p["phase"] for r in runs for p in r["phases"]))
     groups = {r["fleet"]: [next((p["ttft_ms_p90"] for p in r["phases"] if p["phase"] == n), 0.0) for n in names]
               for r in runs}
-    plot_bars(path, names, groups, title=title, ylabel="TTFT p90, ms")
+    write_chart(path, svgchart.bars(names, groups, title=title, ylabel="TTFT p90, ms"))

@@ -23,7 +23,7 @@ from typing import Any
 
 from ops.bench.common import SAMPLE_TEXT, percentile
 
-CHARS_PER_TOKEN = 4.4  # English prose under SmolLM2's tokenizer (ops/bench/load.py measured it)
+CHARS_PER_TOKEN = 4.4  # English prose under SmolLM2's tokenizer (ops/bench/fleet/load.py measured it)
 MAX_ARRIVALS = 2000  # whatever the rate and duration, a run sends at most this many turns
 REQUEST_TIMEOUT_S = 300.0
 STICKY_HEADER = "X-Session-Id"

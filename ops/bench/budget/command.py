@@ -23,7 +23,7 @@ from cachestore.errors import KvstashError
 from cachestore.eviction import DEFAULT_POLICY, POLICIES
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
-from ops.bench.budgettrace import Blocks, Trace, Workload, belady_hits, cut, generate, possible_hits, read_trace
+from ops.bench.budget.trace import Blocks, Trace, Workload, belady_hits, cut, generate, possible_hits, read_trace
 from ops.bench.common import machine, print_table, write_json
 
 SMOLLM2_BLOCK_BYTES = 64 * 23_040  # the default 64-token block of SmolLM2-135M, fp16 (exact): 1,474,560 bytes

@@ -6,8 +6,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ops.bench import qresize, quality
-from ops.bench.quality import MODES, SCORERS
+from ops.bench.common import check_chart
+from ops.bench.quality import resize, scoring
+from ops.bench.quality.scoring import MODES, SCORERS
 
 
 def register(bench_subparsers: Any) -> None:
@@ -31,16 +32,18 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--json", type=Path, help="write rows and targets as JSON here")
     p.add_argument("--merge", action="store_true",
                    help="add this run's codec rows to the --json file's (same texts and settings), in place of any of "
-                        "the same codec and text (and --no-rope or not: ops/bench/qmerge.py)")
+                        "the same codec and text (and --no-rope or not: ops/bench/quality/merge.py)")
     p.add_argument("--resize", action="store_true",
                    help="score nothing: recompute the sizes (x fp16) of every row of the --json file with this "
                         "build's codecs, after a change to how frames are stored")
     p.add_argument("--no-rope", action="store_true",
                    help="encode as for an engine that declares no RoPE (Gemma 3, gpt-oss, a GGUF with RoPE scaling): "
                         "/kbits ranks key channels without their RoPE pairs, /unrope is refused; rows say so")
-    p.add_argument("--plot", type=Path, help="Pareto chart: perplexity change vs bytes per token, every mode (PNG)")
+    p.add_argument("--plot", type=Path,
+                   help="Pareto chart: perplexity change vs bytes per token, every mode (an .svg file)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    return qresize.resize(args) if args.resize else quality.run(args)
+    check_chart(args.plot)
+    return resize.resize(args) if args.resize else scoring.run(args)

@@ -43,8 +43,8 @@ from cachestore.store import BlockStore
 from cachestore.wire import Target
 from ops import netlink
 from ops.bench.common import machine, write_json
-from ops.bench.storecluster import run_cluster
-from ops.bench.storeparts import KIB, MODEL, fresh_hashes, print_link, split, summarize, timed_blocking, timeout_s
+from ops.bench.store.cluster import run_cluster
+from ops.bench.store.parts import KIB, MODEL, fresh_hashes, print_link, split, summarize, timed_blocking, timeout_s
 
 SMOLLM2_KV_BYTES_PER_TOKEN = 23_040  # fp16: 30 layers x 2 (K, V) x 3 kv heads x 64 dims x 2 bytes
 TARGET_FETCH_RATIO = 0.90  # of raw redis-py at every block size
