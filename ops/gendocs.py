@@ -48,7 +48,7 @@ def _settings_section() -> list[str]:
     lines += ["| (process) | `KVSTASH_MALLOC_ARENAS` | `1` | glibc malloc arenas of a kvstash process (0: glibc's "
               "defaults); memory kept mapped between hits |",
               "| (process) | `KVSTASH_NATIVE_KERNELS` | `1` | 0 turns the native dequantization kernels off "
-              "(torch does the work) |", "",
+              "(numpy or torch does the work) |", "",
               "## Store options (`cachestore/settings.py`)", "",
               "Given as query arguments of the Redis URL (`?namespace=x&budget_bytes=1000`).", "",
               "| option | default |", "|---|---|"]

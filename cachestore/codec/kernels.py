@@ -27,7 +27,7 @@ from cachestore.codec.arrays import Array, dtype_name, is_torch, namespace, nume
 _kernels: ModuleType | None
 try:
     import cachestore._kernels as _kernels
-except ImportError:  # built without its compiler, or not built: torch does the work
+except ImportError:  # built without its compiler, or not built: numpy or torch does the work
     _kernels = None
 
 LEVEL = _kernels.level if _kernels is not None else 0  # 2: AVX-512F, 1: AVX2 + F16C, 0: none
@@ -265,8 +265,8 @@ def _attend(out: Array, rows: Array, codes: Array, scale: Array | None,
 
 
 def use_level(level: int) -> int:
-    """Run the kernel's code path `level` (at most the CPU's; 0: none, torch does the work) and return the level in
-    use: tests cover the AVX2 path on AVX-512 CPUs with it."""
+    """Run the kernel's code path `level` (at most the CPU's; 0: none, numpy or torch does the work) and return the
+    level in use: tests cover the AVX2 path on AVX-512 CPUs with it."""
     global ENABLED
     if _kernels is None:
         return 0
