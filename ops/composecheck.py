@@ -110,6 +110,22 @@ def build(image: str, dockerfile: str, index_url: str, extra: list[str], logs: P
         f"({cached} of {steps} steps from the layer cache)")
 
 
+SIDECAR_DOCKERFILE = "ops/sidecar/Dockerfile"
+ENGINE_MODULES = ("torch", "transformers", "llama_cpp")
+
+
+def check_slim(image: str) -> None:
+    """The sidecar's image holds no engine runtime (torch, transformers, llama-cpp-python); its size, said."""
+    probe = ("import importlib.util as u, sys; "
+             f"sys.exit(sum(u.find_spec(m) is not None for m in {ENGINE_MODULES!r}))")
+    done = run("docker", "run", "--rm", "--entrypoint", "python", image, "-c", probe)
+    if done.returncode != 0:
+        raise CheckFailed(f"{image} holds {done.returncode} of {', '.join(ENGINE_MODULES)}: the sidecar needs none"
+                          + (f" ({done.stderr.strip()[-300:]})" if done.stderr.strip() else ""))
+    size = run("docker", "image", "inspect", "-f", "{{.Size}}", image).stdout.strip()
+    say(f"  {image}: no torch, transformers or llama-cpp-python in it; {int(size or 0) / 1e6:.0f} MB")
+
+
 # -- the stack --------------------------------------------------------------------------------
 
 class Stack:
@@ -274,6 +290,9 @@ def check(args: argparse.Namespace, cli: list[str]) -> None:
         for image, dockerfile in built.items():
             build(image, dockerfile, index_url, extra, logs, args.prebuilt)
     shutil.rmtree(logs)  # kept where a build failed
+    for image, dockerfile in built.items():
+        if dockerfile == SIDECAR_DOCKERFILE:
+            check_slim(image)
     key = ROOT / ".secrets/frame_key"
     if not key.is_file():
         run("make", "-C", str(ROOT), "secrets")
