@@ -13,12 +13,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import redis
 import torch
 
 from cachestore import wire
 from cachestore.codec import Codec, FrameRun
+from cachestore.codec.arrays import to_host
 from cachestore.errors import CodecError
 from cachestore.hashing import BlockHash
 from cachestore.outcome import Outcome
@@ -207,10 +209,14 @@ async def test_fetch_blocking_receives_frames_into_their_slots(kv_server: RedisP
         await store.close()
 
 
-def _landed(codec: Codec, kvs: list[torch.Tensor], stride: int) -> tuple[torch.Tensor, list[memoryview]]:
+def _landed(codec: Codec, kvs: list[torch.Tensor], stride: int, host: bool = False
+            ) -> tuple[torch.Tensor | np.ndarray, list[memoryview]]:
+    """The frames of `kvs` received into one landing at `stride`: a torch buffer (hf's), or with `host` a numpy one
+    (llama.cpp's engines and the sidecar: `KvGeometry.dtype` is numpy's)."""
     frames = [codec.encode(kv) for kv in kvs]
-    buf = torch.zeros(len(frames) * stride, dtype=torch.uint8)
-    view = memoryview(buf.numpy())
+    buf = np.zeros(len(frames) * stride, dtype=np.uint8) if host else torch.zeros(len(frames) * stride,
+                                                                                  dtype=torch.uint8)
+    view = memoryview(buf if host else buf.numpy())
     slots = []
     for i, frame in enumerate(frames):
         view[i * stride:i * stride + len(frame)] = frame
@@ -245,23 +251,28 @@ def test_every_layer_of_a_run_at_once_equals_the_frames_decoded_one_by_one(mode:
     gen = torch.Generator().manual_seed(5)
     codec = Codec(mode)
     kvs = [torch.randn(4, 2, 3, 16, 64, generator=gen) for _ in range(5)]
-    buf, slots = _landed(codec, kvs, -(-codec.plain_size((4, 2, 3, 16, 64), torch.float32) // 64) * 64)
+    stride = -(-codec.plain_size((4, 2, 3, 16, 64), torch.float32) // 64) * 64
+    buf, slots = _landed(codec, kvs, stride, host=into == "state")
     run = FrameRun.of(buf, [codec.open(s) for s in slots])
     assert run is not None
-    if into == "state":
+    context: torch.Tensor | np.ndarray
+    if into == "state":  # numpy throughout, as in the sidecar
         made = statewrite.state_view(5 * 16 + 9, llamastate.StateGeometry(4, 3, 64, False, 1, llamastate.GGML_TYPE_F16))
         assert made is not None
-        context = made[1].fill_(float("nan"))  # [L, 2, H, 89, D] fp16, strided over the state's headers
+        context = made[1]  # [L, 2, H, 89, D] fp16, strided over the state's headers
+        context.fill(float("nan"))
+        spare: torch.Tensor | np.ndarray = np.full((4, 2, 3, 79, 64), np.nan, dtype=np.float32)
     else:
         context = torch.full((4, 2, 3, 5 * 16 + 9, 64), float("nan"))
-    want = torch.cat([codec.decode(bytes(s), device="cpu").to(context.dtype) for s in slots], dim=3)  # [L, 2, H, 80, D]
+        spare = torch.full((4, 2, 3, 79, 64), float("nan"))
+    want = np.concatenate([codec.decode(bytes(s)).astype(to_host(context).dtype) for s in slots], axis=3)
     assert run.decode_into(context[:, :, :, 2:82]) is not None
-    assert torch.equal(context[:, :, :, 2:82], want)
-    assert context[:, :, :, :2].isnan().all() and context[:, :, :, 82:].isnan().all()
-    spare = torch.full((4, 2, 3, 79, 64), float("nan"))
+    got = to_host(context)  # [L, 2, H, 89, D], the hit at tokens 2..81
+    assert np.array_equal(got[:, :, :, 2:82], want)
+    assert np.isnan(got[:, :, :, :2]).all() and np.isnan(got[:, :, :, 82:]).all()
     with pytest.raises(CodecError):  # a view of another length: refused, nothing written
         run.decode_into(spare)
-    assert spare.isnan().all()
+    assert np.isnan(to_host(spare)).all()
 
 
 def test_frames_that_are_no_run() -> None:
