@@ -6,11 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from cachestore.eviction import DEFAULT_POLICY
 from ops.bench.common import print_table
 
-BUDGET_COLUMNS = [("fleet", "run", ""), ("budget_mb", "budget MiB", "d"), ("ratio", "working set / budget", ".2f"),
-                  ("hit_rate", "hit", ".2f"), ("ttft_ms_p50", "TTFT p50", ".0f"), ("ttft_ms_p90", "p90", ".0f"),
-                  ("failed", "failed", "d")]
+BUDGET_COLUMNS = [("fleet", "run", ""), ("policy", "policy", ""), ("budget_mb", "budget MiB", "d"),
+                  ("ratio", "working set / budget", ".2f"), ("hit_rate", "hit", ".2f"),
+                  ("optimum_hit_rate", "optimum", ".2f"), ("ttft_ms_p50", "TTFT p50", ".0f"),
+                  ("ttft_ms_p90", "p90", ".0f"), ("failed", "failed", "d")]
 MISS_COLUMNS = [("fleet", "run", ""), ("ok", "ok", "d"), ("failed", "failed", "d"), ("ttft_ms_p50", "TTFT p50", ".0f"),
                 ("ttft_ms_p90", "p90", ".0f"), ("completion_tokens_per_s", "out tok/s", ".2f"),
                 ("hit_rate", "hit", ".2f")]
@@ -44,7 +46,7 @@ def print_summary(knees: dict[str, float], calibration: dict[str, Any] | None, f
               f" + {calibration['decode_ms']:.0f}) / ({calibration['hit_ms']:.0f} + {calibration['decode_ms']:.0f})"
               f" = {calibration['bound']:.2f}x")
     if budget:
-        print("\nbudget pressure (kvstash, LRU)")
+        print("\nbudget pressure (kvstash; optimum: Belady on the run's own trace)")
         print_table(budget, BUDGET_COLUMNS)
     if miss:
         print("\nmiss overhead (no reuse): kvstash on / off = "
@@ -64,17 +66,23 @@ def plot_budget(path: Path, runs: list[dict[str, Any]]) -> None:
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     points = sorted(runs, key=lambda r: r["ratio"])
-    xs = [r["ratio"] for r in points]
     fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
-    ax.plot(xs, [r["hit_rate"] for r in points], marker="o", color="tab:blue", label="hit rate (cached / prompt)")
+    for policy in dict.fromkeys(r.get("policy", "lru") for r in points):
+        mine = [r for r in points if r.get("policy", "lru") == policy or r["fleet"] == "no pressure"]
+        ax.plot([r["ratio"] for r in mine], [r["hit_rate"] for r in mine], marker="o", label=f"hit rate, {policy}")
+    best = {r["ratio"]: r["optimum_hit_rate"] for r in points if "optimum_hit_rate" in r}
+    if best:
+        ax.plot(list(best), list(best.values()), linestyle="--", color="black", label="optimum (Belady)")
+    default = [r for r in points if r.get("policy", DEFAULT_POLICY) == DEFAULT_POLICY]
     ax.set_xscale("log", base=2)
     ax.set_xlabel("working set / byte budget")
     ax.set_ylabel("hit rate", color="tab:blue")
     ax.set_ylim(0, 1)
     twin = ax.twinx()
-    twin.plot(xs, [r["ttft_ms_p50"] for r in points], marker="s", color="tab:red", label="TTFT p50")
+    twin.plot([r["ratio"] for r in default], [r["ttft_ms_p50"] for r in default], marker="s", color="tab:red",
+              label=f"TTFT p50, {DEFAULT_POLICY}")
     twin.set_ylabel("TTFT p50, ms", color="tab:red")
-    ax.set_title("kvstash under budget pressure (LRU eviction)")
+    ax.set_title("kvstash under budget pressure, by eviction policy")
     ax.grid(True, which="both", alpha=0.3)
     fig.legend(loc="upper right")
     fig.tight_layout()
