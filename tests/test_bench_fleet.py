@@ -123,23 +123,25 @@ def test_merge_keeps_other_engines_runs_and_replaces_its_own(tmp_path: Path) -> 
 
 def test_the_fleets_trace_replays_as_bench_budget_reads_it(tmp_path: Path) -> None:
     def turn(session: str, prompt: int, cached: int, sent: float) -> dict[str, object]:
-        return {"status": 200, "session": session, "prompt_tokens": prompt, "cached_tokens": cached, "sent_s": sent}
+        return {"status": 200, "session": session, "prompt_tokens": prompt, "cached_tokens": cached, "sent_s": sent,
+                "completion_tokens": 30}
 
     # two users share a 128-token system prompt (the second's first turn found its 2 blocks cached); one failed turn
     warm = [turn("b-1.0", 300, 128, 0.2), turn("b-0.0", 290, 0, 0.1)]
     rows = [turn("b-0.0", 400, 256, 1.0), {"status": 0, "session": "b-1.0", "sent_s": 1.5},
             turn("b-1.0", 420, 256, 2.0)]
-    lines, measured, prompts = record_trace(warm, rows, shared=True)
-    assert lines == [{"session": "b-0.0", "tokens": 290, "prefix": "system", "prefix_tokens": 128},
-                     {"session": "b-1.0", "tokens": 300, "prefix": "system", "prefix_tokens": 128},
-                     {"session": "b-0.0", "tokens": 400}, {"session": "b-1.0", "tokens": 420}]
-    assert measured == [False, False, True, True] and prompts == [290, 300, 400, 420]
+    recorded = record_trace(warm, rows, shared=True)
+    assert recorded.lines == [{"session": "b-0.0", "tokens": 290, "prefix": "system", "prefix_tokens": 128},
+                              {"session": "b-1.0", "tokens": 300, "prefix": "system", "prefix_tokens": 128},
+                              {"session": "b-0.0", "tokens": 400}, {"session": "b-1.0", "tokens": 420}]
+    assert recorded.measured == [False, False, True, True] and recorded.prompts == [290, 300, 400, 420]
+    assert recorded.before == [0, 0, 320, 330]  # what each session's previous turn computed, its reply too
     path = tmp_path / "trace.jsonl"
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    path.write_text("".join(json.dumps(line) + "\n" for line in recorded.lines))
     assert len(read_trace(path).requests) == 4
-    # room for all: each measured turn hits its earlier blocks (4 of 400 tokens' 6, 4 of 420's 6)
-    assert optimum_hit_rate(lines, measured, prompts, 0.5, 0.95) == pytest.approx(512 / 820)
-    assert optimum_hit_rate(lines, measured, prompts, 4.0, 0.95) < 512 / 820  # 2 of 13 blocks held
+    # room for all: each measured turn reuses all its previous turn computed (4 full blocks and the tail after them)
+    assert optimum_hit_rate(recorded, 0.5, 0.95) == pytest.approx((320 + 330) / 820)
+    assert optimum_hit_rate(recorded, 4.0, 0.95) < optimum_hit_rate(recorded, 0.5, 0.95)  # 2 of 10 blocks held
 
 
 def test_budget_only_replaces_the_budget_rows_and_keeps_the_sweep(tmp_path: Path) -> None:

@@ -8,7 +8,8 @@ were sent. A shared system prompt is the trace's prefix, of the tokens the warm-
 a new user's first turn can reuse nothing else). The optimum is Belady's policy (ops/bench/budgettrace.py) on that
 trace, holding the same share of its blocks as the budget holds of the working set (below the high watermark, as the
 store evicts), its hits counted as the pods count theirs (cached tokens of the measured turns over their prompt
-tokens).
+tokens), a turn whose session's whole chain it holds reusing all its previous turn computed (the pods' tail entries
+cover the tokens after the last full block).
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cachestore.eviction import DEFAULT_POLICY
 from ops.bench import fleetload
-from ops.bench.budgettrace import Trace, belady_hits, cut
+from ops.bench.budgettrace import Trace, belady_hits, cut, possible_hits
 from ops.bench.fleetpods import FleetPods
 
 MIN_BUDGET_MB = 8  # a budget holds at least one value of the largest size (cachestore max_value_bytes)
@@ -34,42 +36,60 @@ def with_policy(url: str, policy: str) -> str:
     return f"{url}{'&' if '?' in url else '?'}eviction_policy={policy}"
 
 
-def record_trace(warm: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]],
-                 shared: bool) -> tuple[list[dict[str, Any]], list[bool], list[int]]:
-    """The answered turns as trace lines (warm-up first, then the measured ones in the order they were sent), whether
-    each was measured, and each one's prompt tokens."""
+@dataclass
+class Recorded:
+    """A fleet run's answered turns: trace lines (warm-up first, then the measured ones in the order they were
+    sent), and per line whether it was measured, its prompt tokens and the tokens its session's previous turn
+    computed (prompt and reply; 0 for a session's first)."""
+
+    lines: list[dict[str, Any]] = field(default_factory=list)
+    measured: list[bool] = field(default_factory=list)
+    prompts: list[int] = field(default_factory=list)
+    before: list[int] = field(default_factory=list)
+
+
+def record_trace(warm: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]], shared: bool) -> Recorded:
+    """The answered turns of a run (its warm-up's and its measured ones) as a trace."""
     prefix = max((r.get("cached_tokens", 0) for r in warm if r.get("status") == 200), default=0) if shared else 0
     prefix -= prefix % BLOCK_TOKENS
     ordered = [(False, r) for r in sorted(warm, key=lambda r: r.get("sent_s", 0.0))]
     ordered += [(True, r) for r in sorted(rows, key=lambda r: r.get("sent_s", 0.0))]
-    lines: list[dict[str, Any]] = []
-    measured: list[bool] = []
-    prompts: list[int] = []
-    seen: set[str] = set()
+    out = Recorded()
+    computed: dict[str, int] = {}
     for is_measured, r in ordered:
         if r.get("status") != 200 or "session" not in r:
             continue
-        line: dict[str, Any] = {"session": r["session"], "tokens": int(r["prompt_tokens"])}
-        if prefix and r["session"] not in seen:
+        session, prompt = r["session"], int(r["prompt_tokens"])
+        line: dict[str, Any] = {"session": session, "tokens": prompt}
+        if prefix and session not in computed:
             line.update(prefix=SHARED_PREFIX, prefix_tokens=prefix)
-        seen.add(r["session"])
-        lines.append(line)
-        measured.append(is_measured)
-        prompts.append(int(r["prompt_tokens"]))
-    return lines, measured, prompts
+        out.lines.append(line)
+        out.measured.append(is_measured)
+        out.prompts.append(prompt)
+        out.before.append(computed.get(session, 0))
+        computed[session] = prompt + int(r.get("completion_tokens", 0))
+    return out
 
 
-def optimum_hit_rate(lines: Sequence[dict[str, Any]], measured: Sequence[bool], prompts: Sequence[int],
-                     ratio: float, high_watermark: float) -> float:
-    """Belady's hit rate on the trace with the working set at `ratio` x the budget: cached tokens of the measured
-    turns over their prompt tokens (a pod prefills a prompt's last token, hit or not)."""
+def optimum_hit_rate(recorded: Recorded, ratio: float, high_watermark: float) -> float:
+    """Belady's hit rate on the trace with the working set at `ratio` x the budget, counted as the pods count theirs:
+    cached tokens of the measured turns over their prompt tokens. A turn whose whole earlier chain it holds also
+    reuses the rest of what the previous turn computed (the pods' tail entry: the tokens after its last full block,
+    its reply among them); a pod prefills a prompt's last token, hit or not."""
     trace = Trace()
-    for line in lines:
+    for line in recorded.lines:
         trace.add(line["session"], line["tokens"], line.get("prefix"), line.get("prefix_tokens"))
     blocks = cut(trace, BLOCK_TOKENS)
     hits = belady_hits(blocks, int(high_watermark * len(blocks.hashes) / ratio))
-    served = sum(min(h * BLOCK_TOKENS, p - 1) for h, p, m in zip(hits, prompts, measured, strict=True) if m)
-    total = sum(p for p, m in zip(prompts, measured, strict=True) if m)
+    ceiling = possible_hits(blocks)
+    served = total = 0
+    for i, (held, prompt) in enumerate(zip(hits, recorded.prompts, strict=True)):
+        if recorded.measured[i]:
+            tokens = held * BLOCK_TOKENS
+            if recorded.before[i] and held == ceiling[i]:
+                tokens = max(tokens, recorded.before[i])
+            served += min(tokens, prompt - 1)
+            total += prompt
     return served / total if total else 0.0
 
 
@@ -101,20 +121,20 @@ def run(args: argparse.Namespace, redis_url: str, rate: float, ratios: list[floa
         return got, warm, rows
 
     ample, warm, rows = one("no pressure", args.budget_mb, 0, DEFAULT_POLICY)
-    lines, measured, prompts = record_trace(warm, rows, workload.shared_system)
+    recorded = record_trace(warm, rows, workload.shared_system)
     if args.trace_out:
-        Path(args.trace_out).write_text("".join(json.dumps(line) + "\n" for line in lines))
-        print(f"wrote {args.trace_out} ({len(lines)} requests)", flush=True)
+        Path(args.trace_out).write_text("".join(json.dumps(line) + "\n" for line in recorded.lines))
+        print(f"wrote {args.trace_out} ({len(recorded.lines)} requests)", flush=True)
     high = StoreSettings.high_watermark
     working_set = ample["bytes_held"]
     ample["ratio"] = working_set / (args.budget_mb << 20)
-    ample["optimum_hit_rate"] = optimum_hit_rate(lines, measured, prompts, ample["ratio"], high)
+    ample["optimum_hit_rate"] = optimum_hit_rate(recorded, ample["ratio"], high)
     runs = [ample]
     n = 0
     for ratio in ratios:
         budget_mb = max(MIN_BUDGET_MB, round(working_set / ratio / (1 << 20)))  # the ratio reported is the real one
         real = working_set / (budget_mb << 20)
-        best = optimum_hit_rate(lines, measured, prompts, real, high)
+        best = optimum_hit_rate(recorded, real, high)
         for policy in policies:
             n += 1
             got, _, _ = one(f"working set {ratio:g}x budget", budget_mb, n, policy)
