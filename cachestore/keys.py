@@ -136,6 +136,11 @@ class ShardKeys:
         """Block key -> reads counted by the frequency policy; derived like `chain`."""
         return self._derived("hits")
 
+    @property
+    def kids(self) -> str:
+        """`<parent hex>|<block key>` of each block with a known parent (a lexical ZSET); derived like `chain`."""
+        return self._derived("kids")
+
     def tenant_lru(self, tenant: str) -> str:
         """The LRU index of one tenant's entries in this shard (the scripts derive the same name from `lru`)."""
         return self._derived(f"tlru:{check_tenant(tenant)}")

@@ -288,7 +288,8 @@ def _fleet_pressure(r: dict[str, Any]) -> Table:
         own = r.get("budget_run")
         out += [f"Budget pressure ({engine}, kvstash; optimum: Belady's policy on the run's own recorded trace"
                 + (f"; a run of its own, {machine_line(own)}, {own['args'].get('users', '?')} users at "
-                   f"{own['args'].get('budget_rate') or '?'} turns/s" if own else "") + "):", "",
+                   f"{own['args'].get('budget_rate') or own['args'].get('rates') or '?'} turns/s, "
+                   f"{r['budget_pressure'][0].get('arrivals', '?')} measured turns a run" if own else "") + "):", "",
                 "| run | policy | budget MiB | working set / budget | hit rate | optimum | TTFT p50 ms | p90 ms | "
                 "failed |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         for b in sorted(r["budget_pressure"], key=lambda b: (b["ratio"], b.get("policy", "lru"))):
