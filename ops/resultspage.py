@@ -64,8 +64,11 @@ _FLEET_WL = ("--users 16 --system-tokens 150 --history-tokens 450 --query-tokens
              "--rates {rates} --duration-s 60 --drain-s 30 --stop-at-knee")
 FLEET_CMD = ("kvstash bench fleet --engine llamacpp --flash-attn off "
              + _FLEET_WL.format(rates="0.1,0.2,0.3,0.4,0.6,0.8,1,1.2,1.4,1.6,1.8,2,2.4")
-             + " --budget-ratios 2,1,0.5,0.25 --budget-rate 0.2 --miss-overhead --miss-rate 0.2 --miss-duration-s 120 "
-             "--json docs/results/fleet.json --merge\n"
+             + " --miss-overhead --miss-rate 0.2 --miss-duration-s 120 --json docs/results/fleet.json --merge\n"
+             "kvstash bench fleet --engine llamacpp --flash-attn off "
+             + _FLEET_WL.format(rates="0.2").replace(" --stop-at-knee", "")
+             + " --budget-ratios 2,1 --budget-policies chain,lru --budget-only "
+             "--trace-out docs/results/fleet-trace.jsonl --json docs/results/fleet.json --merge\n"
              "kvstash bench fleet --engine hf --parallel 8 "
              + _FLEET_WL.format(rates="0.1,0.2,0.3,0.4,0.6,0.8,1,1.2,1.6,2,2.4")
              + " --json docs/results/fleet.json --merge")
@@ -155,7 +158,11 @@ BENCHES = (
           "value at the lowest rate; its knee is the highest rate it and every lower one kept up with. The bound "
           "on the gain is (prefill + decode) / (hit + decode) from the same run's unloaded turns of a "
           "conversation's opening. Budget pressure replays the workload with the working set at multiples of the "
-          "byte budget; miss overhead runs a workload with no reuse, kvstash on and off interleaved.",
+          "byte budget, under each eviction policy, in a run of its own; its run with no pressure records the "
+          "requests the pods answered as a `bench budget` trace, and the optimum is Belady's policy on that trace "
+          "at the same share of its blocks, its hits counted as the pods count theirs (a turn whose whole chain "
+          "it holds reuses all its previous turn computed). Miss overhead runs a workload with no reuse, kvstash "
+          "on and off interleaved.",
           FLEET_CMD, _fleet, _fleet_budget_charts),
     Bench("churn", "A fleet that moves: rolling restarts and lost pods",
           "The fleet bench's workload at one rate while the pods change: a rolling restart (each pod in turn gets "

@@ -123,7 +123,8 @@ def send_turn(user: ChatUser, model: str, url: str, arrived_at: float, started: 
         user.messages.append({"role": "user", "content": question(seq, wl.query_tokens)})
         body = {"model": model, "messages": user.messages, "max_tokens": wl.max_tokens, "temperature": 0}
         headers = {STICKY_HEADER: session_id(user)} if sticky else {}
-        row: dict[str, Any] = {"user": user.index, "turn": user.turns + 1, "arrived_s": arrived_at}
+        row: dict[str, Any] = {"user": user.index, "turn": user.turns + 1, "arrived_s": arrived_at,
+                               "session": f"{user.tag}-{user.index}.{user.conversation}"}
         sent = time.monotonic()
         row["sent_s"] = sent - started
         try:
