@@ -26,7 +26,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ops import netlink
-from ops.bench import fleetchurn, fleetload
+from ops.bench import churntargets, fleetchurn, fleetload, phases
 from ops.bench.common import machine, plot_lines, print_table, write_json
 from ops.bench.fleetpods import FLEETS, LABELS, FleetPods, fleets_of, label
 
@@ -91,7 +91,8 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=35, help="seed of the arrival times")
     p.add_argument("--json", type=Path, help="write the summary and every request as JSON here")
     p.add_argument("--merge", action="store_true",
-                   help="with --json: keep the other runs the file holds, replacing this engine's (and --churn's)")
+                   help="with --json: keep the other runs the file holds, replacing this engine's of the same --churn "
+                        "and --skew")
     p.add_argument("--plot", type=Path, help="TTFT p90 against the arrival rate, a line per fleet (PNG); with "
                    "--budget-ratios also <stem>-budget.png; with --churn TTFT p90 by phase, a bar per fleet")
     p.set_defaults(func=run)
@@ -174,6 +175,10 @@ def _sweep(args: argparse.Namespace, redis_url: str, kind: str, rates: list[floa
                                       drain_s=args.drain_s, users=users, skew=args.skew)
             run = {"fleet": label(kind, args.engine), "kind": kind, "duration_s": duration,
                    **fleetload.stats(rows, rate, duration)}
+            if args.skew > 0:  # uneven users: how evenly the pods were kept busy
+                run["whole_run"] = phases.whole(rows, fleet.names_by_port())
+                run["phases"] = [run["whole_run"]]  # the results page's churn section shows it as one phase
+                run["targets"] = churntargets.skew(run)
             print(f"[{run['fleet']}] {rate:g}/s: {run['ok']}/{run['arrivals']} ok, {run['failed']} failed, "
                   f"TTFT p90 {run['ttft_ms_p90']:.0f} ms, hit {run['hit_rate']:.2f}", flush=True)
             runs.append(run)
@@ -257,7 +262,7 @@ def _miss_overhead(args: argparse.Namespace, redis_url: str, rate: float,
 
 def merged(path: Path, report: dict[str, Any]) -> dict[str, Any]:
     """{"engines": [...]}: the reports `path` holds (one, or several merged before) with `report` in place of any
-    of its engine and churn events, ordered by engine then events; machine_before is the first report's (the
+    of its engine, churn events and skew, ordered by them; machine_before is the first report's (the
     page's machine line)."""
     import json  # noqa: PLC0415
 
@@ -265,8 +270,8 @@ def merged(path: Path, report: dict[str, Any]) -> dict[str, Any]:
     if path.exists():
         old = json.loads(path.read_text())
         held = old["engines"] if "engines" in old else [old]
-    def key(r: dict[str, Any]) -> tuple[str, str]:
-        return r["engine"], r.get("churn", "")
+    def key(r: dict[str, Any]) -> tuple[str, str, float]:
+        return r["engine"], r.get("churn") or "", r.get("skew") or 0.0
 
     reports = sorted([r for r in held if key(r) != key(report)] + [report], key=key)
     return {"engines": reports, "machine_before": reports[0]["machine_before"]}
@@ -349,15 +354,18 @@ def run(args: argparse.Namespace) -> int:
                 redis.cleanup()
     if events:
         fleetchurn.print_phases(runs)
+        churntargets.print_targets(runs)
         report: dict[str, Any] = {"engine": args.engine, "churn": args.churn, "skew": args.skew, "runs": runs}
     else:
         targets = fleetreport.targets(runs, knees, calibration)
         print_table(runs, COLUMNS)
         fleetreport.print_summary(knees, calibration, targets, budget, miss)
-        report = {"engine": args.engine, "runs": runs, "knees": knees, "calibration": calibration,
+        churntargets.print_targets(runs)
+        report = {"engine": args.engine, "skew": args.skew, "runs": runs, "knees": knees, "calibration": calibration,
                   "targets": targets, "budget_pressure": budget, "miss_overhead": miss}
     if args.json:
-        report.update(threads_per_pod=args.threads, requests=requests, machine_before=before, machine_after=machine(),
+        report.update(notes=args.note, threads_per_pod=args.threads, requests=requests, machine_before=before,
+                      machine_after=machine(),
                       **({"link": link.as_json()} if link is not None else {}),
                       args={k: v for k, v in vars(args).items() if k != "func" and not isinstance(v, Path)})
         write_json(args.json, merged(args.json, report) if args.merge else report)
