@@ -318,11 +318,17 @@ def _check(args: argparse.Namespace, nproc: int) -> tuple[list[float], list[floa
 
 
 def run(args: argparse.Namespace) -> int:
+    from cachestore.errors import ConfigError  # noqa: PLC0415
     from ops.bench import fleetreport  # noqa: PLC0415
     from ops.redisproc import RedisProcess  # noqa: PLC0415
 
     before = machine()
-    rates, ratios, fleets, events = _check(args, before["nproc"] or 1)
+    try:
+        rates, ratios, fleets, events = _check(args, before["nproc"] or 1)
+    except SystemExit as exc:  # bad input: one line, exit 2 (as argparse's own), before anything starts
+        if not isinstance(exc.code, str):
+            raise
+        raise ConfigError(exc.code) from None
     spec = netlink.spec_of(args)
     with netlink.opened(spec) as link:
         redis = None if args.redis_url else RedisProcess(extra_args=("--maxmemory", f"{2 * args.budget_mb + 256}mb",
