@@ -156,9 +156,11 @@ def test_a_lost_stream_counts_against_the_pod_that_held_it() -> None:
     assert run["whole_run"]["failed_per_pod"] == {"pod-a": 1, "pod-b": 0}
     bound, later = churntargets.kill(run, rows)
     assert (bound["in_flight"], bound["failed_on_killed"], bound["met"]) == (2, 1, True)
-    assert later["met"] and later["value"] == "0 of 2 failed, 0 of 1 missed"
+    assert later["met"] and later["value"] == "0 of 2 not answered, 0 of 1 missed"
     rows[3]["cached_tokens"] = 0  # the lost conversation's next turn found nothing: its KV was lost with the pod
     assert not churntargets.kill(run, rows)[1]["met"]
+    late = {"user": 2, "arrived_s": 16.0, "status": -1, "error": "not sent: run ended"}  # the fleet fell behind
+    assert churntargets.kill(run, [*rows, late])[1]["value"] == "1 of 3 not answered (1 never sent), 1 of 1 missed"
     rows[0].update(pod="", upstream="")  # a connection lost before any header names no pod
     assert phases.whole(rows, names)["failed_per_pod"] == {"pod-a": 0, "pod-b": 0, "unknown": 1}
 

@@ -2,10 +2,11 @@
 row of what it needs, the value the run gave, and whether it passed. They are stated for kvstash's fleet; the
 baselines' rows are beside them for comparison.
 
-    rolling    no failed request; TTFT p90 during the rollout <= 1.5x before it; hit rate during >= 0.9x before
+    rolling    no failed request (and none left unsent); TTFT p90 during the rollout <= 1.5x before it; hit rate
+               during >= 0.9x before
     scale-out  each added pod's hit rate, from its first turn on, >= 0.9x the fleet's over the same time
-    kill       failed turns <= turns in flight on the killed pod when it died; every turn sent after the kill
-               answered, and the next turn of each conversation that lost one a hit
+    kill       failed turns <= turns in flight on the killed pod when it died; every turn that arrived after the
+               kill answered, and the next turn of each conversation that lost one a hit
     skew       (--skew > 0) each pod's busy time over the run within 1.3x of the pods' mean
 
 "Before" is the phase before the first event: the fleet's steady state.
@@ -35,7 +36,9 @@ def _phase(run: dict[str, Any], name: str) -> dict[str, Any] | None:
 
 
 def rolling(run: dict[str, Any]) -> list[dict[str, Any]]:
-    out = [_row("rolling: failed requests", "0", f"{run['failed']}", run["failed"] == 0, failed=run["failed"])]
+    unsent = run.get("unsent", 0)  # arrived, never sent: the fleet fell behind until the run ended
+    out = [_row("rolling: failed requests", "0", f"{run['failed']}" + (f" ({unsent} never sent)" if unsent else ""),
+                run["failed"] == 0 and not unsent, failed=run["failed"], unsent=unsent)]
     before, during = _phase(run, "before"), _phase(run, "during rolling")
     if before is None or during is None or not before["ok"] or not during["ok"]:
         return [*out, _row("rolling: phases", "turns answered before and during", "none in one of them", False)]
@@ -82,15 +85,19 @@ def kill(run: dict[str, Any], rows: Sequence[dict[str, Any]]) -> list[dict[str, 
                 f"{len(failed)} ({theirs} on {names}, {len(failed) - theirs} elsewhere)", len(failed) <= held,
                 failed=len(failed), failed_on_killed=theirs, in_flight=held)]
     first = min(s["stopped_s"] for s in steps)
-    later = [r for r in rows if r.get("sent_s", -1.0) > first and r.get("status") != -1]
+    # a turn that arrived after the kill and was never sent (the fleet fell behind until the run ended) is not
+    # answered either
+    later = [r for r in rows if max(r.get("sent_s", -1.0), r["arrived_s"]) > first]
     bad = [r for r in later if r.get("status") != 200]
+    unsent = sum(1 for r in bad if r.get("status") == -1)
     lost_users = {r["user"] for r in failed}
     nexts = [min((r for r in later if r["user"] == u and r.get("status") == 200), key=lambda r: r["sent_s"],
                  default=None) for u in lost_users]
     missed = sum(1 for r in nexts if r is None or not r.get("cached_tokens"))
-    out.append(_row("kill: later turns answered; lost conversations' next turns hit", "0 failed, 0 missed",
-                    f"{len(bad)} of {len(later)} failed, {missed} of {len(lost_users)} missed",
-                    not bad and not missed, later=len(later), later_failed=len(bad), next_missed=missed))
+    out.append(_row("kill: later turns answered; lost conversations' next turns hit", "0 not answered, 0 missed",
+                    f"{len(bad)} of {len(later)} not answered" + (f" ({unsent} never sent)" if unsent else "")
+                    + f", {missed} of {len(lost_users)} missed", not bad and not missed, later=len(later),
+                    later_failed=len(bad), later_unsent=unsent, next_missed=missed))
     return out
 
 
