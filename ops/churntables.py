@@ -113,5 +113,6 @@ def churn(d: dict[str, Any]) -> tuple[Table, str]:
 
 
 def churn_charts(d: dict[str, Any]) -> list[tuple[str, str, str]]:
-    return [(f"{r.get('engine', '?')}-{_title(r).replace(', ', '-').replace(',', '-').replace(' ', '-')}",
+    return [(f"{r.get('engine', '?')}-" + "-".join([*(r.get("churn") or "steady").split(","),
+                                                   *(["skew"] if r.get("skew") else [])]),
              f"TTFT p90 by phase: {r.get('engine', '?')}, {_title(r)}", chart(r)) for r in _reports(d)[1:]]

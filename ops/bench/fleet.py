@@ -370,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
         report = {"engine": args.engine, "skew": args.skew, "runs": runs, "knees": knees, "calibration": calibration,
                   "targets": targets, "budget_pressure": budget, "miss_overhead": miss}
     if args.json:
-        report.update(notes=args.note, threads_per_pod=args.threads, requests=requests, machine_before=before,
+        report.update(notes=args.note or "", threads_per_pod=args.threads, requests=requests, machine_before=before,
                       machine_after=machine(),
                       **({"link": link.as_json()} if link is not None else {}),
                       args={k: v for k, v in vars(args).items() if k != "func" and not isinstance(v, Path)})

@@ -38,7 +38,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         f"minReadySeconds; default {CHURN_GAP_S:g})")
     p.add_argument("--grace-s", type=float, default=GRACE_S,
                    help=f"rolling: seconds a pod has to exit after SIGTERM before SIGKILL (default {GRACE_S:g})")
-    p.add_argument("--note", default="",
+    p.add_argument("--note",
                    help="a line the JSON and the results page carry with the run (what else loaded the machine)")
     p.add_argument("--skew", type=float, default=0.0,
                    help="users of uneven activity: user i sends turns in proportion to 1 / (i + 1) ** SKEW "
