@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 from ops import netlink, svgchart
 from ops.bench.common import check_chart, machine, print_table, write_chart, write_json
-from ops.bench.fleet import churnrun, pressure, report, workload
+from ops.bench.fleet import churnrun, phases, pressure, report, targets, workload
 from ops.bench.fleet.pods import FLEETS, LABELS, FleetPods, fleets_of, label
 
 __all__ = ["FLEETS", "LABELS", "find_knee", "merged", "rate_duration", "register"]
@@ -97,7 +97,8 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=35, help="seed of the arrival times")
     p.add_argument("--json", type=Path, help="write the summary and every request as JSON here")
     p.add_argument("--merge", action="store_true",
-                   help="with --json: keep the other runs the file holds, replacing this engine's (and --churn's)")
+                   help="with --json: keep the other runs the file holds, replacing this engine's of the same --churn "
+                        "and --skew")
     p.add_argument("--plot", type=Path, help="an .svg file: TTFT p90 against the arrival rate, a line per fleet; "
                    "with --budget-ratios also <stem>-budget-hits.svg and <stem>-budget-ttft.svg; with --churn "
                    "TTFT p90 by phase, a bar per fleet")
@@ -181,6 +182,10 @@ def _sweep(args: argparse.Namespace, redis_url: str, kind: str, rates: list[floa
                                       drain_s=args.drain_s, users=users, skew=args.skew)
             run = {"fleet": label(kind, args.engine), "kind": kind, "duration_s": duration,
                    **workload.stats(rows, rate, duration)}
+            if args.skew > 0:  # uneven users: how evenly the pods were kept busy
+                run["whole_run"] = phases.whole(rows, fleet.names_by_port())
+                run["phases"] = [run["whole_run"]]  # the results page's churn section shows it as one phase
+                run["targets"] = targets.skew(run)
             print(f"[{run['fleet']}] {rate:g}/s: {run['ok']}/{run['arrivals']} ok, {run['failed']} failed, "
                   f"TTFT p90 {run['ttft_ms_p90']:.0f} ms, hit {run['hit_rate']:.2f}", flush=True)
             runs.append(run)
@@ -225,7 +230,7 @@ def _miss_overhead(args: argparse.Namespace, redis_url: str, rate: float,
 
 def merged(path: Path, result: dict[str, Any]) -> dict[str, Any]:
     """{"engines": [...]}: the reports `path` holds (one, or several merged before) with `result` in place of any
-    of its engine and churn events, ordered by engine then events; machine_before is the first report's (the
+    of its engine, churn events and skew, ordered by them; machine_before is the first report's (the
     page's machine line)."""
     import json  # noqa: PLC0415
 
@@ -233,8 +238,8 @@ def merged(path: Path, result: dict[str, Any]) -> dict[str, Any]:
     if path.exists():
         old = json.loads(path.read_text())
         held = old["engines"] if "engines" in old else [old]
-    def key(r: dict[str, Any]) -> tuple[str, str]:
-        return r["engine"], r.get("churn", "")
+    def key(r: dict[str, Any]) -> tuple[str, str, float]:
+        return r["engine"], r.get("churn") or "", r.get("skew") or 0.0
 
     reports = sorted([r for r in held if key(r) != key(result)] + [result], key=key)
     return {"engines": reports, "machine_before": reports[0]["machine_before"]}
@@ -306,10 +311,16 @@ def _check(args: argparse.Namespace, nproc: int) -> tuple[list[float], list[floa
 
 
 def run(args: argparse.Namespace) -> int:
+    from cachestore.errors import ConfigError  # noqa: PLC0415
     from ops.redisproc import RedisProcess  # noqa: PLC0415
 
     before = machine()
-    rates, ratios, fleets, events = _check(args, before["nproc"] or 1)
+    try:
+        rates, ratios, fleets, events = _check(args, before["nproc"] or 1)
+    except SystemExit as exc:  # bad input: one line, exit 2 (as argparse's own), before anything starts
+        if not isinstance(exc.code, str):
+            raise
+        raise ConfigError(exc.code) from None
     spec = netlink.spec_of(args)
     with netlink.opened(spec) as link:
         redis = None if args.redis_url else RedisProcess(extra_args=("--maxmemory", f"{2 * args.budget_mb + 256}mb",
@@ -343,15 +354,18 @@ def run(args: argparse.Namespace) -> int:
                 redis.cleanup()
     if events:
         churnrun.print_phases(runs)
+        targets.print_targets(runs)
         result: dict[str, Any] = {"engine": args.engine, "churn": args.churn, "skew": args.skew, "runs": runs}
     else:
-        targets = report.targets(runs, knees, calibration)
+        goals = report.targets(runs, knees, calibration)
         print_table(runs, COLUMNS)
-        report.print_summary(knees, calibration, targets, budget, miss)
-        result = {"engine": args.engine, "runs": runs, "knees": knees, "calibration": calibration,
-                  "targets": targets, "budget_pressure": budget, "miss_overhead": miss}
+        report.print_summary(knees, calibration, goals, budget, miss)
+        targets.print_targets(runs)
+        result = {"engine": args.engine, "skew": args.skew, "runs": runs, "knees": knees, "calibration": calibration,
+                  "targets": goals, "budget_pressure": budget, "miss_overhead": miss}
     if args.json:
-        result.update(threads_per_pod=args.threads, requests=requests, machine_before=before, machine_after=machine(),
+        result.update(notes=args.note or "", threads_per_pod=args.threads, requests=requests, machine_before=before,
+                      machine_after=machine(),
                       **({"link": link.as_json()} if link is not None else {}),
                       args={k: v for k, v in vars(args).items() if k != "func" and not isinstance(v, Path)})
         if args.budget_only and args.merge:
