@@ -28,6 +28,12 @@ Design (see cachestore/keys.py for the key names, cachestore/budgetlua.py for th
 * Redis evicting or expiring blocks itself leaves stale index entries; TOUCH (on every
   lookup), EVICT and CHECK (reconcile) notice a missing block and subtract its bytes. A block whose parent is gone
   is dead (held, unreachable): `dead_entries` finds them from the index, `kvstash admin verify --fix` reclaims them.
+* Under a chained policy no writer or evictor leaves one: shards are separate slots, so no script can check a
+  parent in another, but ordering does it. A writer asks whether its parent is still indexed after its blocks'
+  ACCOUNT (on the same connection; a Cluster's in a round trip after) and removes them again if not (`drop`); an
+  evictor, after its EVICTs, removes the blocks indexed on what it took (`reap`, REAP on every shard, generation by
+  generation). A parent evicted before the writer's question is seen by it; one evicted after it was evicted after
+  the blocks' ACCOUNT, so the evictor's REAP finds them.
 """
 
 from __future__ import annotations
@@ -38,12 +44,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cachestore.budgetlua import ACCOUNT, CHECK, EVICT, PEEK, TOUCH
+from cachestore.budgetlua import ACCOUNT, CHECK, EVICT, PEEK, REAP, TOUCH
 from cachestore.eviction import POLICIES, RANKS, Policy, now_ms, parse_facts
 from cachestore.keys import INDEX_KEYS, KeySpace, ShardKeys
 
-__all__ = ["ACCOUNT", "CHECK", "EVICT", "PEEK", "TOUCH", "DeadEntries", "EvictionResult", "account", "adopt",
-           "dead_entries", "evict", "held", "now_ms", "reconcile", "touch"]
+__all__ = ["ACCOUNT", "CHECK", "EVICT", "PEEK", "REAP", "TOUCH", "DeadEntries", "EvictionResult", "account", "adopt",
+           "dead_entries", "drop", "evict", "held", "now_ms", "reap", "reconcile", "touch"]
 
 @dataclass(frozen=True)
 class EvictionResult:
@@ -51,6 +57,16 @@ class EvictionResult:
     evicted_bytes: int = 0
     stale_blocks: int = 0
     stale_bytes: int = 0
+
+    def plus(self, reply: Sequence[Any]) -> EvictionResult:
+        """This with the counts of an EVICT or REAP reply added ({n, freed, stale n, stale bytes, keys...})."""
+        n, freed, stale_n, stale = (int(x) for x in reply[:4])
+        return EvictionResult(self.evicted_blocks + n, self.evicted_bytes + freed, self.stale_blocks + stale_n,
+                              self.stale_bytes + stale)
+
+    @property
+    def freed(self) -> int:
+        return self.evicted_bytes + self.stale_bytes
 
 
 def account(pipe: Any, shard: ShardKeys, block_keys: Sequence[str], index_ttl_ms: int, tenant: str | None = None,
@@ -121,10 +137,12 @@ async def tenant_totals(client: Any, keys: KeySpace) -> dict[str, int]:
 
 
 async def evict(client: Any, keys: KeySpace, need_bytes: int, max_rounds: int = 8,
-                tenant: str | None = None, keep: str | None = None) -> EvictionResult:
+                tenant: str | None = None, keep: str | None = None, reap_dead: bool = False) -> EvictionResult:
     """Evict the least-recently-used entries until `need_bytes` are freed (or none remain): the namespace's, or
     with `tenant` only that tenant's own (its LRU index in every shard), never another's. `keep`: an
-    entry never to evict (the parent of the blocks the caller is about to write)."""
+    entry never to evict (the parent of the blocks the caller is about to write). `reap_dead` (a chained policy's):
+    the entries whose chain an eviction broke go too (`reap`), whatever left them behind: a writer adding to the
+    chain between this one's PEEK and EVICT, a reader touching a child but not yet its parent."""
     totals = EvictionResult()
     peek = 32
     for _ in range(max_rounds):
@@ -153,12 +171,57 @@ async def evict(client: Any, keys: KeySpace, need_bytes: int, max_rounds: int = 
             shard = shards[index]
             pipe.eval(EVICT, INDEX_KEYS + len(items), *shard.all(), *(k for k, _ in items), tenant or "",
                       *(f"{s:.17g}" for _, s in items))
-        for n, freed, stale_n, stale in await pipe.execute():
-            totals = EvictionResult(totals.evicted_blocks + int(n), totals.evicted_bytes + int(freed),
-                                    totals.stale_blocks + int(stale_n), totals.stale_bytes + int(stale))
-            need_bytes -= int(freed) + int(stale)
+        gone: list[str] = []
+        before = totals.freed
+        for reply in await pipe.execute():
+            totals = totals.plus(reply)
+            gone += [_text(k) for k in reply[4:]]
+        if reap_dead and gone:
+            totals = await reap(client, keys, gone, totals)
+        need_bytes -= totals.freed - before
         peek *= 2
     return totals
+
+
+def _kin(key: str) -> str:
+    """The start of the KIDS members of block `key`'s children: "<its hash hex>|<ns>:blk:<model>:"."""
+    head, _, block_hex = key[:key.rfind(":{")].rpartition(":")
+    ns, _, model = head.rpartition(":")
+    ns = ns[:ns.rfind(":")]
+    return f"{block_hex}|{ns}:blk:{model}:"
+
+
+async def reap(client: Any, keys: KeySpace, gone: Sequence[str],
+               totals: EvictionResult = EvictionResult()) -> EvictionResult:
+    """Remove every indexed block whose parent is one of `gone` (entries no longer indexed), then theirs, until
+    none: REAP on every shard, a round trip per generation, O(log n) a block. `totals` plus what it removed."""
+    while gone:
+        prefixes = list(dict.fromkeys(_kin(k) for k in gone))
+        pipe = client.pipeline(transaction=False)
+        for shard in keys.all_shards():
+            pipe.execute_command("EVAL", REAP, INDEX_KEYS, *shard.all(), *prefixes)
+        gone = []
+        for reply in await pipe.execute():
+            totals = totals.plus(reply)
+            gone += [_text(k) for k in reply[4:]]
+    return totals
+
+
+async def drop(client: Any, keys: KeySpace, keyed: Sequence[tuple[int, str]]) -> EvictionResult:
+    """Remove the entries `keyed` ((shard, key)) whatever their scores, and the blocks their removal leaves dead."""
+    by_shard: dict[int, list[str]] = defaultdict(list)
+    for shard, key in keyed:
+        by_shard[shard].append(key)
+    shards = keys.all_shards()
+    pipe = client.pipeline(transaction=False)
+    for index, items in by_shard.items():
+        pipe.execute_command("EVAL", EVICT, INDEX_KEYS + len(items), *shards[index].all(), *items, "",
+                             *("*" for _ in items))
+    totals, gone = EvictionResult(), []
+    for reply in await pipe.execute():
+        totals = totals.plus(reply)
+        gone += [_text(k) for k in reply[4:]]
+    return await reap(client, keys, gone, totals)
 
 
 def _text(raw: Any) -> str:

@@ -2,7 +2,9 @@
 
 Every script takes the shard's index keys in KEYS[1..5] (ShardKeys.all(): lru, size, bytes, owner, tbytes) and
 derives the others from KEYS[1]: a tenant's LRU (`<ns>:idx:tlru:<tenant>:{tag}`), the chain facts of each entry
-(`<ns>:idx:chain:{tag}`: key -> "depth" or "depth:parent hash hex") and its hit counts (`<ns>:idx:hits:{tag}`). A
+(`<ns>:idx:chain:{tag}`: key -> "depth" or "depth:parent hash hex"), its hit counts (`<ns>:idx:hits:{tag}`) and
+the entries of each parent (`<ns>:idx:kids:{tag}`: a lexicographic ZSET of "<parent hex>|<key>", so REAP finds the
+children in this shard of entries gone from any shard, O(log n) each). A
 derived name ends in the shard's hash tag, so it lies in the slot of the declared keys (Redis Cluster runs a script
 on undeclared keys of its own slot). Scores are integers below 2^53 (cachestore/eviction.py makes them), written
 back with %.17g so no digit is lost.
@@ -16,7 +18,12 @@ local function derived(kind)
   return string.sub(KEYS[1], 1, at - 1) .. ':idx:' .. kind .. ':' .. string.sub(KEYS[1], at + 9)
 end
 local function tlru(t) return derived('tlru:' .. t) end
-local CHAIN, HITS = derived('chain'), derived('hits')
+local CHAIN, HITS, KIDS = derived('chain'), derived('hits'), derived('kids')
+local function kid(k, facts)  -- entry k's member of KIDS ("<parent hex>|<key>"), from its chain facts; nil: no parent
+  local parent = facts and string.match(facts, ':(%x+)$')
+  if parent then return parent .. '|' .. k end
+  return nil
+end
 local function num(x) return string.format('%.17g', x) end
 local function tenant_add(t, n)
   if n ~= 0 and redis.call('HINCRBY', KEYS[5], t, n) <= 0 then redis.call('HDEL', KEYS[5], t) end
@@ -32,6 +39,8 @@ end
 local function unindex(k, size)  -- an entry leaves the index: its score, size, chain facts, hits and owner
   redis.call('HDEL', KEYS[2], k)
   redis.call('ZREM', KEYS[1], k)
+  local m = kid(k, redis.call('HGET', CHAIN, k))
+  if m then redis.call('ZREM', KIDS, m) end
   redis.call('HDEL', CHAIN, k)
   redis.call('HDEL', HITS, k)
   forget(k, size)
@@ -45,6 +54,18 @@ local function refresh_ttls(ttl)
   for j = 1, 5 do redis.call('PEXPIRE', KEYS[j], ttl) end
   redis.call('PEXPIRE', CHAIN, ttl)
   redis.call('PEXPIRE', HITS, ttl)
+  redis.call('PEXPIRE', KIDS, ttl)
+end
+local function drop(k, n, freed, stale_n, stale)  -- unindex and delete an indexed entry; the counts with it added
+  local size = tonumber(redis.call('HGET', KEYS[2], k) or '0')
+  unindex(k, size)
+  if redis.call('UNLINK', k) == 1 then  -- UNLINK: a big value is freed off the main thread
+    return n + 1, freed + size, stale_n, stale
+  end
+  return n, freed, stale_n + 1, stale + size
+end
+local function uncount(bytes)
+  if bytes > 0 and redis.call('DECRBY', KEYS[3], bytes) < 0 then redis.call('SET', KEYS[3], 0, 'KEEPTTL') end
 end
 """
 
@@ -73,7 +94,11 @@ for i = 6, #KEYS do
     if ARGV[3] ~= 'adopt' then  -- a write starts its entries' hits afresh: a rewritten parent has none either
       redis.call('HDEL', HITS, k)
       score, chain = ARGV[2 * i - 6], ARGV[2 * i - 5]
-      if chain ~= '' then redis.call('HSET', CHAIN, k, chain) end
+      if chain ~= '' then
+        redis.call('HSET', CHAIN, k, chain)
+        local m = kid(k, chain)
+        if m then redis.call('ZADD', KIDS, 0, m) end
+      end
     end
     local function zadd(z)  -- an adopted entry keeps the score it has
       if ARGV[3] == 'adopt' then redis.call('ZADD', z, 'NX', score, k) else redis.call('ZADD', z, score, k) end
@@ -155,29 +180,43 @@ return out
 EVICT = _PRELUDE + """
 -- KEYS[1..5] the shard's index, KEYS[6..] victim entries
 -- ARGV[1] '' when PEEK read the shard's LRU, else the tenant whose LRU it read (only its entries are victims)
--- ARGV[i + 1] the score PEEK saw for KEYS[i + 5]; a victim touched since survives
--- returns {entries evicted, bytes evicted, stale entries removed, stale bytes removed}
+-- ARGV[i + 1] the score PEEK saw for KEYS[i + 5] ('*': any); a victim touched since survives
+-- returns {entries evicted, bytes evicted, stale entries removed, stale bytes removed, key of each entry removed...}
 local n, freed, stale_n, stale = 0, 0, 0, 0
+local gone = {}
 local lru = KEYS[1]
 if ARGV[1] ~= '' then lru = tlru(ARGV[1]) end
 for i = 6, #KEYS do
   local k = KEYS[i]
   local score = redis.call('ZSCORE', lru, k)
-  if score and tonumber(score) == tonumber(ARGV[i - 4]) then
-    local size = tonumber(redis.call('HGET', KEYS[2], k) or '0')
-    unindex(k, size)
+  if score and (ARGV[i - 4] == '*' or tonumber(score) == tonumber(ARGV[i - 4])) then
+    n, freed, stale_n, stale = drop(k, n, freed, stale_n, stale)
     if ARGV[1] ~= '' then redis.call('ZREM', lru, k) end  -- an entry its owner hash had lost
-    if redis.call('UNLINK', k) == 1 then  -- UNLINK: a big value is freed off the main thread
-      n = n + 1; freed = freed + size
-    else
-      stale_n = stale_n + 1; stale = stale + size
+    gone[#gone + 1] = k
+  end
+end
+uncount(freed + stale)
+return {n, freed, stale_n, stale, unpack(gone)}
+"""
+
+REAP = _PRELUDE + """
+-- KEYS[1..5] the shard's index; ARGV[1..] "<parent hex>|<ns>:blk:<model>:" of entries gone from the index (of any
+-- shard): every entry of this shard whose parent is one of them goes too (it is dead: no lookup reaches it)
+-- returns {entries evicted, bytes evicted, stale entries removed, stale bytes removed, key of each entry removed...}
+local n, freed, stale_n, stale = 0, 0, 0, 0
+local gone = {}
+for i = 1, #ARGV do
+  for _, m in ipairs(redis.call('ZRANGEBYLEX', KIDS, '[' .. ARGV[i], '[' .. ARGV[i] .. '\255')) do
+    local k = string.sub(m, string.find(m, '|', 1, true) + 1)
+    redis.call('ZREM', KIDS, m)
+    if redis.call('HEXISTS', KEYS[2], k) == 1 then
+      n, freed, stale_n, stale = drop(k, n, freed, stale_n, stale)
+      gone[#gone + 1] = k
     end
   end
 end
-if freed + stale > 0 then
-  if redis.call('DECRBY', KEYS[3], freed + stale) < 0 then redis.call('SET', KEYS[3], 0, 'KEEPTTL') end
-end
-return {n, freed, stale_n, stale}
+uncount(freed + stale)
+return {n, freed, stale_n, stale, unpack(gone)}
 """
 
 CHECK = _PRELUDE + """
@@ -220,6 +259,10 @@ if ARGV[1] == '1' then
     for _, k in ipairs(redis.call('HKEYS', facts)) do
       if redis.call('HEXISTS', KEYS[2], k) == 0 then redis.call('HDEL', facts, k) end
     end
+  end
+  for _, m in ipairs(redis.call('ZRANGE', KIDS, 0, -1)) do
+    local k = string.sub(m, string.find(m, '|', 1, true) + 1)
+    if redis.call('HEXISTS', KEYS[2], k) == 0 then redis.call('ZREM', KIDS, m) end
   end
   redis.call('SET', KEYS[3], total, 'KEEPTTL')
   redis.call('DEL', KEYS[5])

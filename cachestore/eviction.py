@@ -12,9 +12,11 @@ ZADD/ZRANGE per block as the per-block LRU it replaces.
   TICK_MS so the chunks of one lookup share it), and a write scores each new block by its write time and depth,
   but never above just below its parent's
   current score: a block always scores below its parent, so eviction takes every chain from its end, a prefix
-  many chains share (touched by each) outlives them, and no eviction leaves a block unreachable (of one evictor:
-  two evicting at once on different shards may strand the few blocks written between one's read of its candidates
-  and its eviction; `kvstash admin verify --fix` reclaims them).
+  many chains share (touched by each) outlives them, and no eviction leaves a block unreachable. Where writers and
+  readers on other pods interleave with an eviction (a block written on a parent between the evictor's PEEK and
+  its EVICT, a reader's touch between two shards' EVICTs), the evictor reaps what it left dead (budget.reap: the
+  index's `kids` of each block it took, in every shard) and a writer whose parent left the index while it wrote
+  removes its blocks again, so no block outlives its parent.
 - `chain-freq`: `chain`, each doubling of an entry's hits worth FREQ_MS of recency (hits counted by reads).
 - `chain-probation`: `chain` with S3-FIFO-style admission: a block written but not read since counts
   PROBATION_MS older, so one-off prompts leave before blocks that were reused.

@@ -66,6 +66,9 @@ KEY_SHAPES = (
              "(`depth:hash32hex`) when known: chain-aware eviction ranks by it, `admin stats` counts dead blocks "
              "by it", "as `idx:lru`"),
     KeyShape("<ns>:idx:hits:{<ns>:sNN}", "HASH", "block key -> reads (the `chain-freq` policy only)", "as `idx:lru`"),
+    KeyShape("<ns>:idx:kids:{<ns>:sNN}", "ZSET", "`<parent hash hex>|<block key>` (score 0, read by lexical range) "
+             "of each block with a known parent: when a block leaves the index, a chained policy finds and evicts "
+             "the blocks after it in every shard", "as `idx:lru`"),
     KeyShape("<ns>:idx:bytes:{<ns>:sNN}", "STRING", "bytes accounted in shard NN (an integer)", "as `idx:lru`"),
     KeyShape("<ns>:idx:owner:{<ns>:sNN}", "HASH", "block key -> the tenant that wrote it", "as `idx:lru`"),
     KeyShape("<ns>:idx:tbytes:{<ns>:sNN}", "HASH", "tenant -> bytes its entries hold in shard NN", "as `idx:lru`"),
@@ -132,6 +135,11 @@ class ShardKeys:
     def hits(self) -> str:
         """Block key -> reads counted by the frequency policy; derived like `chain`."""
         return self._derived("hits")
+
+    @property
+    def kids(self) -> str:
+        """`<parent hex>|<block key>` of each block with a known parent (a lexical ZSET); derived like `chain`."""
+        return self._derived("kids")
 
     def tenant_lru(self, tenant: str) -> str:
         """The LRU index of one tenant's entries in this shard (the scripts derive the same name from `lru`)."""

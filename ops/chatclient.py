@@ -25,11 +25,20 @@ class TurnResult:
     upstream: str = ""  # the pod a balancer passed the request to, where it says (X-Kv-Upstream: host:port)
 
 
+class StreamLost(Exception):
+    """A stream that broke after its headers came: the pod that held it (`pod`, `upstream`) is known."""
+
+    def __init__(self, message: str, pod: str, upstream: str) -> None:
+        super().__init__(message)
+        self.pod, self.upstream = pod, upstream
+
+
 def stream_chat(
     client: httpx.Client, base_url: str, body: dict[str, Any], headers: dict[str, str] | None = None,
     path: str = "/v1/chat/completions",
 ) -> TurnResult:
-    """POST a streaming chat request; TTFT is measured at the first content delta."""
+    """POST a streaming chat request; TTFT is measured at the first content delta. A stream lost after its headers
+    raises StreamLost, naming the pod that held it."""
     payload = {**body, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     ttft = None
@@ -42,25 +51,29 @@ def stream_chat(
             return TurnResult(resp.text, 0.0, (time.perf_counter() - t0) * 1000, resp.headers.get("x-kv-pod", "?"),
                               resp.headers.get("x-kv-cache", "?"), 0, 0, 0, resp.status_code,
                               upstream=_upstream(resp))
-        for line in resp.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[6:]
-            if data == "[DONE]":
-                break
-            event = json.loads(data)
-            if "error" in event:
-                raise RuntimeError(event["error"].get("message", "stream error"))
-            for choice in event.get("choices", []):
-                delta = choice.get("delta", {}).get("content") or choice.get("text") or ""
-                if delta:
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-                    pieces.append(delta)
-            if event.get("usage"):
-                usage = event["usage"]
-            if isinstance(event.get("prompt_token_ids"), list):
-                prompt_ids = event["prompt_token_ids"]
+        try:
+            for line in resp.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    raise RuntimeError(event["error"].get("message", "stream error"))
+                for choice in event.get("choices", []):
+                    delta = choice.get("delta", {}).get("content") or choice.get("text") or ""
+                    if delta:
+                        if ttft is None:
+                            ttft = time.perf_counter() - t0
+                        pieces.append(delta)
+                if event.get("usage"):
+                    usage = event["usage"]
+                if isinstance(event.get("prompt_token_ids"), list):
+                    prompt_ids = event["prompt_token_ids"]
+        except (httpx.HTTPError, RuntimeError, ValueError) as exc:
+            raise StreamLost(f"{type(exc).__name__}: {exc}", resp.headers.get("x-kv-pod", ""),
+                             _upstream(resp)) from exc
         total = time.perf_counter() - t0
         return TurnResult(
             text="".join(pieces),

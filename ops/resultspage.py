@@ -64,16 +64,26 @@ _FLEET_WL = ("--users 16 --system-tokens 150 --history-tokens 450 --query-tokens
              "--rates {rates} --duration-s 60 --drain-s 30 --stop-at-knee")
 FLEET_CMD = ("kvstash bench fleet --engine llamacpp --flash-attn off "
              + _FLEET_WL.format(rates="0.1,0.2,0.3,0.4,0.6,0.8,1,1.2,1.4,1.6,1.8,2,2.4")
-             + " --budget-ratios 2,1,0.5,0.25 --budget-rate 0.2 --miss-overhead --miss-rate 0.2 --miss-duration-s 120 "
-             "--json docs/results/fleet.json --merge\n"
+             + " --miss-overhead --miss-rate 0.2 --miss-duration-s 120 --json docs/results/fleet.json --merge\n"
+             "kvstash bench fleet --engine llamacpp --flash-attn off "
+             + _FLEET_WL.format(rates="0.2").replace(" --stop-at-knee", "")
+             + " --budget-ratios 2,1 --budget-policies chain,lru --budget-only "
+             "--trace-out docs/results/fleet-trace.jsonl --json docs/results/fleet.json --merge\n"
              "kvstash bench fleet --engine hf --parallel 8 "
              + _FLEET_WL.format(rates="0.1,0.2,0.3,0.4,0.6,0.8,1,1.2,1.6,2,2.4")
              + " --json docs/results/fleet.json --merge")
 
-_CHURN_WL = ("--pods 2 --users 4 --system-tokens 150 --history-tokens 450 --query-tokens 20 --max-tokens 32 "
-             "--rates 0.3 --duration-s 60 --drain-s 30 --fleets kvstash,sticky --churn-at 20")
-CHURN_CMD = "\n".join(f"kvstash bench fleet --engine llamacpp --flash-attn off {_CHURN_WL} --churn {event} "
-                      "--json docs/results/churn.json --merge" for event in ("rolling", "kill"))
+_CHURN_WL = ("--users 16 --system-tokens 150 --history-tokens 450 --query-tokens 20 --max-tokens 32 --drain-s 30 "
+             "--json docs/results/churn.json --merge")
+_CHURN_RUNS = (  # half the llamacpp kvstash knee (1.6 turns/s, 2 pods); scale-out from 1 pod: half its share
+    "--flash-attn off --fleets kvstash,sticky --pods 3 --rates 0.8 --duration-s 90 --churn rolling --churn-at 30",
+    "--flash-attn off --fleets kvstash,sticky --pods 3 --rates 0.8 --duration-s 75 --churn kill --churn-at 30",
+    "--flash-attn off --fleets kvstash,sticky --pods 1 --rates 0.4 --duration-s 75 --churn scale-out --churn-at 25",
+    "--flash-attn off --fleets kvstash,sticky --pods 3 --rates 0.8 --duration-s 60 --skew 1.2",
+)
+CHURN_CMD = "\n".join([*(f"kvstash bench fleet --engine llamacpp {run} {_CHURN_WL}" for run in _CHURN_RUNS),
+                       "kvstash bench fleet --engine llama-server --fleets kvstash,kvstash-ram,sticky --pods 3 "
+                       f"--rates 0.8 --duration-s 90 --churn rolling --churn-at 30 {_CHURN_WL}"])
 
 BUDGET_CMD = "kvstash bench budget --skews 0,1.2 --budget-ratios 1,2,4 --json docs/results/budget.json"
 
@@ -155,16 +165,24 @@ BENCHES = (
           "value at the lowest rate; its knee is the highest rate it and every lower one kept up with. The bound "
           "on the gain is (prefill + decode) / (hit + decode) from the same run's unloaded turns of a "
           "conversation's opening. Budget pressure replays the workload with the working set at multiples of the "
-          "byte budget; miss overhead runs a workload with no reuse, kvstash on and off interleaved.",
+          "byte budget, under each eviction policy, in a run of its own; its run with no pressure records the "
+          "requests the pods answered as a `bench budget` trace, and the optimum is Belady's policy on that trace "
+          "at the same share of its blocks, its hits counted as the pods count theirs (a turn whose whole chain "
+          "it holds reuses all its previous turn computed). Miss overhead runs a workload with no reuse, kvstash "
+          "on and off interleaved.",
           FLEET_CMD, _fleet, _fleet_budget_charts),
-    Bench("churn", "A fleet that moves: rolling restarts and lost pods",
+    Bench("churn", "A fleet that moves: rolling restarts, scale-out, lost pods and uneven users",
           "The fleet bench's workload at one rate while the pods change: a rolling restart (each pod in turn gets "
-          "SIGTERM and 30 s to exit, is started again on its port, and the next one goes 5 s after it is ready, as "
-          "a Deployment rolls), or the busiest pod SIGKILLed and started again at once. Each fleet runs the same "
+          "SIGTERM and 30 s to drain and exit, is started again on its port, and the next one goes 5 s after it is "
+          "ready, as a Deployment rolls), a pod added and routed to once ready, or the busiest pod SIGKILLed and "
+          "started again at once; and users of uneven activity (Zipf) with no event. Each fleet runs the same "
           "users, arrivals and events: kvstash (round robin, KV in Redis) and sticky sessions (nginx's consistent "
-          "hash, KV in each pod's memory); nginx tries a refused connection again on the next pod and never passes "
-          "a pod over (`max_fails=0`). A turn belongs to the phase it arrived in; a pod is busy while it holds a "
-          "request. A short run on a loaded machine: a few turns a phase, so read the phases' order of magnitude.",
+          "hash, KV in each pod's memory; for the sidecar, stock llama-server with its RAM cache), with the "
+          "sidecar's own beside llama-server's RAM cache too; nginx tries a refused connection again on the next "
+          "pod and never passes a pod over (`max_fails=0`). A turn belongs to the phase it arrived in; a pod is "
+          "busy while it holds a request; a lost stream counts against the pod that held it. Each run's targets "
+          "(issue 58) are evaluated on every fleet. Short runs on a loaded machine: read the phases' order of "
+          "magnitude.",
           CHURN_CMD, churntables.churn, churntables.churn_charts),
     Bench("sizing", "Sizing: KV bytes a token at 8B, 32B and 70B geometries", sizingpage.METHOD, sizingpage.COMMAND,
           sizingpage.results_section),

@@ -285,12 +285,18 @@ def _fleet_pressure(r: dict[str, Any]) -> Table:
     out: Table = []
     engine = r.get("engine", "?")
     if r.get("budget_pressure"):
-        out += [f"Budget pressure ({engine}, kvstash, LRU):", "",
-                "| run | budget MiB | working set / budget | hit rate | TTFT p50 ms | p90 ms | failed |",
-                "|---|---:|---:|---:|---:|---:|---:|"]
-        for b in sorted(r["budget_pressure"], key=lambda b: b["ratio"]):
-            out.append(_row([b["fleet"], f"{b['budget_mb']}", f"{b['ratio']:.2f}", f"{b['hit_rate']:.2f}",
-                             _ms(b["ttft_ms_p50"]), _ms(b["ttft_ms_p90"]), f"{b['failed']}"]))
+        own = r.get("budget_run")
+        out += [f"Budget pressure ({engine}, kvstash; optimum: Belady's policy on the run's own recorded trace"
+                + (f"; a run of its own, {machine_line(own)}, {own['args'].get('users', '?')} users at "
+                   f"{own['args'].get('budget_rate') or own['args'].get('rates') or '?'} turns/s, "
+                   f"{r['budget_pressure'][0].get('arrivals', '?')} measured turns a run" if own else "") + "):", "",
+                "| run | policy | budget MiB | working set / budget | hit rate | optimum | TTFT p50 ms | p90 ms | "
+                "failed |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for b in sorted(r["budget_pressure"], key=lambda b: (b["ratio"], b.get("policy", "lru"))):
+            best = b.get("optimum_hit_rate")
+            out.append(_row([b["fleet"], b.get("policy", "lru"), f"{b['budget_mb']}", f"{b['ratio']:.2f}",
+                             f"{b['hit_rate']:.2f}", "" if best is None else f"{best:.2f}", _ms(b["ttft_ms_p50"]),
+                             _ms(b["ttft_ms_p90"]), f"{b['failed']}"]))
         out.append("")
     if r.get("miss_overhead"):
         on = r["miss_overhead"][0]
@@ -313,17 +319,26 @@ def _fleet_budget_charts(d: dict[str, Any]) -> list[tuple[str, str, str]]:
         return []
     ratios = sorted({round(b["ratio"], 2) for r in pressed for b in r["budget_pressure"]})
 
-    def line(r: dict[str, Any], key: str, scale: float) -> list[float | None]:
-        by = {round(b["ratio"], 2): b[key] * scale for b in r["budget_pressure"]}
+    def line(r: dict[str, Any], key: str, scale: float, policy: str | None) -> list[float | None]:
+        # the run with no pressure evicts nothing: it starts every policy's line
+        by = {round(b["ratio"], 2): b[key] * scale for b in r["budget_pressure"] if b.get(key) is not None and (
+            policy is None or b.get("policy", "lru") == policy or b["fleet"] == "no pressure")}
         return [by.get(x) for x in ratios]
 
+    def series(key: str, scale: float) -> dict[str, list[float | None]]:
+        out: dict[str, list[float | None]] = {}
+        for r in pressed:
+            for policy in dict.fromkeys(b.get("policy", "lru") for b in r["budget_pressure"]):
+                out[f"{r.get('engine', '?')}, {policy}"] = line(r, key, scale, policy)
+            if key == "hit_rate" and any("optimum_hit_rate" in b for b in r["budget_pressure"]):
+                out[f"{r.get('engine', '?')}, optimum"] = line(r, "optimum_hit_rate", scale, None)
+        return out
+
     labels = [f"{x:g}x" for x in ratios]
-    hits = svgchart.lines(labels, {r.get("engine", "?"): line(r, "hit_rate", 100.0) for r in pressed},
-                          title="Hit rate under budget pressure (LRU)", xlabel="working set / byte budget",
-                          ylabel="cached / prompt tokens, %")
-    ttft = svgchart.lines(labels, {r.get("engine", "?"): line(r, "ttft_ms_p50", 1.0) for r in pressed},
-                          title="TTFT p50 under budget pressure (LRU)", xlabel="working set / byte budget",
-                          ylabel="ms (log scale)", log=True)
+    hits = svgchart.lines(labels, series("hit_rate", 100.0), title="Hit rate under budget pressure, by policy",
+                          xlabel="working set / byte budget", ylabel="cached / prompt tokens, %")
+    ttft = svgchart.lines(labels, series("ttft_ms_p50", 1.0), title="TTFT p50 under budget pressure, by policy",
+                          xlabel="working set / byte budget", ylabel="ms (log scale)", log=True)
     return [("budget-hits", "Hit rate under budget pressure", hits),
             ("budget-ttft", "TTFT under budget pressure", ttft)]
 

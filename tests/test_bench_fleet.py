@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from ops.bench.fleet.command import FLEETS, LABELS, find_knee, merged, rate_duration
+from ops.bench.budget.trace import read_trace
+from ops.bench.fleet.command import FLEETS, LABELS, find_knee, merged, merged_budget, rate_duration
+from ops.bench.fleet.pressure import optimum_hit_rate, record_trace
 from ops.bench.fleet.workload import Workload, arrivals, make_users
 from ops.cli import main
 from ops.pods import nginx_binary
@@ -68,7 +70,7 @@ def test_bench_fleet_tiny_every_fleet_budget_and_miss_overhead(tmp_path: Path) -
                  "--users", "2", "--system-tokens", "40", "--history-tokens", "150", "--query-tokens", "8",
                  "--max-tokens", "4", "--rates", "0.5,1", "--duration-s", "4", "--base-arrivals", "3",
                  "--drain-s", "30", "--budget-mb", "64", "--budget-ratios", "2", "--miss-overhead",
-                 "--json", str(out), "--plot", str(svg)]) == 0
+                 "--trace-out", str(tmp_path / "trace.jsonl"), "--json", str(out), "--plot", str(svg)]) == 0
     report = json.loads(out.read_text())
     runs = report["runs"]
     assert [(r["kind"], r["rate"]) for r in runs] == [(k, rate) for k in FLEETS for rate in (0.5, 1.0)]
@@ -83,9 +85,12 @@ def test_bench_fleet_tiny_every_fleet_budget_and_miss_overhead(tmp_path: Path) -
     assert cal["bound"] == pytest.approx((cal["prefill_ms"] + cal["decode_ms"]) / (cal["hit_ms"] + cal["decode_ms"]))
     assert {"no_failed_requests", "knee_vs_bound"} <= set(report["targets"])
     assert report["targets"]["no_failed_requests"] == {"value": 0, "met": True}
-    ample, pressed = report["budget_pressure"]
-    assert ample["fleet"] == "no pressure" and ample["bytes_held"] > 0 and pressed["budget_mb"] >= 8
-    assert pressed["ratio"] > 0 and pressed["failed"] == 0
+    ample, *pressed = report["budget_pressure"]
+    assert ample["fleet"] == "no pressure" and ample["bytes_held"] > 0
+    assert [r["policy"] for r in pressed] == ["chain", "lru"] and pressed[0]["budget_mb"] >= 8
+    for r in report["budget_pressure"]:
+        assert r["ratio"] > 0 and r["failed"] == 0 and 0 <= r["optimum_hit_rate"] <= 1
+    assert read_trace(tmp_path / "trace.jsonl").requests  # `bench budget --trace` replays it
     on, off = report["miss_overhead"]
     assert (on["kind"], off["kind"]) == ("kvstash", "off") and on["hit_rate"] == off["hit_rate"] == 0
     assert on["runs"] == off["runs"] == 2  # interleaved: on, off, off, on
@@ -115,3 +120,40 @@ def test_merge_keeps_other_engines_runs_and_replaces_its_own(tmp_path: Path) -> 
     again = merged(path, {"engine": "hf", "runs": [3], "machine_before": {"nproc": 4}})
     assert [(r["engine"], r["runs"]) for r in again["engines"]] == [("hf", [3]), ("llamacpp", [2])]
     assert merged(tmp_path / "none.json", hf) == {"engines": [hf], "machine_before": hf["machine_before"]}
+
+
+def test_the_fleets_trace_replays_as_bench_budget_reads_it(tmp_path: Path) -> None:
+    def turn(session: str, prompt: int, cached: int, sent: float) -> dict[str, object]:
+        return {"status": 200, "session": session, "prompt_tokens": prompt, "cached_tokens": cached, "sent_s": sent,
+                "completion_tokens": 30}
+
+    # two users share a 128-token system prompt (the second's first turn found its 2 blocks cached); one failed turn
+    warm = [turn("b-1.0", 300, 128, 0.2), turn("b-0.0", 290, 0, 0.1)]
+    rows = [turn("b-0.0", 400, 256, 1.0), {"status": 0, "session": "b-1.0", "sent_s": 1.5},
+            turn("b-1.0", 420, 256, 2.0)]
+    recorded = record_trace(warm, rows, shared=True)
+    assert recorded.lines == [{"session": "b-0.0", "tokens": 290, "prefix": "system", "prefix_tokens": 128},
+                              {"session": "b-1.0", "tokens": 300, "prefix": "system", "prefix_tokens": 128},
+                              {"session": "b-0.0", "tokens": 400}, {"session": "b-1.0", "tokens": 420}]
+    assert recorded.measured == [False, False, True, True] and recorded.prompts == [290, 300, 400, 420]
+    assert recorded.before == [0, 0, 320, 330]  # what each session's previous turn computed, its reply too
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in recorded.lines))
+    assert len(read_trace(path).requests) == 4
+    # room for all: each measured turn reuses all its previous turn computed (4 full blocks and the tail after them)
+    assert optimum_hit_rate(recorded, 0.5, 0.95) == pytest.approx((320 + 330) / 820)
+    assert optimum_hit_rate(recorded, 4.0, 0.95) < optimum_hit_rate(recorded, 0.5, 0.95)  # 2 of 10 blocks held
+
+
+def test_budget_only_replaces_the_budget_rows_and_keeps_the_sweep(tmp_path: Path) -> None:
+    path = tmp_path / "fleet.json"
+    sweep = {"engine": "llamacpp", "runs": [1], "budget_pressure": [{"old": 1}], "machine_before": {"nproc": 2},
+             "requests": [{"fleet": "kvstash"}, {"fleet": "budget"}]}
+    path.write_text(json.dumps({"engines": [sweep], "machine_before": sweep["machine_before"]}))
+    new = {"engine": "llamacpp", "budget_pressure": [{"new": 1}], "machine_before": {"nproc": 3},
+           "machine_after": {}, "args": {"users": 16}, "requests": [{"fleet": "budget", "policy": "lru"}]}
+    out = merged_budget(path, new)["engines"][0]
+    assert out["runs"] == [1] and out["budget_pressure"] == [{"new": 1}] and out["budget_run"]["args"]["users"] == 16
+    assert out["requests"] == [{"fleet": "kvstash"}, {"fleet": "budget", "policy": "lru"}]
+    with pytest.raises(SystemExit):
+        merged_budget(tmp_path / "none.json", new)

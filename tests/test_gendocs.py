@@ -83,7 +83,8 @@ def test_fleet_results_render(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
                  "completion_tokens_per_s": 20.0, "hit_rate": 0.5, "keeps_up": True}
                 for kind in ("kvstash", "off") for rate in (0.5, 1.0)]
         pressed = [{"fleet": f"working set {x:g}x budget", "budget_mb": 8, "ratio": x, "hit_rate": 0.9 / x,
-                    "ttft_ms_p50": 100.0 * x, "ttft_ms_p90": 200.0 * x, "failed": 0} for x in (0.5, 2.0)]
+                    "policy": "chain", "optimum_hit_rate": 0.5, "ttft_ms_p50": 100.0 * x, "ttft_ms_p90": 200.0 * x,
+                    "failed": 0} for x in (0.5, 2.0)]
         miss = [{"fleet": f"no reuse, {k}", "kind": k, "runs": 2, "ok": 4, "failed": 0, "ttft_ms_p50": 1000.0,
                  "ttft_ms_p90": 1100.0, "completion_tokens_per_s": 0.4, "hit_rate": 0.0, "ttft_ms_p50_vs_off": 0.99,
                  "ttft_ms_p90_vs_off": 1.01, "completion_tokens_per_s_vs_off": 1.0} for k in ("kvstash", "off")]
@@ -103,7 +104,7 @@ def test_fleet_results_render(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert "| kvstash | 1 | 10 / 0 | 100.0 | 150.0 | 160.0 | 12.5 | 20.0 | 0.50 | yes |" in page and "test CPU" in page
     assert page.count("Knee: kvstash 1/s, no cache 0.5/s.") == 2 and "= 6.67x" in page
     assert "**hf** (load average 3.5 at the start)" in page
-    assert "| working set 2x budget | 8 | 2.00 | 0.45 | 200.0 | 400.0 | 0 |" in page
+    assert "| working set 2x budget | chain | 8 | 2.00 | 0.45 | 0.50 | 200.0 | 400.0 | 0 |" in page
     assert "Miss overhead (llamacpp" in page and "| no reuse, off | 2 | 4 / 0 | 1,000 | 1,100 | 0.40 | 0.00 |" in page
     assert {tmp_path / "fleet-budget-hits.svg", tmp_path / "fleet-budget-ttft.svg"} <= set(out)
 
@@ -123,7 +124,7 @@ def test_key_table_names_exactly_the_keys_keyspace_builds() -> None:
     shard = space.shard(0)
     built = [space.block("0123456789abcdef", digest)[1], space.tail("0123456789abcdef", digest)[1],
              space.reply_ids("0123456789abcdef", digest)[1], space.boundary("0123456789abcdef", digest)[1],
-             shard.lru, shard.size, shard.bytes, shard.chain, shard.hits,
+             shard.lru, shard.size, shard.bytes, shard.chain, shard.hits, shard.kids,
              shard.owner, shard.tenant_bytes, shard.tenant_lru("acme"), space.session("acme", "trip-42"),
              space.codec_plan("0123456789abcdef")]
     shapes = [_shape_regex(k.pattern) for k in keys.KEY_SHAPES]

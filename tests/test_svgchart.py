@@ -78,9 +78,17 @@ def test_fleet_charts_a_bar_per_phase_and_fleet_and_two_budget_charts(tmp_path: 
     bars = _titles(ET.parse(tmp_path / "churn.svg").getroot(), "rect")
     assert [t for t in bars if t] == ["before, kvstash: 100", "before, sticky: 120", "during, kvstash: 300",
                                       "during, sticky: 900"]
-    report.plot_budget(tmp_path / "fleet.svg", [{"ratio": 4.0, "hit_rate": 0.5, "ttft_ms_p50": 80.0},
-                                                {"ratio": 1.0, "hit_rate": 0.9, "ttft_ms_p50": 40.0}])
+    report.plot_budget(tmp_path / "fleet.svg", [
+        {"fleet": "working set 2x budget", "policy": "lru", "ratio": 2.0, "hit_rate": 0.3, "optimum_hit_rate": 0.6,
+         "ttft_ms_p50": 90.0},
+        {"fleet": "working set 2x budget", "policy": "chain", "ratio": 2.0, "hit_rate": 0.5, "optimum_hit_rate": 0.6,
+         "ttft_ms_p50": 80.0},
+        {"fleet": "no pressure", "policy": "chain", "ratio": 0.5, "hit_rate": 0.9, "optimum_hit_rate": 0.9,
+         "ttft_ms_p50": 40.0}])
     hits = ET.parse(tmp_path / "fleet-budget-hits.svg").getroot()
     ttft = ET.parse(tmp_path / "fleet-budget-ttft.svg").getroot()
-    assert _titles(hits, "circle") == ["hit rate: 90", "hit rate: 50"]  # by ratio, in percent
-    assert _titles(ttft, "circle") == ["TTFT p50: 40", "TTFT p50: 80"]
+    # a line a policy, each from the no-pressure run on, by ratio, in percent; the optimum of each ratio's trace
+    assert _titles(hits, "circle") == ["hit rate, lru: 90", "hit rate, lru: 30", "hit rate, chain: 90",
+                                       "hit rate, chain: 50", "optimum (Belady): 90", "optimum (Belady): 60"]
+    assert _titles(ttft, "circle") == ["TTFT p50, lru: 40", "TTFT p50, lru: 90", "TTFT p50, chain: 40",
+                                       "TTFT p50, chain: 80"]

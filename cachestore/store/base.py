@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import redis.asyncio.cluster
 import redis.cluster
 
 from cachestore.breaker import CircuitBreaker
@@ -46,6 +47,7 @@ class StoreBase:
         self._rejected_lock = threading.Lock()
         self.keys = KeySpace(settings.namespace, settings.index_shards)
         self._client = make_client(settings)
+        self._cluster = isinstance(self._client, redis.asyncio.cluster.RedisCluster)
         self._blocking: Any = None  # the reader threads' blocking client, made on first use (fetch_blocking)
         self._blocking_lock = threading.Lock()
         self._landable = False  # whether the blocking client can receive values into buffers

@@ -89,11 +89,15 @@ class BlockWriter(StoreBase):
                      tenant: str | None = None, chain: Chain | None = None) -> int:
         items = [((shard, key), self._seal(key, frame)) for (shard, key), frame in zip(keyed, frames, strict=True)]
         scores: list[int] = []
+        # a chained policy holds no block whose parent the index lacks (no lookup reaches it): one gone before this
+        # write, none written; gone while it ran (another writer's eviction), the blocks go again (`_orphaned`)
+        parent = chain.parent if chain is not None and self.policy.chained and self.settings.budget_enabled else None
         if self.settings.budget_enabled:
             quota = self.settings.quota_of(tenant) if tenant is not None else 0
             items = _fit_budget(items, min(quota, self.settings.budget_bytes) or self.settings.budget_bytes)
-            parent_score = await self._make_room(sum(len(f) for _, f in items), tenant, quota,
-                                                 chain.parent if chain is not None and self.policy.chained else None)
+            parent_score = await self._make_room(sum(len(f) for _, f in items), tenant, quota, parent)
+            if parent is not None and parent_score is None:
+                return 0
             # entries off a chain (tails, reply ids) end one: they rank as its deepest
             scores = self.policy.write_scores(self.clock_ms(), chain.first if chain is not None else RANKS,
                                               len(items), parent_score)
@@ -110,8 +114,10 @@ class BlockWriter(StoreBase):
                 budget.account(pipe, self.keys.shard(shard), keys, self._index_ttl_ms, tenant,
                                [scores[at[k]] for k in keys],
                                [chain.facts[at[k]] for k in keys] if chain is not None else None, self.policy)
-        # written even where the parent is gone from Redis (flushed, evicted by another writer): a pod that holds
-        # the parent in its own memory still reaches them, and a pod that writes the parent again joins them up
+        ordered = parent is not None and not self._cluster
+        if ordered:  # after the ACCOUNTs on this connection: an eviction of the parent before it is seen here
+            assert parent is not None
+            pipe.hexists(self.keys.shard(parent[0]).size, parent[1])
         self._counters.add("round_trips")
         results = await pipe.execute(raise_on_error=False)
         written = errors = nbytes = 0
@@ -121,8 +127,23 @@ class BlockWriter(StoreBase):
                 nbytes += len(frame)
             elif isinstance(ok, Exception):
                 errors += 1
+        if parent is not None and await self._orphaned(parent, [k for k, _ in items], results[-1] if ordered else None):
+            written = nbytes = 0
         self._counters.add_all(blocks_written=written, bytes_written=nbytes, errors=errors)
         return written
+
+    async def _orphaned(self, parent: tuple[int, str], keyed: list[tuple[int, str]], indexed: Any) -> bool:
+        """Whether the parent of the blocks `keyed` just written left the index while they were written (a Cluster
+        asks now: its nodes answer a pipeline in no set order); if so they are removed again, with any block written
+        on them. An evictor that took the parent after the question reaps them itself (budget.reap): its REAP runs
+        after its EVICT, which ran after the question, which ran after these blocks' ACCOUNT."""
+        if indexed is None:
+            self._counters.add("round_trips")
+            indexed = await self._client.hexists(self.keys.shard(parent[0]).size, parent[1])
+        if isinstance(indexed, Exception) or indexed:
+            return False
+        self._count_eviction(await budget.drop(self._client, self.keys, keyed))
+        return True
 
     async def _make_room(self, incoming: int, tenant: str | None = None, quota: int = 0,
                          parent: tuple[int, str] | None = None) -> int | None:
@@ -136,7 +157,7 @@ class BlockWriter(StoreBase):
         if quota and own + incoming > s.high_watermark * quota:
             target = max(0, int(s.low_watermark * quota) - incoming)
             result = await budget.evict(self._client, self.keys, own - target, tenant=tenant,
-                                        keep=parent[1] if parent else None)
+                                        keep=parent[1] if parent else None, reap_dead=self.policy.chained)
             self._count_eviction(result, tenant_evictions=result.evicted_blocks)
             held -= result.evicted_bytes + result.stale_bytes
         if held + incoming <= s.high_watermark * s.budget_bytes:
@@ -144,7 +165,7 @@ class BlockWriter(StoreBase):
         # evict so that after this write the namespace sits at the low watermark
         target = max(0, int(s.low_watermark * s.budget_bytes) - incoming)
         self._count_eviction(await budget.evict(self._client, self.keys, held - target,
-                                                keep=parent[1] if parent else None))
+                                                keep=parent[1] if parent else None, reap_dead=self.policy.chained))
         return parent_score
 
     def _count_eviction(self, result: budget.EvictionResult, tenant_evictions: int = 0) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from ops import svgchart
 from ops.bench.common import print_table, write_chart
-from ops.bench.fleet import churn, phases, workload
+from ops.bench.fleet import churn, phases, targets, workload
 from ops.bench.fleet.pods import FleetPods, label
 
 CHURN_RATE = 0.2  # turns/s of a churn run unless --rates names one
@@ -39,6 +39,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         f"minReadySeconds; default {CHURN_GAP_S:g})")
     p.add_argument("--grace-s", type=float, default=GRACE_S,
                    help=f"rolling: seconds a pod has to exit after SIGTERM before SIGKILL (default {GRACE_S:g})")
+    p.add_argument("--note",
+                   help="a line the JSON and the results page carry with the run (what else loaded the machine)")
     p.add_argument("--skew", type=float, default=0.0,
                    help="users of uneven activity: user i sends turns in proportion to 1 / (i + 1) ** SKEW "
                         "(Zipf; default 0: every user alike)")
@@ -96,6 +98,10 @@ def _run_fleet(args: argparse.Namespace, redis_url: str, kind: str, events: list
         counters = fleet.sidecar_events()
     split = phases.split(rows, record, args.duration_s, names)
     added = phases.added_pods(rows, record)
+    run = {"fleet": name, "kind": kind, "events": record, "phases": split, "added_pods": added,
+           "sidecar_events": counters, "whole_run": phases.whole(rows, names),
+           **workload.stats(rows, rate, args.duration_s)}
+    run["targets"] = targets.evaluate(run, rows, [e.kind for e in events], args.skew > 0)
     requests += [{**r, "fleet": kind, "rate": rate} for r in rows]
     for pod, a in added.items():
         print(f"[{name}] {pod}, added: hit {a['hit_rate']:.2f} over its {a['turns']} turns (its first "
@@ -107,9 +113,7 @@ def _run_fleet(args: argparse.Namespace, redis_url: str, kind: str, events: list
               + (f" ({steps})" if steps else ""), flush=True)
     if counters:
         print(f"[{name}] sidecar events since each pod's last start: {counters}", flush=True)
-    return {"fleet": name, "kind": kind, "events": record, "phases": split, "added_pods": added,
-            "sidecar_events": counters,
-            **workload.stats(rows, rate, args.duration_s)}
+    return run
 
 
 def _step(s: dict[str, Any]) -> str:
@@ -130,7 +134,10 @@ def run(args: argparse.Namespace, redis_url: str, fleets: list[str], events: lis
 def print_phases(runs: list[dict[str, Any]]) -> None:
     rows = [{"fleet": r["fleet"], **p, "window": f"{p['start_s']:.0f}-{p['end_s']:.0f}",
              "per_pod": ", ".join(f"{pod} {p['requests_per_pod'][pod]}/{p['busy_s_per_pod'][pod]:.1f}"
-                                  for pod in p["requests_per_pod"])} for r in runs for p in r["phases"]]
+                                  + (f" ({n} failed)" if (n := p.get("failed_per_pod", {}).get(pod)) else "")
+                                  for pod in p["requests_per_pod"])
+             + (f", {n} failed on no known pod" if (n := p.get("failed_per_pod", {}).get("unknown")) else "")}
+            for r in runs for p in r["phases"]]
     print_table(rows, PHASE_COLUMNS)
 
 

@@ -27,11 +27,10 @@ from urllib.parse import urlsplit
 
 from ops import netlink, svgchart
 from ops.bench.common import check_chart, machine, print_table, write_chart, write_json
-from ops.bench.fleet import churnrun, report, workload
+from ops.bench.fleet import churnrun, phases, pressure, report, targets, workload
 from ops.bench.fleet.pods import FLEETS, LABELS, FleetPods, fleets_of, label
 
 __all__ = ["FLEETS", "LABELS", "find_knee", "merged", "rate_duration", "register"]
-MIN_BUDGET_MB = 8  # a budget holds at least one value of the largest size (cachestore max_value_bytes)
 SWEEP_RATES = "0.1,0.2,0.4,0.8"
 COLUMNS = [("fleet", "fleet", ""), ("rate", "rate/s", ".3g"), ("arrivals", "n", "d"), ("ok", "ok", "d"),
            ("failed", "failed", "d"), ("ttft_ms_p50", "TTFT p50", ".0f"), ("ttft_ms_p90", "p90", ".0f"),
@@ -77,6 +76,13 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--budget-ratios", default="",
                    help="kvstash only: also replay the workload at the lowest rate with the working set at these "
                         "multiples of the budget (e.g. 2,1,0.5,0.25)")
+    p.add_argument("--budget-policies", default="chain,lru",
+                   help="eviction policies of the budget-pressure runs, a run each per ratio (default chain,lru)")
+    p.add_argument("--budget-only", action="store_true",
+                   help="run only the budget-pressure runs (no sweep); with --merge their rows replace this engine's "
+                        "budget-pressure rows in the JSON, the rest kept")
+    p.add_argument("--trace-out", type=Path,
+                   help="write the requests of the budget run with no pressure here, as `bench budget --trace` reads")
     p.add_argument("--miss-overhead", action="store_true",
                    help="also run a workload with no reuse at the lowest rate, kvstash on against off")
     p.add_argument("--budget-rate", type=float, default=0.0,
@@ -91,7 +97,8 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=35, help="seed of the arrival times")
     p.add_argument("--json", type=Path, help="write the summary and every request as JSON here")
     p.add_argument("--merge", action="store_true",
-                   help="with --json: keep the other runs the file holds, replacing this engine's (and --churn's)")
+                   help="with --json: keep the other runs the file holds, replacing this engine's of the same --churn "
+                        "and --skew")
     p.add_argument("--plot", type=Path, help="an .svg file: TTFT p90 against the arrival rate, a line per fleet; "
                    "with --budget-ratios also <stem>-budget-hits.svg and <stem>-budget-ttft.svg; with --churn "
                    "TTFT p90 by phase, a bar per fleet")
@@ -175,6 +182,10 @@ def _sweep(args: argparse.Namespace, redis_url: str, kind: str, rates: list[floa
                                       drain_s=args.drain_s, users=users, skew=args.skew)
             run = {"fleet": label(kind, args.engine), "kind": kind, "duration_s": duration,
                    **workload.stats(rows, rate, duration)}
+            if args.skew > 0:  # uneven users: how evenly the pods were kept busy
+                run["whole_run"] = phases.whole(rows, fleet.names_by_port())
+                run["phases"] = [run["whole_run"]]  # the results page's churn section shows it as one phase
+                run["targets"] = targets.skew(run)
             print(f"[{run['fleet']}] {rate:g}/s: {run['ok']}/{run['arrivals']} ok, {run['failed']} failed, "
                   f"TTFT p90 {run['ttft_ms_p90']:.0f} ms, hit {run['hit_rate']:.2f}", flush=True)
             runs.append(run)
@@ -183,45 +194,6 @@ def _sweep(args: argparse.Namespace, redis_url: str, kind: str, rates: list[floa
                 print(f"[{run['fleet']}] fell behind at {rate:g}/s: the rates above it are not run", flush=True)
                 break
     return runs, calibration
-
-
-def _budget_pressure(args: argparse.Namespace, redis_url: str, rate: float, ratios: list[float],
-                     requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The workload at `rate` once with room for everything (its bytes are the working set), then with the budget
-    at working set / ratio for each ratio; each run on a fresh namespace."""
-    from cachestore.settings import StoreSettings  # noqa: PLC0415
-    from cachestore.syncstore import SyncBlockStore  # noqa: PLC0415
-
-    duration = rate_duration(args, rate, True)  # hit rates of as many turns as the sweep's baseline
-
-    def one(label: str, budget_mb: int, n: int) -> dict[str, Any]:
-        namespace = f"fleet-budget-{n}"
-        with FleetPods(args, redis_url, "kvstash", namespace, budget_mb) as fleet:
-            users = workload.make_users(_workload(args), "budget")
-            workload.warm_up(users, args.model_name, fleet.url, False)  # the same conversations in every run
-            rows, _ = workload.drive(_workload(args), fleet.url, args.model_name, rate, duration, tag="budget",
-                                      seed=args.seed, sticky=False, drain_s=args.drain_s, users=users,
-                                      skew=args.skew)
-        settings = StoreSettings.from_url(redis_url, namespace=namespace, budget_bytes=budget_mb << 20)
-        with SyncBlockStore(settings) as store:
-            usage = store.usage()
-        requests.extend({**r, "fleet": "budget", "budget_mb": budget_mb} for r in rows)
-        run = {"fleet": label, "budget_mb": budget_mb, "bytes_held": usage.bytes_held,
-               **workload.stats(rows, rate, duration)}
-        print(f"[budget {label}] {budget_mb} MiB: hit {run['hit_rate']:.2f}, TTFT p50 {run['ttft_ms_p50']:.0f} ms",
-              flush=True)
-        return run
-
-    ample = one("no pressure", args.budget_mb, 0)
-    working_set = ample["bytes_held"]
-    ample["ratio"] = working_set / (args.budget_mb << 20)
-    runs = [ample]
-    for n, ratio in enumerate(ratios, 1):
-        budget_mb = max(MIN_BUDGET_MB, round(working_set / ratio / (1 << 20)))  # the ratio reported is the real one
-        run = one(f"working set {ratio:g}x budget", budget_mb, n)
-        run["ratio"] = working_set / (budget_mb << 20)
-        runs.append(run)
-    return runs
 
 
 MISS_ORDER = ("kvstash", "off", "off", "kvstash")  # interleaved: load drifting over the runs touches both alike
@@ -258,7 +230,7 @@ def _miss_overhead(args: argparse.Namespace, redis_url: str, rate: float,
 
 def merged(path: Path, result: dict[str, Any]) -> dict[str, Any]:
     """{"engines": [...]}: the reports `path` holds (one, or several merged before) with `result` in place of any
-    of its engine and churn events, ordered by engine then events; machine_before is the first report's (the
+    of its engine, churn events and skew, ordered by them; machine_before is the first report's (the
     page's machine line)."""
     import json  # noqa: PLC0415
 
@@ -266,11 +238,27 @@ def merged(path: Path, result: dict[str, Any]) -> dict[str, Any]:
     if path.exists():
         old = json.loads(path.read_text())
         held = old["engines"] if "engines" in old else [old]
-    def key(r: dict[str, Any]) -> tuple[str, str]:
-        return r["engine"], r.get("churn", "")
+    def key(r: dict[str, Any]) -> tuple[str, str, float]:
+        return r["engine"], r.get("churn") or "", r.get("skew") or 0.0
 
     reports = sorted([r for r in held if key(r) != key(result)] + [result], key=key)
     return {"engines": reports, "machine_before": reports[0]["machine_before"]}
+
+
+def merged_budget(path: Path, result: dict[str, Any]) -> dict[str, Any]:
+    """The JSON `path` holds with `result`'s budget-pressure rows in place of its engine's (`--budget-only`), and
+    `budget_run`: the machine and arguments of the run they came from."""
+    import json  # noqa: PLC0415
+
+    old = json.loads(path.read_text()) if path.exists() else {"engines": []}
+    held = old["engines"] if "engines" in old else [old]
+    mine = [r for r in held if r["engine"] == result["engine"] and not r.get("churn")]
+    if not mine:
+        raise SystemExit(f"--budget-only --merge: {path} holds no {result['engine']} sweep to add the rows to")
+    mine[0]["budget_pressure"] = result["budget_pressure"]
+    mine[0]["budget_run"] = {k: result[k] for k in ("machine_before", "machine_after", "args")}
+    mine[0]["requests"] = [r for r in mine[0].get("requests", []) if r.get("fleet") != "budget"] + result["requests"]
+    return {"engines": held, "machine_before": held[0]["machine_before"]}
 
 
 def _check(args: argparse.Namespace, nproc: int) -> tuple[list[float], list[float], list[str], list[Any]]:
@@ -282,6 +270,14 @@ def _check(args: argparse.Namespace, nproc: int) -> tuple[list[float], list[floa
     check_chart(args.plot)
     rates = sorted(_floats(args.rates or (str(churnrun.CHURN_RATE) if args.churn else SWEEP_RATES), "--rates"))
     ratios = _floats(args.budget_ratios, "--budget-ratios") if args.budget_ratios else []
+    from cachestore.eviction import POLICIES  # noqa: PLC0415
+
+    policies = pressure.budget_policies(args)
+    if not policies or any(p not in POLICIES for p in policies):
+        raise SystemExit(f"--budget-policies takes {', '.join(POLICIES)} (comma-separated)")
+    if args.budget_only and (not ratios or args.churn or args.miss_overhead):
+        raise SystemExit("--budget-only runs the budget-pressure runs alone: give --budget-ratios, no --churn or "
+                         "--miss-overhead")
     known = fleets_of(args.engine)
     fleets = [f.strip() for f in args.fleets.split(",") if f.strip()] if args.fleets else list(known)
     if not fleets or any(f not in known for f in fleets):
@@ -315,10 +311,16 @@ def _check(args: argparse.Namespace, nproc: int) -> tuple[list[float], list[floa
 
 
 def run(args: argparse.Namespace) -> int:
+    from cachestore.errors import ConfigError  # noqa: PLC0415
     from ops.redisproc import RedisProcess  # noqa: PLC0415
 
     before = machine()
-    rates, ratios, fleets, events = _check(args, before["nproc"] or 1)
+    try:
+        rates, ratios, fleets, events = _check(args, before["nproc"] or 1)
+    except SystemExit as exc:  # bad input: one line, exit 2 (as argparse's own), before anything starts
+        if not isinstance(exc.code, str):
+            raise
+        raise ConfigError(exc.code) from None
     spec = netlink.spec_of(args)
     with netlink.opened(spec) as link:
         redis = None if args.redis_url else RedisProcess(extra_args=("--maxmemory", f"{2 * args.budget_mb + 256}mb",
@@ -336,13 +338,15 @@ def run(args: argparse.Namespace) -> int:
         try:
             if events:
                 runs = churnrun.run(args, redis_url, fleets, events, rates[0], _workload(args), requests)
-            for kind in fleets if not events else []:
+            for kind in fleets if not events and not args.budget_only else []:
                 fleet_runs, cal = _sweep(args, redis_url, kind, rates, requests)
                 knees[kind] = find_knee(fleet_runs)
                 runs += fleet_runs
                 calibration = calibration or cal
             if ratios:
-                budget = _budget_pressure(args, redis_url, args.budget_rate or rates[0], ratios, requests)
+                rate = args.budget_rate or rates[0]
+                budget = pressure.run(args, redis_url, rate, ratios, rate_duration(args, rate, True),
+                                         _workload(args), requests)
             if args.miss_overhead:
                 miss = _miss_overhead(args, redis_url, args.miss_rate or rates[0], requests)
         finally:
@@ -350,18 +354,24 @@ def run(args: argparse.Namespace) -> int:
                 redis.cleanup()
     if events:
         churnrun.print_phases(runs)
+        targets.print_targets(runs)
         result: dict[str, Any] = {"engine": args.engine, "churn": args.churn, "skew": args.skew, "runs": runs}
     else:
-        targets = report.targets(runs, knees, calibration)
+        goals = report.targets(runs, knees, calibration)
         print_table(runs, COLUMNS)
-        report.print_summary(knees, calibration, targets, budget, miss)
-        result = {"engine": args.engine, "runs": runs, "knees": knees, "calibration": calibration,
-                  "targets": targets, "budget_pressure": budget, "miss_overhead": miss}
+        report.print_summary(knees, calibration, goals, budget, miss)
+        targets.print_targets(runs)
+        result = {"engine": args.engine, "skew": args.skew, "runs": runs, "knees": knees, "calibration": calibration,
+                  "targets": goals, "budget_pressure": budget, "miss_overhead": miss}
     if args.json:
-        result.update(threads_per_pod=args.threads, requests=requests, machine_before=before, machine_after=machine(),
+        result.update(notes=args.note or "", threads_per_pod=args.threads, requests=requests, machine_before=before,
+                      machine_after=machine(),
                       **({"link": link.as_json()} if link is not None else {}),
                       args={k: v for k, v in vars(args).items() if k != "func" and not isinstance(v, Path)})
-        write_json(args.json, merged(args.json, result) if args.merge else result)
+        if args.budget_only and args.merge:
+            write_json(args.json, merged_budget(args.json, result))
+        else:
+            write_json(args.json, merged(args.json, result) if args.merge else result)
     if args.plot and events:
         churnrun.plot(args.plot, runs, f"TTFT p90 by phase, {args.churn}: {args.pods} {args.engine} pods, "
                         f"{args.users} users")

@@ -65,9 +65,17 @@ def phase_stats(rows: Sequence[dict[str, Any]], name: str, start: float, end: fl
             "failed": len(failed), "unsent": sum(1 for r in inside if r.get("status") == -1),
             "ttft_ms_p50": percentile(ttft, 0.5), "ttft_ms_p90": percentile(ttft, 0.9),
             "hit_rate": hit_rate(ok), "hit_rate_per_pod": {p: hit_rate([r for r in ok if r["pod"] == p]) for p in pods},
-            "requests_per_pod": requests, "busy_s_per_pod": busy,
+            "requests_per_pod": requests, "failed_per_pod": failed_per_pod(failed, pods), "busy_s_per_pod": busy,
             "busy_max_over_mean": max(busy.values()) / mean if mean > 0 else 0.0,
             "errors": sorted({str(r.get("error", ""))[:120] for r in failed})[:3]}
+
+
+def failed_per_pod(failed: Sequence[dict[str, Any]], pods: Sequence[str]) -> dict[str, int]:
+    """Failed turns by the pod that held them (`pod_of`; a stream lost after its headers names its pod), and under
+    "unknown" those no pod is named for (a connection lost before any header), where there are any."""
+    out = {p: sum(1 for r in failed if r.get("pod") == p) for p in pods}
+    unknown = sum(1 for r in failed if not r.get("pod"))
+    return {**out, "unknown": unknown} if unknown else out
 
 
 def hit_rate(rows: Sequence[dict[str, Any]]) -> float:
@@ -93,13 +101,24 @@ def added_pods(rows: Sequence[dict[str, Any]], events: Sequence[dict[str, Any]])
     return out
 
 
+def name_pods(rows: list[dict[str, Any]], names: dict[str, str]) -> list[str]:
+    """Sets each row's "pod" (`pod_of`); the fleet's pods, a pod nobody reached too."""
+    for r in rows:
+        r["pod"] = pod_of(r, names)
+    return sorted(set(names.values()) | {r["pod"] for r in rows if r["pod"]})
+
+
+def whole(rows: list[dict[str, Any]], names: dict[str, str]) -> dict[str, Any]:
+    """The whole run as one phase, from the start to the last reply (every turn; each pod's busy time)."""
+    end = max([r["ended_s"] for r in rows if "ended_s" in r], default=0.0)
+    return phase_stats(rows, "whole run", 0.0, end + 1e-9, name_pods(rows, names))
+
+
 def split(rows: list[dict[str, Any]], events: Sequence[dict[str, Any]], end_s: float,
           names: dict[str, str]) -> list[dict[str, Any]]:
     """Every phase's figures; each row gets its "pod" (`pod_of`), and each phase the ratio of its TTFT p90 and hit
     rate to the phase before the first event (`vs_before`)."""
-    for r in rows:
-        r["pod"] = pod_of(r, names)
-    pods = sorted(set(names.values()) | {r["pod"] for r in rows if r["pod"]})  # a pod nobody reached counts too
+    pods = name_pods(rows, names)
     out = [phase_stats(rows, name, a, b, pods) for name, a, b in windows(events, end_s)]
     base = out[0] if out and out[0]["phase"] == "before" else None
     for p in out:

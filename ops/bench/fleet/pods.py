@@ -19,7 +19,7 @@ SIDECAR_FLEETS = ("kvstash", "kvstash-ram", "off", "sticky")
 LABELS = {"kvstash": "kvstash", "off": "no cache", "sticky": "sticky sessions"}
 SIDECAR_LABELS = {"kvstash": "kvstash sidecar", "kvstash-ram": "kvstash sidecar + llama-server cache-ram",
                   "off": "no cache", "sticky": "llama-server cache-ram, sticky"}
-STICKY_HEADER = "X-Session-Id"  # what nginx hashes in a sticky fleet (fleetload sends it there)
+STICKY_HEADER = "X-Session-Id"  # what nginx hashes in a sticky fleet (the workload sends it there)
 CACHE_RAM_MIB = 8192  # llama-server's default --cache-ram (`llama-server --help`), named for the sidecar's -- args
 SIDECAR_METRIC = re.compile(r'^kvstash_sidecar_(?:events_total\{event="(?P<event>\w+)"\}|restored_tokens_total) '
                             r'(?P<value>[0-9.eE+-]+)$', re.M)

@@ -9,9 +9,10 @@ from typing import Any
 from ops import svgchart
 from ops.bench.common import print_table, write_chart
 
-BUDGET_COLUMNS = [("fleet", "run", ""), ("budget_mb", "budget MiB", "d"), ("ratio", "working set / budget", ".2f"),
-                  ("hit_rate", "hit", ".2f"), ("ttft_ms_p50", "TTFT p50", ".0f"), ("ttft_ms_p90", "p90", ".0f"),
-                  ("failed", "failed", "d")]
+BUDGET_COLUMNS = [("fleet", "run", ""), ("policy", "policy", ""), ("budget_mb", "budget MiB", "d"),
+                  ("ratio", "working set / budget", ".2f"), ("hit_rate", "hit", ".2f"),
+                  ("optimum_hit_rate", "optimum", ".2f"), ("ttft_ms_p50", "TTFT p50", ".0f"),
+                  ("ttft_ms_p90", "p90", ".0f"), ("failed", "failed", "d")]
 MISS_COLUMNS = [("fleet", "run", ""), ("ok", "ok", "d"), ("failed", "failed", "d"), ("ttft_ms_p50", "TTFT p50", ".0f"),
                 ("ttft_ms_p90", "p90", ".0f"), ("completion_tokens_per_s", "out tok/s", ".2f"),
                 ("hit_rate", "hit", ".2f")]
@@ -45,7 +46,7 @@ def print_summary(knees: dict[str, float], calibration: dict[str, Any] | None, f
               f" + {calibration['decode_ms']:.0f}) / ({calibration['hit_ms']:.0f} + {calibration['decode_ms']:.0f})"
               f" = {calibration['bound']:.2f}x")
     if budget:
-        print("\nbudget pressure (kvstash, LRU)")
+        print("\nbudget pressure (kvstash; optimum: Belady on the run's own trace)")
         print_table(budget, BUDGET_COLUMNS)
     if miss:
         print("\nmiss overhead (no reuse): kvstash on / off = "
@@ -61,10 +62,24 @@ def plot_budget(path: Path, runs: list[dict[str, Any]]) -> None:
     """Hit rate and TTFT p50 against working set / budget: two charts beside `path`, -budget-hits.svg and
     -budget-ttft.svg (one axis each)."""
     points = sorted(runs, key=lambda r: r["ratio"])
-    ratios = [f"{r['ratio']:g}" for r in points]
+    ratios = sorted({round(r["ratio"], 2) for r in points})
+    policies = list(dict.fromkeys(r.get("policy", "lru") for r in points if r["fleet"] != "no pressure"))
+
+    def at(key: str, rows: list[dict[str, Any]]) -> list[float | None]:
+        got = {round(r["ratio"], 2): r[key] for r in rows if r.get(key) is not None}
+        return [got.get(x) for x in ratios]
+
+    def of(policy: str) -> list[dict[str, Any]]:  # the no-pressure run starts every policy's line
+        return [r for r in points if r.get("policy", "lru") == policy or r["fleet"] == "no pressure"]
+
+    hits = {f"hit rate, {p}": [None if v is None else 100 * v for v in at("hit_rate", of(p))] for p in policies}
+    best = at("optimum_hit_rate", points)
+    if any(v is not None for v in best):
+        hits["optimum (Belady)"] = [None if v is None else 100 * v for v in best]
+    labels = [f"{x:g}" for x in ratios]
     write_chart(path.with_name(path.stem + "-budget-hits.svg"), svgchart.lines(
-        ratios, {"hit rate": [100 * r["hit_rate"] for r in points]}, xlabel="working set / byte budget",
-        title="kvstash under budget pressure (LRU eviction)", ylabel="hit rate, % (cached / prompt)"))
+        labels, hits, xlabel="working set / byte budget", title="kvstash under budget pressure, by eviction policy",
+        ylabel="hit rate, % (cached / prompt)"))
     write_chart(path.with_name(path.stem + "-budget-ttft.svg"), svgchart.lines(
-        ratios, {"TTFT p50": [r["ttft_ms_p50"] for r in points]}, xlabel="working set / byte budget",
-        title="kvstash under budget pressure (LRU eviction)", ylabel="TTFT p50, ms"))
+        labels, {f"TTFT p50, {p}": at("ttft_ms_p50", of(p)) for p in policies}, xlabel="working set / byte budget",
+        title="kvstash under budget pressure, by eviction policy", ylabel="TTFT p50, ms"))

@@ -112,7 +112,7 @@ def send_turn(user: ChatUser, model: str, url: str, arrived_at: float, started: 
           sticky: bool, seq: int) -> dict[str, Any]:
     import httpx  # noqa: PLC0415
 
-    from ops.chatclient import stream_chat  # noqa: PLC0415
+    from ops.chatclient import StreamLost, stream_chat  # noqa: PLC0415
 
     wl = user.workload
     with user.lock:  # the user's previous turn must have been answered
@@ -123,7 +123,8 @@ def send_turn(user: ChatUser, model: str, url: str, arrived_at: float, started: 
         user.messages.append({"role": "user", "content": question(seq, wl.query_tokens)})
         body = {"model": model, "messages": user.messages, "max_tokens": wl.max_tokens, "temperature": 0}
         headers = {STICKY_HEADER: session_id(user)} if sticky else {}
-        row: dict[str, Any] = {"user": user.index, "turn": user.turns + 1, "arrived_s": arrived_at}
+        row: dict[str, Any] = {"user": user.index, "turn": user.turns + 1, "arrived_s": arrived_at,
+                               "session": f"{user.tag}-{user.index}.{user.conversation}"}
         sent = time.monotonic()
         row["sent_s"] = sent - started
         try:
@@ -131,7 +132,8 @@ def send_turn(user: ChatUser, model: str, url: str, arrived_at: float, started: 
                 res = stream_chat(client, url, body, headers=headers)
         except Exception as exc:  # noqa: BLE001 - a failed request is a row, counted
             user.messages.pop()
-            return {**row, "status": 0, "error": f"{type(exc).__name__}: {exc}"[:200],
+            held = {"pod": exc.pod, "upstream": exc.upstream} if isinstance(exc, StreamLost) else {}
+            return {**row, **held, "status": 0, "error": f"{type(exc).__name__}: {exc}"[:200],
                     "ended_s": time.monotonic() - started}
         queued_ms = (sent - started - arrived_at) * 1000
         row.update(status=res.status, pod=res.pod, upstream=res.upstream, cache=res.cache,
