@@ -239,11 +239,10 @@ def _parse_q8(view: memoryview, r: StateReader, geo: StateGeometry, n_cells: int
 def _parse_f16(view: memoryview, r: StateReader, geo: StateGeometry, n_cells: int, order: np.ndarray | slice,
                out: np.ndarray) -> None:
     L, H, D, E = geo.num_layers, geo.kv_heads, geo.head_dim, geo.row_elements
-    out_np = out
     for layer in range(L):
         _row_header(r, geo, layer, "K")
         rows = _f16(view, r.take(n_cells * 2 * E), n_cells * E).reshape(n_cells, H, D)
-        _place(out_np[layer, 0], rows.transpose(1, 0, 2), order)  # [H, cells, D]
+        _place(out[layer, 0], rows.transpose(1, 0, 2), order)  # [H, cells, D]
     for layer in range(L):
         if geo.v_trans:
             v_type, v_el, v_embd = r.unpack("<iII")
@@ -251,11 +250,11 @@ def _parse_f16(view: memoryview, r: StateReader, geo: StateGeometry, n_cells: in
                 raise StateLayoutError(f"layer {layer}: transposed V of type {v_type}, {v_el}-byte elements, "
                                        f"{v_embd} channels; expected F16, 2, {E}")
             chans = _f16(view, r.take(E * n_cells * 2), E * n_cells).reshape(H, D, n_cells)
-            _place(out_np[layer, 1], chans.transpose(0, 2, 1), order)  # [H, cells, D]
+            _place(out[layer, 1], chans.transpose(0, 2, 1), order)  # [H, cells, D]
         else:
             _row_header(r, geo, layer, "V")
             rows = _f16(view, r.take(n_cells * 2 * E), n_cells * E).reshape(n_cells, H, D)
-            _place(out_np[layer, 1], rows.transpose(1, 0, 2), order)
+            _place(out[layer, 1], rows.transpose(1, 0, 2), order)
 
 
 def _place(dst: np.ndarray, src: np.ndarray, order: np.ndarray | slice) -> None:
