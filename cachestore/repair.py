@@ -343,12 +343,14 @@ async def purge_model(client: Any, keys: KeySpace, model: str, progress: Progres
     return PurgeResult(blocks, freed, sessions)
 
 
-async def evict_to(client: Any, keys: KeySpace, target_bytes: int) -> tuple[int, budget.EvictionResult, int]:
-    """Evict the lowest-scored blocks (the eviction policy's order) until the namespace holds at most `target_bytes`.
+async def evict_to(client: Any, keys: KeySpace, target_bytes: int,
+                   reap_dead: bool = True) -> tuple[int, budget.EvictionResult, int]:
+    """Evict the lowest-scored blocks (the eviction policy's order) until the namespace holds at most `target_bytes`;
+    `reap_dead` (a chained policy's, as the pods evict): the blocks written on an evicted one go with it.
 
     Returns (bytes held before, what was evicted, bytes held after), as the budget index counts them."""
     before = sum(await budget.shard_totals(client, keys))
-    result = await budget.evict(client, keys, before - target_bytes, max_rounds=20) if before > target_bytes \
-        else budget.EvictionResult()
+    result = await budget.evict(client, keys, before - target_bytes, max_rounds=20, reap_dead=reap_dead) \
+        if before > target_bytes else budget.EvictionResult()
     after = sum(await budget.shard_totals(client, keys))
     return before, result, after

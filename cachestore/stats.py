@@ -24,6 +24,8 @@ class StoreStats:
     evicted_bytes: int = 0
     tenant_evictions: int = 0  # of the evictions: entries a tenant over its quota evicted (its own)
     stale_removed: int = 0  # index entries of blocks Redis evicted or expired itself
+    lost_parent_writes: int = 0  # block writes dropped: Redis had lost their parent and the pod not its frames
+    blocks_restored: int = 0  # blocks Redis had lost, written again from the local tier under new blocks
     errors: int = 0  # Redis errors and timeouts
     timeouts: int = 0
     skipped_open: int = 0  # calls not made because the breaker was open

@@ -144,7 +144,8 @@ def cmd_evict(args: argparse.Namespace, settings: Any) -> int:
     if args.to_bytes < 0:
         raise KvstashError("--to-bytes must not be negative")
     confirm(args, f"evict blocks of {_where(settings)} (lowest-scored first) down to {args.to_bytes} bytes?")
-    before, result, after = call(settings, lambda s: repair.evict_to(s.client, s.keys, args.to_bytes))
+    before, result, after = call(settings, lambda s: repair.evict_to(s.client, s.keys, args.to_bytes,
+                                                                     reap_dead=s.policy.chained))
     print(f"held {before} bytes; evicted {result.evicted_blocks} blocks ({result.evicted_bytes} bytes), dropped "
           f"{result.stale_blocks} stale index entries; now {after} bytes")
     return 0

@@ -13,6 +13,7 @@ import torch
 
 from cachestore import budget, repair
 from cachestore.codec import Codec
+from cachestore.errors import StoreError
 from cachestore.hashing import BlockHash
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
@@ -43,9 +44,9 @@ class Clock:
         return self.ms
 
 
-def chain_store(url: str, ns: str, budget: int = 8_000, size: int = SIZE) -> BlockStore:
+def chain_store(url: str, ns: str, budget: int = 8_000, size: int = SIZE, **extra: int) -> BlockStore:
     return BlockStore(StoreSettings.from_url(url, namespace=ns, budget_bytes=budget, max_value_bytes=size,
-                                             index_shards=4, low_watermark=0.6, eviction_policy="chain"),
+                                             index_shards=4, low_watermark=0.6, eviction_policy="chain", **extra),
                       clock_ms=Clock())
 
 
@@ -153,9 +154,36 @@ async def test_blocks_written_on_a_parent_being_evicted_go_with_it(redis_server:
         # a parent already gone: nothing is written on it
         assert (await store.store_blocks(MODEL, x[3:], [value] * 2, None, 3, x[2])).value == 0
         assert await present(store, x[3:]) == [False, False] and (await store.dead()).blocks == 0
+        assert store.stats().lost_parent_writes == 1
     finally:
         await store.clear_namespace()
         await store.close()
+
+
+async def test_a_pod_holding_a_lost_prefix_writes_it_again(redis_server: RedisProcess) -> None:
+    """Redis flushed under a conversation: the pod whose local tier still holds the chain's frames writes the chain
+    again from block 0 and its new blocks on it, so another pod's next turn hits; without the frames, nothing."""
+    value = frame()
+    store = chain_store(redis_server.url, "lost", budget=100 * len(value), size=len(value), local_tier_bytes=1 << 20)
+    other = chain_store(redis_server.url, "lost", budget=100 * len(value), size=len(value))  # no local tier
+    try:
+        x = chain("x", 5)
+        await store.store_blocks(MODEL, x[:3], [value] * 3)
+        await store.client.flushdb()  # Redis restarted empty; the pod still holds x[:3]
+        # the stale `parent` argument is checked against the prefix's last
+        assert (await store.store_blocks(MODEL, x[3:], [value] * 2, None, 3, prefix=x[:3])).value == 2
+        assert await present(store, x) == [True] * 5 and store.stats().blocks_restored == 3
+        assert (await other.count_present(MODEL, x)).value == 5  # what another pod's lookup finds
+        assert (await repair.verify(store.client, store.keys)).problems == {}
+        await store.client.flushdb()  # a pod without the frames (no local tier): nothing written on a lost parent
+        assert (await other.store_blocks(MODEL, x[3:], [value] * 2, None, 3, prefix=x[:3])).value == 0
+        assert await present(store, x) == [False] * 5 and other.stats().lost_parent_writes == 1
+        with pytest.raises(StoreError, match="prefix"):
+            await store.store_blocks(MODEL, x[3:], [value] * 2, None, 3, x[1], prefix=x[:3])
+    finally:
+        await store.clear_namespace()
+        await store.close()
+        await other.close()
 
 
 @pytest.mark.parametrize(("lines", "error"), [

@@ -97,6 +97,33 @@ def test_redis_killed_mid_conversation_and_restarted_empty(kv_server: RedisProce
     figures.update(requests=sent, correct=correct, errors=0, recover_s=round(recovered_s, 2), statuses=statuses)
 
 
+def test_redis_flushed_under_a_conversation_the_pod_that_holds_it_writes_it_again(
+        kv_server: RedisProcess, tiny_model: Any, oracle: Oracle) -> None:
+    """Redis loses every key (FLUSHALL: a restart without persistence) between two turns. The pod that goes on from
+    blocks its local tier still holds writes the chain again from block 0 with its new blocks, so a third pod that
+    never saw the conversation hits all of it on the next turn."""
+    from tests.support import make_client  # noqa: PLC0415 - faultkit's pods have no local tier
+
+    with make_client(kv_server, tiny_model, pod_name="a") as a, pod_client(kv_server.url, tiny_model,
+                                                                            pod_name="c") as c:
+        messages = [SYSTEM, {"role": "user", "content": QUESTIONS[0]}]
+        first = chat(a, messages)
+        wait_written(a)
+        messages.append({"role": "assistant", "content": reply_of(first)})
+        kv_server.client().flushall()
+        messages.append({"role": "user", "content": QUESTIONS[1]})
+        second = chat(a, messages)  # its full blocks from a's own memory (the tail entry is gone): written on a
+        assert second.headers["x-kv-cache"] == "partial" and reply_of(second) == oracle(second)  # lost parent
+        wait_written(a)
+        assert state_of(a).store.stats().blocks_restored > 0
+        messages += [{"role": "assistant", "content": reply_of(second)}, {"role": "user", "content": QUESTIONS[2]}]
+        third = chat(c, messages)
+        written = second.json()["usage"]["prompt_tokens"] + second.json()["usage"]["completion_tokens"]
+        # c reads every full block of a's turn 2 from Redis (block 0 on: without the restore, none is there)
+        assert int(third.headers["x-kv-cached-tokens"]) >= written // 16 * 16, (third.headers, written)
+        assert reply_of(third) == oracle(third)
+
+
 def test_client_pause_past_the_budget_opens_then_closes_the_breaker(
         redis_server: RedisProcess, tiny_model: Any, oracle: Oracle, figures: dict[str, object]) -> None:
     budget_s = 0.25

@@ -35,12 +35,20 @@ class BlockWriter(StoreBase):
 
     async def store_blocks(self, model: str, hashes: Sequence[BlockHash], frames: Sequence[bytes],
                            tenant: str | None = None, first_block: int = 0,
-                           parent: BlockHash | None = None) -> Result[int]:
+                           parent: BlockHash | None = None, prefix: Sequence[BlockHash] = ()) -> Result[int]:
         """Write blocks (present ones are left as they are): STORED (how many were new) or UNAVAILABLE (none
         written). `tenant`: whose they are (its quota applies, `usage().by_tenant` counts them); None: the
         namespace's, under its budget only. `hashes` are consecutive blocks of one chain from block `first_block`,
         whose parent (block `first_block - 1`) is `parent`: the eviction policy ranks blocks by their place in
-        their chain, and a block whose parent is gone counts as dead."""
+        their chain, and a block whose parent is gone counts as dead. `prefix`: the chain's blocks before
+        `first_block` (block 0 on; its last is the parent), when the caller knows them: if Redis lost the parent
+        (a flush, a restart, an eviction) while this store's local tier holds the prefix's frames, the prefix is
+        written again from them, then these blocks on it; otherwise blocks on a lost parent are not written (no
+        lookup could reach them)."""
+        if prefix:
+            if len(prefix) != first_block or (parent is not None and parent != prefix[-1]):
+                raise StoreError("prefix must be the chain's first_block blocks, its last the parent")
+            parent = prefix[-1]
         check_model(model)
         if tenant is not None:
             check_tenant(tenant)
@@ -64,9 +72,32 @@ class BlockWriter(StoreBase):
         async with self._put_lock:
             written = await self._guard.run(lambda: self._write(keyed, frames, tenant=tenant, chain=chain),
                                             self.settings.write_timeout_s, write=True)
+            if written is None and await self._restore(model, prefix, tenant):
+                written = await self._guard.run(lambda: self._write(keyed, frames, tenant=tenant, chain=chain),
+                                                self.settings.write_timeout_s, write=True)
         if isinstance(written, Failed):
             return Result(Outcome.UNAVAILABLE, 0)
-        return Result(Outcome.STORED, written)
+        if written is None:
+            self._counters.add("lost_parent_writes")
+        return Result(Outcome.STORED, written or 0)
+
+    async def _restore(self, model: str, prefix: Sequence[BlockHash], tenant: str | None) -> bool:
+        """Write the chain `prefix` (block 0 on) again from the local tier's frames, if it holds them all: Redis lost
+        a block of it while this pod still holds it. Blocks Redis holds are left as they are."""
+        if not prefix or self._local is None:
+            return False
+        keyed = [self.keys.block(model, h) for h in prefix]
+        frames = [self._local.peek(key) for _, key in keyed]
+        if any(frame is None for frame in frames):
+            return False
+        chain = Chain(0, [chain_facts(i, p) for i, p in enumerate([""] + [h.hex() for h in prefix[:-1]])], None)
+        restored = await self._guard.run(lambda: self._write(keyed, [f for f in frames if f is not None],
+                                                             tenant=tenant, chain=chain),
+                                         self.settings.write_timeout_s, write=True)
+        if isinstance(restored, Failed) or restored is None:
+            return False
+        self._counters.add("blocks_restored", restored)
+        return True
 
     async def put_entries(self, keyed: Sequence[tuple[int, str]], values: Sequence[bytes],
                           tenant: str | None = None) -> int:
@@ -83,10 +114,10 @@ class BlockWriter(StoreBase):
         async with self._put_lock:
             written = await self._guard.run(lambda: self._write(list(keyed), values, nx=False, tenant=tenant),
                                             self.settings.write_timeout_s, write=True)
-        return 0 if isinstance(written, Failed) else written
+        return 0 if isinstance(written, Failed) else written or 0
 
     async def _write(self, keyed: list[tuple[int, str]], frames: Sequence[bytes], nx: bool = True,
-                     tenant: str | None = None, chain: Chain | None = None) -> int:
+                     tenant: str | None = None, chain: Chain | None = None) -> int | None:
         items = [((shard, key), self._seal(key, frame)) for (shard, key), frame in zip(keyed, frames, strict=True)]
         scores: list[int] = []
         # a chained policy holds no block whose parent the index lacks (no lookup reaches it): one gone before this
@@ -97,7 +128,7 @@ class BlockWriter(StoreBase):
             items = _fit_budget(items, min(quota, self.settings.budget_bytes) or self.settings.budget_bytes)
             parent_score = await self._make_room(sum(len(f) for _, f in items), tenant, quota, parent)
             if parent is not None and parent_score is None:
-                return 0
+                return None  # the parent is gone: nothing written
             # entries off a chain (tails, reply ids) end one: they rank as its deepest
             scores = self.policy.write_scores(self.clock_ms(), chain.first if chain is not None else RANKS,
                                               len(items), parent_score)

@@ -120,7 +120,7 @@ class WriteBack:
                 log.exception("could not copy the prompt's KV for an early write")
                 return
             job = WriteJob(model=self.model_key, hashes=hashes[first:], kv=kv, first_block=first, block_tokens=b,
-                           kv_from=first * b, tenant=view.tenant, parent=hashes[first - 1] if first else None)
+                           kv_from=first * b, tenant=view.tenant, prefix=hashes[:first])
             loop.call_soon_threadsafe(self._submit_early, view, job, full)
 
         return on_prefill
@@ -167,7 +167,7 @@ class WriteBack:
             hashes=hashes[first:],
             kv=gen.kv,
             first_block=first,
-            parent=hashes[first - 1] if 0 < first <= len(hashes) else None,
+            prefix=hashes[:first] if first <= len(hashes) else [],
             block_tokens=b,
             kv_from=gen.kv_from,
             tenant=view.tenant,

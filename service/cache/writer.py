@@ -34,7 +34,7 @@ class WriteJob:
     first_block: int  # index of hashes[0] in the sequence
     block_tokens: int
     kv_from: int = 0
-    parent: BlockHash | None = None  # hash of block first_block - 1 (None: hashes[0] is the chain's first)
+    prefix: list[BlockHash] = field(default_factory=list)  # the chain before first_block (its last: the parent)
     tenant: str | None = None  # whose entries these are (its quota applies); None: the namespace's
     session: SessionRecord | None = None  # written after the blocks; `partial` filled in here
     session_expected_version: int | None = None
@@ -148,7 +148,7 @@ class BackgroundWriter:
         try:
             if frames:
                 stored = await self._store.store_blocks(job.model, job.hashes, frames, job.tenant, job.first_block,
-                                                        job.parent)
+                                                        prefix=job.prefix)
                 ok = stored.value == len(frames) and ok
                 self._metrics.bytes_stored.inc(sum(len(f) for f in frames))
             entries = [(job.tail_key, tail)] if tail is not None and job.tail_key is not None else []

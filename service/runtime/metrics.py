@@ -27,7 +27,7 @@ class _StoreCollector(Collector):
         counters = CounterMetricFamily("kvstash_store_events", "Store events by kind", labels=["event"])
         for key in ("hits", "misses", "partial_hits", "evictions", "errors", "dropped_writes",
                     "bytes_read", "bytes_written", "bad_records", "cas_conflicts", "timeouts", "rejected_mac",
-                    "tenant_evictions"):
+                    "tenant_evictions", "lost_parent_writes", "blocks_restored"):
             if key in stats:
                 counters.add_metric([key], float(stats[key]))
         yield counters
