@@ -48,6 +48,10 @@ def _summary(r: dict[str, Any]) -> str:
 
 
 def _step(s: dict[str, Any]) -> str:
+    if "replaced_by" in s:
+        gone = "SIGKILLed when its grace ran out" if s.get("killed") else f"exit code {s.get('exit_code')}"
+        return (f"{s['replaced_by']} started at {s['surge_s']:.1f} s and routed at {s['ready_s']:.1f} s, then "
+                f"{s['pod']} off the balancer and SIGTERM ({gone}, gone after {s.get('exit_s', 0):.1f} s)")
     if "signal" not in s:
         return f"{s.get('pod', '?')} added, routed at {s.get('ready_s', 0):.1f} s"
     exit_ = "SIGKILLed when its grace ran out" if s.get("killed") and s["signal"] == "SIGTERM" else (

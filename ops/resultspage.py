@@ -172,9 +172,11 @@ BENCHES = (
           "on and off interleaved.",
           FLEET_CMD, _fleet, _fleet_budget_charts),
     Bench("churn", "A fleet that moves: rolling restarts, scale-out, lost pods and uneven users",
-          "The fleet bench's workload at one rate while the pods change: a rolling restart (each pod in turn gets "
-          "SIGTERM and 30 s to drain and exit, is started again on its port, and the next one goes 5 s after it is "
-          "ready, as a Deployment rolls), a pod added and routed to once ready, or the busiest pod SIGKILLed and "
+          "The fleet bench's workload at one rate while the pods change: a rolling restart (each pod in turn "
+          "replaced, the next 5 s after: a `surge` rollout, as ops/k8s's Deployments roll, starts a new pod and "
+          "routes to it once ready, then takes the old one off the balancer and gives it SIGTERM and 30 s to drain; "
+          "an `in-place` one gives the pod SIGTERM first and starts it again on its port; each run's steps below "
+          "say which), a pod added and routed to once ready, or the busiest pod SIGKILLed and "
           "started again at once; and users of uneven activity (Zipf) with no event. Each fleet runs the same "
           "users, arrivals and events: kvstash (round robin, KV in Redis) and sticky sessions (nginx's consistent "
           "hash, KV in each pod's memory; for the sidecar, stock llama-server with its RAM cache), with the "

@@ -255,3 +255,28 @@ def test_churn_kill_two_tiny_pods(tmp_path: Path) -> None:
     assert set(after["requests_per_pod"]) == {"pod-a", "pod-b"} and report["churn"] == "kill"
     assert "unknown" not in run["whole_run"]["failed_per_pod"]  # every lost stream names the pod that held it
     assert run["targets"][0]["failed"] == run["failed"] and run["targets"][0]["in_flight"] >= run["failed"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(nginx_binary() is None, reason="nginx is not installed (CI installs nginx-light in .ci/run)")
+def test_churn_rolling_surge_replaces_each_pod_before_it_leaves(tmp_path: Path) -> None:
+    """A surge rollout (ops/k8s's maxSurge 1, maxUnavailable 0) of two tiny pods: each new pod is routed before the
+    old one is stopped, nothing fails, and the turns after it go to the new pods and hit."""
+    out = tmp_path / "churn.json"
+    assert main([*TINY, "--fleets", "kvstash", "--rates", "1", "--duration-s", "30", "--drain-s", "30", "--churn",
+                 "rolling", "--churn-at", "3", "--churn-gap", "1", "--grace-s", "20", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (run,) = report["runs"]
+    (event,) = run["events"]
+    assert event["done"] and event["rollout"] == "surge", event
+    assert [(s["pod"], s["replaced_by"]) for s in event["steps"]] == [("pod-a", "pod-c"), ("pod-b", "pod-d")]
+    for step in event["steps"]:  # the new pod is routed before the old one leaves the balancer, which drains
+        assert step["surge_s"] < step["ready_s"] <= step["stopped_s"] < step["exited_s"] and step["exit_code"] == 0
+    rows = report["requests"]
+    assert run["failed"] == 0 and all(r["status"] == 200 for r in rows), [r for r in rows if r["status"] != 200]
+    first = event["steps"][0]
+    on_new = [r for r in rows if r["pod"] == "pod-c"]
+    assert on_new and all(r["cached_tokens"] > 0 for r in on_new)  # the new pod reads what the old ones wrote
+    # once off the balancer (nginx reloaded), the old pod gets no new turn
+    assert not [r for r in rows if r["pod"] == "pod-a" and r["sent_s"] > first["stopped_s"] + 1.0]

@@ -1,8 +1,11 @@
 """The events of `kvstash bench fleet --churn`: what happens to a fleet's pods while its load runs, and when.
 
-    rolling     each pod in turn gets SIGTERM and `--grace-s` to exit (then SIGKILL, as a kubelet's
-                terminationGracePeriodSeconds ends), is started again on its port and waited for until ready; the
-                next pod goes `--churn-gap` seconds later (a Deployment's rollout, maxUnavailable 1, minReadySeconds)
+    rolling     each pod in turn is replaced, the next `--churn-gap` seconds after (minReadySeconds). `--rollout
+                surge` (default, what ops/k8s's Deployments do: maxSurge 1, maxUnavailable 0): a new pod is started
+                and, once ready, routed to; the old one is taken off the balancer, then gets SIGTERM and `--grace-s`
+                to drain and exit (then SIGKILL, as a kubelet's terminationGracePeriodSeconds ends). `in-place`
+                (maxUnavailable 1, the fleet never larger): the pod gets SIGTERM first and is started again on its
+                port once gone.
     scale-out   a pod is added; once ready, nginx is reloaded with it (as a Service adds a ready endpoint)
     kill        the pod that has answered the most turns so far gets SIGKILL (an OOM kill, a lost node) and is
                 started again on its port at once (its ReplicaSet replacing it)
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 EVENTS = ("rolling", "scale-out", "kill")
+ROLLOUTS = ("surge", "in-place")
 
 
 @dataclass(frozen=True)
@@ -64,8 +68,12 @@ class ChurnRunner:
     """Plays a fleet's events on a thread, against the run's clock; `row_done` is fed every answered turn (the kill
     chooses the busiest pod by them)."""
 
-    def __init__(self, events: list[ChurnEvent], fleet: Any, *, grace_s: float, gap_s: float) -> None:
+    def __init__(self, events: list[ChurnEvent], fleet: Any, *, grace_s: float, gap_s: float,
+                 rollout: str = "surge") -> None:
+        if rollout not in ROLLOUTS:
+            raise ValueError(f"a rollout is one of {', '.join(ROLLOUTS)}, not {rollout!r}")
         self._events, self._fleet, self._grace_s, self._gap_s = events, fleet, grace_s, gap_s
+        self._rollout = rollout
         self._started = 0.0
         self._served: Counter[str] = Counter()
         self._lock = threading.Lock()
@@ -124,18 +132,33 @@ class ChurnRunner:
         step["ready_s"] = self._now()
 
     def _rolling(self, record: dict[str, Any]) -> None:
-        for i, pod in enumerate(list(self._fleet.pods)):
+        record["rollout"] = self._rollout
+        for i, pod in enumerate(list(self._fleet.live)):
             if i and self._stop.wait(self._gap_s):
                 record["cut_short"] = True  # the run ended first: the pods after this one were not restarted
                 return
-            self._restart(pod, record, "SIGTERM")
+            if self._rollout == "surge":
+                self._replace(pod, record)
+            else:
+                self._restart(pod, record, "SIGTERM")
+
+    def _replace(self, old: Any, record: dict[str, Any]) -> None:
+        """A new pod first, routed once ready; then the old one off the balancer, SIGTERMed and drained."""
+        step: dict[str, Any] = {"pod": old.name, "signal": "SIGTERM", "surge_s": self._now()}
+        record["steps"].append(step)
+        new = self._fleet.add_pod()
+        step.update(replaced_by=new.name, ready_s=self._now())
+        self._fleet.retire(old)  # nginx reloaded without it: its open connections finish, no new ones come
+        step["stopped_s"] = self._now()
+        step.update(old.terminate(self._grace_s))
+        step["exited_s"] = self._now()
 
     def _kill(self, record: dict[str, Any]) -> None:
-        by_port = {f"127.0.0.1:{p.port}": p for p in self._fleet.pods}
-        by_name = {p.name: p for p in self._fleet.pods}
+        by_port = {f"127.0.0.1:{p.port}": p for p in self._fleet.live}
+        by_name = {p.name: p for p in self._fleet.live}
         with self._lock:
             busiest = [key for key, _ in self._served.most_common() if key in by_port or key in by_name]
-        pod = (by_port.get(busiest[0]) or by_name[busiest[0]]) if busiest else self._fleet.pods[0]
+        pod = (by_port.get(busiest[0]) or by_name[busiest[0]]) if busiest else self._fleet.live[0]
         self._restart(pod, record, "SIGKILL")
 
     def _scale_out(self, record: dict[str, Any]) -> None:

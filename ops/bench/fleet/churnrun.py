@@ -37,6 +37,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--churn-gap", type=float, default=CHURN_GAP_S,
                    help="rolling: seconds between one pod ready again and the next one stopped (a Deployment's "
                         f"minReadySeconds; default {CHURN_GAP_S:g})")
+    p.add_argument("--rollout", choices=churn.ROLLOUTS, default="surge",
+                   help="rolling: surge (default; as ops/k8s's Deployments: a new pod ready before the old one leaves) "
+                        "or in-place (the old pod stopped first, started again on its port)")
     p.add_argument("--grace-s", type=float, default=GRACE_S,
                    help=f"rolling: seconds a pod has to exit after SIGTERM before SIGKILL (default {GRACE_S:g})")
     p.add_argument("--note",
@@ -85,7 +88,7 @@ def _run_fleet(args: argparse.Namespace, redis_url: str, kind: str, events: list
             raise SystemExit(f"[{name}] the warm-up turns failed: {warm}")
         print(f"[{name}] {len(fleet.pods)} pods ready behind nginx; {args.churn} at "
               + ", ".join(f"{e.at_s:.1f} s" for e in events), flush=True)
-        runner = churn.ChurnRunner(events, fleet, grace_s=args.grace_s, gap_s=args.churn_gap)
+        runner = churn.ChurnRunner(events, fleet, grace_s=args.grace_s, gap_s=args.churn_gap, rollout=args.rollout)
         started = time.monotonic()
         runner.start(started)
         try:
@@ -117,6 +120,10 @@ def _run_fleet(args: argparse.Namespace, redis_url: str, kind: str, events: list
 
 
 def _step(s: dict[str, Any]) -> str:
+    if "replaced_by" in s:
+        return (f"{s['replaced_by']} ready at {s['ready_s']:.1f} s, then {s['pod']} SIGTERM at {s['stopped_s']:.1f} s, "
+                + ("SIGKILLed after the grace" if s.get("killed") else f"exit {s.get('exit_code')}")
+                + f" in {s.get('exit_s', 0):.1f} s")
     if "signal" not in s:
         return f"{s.get('pod', '?')} added, routed at {s.get('ready_s', float('nan')):.1f} s"
     how = ("killed" if s["signal"] == "SIGKILL" else "SIGKILLed after the grace" if s.get("killed")

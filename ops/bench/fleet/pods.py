@@ -41,8 +41,14 @@ class FleetPods:
     def __init__(self, args: argparse.Namespace, redis_url: str, kind: str, namespace: str, budget_mb: int) -> None:
         self.args, self.redis_url, self.kind, self.namespace = args, redis_url, kind, namespace
         self.budget_mb = budget_mb
-        self.pods: list[Any] = []
+        self.pods: list[Any] = []  # every pod the fleet has had, in the order they started
+        self.retired: set[str] = set()  # names of those a surge rollout replaced (off the balancer, stopped)
         self.balancer: Any = None
+
+    @property
+    def live(self) -> list[Any]:
+        """The pods the balancer routes to."""
+        return [p for p in self.pods if p.name not in self.retired]
 
     @property
     def url(self) -> str:
@@ -123,8 +129,13 @@ class FleetPods:
         self.pods.append(pod)
         pod.start()
         pod.wait_ready()
-        self.balancer.set_upstreams([f"127.0.0.1:{p.port}" for p in self.pods])
+        self.balancer.set_upstreams([f"127.0.0.1:{p.port}" for p in self.live])
         return pod
+
+    def retire(self, pod: Any) -> None:
+        """`pod` taken off the balancer (as a Service drops a terminating endpoint); the caller stops it."""
+        self.retired.add(pod.name)
+        self.balancer.set_upstreams([f"127.0.0.1:{p.port}" for p in self.live])
 
     def __exit__(self, *exc: Any) -> None:
         if self.balancer is not None:
