@@ -327,9 +327,8 @@ def test_a_session_agent_with_tool_calls_alternating_two_sidecars_hits(
          {"role": "tool", "tool_call_id": "call_o", "content": '{"temperature_c": 4, "sky": "snow"}'}],
         [{"role": "user", "content": "Where should I go?"}],
     ]
-    system = {"role": "system", "content": "You are a concise travel agent."}  # no earlier test's prefix
-    assert httpx.post(a.url + "/v1/sessions", json={"session_id": "agent-1", "messages": [system]}).status_code == 201
-    history: list[dict[str, Any]] = [system]
+    assert httpx.post(a.url + "/v1/sessions", json={"session_id": "agent-1", "messages": [SYSTEM]}).status_code == 201
+    history: list[dict[str, Any]] = [SYSTEM]
     previous = 0
     for turn, new in enumerate([*turns, [{"role": "user", "content": "Thanks!"}]]):
         pod = (a, b)[turn % 2]
