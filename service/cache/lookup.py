@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 from cachestore.hashing import BlockHash
@@ -29,7 +30,7 @@ from service.cache.chain import Chain
 from service.cache.fetchplan import FetchPlanner
 from service.cache.framegate import FrameGate
 from service.cache.partials import Partials
-from service.cache.placement import Placement
+from service.cache.placement import Lease, Placement
 from service.cache.rehydrate import Rehydration
 from service.engines import Engine, Generation
 from service.runtime import threads
@@ -150,7 +151,8 @@ class RedisLookup:
         as it arrives, straight into one preallocated context. Token-row frames for llama.cpp are received into
         the rows of the sequence state it lent, checksummed as they arrive, and the reader verifies each chunk:
         nothing is left to dequantize (`Placement.landing_for`). The hit is known when the last chunk is verified;
-        what is not dequantized by then is handed to the engine through the view's `ready` gate.
+        what is not dequantized by then is handed to the engine through the view's `ready` gate, and the pooled
+        buffers go with the view's `lease`.
         """
         if self.store is None or self.store.breaker_state == "open":
             return bypass(), session
@@ -206,7 +208,7 @@ class RedisLookup:
         if not chunks:
             last_chunk_sent()
         fetch_session = self._read_session(*session_key) if session_key else _nothing()
-        given = False
+        lease = Lease(self.placement, out, stage, (reader, worker))  # the hit's, or back to the pools below
         view = bypass()
         self._looking_up += 1
         try:
@@ -236,10 +238,8 @@ class RedisLookup:
             else:  # decoding a tail or a session's partial block: off the event loop
                 view = await asyncio.to_thread(self.partials.view, out, hit_blocks, fetched, session, prompt_ids,
                                                usable, tail)
-            if view.kv is not None:
-                view.buffer, view.ready, view.landing = out, rehydration.gate, stage
-                view.rehydrating = worker  # with a landing, the reader: it may still be receiving into it
-                given = True
+            if view.kv is not None:  # the pipeline releases the lease after generation
+                view = replace(view, ready=rehydration.gate, lease=lease)
         finally:
             self._looking_up -= 1
             stop.set()
@@ -247,12 +247,9 @@ class RedisLookup:
             if tail_task is not None:
                 tail_task.cancel()  # a no-op once done
             rehydration.end()  # a second end after the first is never read: harmless
-            if not given:  # back to the pool once both threads are done with them
-                worker.add_done_callback(lambda _: self.placement.give_context(out))
-                if stage is not None:
-                    reader.add_done_callback(lambda _: self.placement.release_landing(stage))
-        view.salt, view.tenant = tenant_salt, tenant
-        return view, session
+            if view.lease is None:  # no hit: back to the pools once both threads are done with them
+                lease.release_after()
+        return replace(view, salt=tenant_salt, tenant=tenant), session
 
     async def _read_session(self, tenant: str, session_id: str) -> SessionRecord | None:
         assert self.store is not None

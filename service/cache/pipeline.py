@@ -153,25 +153,9 @@ class Pipeline:
         return self.cache.keep_from(view)
 
     async def in_engine(self, view: CacheView, fn: Callable[..., Any], *args: Any) -> Any:
-        """`fn(*args)` on the engine's threads (where it may read `view`'s KV), then `view`'s pooled buffers back to
-        their pools once it and the rehydration are done, even if the caller is cancelled meanwhile."""
+        """`fn(*args)` on the engine's threads (where it may read `view`'s KV), then `view`'s lease released: its pooled
+        buffers back to their pools once it and the rehydration are done, even if the caller is cancelled meanwhile."""
         work = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-        if view.buffer is not None:  # back to the pool once the inference and the rehydration threads are done
-            buffer, view.buffer = view.buffer, None  # with it, even if this request is cancelled meanwhile
-            stage, view.landing = view.landing, None
-            rehydrating = view.rehydrating
-            placement = self.placement
-
-            def give_all(_: object = None) -> None:
-                placement.give_context(buffer)
-                if stage is not None:
-                    placement.release_landing(stage)
-
-            def give(_: object) -> None:
-                if rehydrating is not None and not rehydrating.done():
-                    rehydrating.add_done_callback(give_all)
-                else:
-                    give_all()
-
-            work.add_done_callback(give)
+        if view.lease is not None:
+            view.lease.release_after(work)
         return await work
