@@ -157,7 +157,7 @@ class RedisLookup:
         local, local_bytes = self.store.held_locally(self.model_key, hashes)
         planned = local + self._plan(len(hashes) - local)
         if planned == 0 and hashes:  # reading any of them would take longer than prefilling them
-            return await self._recompute(tenant_salt, prompt_ids, hashes, session, session_key)
+            return await self._recompute(tenant_salt, prompt_ids, hashes, session, session_key, tenant)
         shortened = planned < len(hashes)  # then neither the prompt's tail nor the session's partial block follow
         hashes = hashes[:planned]
         b = self.block_tokens
@@ -257,7 +257,7 @@ class RedisLookup:
 
     async def _recompute(
         self, tenant_salt: bytes, prompt_ids: list[int], hashes: list[BlockHash], session: SessionRecord | None,
-        session_key: tuple[str, str] | None,
+        session_key: tuple[str, str] | None, tenant: str | None,
     ) -> tuple[CacheView, SessionRecord | None]:
         """The lookup of a plan that reads nothing: only how many blocks Redis holds (so the write-back skips them)
         and the session record, in one concurrent round trip each."""
@@ -273,7 +273,7 @@ class RedisLookup:
             return bypass(), session or fetched_session
         self.metrics.fetch_skipped_blocks.inc(present.value)
         view = CacheView(None, 0, 0, "recompute" if present.value else "miss", stored_blocks=present.value,
-                         salt=tenant_salt)
+                         salt=tenant_salt, tenant=tenant)
         return view, session or fetched_session
 
     def _observe_fetch(self, blocks: int, nbytes: int, seconds: float) -> None:
