@@ -14,7 +14,7 @@ from cachestore.errors import CodecError
 from service.cache.lookup import chunk_plan
 from service.cache.rehydrate import Rehydration
 from service.engines import GenParams
-from service.engines.gate import LayerGate
+from service.engines.gate import LayerGate, LayerSource
 from service.engines.generation import Generation, GenRequest
 from service.engines.hf.engine import HfEngine
 from service.engines.hf.hfcache import ATTEND_MAX_NEW
@@ -120,11 +120,15 @@ def test_handed_over_work_that_fails_fails_every_later_waiter_without_running_ag
     gate = LayerGate(3)
     calls: list[int] = []
 
-    def work(layer: int) -> int:
-        calls.append(layer)
-        raise ValueError("a bug")
+    class Buggy(LayerSource):
+        def work(self, first: int) -> int:
+            calls.append(first)
+            raise ValueError("a bug")
 
-    gate.hand_over(work, lambda layer, dest: True)
+        def fill(self, layer: int, dest: object) -> bool:
+            return True
+
+    gate.hand_over(Buggy())
     for attempt in (lambda: gate.wait(0), lambda: gate.wait(2), lambda: gate.fill(1, torch.empty(0))):
         with pytest.raises(RuntimeError, match="could not be rehydrated") as caught:
             attempt()
@@ -185,12 +189,13 @@ def test_the_forward_step_waits_for_cached_layers(tiny_model: object) -> None:
     gate = LayerGate(geo.num_layers)
     waiting, go = threading.Event(), threading.Event()
 
-    def put_in_place(first: int) -> int:  # the handed-over work: run by the forward step when it needs layer 0
-        waiting.set()
-        assert go.wait(30)
-        return geo.num_layers
+    class PutInPlace(LayerSource):  # the handed-over source: pulled by the forward step when it needs layer 0
+        def work(self, first: int) -> int:
+            waiting.set()
+            assert go.wait(30)
+            return geo.num_layers
 
-    gate.hand_over(put_in_place)
+    gate.hand_over(PutInPlace())
     result: list[object] = []
     worker = threading.Thread(target=lambda: result.append(
         engine.generate(GenRequest(prompt, buffer[:, :, :, :39], GenParams(max_tokens=4), kv_ready=gate))))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 from cachestore.codec.arrays import empty
 from cachestore.sessions import SessionRecord
@@ -80,8 +81,7 @@ class BoundaryLookup:
         view = (await asyncio.to_thread(self._at_boundary, found, blocks.value, usable) if found
                 else CacheView(None, 0, 0, "miss", stored_blocks=len(blocks.value)))
         self.metrics.redis_seconds.labels("lookup").observe(time.perf_counter() - t0)
-        view.salt, view.tenant = tenant_salt, tenant
-        return view, session
+        return replace(view, salt=tenant_salt, tenant=tenant), session
 
     async def _read_session(self, tenant: str, session_id: str) -> SessionRecord | None:
         return (await self.store.read_session(tenant, session_id)).value

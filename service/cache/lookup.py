@@ -15,7 +15,8 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 from cachestore.hashing import BlockHash
@@ -29,7 +30,8 @@ from service.cache.chain import Chain
 from service.cache.fetchplan import FetchPlanner
 from service.cache.framegate import FrameGate
 from service.cache.partials import Partials
-from service.cache.placement import Placement
+from service.cache.placement import Lease, Placement
+from service.cache.readreport import ReadReport
 from service.cache.rehydrate import Rehydration
 from service.engines import Engine, Generation
 from service.runtime import threads
@@ -61,11 +63,6 @@ def publish_estimates(planner: FetchPlanner, metrics: PodMetrics) -> None:
 def _log_failure(future: asyncio.Future[Any]) -> None:
     if not future.cancelled() and future.exception() is not None:
         log.warning("a block reader failed: %r", future.exception())
-
-
-def _settle(future: asyncio.Future[Any], value: Any) -> None:
-    if not future.done():
-        future.set_result(value)
 
 
 async def _nothing() -> None:
@@ -150,7 +147,8 @@ class RedisLookup:
         as it arrives, straight into one preallocated context. Token-row frames for llama.cpp are received into
         the rows of the sequence state it lent, checksummed as they arrive, and the reader verifies each chunk:
         nothing is left to dequantize (`Placement.landing_for`). The hit is known when the last chunk is verified;
-        what is not dequantized by then is handed to the engine through the view's `ready` gate.
+        what is not dequantized by then is handed to the engine through the view's `ready` gate, and the pooled
+        buffers go with the view's `lease`.
         """
         if self.store is None or self.store.breaker_state == "open":
             return bypass(), session
@@ -159,7 +157,7 @@ class RedisLookup:
         local, local_bytes = self.store.held_locally(self.model_key, hashes)
         planned = local + self._plan(len(hashes) - local)
         if planned == 0 and hashes:  # reading any of them would take longer than prefilling them
-            return await self._recompute(tenant_salt, prompt_ids, hashes, session, session_key)
+            return await self._recompute(tenant_salt, prompt_ids, hashes, session, session_key, tenant)
         shortened = planned < len(hashes)  # then neither the prompt's tail nor the session's partial block follow
         hashes = hashes[:planned]
         b = self.block_tokens
@@ -171,7 +169,7 @@ class RedisLookup:
         wants_tail = not shortened and len(hashes) * b < usable
         tail_task: asyncio.Future[bytes | None] | None = None
 
-        def last_chunk_sent() -> None:  # on the loop: the prompt's tail goes along with the last chunk
+        def last_chunk_sent(_: object) -> None:  # on the loop: the prompt's tail goes along with the last chunk
             nonlocal tail_task
             if wants_tail and tail_task is None and not stop.is_set():
                 tail_task = asyncio.ensure_future(self._fetch_tail(tail_parent))
@@ -189,29 +187,23 @@ class RedisLookup:
         rehydration = Rehydration(out, b, self.gate.open_block, layerwise=self.engine.layerwise,
                                   on_decoded=decode_seconds.observe, landing=stage,
                                   helper=self._decoder if alone else None)
-        verified: asyncio.Future[tuple[int, int]] = loop.create_future()
-        first: asyncio.Future[Result[list[bytes]] | None] = loop.create_future()
+        report = ReadReport(loop)  # what the threads below tell this loop
+        report.last.add_done_callback(last_chunk_sent)
         stop = threading.Event()
-        # the reader goes first: the first chunk is on the wire before anything else is computed
-        def on_verified(n: int, nbytes: int) -> None:
-            loop.call_soon_threadsafe(_settle, verified, (n, nbytes))
-
+        # the reader goes first: the first chunk is on the wire before anything else is computed;
         # frames that land are only verified during the fetch: the reader does it between chunks, on its own thread
-        reader = loop.run_in_executor(
-            self._readers, self._read_blocks, chunks, slots, rehydration, stop,
-            time.monotonic() + (deadline - loop.time()),
-            lambda result: loop.call_soon_threadsafe(_settle, first, result),
-            lambda: loop.call_soon_threadsafe(last_chunk_sent), on_verified if inline else None)
-        worker = reader if inline else loop.run_in_executor(self._decoder, rehydration.run, on_verified)
+        reader = loop.run_in_executor(self._readers, self._read_blocks, chunks, slots, rehydration, stop,
+                                      time.monotonic() + (deadline - loop.time()), report, inline)
+        worker = reader if inline else loop.run_in_executor(self._decoder, rehydration.run, report.frames_verified)
         if not chunks:
-            last_chunk_sent()
+            last_chunk_sent(None)
         fetch_session = self._read_session(*session_key) if session_key else _nothing()
-        given = False
+        lease = Lease(self.placement, out, stage, (reader, worker))  # the hit's, or back to the pools below
         view = bypass()
         self._looking_up += 1
         try:
             try:
-                head, fetched_session = await asyncio.wait_for(asyncio.gather(first, fetch_session),
+                head, fetched_session = await asyncio.wait_for(asyncio.gather(report.first, fetch_session),
                                                                self.settings.redis_timeout_s)
             except TimeoutError:
                 return view, session
@@ -223,7 +215,7 @@ class RedisLookup:
             except TimeoutError:
                 stop.set()
             rehydration.end()
-            hit_blocks, fetched = await verified
+            hit_blocks, fetched = await report.verified
             self._observe_fetch(hit_blocks - local, fetched - local_bytes, time.perf_counter() - t0)
             if slots is not None and stage is None:  # token rows received into the engine's state
                 self.engine.mark_placed(out, hit_blocks * b)
@@ -236,10 +228,8 @@ class RedisLookup:
             else:  # decoding a tail or a session's partial block: off the event loop
                 view = await asyncio.to_thread(self.partials.view, out, hit_blocks, fetched, session, prompt_ids,
                                                usable, tail)
-            if view.kv is not None:
-                view.buffer, view.ready, view.landing = out, rehydration.gate, stage
-                view.rehydrating = worker  # with a landing, the reader: it may still be receiving into it
-                given = True
+            if view.kv is not None:  # the pipeline releases the lease after generation
+                view = replace(view, ready=rehydration.gate, lease=lease)
         finally:
             self._looking_up -= 1
             stop.set()
@@ -247,12 +237,9 @@ class RedisLookup:
             if tail_task is not None:
                 tail_task.cancel()  # a no-op once done
             rehydration.end()  # a second end after the first is never read: harmless
-            if not given:  # back to the pool once both threads are done with them
-                worker.add_done_callback(lambda _: self.placement.give_context(out))
-                if stage is not None:
-                    reader.add_done_callback(lambda _: self.placement.release_landing(stage))
-        view.salt, view.tenant = tenant_salt, tenant
-        return view, session
+            if view.lease is None:  # no hit: back to the pools once both threads are done with them
+                lease.release_after()
+        return replace(view, salt=tenant_salt, tenant=tenant), session
 
     async def _read_session(self, tenant: str, session_id: str) -> SessionRecord | None:
         assert self.store is not None
@@ -270,7 +257,7 @@ class RedisLookup:
 
     async def _recompute(
         self, tenant_salt: bytes, prompt_ids: list[int], hashes: list[BlockHash], session: SessionRecord | None,
-        session_key: tuple[str, str] | None,
+        session_key: tuple[str, str] | None, tenant: str | None,
     ) -> tuple[CacheView, SessionRecord | None]:
         """The lookup of a plan that reads nothing: only how many blocks Redis holds (so the write-back skips them)
         and the session record, in one concurrent round trip each."""
@@ -286,7 +273,7 @@ class RedisLookup:
             return bypass(), session or fetched_session
         self.metrics.fetch_skipped_blocks.inc(present.value)
         view = CacheView(None, 0, 0, "recompute" if present.value else "miss", stored_blocks=present.value,
-                         salt=tenant_salt)
+                         salt=tenant_salt, tenant=tenant)
         return view, session or fetched_session
 
     def _observe_fetch(self, blocks: int, nbytes: int, seconds: float) -> None:
@@ -297,13 +284,12 @@ class RedisLookup:
 
     def _read_blocks(
         self, chunks: list[list[BlockHash]], slots: Sequence[Target] | None, rehydration: Rehydration,
-        stop: threading.Event, deadline: float, on_first: Callable[[Result[list[bytes | Target]] | None], object],
-        on_last: Callable[[], object], on_verified: Callable[[int, int], None] | None = None,
+        stop: threading.Event, deadline: float, report: ReadReport, verifies: bool,
     ) -> None:
         """On a reader thread: each chunk in one blocking round trip, fed to the rehydration as it arrives, until a
-        chunk comes back short, a frame is bad, the lookup gives up, or `deadline` (time.monotonic) passes. With
-        `slots` (one per block), frames are received into them; with `on_verified`, this thread verifies each chunk
-        itself and then runs the rehydration's end (`Rehydration.take`)."""
+        chunk comes back short, a frame is bad, the lookup gives up, or `deadline` (time.monotonic) passes; what
+        happens goes to `report`. With `slots` (one per block), frames are received into them; with `verifies`, this
+        thread verifies each chunk itself (`Rehydration.take`) and then runs the rehydration's end."""
         assert self.store is not None
         head: Result[list[bytes | Target]] | None = None
         store = self.store
@@ -322,12 +308,12 @@ class RedisLookup:
                 if stop.is_set() or time.monotonic() >= deadline:
                     return
                 if len(chunks) <= 1 + (slots is not None):
-                    on_last()  # the last chunk is (about to be) requested: the prompt's tail goes along
+                    report.last_requested()  # the prompt's tail goes along
                 for index, result in enumerate(results):
                     if index == 0:
                         head = result
-                        on_first(head)
-                    if on_verified is not None:
+                        report.first_read(head)
+                    if verifies:
                         rehydration.take(result.value)
                     else:
                         rehydration.feed(result.value)
@@ -336,13 +322,13 @@ class RedisLookup:
                     if stop.is_set() or rehydration.stopped.is_set() or time.monotonic() >= deadline:
                         break
                     if index + 2 + (slots is not None) == len(chunks):
-                        on_last()
+                        report.last_requested()
         finally:
             if head is None:
-                on_first(None)
+                report.first_read(None)
             rehydration.end()
-            if on_verified is not None:
-                rehydration.run(on_verified)
+            if verifies:
+                rehydration.run(report.frames_verified)
 
     async def _tail(
         self, prefetched: asyncio.Future[bytes | None] | None, hit_blocks: int, blocks: int,

@@ -17,6 +17,7 @@ from cachestore.codec.arrays import Array
 from cachestore.codec.blockcodec import BlockCodecs
 from cachestore.errors import ConfigError
 from cachestore.hashing import BlockHash
+from cachestore.outcome import Outcome
 from cachestore.sessions import SessionRecord
 from cachestore.store import BlockStore
 from cachestore.wire import Target
@@ -28,7 +29,7 @@ from service.cache.framegate import FrameGate
 from service.cache.lookup import Lookup, RedisLookup, publish_estimates
 from service.cache.placement import Placement
 from service.cache.sticky import StickyLookup
-from service.cache.writeback import WriteBack
+from service.cache.writeback import SessionWrite, WriteBack
 from service.cache.writer import BackgroundWriter
 from service.engines import Engine, Generation, GenParams, GenRequest
 from service.runtime import threads
@@ -37,7 +38,10 @@ from service.settings import PodSettings
 
 
 class Pipeline:
-    """One per pod; owns the inference threads, and composes the lookup and the write-back."""
+    """One per pod; owns the inference threads, and composes the lookup and the write-back.
+
+    A request goes through its methods alone (`lookup`, `generate` or `in_engine`, `finish`), never through its parts:
+    what they share per request is the `CacheView` the lookup returns."""
 
     def __init__(
         self,
@@ -97,6 +101,15 @@ class Pipeline:
             self._executor.shutdown(wait=False, cancel_futures=True)
         self.cache.close()
 
+    @property
+    def writes_back(self) -> bool:
+        """Whether this pod keeps what it computes (a store, the cache enabled): else `finish` writes nothing."""
+        return self.store is not None
+
+    def decode(self, ids: list[int]) -> str:
+        """The engine's text of `ids`."""
+        return self.engine.decode(ids)
+
     def hashes(self, tenant_salt: bytes, token_ids: list[int]) -> list[BlockHash]:
         return self.chain.hashes(tenant_salt, token_ids)
 
@@ -152,26 +165,22 @@ class Pipeline:
         """The first token whose KV a write-back after `view` needs (the lookup's `keep_from`)."""
         return self.cache.keep_from(view)
 
+    # -- write-back --------------------------------------------------------------------------
+    def record(self, tenant: str, session_id: str, messages: list[dict[str, Any]], gen: Generation,
+               previous: SessionRecord | None) -> SessionRecord:
+        """The record of a session after `gen` (`WriteBack.record`)."""
+        return self.writes.record(tenant, session_id, messages, gen, previous)
+
+    async def finish(self, tenant_salt: bytes, gen: Generation, view: CacheView, session: SessionWrite | None = None,
+                     prompt_tokens: int = 0) -> Outcome:
+        """Write back a finished generation on `view` and wait for it within the write budget (`WriteBack.finish`):
+        STORED, CONFLICT (a strict session record changed meanwhile) or UNAVAILABLE."""
+        return await self.writes.finish(tenant_salt, gen, view, session, prompt_tokens)
+
     async def in_engine(self, view: CacheView, fn: Callable[..., Any], *args: Any) -> Any:
-        """`fn(*args)` on the engine's threads (where it may read `view`'s KV), then `view`'s pooled buffers back to
-        their pools once it and the rehydration are done, even if the caller is cancelled meanwhile."""
+        """`fn(*args)` on the engine's threads (where it may read `view`'s KV), then `view`'s lease released: its pooled
+        buffers back to their pools once it and the rehydration are done, even if the caller is cancelled meanwhile."""
         work = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-        if view.buffer is not None:  # back to the pool once the inference and the rehydration threads are done
-            buffer, view.buffer = view.buffer, None  # with it, even if this request is cancelled meanwhile
-            stage, view.landing = view.landing, None
-            rehydrating = view.rehydrating
-            placement = self.placement
-
-            def give_all(_: object = None) -> None:
-                placement.give_context(buffer)
-                if stage is not None:
-                    placement.release_landing(stage)
-
-            def give(_: object) -> None:
-                if rehydrating is not None and not rehydrating.done():
-                    rehydrating.add_done_callback(give_all)
-                else:
-                    give_all()
-
-            work.add_done_callback(give)
+        if view.lease is not None:
+            view.lease.release_after(work)
         return await work

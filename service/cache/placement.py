@@ -3,12 +3,15 @@
 Frames stored plainly (int8, fp16 and exact under lz4 or none) are received into one pooled buffer, one slot per
 block (one copy on the wire, cachestore.wire); a layer-by-layer engine dequantizes them from there a layer at a
 time (service.cache.rehydrate). Token-row frames for a context an engine lent (a llama.cpp sequence state) are received
-straight into that state's rows instead: nothing is left to dequantize.
+straight into that state's rows instead: nothing is left to dequantize. What a hit takes from the pools comes back
+through one `Lease`, released once.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
+from typing import Any
 
 from cachestore.codec.arrays import Array, host_bytes
 from cachestore.codec.blockcodec import BlockCodecs
@@ -98,3 +101,40 @@ class Placement:
     def give_context(self, buffer: Array) -> None:
         if not self.engine.give_context(buffer):
             self._contexts.give(buffer)
+
+
+class Lease:
+    """The pooled buffers one hit took: the context its KV lies in and the landing its frames were received into (None:
+    none), given back to `placement` once they are released and the threads still writing into them (`writers`, the
+    lookup's reader and rehydration) are done. Released once, by whoever holds the hit last: the pipeline after
+    generation, or the lookup that gives up on it."""
+
+    def __init__(self, placement: Placement, context: Array, landing: Array | None = None,
+                 writers: Sequence[asyncio.Future[Any]] = ()) -> None:
+        self.placement, self.context, self.landing = placement, context, landing
+        self._writers = writers
+        self._waiting = 0  # futures not done yet, once released
+        self._released = False
+
+    def release_after(self, work: asyncio.Future[Any] | None = None) -> None:
+        """(On the event loop.) Give the buffers back once `work` (a generation reading them) and the writers are
+        done, even if the request is cancelled meanwhile; a second release does nothing."""
+        if self._released:
+            return
+        self._released = True
+        pending = {f for f in (work, *self._writers) if f is not None and not f.done()}
+        self._waiting = len(pending)
+        if not pending:
+            self._give()
+        for future in pending:
+            future.add_done_callback(self._one_done)
+
+    def _one_done(self, _: asyncio.Future[Any]) -> None:
+        self._waiting -= 1
+        if self._waiting == 0:
+            self._give()
+
+    def _give(self) -> None:
+        self.placement.give_context(self.context)
+        if self.landing is not None:
+            self.placement.release_landing(self.landing)

@@ -5,10 +5,11 @@ Two ways, by engine:
 - An engine that runs layer by layer (transformers) gets its frames received into one buffer, the lookup's
   landing (`cachestore.wire`), and the lookup's reader only verifies each chunk (`Rehydration.take`: header,
   shape, checksum) between reads. When the last chunk is verified the hit is known, and the frames are handed to
-  the `LayerGate` as runs (`FrameRun`): the forward step dequantizes one layer of every block in one call just
-  before that layer's attention, which then reads the layer while it is still in the caches. The first step's
-  attention reads each layer's runs in their codes where a kernel can (`LayerGate.attend`, `cachestore.codec.attend`;
-  up to a few new tokens), else has them dequantized into a one-layer scratch (`LayerGate.fill`); the context is
+  the `LayerGate` as a `LandedRuns` source (service.cache.layersources) of runs (`FrameRun`): the forward step pulls
+  one layer of every block, dequantized in one call, just before that layer's attention, which then reads the layer
+  while it is still in the caches. The first step's attention reads each layer's runs in their codes where a kernel
+  can (`LayerGate.attend`, `cachestore.codec.attend`; up to a few new tokens), else has them dequantized into a
+  one-layer scratch (`LayerGate.fill`); the context is
   written only at the second step: writing a context larger than the caches cost more than the floor's whole read
   of it. A frame that did not land (compressed, or of another length) is
   dequantized whole before layer 0.
@@ -36,10 +37,10 @@ from concurrent import futures
 from concurrent.futures import Executor
 
 from cachestore.codec import FrameRun, OpenFrame
-from cachestore.codec import attend as in_codes
 from cachestore.codec.arrays import Array, numel, ptr
 from cachestore.errors import CodecError
 from cachestore.wire import Target
+from service.cache.layersources import LandedRuns, LayerGroups
 from service.engines.gate import LayerGate
 
 LAYER_STEPS = 1  # groups the handed-over layers are dequantized in (more: each starts earlier, costs more calls)
@@ -137,14 +138,16 @@ class Rehydration:
         if landed or done < len(opened):  # the forward step dequantizes them as it reaches each layer
             runs, whole = self._runs(opened, landed + list(range(done, len(opened))))
             if runs:
-                self.gate.hand_over(*self._layers(runs, [(i, opened[i]) for i in whole]))
+                self.gate.hand_over(LandedRuns(self.out, self.block_tokens, self._on_decoded, self.decode_seconds,
+                                               runs, [(i, opened[i]) for i in whole]))
                 return
             done = min([done, *whole])  # no run after all: the old path, from the first frame not in place
         if done == len(opened):
             self.gate.release(layers)
             self._on_decoded(self.decode_seconds)
         elif self.layerwise:  # the forward step dequantizes each layer group when it reaches it, on its own cores
-            self.gate.hand_over(self._groups(opened[done:], done, max(1, -(-layers // LAYER_STEPS))))
+            self.gate.hand_over(LayerGroups(self.out, self.block_tokens, self._on_decoded, self.decode_seconds,
+                                            opened[done:], done, max(1, -(-layers // LAYER_STEPS))))
         else:
             self._rest(done)
             self.gate.release(layers)
@@ -176,75 +179,6 @@ class Rehydration:
             else:
                 whole.extend(segment)
         return runs, whole
-
-    def _layers(self, runs: list[tuple[int, FrameRun]], whole: list[tuple[int, OpenFrame]]
-                ) -> tuple[Callable[[int], int], Callable[[int, Array], bool], int,
-                           Callable[..., Array | None] | None]:
-        """`work(layer)`: that layer of every run into the context (the frames that are no run whole, first);
-        returns the next layer. `fill(layer, dest)`: the same layer's cached tokens into `dest` [2, kv_heads,
-        tokens, head_dim] (the runs from the landing, every other token copied from the context), not the context.
-        The token where what they write ends (the gate's `fills_until`). And where a kernel reads every run's kind
-        (`in_codes.supports`), `attend(layer, query, keys, values, mask, scaling)`: that layer's attention
-        over the runs' codes and the context's other tokens, which writes nothing but the whole frames."""
-        layers, b = self.gate.layers, self.block_tokens
-        _, _, heads, _, dim = self.out.shape
-        spans = [(first * b, (first + run.count) * b) for first, run in runs]
-        until = max([stop for _, stop in spans] + [(index + 1) * b for index, _ in whole])
-        pending_whole = list(whole)  # decoded into the context once, by whichever of work and fill comes first
-        reported = False
-
-        def whole_into_context() -> None:
-            for index, frame in pending_whole:
-                frame.decode_into(self.out[:, :, :, self._span(index)])
-            pending_whole.clear()
-
-        def runs_into(dest: Array, layer: int) -> None:  # dest [2, H, tokens, D]
-            whole_into_context()
-            for (start, stop), (_, run) in zip(spans, runs, strict=True):  # [frames, 2, heads, b, dim]
-                run.decode_layer_into(dest[:, :, start:stop].view(2, heads, run.count, b, dim).permute(2, 0, 1, 3, 4),
-                                      layer)
-
-        def timed(layer: int, seconds: float) -> None:
-            nonlocal reported
-            self.decode_seconds += seconds
-            if layer + 1 == layers and not reported:  # the hit's dequantization, once: by the first pass to end
-                reported = True
-                self._on_decoded(self.decode_seconds)
-
-        def work(layer: int) -> int:
-            t0 = time.perf_counter()
-            runs_into(self.out[layer], layer)
-            timed(layer, time.perf_counter() - t0)
-            return layer + 1
-
-        def fill(layer: int, dest: Array) -> bool:
-            tokens = dest.shape[2]
-            if spans[-1][1] > tokens:
-                return False  # a cache shorter than the hit: the context's own layer is read
-            t0 = time.perf_counter()
-            runs_into(dest, layer)
-            at = 0
-            for start, stop in [*spans, (tokens, tokens)]:  # tokens no run holds: as the context holds them
-                if start > at:
-                    dest[:, :, at:start] = self.out[layer, :, :, at:start]
-                at = stop
-            timed(layer, time.perf_counter() - t0)
-            return True
-
-        def attend(layer: int, query: Array, keys: Array, values: Array,
-                   mask: Array | None, scaling: float) -> Array | None:
-            if spans[-1][1] > keys.shape[1] - query.shape[1]:
-                return None  # a cache shorter than the hit: the context's own layer is read
-            t0 = time.perf_counter()
-            whole_into_context()
-            landed = [in_codes.landed(run.header, run.count, start, run.layer_parts(layer))
-                      for (start, _), (_, run) in zip(spans, runs, strict=True)]
-            out = in_codes.attention(query, landed, keys, values, mask, scaling)
-            timed(layer, time.perf_counter() - t0)
-            return out
-
-        attends = all(in_codes.supports(run.header) for _, run in runs)
-        return work, fill, until, attend if attends else None
 
     def _run_of(self, first: int, stop: int) -> FrameRun | None:
         """Opened frames [first, stop) as one run of the landing (`FrameRun`: side by side, of one kind) of the
@@ -314,27 +248,3 @@ class Rehydration:
         finally:
             self.decode_seconds += time.perf_counter() - t0
         return True
-
-    def _groups(self, frames: list[OpenFrame], first: int, step: int) -> Callable[[int], int]:
-        """`work(start)`: layers [start, start + step) of `frames` (blocks first, first + 1, ...) into the context,
-        on the calling thread; returns where the group ends. Frames whose codes do not split by layer go whole
-        with the first group."""
-        layers = self.gate.layers
-
-        def work(start: int) -> int:
-            t0 = time.perf_counter()
-            stop = min(layers, start + step)
-            group = slice(start, stop)
-            for k, frame in enumerate(frames):
-                if stop - start == layers:
-                    frame.decode_into(self.out[:, :, :, self._span(first + k)])  # [L, 2, H, b, D]
-                elif frame.splits_by_layer:
-                    frame.decode_into(self.out[group, :, :, self._span(first + k)], group)
-                elif start == 0:
-                    frame.decode_into(self.out[:, :, :, self._span(first + k)])
-            self.decode_seconds += time.perf_counter() - t0
-            if stop == layers:  # the last group, on whichever thread ran it
-                self._on_decoded(self.decode_seconds)
-            return stop
-
-        return work

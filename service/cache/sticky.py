@@ -12,7 +12,7 @@ from cachestore.codec.arrays import Array
 from cachestore.sessions import SessionRecord
 from service.cache.cacheview import CacheView
 from service.cache.memkv import MemoryKV
-from service.cache.placement import Placement
+from service.cache.placement import Lease, Placement
 from service.engines import Engine, Generation
 from service.runtime.metrics import PodMetrics
 
@@ -43,7 +43,8 @@ class StickyLookup:
         n = found.tokens
         out = self.placement.context_for(prompt_ids)
         await asyncio.to_thread(_copy, out[:, :, :, :n], found.kv[:, :, :, :n])  # [L, 2, H, n, D]
-        return CacheView(out[:, :, :, :n], n, 0, found.status, buffer=out, salt=tenant_salt), session
+        return CacheView(out[:, :, :, :n], n, 0, found.status, salt=tenant_salt,
+                         lease=Lease(self.placement, out)), session
 
     async def known_replies(self, tenant_salt: bytes, messages: list[dict[str, str]]) -> dict[int, list[int]]:
         return self.memory.known_replies(tenant_salt, messages)

@@ -22,7 +22,7 @@ from cachestore.sessions import SessionRecord
 from cachestore.store import BlockStore
 from cachestore.tails import pack_ids, reply_digest
 from service.cache import boundaries
-from service.cache.cacheview import CacheView
+from service.cache.cacheview import CacheView, EarlyWrites
 from service.cache.chain import Chain
 from service.cache.writer import BackgroundWriter, WriteJob
 from service.engines import Engine, Generation
@@ -121,14 +121,14 @@ class WriteBack:
                 return
             job = WriteJob(model=self.model_key, hashes=hashes[first:], kv=kv, first_block=first, block_tokens=b,
                            kv_from=first * b, tenant=view.tenant, prefix=hashes[:first])
-            loop.call_soon_threadsafe(self._submit_early, view, job, full)
+            loop.call_soon_threadsafe(self._submit_early, view.early, job, full)
 
         return on_prefill
 
-    def _submit_early(self, view: CacheView, job: WriteJob, full: int) -> None:
+    def _submit_early(self, early: EarlyWrites, job: WriteJob, full: int) -> None:
         assert self.writer is not None
         if self.writer.submit(job):
-            view.early_blocks = full
+            early.blocks = full
 
     def write_back(
         self,
@@ -161,7 +161,7 @@ class WriteBack:
                                         tail_tokens=list(gen.seq_ids[ends * b:prompt_tokens]), tail_from=ends * b))
         tail_tokens = gen.seq_ids[full * b:]
         parent = self.chain.parent(tenant_salt, hashes, full)
-        first = max(view.held_blocks, view.early_blocks)  # the prompt's blocks may be queued already
+        first = max(view.held_blocks, view.early.blocks)  # the prompt's blocks may be queued already
         job = WriteJob(
             model=self.model_key,
             hashes=hashes[first:],

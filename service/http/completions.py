@@ -26,7 +26,8 @@ async def _completion(request: Request, chat: bool) -> Response:
         max_tokens_limit=state.settings.max_tokens_limit, default_max_tokens=state.settings.default_max_tokens,
     )
     check_model(state, req.model)
-    engine = pipeline.engine
+    engine = state.engine
+    assert engine is not None  # the lifespan loads it before the pipeline
     check_engine(req.params, body, honours_all=engine.honours_all_params)
     tools = req.tools.tools if req.tools is not None else None
     if req.messages is not None:  # assistant messages some pod generated keep the very ids it generated

@@ -153,9 +153,8 @@ class Responder:
         turn's session had to record the reply and could not."""
         pipeline = ready_pipeline(self.state)
         turn, session = self.turn, self.turn.session
-        write = (session.write(pipeline.writes, turn.tenant.name, gen, reply, self.previous, pipeline.engine.decode)
-                 if session is not None else None)
-        outcome = await pipeline.writes.finish(turn.tenant.salt, gen, self.view, write)
+        write = session.write(pipeline, turn.tenant.name, gen, reply, self.previous) if session is not None else None
+        outcome = await pipeline.finish(turn.tenant.salt, gen, self.view, write)
         if write is None or not write.strict or outcome is Outcome.STORED:
             return None
         assert session is not None

@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse, Response
 
 from cachestore.sessions import SessionRecord
 from cachestore.store import BlockStore
+from service.cache.pipeline import Pipeline
 from service.engines.generation import ParamError
 from service.http.errors import ApiError, bad_request, not_found, redis_unavailable
 from service.http.params import (
@@ -141,7 +142,7 @@ async def fork_session(request: Request) -> Response:
     return JSONResponse(session_json(child.value), status_code=201)
 
 
-def _own_reply_ids(pipeline: Any, messages: list[dict[str, Any]]) -> dict[int, list[int]]:
+def _own_reply_ids(pipeline: Pipeline, messages: list[dict[str, Any]]) -> dict[int, list[int]]:
     """Message index -> the ids recorded for an assistant reply, when they decode to exactly its text (a record
     is read from Redis: untrusted, like everything there)."""
     known: dict[int, list[int]] = {}
@@ -149,7 +150,7 @@ def _own_reply_ids(pipeline: Any, messages: list[dict[str, Any]]) -> dict[int, l
         ids = m.get("token_ids")
         if (m.get("role") == "assistant" and isinstance(ids, list) and ids and len(ids) <= 1 << 16
                 and all(isinstance(t, int) and 0 <= t < 2**31 for t in ids)
-                and pipeline.engine.decode(ids) == m.get("content")):
+                and pipeline.decode(ids) == m.get("content")):
             known[i] = ids
     return known
 
@@ -185,7 +186,8 @@ async def add_messages(request: Request) -> Response:
     check_keys(body, chat=True, known=SESSION_TURN)
     new = _new_turn(body)
     pipeline = ready_pipeline(state)
-    engine = pipeline.engine
+    engine = state.engine
+    assert engine is not None  # the lifespan loads it before the pipeline
     if body.get("model") is not None and body["model"] != engine.name:
         raise ApiError(404, f"model {body['model']!r} is not served here", code="model_not_found", param="model")
     params = parse_params(body, state.settings.max_tokens_limit, state.settings.default_max_tokens)

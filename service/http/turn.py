@@ -8,15 +8,23 @@ itself (a chat completion with a session id) gets its record updated best effort
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from cachestore.sessions import SessionRecord
-from service.cache.writeback import SessionWrite, WriteBack
+from service.cache.writeback import SessionWrite
 from service.engines import Generation, GenParams
 from service.http.params import ToolSpec
 from service.http.tenancy import Tenant
+
+
+class Recorder(Protocol):
+    """What writing a session's record needs of the pod (its `Pipeline`): the record, and the engine's text of ids."""
+
+    def record(self, tenant: str, session_id: str, messages: list[dict[str, Any]], gen: Generation,
+               previous: SessionRecord | None) -> SessionRecord: ...
+
+    def decode(self, ids: list[int]) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -32,16 +40,17 @@ class SessionTurn:
         """The record to read along with the lookup: none when the route read it already."""
         return (tenant, self.session_id) if self.record is None else None
 
-    def write(self, writes: WriteBack, tenant: str, gen: Generation, reply: dict[str, Any] | None,
-              previous: SessionRecord | None, decode: Callable[[list[int]], str]) -> SessionWrite | None:
+    def write(self, pod: Recorder, tenant: str, gen: Generation, reply: dict[str, Any] | None,
+              previous: SessionRecord | None) -> SessionWrite | None:
         """The record after `gen`, whose reply message is `reply` (its tool calls included, as the client got
         them); None when nothing is recorded (a text completion, or no history)."""
         if self.history is None or (reply is None and not self.server_side):
             return None
         message: dict[str, Any] = dict(reply or {"role": "assistant", "content": gen.text})
-        if self.server_side and not message.get("tool_calls") and gen.reply_ids and decode(gen.reply_ids) == gen.text:
+        if (self.server_side and not message.get("tool_calls") and gen.reply_ids
+                and pod.decode(gen.reply_ids) == gen.text):
             message["token_ids"] = gen.reply_ids  # the session's next turns never re-tokenize this reply
-        record = writes.record(tenant, self.session_id, [*self.history, message], gen, previous)
+        record = pod.record(tenant, self.session_id, [*self.history, message], gen, previous)
         return SessionWrite(record, previous.version if previous else None, strict=self.server_side)
 
 

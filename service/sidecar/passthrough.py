@@ -232,7 +232,7 @@ class _Call:
                 engine.abandon(self.lease)
                 return
             reused = int(timings.get("cache_n", 0))
-            writes = self.pipeline.store is not None  # --no-cache: nothing is written, so nothing saved
+            writes = self.pipeline.writes_back  # --no-cache: nothing is written, so nothing saved
             saved = await asyncio.to_thread(engine.finish, self.lease, reused, self.pipeline.keep_from(self.view),
                                             writes)
             if saved is None:
@@ -242,7 +242,7 @@ class _Call:
                              prompt_tokens=len(prompt), cached_tokens=reused, ttft_s=0.0, total_s=0.0,
                              seq_ids=saved.tokens, kv=saved.kv, reply_ids=None, kv_from=saved.kv_from,
                              boundaries=((len(saved.tokens), saved.boundary),) if saved.boundary else ())
-            await self.pipeline.writes.finish(self.salt, gen, self.view, prompt_tokens=len(prompt))
+            await self.pipeline.finish(self.salt, gen, self.view, prompt_tokens=len(prompt))
         finally:
             self.admission.release()
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -24,8 +23,9 @@ from service.engines.gate import LayerGate
 KV_DIMS = 5  # [layers, 2, kv_heads, tokens, head_dim]
 ATTENTION = "kvstash"  # the attention `route_attention` gives a model: sdpa, but over a hit's landed codes
 ATTEND_MAX_NEW = 4  # new tokens up to which the first step attends over the codes (more: dequantized to a scratch)
-_pending = threading.local()  # `layer`: (index, gate, keys) from GrowingLayer.update to the attention that follows;
-# `rows`: (keys, [(row keys, row values)]) from RowsCache.update to it
+# the keyword under which `forward` and `forward_rows` hand `_attention` the cache the step updates: transformers passes
+# a forward's extra keywords through to the attention function of every layer
+CACHE_KWARG = "kvstash_cache"
 
 
 def cache_arg(model: PreTrainedModel) -> str:
@@ -51,7 +51,9 @@ def cache_of_layers(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], model: 
 def route_attention(model: PreTrainedModel) -> None:
     """Run `model`'s attention through this module where it runs sdpa: the same sdpa, but for the first forward step
     over a hit whose frames landed (`LayerGate.attend`), which reads each layer's cached tokens from their
-    codes instead of a dequantized copy (`cachestore.codec.attend`). Masks are sdpa's."""
+    codes instead of a dequantized copy (`cachestore.codec.attend`), and for a batched step (`RowsCache`). Masks are
+    sdpa's. What registers here is a function under a name (transformers looks attention up by its config's name);
+    the state it reads comes with each forward (`CACHE_KWARG`)."""
     if model.config._attn_implementation not in ("sdpa", ATTENTION):  # noqa: SLF001 - transformers' own name for it
         return
     ALL_ATTENTION_FUNCTIONS.register(ATTENTION, _attention)
@@ -59,25 +61,31 @@ def route_attention(model: PreTrainedModel) -> None:
     model.set_attn_implementation(ATTENTION)
 
 
+def routed(model: PreTrainedModel) -> bool:
+    """Whether `model`'s attention is this module's (`route_attention`)."""
+    return bool(model.config._attn_implementation == ATTENTION)  # noqa: SLF001 - transformers' own name for it
+
+
 def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-               **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface: sdpa, unless GrowingLayer.update just handed this very layer's context
-    (`key`) over to be attended from its landed codes."""
-    rows = getattr(_pending, "rows", None)
-    if rows is not None and rows[0] is key:  # a batched step (RowsCache): each row over its own sequence's cache
-        _pending.rows = None
-        return torch.cat([sdpa_attention_forward(module, query[b:b + 1], k, v, None, dropout=dropout, scaling=scaling,
-                                                 **kwargs)[0] for b, (k, v) in enumerate(rows[1])]), None
-    pending = getattr(_pending, "layer", None)
-    if pending is not None and pending[2] is key:
-        _pending.layer = None
-        index, gate, _ = pending
-        scale = module.head_dim ** -0.5 if scaling is None else scaling  # type: ignore[operator]
-        out = gate.attend(index, query[0], key[0], value[0], attention_mask, scale)
-        if out is not None:  # [q_heads, n, D] -> sdpa's [1, n, q_heads, D]
-            return out.to(query.dtype).transpose(0, 1).unsqueeze(0).contiguous(), None
-        gate.wait(index)  # attended over the context instead, once it is in place
+               kvstash_cache: Cache | RowsCache | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface: sdpa, unless the cache this step updates (`kvstash_cache`, passed along by
+    `forward` and `forward_rows`) says otherwise: a batched step attends each row over its own sequence's cache
+    (`RowsCache`), and a hit's first step over a layer whose update just handed its context over attends over the
+    layer's landed codes (`GrowingLayer.attend_landed`)."""
+    if isinstance(kvstash_cache, RowsCache):
+        rows = kvstash_cache.take_rows(key)
+        if rows is not None:  # each row over its own sequence's cache
+            return torch.cat([sdpa_attention_forward(module, query[b:b + 1], k, v, None, dropout=dropout,
+                                                     scaling=scaling, **kwargs)[0]
+                              for b, (k, v) in enumerate(rows)]), None
+    elif kvstash_cache is not None:
+        layer = kvstash_cache.layers[cast(int, module.layer_idx)]  # the index the attention updated the cache at
+        if isinstance(layer, GrowingLayer):
+            scale = cast(float, module.head_dim) ** -0.5 if scaling is None else scaling
+            out = layer.attend_landed(query, key, value, attention_mask, scale)
+            if out is not None:  # [q_heads, n, D] -> sdpa's [1, n, q_heads, D]
+                return out.to(query.dtype).transpose(0, 1).unsqueeze(0).contiguous(), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   **kwargs)
 
@@ -120,6 +128,7 @@ class GrowingLayer(DynamicLayer):
         self._ready, self._index = ready, index  # the cached tokens of this layer may still be on their way
         self._scratch = scratch if ready is not None else None  # set only for the first step
         self._attends = attends
+        self._attending = False  # `update` handed the context over: the attention that follows reads the codes
         self.device = key_buffer.device
         self.is_initialized = True
         self._key_buf, self._value_buf, self._length = key_buffer, value_buffer, length  # [1, H, cap, D]
@@ -135,7 +144,7 @@ class GrowingLayer(DynamicLayer):
             if (self._attends and key_states.shape[0] == 1 and key_states.shape[-2] <= ATTEND_MAX_NEW
                     and self._ready.attending(self._index)):
                 self._append(key_states, value_states)
-                _pending.layer = (self._index, self._ready, self.keys)  # for `_attention`, which comes next
+                self._attending = True  # for `attend_landed`, which the attention that comes next calls
                 return self.keys, self.values
             buf = scratch.take(key_states, start + key_states.shape[-2])
             if self._ready.fill(self._index, buf[:, :, :start]):
@@ -146,6 +155,20 @@ class GrowingLayer(DynamicLayer):
         self.settle()
         self._append(key_states, value_states)
         return self.keys, self.values
+
+    def attend_landed(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      mask: torch.Tensor | None, scaling: float) -> torch.Tensor | None:
+        """The attention that follows an `update` that handed this layer's context over (`keys` is it): over the
+        layer's landed codes (`LayerGate.attend`), [q_heads, new tokens, head_dim]. None otherwise, or where the gate
+        cannot: then the context is in place by the time this returns, and sdpa reads it."""
+        if not self._attending or keys is not self.keys:
+            return None
+        self._attending = False
+        assert self._ready is not None
+        out = self._ready.attend(self._index, query[0], keys[0], values[0], mask, scaling)
+        if out is None:
+            self._ready.wait(self._index)  # attended over the context instead, once it is in place
+        return out
 
     def settle_from(self, start: int) -> None:
         """`settle` if the context may still lack a cached token from `start` on (the first step read them from the
@@ -220,8 +243,7 @@ def cache_from_tensor(kv: torch.Tensor, model: PreTrainedModel, ready: LayerGate
         ready = None
     scratch = Scratch() if ready is not None else None  # the first step's, for every layer in turn
     # route_attention set it; the kernels read fp32 queries on the CPU (else the scratch serves the first step)
-    attends = (model.config._attn_implementation == ATTENTION  # noqa: SLF001
-               and model.device.type == "cpu" and model.dtype == torch.float32)
+    attends = routed(model) and model.device.type == "cpu" and model.dtype == torch.float32
     kv = kv.to(device=model.device, dtype=model.dtype)
     _, _, heads, tokens, dim = kv.shape
     for i, at in enumerate(which):
@@ -283,7 +305,9 @@ def forward(
         raise ValueError("forward needs at least one new token")
     if cache is None:
         cache = empty_cache(model)
-    kwargs = {cache_arg(model): cache}
+    kwargs: dict[str, Cache] = {cache_arg(model): cache}
+    if routed(model):
+        kwargs[CACHE_KWARG] = cache  # for `_attention`
     out = model(input_ids=ids, use_cache=True, logits_to_keep=0 if all_logits else 1, **kwargs)
     new_cache = getattr(out, "cache", None)
     if new_cache is None:
@@ -302,21 +326,29 @@ class RowsCache:
 
     def __init__(self, caches: Sequence[Cache]) -> None:
         self.caches = caches
+        # the last update's keys and each row's (keys, values), until the attention that follows takes them
+        self._rows: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         # [rows, kv_heads, 1, head_dim]: each row appended to its own sequence's layer
         rows = [cache.layers[layer_idx].update(key_states[b:b + 1], value_states[b:b + 1])
                 for b, cache in enumerate(self.caches)]
-        _pending.rows = (key_states, rows)  # for `_attention`, which comes next
+        self._rows = (key_states, rows)  # for `take_rows`, which the attention that comes next calls
         return key_states, value_states
+
+    def take_rows(self, keys: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Each row's (keys, values) from the `update` that returned `keys` (once); None for other keys."""
+        if self._rows is None or self._rows[0] is not keys:
+            return None
+        rows, self._rows = self._rows[1], None
+        return rows
 
 
 def batches_rows(model: PreTrainedModel) -> bool:
     """Whether `forward_rows` can run `model`: its attention is this module's (`route_attention`), and every layer
     an attention layer (full or sliding-window: a linear layer's states are not rows of a RowsCache)."""
-    return (model.config._attn_implementation == ATTENTION  # noqa: SLF001 - transformers' own name for it
-            and all(isinstance(layer, DynamicLayer) for layer in DynamicCache(config=model.config).layers))
+    return routed(model) and all(isinstance(layer, DynamicLayer) for layer in DynamicCache(config=model.config).layers)
 
 
 def forward_rows(model: PreTrainedModel, tokens: Sequence[int], caches: Sequence[Cache]) -> torch.Tensor:
@@ -331,7 +363,8 @@ def forward_rows(model: PreTrainedModel, tokens: Sequence[int], caches: Sequence
     ids = torch.as_tensor(list(tokens), dtype=torch.long, device=model.device).reshape(-1, 1)
     positions = torch.as_tensor([cache_length(c) for c in caches], dtype=torch.long, device=model.device)
     mask = torch.ones((len(caches), 1, 1, 1), dtype=torch.bool, device=model.device)
-    kwargs = {cache_arg(model): RowsCache(caches)}
+    rows = RowsCache(caches)
+    kwargs = {cache_arg(model): rows, CACHE_KWARG: rows}
     out = model(input_ids=ids, position_ids=positions.reshape(-1, 1), attention_mask=mask, use_cache=True,
                 logits_to_keep=1, **kwargs)
     return out.logits[:, -1].float()
