@@ -10,24 +10,16 @@ from typing import Any
 
 import pytest
 import torch
-from starlette.testclient import TestClient
 
 from cachestore import transfer
 from cachestore.codec import Codec
 from cachestore.errors import KvstashError
 from ops.cli import main
 from ops.redisproc import RedisProcess
-from service.app import create_app
-from service.settings import PodSettings
-from tests.faultkit import wait_written
+from tests.support import make_client, wait_written
 
 SYSTEM = {"role": "system", "content": "You are a helpful travel assistant. " * 12}
 POD_FLAGS = ["--model", "tiny-random", "--codec", "exact", "--block-tokens", "16"]
-
-
-def pod(redis: RedisProcess, tiny_model: Any, name: str) -> TestClient:
-    settings = PodSettings(model="tiny-random", redis_url=redis.url, codec="exact", block_tokens=16, pod_name=name)
-    return TestClient(create_app(settings, engine=tiny_model), raise_server_exceptions=False)
 
 
 @pytest.fixture
@@ -46,7 +38,7 @@ def session_hash(redis: RedisProcess, sid: str) -> dict[bytes, bytes]:
 def test_export_import_resumes_with_a_full_hit(redis_server: RedisProcess, second_redis: RedisProcess,
                                                tiny_model: Any, tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
-    with pod(redis_server, tiny_model, "pod-a") as a:
+    with make_client(redis_server, tiny_model, pod_name="pod-a") as a:
         assert a.post("/v1/sessions", json={"session_id": "trip", "messages": [SYSTEM]}).status_code == 201
         for text in ("Where should I start in Lisbon?", "And what should I eat there?"):
             turn = a.post("/v1/sessions/trip/messages", json={"content": text, "max_tokens": 8})
@@ -75,9 +67,9 @@ def test_export_import_resumes_with_a_full_hit(redis_server: RedisProcess, secon
     capsys.readouterr()
 
     turn = {"content": "Which day trip would you suggest?", "max_tokens": 8}
-    with pod(redis_server, tiny_model, "pod-a") as a:
+    with make_client(redis_server, tiny_model, pod_name="pod-a") as a:
         reference = a.post("/v1/sessions/copy/messages", json=turn)  # the same history in the source Redis
-    with pod(second_redis, tiny_model, "pod-b") as b:
+    with make_client(second_redis, tiny_model, pod_name="pod-b") as b:
         resumed = b.post("/v1/sessions/trip/messages", json=turn)
     assert resumed.status_code == 200, resumed.text
     assert resumed.headers["x-kv-cache"] == "hit"
@@ -89,7 +81,7 @@ def test_export_import_resumes_with_a_full_hit(redis_server: RedisProcess, secon
 
 def test_export_needs_the_pods_model_settings(redis_server: RedisProcess, tiny_model: Any, tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
-    with pod(redis_server, tiny_model, "pod-a") as a:
+    with make_client(redis_server, tiny_model, pod_name="pod-a") as a:
         assert a.post("/v1/sessions", json={"session_id": "s1", "messages": [SYSTEM]}).status_code == 201
     flags = ["--model", "tiny-random", "--codec", "int8", "--block-tokens", "16"]
     assert main(["admin", "--redis-url", redis_server.url, "export", "s1", str(tmp_path / "x"), *flags]) == 2

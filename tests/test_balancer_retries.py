@@ -8,7 +8,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -19,8 +18,10 @@ import pytest
 
 from ops.pods import NginxProcess, nginx_binary
 from ops.redisproc import free_port
+from tests.balancers import wait_listening
+from tests.paths import ROOT
 
-HAPROXY_CFG = Path(__file__).resolve().parent.parent / "ops" / "haproxy" / "haproxy.cfg"
+HAPROXY_CFG = ROOT / "ops" / "haproxy" / "haproxy.cfg"
 POSTS = 4
 
 
@@ -86,15 +87,7 @@ def _haproxy(first: int, second: int, tmp_path: Path) -> Iterator[str]:
     proc = subprocess.Popen([binary, "-db", "-f", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                httpx.get(url + "/readyz", timeout=1)
-                break
-            except httpx.TransportError:
-                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-                assert time.monotonic() < deadline, "haproxy did not start listening"
-                time.sleep(0.05)
+        wait_listening(proc, url + "/readyz")
         yield url
     finally:
         proc.terminate()
@@ -148,7 +141,7 @@ def test_a_post_that_reached_a_pod_is_never_sent_again(kind: str, pods: tuple[di
 def test_the_configs_say_the_rule() -> None:
     """Spelled out, for balancers whose versions behave otherwise than those tested above: nginx without
     `non_idempotent`, HAProxy retrying connection failures only, each redispatching to another pod."""
-    nginx = (Path(__file__).resolve().parent.parent / "ops" / "nginx" / "kvstash-proxy.conf").read_text()
+    nginx = (ROOT / "ops" / "nginx" / "kvstash-proxy.conf").read_text()
     (rule,) = [line for line in nginx.splitlines() if line.startswith("proxy_next_upstream ")]
     assert "error" in rule.split() and "non_idempotent" not in rule
     haproxy = [line.split("#")[0].split() for line in HAPROXY_CFG.read_text().splitlines()]

@@ -20,8 +20,8 @@ from ops.bench.fleet.command import merged
 from ops.bench.fleet.workload import Workload, deal, make_users, session_id
 from ops.cli import main
 from ops.pods import nginx_binary
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 TINY = ["bench", "fleet", "--engine", "hf", "--model", "tiny-random", "--codec", "exact", "--pods", "2", "--users",
         "2", "--system-tokens", "40", "--history-tokens", "150", "--query-tokens", "8", "--max-tokens", "4",
         "--budget-mb", "64"]

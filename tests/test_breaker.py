@@ -11,18 +11,11 @@ from cachestore.breaker import CircuitBreaker
 from cachestore.errors import ValueTooLarge
 from cachestore.stats import Counters
 from cachestore.store.guard import FAILED, Guard
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.timing import ManualClock
 
 
 def test_breaker_opens_probes_once_and_closes() -> None:
-    clock = Clock()
+    clock = ManualClock()
     breaker = CircuitBreaker(failures=3, reset_s=5.0, clock=clock)
     for _ in range(2):
         assert breaker.allow()
@@ -42,7 +35,7 @@ def test_breaker_opens_probes_once_and_closes() -> None:
 
 
 def test_success_resets_the_failure_count() -> None:
-    breaker = CircuitBreaker(failures=2, reset_s=1.0, clock=Clock())
+    breaker = CircuitBreaker(failures=2, reset_s=1.0, clock=ManualClock())
     breaker.record_failure()
     breaker.record_success()
     breaker.record_failure()
@@ -59,7 +52,7 @@ async def _refused_async() -> None:
 
 async def test_async_and_blocking_failures_open_one_breaker() -> None:
     counters = Counters()
-    guard = Guard(CircuitBreaker(failures=2, reset_s=60.0, clock=Clock()), counters)
+    guard = Guard(CircuitBreaker(failures=2, reset_s=60.0, clock=ManualClock()), counters)
     assert await guard.run(_refused_async, 1.0) is FAILED  # the event loop's call
     assert guard.run_blocking(_refused) is FAILED  # a reader thread's: the same breaker counts both
     assert guard.state == "open"
@@ -76,7 +69,7 @@ async def test_a_timeout_is_a_failure_and_counted_as_one() -> None:
 
 
 async def test_a_callers_mistake_propagates_and_leaves_the_probe_free() -> None:
-    clock = Clock()
+    clock = ManualClock()
     guard = Guard(CircuitBreaker(failures=1, reset_s=5.0, clock=clock), Counters())
     guard.run_blocking(_refused)
     clock.now = 5.0  # half open: one probe may go

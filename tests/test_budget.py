@@ -10,16 +10,12 @@ import pytest
 import redis
 
 from cachestore.eviction import now_ms
-from cachestore.hashing import BlockHash
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
 from ops.redisproc import FLAVORS, RedisProcess
+from tests.storekit import block_hash as h
 
 MODEL = "0123456789abcdef"
-
-
-def h(i: int, salt: int = 0) -> BlockHash:
-    return BlockHash(random.Random(i * 7919 + salt).randbytes(16))
 
 
 def held_bytes(client: redis.Redis, namespace: str) -> tuple[int, int]:

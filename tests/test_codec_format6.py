@@ -259,39 +259,20 @@ def test_the_hf_engine_declares_the_rope_its_keys_carry(tiny_model: Any) -> None
 def test_pods_store_int4_key_classes_without_rope_and_another_pod_hits_them(redis_server: Any) -> None:
     """The recommended int4's options end to end on a model of head_dim 128 whose RoPE the hf engine declares: the
     blocks in Redis are format 6 int4 frames with key classes and unroped keys, and the other pod hits them."""
-    from starlette.testclient import TestClient  # noqa: PLC0415
-
     from cachestore.codec import read_header  # noqa: PLC0415
     from cachestore.codec.frame import LAYER_TABLE, SCALE8, UNROPE  # noqa: PLC0415
-    from service.app import create_app  # noqa: PLC0415
     from service.engines.hf.engine import HfEngine  # noqa: PLC0415
-    from service.settings import PodSettings  # noqa: PLC0415
-    from tests.support import wait_written  # noqa: PLC0415
+    from tests.support import SHORT_HISTORY, computed_tokens, follow_up, pod_pair  # noqa: PLC0415
     from tests.tinymodels import tiny_hf_dir  # noqa: PLC0415
 
     model = str(tiny_hf_dir("llama3-hd128"))
     engine = HfEngine.load(model)
-    settings = {"engine": "hf", "model": model, "redis_url": redis_server.url, "block_tokens": 16,
-                "codec": "int4+zstd/kbits/s8/unrope/v5=1/recent=int8"}
-    history = [{"role": "system", "content": "You answer briefly. " * 3}, {"role": "user", "content": "Hello there!"}]
-
-    def chat(pod: TestClient, messages: list[dict[str, str]]) -> Any:
-        r = pod.post("/v1/chat/completions", json={"model": engine.name, "messages": messages, "max_tokens": 8,
-                                                    "temperature": 0})
-        assert r.status_code == 200, r.text
-        return r.json()
-
-    with TestClient(create_app(PodSettings(**settings, pod_name="a"), engine=engine)) as a, \
-            TestClient(create_app(PodSettings(**settings, pod_name="b"), engine=engine)) as b:
-        first = chat(a, history)
-        wait_written(a)
+    with pod_pair(redis_server, engine, engine="hf", model=model,
+                  codec="int4+zstd/kbits/s8/unrope/v5=1/recent=int8") as (a, b):
+        first, second = follow_up(a, b, SHORT_HISTORY, model=engine.name, max_tokens=8)
         raw = redis_server.client()
         headers = {(h.mode, h.version, h.transform) for h in map(read_header, map(raw.get, raw.scan_iter("*:blk:*")))}
         assert ("int4", 7, KEY_CLASSES | UNROPE | SCALE8 | LAYER_TABLE) in headers
-        follow = [*history, {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
-                  {"role": "user", "content": "And?"}]
-        second = chat(b, follow)
-        computed = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"] - 1
-        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == computed
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == computed_tokens(first)
         assert not [line for line in b.get("/metrics").text.splitlines()
                     if line.startswith("kvstash_cache_rejected_total{")]

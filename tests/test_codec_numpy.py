@@ -4,15 +4,13 @@ its golden bits, a frame only a retired codec wrote is refused as retired, and n
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from cachestore.codec import Codec
 from cachestore.errors import RetiredFrame
+from tests.paths import GOLDEN
 
-GOLDEN = Path(__file__).resolve().parent / "golden"
 DECODED = sorted(p.stem for p in GOLDEN.glob("*.decoded"))
 ONLY_FRAMES = sorted(p.stem for p in GOLDEN.glob("*.frame") if not (GOLDEN / f"{p.stem}.decoded").exists())
 

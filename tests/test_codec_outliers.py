@@ -14,9 +14,16 @@ from cachestore.codec.frame import HEADER_SIZE, OUTLIER_KEYS, SCALE8, SYM_VALUES
 from cachestore.codec.plan import plan
 from cachestore.errors import CodecError, ConfigError
 from ops.redisproc import RedisProcess
-from service.app import create_app
-from service.settings import PodSettings
-from tests.support import check_gate_refuses_others, check_layers_decode_apart, kv_sample, resealed, wait_written
+from tests.support import SHORT_HISTORY as HISTORY
+from tests.support import (
+    check_gate_refuses_others,
+    check_layers_decode_apart,
+    computed_tokens,
+    follow_up,
+    kv_sample,
+    pod_pair,
+    resealed,
+)
 
 SHAPE = (3, 2, 2, 40, 16)  # [layers, 2, kv_heads, tokens, head_dim]
 
@@ -132,39 +139,23 @@ def test_a_frame_of_format_5_under_another_spec_is_refused_before_decoding() -> 
                               SHAPE)
 
 
-HISTORY = [{"role": "system", "content": "You answer briefly. " * 3}, {"role": "user", "content": "Hello there!"}]
 
 
 @pytest.fixture
 def pods(redis_server: RedisProcess, tiny_model: Any) -> Iterator[tuple[TestClient, TestClient]]:
     """Two pods of one fleet with the int2 codec of format 5, on one Redis."""
-    spec = "int2+zstd/g8/rotv/clip/outk/symv/s8/recent=int8"
-    apps = [create_app(PodSettings(model="tiny-random", redis_url=redis_server.url, codec=spec, block_tokens=16,
-                                   pod_name=f"pod-outk-{i}"), engine=tiny_model) for i in range(2)]
-    with TestClient(apps[0], raise_server_exceptions=False) as a, \
-            TestClient(apps[1], raise_server_exceptions=False) as b:
-        yield a, b
-
-
-def _chat(client: TestClient, messages: list[dict[str, str]]) -> Any:
-    body = {"model": "tiny-random", "messages": messages, "max_tokens": 12, "temperature": 0}
-    r = client.post("/v1/chat/completions", json=body)
-    assert r.status_code == 200, r.text
-    return r.json()
+    with pod_pair(redis_server, tiny_model, ("pod-outk-0", "pod-outk-1"),
+                  codec="int2+zstd/g8/rotv/clip/outk/symv/s8/recent=int8") as pair:
+        yield pair
 
 
 def test_a_pod_stores_format_5_blocks_and_another_pod_hits_them(pods: tuple[TestClient, TestClient],
                                                                  redis_server: RedisProcess) -> None:
     first_pod, second_pod = pods
-    first = _chat(first_pod, HISTORY)
-    wait_written(first_pod)
+    first, second = follow_up(first_pod, second_pod, HISTORY)
     raw = redis_server.client()
     headers = [read_header(raw.get(key)) for key in raw.scan_iter(match="*:blk:*")]
     assert {(h.mode, h.version, h.transform) for h in headers} >= {("int2", 5, 2 | OUTLIER_KEYS | SYM_VALUES | SCALE8)}
-    reply = first["choices"][0]["message"]["content"]
-    follow = [*HISTORY, {"role": "assistant", "content": reply}, {"role": "user", "content": "And?"}]
-    second = _chat(second_pod, follow)
-    computed = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"] - 1
-    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == computed
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == computed_tokens(first)
     lines = second_pod.get("/metrics").text.splitlines()
     assert not [line for line in lines if line.startswith("kvstash_cache_rejected_total{")]  # no frame discarded

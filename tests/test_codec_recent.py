@@ -17,13 +17,11 @@ from cachestore.codec.layout import NO_HI, HiLayers, Variant
 from cachestore.errors import ConfigError
 from cachestore.tails import unpack_tail
 from ops.redisproc import RedisProcess
-from service.app import create_app
-from service.settings import PodSettings
 from tests.golden.cases import frame_path, make_input
-from tests.support import wait_written
+from tests.support import SHORT_HISTORY as HISTORY
+from tests.support import computed_tokens, follow_up, make_client, wait_written
 
 SPEC = "int2+zstd/rotv/clip/symv/s8/k3=2/recent=int8"
-HISTORY = [{"role": "system", "content": "You answer briefly. " * 3}, {"role": "user", "content": "Hello there!"}]
 
 
 def test_spec_names_the_recent_mode_and_parses_back() -> None:
@@ -88,25 +86,13 @@ def test_partial_frame_is_the_pinned_int8_frame_and_within_its_bound() -> None:
 
 @pytest.fixture
 def client(redis_server: RedisProcess, tiny_model: Any) -> Iterator[TestClient]:
-    settings = PodSettings(model="tiny-random", redis_url=redis_server.url, codec="int4+zstd/g8/recent=int8",
-                           block_tokens=16, pod_name="pod-recent")
-    with TestClient(create_app(settings, engine=tiny_model), raise_server_exceptions=False) as c:
+    with make_client(redis_server, tiny_model, codec="int4+zstd/g8/recent=int8", pod_name="pod-recent") as c:
         yield c
-
-
-
-def _chat(client: TestClient, messages: list[dict[str, str]]) -> Any:
-    body = {"model": "tiny-random", "messages": messages, "max_tokens": 12, "temperature": 0,
-            "return_token_ids": True}
-    r = client.post("/v1/chat/completions", json=body)
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def test_a_pod_writes_the_tail_at_int8_and_the_next_turn_reuses_it(client: TestClient,
                                                                     redis_server: RedisProcess) -> None:
-    first = _chat(client, HISTORY)
-    wait_written(client)
+    first, second = follow_up(client, client, HISTORY, return_token_ids=True)
     raw = redis_server.client()
     tails = list(raw.scan_iter(match="*:tail:*"))
     blocks = list(raw.scan_iter(match="*:blk:*"))
@@ -114,12 +100,8 @@ def test_a_pod_writes_the_tail_at_int8_and_the_next_turn_reuses_it(client: TestC
     modes = {read_header(unpack_tail(raw.get(key))[1]).mode for key in tails}
     assert modes == {"int8"}
     assert {read_header(raw.get(key)).mode for key in blocks} == {"int8", "int4"}  # block 0 is the sink
-    reply = first["choices"][0]["message"]["content"]
-    follow = [*HISTORY, {"role": "assistant", "content": reply}, {"role": "user", "content": "And?"}]
-    second = _chat(client, follow)
-    computed = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"] - 1
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert cached == computed and cached % 16  # whole blocks and the int8 tail after them
+    assert cached == computed_tokens(first) and cached % 16  # whole blocks and the int8 tail after them
     assert 'kvstash_tail_lookups_total{result="used"}' in client.get("/metrics").text
 
 

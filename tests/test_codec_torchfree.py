@@ -23,8 +23,8 @@ from cachestore.codec.arrays import to_host
 from cachestore.codec.names import CHOICES, RECENT, spec_text
 from cachestore.codec.rope import ADJACENT, HALVES, Rope
 from ops.redisproc import RedisProcess
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 SHAPE = (4, 2, 2, 64, 64)  # [layers, 2, kv_heads, tokens, head_dim]: one block of a small model
 ROPES = {HALVES: Rope(HALVES, tuple(10000.0 ** (-i / 32) for i in range(32))),
          ADJACENT: Rope(ADJACENT, tuple(500000.0 ** (-i / 32) for i in range(32)))}

@@ -16,8 +16,8 @@ import yaml
 from cachestore.errors import ConfigError
 from ops.redisproc import RedisProcess, free_port, redis_binary
 from service.settings import _ENV_CASTS, PLACEHOLDER, SECRET_VARS, settings_from_env
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 OPS = ROOT / "ops"
 KNOWN_ENV = {f"KVSTASH_{n.upper()}" for n in _ENV_CASTS} | {"KVSTASH_NO_CACHE", "KVSTASH_API_KEYS",
                                                             "KVSTASH_REDIS_URL", "KVSTASH_CACHE_DIR"}

@@ -22,16 +22,12 @@ import pytest
 
 from ops.pods import NginxProcess, nginx_binary, render_nginx_conf
 from ops.redisproc import free_port
+from tests.balancers import upstream_block, wait_listening
+from tests.paths import ROOT
 
-NGINX_DIR = Path(__file__).resolve().parent.parent / "ops" / "nginx"
+NGINX_DIR = ROOT / "ops" / "nginx"
 NGINX = nginx_binary()
 pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (CI installs nginx-light in .ci/run)")
-
-
-def upstream_block(text: str) -> str:
-    match = re.search(r"upstream kvstash_pods \{.*?\}", text, re.S)
-    assert match is not None
-    return match.group(0)
 
 
 def real_conf(ports: list[int], listen: int) -> str:
@@ -57,14 +53,7 @@ def balancer(fake_pods: list[int], tmp_path: Path) -> Iterator[str]:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                httpx.get(url + "/nginx-health", timeout=1)
-                break
-            except httpx.HTTPError:
-                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-                time.sleep(0.05)
+        wait_listening(proc, url + "/nginx-health")
         yield url
     finally:
         proc.terminate()

@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from ops.cli import build_parser
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 OWN = ("cachestore", "service", "ops")  # the packages of this tree
 COMPOSE = ["docker-compose.yml", "docker-compose.cluster.yml"]
 

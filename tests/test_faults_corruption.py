@@ -28,12 +28,6 @@ def pod(redis_server: RedisProcess, tiny_model: Any) -> Iterator[TestClient]:
         yield c
 
 
-@pytest.fixture
-def plain(tiny_model: Any) -> Iterator[TestClient]:
-    with pod_client("redis://127.0.0.1:1/0", tiny_model, cache_enabled=False) as c:
-        yield c
-
-
 def _blocks(r: redis.Redis) -> list[bytes]:
     """Block keys in chain order is not recoverable from names; sorted is enough to pick victims."""
     return sorted(r.scan_iter(match="kvstash:blk:*", count=1000))
@@ -72,11 +66,11 @@ CORRUPTIONS = {
 
 @pytest.mark.parametrize("kind", sorted(CORRUPTIONS))
 def test_corrupt_block_is_a_counted_miss_and_the_reply_is_right(
-        kind: str, pod: TestClient, plain: TestClient, redis_server: RedisProcess,
+        kind: str, pod: TestClient, plain_pod: TestClient, redis_server: RedisProcess,
         figures: dict[str, object]) -> None:
     corrupt, reason = CORRUPTIONS[kind]
     messages = [SYSTEM, {"role": "user", "content": QUESTIONS[0]}]
-    expected = reply_of(chat(plain, messages))
+    expected = reply_of(chat(plain_pod, messages))
     assert reply_of(chat(pod, messages)) == expected
     wait_written(pod)
     r = redis_server.client()
@@ -106,7 +100,7 @@ GARBAGE_FIELDS: dict[str, dict[bytes, bytes]] = {
 
 
 @pytest.mark.parametrize("field", sorted(GARBAGE_FIELDS))
-def test_garbage_session_record_is_a_counted_miss(field: str, pod: TestClient, plain: TestClient,
+def test_garbage_session_record_is_a_counted_miss(field: str, pod: TestClient, plain_pod: TestClient,
                                                    redis_server: RedisProcess) -> None:
     history = [SYSTEM, {"role": "user", "content": QUESTIONS[0]}]
     first = reply_of(chat(pod, history, session_id="s-garbage"))
@@ -120,7 +114,7 @@ def test_garbage_session_record_is_a_counted_miss(field: str, pod: TestClient, p
     bad_before = metric(pod, "kvstash_store_events_total", 'event="bad_records"')
     rejected_before = sum(metric(pod, REJECTED, f'reason="{x}"') for x in ("corrupt", "codec", "model"))
     resp = chat(pod, history, session_id="s-garbage")
-    assert reply_of(resp) == reference_reply(plain, resp)
+    assert reply_of(resp) == reference_reply(plain_pod, resp)
     bad = metric(pod, "kvstash_store_events_total", 'event="bad_records"') - bad_before
     rejected = sum(metric(pod, REJECTED, f'reason="{x}"') for x in ("corrupt", "codec", "model")) - rejected_before
     assert bad + rejected >= 1, "the garbage record was not counted"
@@ -131,5 +125,5 @@ def test_garbage_session_record_is_a_counted_miss(field: str, pod: TestClient, p
     assert got.status_code == 200 and got.json()["messages"] == history
     history += [{"role": "user", "content": QUESTIONS[2]}]
     again = chat(pod, history, session_id="s-garbage")
-    assert reply_of(again) == reference_reply(plain, again)
+    assert reply_of(again) == reference_reply(plain_pod, again)
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0

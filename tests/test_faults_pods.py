@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from functools import partial
 
 import httpx
 import pytest
@@ -16,21 +16,15 @@ from cachestore.codec import Codec
 from cachestore.sessions import from_fields
 from ops.pods import PodProcess
 from ops.redisproc import RedisProcess
-from tests.faultkit import QUESTIONS, SYSTEM
-from tests.support import settle, tiny_pods, write_queue
+from tests.faultkit import QUESTIONS, SYSTEM, reference_reply, reply_of
+from tests.support import post_chat, settle, tiny_pods, write_queue
 
 
 @pytest.fixture(scope="module")
-def redis_server(module_redis_server: RedisProcess) -> RedisProcess:
-    """One Redis for this module's pods (tests that kill a pod start it again)."""
-    return module_redis_server
-
-
-@pytest.fixture(scope="module")
-def pods(redis_server: RedisProcess) -> Iterator[dict[str, PodProcess]]:
+def pods(module_redis_server: RedisProcess) -> Iterator[dict[str, PodProcess]]:
     # the breaker stays closed here: under `CLIENT PAUSE WRITE` lookups that slide TTLs time out too, and an open
     # breaker would fail the queued writes at once instead of leaving them queued for the kill or the stop
-    with tiny_pods(redis_server.url + "?breaker_failures=1000") as procs:
+    with tiny_pods(module_redis_server.url + "?breaker_failures=1000") as procs:
         yield procs
 
 
@@ -42,24 +36,7 @@ def revive(pods: dict[str, PodProcess]) -> Iterator[None]:
         pods["a"].start().wait_ready(120)
 
 
-def _chat(pod: PodProcess, messages: list[dict[str, str]], max_tokens: int = 8, **extra: Any) -> httpx.Response:
-    body = {"model": "tiny-random", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "return_token_ids": True, **extra}
-    return httpx.post(pod.url + "/v1/chat/completions", json=body, timeout=60)
-
-
-def _same_tokens(plain: PodProcess, resp: httpx.Response, max_tokens: int = 8) -> str:
-    """The no-cache pod's reply to exactly the tokens `resp`'s pod used."""
-    body = {"model": "tiny-random", "prompt": resp.json()["prompt_token_ids"], "max_tokens": max_tokens,
-            "temperature": 0}
-    got = httpx.post(plain.url + "/v1/completions", json=body, timeout=60)
-    assert got.status_code == 200, got.text
-    return str(got.json()["choices"][0]["text"])
-
-
-def _text(resp: httpx.Response) -> str:
-    assert resp.status_code == 200, resp.text
-    return str(resp.json()["choices"][0]["message"]["content"])
+_chat = partial(post_chat, max_tokens=8, return_token_ids=True)
 
 
 def _audit(r: redis.Redis) -> tuple[int, int]:
@@ -87,16 +64,16 @@ def _until_no_client_blocked(r: redis.Redis, timeout_s: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def test_sigkill_with_writes_queued_leaves_nothing_torn(pods: dict[str, PodProcess], redis_server: RedisProcess,
+def test_sigkill_with_writes_queued_leaves_nothing_torn(pods: dict[str, PodProcess], module_redis_server: RedisProcess,
                                                         figures: dict[str, object], revive: None) -> None:
     a, b, plain = pods["a"], pods["b"], pods["plain"]
     conversations = {f"k{i}": [SYSTEM, {"role": "user", "content": f"{QUESTIONS[i % 8]} (conversation {i})"}]
                      for i in range(6)}
-    r = redis_server.client()
+    r = module_redis_server.client()
     r.execute_command("CLIENT", "PAUSE", "60000", "WRITE")  # writes queue up on pod A, reads still answer
     try:
         for sid, messages in conversations.items():
-            reply = _text(_chat(a, messages, session_id=sid))
+            reply = reply_of(_chat(a.url, messages, session_id=sid))
             messages.append({"role": "assistant", "content": reply})
         queued = write_queue(a.url)
         assert queued > 0, "nothing was queued at the kill: the scenario did not happen"
@@ -108,9 +85,9 @@ def test_sigkill_with_writes_queued_leaves_nothing_torn(pods: dict[str, PodProce
     sent = correct = hits = 0
     for sid, messages in conversations.items():
         messages.append({"role": "user", "content": QUESTIONS[(int(sid[1:]) + 1) % 8]})
-        resp = _chat(b, messages, session_id=sid)
+        resp = _chat(b.url, messages, session_id=sid)
         sent += 1
-        correct += _text(resp) == _same_tokens(plain, resp)
+        correct += reply_of(resp) == reference_reply(plain.url, resp)
         hits += resp.headers["x-kv-cache"] in ("hit", "partial")
     settle(b.url)
     _audit(r)
@@ -120,14 +97,15 @@ def test_sigkill_with_writes_queued_leaves_nothing_torn(pods: dict[str, PodProce
                    correct=correct, errors=0, torn=0, hits_on_other_pod=hits)
 
 
-def test_sigterm_drains_queued_writes(pods: dict[str, PodProcess], redis_server: RedisProcess, revive: None) -> None:
+def test_sigterm_drains_queued_writes(pods: dict[str, PodProcess], module_redis_server: RedisProcess,
+                                      revive: None) -> None:
     a, b = pods["a"], pods["b"]
     messages = [SYSTEM, {"role": "user", "content": QUESTIONS[3]}]
-    r = redis_server.client()
+    r = module_redis_server.client()
     r.execute_command("CLIENT", "PAUSE", "60000", "WRITE")  # held until a second into the graceful stop
     unpause = threading.Timer(1.0, r.execute_command, ("CLIENT", "UNPAUSE"))
     try:
-        expected = _text(_chat(a, messages))
+        expected = reply_of(_chat(a.url, messages))
         assert write_queue(a.url) > 0, "nothing was queued at the stop: the scenario did not happen"
         unpause.start()
         a.stop()  # SIGTERM: the lifespan drains the queue (waiting out the pause) before exiting
@@ -136,8 +114,8 @@ def test_sigterm_drains_queued_writes(pods: dict[str, PodProcess], redis_server:
         if unpause.ident is not None:
             unpause.join()
         r.execute_command("CLIENT", "UNPAUSE")
-    resp = _chat(b, messages)
-    assert _text(resp) == expected
+    resp = _chat(b.url, messages)
+    assert reply_of(resp) == expected
     assert resp.headers["x-kv-cache"] == "hit", "pod A's queued blocks were lost on a graceful stop"
     r.close()
 
@@ -188,7 +166,7 @@ def test_two_pods_on_one_session_no_lost_update_no_mixed_history(pods: dict[str,
         # given (the session's history, its own replies as the ids it generated, then the new message)
         for i in range(0, len(added), 2):
             winner = results[added[i]["content"]]
-            assert added[i + 1]["content"] == _same_tokens(plain, winner, 24)
+            assert added[i + 1]["content"] == reference_reply(plain.url, winner, 24)
     assert outcomes["200"] >= rounds
     figures.update(requests=2 * rounds, ok=outcomes["200"], conflicts_409=outcomes["409"], lost_updates=0,
                    mixed_histories=0)
@@ -213,7 +191,7 @@ def test_client_hangs_up_mid_stream_and_generation_stops(pods: dict[str, PodProc
     assert len(stamps) == 20, "every prompt ended its reply early: nothing long to abandon"
     per_token_s = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
     t0 = time.monotonic()
-    nxt = _chat(a, [{"role": "user", "content": "hello"}], max_tokens=2)
+    nxt = _chat(a.url, [{"role": "user", "content": "hello"}], max_tokens=2)
     waited = time.monotonic() - t0
     assert nxt.status_code == 200
     left_s = (max_tokens - 20) * per_token_s  # what finishing the abandoned reply would have cost

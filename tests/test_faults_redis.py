@@ -26,13 +26,6 @@ from tests.faultkit import (
 )
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model: Any) -> Iterator[TestClient]:
-    """A pod without a cache: the answer every cached pod must give."""
-    with pod_client("redis://127.0.0.1:1/0", tiny_model, cache_enabled=False, pod_name="plain") as c:
-        yield c
-
-
 class Oracle:
     """Memoised no-cache replies, so comparing costs one generation per distinct prompt."""
 
@@ -49,8 +42,8 @@ class Oracle:
 
 
 @pytest.fixture(scope="module")
-def oracle(reference: TestClient) -> Oracle:
-    return Oracle(reference)
+def oracle(plain_pod: TestClient) -> Oracle:
+    return Oracle(plain_pod)
 
 
 RECOVERY_LIMIT_S = 30.0  # the pod's breaker reset (5 s), a miss that writes and the hit after it, with room

@@ -11,23 +11,26 @@ from cachestore.errors import ConfigError
 from ops.redisproc import RedisProcess
 from service.cache.fetchplan import MIN_LINK_SAMPLES, RECOMPUTE_MARGIN, REPROBE_S, FetchPlanner
 from service.settings import PodSettings, settings_from_env
-from tests.faultkit import QUESTIONS, SYSTEM, chat, metric, pod_client, reference_reply, reply_of, wait_written
+from tests.faultkit import (
+    QUESTIONS,
+    SYSTEM,
+    chat,
+    metric,
+    pod_client,
+    reference_reply,
+    reply_of,
+    uncached_pod,
+    wait_written,
+)
 from tests.linkproxy import ThrottledLink
+from tests.timing import ManualClock
 
 BLOCK = 16  # the test pods' block_tokens
 SLOW_LINK_BYTES_S = 64_000  # a tiny-random block is 8 KB: ~125 ms to read, against about a millisecond to prefill
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_the_plan_reads_all_a_prefix_or_nothing_as_the_estimates_say() -> None:
-    clock = Clock()
+    clock = ManualClock(1000.0)
     planner = FetchPlanner("auto", BLOCK, budget_s=1.0, clock=clock)
     assert planner.plan(10, 8000).decision == "probe" and planner.plan(10, 8000).blocks == 10  # nothing measured
     planner.observe_prefill(BLOCK - 1, 0.001)  # under a block: tells too little
@@ -68,7 +71,7 @@ def test_a_fresh_pod_reads_a_long_hit_after_small_reads() -> None:
     """A fresh pod's first hits are often the shared system prompt's block or two: reads that measure round trips
     more than the link. Extrapolated to a long history they make its read look dearer than prefilling it; the pod
     reads it anyway (a probe, measured at that size) and recomputes only once reads of that size are slow too."""
-    clock = Clock()
+    clock = ManualClock(1000.0)
     planner = FetchPlanner("auto", BLOCK, budget_s=2.0, clock=clock)
     planner.observe_prefill(1600, 1.0)  # its first prompt, a miss: 1,600 tokens/s, a block in 10 ms
     for _ in range(MIN_LINK_SAMPLES):  # one 8 KB block in 20 ms each: 400 KB/s, mostly the round trip
@@ -123,7 +126,7 @@ def test_a_slow_link_makes_the_pod_recompute_with_the_same_answer(redis_server: 
             pod_client(link.url, tiny_model, pod_name="slow", redis_timeout_s=10.0) as slow, \
             pod_client(link.url, tiny_model, pod_name="always", redis_timeout_s=10.0,
                        fetch_policy="always") as always, \
-            pod_client("redis://127.0.0.1:1/0", tiny_model, cache_enabled=False, pod_name="plain") as plain:
+            uncached_pod(tiny_model) as plain:
         conversation = [SYSTEM]
         _turns(writer, conversation, 2)  # the history's blocks are in Redis
         # the slow pod learns its prefill rate on a prompt of its own (a miss), then its link on its first hits

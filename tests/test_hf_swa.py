@@ -7,35 +7,36 @@ never a wrong answer."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
 
 import pytest
-import redis
 import torch
-from starlette.testclient import TestClient
 
-from cachestore.boundary import BoundaryRecord, pack_boundary, unpack_boundary
+from cachestore.boundary import unpack_boundary
 from cachestore.codec import read_header
 from ops.redisproc import RedisProcess
-from service.app import create_app
 from service.engines import GenParams
 from service.engines.generation import GenRequest
 from service.engines.hf.engine import HfEngine
 from service.engines.hf.layout import CONV, RECURRENT
-from service.settings import PodSettings
-from tests.support import cached_tokens, redis_values, rewrite_values, wait_written
+from tests.faultkit import reply_of
+from tests.support import cached_tokens, redis_values, wait_written
+from tests.swapods import (
+    BLOCK,
+    KEYS,
+    MAX_TOKENS,
+    QUESTIONS,
+    SYSTEM,
+    ask,
+    drop_records,
+    flip_state_byte,
+    foreign_states_miss,
+    pods,
+    rewriting,
+    second_turn,
+)
 from tests.tinymodels import tiny_hf_dir
 
 WINDOW = 32  # the tiny sliding models' window
-BLOCK = 16
-MAX_TOKENS = 12
-# longer than 4 x the window from the first turn on
-SYSTEM = {"role": "system", "content": "You are a patient tutor of natural science. " + " ".join(
-    f"Rule {i}: answer briefly, name one example, and say what is measured and how it is measured." for i in range(9))}
-QUESTIONS = ["What is photosynthesis?", "Where in the cell does it happen?", "What gas does it release?",
-             "Why does that matter for animals?", "How do plants take in water?", "What is transpiration?"]
-KEYS = {"key-x": "tenant-x", "key-y": "tenant-y"}
 FULL_LAYERS = {"gemma3": 1, "gpt-oss": 1, "lfm2": 2}
 
 
@@ -52,29 +53,12 @@ def engines(request: pytest.FixtureRequest) -> Iterator[dict[str, HfEngine]]:
         engine.close()
 
 
-@contextmanager
-def _pods(redis_url: str, engines: dict[str, HfEngine], **overrides: Any) -> Iterator[tuple[TestClient, ...]]:
-    settings = {"engine": "hf", "model": str(tiny_hf_dir(_name(engines))), "redis_url": redis_url, "codec": "exact",
-                "block_tokens": BLOCK, "local_tier_bytes": 0, "fetch_policy": "always", **overrides}
-    with TestClient(create_app(PodSettings(**settings, pod_name="a"), engine=engines["a"])) as a, \
-            TestClient(create_app(PodSettings(**settings, pod_name="b"), engine=engines["b"])) as b:
-        yield a, b
-
-
 def _name(engines: dict[str, HfEngine]) -> str:
     return {"gemma3_text": "gemma3", "gpt_oss": "gpt-oss", "lfm2": "lfm2"}[engines["a"].layout.arch]
 
 
-def _chat(pod: TestClient, engine: HfEngine, messages: list[dict[str, str]], **extra: Any) -> Any:
-    body = {"model": engine.name, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "return_token_ids": True}
-    resp = pod.post("/v1/chat/completions", json=body, headers=extra.get("headers") or {})
-    assert resp.status_code == 200, resp.text
-    return resp
-
-
-def _reply(resp: Any) -> str:
-    return str(resp.json()["choices"][0]["message"]["content"])
+def _kind(engines: dict[str, HfEngine]) -> dict[str, str]:
+    return {"engine": "hf", "model": str(tiny_hf_dir(_name(engines)))}
 
 
 def test_the_layout_is_read_from_the_model_and_named_in_the_fingerprint(engines: dict[str, HfEngine]) -> None:
@@ -115,11 +99,11 @@ def test_a_conversation_alternating_pods_hits_every_later_turn_and_replies_exact
     messages = [SYSTEM]
     known: dict[int, list[int]] = {}
     previous = None
-    with _pods(redis_server.url, engines) as (a, b):
+    with pods(redis_server.url, engines, _kind(engines)) as (a, b):
         for turn, question in enumerate(QUESTIONS):
             messages.append({"role": "user", "content": question})
             pod = (a, b)[turn % 2]
-            resp = _chat(pod, engines["a"], messages)
+            resp = ask(pod, engines["a"], messages)
             prompt = reference.chat_ids(messages, known)
             assert resp.json()["prompt_token_ids"] == prompt and len(prompt) > 4 * WINDOW
             cached = cached_tokens(resp)
@@ -130,12 +114,12 @@ def test_a_conversation_alternating_pods_hits_every_later_turn_and_replies_exact
                 assert resp.headers["x-kv-cache"] in ("hit", "partial")
             # the reference prefills the whole conversation every turn: no cache, no boundary state of its own
             expected = reference.generate(GenRequest(prompt, None, GenParams(max_tokens=MAX_TOKENS)))
-            assert _reply(resp) == expected.text, f"turn {turn}: the cache changed the reply"
+            assert reply_of(resp) == expected.text, f"turn {turn}: the cache changed the reply"
             assert resp.json()["choices"][0]["token_ids"] == expected.token_ids, f"turn {turn}: token for token"
             previous = expected
             if expected.reply_ids is not None:
                 known[len(messages)] = expected.reply_ids
-            messages.append({"role": "assistant", "content": _reply(resp)})
+            messages.append({"role": "assistant", "content": reply_of(resp)})
             wait_written(pod)
     records = [unpack_boundary(v) for v in redis_values(redis_server.url, "bnd").values()]
     # a record at each prompt's end and each sequence's end, each state the same size: the bytes of the sliding /
@@ -147,43 +131,16 @@ def test_a_conversation_alternating_pods_hits_every_later_turn_and_replies_exact
     assert blocks and {read_header(f).layers for f in blocks.values()} == {reference.geometry.num_layers}
 
 
-def _second_turn(engines: dict[str, HfEngine], server: RedisProcess, mutate: Any,
-                 headers: tuple[dict[str, str], dict[str, str]] = ({}, {}), **overrides: Any) -> Any:
-    """Turn 1 on pod a, `mutate(server)`, turn 2 on pod b: its response, checked to reply as a prefill would."""
-    messages = [SYSTEM, {"role": "user", "content": QUESTIONS[0]}]
-    with _pods(server.url, engines, **overrides) as (a, b):
-        first = _chat(a, engines["a"], messages, headers=headers[0])
-        wait_written(a)
-        mutate(server)
-        messages += [{"role": "assistant", "content": _reply(first)}, {"role": "user", "content": QUESTIONS[1]}]
-        second = _chat(b, engines["b"], messages, headers=headers[1])
-    prefilled = engines["reference"].generate(GenRequest(second.json()["prompt_token_ids"], None,
-                                                         GenParams(max_tokens=MAX_TOKENS)))
-    assert _reply(second) == prefilled.text
-    return second
-
-
 def test_the_second_turn_hits_on_the_other_pod(engines: dict[str, HfEngine], redis_server: RedisProcess) -> None:
-    assert cached_tokens(_second_turn(engines, redis_server, lambda _: None)) > 4 * WINDOW
+    assert cached_tokens(second_turn(engines, redis_server, lambda _: None, _kind(engines))) > 4 * WINDOW
 
 
 def test_a_missing_record_is_a_miss(engines: dict[str, HfEngine], redis_server: RedisProcess) -> None:
-    def drop(server: RedisProcess) -> None:
-        client = redis.Redis.from_url(server.url)
-        try:
-            client.delete(*client.scan_iter(match="kvstash:bnd:*"))
-            assert list(client.scan_iter(match="kvstash:blk:*"))  # the blocks are there: alone they are no hit
-        finally:
-            client.close()
-
-    assert cached_tokens(_second_turn(engines, redis_server, drop)) == 0
+    assert cached_tokens(second_turn(engines, redis_server, drop_records, _kind(engines))) == 0
 
 
 def test_a_corrupt_record_is_a_miss(engines: dict[str, HfEngine], redis_server: RedisProcess) -> None:
-    def flip(value: bytes) -> bytes:
-        return value[:-5] + bytes([value[-5] ^ 0x40]) + value[-4:]  # a byte of the state
-
-    assert cached_tokens(_second_turn(engines, redis_server, lambda s: rewrite_values(s.url, "bnd", flip))) == 0
+    assert cached_tokens(second_turn(engines, redis_server, rewriting(flip_state_byte), _kind(engines))) == 0
 
 
 def test_a_record_of_another_layout_or_position_is_a_miss(engines: dict[str, HfEngine],
@@ -197,31 +154,11 @@ def test_a_record_of_another_layout_or_position_is_a_miss(engines: dict[str, HfE
     finally:
         foreign_engine.close()
 
-    def swap(value: bytes) -> bytes:
-        record = unpack_boundary(value)
-        return pack_boundary(BoundaryRecord(record.position, record.token_ids, record.frame, foreign))
-
-    assert cached_tokens(_second_turn(engines, redis_server, lambda s: rewrite_values(s.url, "bnd", swap))) == 0
-
-    # the right layout's state, of a position no record is at: one token before the prompt's end
-    reference = engines["reference"]
-    prompt = reference.chat_ids([SYSTEM, {"role": "user", "content": QUESTIONS[0]}])
-    elsewhere = reference.generate(GenRequest(prompt[:-1], None, GenParams(max_tokens=1))).boundaries[-1]
-    assert elsewhere[0] == len(prompt) - 1
-
-    def moved(value: bytes) -> bytes:
-        record = unpack_boundary(value)
-        assert record.position != elsewhere[0]
-        return pack_boundary(BoundaryRecord(record.position, record.token_ids, record.frame, elsewhere[1]))
-
-    client = redis.Redis.from_url(redis_server.url)
-    client.flushdb()
-    client.close()
-    assert cached_tokens(_second_turn(engines, redis_server, lambda s: rewrite_values(s.url, "bnd", moved))) == 0
+    foreign_states_miss(engines, redis_server, _kind(engines), foreign)
 
 
 def test_another_tenants_records_are_a_miss(engines: dict[str, HfEngine], redis_server: RedisProcess) -> None:
-    second = _second_turn(engines, redis_server, lambda _: None, api_keys=KEYS,
+    second = second_turn(engines, redis_server, lambda _: None, _kind(engines), api_keys=KEYS,
                           headers=({"authorization": "Bearer key-x"}, {"authorization": "Bearer key-y"}))
     assert cached_tokens(second) == 0 and second.headers["x-kv-cache"] == "miss"
 

@@ -20,9 +20,7 @@ from starlette.testclient import TestClient
 
 from cachestore.keys import ENTRY_KINDS
 from ops.redisproc import RedisProcess
-from service.app import create_app
-from service.settings import PodSettings
-from tests.faultkit import wait_written
+from tests.support import make_client, wait_written
 
 EXAMPLES = int(os.environ.get("KVSTASH_API_FUZZ_EXAMPLES", "150"))
 NS = "hostile"
@@ -31,14 +29,10 @@ POSTS = ["/v1/chat/completions", "/v1/completions", "/v1/sessions", "/v1/session
 KEY_PREFIXES = tuple(f"{NS}:{kind}:" for kind in (*ENTRY_KINDS, "idx", "sess"))  # every key shape kvstash writes
 
 
-def pod_settings(redis: RedisProcess, **overrides: Any) -> PodSettings:
-    return PodSettings(model="tiny-random", redis_url=redis.url, namespace=NS, codec="exact", block_tokens=16,
-                       max_tokens_limit=8, default_max_tokens=4, max_body_bytes=64 << 10, **overrides)
-
-
 @pytest.fixture
 def client(redis_server: RedisProcess, tiny_model: Any) -> Iterator[TestClient]:
-    with TestClient(create_app(pod_settings(redis_server), engine=tiny_model), raise_server_exceptions=False) as c:
+    with make_client(redis_server, tiny_model, namespace=NS, max_tokens_limit=8, default_max_tokens=4,
+                     max_body_bytes=64 << 10) as c:
         yield c
 
 

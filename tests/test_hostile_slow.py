@@ -14,13 +14,14 @@ import pytest
 
 from ops.pods import PodProcess
 from ops.redisproc import RedisProcess
+from tests.support import POD_ARGS, post_chat
 
 BODY_TIMEOUT_S = 1.0
 
 
 @pytest.fixture
 def pod(redis_server: RedisProcess) -> Iterator[PodProcess]:
-    proc = PodProcess("pod-slow", redis_server.url, "tiny-random", ("--codec", "exact", "--block-tokens", "16"),
+    proc = PodProcess("pod-slow", redis_server.url, "tiny-random", POD_ARGS,
                       env={"KVSTASH_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S)})
     try:
         yield proc.start().wait_ready(120)
@@ -35,8 +36,8 @@ def _open(pod: PodProcess, head: bytes) -> socket.socket:
 
 
 def _chat(pod: PodProcess) -> httpx.Response:
-    body = {"model": "tiny-random", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
-    return httpx.post(pod.url + "/v1/chat/completions", json=body, timeout=30)
+    """An honest client's short chat."""
+    return post_chat(pod.url, [{"role": "user", "content": "hello"}], max_tokens=4, timeout_s=30)
 
 
 def test_slow_body_gets_408_and_slow_headers_starve_nobody(pod: PodProcess, figures: dict[str, object]) -> None:

@@ -18,7 +18,18 @@ from cachestore.settings import StoreSettings
 from cachestore.signing import TRAILER_SIZE
 from cachestore.store import BlockStore
 from ops.redisproc import RedisProcess
-from tests.faultkit import QUESTIONS, SYSTEM, chat, metric, pod_client, reference_reply, reply_of, wait_written
+from tests.faultkit import (
+    QUESTIONS,
+    SYSTEM,
+    chat,
+    metric,
+    pod_client,
+    reference_reply,
+    reply_of,
+    uncached_pod,
+    wait_written,
+)
+from tests.support import complete
 
 KEYS = {"key-alpha": "alpha", "key-beta": "beta"}
 ALPHA = {"authorization": "Bearer key-alpha"}
@@ -86,7 +97,7 @@ def test_a_hostile_writer_never_changes_a_reply(redis_server: RedisProcess, tiny
     # machine (over the default 0.5 s: a "bypass") from passing for a rejection
     with pod_client(redis_server.url, tiny_model, frame_key="fk-1", api_keys=KEYS, tenant_secret="ts",
                     redis_timeout_s=5.0) as pod, \
-            pod_client(redis_server.url, tiny_model, cache_enabled=False) as plain:
+            uncached_pod(tiny_model) as plain:
         r = redis_server.client()
         chat(pod, X, headers=ALPHA)
         wait_written(pod)
@@ -144,7 +155,7 @@ def test_key_rotation_through_pods(redis_server: RedisProcess, tiny_model: Any, 
             pod_client(url, tiny_model, frame_key="key-B", frame_key_previous="key-A") as rotating, \
             pod_client(url, tiny_model, frame_key="key-B") as new, \
             pod_client(url, tiny_model, frame_key="key-C") as stranger, \
-            pod_client(url, tiny_model, cache_enabled=False) as plain:
+            uncached_pod(tiny_model) as plain:
         one = chat(old, first_turn)
         wait_written(old)
         during = chat(rotating, first_turn)  # reads A's values
@@ -178,13 +189,6 @@ def test_key_rotation_through_pods(redis_server: RedisProcess, tiny_model: Any, 
                        old_and_other_key="miss", replies_identical=7)
 
 
-def _complete(pod: Any, ids: list[int]) -> Any:
-    got = pod.post("/v1/completions", json={"model": "tiny-random", "prompt": ids, "max_tokens": 4,
-                                            "temperature": 0})
-    assert got.status_code == 200, got.text
-    return got.json()
-
-
 def test_a_replayed_older_value_is_used_only_where_it_is_right(redis_server: RedisProcess, tiny_model: Any,
                                                                figures: dict[str, object]) -> None:
     """A MAC cannot tell a replayed older value of the same key (a tail this prefix held before) from the newest:
@@ -192,18 +196,18 @@ def test_a_replayed_older_value_is_used_only_where_it_is_right(redis_server: Red
     first = list(range(100, 140))  # 2 full 16-token blocks and a tail under the second block's hash
     second = first[:36] + [7, 8, 9, 10]  # the same blocks, another tail under the same key
     with pod_client(redis_server.url, tiny_model, frame_key="fk-1") as pod, \
-            pod_client(redis_server.url, tiny_model, cache_enabled=False) as plain:
+            uncached_pod(tiny_model) as plain:
         r = redis_server.client()
-        _complete(pod, first)
+        complete(pod, first, max_tokens=4)
         wait_written(pod)
         [tail_key] = list(r.scan_iter(match="kvstash:tail:*"))
         old_tail = r.get(tail_key)
-        _complete(pod, second + [11])  # the newest tail of this prefix replaces the first one
+        complete(pod, second + [11], max_tokens=4)  # the newest tail of this prefix replaces the first one
         wait_written(pod)
         assert r.get(tail_key) != old_tail
         r.set(tail_key, old_tail, keepttl=True)  # replayed: validly signed, for this very key, but older
-        got = _complete(pod, second)
+        got = complete(pod, second, max_tokens=4)
         assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 36  # as far as the old tail continues it
-        assert got["choices"][0]["text"] == _complete(plain, second)["choices"][0]["text"]
+        assert got["choices"][0]["text"] == complete(plain, second, max_tokens=4)["choices"][0]["text"]
         assert metric(pod, "kvstash_frames_rejected_total", 'reason="mac"') == 0  # not a forgery: nothing rejected
         figures.update(prompt_tokens=len(second), cached_tokens=36, reply_identical=True, rejected_mac=0)

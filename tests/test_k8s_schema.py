@@ -17,8 +17,9 @@ from service.app import create_app
 from service.runtime.metrics import PodMetrics
 from service.settings import PodSettings
 from tests.k8sschema import manifest_errors
+from tests.paths import ROOT
 
-K8S = Path(__file__).resolve().parent.parent / "ops" / "k8s"
+K8S = ROOT / "ops" / "k8s"
 SHAPES = [K8S, K8S / "llama-server"]  # kvstash serve; kvstash sidecar beside llama-server (shares K8S's ConfigMap)
 KVSTASH_IMAGES = ("kvstash:", "kvstash-sidecar:")  # the pod's image (Dockerfile), the sidecar's (ops/sidecar/)
 

@@ -18,10 +18,9 @@ from ops.sidecarproc import SidecarProcess
 from service.engines import GenParams, kvgeom
 from service.engines.generation import GenRequest
 from service.engines.randommodels import converter_missing
-from tests.support import cached_tokens, running, settle
+from tests.support import POD_ARGS, cached_tokens, running, settle
 
 MODEL = "kvgeom-8b"
-POD_ARGS = ("--codec", "exact", "--block-tokens", "16")
 MESSAGES = [{"role": "system", "content": "You are a concise assistant."},
             {"role": "user", "content": "What is a key-value cache?"}]
 SHAPES = {"kvgeom-8b": (32, 8, 128, 128 << 10), "kvgeom-32b": (64, 8, 128, 256 << 10),

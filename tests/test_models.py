@@ -21,53 +21,49 @@ from service.engines.hf.models import LoadedModel, load_model, resolve_model_dir
 from tests.tinymodels import converter_missing, tiny_hf_dir, tiny_model_dir
 
 
-@pytest.fixture(scope="module")
-def tiny() -> LoadedModel:
-    return load_model("tiny-random")
+def test_tiny_random_facts(tiny_model: LoadedModel) -> None:
+    assert tiny_model.name == "tiny-random"
+    assert (tiny_model.num_layers, tiny_model.kv_heads, tiny_model.head_dim, tiny_model.max_context) == (2, 2, 16, 2048)
+    assert tiny_model.dtype == torch.float32 and tiny_model.device == torch.device("cpu")
+    assert not tiny_model.model.training
+    assert tiny_model.tokenizer.chat_template  # the SmolLM2 tokenizer, template included
+    assert tiny_model.model_id.startswith("b2:") and tiny_model.tokenizer_digest.startswith("b2:")
 
 
-def test_tiny_random_facts(tiny: LoadedModel) -> None:
-    assert tiny.name == "tiny-random"
-    assert (tiny.num_layers, tiny.kv_heads, tiny.head_dim, tiny.max_context) == (2, 2, 16, 2048)
-    assert tiny.dtype == torch.float32 and tiny.device == torch.device("cpu")
-    assert not tiny.model.training
-    assert tiny.tokenizer.chat_template  # the SmolLM2 tokenizer, template included
-    assert tiny.model_id.startswith("b2:") and tiny.tokenizer_digest.startswith("b2:")
-
-
-def test_tiny_random_reloads_from_its_cached_copy(tiny: LoadedModel) -> None:
+def test_tiny_random_reloads_from_its_cached_copy(tiny_model: LoadedModel) -> None:
     built = resolve_model_dir("tiny-random")
     assert (built / "model.safetensors").is_file()  # reloads read the saved copy; its speed is a benchmark's
     again = load_model("tiny-random")
-    assert again.model_id == tiny.model_id
-    for a, b in zip(again.model.parameters(), tiny.model.parameters(), strict=True):
+    assert again.model_id == tiny_model.model_id
+    for a, b in zip(again.model.parameters(), tiny_model.model.parameters(), strict=True):
         assert torch.equal(a, b)
 
 
-def test_fingerprint_carries_the_model_identity(tiny: LoadedModel) -> None:
-    fp = tiny.fingerprint(64, "exact+none")
-    assert fp == ModelFingerprint(tiny.model_id, tiny.tokenizer_digest, "float32", 2, 2, 16, 64, "exact+none")
-    assert fp.digest() != tiny.fingerprint(64, "int8+lz4").digest()
-    assert fp.digest() != tiny.fingerprint(32, "exact+none").digest()
+def test_fingerprint_carries_the_model_identity(tiny_model: LoadedModel) -> None:
+    fp = tiny_model.fingerprint(64, "exact+none")
+    model = tiny_model
+    assert fp == ModelFingerprint(model.model_id, model.tokenizer_digest, "float32", 2, 2, 16, 64, "exact+none")
+    assert fp.digest() != tiny_model.fingerprint(64, "int8+lz4").digest()
+    assert fp.digest() != tiny_model.fingerprint(32, "exact+none").digest()
 
 
-def test_independent_builds_are_identical(tiny: LoadedModel, tmp_path: Path) -> None:
+def test_independent_builds_are_identical(tiny_model: LoadedModel, tmp_path: Path) -> None:
     # Pods that build the model on their own machines must agree on its fingerprint.
     other = load_model("tiny-random", cache_dir=tmp_path)
-    assert other.model_id == tiny.model_id
-    assert other.tokenizer_digest == tiny.tokenizer_digest
+    assert other.model_id == tiny_model.model_id
+    assert other.tokenizer_digest == tiny_model.tokenizer_digest
     assert not list(tmp_path.glob(".tiny-random.tmp-*"))  # the temp dir was renamed away
 
 
-def test_local_directory_is_served_by_its_name(tiny: LoadedModel, tmp_path: Path) -> None:
+def test_local_directory_is_served_by_its_name(tiny_model: LoadedModel, tmp_path: Path) -> None:
     src = resolve_model_dir("tiny-random")
     path = tmp_path / "my-model"
     shutil.copytree(src, path)
     (path / modelcache.META_FILE).unlink()  # force a fresh digest
     loaded = load_model(str(path))
     assert loaded.name == "my-model"
-    assert loaded.model_id == tiny.model_id
-    assert json.loads((path / modelcache.META_FILE).read_text())["model_id"] == tiny.model_id
+    assert loaded.model_id == tiny_model.model_id
+    assert json.loads((path / modelcache.META_FILE).read_text())["model_id"] == tiny_model.model_id
 
 
 def test_weights_digest_follows_the_files(tmp_path: Path) -> None:

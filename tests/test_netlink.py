@@ -22,9 +22,9 @@ from ops.cli import main
 from ops.netlink import LinkError, LinkSpec, NetLink, ping_rtt_ms
 from ops.pods import PodProcess
 from ops.redisproc import RedisCluster, RedisProcess
+from tests.paths import ROOT
 from tests.support import POD_ARGS, cached_tokens, running, settle
 
-ROOT = Path(__file__).resolve().parent.parent
 RATE = LinkSpec(0.2)  # 200 Mbit/s: slow enough to time on a busy 2-core machine, fast enough to stay lean
 
 

@@ -13,29 +13,25 @@ import pytest
 
 from ops.pods import NginxProcess, nginx_binary, render_nginx_conf, sticky_directive
 from ops.redisproc import free_port
+from tests.balancers import upstream_block
+from tests.paths import ROOT
 
-NGINX_DIR = Path(__file__).resolve().parent.parent / "ops" / "nginx"
-
-
-def _upstream(text: str) -> str:
-    match = re.search(r"upstream kvstash_pods \{.*?\}", text, re.S)
-    assert match is not None
-    return match.group(0)
+NGINX_DIR = ROOT / "ops" / "nginx"
 
 
 def test_rendered_config_hashes_the_header_consistently(tmp_path: Path) -> None:
     upstreams = ["127.0.0.1:9001", "127.0.0.1:9002"]
-    sticky = _upstream(render_nginx_conf(upstreams, 9000, tmp_path, hash_header="X-Session-Id"))
+    sticky = upstream_block(render_nginx_conf(upstreams, 9000, tmp_path, hash_header="X-Session-Id"))
     assert re.search(r"^\s*hash \$http_x_session_id consistent;$", sticky, re.M), sticky
     assert sticky.count("server 127.0.0.1:900") == 2
-    plain = _upstream(render_nginx_conf(upstreams, 9000, tmp_path))
+    plain = upstream_block(render_nginx_conf(upstreams, 9000, tmp_path))
     assert "hash" not in plain  # round robin unless asked
     with pytest.raises(ValueError):
         sticky_directive("X-Session-Id; include /etc/passwd")  # a header name, nothing else, reaches the config
 
 
 def test_operator_example_is_the_same_directive() -> None:
-    example = _upstream((NGINX_DIR / "sticky-sessions.conf.example").read_text())
+    example = upstream_block((NGINX_DIR / "sticky-sessions.conf.example").read_text())
     assert sticky_directive("X-Session-Id") in example
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,9 +11,7 @@ from pydantic import BaseModel, Field
 from starlette.testclient import TestClient
 
 from ops.redisproc import RedisProcess
-from service.app import create_app
-from service.settings import PodSettings
-from tests.support import chat
+from tests.support import chat, make_client, wait_written
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "ok", "n"],
           "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"},
@@ -31,9 +28,7 @@ class Reply(BaseModel):
 
 @pytest.fixture
 def client(redis_server: RedisProcess, tiny_model: Any) -> Iterator[TestClient]:
-    settings = PodSettings(model="tiny-random", redis_url=redis_server.url, codec="exact", block_tokens=16,
-                           pod_name="pod-params")
-    with TestClient(create_app(settings, engine=tiny_model), raise_server_exceptions=False) as c:
+    with make_client(redis_server, tiny_model, pod_name="pod-params") as c:
         yield c
 
 
@@ -82,11 +77,7 @@ def test_n_top_k_and_penalties(client: TestClient) -> None:
 def test_hit_with_parameters_replies_as_cold(client: TestClient) -> None:
     extra = {"logprobs": True, "top_logprobs": 2, "repetition_penalty": 1.3}
     cold = chat(client, HISTORY, **extra)
-    state = client.app.state.pod  # type: ignore[attr-defined]
-    for _ in range(200):
-        if state.writer.depth == 0:
-            break
-        time.sleep(0.02)
+    wait_written(client)
     hit = chat(client, HISTORY, **extra)
     assert hit.headers["x-kv-cache"] == "hit"
     (got,), (want,) = hit.json()["choices"], cold.json()["choices"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
@@ -13,10 +12,8 @@ from pydantic import BaseModel, Field
 from starlette.testclient import TestClient
 
 from ops.redisproc import RedisProcess
-from service.app import create_app
 from service.engines.llama.llamacpp import LlamaCppEngine
-from service.settings import PodSettings
-from tests.support import chat
+from tests.support import chat, make_client, wait_written
 
 ask = partial(chat, model="smollm2", max_tokens=16)  # this file's model, a short reply unless told
 
@@ -40,9 +37,7 @@ def engine() -> Iterator[LlamaCppEngine]:
 
 @pytest.fixture
 def client(redis_server: RedisProcess, engine: LlamaCppEngine) -> Iterator[TestClient]:
-    settings = PodSettings(engine="llamacpp", model="smollm2", redis_url=redis_server.url, codec="exact",
-                           block_tokens=16, pod_name="pod-llama-params")
-    with TestClient(create_app(settings, engine=engine), raise_server_exceptions=False) as c:
+    with make_client(redis_server, engine, engine="llamacpp", model="smollm2", pod_name="pod-llama-params") as c:
         yield c
 
 
@@ -76,10 +71,7 @@ def test_logprobs_n_top_k_and_penalty(client: TestClient) -> None:
                                         "seed": 1}], ids=["plain", "params"])
 def test_hit_with_parameters_replies_as_cold(client: TestClient, extra: dict[str, Any]) -> None:
     cold = ask(client, HISTORY, **extra)
-    state = client.app.state.pod  # type: ignore[attr-defined]
-    deadline = time.monotonic() + 10
-    while state.writer.depth and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_written(client)
     hit = ask(client, HISTORY, **extra)
     assert hit.headers["x-kv-cache"] == "hit"
     assert hit.json()["choices"][0]["message"] == cold.json()["choices"][0]["message"]

@@ -16,8 +16,9 @@ from ops.pods import PodProcess
 from ops.redisproc import RedisProcess
 from service.runtime.drain import EXIT_CUT_SHORT
 from tests.faultkit import QUESTIONS, SYSTEM
-from tests.leaving import Stream, next_turn, readyz, until
+from tests.leaving import Stream, next_turn, readyz
 from tests.support import POD_ARGS
+from tests.timing import wait_for
 from tests.tornlink import TornLink
 
 BLOCK = 16  # POD_ARGS' block tokens
@@ -29,18 +30,13 @@ LLAMACPP = ("--engine", "llamacpp")
 
 
 @pytest.fixture(scope="module")
-def redis_server(module_redis_server: RedisProcess) -> RedisProcess:
-    return module_redis_server
-
-
-@pytest.fixture(scope="module")
-def reader(redis_server: RedisProcess) -> Iterator[Callable[..., PodProcess]]:
+def reader(module_redis_server: RedisProcess) -> Iterator[Callable[..., PodProcess]]:
     """The pod of an engine that takes the next turns (started once): it reads every block Redis holds."""
     readers: dict[tuple[str, ...], PodProcess] = {}
 
     def get(*engine: str) -> PodProcess:
         if engine not in readers:
-            readers[engine] = PodProcess(f"reader{len(readers)}", redis_server.url, "smollm2",
+            readers[engine] = PodProcess(f"reader{len(readers)}", module_redis_server.url, "smollm2",
                                          (*POD_ARGS, *engine, "--fetch-policy", "always")).start().wait_ready(300)
         return readers[engine]
 
@@ -68,12 +64,12 @@ def start_pod() -> Iterator[Callable[..., PodProcess]]:
             pod.cleanup()
 
 
-def test_sigterm_with_requests_in_flight_drains_and_exits_0(redis_server: RedisProcess,
+def test_sigterm_with_requests_in_flight_drains_and_exits_0(module_redis_server: RedisProcess,
                                                             reader: Callable[..., PodProcess],
                                                             start_pod: Callable[..., PodProcess]) -> None:
     # replies do not wait for their writes: what the requests computed is still queued when they end, and only the
     # drain writes it
-    pod = start_pod("leaving", redis_server.url, *LLAMACPP, "--drain-grace-s", "240", KVSTASH_WRITE_WAIT_S="0")
+    pod = start_pod("leaving", module_redis_server.url, *LLAMACPP, "--drain-grace-s", "240", KVSTASH_WRITE_WAIT_S="0")
     assert pod.proc is not None
     # 64 tokens each: the signal comes at their first, so both are still in flight
     streams = [Stream(pod.url, [SYSTEM, {"role": "user", "content": f"{q} At length, please. ({i})"}], 64).start()
@@ -84,7 +80,8 @@ def test_sigterm_with_requests_in_flight_drains_and_exits_0(redis_server: RedisP
     pod.proc.send_signal(signal.SIGTERM)
     # not ready from the signal on (503 while the listener lasts), then new connections are refused
     seen = []
-    until(lambda: seen.append(readyz(pod.url)) or seen[-1] == "refused", "the listener to close")
+    wait_for(lambda: seen.append(readyz(pod.url)) or seen[-1] == "refused", "the listener to close",
+             timeout_s=120)
     assert 200 not in seen, seen
     with pytest.raises(httpx.ConnectError):
         httpx.post(pod.url + "/v1/chat/completions", json={"model": "smollm2", "messages": []}, timeout=5)
@@ -104,21 +101,21 @@ def test_sigterm_with_requests_in_flight_drains_and_exits_0(redis_server: RedisP
 
 
 @pytest.mark.parametrize("how", ["second-sigterm", "grace"])
-def test_second_sigterm_or_grace_ends_the_drain_at_once(redis_server: RedisProcess, how: str,
+def test_second_sigterm_or_grace_ends_the_drain_at_once(module_redis_server: RedisProcess, how: str,
                                                         start_pod: Callable[..., PodProcess]) -> None:
     # a text completion that goes on counting: long whatever the engine (a chat may end early)
     count = ", ".join(str(i) for i in range(1, 21)) + ","
     # a lame-duck minute for the second signal's pod (the listener stays, not ready); a short grace for the other
     drain = ("--drain-delay-s", "60", "--drain-grace-s", "240") if how == "second-sigterm" else ("--drain-grace-s", "2")
     args = (*LLAMACPP, *drain)
-    pod = start_pod(f"cut-{how}", redis_server.url, *args)
+    pod = start_pod(f"cut-{how}", module_redis_server.url, *args)
     assert pod.proc is not None
     stream = Stream(pod.url, [], 1800, prompt=count).start()
     assert stream.first.wait(240) and stream.error is None, stream.error
     pod.proc.send_signal(signal.SIGTERM)
     if how == "second-sigterm":
-        ready = until(lambda: (r := httpx.get(pod.url + "/readyz", timeout=10)).status_code == 503 and r,
-                      "readiness to turn 503")
+        ready = wait_for(lambda: (r := httpx.get(pod.url + "/readyz", timeout=10)).status_code == 503 and r,
+                         "readiness to turn 503", timeout_s=120)
         assert ready.json()["status"] == "draining" and ready.headers["connection"] == "close"
         served = httpx.get(pod.url + "/metrics", timeout=10)  # still served while the listener lasts
         assert "kvstash_draining 1.0" in served.text and served.headers["connection"] == "close"
@@ -130,26 +127,27 @@ def test_second_sigterm_or_grace_ends_the_drain_at_once(redis_server: RedisProce
     assert "exiting now" in log and ("SIGTERM while draining" if how == "second-sigterm" else "grace") in log
 
 
-def test_sigkill_mid_write_leaves_whole_blocks_and_a_right_next_turn(redis_server: RedisProcess,
+def test_sigkill_mid_write_leaves_whole_blocks_and_a_right_next_turn(module_redis_server: RedisProcess,
                                                                      reader: Callable[..., PodProcess],
                                                                      start_pod: Callable[..., PodProcess]) -> None:
     """The writer's pipeline of block SETs is torn in its third value; the writer is SIGKILLed with it half sent.
     Redis holds the two whole blocks before it and nothing else of that write; another pod takes exactly those two
     as its hit and replies as the killed pod did (exact codec, greedy)."""
-    r = redis_server.client()
+    r = module_redis_server.client()
     before = set(r.scan_iter(match="kvstash:blk:*", count=1000))
     # a system prompt of its own: no block of this conversation is in Redis before the writer's
     messages = [{"role": "system", "content": "You write about the sea, at length and in order. " * 8},
                 {"role": "user", "content": "Tell me about the sea, in one long paragraph."}]
     body = {"model": "smollm2", "messages": messages, "max_tokens": 16, "temperature": 0}
     # the writer waits on the frozen write as long as the test runs (the store's write timeout), never gives up first
-    with TornLink(redis_server.port, big=65536, whole=2) as link:
+    with TornLink(module_redis_server.port, big=65536, whole=2) as link:
         writer = start_pod("torn", link.url + "?write_timeout_s=600")
         resp = httpx.post(writer.url + "/v1/chat/completions", json=body, timeout=240)
         assert resp.status_code == 200, resp.text
         assert link.cut.wait(120), "no block write went through the link"
         writer.kill()
-    new = until(lambda: set(r.scan_iter(match="kvstash:blk:*", count=1000)) - before, "the whole blocks")
+    new = wait_for(lambda: set(r.scan_iter(match="kvstash:blk:*", count=1000)) - before, "the whole blocks",
+                   timeout_s=120)
     assert len(new) == 2, new  # the two before the torn one; none of the rest of that write
     for key in new:
         assert Codec().decode(r.get(key)).shape[3] == BLOCK  # whole: a torn value would not decode

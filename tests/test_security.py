@@ -20,8 +20,9 @@ from ops.pods import PodProcess
 from ops.redisproc import RedisProcess
 from service.settings import PodSettings
 from tests.faultkit import QUESTIONS, SYSTEM, chat, pod_client, reply_of, state_of, wait_written
+from tests.paths import ROOT
+from tests.support import POD_ARGS
 
-ROOT = Path(__file__).resolve().parents[1]
 REDIS_PASSWORD = "rEd1s-Pw-7c1e9b"
 API_KEY_A, API_KEY_B = "sk-alpha-5f3a9e1d", "sk-beta-c0ffee42"
 TENANT_SECRET = "tenant-Secret-91ab"
@@ -144,8 +145,7 @@ def password_redis() -> Iterator[RedisProcess]:
 def test_secrets_never_leave_the_pod(password_redis: RedisProcess, figures: dict[str, object]) -> None:
     url = f"redis://:{REDIS_PASSWORD}@127.0.0.1:{password_redis.port}/0"
     env = {"KVSTASH_API_KEYS": f"{API_KEY_A}:alpha,{API_KEY_B}:beta", "KVSTASH_TENANT_SECRET": TENANT_SECRET}
-    pod = PodProcess("pod-secrets", url, "tiny-random", ("--codec", "exact", "--block-tokens", "16",
-                                                          "--log-level", "info"), env=env)
+    pod = PodProcess("pod-secrets", url, "tiny-random", (*POD_ARGS, "--log-level", "info"), env=env)
     outputs: list[str] = []
     try:
         pod.start().wait_ready(120)
@@ -260,7 +260,7 @@ def test_full_service_over_tls_as_a_limited_acl_user(tls_acl: tuple[RedisProcess
             call()
     user.close()
     # a real `kvstash serve` starts with this URL (its start-up check passes TLS, AUTH and the ACL)
-    pod_proc = PodProcess("pod-tls", url, "tiny-random", ("--codec", "exact", "--block-tokens", "16"))
+    pod_proc = PodProcess("pod-tls", url, "tiny-random", POD_ARGS)
     try:
         pod_proc.start().wait_ready(120)
         resp = httpx.post(pod_proc.url + "/v1/chat/completions", timeout=60, json={

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from functools import partial
 
 import httpx
 import pytest
 
 from ops.pods import PodProcess
 from ops.redisproc import RedisProcess
-from tests.support import settle, tiny_pods
+from tests.support import cached_as_a_later_turn, post_chat, resume_session, settle, tiny_pods
 
 QUESTIONS = ["Tell me a story about a lighthouse keeper.", "What happened next?", "How did it end?",
              "Give it a title."]
@@ -23,9 +23,7 @@ def pods(redis_server: RedisProcess) -> Iterator[dict[str, PodProcess]]:
         yield procs
 
 
-def _chat(url: str, messages: list[dict[str, str]], **extra: Any) -> httpx.Response:
-    body = {"model": "tiny-random", "messages": messages, "max_tokens": 10, "temperature": 0, **extra}
-    return httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+_chat = partial(post_chat, max_tokens=10)
 
 
 def test_turns_alternate_pods_with_hits_and_identical_replies(pods: dict[str, PodProcess]) -> None:
@@ -41,30 +39,16 @@ def test_turns_alternate_pods_with_hits_and_identical_replies(pods: dict[str, Po
         assert plain.headers["x-kv-cache"] == "bypass"
         reply = resp.json()["choices"][0]["message"]["content"]
         assert reply == plain.json()["choices"][0]["message"]["content"], f"turn {turn} differs"
-        usage = resp.json()["usage"]
-        cached = usage["prompt_tokens_details"]["cached_tokens"]
-        if turn == 0:
-            assert cached == 0
-        else:  # everything the other pod processed, up to its last full block
-            assert cached >= (previous_prompt // 16) * 16 > 0
-        previous_prompt = usage["prompt_tokens"]
+        cached_as_a_later_turn(resp, turn, previous_prompt)
+        previous_prompt = resp.json()["usage"]["prompt_tokens"]
         messages.append({"role": "assistant", "content": reply})
         settle(pod.url)
 
 
 def test_session_resumes_on_another_pod_after_the_first_stops(pods: dict[str, PodProcess]) -> None:
     a, b = pods["a"], pods["b"]
-    assert httpx.post(a.url + "/v1/sessions", json={"session_id": "resume-1", "messages": [SYSTEM]}).status_code == 201
-    first = httpx.post(a.url + "/v1/sessions/resume-1/messages", json={"content": QUESTIONS[0], "max_tokens": 10},
-                       timeout=60)
-    assert first.status_code == 200
-    a.stop()  # graceful: drains its write queue before exiting
-    second = httpx.post(b.url + "/v1/sessions/resume-1/messages", json={"content": QUESTIONS[1], "max_tokens": 10},
-                        timeout=60)
-    assert second.status_code == 200, second.text
-    assert second.headers["x-kv-cache"] == "hit"
-    cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert cached >= first.json()["usage"]["prompt_tokens"]
+    # a.stop() is graceful: it drains its write queue before exiting
+    resume_session(a.url, b.url, "resume-1", [SYSTEM], QUESTIONS, max_tokens=10, timeout_s=60, between=a.stop)
     session = httpx.get(b.url + "/v1/sessions/resume-1").json()
     messages = session["messages"]
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant"]

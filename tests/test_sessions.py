@@ -6,7 +6,6 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
@@ -15,17 +14,16 @@ from cachestore.sessions import SessionRecord
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
 from ops.redisproc import RedisProcess
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.paths import ROOT
+from tests.storekit import namespace_for, scratch_store
 
 
 @pytest.fixture
 async def store(shared_kv_server: RedisProcess, request: pytest.FixtureRequest) -> AsyncIterator[BlockStore]:
-    ns = "sess-" + request.node.name[:40].replace("[", "-").replace("]", "")  # one per test and server flavor
-    s = BlockStore(StoreSettings.from_url(shared_kv_server.url, namespace=ns))
-    yield s
-    await s.clear_namespace()
-    await s.close()
+    # one namespace per test and server flavor
+    async with scratch_store(StoreSettings.from_url(shared_kv_server.url,
+                                                    namespace=namespace_for(request, "sess-"))) as s:
+        yield s
 
 
 def record(session_id: str = "s1", tenant: str = "acme") -> SessionRecord:

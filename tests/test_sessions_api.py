@@ -11,9 +11,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from ops.redisproc import RedisProcess
-from service.app import create_app
-from service.settings import PodSettings
-from tests.support import wait_written
+from tests.support import make_client, wait_written
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant with tools. " * 6}
 WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
@@ -23,9 +21,7 @@ WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
 
 @pytest.fixture
 def client(redis_server: RedisProcess, tiny_model: Any) -> Iterator[TestClient]:
-    settings = PodSettings(model="tiny-random", redis_url=redis_server.url, codec="exact", block_tokens=16,
-                           pod_name="pod-sessions")
-    with TestClient(create_app(settings, engine=tiny_model), raise_server_exceptions=False) as c:
+    with make_client(redis_server, tiny_model, pod_name="pod-sessions") as c:
         yield c
 
 

@@ -12,6 +12,7 @@ import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,8 @@ from service.engines.llama.llamaserverproc import LlamaServerProcess, wait_healt
 from service.engines.llama.models import resolve_gguf
 from service.settings import PodSettings
 from tests.lentpod import rows_pod
-from tests.support import running, settle
+from tests.paths import ROOT
+from tests.support import cached_as_a_later_turn, cached_tokens, post_chat, resume_session, running, settle
 
 ARGS = ("--codec", "exact", "--block-tokens", "16", "--ctx-per-slot", "4096")
 SYSTEM = {"role": "system", "content": "You are a concise science tutor. Answer in two or three sentences."}
@@ -305,7 +307,6 @@ def test_an_upstream_restarted_underneath_is_noticed_and_costs_one_miss(tmp_path
 
 
 # -- sidecar processes ----------------------------------------------------------------------------------------------
-ROOT = Path(__file__).resolve().parent.parent
 IDLE_RSS_LIMIT = 150 << 20  # a sidecar's own memory, idle (its llama-server's is the model's)
 
 
@@ -358,9 +359,7 @@ def test_a_killed_sidecar_takes_its_llama_server_with_it() -> None:
         redis.cleanup()
 
 
-def _chat(url: str, messages: list[dict[str, str]], **extra: Any) -> httpx.Response:
-    body = {"model": "smollm2", "messages": messages, "max_tokens": 32, "temperature": 0, **extra}
-    return httpx.post(url + "/v1/chat/completions", json=body, timeout=180)
+_chat = partial(post_chat, model="smollm2", max_tokens=32, timeout_s=180)
 
 
 def test_turns_alternate_sidecars_with_hits_and_only_new_tokens_processed(
@@ -379,16 +378,11 @@ def test_turns_alternate_sidecars_with_hits_and_only_new_tokens_processed(
         assert resp.status_code == 200 and plain.status_code == 200, resp.text
         reply = resp.json()["choices"][0]["message"]["content"]
         usage = resp.json()["usage"]
-        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        cached = cached_as_a_later_turn(resp, turn, previous_prompt)
         prompt = engine.chat_ids(messages)
         assert usage["prompt_tokens"] == len(prompt)
         processed = pod.prompt_evals()[-1]  # llama-server's own count, from its log
         assert processed == len(prompt) - cached
-        if turn == 0:
-            assert cached == 0 and resp.headers["x-kv-cache"] == "miss"
-        else:  # everything the other pod processed, up to its last full block
-            assert cached >= (previous_prompt // 16) * 16 > 0, (turn, cached, previous_prompt)
-            assert resp.headers["x-kv-cache"] in ("hit", "partial")
         engine.forget()
         kept = previous_kv[:, :, :, :cached] if cached else None
         expected = engine.generate(GenRequest(prompt, kept, GenParams(max_tokens=32)))
@@ -421,18 +415,9 @@ def test_streamed_reply_equals_the_whole_one(pods: dict[str, SidecarProcess]) ->
 
 def test_session_resumes_on_the_other_sidecar(pods: dict[str, SidecarProcess]) -> None:
     a, b = pods["a"], pods["b"]
-    assert httpx.post(a.url + "/v1/sessions", json={"session_id": "ls-1", "messages": [SYSTEM]}).status_code == 201
-    first = httpx.post(a.url + "/v1/sessions/ls-1/messages", json={"content": QUESTIONS[0], "max_tokens": 24},
-                       timeout=180)
-    assert first.status_code == 200, first.text
-    settle(a.url)
-    second = httpx.post(b.url + "/v1/sessions/ls-1/messages", json={"content": QUESTIONS[1], "max_tokens": 24},
-                        timeout=180)
-    assert second.status_code == 200, second.text
-    assert second.headers["x-kv-cache"] == "hit"
-    cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert cached >= first.json()["usage"]["prompt_tokens"]
-    assert b.prompt_evals()[-1] == second.json()["usage"]["prompt_tokens"] - cached
+    _, second = resume_session(a.url, b.url, "ls-1", [SYSTEM], QUESTIONS, max_tokens=24, timeout_s=180,
+                               between=lambda: settle(a.url))
+    assert b.prompt_evals()[-1] == second.json()["usage"]["prompt_tokens"] - cached_tokens(second)
 
 
 def test_metrics_count_restores_and_no_unused_restore(pods: dict[str, SidecarProcess]) -> None:

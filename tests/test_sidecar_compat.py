@@ -6,7 +6,6 @@ hits on every later turn and replies as one llama-server that kept the conversat
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from service.engines.llama.llamaserver import LlamaServerEngine
 from service.engines.llama.llamaserverproc import LlamaServerProcess
 from service.engines.llama.models import resolve_gguf
 from service.settings import PodSettings
+from tests.paths import ROOT
 from tests.replies import reply
 from tests.support import running, settle
 
@@ -113,10 +113,7 @@ def _fresh(direct: LlamaServerProcess, side: tuple[TestClient, LlamaServerEngine
     client, engine = side
     for slot in range(2):
         assert httpx.post(f"{direct.url}/slots/{slot}?action=erase", json={}).status_code == 200
-    deadline = time.monotonic() + 20
-    while client.get("/readyz").json()["write_queue"]:
-        assert time.monotonic() < deadline, "the write queue did not drain"
-        time.sleep(0.05)
+    settle(client)
     engine.forget()
     redis.client().flushdb()
 
@@ -355,7 +352,7 @@ def test_a_session_agent_with_tool_calls_alternating_two_sidecars_hits(
 
 
 # -- a template that renders tools: llama-server parses the calls, the sidecar passes them through ---------------------
-TOOLS_TEMPLATE = Path(__file__).resolve().parents[1] / "ops" / "llamaserver" / "chatml-tools.jinja"
+TOOLS_TEMPLATE = ROOT / "ops" / "llamaserver" / "chatml-tools.jinja"
 
 
 @pytest.fixture(scope="module")
@@ -411,10 +408,7 @@ def test_a_tool_call_agent_through_two_sidecars_with_the_openai_client(
             assert cached >= int(raw.headers["x-kv-cached-tokens"])
         previous = done.usage.prompt_tokens
         client, _ = tooled[turn % 2]
-        deadline = time.monotonic() + 20
-        while client.get("/readyz").json()["write_queue"]:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        settle(client)
     assert all(engine.stats.reuse_misses == 0 for _, engine in tooled)
     assert sum(engine.stats.restores for _, engine in tooled) >= 3
 
@@ -458,10 +452,7 @@ def test_lora_adapters_never_share_cache_entries(redis: RedisProcess, loras: tup
                     assert r.status_code == 200, r.text
                     assert r.headers["x-kv-cache"] == attempt, (name, attempt)
                     assert r.json()["choices"][0]["message"] == expected, (name, attempt)
-                    deadline = time.monotonic() + 20
-                    while client.get("/readyz").json()["write_queue"]:
-                        assert time.monotonic() < deadline
-                        time.sleep(0.05)
+                    settle(client)
                 replies[name] = expected
                 assert r.json()["timings"]["cache_n"] >= int(r.headers["x-kv-cached-tokens"]) > 0  # reused
             assert replies["a"] != replies["none"] and replies["b"] != replies["none"]  # the adapters change the KV

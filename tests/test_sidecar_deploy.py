@@ -3,7 +3,6 @@ the sidecar's command line is one `kvstash sidecar` accepts."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,8 +11,8 @@ import yaml
 from cachestore.errors import ConfigError
 from ops.cli import build_parser
 from ops.sidecar_cmd import start_engine
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "ops" / "k8s" / "llama-server"
 
 

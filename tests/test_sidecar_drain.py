@@ -15,8 +15,9 @@ from ops.llamaserver_build import binary_path
 from ops.redisproc import RedisProcess
 from ops.sidecarproc import SidecarProcess
 from tests.faultkit import QUESTIONS
-from tests.leaving import Stream, next_turn, readyz, until
+from tests.leaving import Stream, next_turn, readyz
 from tests.support import running
+from tests.timing import wait_for
 
 pytestmark = pytest.mark.skipif(binary_path() is None, reason="no llama-server built: run `make setup`")
 BLOCK = 16
@@ -68,7 +69,8 @@ def test_sidecar_drains_then_stops_its_llama_server(sidecars: dict[str, SidecarP
     unfinished = sum(not s.done for s in streams)
     os.killpg(side.proc.pid, signal.SIGTERM)  # as a terminal's Ctrl-C or a container stop reaches the group
     seen: list[int | str] = []
-    until(lambda: seen.append(readyz(side.url)) or seen[-1] == "refused", "the listener to close")
+    wait_for(lambda: seen.append(readyz(side.url)) or seen[-1] == "refused", "the listener to close",
+             timeout_s=120)
     assert 200 not in seen, seen
     for s in streams:
         s.join(240)

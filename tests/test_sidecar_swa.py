@@ -8,7 +8,6 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -22,7 +21,7 @@ from service.engines.llama.llamaserver import LlamaServerEngine
 from service.engines.llama.llamaserverproc import LlamaServerProcess
 from service.settings import PodSettings
 from tests.faultkit import wait_written
-from tests.support import sidecar_servers
+from tests.support import server_completion, sidecar_servers
 from tests.tinymodels import converter_missing, tiny_gguf
 
 pytestmark = [pytest.mark.skipif(binary_path() is None, reason="no llama-server built: run `make llama-server`"),
@@ -43,14 +42,6 @@ def servers(request: pytest.FixtureRequest,
         yield servers
 
 
-def _complete(post: Any, prompt: list[int]) -> dict[str, Any]:
-    body = {"prompt": prompt, "n_predict": 8, "temperature": 0, "cache_prompt": True, "return_tokens": True}
-    resp = post("/completion", json=body)
-    assert resp.status_code == 200, resp.text
-    out: dict[str, Any] = resp.json()
-    return out
-
-
 def test_turns_alternating_two_sidecars_are_reused_by_llama_server_and_exact(
         servers: tuple[LlamaServerEngine, LlamaServerEngine, str], redis_server: RedisProcess) -> None:
     a, b, reference = servers
@@ -65,7 +56,7 @@ def test_turns_alternating_two_sidecars_are_reused_by_llama_server_and_exact(
             previous = 0
             for turn, ask in enumerate(ASKS):
                 side = (side_a, side_b)[turn % 2]
-                got, expected = _complete(side.post, prompt), _complete(ref.post, prompt)
+                got, expected = (server_completion(x.post, prompt, return_tokens=True) for x in (side, ref))
                 assert got["content"] == expected["content"], f"turn {turn}: the cache changed the reply"
                 timings = got["timings"]
                 if turn:  # the other sidecar's turn, restored into this llama-server's slot and reused by it

@@ -12,13 +12,23 @@ from cachestore.errors import ConfigError
 from ops.redisproc import RedisProcess
 from service.app import shared_redis
 from service.settings import settings_from_env
-from tests.faultkit import QUESTIONS, SYSTEM, chat, metric, pod_client, reference_reply, reply_of, wait_written
+from tests.faultkit import (
+    QUESTIONS,
+    SYSTEM,
+    chat,
+    metric,
+    pod_client,
+    reference_reply,
+    reply_of,
+    uncached_pod,
+    wait_written,
+)
 
 
 def test_signed_hit_and_moved_value(redis_server: RedisProcess, tiny_model: Any, figures: dict[str, object]) -> None:
     messages = [SYSTEM, {"role": "user", "content": QUESTIONS[0]}]
     with pod_client(redis_server.url, tiny_model, frame_key="fk-1") as pod, \
-            pod_client(redis_server.url, tiny_model, cache_enabled=False) as plain:
+            uncached_pod(tiny_model) as plain:
         first = chat(pod, messages)
         wait_written(pod)
         hit = chat(pod, messages)

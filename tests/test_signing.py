@@ -24,6 +24,7 @@ from cachestore.store.reads import Sealed
 from cachestore.wire import Scatter
 from cachestore.wire import native as native_wire
 from ops.redisproc import RedisProcess
+from tests.storekit import namespace_for, scratch_store
 
 FP = ModelFingerprint("smollm2-135m", "tok1", "float32", 30, 3, 64, 16, "int8+none")
 MODEL = FP.short()
@@ -34,17 +35,18 @@ def hashes_for(salt: bytes, n: int = 6) -> list[BlockHash]:
     return chain_hashes(list(range(16 * n)), 16, root_hash(FP, salt))
 
 
+def settings(url: str, ns: str, key: str = KEY, previous: str = "") -> StoreSettings:
+    return StoreSettings.from_url(url, namespace=ns, index_shards=4, frame_key=key, frame_key_previous=previous)
+
+
 def make(url: str, ns: str, key: str = KEY, previous: str = "") -> BlockStore:
-    return BlockStore(StoreSettings.from_url(url, namespace=ns, index_shards=4, frame_key=key,
-                                             frame_key_previous=previous))
+    return BlockStore(settings(url, ns, key, previous))
 
 
 @pytest.fixture
 async def store(shared_redis_server: RedisProcess, request: pytest.FixtureRequest) -> AsyncIterator[BlockStore]:
-    s = make(shared_redis_server.url, "sg-" + request.node.name[:40])
-    yield s
-    await s.clear_namespace()
-    await s.close()
+    async with scratch_store(settings(shared_redis_server.url, namespace_for(request, "sg-"))) as s:
+        yield s
 
 
 NONCE = bytes(range(12))

@@ -17,6 +17,7 @@ from service.engines.llama.llamaserverproc import LlamaServerProcess
 from service.engines.llama.llamastate import StateGeometry
 from service.engines.llama.models import resolve_gguf
 from service.engines.llama.slotfile import SlotFileError
+from tests.support import server_completion
 
 GEO = StateGeometry(num_layers=2, kv_heads=2, head_dim=3, v_trans=False)
 TOKENS = [1, 502, 77, 9]
@@ -118,13 +119,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServerProc
         proc.stop()
 
 
-def _complete(url: str, prompt: list[int], n: int = 8) -> dict[str, object]:
-    body = {"prompt": prompt, "n_predict": n, "id_slot": 0, "cache_prompt": True, "temperature": 0.0}
-    r = httpx.post(url + "/completion", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    return dict(r.json())
-
-
 def _tokens(url: str, text: str) -> list[int]:
     r = httpx.post(url + "/tokenize", json={"content": text, "add_special": False, "parse_special": False})
     return [int(t) for t in r.json()["tokens"]]
@@ -134,8 +128,9 @@ def test_llama_servers_own_file_round_trips_and_restores(server: LlamaServerProc
     """A file llama-server saved parses, re-assembles to the same bytes; a prefix of it, written by kvstash,
     restores and llama-server then processes only the tokens after it."""
     url, slot_dir = server.url, Path(server.args[server.args.index("--slot-save-path") + 1])
+    llama = httpx.Client(base_url=url, timeout=120)
     prompt = _tokens(url, "The quick brown fox jumps over the lazy dog. " * 6)
-    first = _complete(url, prompt)
+    first = server_completion(llama.post, prompt, id_slot=0)
     assert httpx.post(url + "/slots/0?action=save", json={"filename": "own.bin"}).status_code == 200
     data = (slot_dir / "own.bin").read_bytes()
     facts = slotfile.facts(data)
@@ -149,7 +144,8 @@ def test_llama_servers_own_file_round_trips_and_restores(server: LlamaServerProc
     assert httpx.post(url + "/slots/0?action=erase").status_code == 200
     r = httpx.post(url + "/slots/0?action=restore", json={"filename": "prefix.bin"})
     assert r.status_code == 200 and r.json()["n_restored"] == keep, r.text
-    again = _complete(url, prompt)
+    again = server_completion(llama.post, prompt, id_slot=0)
     timings = again["timings"]
     assert isinstance(timings, dict) and (timings["cache_n"], timings["prompt_n"]) == (keep, 5)
     assert again["content"] == first["content"]
+    llama.close()

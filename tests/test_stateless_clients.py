@@ -12,8 +12,8 @@ import pytest
 
 from ops.pods import PodProcess
 from ops.redisproc import RedisProcess
+from tests.support import POD_ARGS
 
-ARGS = ("--codec", "exact", "--block-tokens", "16")
 TURNS = ["Tell me a story about a lighthouse.", "What happened next?", "Who else was there?", "Describe the sea.",
          "Was there a storm?", "How did it end?", "Give it a title.", "Summarise it.", "Who would like it?",
          "Thank you."]
@@ -22,8 +22,8 @@ TURNS = ["Tell me a story about a lighthouse.", "What happened next?", "Who else
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[dict[str, Any]]:
     redis = RedisProcess().start()
-    pods = [PodProcess(f"pod-{c}", redis.url, "tiny-random", ARGS) for c in "abc"]
-    plain = PodProcess("pod-plain", redis.url, "tiny-random", ARGS, no_cache=True)
+    pods = [PodProcess(f"pod-{c}", redis.url, "tiny-random", POD_ARGS) for c in "abc"]
+    plain = PodProcess("pod-plain", redis.url, "tiny-random", POD_ARGS, no_cache=True)
     try:
         for p in [*pods, plain]:
             p.start()

@@ -16,6 +16,7 @@ from cachestore.outcome import Outcome
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
 from ops.redisproc import RedisProcess
+from tests.storekit import namespace_for, scratch_store
 
 FP = ModelFingerprint("smollm2-135m", "tok1", "float32", 30, 3, 64, 16, "int8+lz4/g64")
 FP_OTHER = ModelFingerprint("smollm2-135m", "tok1", "float32", 30, 3, 64, 16, "int4+lz4/g64")
@@ -31,11 +32,9 @@ def frames_for(n: int, size: int = 1000) -> list[bytes]:
 
 @pytest.fixture
 async def store(shared_kv_server: RedisProcess, request: pytest.FixtureRequest) -> AsyncIterator[BlockStore]:
-    ns = "t-" + request.node.name[:40].replace("[", "-").replace("]", "")
-    s = BlockStore(StoreSettings.from_url(shared_kv_server.url, namespace=ns, index_shards=4))
-    yield s
-    await s.clear_namespace()
-    await s.close()
+    settings = StoreSettings.from_url(shared_kv_server.url, namespace=namespace_for(request, "t-"), index_shards=4)
+    async with scratch_store(settings) as s:
+        yield s
 
 
 async def test_full_partial_and_miss(store: BlockStore) -> None:

@@ -69,20 +69,14 @@ async def test_sentinel_credentials_come_from_the_query() -> None:
         guarded.cleanup()
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model: Any) -> Iterator[TestClient]:
-    with pod_client("redis://127.0.0.1:1/0", tiny_model, cache_enabled=False, pod_name="plain") as c:
-        yield c
-
-
 def test_primary_killed_replica_promoted_pod_answers_then_hits(sentinel: RedisSentinel, tiny_model: Any,
-                                                               reference: TestClient,
+                                                               plain_pod: TestClient,
                                                                figures: dict[str, object]) -> None:
     expected: dict[str, str] = {}
 
     def correct(messages: list[dict[str, str]], reply: str) -> bool:
         key = repr(messages)
-        expected.setdefault(key, reply_of(chat(reference, messages)))
+        expected.setdefault(key, reply_of(chat(plain_pod, messages)))
         return reply == expected[key]
 
     sent = ok = 0

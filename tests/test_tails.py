@@ -14,9 +14,8 @@ from cachestore.hashing import BlockHash
 from cachestore.tails import pack_ids, pack_tail, reply_digest, unpack_ids, unpack_tail
 from ops.redisproc import RedisProcess
 from tests.faultkit import metric
-from tests.support import chat, make_client, wait_written
-
-HISTORY = [{"role": "system", "content": "You answer briefly. " * 3}, {"role": "user", "content": "Hello there!"}]
+from tests.support import SHORT_HISTORY as HISTORY
+from tests.support import chat, complete, computed_tokens, make_client, wait_written
 
 
 def test_values_round_trip_and_reject_what_they_did_not_write() -> None:
@@ -51,7 +50,7 @@ def test_a_stateless_next_turn_hits_prompt_and_reply(kv_server: RedisProcess, ti
         reply = first["choices"][0]["message"]["content"]
         follow = [*HISTORY, {"role": "assistant", "content": reply}, {"role": "user", "content": "And?"}]
         second = chat(c, follow, return_token_ids=True).json()
-        computed = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"] - 1
+        computed = computed_tokens(first)
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == computed
         fed = first["prompt_token_ids"] + first["choices"][0]["token_ids"][:-1]
         assert second["prompt_token_ids"][:computed] == fed
@@ -90,7 +89,7 @@ def test_tenants_never_share_tails_or_reply_ids(redis_server: RedisProcess, tiny
         b = chat(c, follow, headers={"authorization": "Bearer key-b"}).json()
         assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         again = chat(c, follow, headers={"authorization": "Bearer key-a"}).json()
-        computed = a["usage"]["prompt_tokens"] + a["usage"]["completion_tokens"] - 1
+        computed = computed_tokens(a)
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == computed
 
 
@@ -137,29 +136,22 @@ def test_a_reply_ends_only_once_its_writes_are_in_redis(redis_server: RedisProce
         assert tails and ids, "the reply ended before its tail and reply ids were in Redis"
 
 
-def _complete(c: Any, ids: list[int]) -> Any:
-    body = {"model": "tiny-random", "prompt": ids, "max_tokens": 1, "temperature": 0}
-    got = c.post("/v1/completions", json=body)
-    assert got.status_code == 200, got.text
-    return got.json()
-
-
 def test_a_tail_is_reused_as_far_as_the_prompt_continues_it(redis_server: RedisProcess, tiny_model: Any) -> None:
     """The same prompt again reuses every token its last request computed (the tail holds one past the prompt's
     usable end); a prompt that departs inside the tail reuses the tail up to the departure."""
     prompt = list(range(100, 140))  # 40 ids, 16-token blocks: 2 full blocks, a tail of 8 (39 usable)
     with make_client(redis_server, tiny_model) as c:
-        assert _complete(c, prompt)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert complete(c, prompt)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         wait_written(c)
-        again = _complete(c, prompt)
+        again = complete(c, prompt)
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 39  # was 32: whole blocks only
         edited = prompt[:36] + [7, 8, 9, 10]
-        reused = _complete(c, edited)
+        reused = complete(c, edited)
         assert reused["usage"]["prompt_tokens_details"]["cached_tokens"] == 36
         apart = prompt[:32] + [1, 2, 3, 4, 5, 6, 7, 8]  # departs at the tail's first token: whole blocks only
-        assert _complete(c, apart)["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+        assert complete(c, apart)["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
         assert metric(c, "kvstash_tail_lookups_total", 'result="used"') == 2
         assert metric(c, "kvstash_tail_lookups_total", 'result="mismatch"') == 1
     with make_client(redis_server, tiny_model, cache_enabled=False) as plain:  # the same reply as recomputing
-        assert _complete(plain, edited)["choices"][0]["text"] == reused["choices"][0]["text"]
-        assert _complete(plain, prompt)["choices"][0]["text"] == again["choices"][0]["text"]
+        assert complete(plain, edited)["choices"][0]["text"] == reused["choices"][0]["text"]
+        assert complete(plain, prompt)["choices"][0]["text"] == again["choices"][0]["text"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 from collections.abc import Sequence
 
 import pytest
@@ -16,12 +15,9 @@ from cachestore.hashing import BlockHash
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
 from ops.redisproc import RedisCluster, RedisProcess
+from tests.storekit import block_hash as h
 
 MODEL = "0123456789abcdef"
-
-
-def h(i: int, salt: int = 0) -> BlockHash:
-    return BlockHash(random.Random(i * 7919 + salt).randbytes(16))
 
 
 def present(client: redis.Redis | redis.RedisCluster, store: BlockStore, hashes: Sequence[BlockHash]) -> list[bool]:
