@@ -156,7 +156,7 @@ class _FakePod(BaseHTTPRequestHandler):
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
             for i, pause in enumerate((0.0, 1.0)):
-                time.sleep(pause)
+                time.sleep(pause)  # the wait is the test: events a second apart, as a pod streams them
                 chunk = f"data: {name} {i}\n\n".encode()
                 self.wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
                 self.wfile.flush()

@@ -64,7 +64,7 @@ async def test_async_and_blocking_failures_open_one_breaker() -> None:
 async def test_a_timeout_is_a_failure_and_counted_as_one() -> None:
     counters = Counters()
     guard = Guard(CircuitBreaker(failures=5, reset_s=60.0), counters)
-    assert await guard.run(lambda: asyncio.sleep(1.0), 0.01) is FAILED
+    assert await guard.run(lambda: asyncio.sleep(1.0), 0.01) is FAILED  # the wait is the test: a call past its budget
     assert counters.values["timeouts"] == 1 and counters.values["errors"] == 1
 
 

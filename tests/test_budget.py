@@ -14,6 +14,7 @@ from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
 from ops.redisproc import FLAVORS, RedisProcess
 from tests.storekit import block_hash as h
+from tests.timing import wait_for_async
 
 MODEL = "0123456789abcdef"
 
@@ -104,8 +105,8 @@ async def test_count_recovers_when_redis_drops_keys_itself(kv_server: RedisProce
         client.delete(*keys[:3])  # as maxmemory eviction would
         for k in keys[3:5]:
             client.pexpire(k, 1)  # as a TTL would
-        while client.exists(*keys[3:5]):  # until both expired (EXISTS drops a key past its TTL)
-            await asyncio.sleep(0.001)
+        # EXISTS drops a key past its TTL
+        await wait_for_async(lambda: not client.exists(*keys[3:5]), "both keys to expire", 5, poll_s=0.001)
         assert (await store.usage()).bytes_held == 9000  # stale until noticed
         assert (await store.fetch(MODEL, [h(0)])).value == []  # a lookup cleans what it misses
         assert (await store.usage()).bytes_held == 8000

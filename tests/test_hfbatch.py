@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -18,6 +17,7 @@ from service.engines.hf.batch import PREFILL_CHUNK
 from service.engines.hf.engine import HfEngine
 from service.runtime import threads
 from service.settings import PodSettings
+from tests.timing import wait_for
 
 GREEDY = GenParams(max_tokens=20)
 QUESTIONS = ["Name three rivers of Europe.", "What is the capital of Peru, and why is it there?",
@@ -35,10 +35,7 @@ def _prompt(engine: HfEngine, question: str) -> list[int]:
 
 def _all_waiting(engine: HfEngine, n: int) -> None:
     """Until `n` generations wait for the scheduler (held off the compute thread meanwhile by the caller)."""
-    deadline = time.monotonic() + 30
-    while engine.batcher.waiting() < n:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_for(lambda: engine.batcher.waiting() >= n, f"{n} generations waiting for the scheduler", 30)
 
 
 def test_concurrent_requests_decode_in_shared_steps_with_the_greedy_tokens_of_one_at_a_time(engine: HfEngine) -> None:

@@ -66,7 +66,7 @@ def test_slow_body_gets_408_and_slow_headers_starve_nobody(pod: PodProcess, figu
                 pass
             except OSError:
                 break
-            time.sleep(0.05)
+            time.sleep(0.05)  # the wait is the test: a body dripped a byte at a time
         replies.append(data)
     elapsed = time.monotonic() - t0
     for data in replies:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -67,11 +68,13 @@ def test_local_directory_is_served_by_its_name(tiny_model: LoadedModel, tmp_path
 
 
 def test_weights_digest_follows_the_files(tmp_path: Path) -> None:
-    (tmp_path / "model.safetensors").write_bytes(b"a" * 100)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"a" * 100)
+    written_ns = weights.stat().st_mtime_ns
     first = modelcache.weights_digest(tmp_path)
     assert modelcache.weights_digest(tmp_path) == first  # cached
-    time.sleep(0.01)
-    (tmp_path / "model.safetensors").write_bytes(b"b" * 100)
+    weights.write_bytes(b"b" * 100)
+    os.utime(weights, ns=(written_ns, written_ns + 10**9))  # a later write, whatever the clock's resolution
     assert modelcache.weights_digest(tmp_path) != first
 
 
@@ -93,7 +96,7 @@ def test_concurrent_builds_run_once(tmp_path: Path) -> None:
 
     def build(out: Path) -> None:
         calls.append(1)
-        time.sleep(0.3)
+        time.sleep(0.3)  # the wait is the test: a build slow enough that the other callers arrive while it runs
         (out / "model.safetensors").write_bytes(b"weights")
 
     results: list[Path] = []

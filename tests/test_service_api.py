@@ -12,6 +12,7 @@ from starlette.testclient import TestClient
 
 from ops.redisproc import RedisProcess
 from tests.support import HISTORY, chat, make_client, wait_written
+from tests.timing import wait_for
 
 
 @pytest.fixture
@@ -227,10 +228,9 @@ def test_every_pod_exports_the_namespace_bytes_budget_and_entries(redis_server: 
         wait_written(c)
         store = c.app.state.pod.store  # type: ignore[attr-defined]
         held = c.portal.call(store.usage)  # type: ignore[attr-defined]
-        deadline = time.monotonic() + 10  # the next sample (every 0.1 s) sees what the store holds now
-        while gauge("kvstash_cache_bytes_held") != held.bytes_held and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert gauge("kvstash_cache_bytes_held") == held.bytes_held > 0
+        # the next sample (every 0.1 s) sees what the store holds now
+        wait_for(lambda: gauge("kvstash_cache_bytes_held") == held.bytes_held, "a sample of the bytes held", 10)
+        assert held.bytes_held > 0
         assert gauge("kvstash_cache_entries") == held.blocks > 0
         assert gauge("kvstash_cache_budget_bytes") == 3 << 30
         assert gauge("kvstash_cache_dead_bytes") == c.portal.call(store.dead).bytes == 0  # type: ignore[attr-defined]

@@ -9,7 +9,6 @@ import errno
 import json
 import os
 import signal
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -38,6 +37,7 @@ from service.settings import PodSettings
 from tests.lentpod import rows_pod
 from tests.paths import ROOT
 from tests.support import cached_as_a_later_turn, cached_tokens, post_chat, resume_session, running, settle
+from tests.timing import wait_for
 
 ARGS = ("--codec", "exact", "--block-tokens", "16", "--ctx-per-slot", "4096")
 SYSTEM = {"role": "system", "content": "You are a concise science tutor. Answer in two or three sentences."}
@@ -223,10 +223,8 @@ def test_a_killed_llama_server_is_restarted_and_costs_a_miss(engine: LlamaServer
     assert engine.process is not None and engine.process.pid is not None
     restarts = engine.process.restarts
     os.kill(engine.process.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 120
-    while engine.process.restarts == restarts or not _healthy(engine.url):
-        assert time.monotonic() < deadline, "llama-server was not restarted"
-        time.sleep(0.2)
+    process = engine.process
+    wait_for(lambda: process.restarts != restarts and _healthy(engine.url), "llama-server restarted", 120, poll_s=0.2)
     after = engine.generate(GenRequest(second, None, GREEDY))  # its slots are empty: a full prefill
     assert after.cached_tokens == 0 and after.token_ids
     hit = engine.generate(GenRequest(second, gen.kv[:, :, :, : len(first)],
@@ -288,10 +286,7 @@ def test_an_upstream_restarted_underneath_is_noticed_and_costs_one_miss(tmp_path
         restarts = proc.restarts
         assert proc.pid is not None
         os.kill(proc.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while proc.restarts == restarts:
-            assert time.monotonic() < deadline, "the watcher did not notice llama-server died"
-            time.sleep(0.2)
+        wait_for(lambda: proc.restarts != restarts, "the watcher noticing llama-server died", 30, poll_s=0.2)
         # the new llama-server refuses connections until it has bound its port: poll as the watcher does
         wait_healthy(proc.url, 120)
         misses = upstream.stats.reuse_misses
@@ -351,10 +346,7 @@ def test_a_killed_sidecar_takes_its_llama_server_with_it() -> None:
             (server,) = _children(side.proc.pid)
             assert _alive(server)
             side.kill()
-            deadline = time.monotonic() + 10
-            while _alive(server):
-                assert time.monotonic() < deadline, f"llama-server {server} outlived its sidecar"
-                time.sleep(0.1)
+            wait_for(lambda: not _alive(server), f"llama-server {server} gone with its sidecar", 10)
     finally:
         redis.cleanup()
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -17,6 +16,7 @@ from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
 from ops.redisproc import RedisProcess
 from tests.storekit import namespace_for, scratch_store
+from tests.timing import wait_for_async
 
 FP = ModelFingerprint("smollm2-135m", "tok1", "float32", 30, 3, 64, 16, "int8+lz4/g64")
 FP_OTHER = ModelFingerprint("smollm2-135m", "tok1", "float32", 30, 3, 64, 16, "int4+lz4/g64")
@@ -118,7 +118,7 @@ async def test_ttl_expires_and_hits_slide_it(kv_server: RedisProcess) -> None:
         kept, dropped = hashes_for(list(range(16))), hashes_for(list(range(100, 116)))
         await store.store_blocks(FP.short(), kept + dropped, frames_for(2))
         for _ in range(3):  # 1.8 s in all: only the block read every 0.6 s survives
-            await asyncio.sleep(0.6)
+            await asyncio.sleep(0.6)  # the wait is the test: a TTL of 1 s expires in real time
             assert len((await store.fetch(FP.short(), kept)).value) == 1
         assert (await store.fetch(FP.short(), dropped)).value == []
         assert (await store.fetch(FP.short(), kept)).value != []
@@ -168,11 +168,11 @@ async def test_redis_killed_mid_workload_then_back(kv_server: RedisProcess) -> N
         st = store.stats()
         assert st.errors >= 3 and st.skipped_open > 0 and st.dropped_writes >= 6 and st.breaker_opened >= 1
         kv_server.start()  # same port, empty
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and store.breaker_state != "closed":
-            await asyncio.sleep(0.1)
-            await store.ping()
-        assert store.breaker_state == "closed"
+        async def probed_closed() -> bool:
+            await store.ping()  # the half-open probe, once the breaker's reset has passed
+            return store.breaker_state == "closed"
+
+        await wait_for_async(probed_closed, "the breaker to close", 5, poll_s=0.1)
         assert (await store.store_blocks(FP.short(), hashes, frames)).value == 4
         assert (await store.fetch(FP.short(), hashes)).value == frames  # hits resume
     finally:
@@ -224,11 +224,11 @@ async def test_blocking_fetch_shares_the_breaker(kv_server: RedisProcess) -> Non
         assert (await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes)).outcome is Outcome.UNAVAILABLE
         assert store.stats().skipped_open == skipped + 2
         kv_server.start()  # same port, empty
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and store.breaker_state != "closed":
-            await asyncio.sleep(0.1)
+        async def probed_closed() -> bool:
             await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes)  # the half-open probe, from a thread
-        assert store.breaker_state == "closed"
+            return store.breaker_state == "closed"
+
+        await wait_for_async(probed_closed, "the breaker to close", 5, poll_s=0.1)
         assert (await store.store_blocks(FP.short(), hashes, frames)).value == 4
         assert (await asyncio.to_thread(store.fetch_blocking, FP.short(), hashes)).value == frames
     finally:

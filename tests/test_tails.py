@@ -4,7 +4,6 @@ token (forged tails and id records, edited replies, other tenants)."""
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import pytest
@@ -16,6 +15,7 @@ from ops.redisproc import RedisProcess
 from tests.faultkit import metric
 from tests.support import SHORT_HISTORY as HISTORY
 from tests.support import chat, complete, computed_tokens, make_client, wait_written
+from tests.timing import wait_for
 
 
 def test_values_round_trip_and_reject_what_they_did_not_write() -> None:
@@ -94,11 +94,8 @@ def test_tenants_never_share_tails_or_reply_ids(redis_server: RedisProcess, tiny
 
 
 def _blocks_soon(redis: RedisProcess, timeout_s: float = 10.0) -> int:
-    """The blocks in Redis once some have landed (the write-back runs beside the reply), or 0 after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not (n := len(_keys(redis, "blk"))) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return n
+    """The blocks in Redis once some have landed (the write-back runs beside the reply)."""
+    return wait_for(lambda: len(_keys(redis, "blk")), "blocks in Redis", timeout_s)
 
 
 def test_prompt_blocks_are_in_redis_while_the_reply_streams(redis_server: RedisProcess, tiny_model: Any) -> None:

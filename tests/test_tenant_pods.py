@@ -4,13 +4,13 @@ tenant's conversation; it evicts its own oldest entries, and the namespace stays
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
 from ops.redisproc import RedisProcess
 from tests.faultkit import QUESTIONS, SYSTEM, chat, metric, pod_client, reply_of, wait_written
+from tests.timing import wait_for
 
 KEYS = {"key-quiet": "quiet", "key-noisy": "noisy"}
 QUIET = {"authorization": "Bearer key-quiet"}
@@ -78,10 +78,8 @@ def test_a_noisy_tenant_cannot_evict_a_quiet_tenants_conversation(redis_server: 
         assert oldest.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert state_evictions(pod) > 0
         wait_written(pod)
-        deadline = time.monotonic() + 10
-        while metric(pod, "kvstash_tenant_bytes_held", 'tenant="quiet"') < quiet_held:  # until a usage sample has it
-            assert time.monotonic() < deadline, "no usage sample showed the quiet tenant's bytes"
-            time.sleep(0.02)
+        wait_for(lambda: metric(pod, "kvstash_tenant_bytes_held", 'tenant="quiet"') >= quiet_held,
+                 "a usage sample showing the quiet tenant's bytes", 10)
         assert metric(pod, "kvstash_tenant_quota_bytes", 'tenant="noisy"') == quota
         assert flood.status_code == 200
         figures.update(budget_bytes=budget, quota_bytes=quota, quiet_held=quiet_held, noisy_contexts=n,

@@ -3,7 +3,6 @@ another's; the tenant accounting stays exact through eviction, Redis dropping ke
 
 from __future__ import annotations
 
-import asyncio
 import os
 from collections.abc import Sequence
 
@@ -11,11 +10,13 @@ import pytest
 import redis
 
 from cachestore import budget
+from cachestore.eviction import now_ms
 from cachestore.hashing import BlockHash
 from cachestore.settings import StoreSettings
 from cachestore.store import BlockStore
 from ops.redisproc import RedisCluster, RedisProcess
 from tests.storekit import block_hash as h
+from tests.timing import wait_for_async
 
 MODEL = "0123456789abcdef"
 
@@ -65,7 +66,9 @@ async def test_the_tenant_lru_follows_reads_and_tails_count(redis_server: RedisP
     try:
         first = [h(i, 4) for i in range(8)]
         assert (await store.store_blocks(MODEL, first, [os.urandom(1000)] * 8, "t")).value == 8
-        await asyncio.sleep(0.01)  # the LRU's clock is in ms: a read in the same ms as the write would tie with it
+        # the LRU's clock is in ms: a read in the same ms as the write would tie with it
+        written_ms = now_ms()
+        await wait_for_async(lambda: now_ms() > written_ms, "the LRU's clock past the write's millisecond", 1)
         assert (await store.fetch(MODEL, first[:2])).value != []  # now its most recently used
         tail = store.keys.tail(MODEL, h(99, 4))
         assert await store.put_entries([tail], [os.urandom(1500)], "t") == 1

@@ -29,6 +29,7 @@ from cachestore.store import BlockStore
 from cachestore.wire import native as native_wire
 from ops.redisproc import RedisProcess
 from service.cache.rehydrate import Rehydration
+from tests.timing import wait_for_async
 
 MODES = ["exact", "fp16", "int8", "int4+none", "int2+none", "int4+none/rotv", "int2+none/g8"]
 
@@ -346,15 +347,14 @@ def test_block_zero_of_another_codec_is_a_run_of_its_own() -> None:
     assert torch.equal(out, want)
 
 
-async def _connected_clients(store: BlockStore, want: int, timeout_s: float = 5.0) -> int:
-    """Redis's count of connected clients once it is `want`, or what it is after `timeout_s`: the server notices a
-    closed socket on its next event loop turn, not before the client's close returns."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = int((await store.client.info("clients"))["connected_clients"])
-        if got == want or time.monotonic() > deadline:
-            return got
-        await asyncio.sleep(0.01)
+async def _until_connected_clients(store: BlockStore, want: int, timeout_s: float = 5.0) -> None:
+    """Until Redis counts `want` connected clients: the server notices a closed socket on its next event loop turn,
+    not before the client's close returns."""
+
+    async def counted() -> bool:
+        return int((await store.client.info("clients"))["connected_clients"]) == want
+
+    await wait_for_async(counted, f"{want} connected clients", timeout_s, poll_s=0.01)
 
 
 async def test_chunks_are_requested_one_ahead_and_answer_as_fetch_blocking(kv_server: RedisProcess) -> None:
@@ -401,7 +401,7 @@ async def test_chunks_are_requested_one_ahead_and_answer_as_fetch_blocking(kv_se
 
             clients = int((await cold.client.info("clients"))["connected_clients"])
             assert await asyncio.to_thread(first_only) == 3
-            assert await _connected_clients(cold, clients - 1) == clients - 1  # dropped
+            await _until_connected_clients(cold, clients - 1)  # dropped
             assert [bytes(f) for f in (await asyncio.to_thread(with_hole))[0]] == frames[0:3]  # a new one
         finally:
             await cold.close()
@@ -544,9 +544,9 @@ def _fed(data: bytes, step: int, hold: bool = False) -> tuple[socket.socket, thr
         with theirs:
             for at in range(0, len(data), step):
                 theirs.sendall(data[at:at + step])
-                time.sleep(0.0002)
+                time.sleep(0.0002)  # the wait is the test: the value arrives in pieces, as over a slow link
             if hold:
-                time.sleep(1.0)
+                time.sleep(1.0)  # the wait is the test: a server that stalls
 
     thread = threading.Thread(target=feed, daemon=True)
     thread.start()
