@@ -115,7 +115,7 @@ SHORT_HISTORY = [{"role": "system", "content": "You answer briefly. " * 3},
                  {"role": "user", "content": "Hello there!"}]
 
 
-def make_client(redis: RedisProcess | str, engine: Any, **overrides: Any) -> TestClient:
+def make_client(redis: RedisProcess | str, engine: Any, /, **overrides: Any) -> TestClient:
     """An in-process pod around a loaded `engine` (exact codec, 16-token blocks unless told); use it as a context
     manager. `redis`: a server or its URL."""
     from service.app import create_app  # noqa: PLC0415 - the codec's tests need no pod
@@ -129,7 +129,7 @@ def make_client(redis: RedisProcess | str, engine: Any, **overrides: Any) -> Tes
 
 
 @contextmanager
-def pod_pair(redis: RedisProcess | str, engines: Any, names: tuple[str, str] = ("a", "b"),
+def pod_pair(redis: RedisProcess | str, engines: Any, names: tuple[str, str] = ("a", "b"), /,
              **overrides: Any) -> Iterator[tuple[TestClient, TestClient]]:
     """Two in-process pods of one fleet on one Redis, settings as `make_client`'s: on `engines["a"]` and
     `engines["b"]` (a dict), or both on one engine."""
