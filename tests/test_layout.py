@@ -4,6 +4,7 @@ that orders events (a test waits for the event, through tests.timing), and no te
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from tests.paths import TESTS
@@ -82,3 +83,39 @@ def test_no_test_module_imports_another() -> None:
                 if node.module.rsplit(".", 1)[-1].startswith("test_"):
                     wrong.append(f"{_name(path)}:{node.lineno} {node.module}")
     assert not wrong, f"helpers live in helper modules, not in test modules: {wrong}"
+
+
+def test_every_test_path_named_exists() -> None:
+    """The Makefile, CI, ops/ and the docs name test files by path: each exists (a moved test takes its references
+    along). CHANGELOG.md keeps the paths of its time."""
+    root = TESTS.parent
+    named = [root / name for name in ("Makefile", "pyproject.toml", "RELIABILITY.md", "README.md", ".ci/run")]
+    named += [*root.glob("docs/**/*.md"), *root.glob("docs/results/*.jsonl"), *root.glob("ops/**/*.py"),
+              *root.glob("ops/**/*.md"), *root.glob("cachestore/**/*.py"), *root.glob("service/**/*.py")]
+    missing = set()
+    for path in named:
+        if path.is_file():
+            for found in re.findall(r"\btests/[\w/]*\w\.(?:py|json)", path.read_text(errors="replace")):
+                if not (root / found).exists():
+                    missing.add(f"{path.relative_to(root)}: {found}")
+    assert not missing, sorted(missing)
+
+
+def test_test_modules_sit_in_packages_that_mirror_the_code() -> None:
+    """Test modules live in tests/<package>/... (or tests/scenarios/ for suites across packages), each folder a
+    package; only the checks of the whole tree sit at the top."""
+    top = {"test_architecture.py", "test_layout.py"}
+    wrong = []
+    for path in MODULES:
+        if not path.name.startswith("test_"):
+            continue
+        folder = path.parent
+        if folder == TESTS:
+            if path.name not in top:
+                wrong.append(_name(path))
+        elif path.relative_to(TESTS).parts[0] not in ("cachestore", "service", "ops", "scenarios"):
+            wrong.append(_name(path))
+        elif not all((parent / "__init__.py").exists() for parent in (folder, *folder.parents)
+                   if parent.is_relative_to(TESTS)):
+            wrong.append(_name(path))
+    assert not wrong, f"put these under the folder of the package they test: {wrong}"

@@ -116,7 +116,7 @@ def test_dockerfile() -> None:
     users = re.findall(r"^USER (\S+)", text, re.M)
     assert users and users[-1] not in ("root", "0")
     assert re.search(r"^HEALTHCHECK .*\n?.*/healthz", text, re.M)
-    # COPY sources, the modules it imports, its commands: tests/test_deploy_refs.py
+    # COPY sources, the modules it imports, its commands: tests/ops/deploy/test_deploy_refs.py
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored
 
@@ -186,7 +186,7 @@ def test_k8s_manifests() -> None:
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["resources"]["requests"] and container["resources"]["limits"]
     assert "preStop" in container["lifecycle"]
-    # the grace against preStop and the drain, probes, budget and autoscaler: tests/test_k8s_schema.py
+    # the grace against preStop and the drain, probes, budget and autoscaler: tests/ops/deploy/test_k8s_schema.py
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
     refs = {next(iter(r.values()))["name"] for r in container["envFrom"]}
     assert refs == {docs["ConfigMap"]["metadata"]["name"], docs["Secret"]["metadata"]["name"]}
