@@ -37,7 +37,7 @@ def write_queue(pod: str | TestClient) -> int:
 
 def settle(pod: str | TestClient, timeout_s: float = 20.0) -> None:
     """Until the pod (or sidecar) at a URL or in-process has nothing queued or being written."""
-    wait_for(lambda: not write_queue(pod), "the write queue to drain", timeout_s)
+    wait_for(lambda: not write_queue(pod), "the write queue to drain", timeout_s, poll_s=0.05)
 
 
 @contextmanager
