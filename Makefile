@@ -51,11 +51,9 @@ test-faults: setup
 	KVSTASH_FIGURES=$(CURDIR)/docs/results/reliability.jsonl KVSTASH_FUZZ_EXAMPLES=$(FUZZ) \
 	KVSTASH_API_FUZZ_EXAMPLES=$$(( $(FUZZ) / 4 )) $(PY) -m pytest -q --durations=0 \
 		--timeout=$$(( 300 + $(FUZZ) / 10 )) \
-		tests/test_faults_redis.py tests/test_faults_corruption.py tests/test_faults_pods.py \
-		tests/test_store_sentinel.py \
-		tests/test_hostile_api.py tests/test_hostile_slow.py tests/test_hostile_frames.py tests/test_codec_fuzz.py \
-		tests/test_security.py tests/test_hostile_writer.py tests/test_signed_pods.py tests/test_tenant_pods.py \
-		tests/test_tenant_quotas.py
+		$(addprefix tests/scenarios/faults/,test_faults_redis.py test_faults_corruption.py test_faults_pods.py) \
+		tests/cachestore/store/test_store_sentinel.py tests/scenarios/hostile tests/scenarios/security \
+		tests/cachestore/test_tenant_quotas.py
 
 # ruff on the whole tree (config in pyproject.toml), mypy on the cache library, the service and ops/ (config
 # in pyproject.toml); a few seconds once mypy's cache is warm.

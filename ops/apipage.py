@@ -1,7 +1,7 @@
 """The route reference of docs/api.md, rendered from the pod's OpenAPI description (service/http/openapi.py).
 
 docs/api.md is written by hand around one generated block; `python -m ops.gendocs` replaces the block, and
-tests/test_gendocs.py fails when it differs from what `service.http.openapi.build_schema()` describes.
+tests/ops/test_gendocs.py fails when it differs from what `service.http.openapi.build_schema()` describes.
 """
 
 from __future__ import annotations

@@ -20,9 +20,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv-lowest"
-TESTS = ("tests/test_store.py", "tests/test_keys.py", "tests/test_hashing.py", "tests/test_signing.py",
-         "tests/test_budget.py", "tests/test_localtier.py", "tests/test_breaker.py", "tests/test_tenant_quotas.py",
-         "tests/test_codec_numpy.py")
+TESTS = ("tests/cachestore/store/test_store.py", "tests/cachestore/store/test_breaker.py",
+         *(f"tests/cachestore/{name}.py" for name in ("test_keys", "test_hashing", "test_signing", "test_budget",
+                                                       "test_localtier", "test_tenant_quotas")),
+         "tests/cachestore/codec/test_codec_numpy.py")
 TOOLS = ("pytest>=8", "pytest-asyncio>=0.24", "pytest-timeout>=2.3", "hypothesis>=6.100")
 _LOWER = re.compile(r"^\s*([A-Za-z0-9_.-]+)(\[[^\]]*\])?\s*>=\s*([0-9][^,;\s]*)")
 

@@ -2,7 +2,7 @@
 
 Each benchmark's latest published run is one JSON file in docs/results/, written there by its `kvstash bench`
 command (`--json docs/results/NAME.json`). `python -m ops.gendocs` renders the page from those files alone, so
-a table, its machine and its date always come from the same run; tests/test_gendocs.py fails when the committed
+a table, its machine and its date always come from the same run; tests/ops/test_gendocs.py fails when the committed
 page, a chart or the README's table differs from what the JSON gives.
 """
 

@@ -6,6 +6,7 @@ import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import pytest
 
@@ -55,51 +56,41 @@ def kv_server(request: pytest.FixtureRequest) -> Iterator[RedisProcess]:
 @pytest.fixture(scope="session", params=FLAVORS)
 def shared_kv_server(request: pytest.FixtureRequest) -> Iterator[RedisProcess]:
     """`shared_redis_server` once per flavor (redis, valkey); tests using it must use their own namespace."""
-    server = RedisProcess(flavor=request.param).start()
+    yield from serving(request.param)
+
+
+def clustering(replicas: int = 0, flavor: str = "redis") -> Iterator[RedisCluster]:
+    """A real 3-primary cluster of `flavor` (`replicas` per primary) for as long as the generator runs (every cluster
+    fixture's body)."""
+    cluster = RedisCluster(primaries=3, replicas=replicas, flavor=flavor).start()
     try:
-        yield server
+        yield cluster
     finally:
-        server.cleanup()
+        cluster.cleanup()
 
 
 @pytest.fixture(scope="session")
 def redis_cluster() -> Iterator[RedisCluster]:
     """A real 3-primary Redis Cluster, shared by the run (tests use their own namespaces)."""
-    cluster = RedisCluster(primaries=3).start()
-    try:
-        yield cluster
-    finally:
-        cluster.cleanup()
+    yield from clustering()
 
 
 @pytest.fixture(scope="session", params=FLAVORS)
 def kv_cluster(request: pytest.FixtureRequest) -> Iterator[RedisCluster]:
     """A 3-primary cluster once of redis-servers and once of valkey-servers (tests use their own namespaces)."""
-    cluster = RedisCluster(primaries=3, flavor=request.param).start()
-    try:
-        yield cluster
-    finally:
-        cluster.cleanup()
+    yield from clustering(flavor=request.param)
 
 
 @pytest.fixture(params=FLAVORS)
 def fresh_cluster(request: pytest.FixtureRequest) -> Iterator[RedisCluster]:
     """A 3-primary cluster of one test's own (it may move slots), once of each flavor."""
-    cluster = RedisCluster(primaries=3, flavor=request.param).start()
-    try:
-        yield cluster
-    finally:
-        cluster.cleanup()
+    yield from clustering(flavor=request.param)
 
 
 @pytest.fixture
 def redis_cluster_with_replicas() -> Iterator[RedisCluster]:
     """A 3-primary cluster with one replica per primary, for failover tests."""
-    cluster = RedisCluster(primaries=3, replicas=1).start()
-    try:
-        yield cluster
-    finally:
-        cluster.cleanup()
+    yield from clustering(replicas=1)
 
 
 @pytest.fixture(scope="session")
@@ -108,6 +99,16 @@ def tiny_model():  # type: ignore[no-untyped-def]
     from service.engines.hf.models import load_model  # noqa: PLC0415
 
     return load_model("tiny-random")
+
+
+@pytest.fixture(scope="module")
+def plain_pod(tiny_model: Any) -> Iterator[Any]:
+    """An in-process tiny-random pod without the cache, for a module's tests: the answer every cached pod must
+    give."""
+    from tests.faultkit import uncached_pod  # noqa: PLC0415 - torch: not for the tests that run without it
+
+    with uncached_pod(tiny_model) as client:
+        yield client
 
 
 @pytest.fixture(params=[1, 2], ids=["avx2", "avx512"])
@@ -155,7 +156,7 @@ class _FakePod(BaseHTTPRequestHandler):
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
             for i, pause in enumerate((0.0, 1.0)):
-                time.sleep(pause)
+                time.sleep(pause)  # the wait is the test: events a second apart, as a pod streams them
                 chunk = f"data: {name} {i}\n\n".encode()
                 self.wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
                 self.wfile.flush()

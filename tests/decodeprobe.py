@@ -15,10 +15,10 @@ import struct
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from types import TracebackType
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.paths import ROOT
+
 HEADROOM_BYTES = 1 << 30  # address space the child may add after start-up before allocations fail
 
 

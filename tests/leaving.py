@@ -1,27 +1,16 @@
-"""Test helpers (no tests) for pods and sidecars that leave: streamed completions on threads of their own, polling
-for events, readiness and the next turn of a conversation."""
+"""Test helpers (no tests) for pods and sidecars that leave: streamed completions on threads of their own,
+readiness and the next turn of a conversation."""
 
 from __future__ import annotations
 
 import json
 import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from ops.pods import PodProcess
-
-
-def until(done: Callable[[], Any], what: str, timeout_s: float = 120.0) -> Any:
-    """Poll `done` until it returns something true (events, never a sleep that orders them)."""
-    deadline = time.monotonic() + timeout_s
-    while not (result := done()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return result
 
 
 @dataclass

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -13,6 +12,7 @@ from service.cache.pipeline import Pipeline
 from service.engines.llama.lending import LendsStates
 from service.runtime.metrics import PodMetrics
 from service.settings import PodSettings
+from tests.timing import wait_for_async
 
 
 @contextlib.asynccontextmanager
@@ -34,8 +34,5 @@ async def rows_pod(engine: LendsStates, redis_server: RedisProcess, codec: str, 
 
 
 async def all_contexts_back(engine: LendsStates) -> None:
-    for _ in range(100):  # handed back from the requests' done callbacks
-        if not engine.contexts_lent:
-            break
-        await asyncio.sleep(0.01)
-    assert engine.contexts_lent == 0
+    """Until every context the engine lent is back (handed back from the requests' done callbacks)."""
+    await wait_for_async(lambda: not engine.contexts_lent, "every lent context back", 5)

@@ -77,7 +77,7 @@ class ThrottledLink(LinkProxy):
                     break
                 if rate is not None:
                     wait = free_at - time.monotonic()
-                    if wait > 0:
+                    if wait > 0:  # the wait is the test: the link's rate
                         time.sleep(wait)
                     free_at = time.monotonic() + len(data) / rate
                 sink.sendall(data)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import shutil
 import struct
 import subprocess
-import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,6 +18,7 @@ from starlette.testclient import TestClient
 
 from ops.pods import PodProcess
 from ops.redisproc import RedisProcess, RedisProcessError, free_port
+from tests.timing import wait_for
 
 # -- pods as processes --------------------------------------------------------------------
 
@@ -28,17 +28,16 @@ POD_ARGS = ("--codec", "exact", "--block-tokens", "16")
 P = TypeVar("P", bound=Any)
 
 
-def write_queue(url: str) -> int:
-    """Background write jobs queued or being written on the pod at `url` (/readyz counts the one in flight)."""
-    return int(httpx.get(url + "/readyz", timeout=5).json()["write_queue"])
+def write_queue(pod: str | TestClient) -> int:
+    """Background write jobs queued or being written on the pod (or sidecar) at a URL or in-process (/readyz counts
+    the one in flight)."""
+    readyz = httpx.get(pod + "/readyz", timeout=5) if isinstance(pod, str) else pod.get("/readyz")
+    return int(readyz.json()["write_queue"])
 
 
-def settle(url: str, timeout_s: float = 20.0) -> None:
-    """Until the pod at `url` has nothing queued or being written."""
-    deadline = time.monotonic() + timeout_s
-    while write_queue(url):
-        assert time.monotonic() < deadline, "write queue did not drain"
-        time.sleep(0.05)
+def settle(pod: str | TestClient, timeout_s: float = 20.0) -> None:
+    """Until the pod (or sidecar) at a URL or in-process has nothing queued or being written."""
+    wait_for(lambda: not write_queue(pod), "the write queue to drain", timeout_s, poll_s=0.05)
 
 
 @contextmanager
@@ -53,6 +52,45 @@ def running(procs: dict[str, P], ready_s: float = 120) -> Iterator[dict[str, P]]
     finally:
         for p in procs.values():
             p.cleanup()
+
+
+def post_chat(url: str, messages: list[dict[str, Any]], *, model: str = "tiny-random", max_tokens: int = 10,
+              timeout_s: float = 60.0, **extra: Any) -> httpx.Response:
+    """A greedy chat completion POSTed to the pod or sidecar at `url`; `extra` are body fields."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra}
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=timeout_s)
+
+
+def cached_as_a_later_turn(resp: Any, turn: int, previous_prompt: int, block: int = 16) -> int:
+    """The cached tokens of turn `turn` of a conversation alternating pods, checked: none on the first turn (a miss),
+    else everything the other pod processed (`previous_prompt` tokens) up to its last full block."""
+    cached = cached_tokens(resp)
+    if turn == 0:
+        assert cached == 0 and resp.headers["x-kv-cache"] == "miss", (turn, cached)
+    else:
+        assert cached >= (previous_prompt // block) * block > 0, (turn, cached, previous_prompt)
+        assert resp.headers["x-kv-cache"] in ("hit", "partial"), turn
+    return cached
+
+
+def resume_session(a: str, b: str, session_id: str, messages: list[dict[str, str]], questions: list[str], *,
+                   max_tokens: int, timeout_s: float, between: Any) -> tuple[httpx.Response, httpx.Response]:
+    """A server-side session of `messages` started on the pod at URL `a` with questions[0], `between()`, then
+    continued on the pod at `b` with questions[1]: both turns, the second checked to hit the first's whole prompt."""
+    created = httpx.post(a + "/v1/sessions", json={"session_id": session_id, "messages": messages}, timeout=timeout_s)
+    assert created.status_code == 201, created.text
+    turns = []
+    for url, question in ((a, questions[0]), (b, questions[1])):
+        if turns:
+            between()
+        turn = httpx.post(f"{url}/v1/sessions/{session_id}/messages",
+                          json={"content": question, "max_tokens": max_tokens}, timeout=timeout_s)
+        assert turn.status_code == 200, turn.text
+        turns.append(turn)
+    first, second = turns
+    assert second.headers["x-kv-cache"] == "hit"
+    assert cached_tokens(second) >= first.json()["usage"]["prompt_tokens"]
+    return first, second
 
 
 @contextmanager
@@ -73,8 +111,11 @@ HISTORY = [
     {"role": "user", "content": "Tell me about the history of the printing press in Europe, in detail."},
 ]
 
+SHORT_HISTORY = [{"role": "system", "content": "You answer briefly. " * 3},
+                 {"role": "user", "content": "Hello there!"}]
 
-def make_client(redis: RedisProcess | str, engine: Any, **overrides: Any) -> TestClient:
+
+def make_client(redis: RedisProcess | str, engine: Any, /, **overrides: Any) -> TestClient:
     """An in-process pod around a loaded `engine` (exact codec, 16-token blocks unless told); use it as a context
     manager. `redis`: a server or its URL."""
     from service.app import create_app  # noqa: PLC0415 - the codec's tests need no pod
@@ -87,6 +128,17 @@ def make_client(redis: RedisProcess | str, engine: Any, **overrides: Any) -> Tes
                       raise_server_exceptions=False)
 
 
+@contextmanager
+def pod_pair(redis: RedisProcess | str, engines: Any, names: tuple[str, str] = ("a", "b"), /,
+             **overrides: Any) -> Iterator[tuple[TestClient, TestClient]]:
+    """Two in-process pods of one fleet on one Redis, settings as `make_client`'s: on `engines["a"]` and
+    `engines["b"]` (a dict), or both on one engine."""
+    pair = engines if isinstance(engines, dict) else {"a": engines, "b": engines}
+    with make_client(redis, pair["a"], **{"pod_name": names[0], **overrides}) as a, \
+            make_client(redis, pair["b"], **{"pod_name": names[1], **overrides}) as b:
+        yield a, b
+
+
 def chat(client: TestClient, messages: list[dict[str, str]], *, model: str = "tiny-random", max_tokens: int = 12,
          **extra: Any) -> Any:
     """A greedy chat completion; `headers` are HTTP headers, never a body field (the pod refuses unknown ones)."""
@@ -95,14 +147,48 @@ def chat(client: TestClient, messages: list[dict[str, str]], *, model: str = "ti
     return client.post("/v1/chat/completions", json=body, headers=headers)
 
 
+def follow_up(a: TestClient, b: TestClient, history: list[dict[str, str]], **chat_args: Any) -> tuple[Any, Any]:
+    """A chat of `history` on pod `a`, its writes done, then the next turn ("And?") on pod `b` (which may be `a`):
+    both replies' JSON. The second caches `computed_tokens(first)` when it hits everything `a` computed."""
+    first = ok(chat(a, history, **chat_args)).json()
+    wait_written(a)
+    reply = first["choices"][0]["message"]["content"]
+    follow = [*history, {"role": "assistant", "content": reply}, {"role": "user", "content": "And?"}]
+    return first, ok(chat(b, follow, **chat_args)).json()
+
+
+def computed_tokens(reply: Any) -> int:
+    """The tokens whose KV a pod computed for a reply's JSON: the prompt and the reply, less its last token."""
+    return int(reply["usage"]["prompt_tokens"] + reply["usage"]["completion_tokens"] - 1)
+
+
+def complete(client: TestClient, prompt: list[int] | str, *, model: str = "tiny-random", max_tokens: int = 1,
+             **extra: Any) -> Any:
+    """A greedy text completion of `prompt` (token ids or text), checked to succeed: its JSON."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+    return ok(client.post("/v1/completions", json=body)).json()
+
+
+def ok(resp: Any) -> Any:
+    """`resp`, checked to be a 200 (its body in the failure)."""
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
+def server_completion(post: Any, prompt: list[int] | str, *, n_predict: int = 8, **body: Any) -> dict[str, Any]:
+    """llama-server's own /completion, greedy and reusing its slot's cache, through `post` (a sidecar's or a
+    llama-server's client's): its JSON, checked to be a 200, with the response's headers under "headers"."""
+    resp = ok(post("/completion", json={"prompt": prompt, "n_predict": n_predict, "temperature": 0,
+                                         "cache_prompt": True, **body}))
+    out: dict[str, Any] = resp.json()
+    out["headers"] = dict(resp.headers)
+    return out
+
+
 def wait_written(client: TestClient, timeout_s: float = 15.0) -> None:
-    """Until the pod's background write queue is empty and nothing is being written."""
+    """Until the in-process pod's background write queue is empty and nothing is being written."""
     state = client.app.state.pod  # type: ignore[attr-defined]
-    deadline = time.monotonic() + timeout_s
-    while state.writer.depth:  # queued + the one being written
-        if time.monotonic() > deadline:
-            raise AssertionError("background writes did not finish")
-        time.sleep(0.02)
+    wait_for(lambda: not state.writer.depth, "the background writes to finish", timeout_s)  # queued + in flight
 
 
 # -- llama-servers ---------------------------------------------------------------------------

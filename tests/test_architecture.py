@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.paths import ROOT
+
 PACKAGES = ("cachestore", "service", "ops")
 
 # Who may import whom, by prefix: a module under the key imports nothing under any of its values.

@@ -2,10 +2,10 @@
 
 torch is made unimportable before anything else is imported (a finder that refuses it and its submodules, as a
 machine without it would: nothing of it in sys.modules), then every module of cachestore is imported, and each case
-of DIR/cases.json (written by tests/test_codec_torchfree.py) is encoded from its numpy input (DIR/NAME.npy, bfloat16
-stored as its uint16 bits), decoded, verified, opened into a numpy output and, with REDIS_URL, stored and fetched
-back through the block store. Writes DIR/NAME.frame and DIR/NAME.decoded (the decoded array's bytes), and prints
-"torch-free: N cases" last.
+of DIR/cases.json (written by tests/cachestore/codec/test_codec_torchfree.py) is encoded from its numpy input
+(DIR/NAME.npy, bfloat16 stored as its uint16 bits), decoded, verified, opened into a numpy output and, with
+REDIS_URL, stored and fetched back through the block store. Writes DIR/NAME.frame and DIR/NAME.decoded (the decoded
+array's bytes), and prints "torch-free: N cases" last.
 """
 
 from __future__ import annotations

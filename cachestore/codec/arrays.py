@@ -9,7 +9,7 @@ dtypes of frames (bfloat16 in numpy is ml_dtypes').
 
 Each helper computes the same bits in both libraries: elementwise IEEE arithmetic, exact reductions (min, max),
 stable sorts, and sums in a fixed order (`fixed_sum`): a frame encoded from a torch tensor is byte-identical to
-the one encoded from the same numpy array (tests/test_codec_torchfree.py).
+the one encoded from the same numpy array (tests/cachestore/codec/test_codec_torchfree.py).
 """
 
 from __future__ import annotations

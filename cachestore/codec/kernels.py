@@ -9,9 +9,10 @@ the kernel on one: there the kernel runs only where torch has one thread (numpy'
 always take the kernel). Threads of the kernel's own lost to torch's spinning OpenMP workers in a real forward step.
 Into fp16 token rows (a llama.cpp sequence state: each token's heads side by side), int8 is staged in L1 and
 streamed to memory past the cache, so the lines of the tens of MB a hit writes are not first read in (`token_rows`).
-The values are bit-identical to torch's (tests/test_kernels.py). The attention passes (`attention_scores`,
-`attention_values`) read a landed hit's codes in place for the first forward step (cachestore.codec.attend),
-dequantizing each element in a register; their sums are fp32 in another order than torch's (tests/test_attend.py).
+The values are bit-identical to torch's (tests/cachestore/codec/test_kernels.py). The attention passes
+(`attention_scores`, `attention_values`) read a landed hit's codes in place for the first forward step
+(cachestore.codec.attend), dequantizing each element in a register; their sums are fp32 in another order than
+torch's (tests/cachestore/codec/test_attend.py).
 KVSTASH_NATIVE_KERNELS=0 turns the kernels off (`cachestore.settings.native_kernels`, read on first use or by
 `configure`).
 """

@@ -51,7 +51,8 @@ CASES: dict[str, tuple[str, torch.dtype, tuple[int, int, int, int, int]]] = {
     # format 7: int4's key channel classes (3 to 6 bits)
     "int4_fp32_none_g8_kbits7_s8": ("int4+none/g8/kbits/s8", torch.float32, (2, 2, 1, 9, 64)),
     "int4_fp16_zstd_g8_kbits7_unrope_v5": ("int4+zstd:3/g8/kbits/s8/unrope/v5=1", torch.float16, (2, 2, 2, 12, 64)),
-    # format 1: the int8 frame of a partial last block under int4/int2+zstd/recent=int8 (tests/test_codec_recent.py)
+    # format 1: the int8 frame of a partial last block under int4/int2+zstd/recent=int8
+    # (tests/cachestore/codec/test_codec_recent.py)
     "int8_fp32_zstd_partial": ("int8+zstd:3", torch.float32, (2, 2, 1, 5, 8)),
 }
 

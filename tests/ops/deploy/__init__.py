@@ -1,0 +1,1 @@
+"""Tests of the deployment files: compose, Kubernetes, nginx and haproxy, without a container engine."""

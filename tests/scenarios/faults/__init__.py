@@ -1,0 +1,1 @@
+"""Faults: Redis killed, paused or corrupted, pods killed or leaving, under live traffic."""

@@ -1,0 +1,1 @@
+"""Fleets of real pod processes: turns alternating pods, stateless clients."""

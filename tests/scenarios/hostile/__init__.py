@@ -1,0 +1,1 @@
+"""Hostile input: the API fuzzed, slow clients, crafted frames."""

@@ -1,0 +1,1 @@
+"""Security: tenant isolation, hostile writers, signed values and quotas through pods."""

@@ -1,0 +1,1 @@
+"""Tests of service.runtime: the context pool, the allocator and threads."""

@@ -1,0 +1,1 @@
+"""Tests of the sidecar beside real llama-server processes."""
