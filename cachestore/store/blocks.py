@@ -66,15 +66,16 @@ class BlockWriter(StoreBase):
         if self._local is not None:
             for (_, key), frame in zip(keyed, frames, strict=True):
                 self._local.put(key, bytes(frame))
-        hexes = ([parent.hex()] if parent is not None else [""]) + [h.hex() for h in hashes[:-1]]
-        chain = Chain(first_block, [chain_facts(first_block + i, p) for i, p in enumerate(hexes)],
-                      self.keys.block(model, parent) if parent is not None else None)
+        chain = self._chain(model, hashes, first_block, parent)
+
+        async def write() -> int | None | Failed:
+            return await self._guard.run(lambda: self._write(keyed, frames, tenant=tenant, chain=chain),
+                                         self.settings.write_timeout_s, write=True)
+
         async with self._put_lock:
-            written = await self._guard.run(lambda: self._write(keyed, frames, tenant=tenant, chain=chain),
-                                            self.settings.write_timeout_s, write=True)
+            written = await write()
             if written is None and await self._restore(model, prefix, tenant):
-                written = await self._guard.run(lambda: self._write(keyed, frames, tenant=tenant, chain=chain),
-                                                self.settings.write_timeout_s, write=True)
+                written = await write()
         if isinstance(written, Failed):
             return Result(Outcome.UNAVAILABLE, 0)
         if written is None:
@@ -87,17 +88,25 @@ class BlockWriter(StoreBase):
         if not prefix or self._local is None:
             return False
         keyed = [self.keys.block(model, h) for h in prefix]
-        frames = [self._local.peek(key) for _, key in keyed]
-        if any(frame is None for frame in frames):
-            return False
-        chain = Chain(0, [chain_facts(i, p) for i, p in enumerate([""] + [h.hex() for h in prefix[:-1]])], None)
-        restored = await self._guard.run(lambda: self._write(keyed, [f for f in frames if f is not None],
-                                                             tenant=tenant, chain=chain),
+        frames: list[bytes] = []
+        for _, key in keyed:
+            frame = self._local.peek(key)
+            if frame is None:
+                return False
+            frames.append(frame)
+        chain = self._chain(model, prefix, 0, None)
+        restored = await self._guard.run(lambda: self._write(keyed, frames, tenant=tenant, chain=chain),
                                          self.settings.write_timeout_s, write=True)
         if isinstance(restored, Failed) or restored is None:
             return False
         self._counters.add("blocks_restored", restored)
         return True
+
+    def _chain(self, model: str, hashes: Sequence[BlockHash], first_block: int, parent: BlockHash | None) -> Chain:
+        """Where blocks `hashes` sit: from block `first_block`, on `parent` (None: the first is a chain's first)."""
+        hexes = ([parent.hex()] if parent is not None else [""]) + [h.hex() for h in hashes[:-1]]
+        return Chain(first_block, [chain_facts(first_block + i, p) for i, p in enumerate(hexes)],
+                     self.keys.block(model, parent) if parent is not None else None)
 
     async def put_entries(self, keyed: Sequence[tuple[int, str]], values: Sequence[bytes],
                           tenant: str | None = None) -> int:

@@ -167,7 +167,7 @@ class WriteBack:
             hashes=hashes[first:],
             kv=gen.kv,
             first_block=first,
-            prefix=hashes[:first] if first <= len(hashes) else [],
+            prefix=hashes[:first],
             block_tokens=b,
             kv_from=gen.kv_from,
             tenant=view.tenant,
