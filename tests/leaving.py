@@ -68,11 +68,14 @@ class Stream:
 
 
 def readyz(url: str) -> int | str:
-    """The status /readyz answers, or "refused" when nothing listens any more."""
+    """The status /readyz answers, or "closed" when nothing listens any more.
+
+    A connection the kernel accepted just before the listener closed is dropped unanswered: closed too.
+    """
     try:
         return httpx.get(url + "/readyz", timeout=10).status_code
-    except httpx.ConnectError:
-        return "refused"
+    except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
+        return "closed"
 
 
 def next_turn(pod: PodProcess, stream: Stream) -> httpx.Response:

@@ -243,16 +243,16 @@ def test_churn_kill_two_tiny_pods(tmp_path: Path) -> None:
     (event,) = run["events"]
     (step,) = event["steps"]
     assert event["done"] and step["signal"] == "SIGKILL" and step["ready_s"] > step["stopped_s"] >= 5.0, event
-    back = ["after kill"] if step["ready_s"] < 16 else []  # a loaded machine may take longer to start it again
-    assert [p["phase"] for p in run["phases"]] == ["before", "during kill", *back]
+    names = [p["phase"] for p in run["phases"]]  # a loaded machine may take to the end to start it again
+    assert names in (["before", "during kill"], ["before", "during kill", "after kill"]), names
     rows = report["requests"]
     assert len(rows) == run["arrivals"] == 16 and all(r["status"] != -1 for r in rows)
     # a turn fails only if it was in flight when the pod died
     held = [r for r in rows if r["sent_s"] <= step["stopped_s"] <= r["ended_s"]]
     assert sum(r["status"] != 200 for r in rows) == run["failed"] <= len(held)
-    after = run["phases"][-1]
-    assert after["ok"] > 0 and after["hit_rate"] > 0.5  # the conversations go on, their KV in Redis
-    assert set(after["requests_per_pod"]) == {"pod-a", "pod-b"} and report["churn"] == "kill"
+    later = [r for r in rows if r["arrived_s"] > step["stopped_s"] and r["status"] == 200]
+    assert later and phases.hit_rate(later) > 0.5  # the conversations go on, on pod-a, their KV in Redis
+    assert set(run["phases"][-1]["requests_per_pod"]) == {"pod-a", "pod-b"} and report["churn"] == "kill"
     assert "unknown" not in run["whole_run"]["failed_per_pod"]  # every lost stream names the pod that held it
     assert run["targets"][0]["failed"] == run["failed"] and run["targets"][0]["in_flight"] >= run["failed"]
 

@@ -80,7 +80,7 @@ def test_sigterm_with_requests_in_flight_drains_and_exits_0(module_redis_server:
     pod.proc.send_signal(signal.SIGTERM)
     # not ready from the signal on (503 while the listener lasts), then new connections are refused
     seen = []
-    wait_for(lambda: seen.append(readyz(pod.url)) or seen[-1] == "refused", "the listener to close",
+    wait_for(lambda: seen.append(readyz(pod.url)) or seen[-1] == "closed", "the listener to close",
              timeout_s=120)
     assert 200 not in seen, seen
     with pytest.raises(httpx.ConnectError):

@@ -69,7 +69,7 @@ def test_sidecar_drains_then_stops_its_llama_server(sidecars: dict[str, SidecarP
     unfinished = sum(not s.done for s in streams)
     os.killpg(side.proc.pid, signal.SIGTERM)  # as a terminal's Ctrl-C or a container stop reaches the group
     seen: list[int | str] = []
-    wait_for(lambda: seen.append(readyz(side.url)) or seen[-1] == "refused", "the listener to close",
+    wait_for(lambda: seen.append(readyz(side.url)) or seen[-1] == "closed", "the listener to close",
              timeout_s=120)
     assert 200 not in seen, seen
     for s in streams:
