@@ -1,5 +1,6 @@
 """Test helpers (no tests) for sliding-window and hybrid models through two in-process pods, shared by the hf and
-the llama.cpp engine's suites: the conversation, its turns, and what a test does to the boundary records between."""
+the llama.cpp engine's suites: the conversation, its turns, what a test does to the boundary records between, and
+`RecordChecks`, the checks both engines' records pass (each suite subclasses it once)."""
 
 from __future__ import annotations
 
@@ -102,3 +103,42 @@ def foreign_states_miss(engines: dict[str, Any], server: RedisProcess, kind: dic
     client.flushdb()
     client.close()
     assert cached_tokens(second_turn(engines, server, rewriting(with_state(state, not_at=position)), kind)) == 0
+
+
+class RecordChecks:
+    """What every engine's boundary records do between two pods: the second turn hits on the other pod past 4 windows;
+    a record that is missing, corrupt, of another layout or position, or of another tenant is a miss, and the reply is
+    a prefill's either way. A suite subclasses it as `Test...`, with a module fixture `engines` (pods a and b's
+    engines and the reference's) and the three members below."""
+
+    window: int  # the tiny models' window
+
+    def kind(self, engines: dict[str, Any]) -> dict[str, str]:
+        """The pods' `engine` and `model` settings."""
+        raise NotImplementedError
+
+    def foreign(self, engines: dict[str, Any]) -> bytes:
+        """A well-formed boundary state of another layout (another tiny model's, its prompt's end)."""
+        raise NotImplementedError
+
+    def test_the_second_turn_hits_on_the_other_pod(self, engines: dict[str, Any], redis_server: RedisProcess) -> None:
+        second = second_turn(engines, redis_server, lambda _: None, self.kind(engines))
+        assert cached_tokens(second) > 4 * self.window
+
+    def test_a_missing_record_is_a_miss(self, engines: dict[str, Any], redis_server: RedisProcess) -> None:
+        assert cached_tokens(second_turn(engines, redis_server, drop_records, self.kind(engines))) == 0
+
+    def test_a_corrupt_record_is_a_miss(self, engines: dict[str, Any], redis_server: RedisProcess) -> None:
+        second = second_turn(engines, redis_server, rewriting(flip_state_byte), self.kind(engines))
+        assert cached_tokens(second) == 0
+
+    def test_a_record_of_another_layout_or_position_is_a_miss(self, engines: dict[str, Any],
+                                                              redis_server: RedisProcess) -> None:
+        """A well-formed record, checksum and all, whose state is another model's, or this model's at another
+        position."""
+        foreign_states_miss(engines, redis_server, self.kind(engines), self.foreign(engines))
+
+    def test_another_tenants_records_are_a_miss(self, engines: dict[str, Any], redis_server: RedisProcess) -> None:
+        second = second_turn(engines, redis_server, lambda _: None, self.kind(engines), api_keys=KEYS,
+                             headers=({"authorization": "Bearer key-x"}, {"authorization": "Bearer key-y"}))
+        assert cached_tokens(second) == 0 and second.headers["x-kv-cache"] == "miss"

@@ -27,17 +27,12 @@ from tests.faultkit import reply_of
 from tests.support import cached_tokens, redis_values, rewrite_values, wait_written
 from tests.swapods import (
     BLOCK,
-    KEYS,
     MAX_TOKENS,
     QUESTIONS,
     SYSTEM,
+    RecordChecks,
     ask,
-    drop_records,
-    flip_state_byte,
-    foreign_states_miss,
     pods,
-    rewriting,
-    second_turn,
 )
 from tests.tinymodels import converter_missing, tiny_gguf
 
@@ -115,37 +110,20 @@ def test_a_conversation_alternating_pods_hits_every_later_turn_and_replies_exact
     assert blocks and {read_header(f).layers for f in blocks.values()} == {reference.layout.full}
 
 
-def test_the_second_turn_hits_on_the_other_pod(engines: dict[str, LlamaCppEngine],
-                                               redis_server: RedisProcess) -> None:
-    assert cached_tokens(second_turn(engines, redis_server, lambda _: None, _kind(engines))) > 4 * N_SWA
+class TestLlamaCppRecords(RecordChecks):
+    window = N_SWA
 
+    def kind(self, engines: dict[str, LlamaCppEngine]) -> dict[str, str]:
+        return _kind(engines)
 
-def test_a_missing_record_is_a_miss(engines: dict[str, LlamaCppEngine], redis_server: RedisProcess) -> None:
-    assert cached_tokens(second_turn(engines, redis_server, drop_records, _kind(engines))) == 0
-
-
-def test_a_corrupt_record_is_a_miss(engines: dict[str, LlamaCppEngine], redis_server: RedisProcess) -> None:
-    assert cached_tokens(second_turn(engines, redis_server, rewriting(flip_state_byte), _kind(engines))) == 0
-
-
-def test_a_record_of_another_layout_or_position_is_a_miss(engines: dict[str, LlamaCppEngine],
-                                                          redis_server: RedisProcess) -> None:
-    """A well-formed record whose state is another model's window (or recurrent state), checksum and all."""
-    other = "lfm2" if engines["a"].layout.sliding_count else "gemma3"
-    foreign_engine = _load(other)
-    try:
-        prompt = foreign_engine.chat_ids([SYSTEM, {"role": "user", "content": QUESTIONS[0]}])
-        foreign = foreign_engine.generate(GenRequest(prompt, None, GenParams(max_tokens=4))).boundaries[-1][1]
-    finally:
-        foreign_engine.close()
-
-    foreign_states_miss(engines, redis_server, _kind(engines), foreign)
-
-
-def test_another_tenants_records_are_a_miss(engines: dict[str, LlamaCppEngine], redis_server: RedisProcess) -> None:
-    second = second_turn(engines, redis_server, lambda _: None, _kind(engines), api_keys=KEYS,
-                          headers=({"authorization": "Bearer key-x"}, {"authorization": "Bearer key-y"}))
-    assert cached_tokens(second) == 0 and second.headers["x-kv-cache"] == "miss"
+    def foreign(self, engines: dict[str, LlamaCppEngine]) -> bytes:
+        other = "lfm2" if engines["a"].layout.sliding_count else "gemma3"
+        foreign_engine = _load(other)
+        try:
+            prompt = foreign_engine.chat_ids([SYSTEM, {"role": "user", "content": QUESTIONS[0]}])
+            return foreign_engine.generate(GenRequest(prompt, None, GenParams(max_tokens=4))).boundaries[-1][1]
+        finally:
+            foreign_engine.close()
 
 
 def test_records_are_in_admin_stats_verify_the_budget_and_a_session_export(redis_server: RedisProcess,
