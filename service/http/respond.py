@@ -25,9 +25,10 @@ from service.cache.pipeline import Pipeline
 from service.engines import Generation, GenParams
 from service.engines.generation import Choice, ParamError, TokenLogprob
 from service.engines.tools import parse_calls
+from service.http.admission import Ticket
 from service.http.errors import ApiError, bad_request, error_body, redis_unavailable, session_conflict
 from service.http.params import ToolSpec
-from service.http.turn import Turn
+from service.http.turn import SessionTurn, Turn
 from service.state import PodState
 
 
@@ -249,33 +250,36 @@ class Responder:
         return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
+async def admitted_lookup(state: PodState, tenant_salt: bytes, prompt_ids: list[int], tenant: str,
+                          session: SessionTurn | None = None) -> tuple[Ticket, CacheView, SessionRecord | None]:
+    """The one way in for every cached request, the routes' turns and the sidecar's completions alike: admission
+    (or a 503), then the cache lookup; the ticket is the caller's to release once the reply has ended (a failed
+    lookup releases it here)."""
+    pipeline = ready_pipeline(state)
+    ticket = state.admission.admit()
+    try:
+        view, previous = await pipeline.lookup(
+            tenant_salt, prompt_ids, session=session.record if session is not None else None,
+            session_key=session.lookup_key(tenant) if session is not None else None, tenant=tenant)
+    except BaseException:
+        ticket.release()
+        raise
+    return ticket, view, previous
+
+
 async def run_admitted(state: PodState, turn: Turn) -> Response:
     """Admission, lookup, generation, reply and write-back of one turn, for every completion route (sessions
     included)."""
-    pipeline = ready_pipeline(state)
-    admission = state.admission
-    admission.admit()
-    released = False
-
-    def release() -> None:
-        nonlocal released
-        if not released:
-            released = True
-            admission.release()
-
-    handed_over = False  # a stream releases its admission when it ends
+    ticket, view, previous = await admitted_lookup(state, turn.tenant.salt, turn.prompt_ids, turn.tenant.name,
+                                                   turn.session)
     try:
-        session = turn.session
-        view, previous = await pipeline.lookup(
-            turn.tenant.salt, turn.prompt_ids, session=session.record if session is not None else None,
-            session_key=session.lookup_key(turn.tenant.name) if session is not None else None,
-            tenant=turn.tenant.name)
         responder = Responder(state, turn, view, previous)
         if turn.stream:
-            response = responder.stream(release)
-            handed_over = True
-            return response
+            return responder.stream(ticket.release)  # the stream releases its admission when it ends
+    except BaseException:
+        ticket.release()
+        raise
+    try:
         return await responder.reply()
     finally:
-        if not handed_over:
-            release()
+        ticket.release()

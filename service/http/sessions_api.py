@@ -39,11 +39,10 @@ from service.state import PodState
 
 
 def _store(state: PodState) -> BlockStore:
-    pipeline = ready_pipeline(state)
-    if pipeline.store is None:
+    if state.store is None:
         raise ApiError(501, "server-side sessions need the cache; this pod runs with --no-cache",
                        type_="server_error", code="sessions_disabled")
-    return pipeline.store
+    return state.store
 
 
 MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")  # what a session shows of a message

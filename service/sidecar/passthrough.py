@@ -28,10 +28,10 @@ from service.cache.pipeline import Pipeline
 from service.engines import Generation
 from service.engines.llama import llamaserverinput as inputs
 from service.engines.server import SlotLease, SlotServer
-from service.http.admission import Admission
+from service.http.admission import Ticket
 from service.http.errors import ApiError
 from service.http.requests import _read_body, read_json
-from service.http.respond import cache_headers, pod, ready_pipeline
+from service.http.respond import admitted_lookup, cache_headers, pod, ready_pipeline
 from service.http.tenancy import resolve_tenant
 
 log = logging.getLogger("kvstash.passthrough")
@@ -136,17 +136,16 @@ class Passthrough:
             return prompt  # llama-server refused the body: its status and message
         if not prompt or len(prompt) >= self.engine.geometry.max_context:
             return await self._bypass(route, body, headers, "length")
-        admission = state.admission
-        admission.admit()
+        salt = inputs.salt(tenant.salt, how.identity)
+        ticket, view, _ = await admitted_lookup(state, salt, prompt, tenant.name)
         try:
-            view, _ = await pipeline.lookup(inputs.salt(tenant.salt, how.identity), prompt, tenant=tenant.name)
             lease: SlotLease = await pipeline.in_engine(view, self.engine.lease, prompt, view.kv, view.ready,
                                                         how.slots, view.boundary)
         except BaseException:
-            admission.release()
+            ticket.release()
             raise
         sent = {**body, "id_slot": lease.slot, "cache_prompt": self.engine.reuse_slots}
-        call = _Call(self, pipeline, admission, view, lease, inputs.salt(tenant.salt, how.identity))
+        call = _Call(self, pipeline, ticket, view, lease, salt)
         upstream_request = self.client.build_request("POST", route, content=json.dumps(sent).encode(),
                                                      headers={**headers, "content-type": "application/json"})
         try:
@@ -207,10 +206,10 @@ def _timings(data: bytes) -> dict[str, Any] | None:
 class _Call:
     """One cached completion in flight: its slots, and the write-back once llama-server has replied."""
 
-    def __init__(self, side: Passthrough, pipeline: Pipeline, admission: Admission, view: CacheView, lease: SlotLease,
+    def __init__(self, side: Passthrough, pipeline: Pipeline, ticket: Ticket, view: CacheView, lease: SlotLease,
                  salt: bytes) -> None:
-        self.side, self.pipeline, self.admission, self.view, self.lease, self.salt = (side, pipeline, admission, view,
-                                                                                      lease, salt)
+        self.side, self.pipeline, self.ticket, self.view, self.lease, self.salt = (side, pipeline, ticket, view,
+                                                                                   lease, salt)
         self.settled = False
 
     def fail(self) -> None:
@@ -219,7 +218,7 @@ class _Call:
         if not self.settled:
             self.settled = True
             self.side.engine.abandon(self.lease)
-            self.admission.release()
+            self.ticket.release()
 
     async def done(self, timings: dict[str, Any] | None) -> None:
         """Check the reuse, save the slot and write its KV back (bounded by the write budget), then release."""
@@ -244,7 +243,7 @@ class _Call:
                              boundaries=((len(saved.tokens), saved.boundary),) if saved.boundary else ())
             await self.pipeline.finish(self.salt, gen, self.view, prompt_tokens=len(prompt))
         finally:
-            self.admission.release()
+            self.ticket.release()
 
     async def relay(self, upstream: httpx.Response) -> AsyncIterator[bytes]:
         """llama-server's events as they come; from the first that ends a choice on, held until the write-back."""

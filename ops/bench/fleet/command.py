@@ -29,6 +29,7 @@ from ops import netlink, svgchart
 from ops.bench.common import check_chart, machine, print_table, write_chart, write_json
 from ops.bench.fleet import churnrun, phases, pressure, report, targets, workload
 from ops.bench.fleet.pods import FLEETS, LABELS, FleetPods, fleets_of, label
+from service.engines import ENGINES
 
 __all__ = ["FLEETS", "LABELS", "find_knee", "merged", "rate_duration", "register"]
 SWEEP_RATES = "0.1,0.2,0.4,0.8"
@@ -43,7 +44,7 @@ def register(bench_subparsers: Any) -> None:
     p = bench_subparsers.add_parser("fleet", help="N users' chats through the balancer, at swept arrival rates (the "
                                     "knee) or while pods restart, join or die (--churn): kvstash against no cache "
                                     "and sticky sessions")
-    p.add_argument("--engine", default="llamacpp", choices=["hf", "llamacpp", "llama-server"],
+    p.add_argument("--engine", default="llamacpp", choices=list(ENGINES),
                    help="model runtime of the pods (llama-server: kvstash sidecars beside it, default llamacpp)")
     p.add_argument("--model", default="smollm2", help="model the pods serve (default smollm2)")
     p.add_argument("--codec", default="int8", help="codec of the cached blocks (default int8)")

@@ -31,6 +31,7 @@ from cachestore.signing import MAC
 from ops import netlink, svgchart
 from ops.bench.common import SAMPLE_TEXT, check_chart, machine, print_table, write_chart, write_json
 from ops.bench.resume.methods import ResumeBench, result_row
+from service.engines import ENGINES
 
 CONTEXTS = [256, 512, 1024, 2048, 4096]
 LONG_CONTEXT = 8128  # the largest multiple of 64 whose prompt (+1 token) fits SmolLM2's 8192 context
@@ -49,7 +50,7 @@ TARGET_FLOOR_TO_LINK = 1.10  # over --link-gbit: the floor's reads within 10% of
 
 def register(bench_subparsers: Any) -> None:
     p = bench_subparsers.add_parser("resume", help="TTFT of a resumed session: kvstash vs recompute, naive, floor")
-    p.add_argument("--engine", default="hf", choices=["hf", "llamacpp", "llama-server"],
+    p.add_argument("--engine", default="hf", choices=list(ENGINES),
                    help="model runtime: hf (transformers, default), llamacpp (recompute = llama.cpp's prefill) or "
                         "llama-server (a spawned llama-server; adds slot-file-tmpfs, its own slot restore)")
     p.add_argument("--model", default="smollm2",
