@@ -291,6 +291,14 @@ def _check(args: argparse.Namespace, nproc: int) -> tuple[list[float], list[floa
     if not 0 <= args.parallel <= 64:
         raise SystemExit("--parallel must be in 0..64 (0: the engine's own)")
     events = churnrun.check(args, rates, nproc)
+    netlink.spec_of(args)  # the link's arguments, checked (run builds it)
+    if args.redis_url:  # any URL a pod takes (redis+cluster://...), on this machine
+        from ops.bench.rawredis import operator_redis  # noqa: PLC0415
+
+        if urlsplit(args.redis_url).hostname not in ("127.0.0.1", "localhost"):
+            raise SystemExit("bench fleet sends traffic to 127.0.0.1 only: --redis-url must be a local Redis")
+        operator_redis(args.redis_url)
+    # what this machine lacks, once every argument is known to be right
     if nginx_binary() is None:
         raise SystemExit("bench fleet runs through nginx: install it (apt-get install nginx-light)")
     check_runtime(args.engine)
@@ -300,12 +308,6 @@ def _check(args: argparse.Namespace, nproc: int) -> tuple[list[float], list[floa
         if not DEFAULT_BINARY.is_file():
             raise SystemExit(f"--engine llama-server needs the llama-server `make setup` builds at {DEFAULT_BINARY}")
     args.parallel = args.parallel or default_parallel(args.engine)  # the pods' number, in the report too
-    if args.redis_url:  # any URL a pod takes (redis+cluster://...), on this machine
-        from ops.bench.rawredis import operator_redis  # noqa: PLC0415
-
-        if urlsplit(args.redis_url).hostname not in ("127.0.0.1", "localhost"):
-            raise SystemExit("bench fleet sends traffic to 127.0.0.1 only: --redis-url must be a local Redis")
-        operator_redis(args.redis_url)
     args.model_name = Path(args.model).stem if args.engine != "hf" and args.model != "smollm2" else (
         Path(args.model).name if "/" in args.model else args.model)
     return rates, ratios, fleets, events
