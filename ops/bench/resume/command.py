@@ -46,6 +46,7 @@ TARGET_FLOOR_CONTEXTS = (TARGET_CONTEXT, LONG_CONTEXT)
 TARGET_SIGNED_RATIO = 1.05  # a signed hit within 5% of an unsigned one, at 2048 and 8128 tokens
 BURST_CONTEXT = 2048
 TARGET_FLOOR_TO_LINK = 1.10  # over --link-gbit: the floor's reads within 10% of the link's bytes x 8 / rate
+TARGET_HIT_MEMORY = 1.3  # what a hit allocates, at most this many times the KV bytes it rebuilds (landing in place)
 
 
 def register(bench_subparsers: Any) -> None:
@@ -118,6 +119,10 @@ def _targets(rows: list[dict[str, Any]], engine: str) -> dict[str, Any]:
             limit = TARGET_FLOOR_RATIO[mode]
             targets[f"floor_ratio_{mode}_{r['context']}"] = {"value": r["ratio_to_floor"], "target": limit,
                                                             "met": r["ratio_to_floor"] <= limit}
+        if r.get("hit_memory_bytes") is not None and r["context"] in TARGET_FLOOR_CONTEXTS:
+            ratio = r["hit_memory_bytes"] / r["kv_bytes"]
+            targets[f"hit_memory_{mode}_{r['context']}"] = {"value": ratio, "target": TARGET_HIT_MEMORY,
+                                                           "met": ratio <= TARGET_HIT_MEMORY}
         if r["method"].startswith("signed-") and r["context"] in TARGET_FLOOR_CONTEXTS:
             targets[f"signed_ratio_{r['method'].removeprefix('signed-')}_{r['context']}"] = {
                 "value": r["ratio_to_unsigned"], "target": TARGET_SIGNED_RATIO,
@@ -229,12 +234,16 @@ def run(args: argparse.Namespace) -> int:
             if server is not None:
                 server.cleanup()
     _finish(rows)
+    for r in rows:
+        if r.get("hit_memory_bytes") is not None:
+            r["hit_memory_to_kv"] = r["hit_memory_bytes"] / r["kv_bytes"]
     for r in rows:  # a floor's reads alone against the link's arithmetic (its step is not the wire's)
         if spec is not None and r["method"].startswith(("kvstash-", "floor-")):
             r.update(netlink.link_fields(spec, r["bytes"], 1, r.get("fetch_ms_p50", r["ttft_ms_p50"]) / 1000))
     print_table(rows, [("context", "context", "d"), ("method", "method", ""), ("ttft_ms_p50", "p50 ms", ".1f"),
                        ("ttft_ms_p90", "p90 ms", ".1f"), ("bytes", "bytes", ",d"),
                        ("speedup_vs_recompute", "speedup", ".1f"), ("ratio_to_floor", "vs floor", ".2f"),
+                       ("hit_memory_to_kv", "memory / KV", ".2f"),
                        *([("fetch_ms_p50", "GETs ms", ".1f"), ("link_ms", "link ms", ".1f"),
                           ("to_link", "vs link", ".2f")] if spec else []),
                        *([("ratio_to_unsigned", "vs unsigned", ".3f")] if args.frame_key else [])])

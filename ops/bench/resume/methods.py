@@ -15,7 +15,7 @@ from typing import Any, cast
 
 from cachestore.boundary import BoundaryRecord, pack_boundary
 from cachestore.signing import TRAILER_SIZE
-from ops.bench.common import percentile
+from ops.bench.common import kv_bytes, percentile, reset_peak, status_bytes
 from ops.bench.rawredis import raw_client, raw_get, raw_get_one
 from service.engines.generation import GenRequest
 
@@ -135,10 +135,15 @@ class ResumeBench:
                     nbytes += len(await raw_get_one(raw, keys[-1]))
                 # the floor's KV, in memory: a context the engine lent stays lent to the floor as a hit left it (its
                 # state holds the hit's rows: set, or written as a slot file, as they are), anything else is copied
+                # the first lookup and hit's high water above what the process held: what a hit allocates (pools,
+                # landings, the engine's state), less the copy the floor keeps here
+                held = reset_peak()
                 decoded = (await pipeline.lookup(SALT, prompt))[0].complete()
                 lent = self.loaded is None and self.engine.is_lent(decoded)
+                copied = 0
                 if self.loaded is None and not lent:
                     decoded = decoded.clone()
+                    copied = kv_bytes(decoded, decoded.shape[3])
                 times: list[float] = []
                 floor: list[float] = []
                 fetched: list[float] = []  # the floor's reads alone: over a --link-gbit, its wire
@@ -156,11 +161,13 @@ class ResumeBench:
 
                 # hit and floor alternate, so both see the same machine (a VM's speed drifts over a minute); so do the
                 # unsigned and the signed hit, who goes first alternating rep by rep
+                peak: int | None = None
                 for rep in range(self.args.repeat + 1):  # the first round warms up and is not counted
                     if self.args.frame_key and rep % 2:
                         signed_s, elapsed = await hit(signed), await hit(pipeline)
                     else:
                         elapsed = await hit(pipeline)
+                        peak = peak if rep or held is None else status_bytes("VmHWM")
                         signed_s = await hit(signed) if self.args.frame_key else 0.0
                     least, read = self.compute(self._floor, raw, keys, prompt, decoded)
                     if rep:
@@ -175,6 +182,8 @@ class ResumeBench:
             rows = [result_row(context, f"kvstash-{mode}", times, nbytes),
                     {**result_row(context, f"floor-{mode}", floor, nbytes),
                      "fetch_ms_p50": percentile(fetched, 0.5) * 1000}]
+            if held is not None and peak is not None:  # the hit's memory beside the KV it rebuilt (the engine's dtype)
+                rows[0].update({"hit_memory_bytes": peak - held - copied, "kv_bytes": kv_bytes(kv, context)})
             if self.boundary is not None:
                 rows[0].update(self._bytes_per_token(context, frames, nbytes))
             if self.args.frame_key:

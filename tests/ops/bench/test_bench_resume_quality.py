@@ -31,6 +31,10 @@ def test_bench_resume_tiny_writes_rows_and_plot(tmp_path: Path) -> None:
     int2, int8 = rows[(128, "kvstash-int2")]["bytes"], rows[(128, "kvstash-int8")]["bytes"]
     assert 0 < int2 < int8 < rows[(128, "naive")]["bytes"]
     assert rows[(128, "kvstash-int8")]["ratio_to_floor"] > 0 and rows[(128, "recompute")]["bytes"] == 0
+    # what a hit allocated (Linux: its peak resident size above what the process held) beside the KV it rebuilt
+    hit = rows[(128, "kvstash-int8")]
+    assert hit["kv_bytes"] == 2 * rows[(64, "kvstash-int8")]["kv_bytes"] > 0 and hit["hit_memory_bytes"] >= 0
+    assert hit["hit_memory_to_kv"] == hit["hit_memory_bytes"] / hit["kv_bytes"]
     assert report["targets"] == {}  # targets are set at 2048 and 8128 tokens only
     chart = ET.parse(svg).getroot()  # a line per method, a point per context
     assert len(chart.findall(f"{SVG}polyline")) == len(methods) and len(chart.findall(f"{SVG}circle")) == len(rows)
@@ -119,6 +123,8 @@ def test_bench_resume_targets_follow_each_mode_and_engine() -> None:
     assert met == {"floor_ratio_int8_2048": (1.1, 1.15, True), "floor_ratio_int4_8128": (1.3, 1.25, False),
                    "floor_ratio_fp16_8128": (1.2, 1.15, False)}
     assert _targets(rows, "hf")["speedup_int8_2048_hf"]["target"] == 20.0
+    rows[1].update(hit_memory_bytes=1400, kv_bytes=1000)  # at most 1.3x the KV bytes the hit rebuilds
+    assert _targets(rows, "hf")["hit_memory_int8_2048"] == {"value": 1.4, "target": 1.3, "met": False}
 
 
 def test_the_pareto_frontier_keeps_what_nothing_smaller_beats() -> None:
