@@ -72,7 +72,7 @@ class StoreSettings:
     low_watermark: float = 0.85
     budget_enabled: bool = True
     index_shards: int = 16
-    max_value_bytes: int = 8 << 20
+    max_value_bytes: int = 32 << 20  # a 64-token f16 block of a 70B-class model (80 x 8 x 128) is 20 MiB
     op_timeout_s: float = 0.5
     write_timeout_s: float = 5.0  # background writes and admin calls (store_blocks, eviction, listing)
     connect_timeout_s: float = 0.5

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     from cachestore.codec import CodecSpec  # noqa: PLC0415
     from cachestore.redisclient import check_connection  # noqa: PLC0415
     from cachestore.settings import StoreSettings  # noqa: PLC0415
-    from service.app import create_app, store_settings  # noqa: PLC0415
+    from service.app import check_block_fits, create_app, store_settings  # noqa: PLC0415
     from service.engines import load_engine  # noqa: PLC0415
     from service.runtime import threads  # noqa: PLC0415
     from service.runtime.drain import serve  # noqa: PLC0415
@@ -101,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         threads=settings.threads, codec=settings.codec, flash_attn=settings.flash_attn).result()
     try:
         CodecSpec.parse(settings.codec).check_model(engine.geometry.num_layers, engine.geometry.head_dim)
+        check_block_fits(settings, engine)
         app = create_app(settings, engine)
         # SIGTERM drains the pod (runtime.drain): not ready, no new connections, requests and write-back finished
         serve(app, app.state.drain, settings.host, settings.port, args.log_level)

@@ -19,8 +19,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
+from cachestore.codec import CodecSpec
 from cachestore.codec.blockcodec import BlockCodecs
-from cachestore.errors import KvstashError
+from cachestore.codec.frame import FLOAT_MODES
+from cachestore.errors import ConfigError, KvstashError
 from cachestore.settings import StoreSettings, mask_url
 from cachestore.store import BlockStore
 from service.cache import codecnames
@@ -131,11 +133,51 @@ class RouteMetrics(BaseHTTPMiddleware):
         return response
 
 
+FRAME_HEADER_ROOM = 4096  # a frame's header and trailer beside its payload, generously
+
+
+def check_block_fits(settings: PodSettings, engine: Engine) -> None:
+    """A block of this model in a float codec (exact, fp16: its payload is the KV's own bytes) must fit
+    max_value_bytes, or every write of it would fail: refused at start, in one line. Quantized codecs are a fraction
+    of that."""
+    spec = CodecSpec.parse(settings.codec)
+    if not settings.cache_enabled or spec.mode not in FLOAT_MODES:
+        return
+    geo = engine.geometry
+    itemsize = 2 if spec.mode == "fp16" else int(getattr(geo.dtype, "itemsize", 2))
+    payload = geo.num_layers * 2 * geo.kv_heads * settings.block_tokens * geo.head_dim * itemsize
+    if payload + FRAME_HEADER_ROOM > settings.max_value_bytes:
+        raise ConfigError(f"a {settings.block_tokens}-token block of this model in codec {spec.mode} is "
+                          f"{payload / 2**20:.1f} MiB, over max_value_bytes ({settings.max_value_bytes / 2**20:.1f} "
+                          f"MiB): raise max_value_bytes (KVSTASH_MAX_VALUE_BYTES) or lower block_tokens")
+
+
+class StartupErrors:
+    """A start-up the operator's settings refused is reported as its one line (uvicorn would log the traceback)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "lifespan":
+            await self.app(scope, receive, send)
+            return
+        state = scope["app"].state
+
+        async def sending(message: Any) -> None:
+            if message["type"] == "lifespan.startup.failed" and getattr(state, "startup_error", None):
+                message = {**message, "message": state.startup_error}
+            await send(message)
+
+        await self.app(scope, receive, sending)
+
+
 def build_state(settings: PodSettings, engine: Engine) -> PodState:
     """Wire engine, store, codec, writer and pipeline (no I/O; the store connects lazily)."""
     state = PodState(settings=settings, metrics=PodMetrics(lambda: _store_stats(state)))
     codec = BlockCodecs.for_spec(settings.codec, rows=engine.kv_layout.row_frames,  # the writer's and the pipeline's
                                  rope=engine.kv_layout.rope)
+    check_block_fits(settings, engine)
     state.engine = engine
     state.metrics.draining.set_function(lambda: float(state.drain.active))
     if settings.cache_enabled:
@@ -179,9 +221,15 @@ def create_app(settings: PodSettings, engine: Engine | LoadedModel | None = None
             threads.compute_executor(settings.threads).submit(
                 load_engine, settings.engine, settings.model, device=settings.device, parallel=settings.parallel,
                 threads=settings.threads, codec=settings.codec, flash_attn=settings.flash_attn))
-        # a named codec (int4, int2) is the fleet's plan for this model: read from Redis, or made and stored here
-        pod_settings, _ = await codecnames.resolve(settings, model, store_settings(settings))
-        state = build_state(pod_settings, model)
+        try:
+            # a named codec (int4, int2) is the fleet's plan for this model: read from Redis, or made and stored here
+            pod_settings, _ = await codecnames.resolve(settings, model, store_settings(settings))
+            state = build_state(pod_settings, model)
+        except KvstashError as exc:  # the operator's to fix: one line, not a traceback (`StartupErrors`)
+            app.state.startup_error = f"kvstash: error: {exc}"
+            if own:
+                model.close()
+            raise
         state.drain = drain
         drain.holding = lambda: (state.admission.admitted, state.writer.depth if state.writer else 0)
         app.state.pod = state
@@ -229,7 +277,7 @@ def create_app(settings: PodSettings, engine: Engine | LoadedModel | None = None
     ]
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(RouteMetrics)],
+        middleware=[Middleware(StartupErrors), Middleware(RouteMetrics)],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,
     )

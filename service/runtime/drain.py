@@ -136,4 +136,7 @@ def serve(app: Any, drain: Drain, host: str, port: int, log_level: str) -> None:
     """Run `app` until a signal has drained it (uvicorn waits for the requests in flight however long they take: the
     grace timer bounds the whole drain instead)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None)
-    DrainingServer(config, drain).run()
+    server = DrainingServer(config, drain)
+    server.run()
+    if not server.started:  # start-up failed (said in the log): not a clean exit
+        raise SystemExit(3)
