@@ -68,8 +68,10 @@ _LINK_METHOD = ("`kvgeom-8b` has random weights and Llama-3.1-8B's KV cache exac
                 "\"floor's reads / link\" is its reads' time over the link's arithmetic (bytes x 8 / rate: 1.00 is "
                 "the wire). Hit memory: the process's peak resident size during the first lookup and hit, above what "
                 "it held before, less the copy the floor keeps, over the f16 KV the hit rebuilds (landing in place "
-                "holds one copy). Targets (issue 57): a hit within 1.15x its floor, the floor within 10% of the "
-                "link's arithmetic, a hit's memory at most 1.3x its KV.")
+                "holds one copy); `cold` marks the first hit of its length in the process (pools empty), the "
+                "others touch only what the pools and the allocator's free pages lack. Targets (issue 57): a hit "
+                "within 1.15x its floor, the floor within 10% of the link's arithmetic, a hit's memory at most 1.3x "
+                "its KV.")
 _LINK_CMD = ("kvstash bench resume --engine llamacpp --model kvgeom-8b --flash-attn off --contexts 2048 --long "
              "--modes exact,int8,int4 --repeat 5 --recompute-repeat 1 --no-naive --link-gbit {gbit} "
              "--json docs/results/resume-kvgeom-8b-{gbit}gbit.json")

@@ -41,6 +41,7 @@ class ResumeBench:
         self._fresh = engine.forget
         self.boundary: bytes | None = None  # a sliding-window or hybrid model's boundary state at the history's end
         self._specs: dict[str, str] = {}  # int4, int2: what a pod of this model serves them as
+        self._hit_lengths: set[int] = set()  # contexts whose hit's memory was measured
 
     def compute(self, fn: Any, *args: Any) -> Any:
         """Run `fn` where a pod calls its engine (service.runtime.threads): an engine that runs torch on the
@@ -183,7 +184,11 @@ class ResumeBench:
                     {**result_row(context, f"floor-{mode}", floor, nbytes),
                      "fetch_ms_p50": percentile(fetched, 0.5) * 1000}]
             if held is not None and peak is not None:  # the hit's memory beside the KV it rebuilt (the engine's dtype)
-                rows[0].update({"hit_memory_bytes": peak - held - copied, "kv_bytes": kv_bytes(kv, context)})
+                # cold: the first hit of this length in the process (its pools and the allocator's free pages
+                # hold nothing that size yet); a later one touches only what they lack
+                rows[0].update({"hit_memory_bytes": peak - held - copied, "kv_bytes": kv_bytes(kv, context),
+                                "memory_cold": context not in self._hit_lengths})
+                self._hit_lengths.add(context)
             if self.boundary is not None:
                 rows[0].update(self._bytes_per_token(context, frames, nbytes))
             if self.args.frame_key:
