@@ -57,6 +57,9 @@ def index_ttl_ms(block_ttl_ms: int) -> int:
     return 2 * block_ttl_ms
 
 
+DEFAULT_MAX_VALUE_BYTES = 32 << 20  # a 64-token f16 block of a 70B-class model (80 x 8 x 128) is 20 MiB
+
+
 @dataclass(frozen=True)
 class StoreSettings:
     """Configuration of one BlockStore. Times in seconds, sizes in bytes."""
@@ -72,7 +75,7 @@ class StoreSettings:
     low_watermark: float = 0.85
     budget_enabled: bool = True
     index_shards: int = 16
-    max_value_bytes: int = 32 << 20  # a 64-token f16 block of a 70B-class model (80 x 8 x 128) is 20 MiB
+    max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES  # capped at budget_bytes where that is smaller
     op_timeout_s: float = 0.5
     write_timeout_s: float = 5.0  # background writes and admin calls (store_blocks, eviction, listing)
     connect_timeout_s: float = 0.5
@@ -88,6 +91,8 @@ class StoreSettings:
     eviction_policy: str = "chain"  # what the budget evicts first (cachestore/eviction.py; "lru": per block)
 
     def __post_init__(self) -> None:
+        if self.max_value_bytes == DEFAULT_MAX_VALUE_BYTES and self.budget_bytes < self.max_value_bytes:
+            object.__setattr__(self, "max_value_bytes", self.budget_bytes)  # the default, capped at a small budget
         self._validate()
 
     def __repr__(self) -> str:

@@ -63,15 +63,14 @@ _RESUME_CMD = ("kvstash bench resume --engine {engine} --contexts 2048 --long --
 
 _LINK_METHOD = ("`kvgeom-8b` has random weights and Llama-3.1-8B's KV cache exactly (32 layers x 8 KV heads x 128: "
                 "128 KiB of f16 a token) with compute kept small for these CPUs; private Redis sits in a network "
-                "namespace of its own behind a `tc` link of that rate each way (`--link-gbit`). The floor reads the "
-                "very same bytes with plain redis-py over the same link, sets them in place and takes the step; "
+                "namespace of its own behind a `tc` link of that rate each way (`--link-gbit`). The floor reads the"
+                " very same bytes with plain redis-py over the same link, sets them in place and takes the step; "
                 "\"floor's reads / link\" is its reads' time over the link's arithmetic (bytes x 8 / rate: 1.00 is "
-                "the wire). Hit memory: the process's peak resident size during the first lookup and hit, above what "
-                "it held before, less the copy the floor keeps, over the f16 KV the hit rebuilds (landing in place "
-                "holds one copy); `cold` marks the first hit of its length in the process (pools empty), the "
-                "others touch only what the pools and the allocator's free pages lack. Targets (issue 57): a hit "
-                "within 1.15x its floor, the floor within 10% of the link's arithmetic, a hit's memory at most 1.3x "
-                "its KV.")
+                "the wire). Hit memory, on the first hit of each length in the process (its pools empty; later hits"
+                " reuse them): the process's peak resident size during the first lookup and hit, above what it held"
+                " before, less the KV the floor keeps from that lookup, over the f16 KV the hit rebuilds (landing "
+                "in place holds one copy). Targets (issue 57): a hit within 1.15x its floor, the floor within 10% "
+                "of the link's arithmetic, a hit's memory at most 1.3x its KV.")
 _LINK_CMD = ("kvstash bench resume --engine llamacpp --model kvgeom-8b --flash-attn off --contexts 2048 --long "
              "--modes exact,int8,int4 --repeat 5 --recompute-repeat 1 --no-naive --link-gbit {gbit} "
              "--json docs/results/resume-kvgeom-8b-{gbit}gbit.json")

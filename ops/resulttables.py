@@ -92,14 +92,14 @@ def _resume_link(d: dict[str, Any]) -> tuple[Table, str]:
         floor = by.get((r["context"], f"floor-{mode}"), {})
         recompute: dict[str, Any] = next((x for (c, m), x in by.items()
                                           if c == r["context"] and m.startswith("recompute")), {})
-        memory = r.get("hit_memory_to_kv")
         cold = r.get("memory_cold", r is next(x for x in hits if x["context"] == r["context"]))  # measured first
+        memory = r.get("hit_memory_to_kv") if cold else None  # a warm hit's figure says only what pools lacked
         table.append(_row([f"{r['context']:,}", f"`{mode}`", f"{r['bytes'] / 1e6:,.0f}", _ms(r["ttft_ms_p50"]),
                            _ms(floor["ttft_ms_p50"]) if floor else "", f"{r['ratio_to_floor']:.2f}"
                            if r.get("ratio_to_floor") else "", f"{floor['to_link']:.2f}" if floor.get("to_link")
                            else "", _ms(recompute["ttft_ms_p50"]) if recompute else "",
                            _x(r["speedup_vs_recompute"]),
-                           f"{memory:.2f}{' (cold)' if cold else ''}" if memory is not None else ""]))
+                           f"{memory:.2f}" if memory is not None else ""]))
         for name, row in ((f"hit {mode}", r), (f"floor {mode}", floor)):
             series.setdefault(name, [None] * len(contexts))[contexts.index(r["context"])] = row.get("ttft_ms_p50")
     series["recompute"] = [next((x["ttft_ms_p50"] for (c, m), x in by.items() if c == ctx and m.startswith(

@@ -156,7 +156,10 @@ def test_link_delay_adds_to_the_round_trip() -> None:
 def test_interrupted_bench_leaves_no_namespace_or_redis(sig: signal.Signals) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "ops.cli", "bench", "store", "--link-gbit", "0.02",
                              "--block-sizes", "1M", "--tokens", "512", "--reps", "50"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # as from a terminal: a suite run in the background (a shell's `&`) ignores SIGINT, and
+                            # a process started ignoring it never sees a Ctrl-C
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout is not None
         # the link is built and Redis behind it: 12 MB at 20 Mbit/s takes 5 s a read, minutes a run; a read in flight

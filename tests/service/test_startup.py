@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from cachestore.errors import ConfigError
 from service.app import create_app
 from service.settings import PodSettings
 from tests.paths import ROOT
@@ -52,3 +53,13 @@ def test_the_apps_start_up_reports_the_refusal_as_its_one_line(tiny_model: Any) 
     (failed,) = [m for m in _start(app) if m["type"] == "lifespan.startup.failed"]
     assert failed["message"].startswith("kvstash: error: a 64-token block of this model in codec exact is ")
     assert "Traceback" not in failed["message"] and "\n" not in failed["message"]
+
+
+def test_the_default_value_limit_fits_a_small_budget() -> None:
+    """0 (the default) is 32 MiB, or the budget where that is smaller: a pod of a 16 MB budget starts; an explicit
+    limit is kept as given, and a negative one refused."""
+    assert PodSettings().value_limit == 32 << 20
+    assert PodSettings(budget_bytes=16_000_000).value_limit == 16_000_000
+    assert PodSettings(max_value_bytes=4096).value_limit == 4096
+    with pytest.raises(ConfigError, match="max_value_bytes must be positive, or 0"):
+        PodSettings(max_value_bytes=-1)

@@ -137,14 +137,14 @@ class ResumeBench:
                 # the floor's KV, in memory: a context the engine lent stays lent to the floor as a hit left it (its
                 # state holds the hit's rows: set, or written as a slot file, as they are), anything else is copied
                 # the first lookup and hit's high water above what the process held: what a hit allocates (pools,
-                # landings, the engine's state), less the copy the floor keeps here
+                # landings, the engine's state), less the KV the floor keeps from that first lookup (the context
+                # the engine lent, or a copy: the hit must take another, where a pod would have it back)
                 held = reset_peak()
                 decoded = (await pipeline.lookup(SALT, prompt))[0].complete()
                 lent = self.loaded is None and self.engine.is_lent(decoded)
-                copied = 0
                 if self.loaded is None and not lent:
                     decoded = decoded.clone()
-                    copied = kv_bytes(decoded, decoded.shape[3])
+                kept = kv_bytes(decoded, decoded.shape[3]) if len(getattr(decoded, "shape", ())) == 5 else 0
                 times: list[float] = []
                 floor: list[float] = []
                 fetched: list[float] = []  # the floor's reads alone: over a --link-gbit, its wire
@@ -183,11 +183,12 @@ class ResumeBench:
             rows = [result_row(context, f"kvstash-{mode}", times, nbytes),
                     {**result_row(context, f"floor-{mode}", floor, nbytes),
                      "fetch_ms_p50": percentile(fetched, 0.5) * 1000}]
-            if held is not None and peak is not None:  # the hit's memory beside the KV it rebuilt (the engine's dtype)
-                # cold: the first hit of this length in the process (its pools and the allocator's free pages
-                # hold nothing that size yet); a later one touches only what they lack
-                rows[0].update({"hit_memory_bytes": peak - held - copied, "kv_bytes": kv_bytes(kv, context),
-                                "memory_cold": context not in self._hit_lengths})
+            # the hit's memory beside the KV it rebuilt (the engine's dtype)
+            if held is not None and peak is not None and context not in self._hit_lengths:
+                # measured cold only: on the first hit of this length in the process (its pools and the allocator's
+                # free pages hold nothing that size yet); a later one would touch only what they lack
+                rows[0].update({"hit_memory_bytes": peak - held - kept, "kv_bytes": kv_bytes(kv, context),
+                                "memory_cold": True})
                 self._hit_lengths.add(context)
             if self.boundary is not None:
                 rows[0].update(self._bytes_per_token(context, frames, nbytes))
