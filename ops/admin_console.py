@@ -24,7 +24,7 @@ def store_settings(args: argparse.Namespace) -> Any:
     pods = settings_from_env()  # the pods' own settings: one reader of the environment
     options: dict[str, Any] = {
         "namespace": args.namespace or pods.namespace, "budget_bytes": pods.budget_bytes,
-        "block_ttl_s": pods.block_ttl_s, "session_ttl_s": pods.session_ttl_s, "max_value_bytes": pods.value_limit,
+        "block_ttl_s": pods.block_ttl_s, "session_ttl_s": pods.session_ttl_s, "max_value_bytes": pods.max_value_bytes,
         "write_timeout_s": 30.0, "connect_timeout_s": 5.0, "max_connections": 8,
         "frame_key": pods.frame_key, "frame_key_previous": pods.frame_key_previous,
         "tenant_quota_bytes": pods.tenant_quota_bytes, "tenant_quotas": tuple(sorted(pods.tenant_quotas.items())),

@@ -62,7 +62,7 @@ def store_settings(settings: PodSettings) -> StoreSettings:
         block_ttl_s=settings.block_ttl_s,
         session_ttl_s=settings.session_ttl_s,
         budget_bytes=settings.budget_bytes,
-        max_value_bytes=settings.value_limit,
+        max_value_bytes=settings.max_value_bytes,
         # the store gives up a little before the request path stops waiting, so a slow Redis is recorded as a
         # failure (and opens the breaker) instead of the call being cancelled, which records nothing
         op_timeout_s=settings.redis_timeout_s * 0.8,
@@ -146,9 +146,10 @@ def check_block_fits(settings: PodSettings, engine: Engine) -> None:
     geo = engine.geometry
     itemsize = 2 if spec.mode == "fp16" else int(getattr(geo.dtype, "itemsize", 2))
     payload = geo.num_layers * 2 * geo.kv_heads * settings.block_tokens * geo.head_dim * itemsize
-    if payload + FRAME_HEADER_ROOM > settings.value_limit:
+    limit = store_settings(settings).max_value_bytes  # as the store has it: its default capped at the budget
+    if payload + FRAME_HEADER_ROOM > limit:
         raise ConfigError(f"a {settings.block_tokens}-token block of this model in codec {spec.mode} is "
-                          f"{payload / 2**20:.1f} MiB, over max_value_bytes ({settings.value_limit / 2**20:.1f} "
+                          f"{payload / 2**20:.1f} MiB, over max_value_bytes ({limit / 2**20:.1f} "
                           f"MiB): raise max_value_bytes (KVSTASH_MAX_VALUE_BYTES) or lower block_tokens")
 
 

@@ -39,7 +39,7 @@ class PodSettings:
     block_ttl_s: int = StoreSettings.block_ttl_s  # the store's defaults are the only ones
     session_ttl_s: int = StoreSettings.session_ttl_s
     budget_bytes: int = StoreSettings.budget_bytes
-    max_value_bytes: int = 0  # 0: the store's default (32 MiB), or the budget where that is smaller (`value_limit`)
+    max_value_bytes: int = StoreSettings.max_value_bytes  # the store caps its default at a smaller budget
     redis_timeout_s: float = 0.5  # the request path waits on Redis at most this long
     usage_sample_s: float = 15.0  # how often the pod samples the namespace's bytes for its own gauges
     write_wait_s: float | None = None  # a reply's last byte waits at most this long for its writes (None: the
@@ -106,8 +106,6 @@ class PodSettings:
                               "(docs/security.md)")
         if self.frame_key and self.frame_key == self.tenant_secret:
             raise ConfigError("the frame key must differ from the tenant secret")
-        if self.max_value_bytes < 0:
-            raise ConfigError("max_value_bytes must be positive, or 0 (32 MiB, or budget_bytes where smaller)")
         if self.tenant_quota_bytes < 0:
             raise ConfigError("tenant_quota_bytes must be >= 0 (0: no default quota)")
         for tenant, quota in self.tenant_quotas.items():
@@ -136,12 +134,6 @@ class PodSettings:
         """The tenants this pod serves (its API keys', or the default one), and those given a quota."""
         served = set(self.api_keys.values()) if self.api_keys else {DEFAULT_TENANT}
         return sorted(served | set(self.tenant_quotas))
-
-    @property
-    def value_limit(self) -> int:
-        """The largest value this pod writes or reads: max_value_bytes, or for 0 the store's default capped at the
-        budget (a small budget's pods would otherwise refuse the default)."""
-        return self.max_value_bytes or min(StoreSettings.max_value_bytes, self.budget_bytes)
 
     @property
     def write_wait(self) -> float:
@@ -182,7 +174,7 @@ SETTING_HELP: Mapping[str, str] = {
     "block_ttl_s": "TTL of cached blocks, tails and reply ids in seconds (slid by every hit)",
     "session_ttl_s": "TTL of session records in seconds (slid by every read)",
     "budget_bytes": "byte budget of the namespace in Redis (blocks evicted above it, chain ends first)",
-    "max_value_bytes": "largest value written to Redis (0: 32 MiB, or budget_bytes where that is smaller)",
+    "max_value_bytes": "largest value written to Redis (the default is capped at budget_bytes where that is smaller)",
     "redis_timeout_s": "most a request waits on Redis before it recomputes",
     "usage_sample_s": "how often the pod samples the namespace's bytes for its gauges",
     "write_wait_s": "most a reply's last byte waits for its writes (unset: redis_timeout_s)",

@@ -109,7 +109,7 @@ class RecordChecks:
     """What every engine's boundary records do between two pods: the second turn hits on the other pod past 4 windows;
     a record that is missing, corrupt, of another layout or position, or of another tenant is a miss, and the reply is
     a prefill's either way. A suite subclasses it as `Test...`, with a module fixture `engines` (pods a and b's
-    engines and the reference's) and the three members below."""
+    engines and the reference's) and the members below that raise."""
 
     window: int  # the tiny models' window
 
@@ -117,9 +117,22 @@ class RecordChecks:
         """The pods' `engine` and `model` settings."""
         raise NotImplementedError
 
-    def foreign(self, engines: dict[str, Any]) -> bytes:
-        """A well-formed boundary state of another layout (another tiny model's, its prompt's end)."""
+    def load(self, name: str) -> Any:
+        """The suite's engine of tiny model `name` (the caller closes it)."""
         raise NotImplementedError
+
+    def other(self, engines: dict[str, Any]) -> str:
+        """A tiny model of another layout than the engines' (a sliding one's: a recurrent one, and back)."""
+        raise NotImplementedError
+
+    def foreign(self, engines: dict[str, Any]) -> bytes:
+        """A well-formed boundary state of another layout: the other model's, at its prompt's end."""
+        engine = self.load(self.other(engines))
+        try:
+            prompt = engine.chat_ids([SYSTEM, {"role": "user", "content": QUESTIONS[0]}])
+            return engine.generate(GenRequest(prompt, None, GenParams(max_tokens=4))).boundaries[-1][1]
+        finally:
+            engine.close()
 
     def test_the_second_turn_hits_on_the_other_pod(self, engines: dict[str, Any], redis_server: RedisProcess) -> None:
         second = second_turn(engines, redis_server, lambda _: None, self.kind(engines))

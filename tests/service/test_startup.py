@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from cachestore.errors import ConfigError
-from service.app import create_app
+from service.app import create_app, store_settings
 from service.settings import PodSettings
 from tests.paths import ROOT
 
@@ -56,10 +56,10 @@ def test_the_apps_start_up_reports_the_refusal_as_its_one_line(tiny_model: Any) 
 
 
 def test_the_default_value_limit_fits_a_small_budget() -> None:
-    """0 (the default) is 32 MiB, or the budget where that is smaller: a pod of a 16 MB budget starts; an explicit
-    limit is kept as given, and a negative one refused."""
-    assert PodSettings().value_limit == 32 << 20
-    assert PodSettings(budget_bytes=16_000_000).value_limit == 16_000_000
-    assert PodSettings(max_value_bytes=4096).value_limit == 4096
-    with pytest.raises(ConfigError, match="max_value_bytes must be positive, or 0"):
-        PodSettings(max_value_bytes=-1)
+    """The default (32 MiB) is capped at a smaller budget: a pod of a 16 MB budget starts; an explicit limit is kept
+    as given, and a negative one refused."""
+    assert store_settings(PodSettings()).max_value_bytes == 32 << 20
+    assert store_settings(PodSettings(budget_bytes=16_000_000)).max_value_bytes == 16_000_000
+    assert store_settings(PodSettings(max_value_bytes=4096)).max_value_bytes == 4096
+    with pytest.raises(ConfigError, match="max_value_bytes must be positive"):
+        store_settings(PodSettings(max_value_bytes=-1))
